@@ -1,0 +1,147 @@
+# cpar — build, test, bench, demo.
+#
+#   make              build/libcpar.a and build/cparrun (CUDA + NCCL when found)
+#   make test         host and sim suites; the GPU suite too when a GPU is present
+#   make demo         the main job (examples/demo.c)
+#   make bench        benchmarks (bench/)
+#   make CPAR_CUDA=0  force a host-only build
+#
+# Outputs go to build/: build/host (host-only objects and suites), build/sim
+# (the CUDA simulator build: cpar_kernels.cu compiled by g++ with
+# tests/cudasim.h), build/cuda (nvcc + NCCL). Each CUDA object is compiled once.
+
+CC       ?= cc
+CXX      ?= g++
+CUDA_HOME ?= /usr/local/cuda
+NVCC     ?= $(CUDA_HOME)/bin/nvcc
+CUDA_ARCH ?= 80 90
+
+# CUDA is used when nvcc and nccl.h are both found (override with CPAR_CUDA=0/1).
+NCCL_INC := $(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h /usr/local/include/nccl.h))
+ifeq ($(origin CPAR_CUDA),undefined)
+  CPAR_CUDA := $(if $(and $(wildcard $(NVCC)),$(NCCL_INC)),1,0)
+endif
+NCCL_LIBDIR := $(dir $(firstword $(wildcard $(CUDA_HOME)/lib64/libnccl.so $(CUDA_HOME)/lib/libnccl.so \
+                 /usr/lib/x86_64-linux-gnu/libnccl.so /usr/lib/aarch64-linux-gnu/libnccl.so /usr/local/lib/libnccl.so)))
+
+WARN      := -Wall -Wextra -Wpedantic
+CFLAGS    ?= -O2 -g
+CXXFLAGS  ?= -O1 -g
+ALL_CFLAGS   := -std=c11 $(WARN) $(CFLAGS) -pthread -I.
+SIM_CXXFLAGS := -std=c++17 -Wall -Wextra $(CXXFLAGS) -pthread -I. -DCPAR_SIM
+NVCCFLAGS ?= -O3 -std=c++17 $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),code=sm_$(a)) \
+             -Xcompiler -Wall,-Wextra -I.
+CHECK_FLAGS := $(shell pkg-config --cflags check 2>/dev/null)
+CHECK_LIBS  := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsubunit -lrt -lm -pthread)
+CUDA_LIBS   := -L$(CUDA_HOME)/lib64 $(if $(NCCL_LIBDIR),-L$(NCCL_LIBDIR)) -lnccl -lcublas -lcudart \
+               -Wl,-rpath,$(CUDA_HOME)/lib64 $(if $(NCCL_LIBDIR),-Wl,-rpath,$(NCCL_LIBDIR))
+LIBS        := -pthread -lm
+
+B := build
+
+ifeq ($(CPAR_CUDA),1)
+  LIB_OBJS  := $(B)/cuda/cpar.o $(B)/cuda/cpar_kernels.o
+  LIB_LIBS  := $(CUDA_LIBS) $(LIBS) -lstdc++
+  LINK      := $(CXX)
+else
+  LIB_OBJS  := $(B)/host/cpar.o
+  LIB_LIBS  := $(LIBS)
+  LINK      := $(CC)
+endif
+
+# Suites that take a backend run on host and sim; the rest are host-only
+# (processes, sockets) or sim-only (the simulator and the device layer).
+BACKEND_SUITES := core coll grid faults ops
+HOST_SUITES    := $(BACKEND_SUITES) store cparrun
+SIM_SUITES     := $(BACKEND_SUITES) cudasim devlayer
+HOST_TESTS := $(HOST_SUITES:%=$(B)/host/test_%)
+SIM_TESTS  := $(SIM_SUITES:%=$(B)/sim/test_%)
+GPU_TEST   := $(if $(filter 1,$(CPAR_CUDA)),$(B)/cuda/test_gpu)
+TEST_PROGS := $(B)/host/store_prog
+
+.PHONY: all lib test test-host test-sim test-gpu demo bench clean
+all: lib $(B)/cparrun
+lib: $(B)/libcpar.a
+
+$(B)/host $(B)/sim $(B)/cuda:
+	@mkdir -p $@
+
+# ---- library -------------------------------------------------------------
+HDR := cpar.h
+WIP := $(wildcard wip/*.c)
+
+$(B)/host/cpar.o: cpar.c $(HDR) $(WIP) | $(B)/host
+	$(CC) $(ALL_CFLAGS) -c $< -o $@
+
+$(B)/cuda/cpar.o: cpar.c $(HDR) $(WIP) | $(B)/cuda
+	$(CC) $(ALL_CFLAGS) -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL -isystem $(CUDA_HOME)/include -c $< -o $@
+
+$(B)/cuda/cpar_kernels.o: cpar_kernels.cu $(HDR) | $(B)/cuda
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(B)/libcpar.a: $(LIB_OBJS)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(B)/cparrun: bootstrap/cparrun.c | $(B)/host
+	$(CC) $(ALL_CFLAGS) $< -o $@
+
+# ---- sim build -------------------------------------------------------------
+$(B)/sim/cpar.o: cpar.c $(HDR) $(WIP) | $(B)/sim
+	$(CC) $(ALL_CFLAGS) -DCPAR_WITH_DEVICE -DCPAR_SIM -c $< -o $@
+
+$(B)/sim/cpar_kernels.o: cpar_kernels.cu tests/cudasim.h $(HDR) | $(B)/sim
+	$(CXX) $(SIM_CXXFLAGS) -x c++ -c $< -o $@
+
+SIM_OBJS := $(B)/sim/cpar.o $(B)/sim/cpar_kernels.o
+
+# ---- tests -----------------------------------------------------------------
+$(B)/host/test_%: tests/test_%.c $(B)/host/cpar.o tests/testutil.h | $(B)/host
+	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) $< $(B)/host/cpar.o -o $@ $(CHECK_LIBS) $(LIBS)
+
+$(B)/host/store_prog: tests/store_prog.c $(B)/host/cpar.o | $(B)/host
+	$(CC) $(ALL_CFLAGS) $< $(B)/host/cpar.o -o $@ $(LIBS)
+
+$(B)/sim/test_%.o: tests/test_%.c tests/testutil.h $(HDR) | $(B)/sim
+	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) -c $< -o $@
+
+$(B)/sim/test_%: $(B)/sim/test_%.o $(SIM_OBJS)
+	$(CXX) $^ -o $@ $(CHECK_LIBS) $(LIBS)
+
+# Suites written in the CUDA dialect run only on the simulator.
+$(B)/sim/test_cudasim: tests/test_cudasim.cu tests/cudasim.h | $(B)/sim
+	$(CXX) $(SIM_CXXFLAGS) $(CHECK_FLAGS) -x c++ $< -o $@ $(CHECK_LIBS) $(LIBS)
+
+$(B)/sim/test_devlayer: tests/test_devlayer.cu $(B)/sim/cpar_kernels.o tests/cudasim.h $(HDR) | $(B)/sim
+	$(CXX) $(SIM_CXXFLAGS) $(CHECK_FLAGS) -x c++ $< -x none $(B)/sim/cpar_kernels.o -o $@ $(CHECK_LIBS) $(LIBS)
+
+$(B)/cuda/test_gpu: tests/test_gpu.c $(B)/libcpar.a tests/testutil.h | $(B)/cuda
+	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) $< $(B)/libcpar.a -o $@ $(CHECK_LIBS) $(CUDA_LIBS) $(LIBS) -lstdc++
+
+test: $(HOST_TESTS) $(SIM_TESTS) $(GPU_TEST) $(TEST_PROGS) $(B)/cparrun
+	@B=$(B) HOST_SUITES="$(HOST_SUITES)" SIM_SUITES="$(SIM_SUITES)" GPU_TEST="$(GPU_TEST)" sh tests/run.sh
+
+test-host: $(HOST_TESTS) $(TEST_PROGS) $(B)/cparrun
+	@B=$(B) HOST_SUITES="$(HOST_SUITES)" SIM_SUITES= GPU_TEST= sh tests/run.sh
+
+test-sim: $(SIM_TESTS)
+	@B=$(B) HOST_SUITES= SIM_SUITES="$(SIM_SUITES)" GPU_TEST= sh tests/run.sh
+
+test-gpu: $(GPU_TEST)
+	@B=$(B) HOST_SUITES= SIM_SUITES= GPU_TEST="$(GPU_TEST)" sh tests/run.sh
+
+# ---- demo and bench ----------------------------------------------------------
+$(B)/demo: examples/demo.c $(B)/libcpar.a
+	$(LINK) $(ALL_CFLAGS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS)
+
+demo: $(B)/demo
+	./$(B)/demo
+
+$(B)/bench: bench/bench.c $(B)/libcpar.a
+	$(LINK) $(ALL_CFLAGS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS)
+
+bench: $(B)/bench
+	./$(B)/bench
+
+clean:
+	rm -rf $(B)

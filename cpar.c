@@ -1,0 +1,2297 @@
+/* cpar.c — the amalgamated host implementation of cpar (pure C11).
+ *
+ * Device work goes through the cpar_dev_* layer (cpar.h §7, cpar_kernels.cu);
+ * this file never includes a CUDA header. NCCL calls live behind
+ * CPAR_WITH_NCCL. Build flags:
+ *   (none)                          host-only build: host backend
+ *   -DCPAR_WITH_DEVICE -DCPAR_SIM   sim build: + sim backend (kernels on the CPU)
+ *   -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL   CUDA build: + NCCL backend
+ *
+ * Table of contents (later sections call earlier ones, never the reverse)
+ *    1. Platform and utilities      time, logging, aligned host memory
+ *    2. Errors                      status names, last-error lines, argument checks
+ *    3. Data types and tensors      dtype table, fp16/bf16 bits, tensor helpers
+ *    4. Device dispatch             host-only device layer, workspace, copies
+ *    5. Host reference kernels      fill, cast, axpby, reduce, 2-D copy, row reduce
+ *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce
+ *    7. Rendezvous store and env    TCP key-value store, launch environment
+ *    8. Host backend                shared-memory rendezvous with deadlines
+ *    9. NCCL backend                communicators, async-error polling, abort
+ *   10. Groups                      world group, split, destroy, statistics
+ *   11. Collectives                 argument checks, byte accounting, dispatch
+ *   12. Contexts and start-up       spawn, init_from_env, finalize, abort, sync
+ *   13. Grid                        Megatron's tp/cp/dp/pp groups
+ */
+#define _GNU_SOURCE
+#include "cpar.h"
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(CPAR_WITH_DEVICE) && !defined(CPAR_SIM) && !defined(CPAR_WITH_NCCL)
+#define CPAR_WITH_NCCL 1
+#endif
+#ifdef CPAR_WITH_NCCL
+#include <nccl.h>
+#endif
+
+#define CPAR_ERR_LEN 512
+#define CPAR_ALIGN 64
+#define CPAR_DEFAULT_TIMEOUT_MS 300000
+
+/* Runtime objects shared by the sections below (their behaviour lives in
+ * sections 8-13; they are defined here so every section can read them). */
+typedef struct cpar__job cpar__job;     /* host/sim: shared state of one cpar_spawn */
+typedef struct cpar__hcomm cpar__hcomm; /* host/sim: shared state of one group */
+
+struct cpar_group {
+    cpar_ctx *ctx;
+    int rank, size;
+    int *world_ranks;     /* [size], world rank of each group rank */
+    cpar__hcomm *hc;      /* host and sim backends */
+#ifdef CPAR_WITH_NCCL
+    ncclComm_t nccl;
+#endif
+    uint64_t seq;         /* collectives issued on this group by this rank */
+    cpar_comm_stats stats;
+    cpar_group *next;     /* the context's list of live groups */
+};
+
+struct cpar_ctx {
+    int rank, world;
+    cpar_backend backend;
+    int device;           /* CPAR_HOST on the host backend */
+    int timeout_ms;
+    cpar__job *job;       /* host and sim backends */
+    cpar_store *store;    /* multi-process start-up */
+    cpar_group *world_group, *groups;
+    cpar_group *grid[CPAR_GROUP_KIND_COUNT];
+    int grid_size[CPAR_GROUP_KIND_COUNT], grid_rank[CPAR_GROUP_KIND_COUNT];
+    void *ws;             /* workspace on the context's device (Megatron's global memory buffer) */
+    size_t ws_bytes;
+    cpar_dev_stream compute, comm;
+    cpar_dev_blas blas;
+    bool aborted;
+    char err[CPAR_ERR_LEN];
+};
+
+/* ==== 1. Platform and utilities ==========================================
+ * Monotonic time, the CPAR_LOG switch and aligned host allocation.
+ * Uses: nothing. */
+
+
+static int64_t cpar__now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Absolute CLOCK_REALTIME deadline for pthread_cond_timedwait. */
+static struct timespec cpar__abs_deadline(int64_t ms_from_now) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += (time_t)(ms_from_now / 1000);
+    ts.tv_nsec += (long)(ms_from_now % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+    return ts;
+}
+
+static int cpar__getenv_positive(const char *name, int dflt) {
+    const char *v = getenv(name);
+    if (!v || !*v) return dflt;
+    char *end;
+    long x = strtol(v, &end, 10);
+    return (*end || x <= 0 || x > 1L << 30) ? dflt : (int)x;
+}
+
+static int cpar__default_timeout_ms(void) {
+    return cpar__getenv_positive("CPAR_TIMEOUT_MS", CPAR_DEFAULT_TIMEOUT_MS);
+}
+
+/* 0 = quiet (default), 1 = info, 2 = debug; read once. */
+static int cpar__log_level(void) {
+    static atomic_int level = -1;
+    int l = atomic_load(&level);
+    if (l < 0) {
+        const char *v = getenv("CPAR_LOG");
+        l = !v ? 0 : !strcmp(v, "debug") ? 2 : !strcmp(v, "info") ? 1 : 0;
+        atomic_store(&level, l);
+    }
+    return l;
+}
+
+static void cpar__log(int level, int rank, const char *fmt, ...) {
+    if (cpar__log_level() < level) return;
+    char line[CPAR_ERR_LEN];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "cpar[%d] %s\n", rank, line);
+}
+
+static void *cpar__host_alloc(size_t bytes) {
+    void *p = NULL;
+    if (posix_memalign(&p, CPAR_ALIGN, bytes ? bytes : CPAR_ALIGN)) return NULL;
+    return p;
+}
+
+static int64_t cpar__min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* ==== 2. Errors ==========================================================
+ * Every failure leaves one line in the thread's last error and, when a
+ * context is known, in the context's. Argument checks build messages that
+ * name the function, the argument, what it got and what was expected.
+ * Uses: 1. */
+
+static _Thread_local char cpar__tls_err[CPAR_ERR_LEN];
+
+const char *cpar_status_string(cpar_status st) {
+    static const char *const names[CPAR_STATUS_COUNT] = {
+        "CPAR_OK",          "CPAR_ERR_INVALID", "CPAR_ERR_CUDA",        "CPAR_ERR_NCCL",
+        "CPAR_ERR_CUBLAS",  "CPAR_ERR_SYSTEM",  "CPAR_ERR_TIMEOUT",     "CPAR_ERR_PEER",
+        "CPAR_ERR_OOM",     "CPAR_ERR_UNSUPPORTED",
+    };
+    return ((unsigned)st < CPAR_STATUS_COUNT) ? names[st] : "CPAR_ERR_UNKNOWN";
+}
+
+const char *cpar_thread_last_error(void) { return cpar__tls_err; }
+
+const char *cpar_last_error(const cpar_ctx *ctx) { return ctx ? ctx->err : cpar__tls_err; }
+
+static void cpar__set_error(cpar_ctx *ctx, const char *msg) {
+    if (msg != cpar__tls_err) snprintf(cpar__tls_err, sizeof cpar__tls_err, "%s", msg);
+    if (ctx && msg != ctx->err) snprintf(ctx->err, sizeof ctx->err, "%s", msg);
+}
+
+/* Record "fmt..." as the last error and return st. By convention the message
+ * begins with the public function's name. */
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 4)))
+#endif
+static cpar_status cpar__fail(cpar_ctx *ctx, cpar_status st, const char *fmt, ...) {
+    char line[CPAR_ERR_LEN];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    cpar__set_error(ctx, line);
+    cpar__log(2, -1, "%s: %s", cpar_status_string(st), line);
+    return st;
+}
+
+/* Add the calling public function's name in front of an error a lower layer
+ * recorded (e.g. the device layer's line), keeping the status. */
+static cpar_status cpar__wrap(cpar_ctx *ctx, cpar_status st, const char *fn, const char *detail) {
+    if (st == CPAR_OK) return st;
+    return cpar__fail(ctx, st, "%s: %s", fn, detail && *detail ? detail : cpar_status_string(st));
+}
+
+#define CPAR_TRY(call)                                                                                       \
+    do {                                                                                                     \
+        cpar_status st_ = (call);                                                                            \
+        if (st_ != CPAR_OK) return st_;                                                                      \
+    } while (0)
+#define CPAR_TRY_GOTO(call, st, label)                                                                       \
+    do {                                                                                                     \
+        (st) = (call);                                                                                       \
+        if ((st) != CPAR_OK) goto label;                                                                     \
+    } while (0)
+
+/* ==== 3. Data types and tensors ==========================================
+ * The dtype table, bit-exact fp16/bf16 conversions shared by the host
+ * reference kernels, and tensor construction and description.
+ * Uses: 1, 2. */
+
+static const struct {
+    const char *name;
+    size_t size;
+} cpar__dtypes[CPAR_DTYPE_COUNT] = {
+    {"f32", 4}, {"f16", 2}, {"bf16", 2}, {"i32", 4}, {"i64", 8}, {"u8", 1},
+};
+
+static bool cpar__dtype_valid(cpar_dtype dt) { return (unsigned)dt < CPAR_DTYPE_COUNT; }
+size_t cpar_dtype_size(cpar_dtype dt) { return cpar__dtype_valid(dt) ? cpar__dtypes[dt].size : 0; }
+const char *cpar_dtype_name(cpar_dtype dt) { return cpar__dtype_valid(dt) ? cpar__dtypes[dt].name : "?"; }
+bool cpar_dtype_is_float(cpar_dtype dt) { return dt == CPAR_F32 || dt == CPAR_F16 || dt == CPAR_BF16; }
+
+static uint32_t cpar__f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+static float cpar__bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+float cpar_bf16_to_f32(uint16_t b) { return cpar__bits_f32((uint32_t)b << 16); }
+
+uint16_t cpar_f32_to_bf16(float f) {
+    uint32_t u = cpar__f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN, sign kept */
+    u += 0x7fffu + ((u >> 16) & 1u);                                           /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+float cpar_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f) return cpar__bits_f32(sign | 0x7f800000u | (man << 13)); /* inf / NaN */
+    if (exp == 0) {                                                           /* zero / subnormal */
+        float v = (float)man * 5.9604644775390625e-08f;                       /* man * 2^-24 */
+        return sign ? -v : v;
+    }
+    return cpar__bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+uint16_t cpar_f32_to_f16(float f) {
+    uint32_t u = cpar__f32_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); /* NaN stays NaN */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);                          /* rounds to inf */
+    if (a < 0x38800000u) {                                                            /* half subnormal */
+        /* value * 2^24 rounded to nearest even is the subnormal mantissa; fp32
+         * addition of 0.5 (magic) does exactly that rounding. */
+        float mag = cpar__bits_f32(a) + 0.5f;
+        return (uint16_t)(sign | (uint16_t)(cpar__f32_bits(mag) - cpar__f32_bits(0.5f)));
+    }
+    uint32_t mant_odd = (a >> 13) & 1u;
+    a += 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round to nearest even */
+    return (uint16_t)(sign | (a >> 13));
+}
+
+cpar_tensor cpar_tensor_make(void *data, cpar_dtype dtype, int ndim, const int64_t *shape, int device) {
+    cpar_tensor t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.dtype = dtype;
+    t.ndim = ndim < 0 ? 0 : ndim > CPAR_MAX_DIMS ? CPAR_MAX_DIMS : ndim;
+    for (int i = 0; i < t.ndim && shape; i++) t.shape[i] = shape[i];
+    t.device = device;
+    return t;
+}
+
+int64_t cpar_tensor_numel(const cpar_tensor *t) {
+    if (!t) return 0;
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
+    return n;
+}
+
+size_t cpar_tensor_nbytes(const cpar_tensor *t) {
+    return t ? (size_t)cpar_tensor_numel(t) * cpar_dtype_size(t->dtype) : 0;
+}
+
+/* "[8,2,16]" into buf. */
+static const char *cpar__shape_str(const cpar_tensor *t, char *buf, size_t cap) {
+    size_t n = 0;
+    n += (size_t)snprintf(buf + n, cap - n, "[");
+    for (int i = 0; i < t->ndim && n < cap; i++)
+        n += (size_t)snprintf(buf + n, cap - n, "%s%lld", i ? "," : "", (long long)t->shape[i]);
+    if (n < cap) snprintf(buf + n, cap - n, "]");
+    return buf;
+}
+
+static const char *cpar__device_str(int device, char *buf, size_t cap) {
+    if (device == CPAR_HOST) snprintf(buf, cap, "host");
+    else snprintf(buf, cap, "device %d", device);
+    return buf;
+}
+
+/* The structural checks every tensor argument gets: not NULL, valid dtype and
+ * rank, non-negative dims, data present when non-empty, on the expected
+ * device (expect_device < -1 skips that check). */
+static cpar_status cpar__check_tensor(cpar_ctx *ctx, const char *fn, const char *name, const cpar_tensor *t,
+                                      int expect_device) {
+    if (!t) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is NULL", fn, name);
+    if (!cpar__dtype_valid(t->dtype))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has invalid dtype %d", fn, name, (int)t->dtype);
+    if (t->ndim < 0 || t->ndim > CPAR_MAX_DIMS)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has ndim %d, expected 0..%d", fn, name, t->ndim,
+                          CPAR_MAX_DIMS);
+    for (int i = 0; i < t->ndim; i++)
+        if (t->shape[i] < 0)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has negative dim %d (%lld)", fn, name, i,
+                              (long long)t->shape[i]);
+    if (!t->data && cpar_tensor_numel(t) > 0)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has NULL data and %lld elements", fn, name,
+                          (long long)cpar_tensor_numel(t));
+    if (expect_device >= CPAR_HOST && t->device != expect_device) {
+        char got[32], want[32];
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is on %s, expected %s (the context's device)", fn, name,
+                          cpar__device_str(t->device, got, sizeof got),
+                          cpar__device_str(expect_device, want, sizeof want));
+    }
+    return CPAR_OK;
+}
+
+static cpar_status cpar__check_dtype(cpar_ctx *ctx, const char *fn, const char *name, const cpar_tensor *t,
+                                     cpar_dtype want) {
+    if (t->dtype == want) return CPAR_OK;
+    return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has dtype %s, expected %s", fn, name,
+                      cpar_dtype_name(t->dtype), cpar_dtype_name(want));
+}
+
+static cpar_status cpar__check_float(cpar_ctx *ctx, const char *fn, const char *name, const cpar_tensor *t) {
+    if (cpar_dtype_is_float(t->dtype)) return CPAR_OK;
+    return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has dtype %s, expected f32, f16 or bf16", fn, name,
+                      cpar_dtype_name(t->dtype));
+}
+
+/* "name has shape [..], expected [..] (why)" */
+static cpar_status cpar__fail_shape(cpar_ctx *ctx, const char *fn, const char *name, const cpar_tensor *t,
+                                    const int64_t *want, int want_ndim, const char *why) {
+    char got[128], exp[128];
+    cpar_tensor w = cpar_tensor_make(NULL, t->dtype, want_ndim, want, t->device);
+    return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has shape %s, expected %s%s%s%s", fn, name,
+                      cpar__shape_str(t, got, sizeof got), cpar__shape_str(&w, exp, sizeof exp), why ? " (" : "",
+                      why ? why : "", why ? ")" : "");
+}
+
+static cpar_status cpar__check_shape(cpar_ctx *ctx, const char *fn, const char *name, const cpar_tensor *t,
+                                     const int64_t *want, int want_ndim, const char *why) {
+    bool same = t->ndim == want_ndim;
+    for (int i = 0; same && i < want_ndim; i++) same = t->shape[i] == want[i];
+    return same ? CPAR_OK : cpar__fail_shape(ctx, fn, name, t, want, want_ndim, why);
+}
+
+static bool cpar__ranges_overlap(const void *a, size_t na, const void *b, size_t nb) {
+    const char *pa = (const char *)a, *pb = (const char *)b;
+    return na && nb && pa < pb + nb && pb < pa + na;
+}
+
+/* ==== 4. Device dispatch =================================================
+ * The bridge to cpar_kernels.cu. In a host-only build the device layer below
+ * reports that this build has no device support (cpar_dev_count() is 0), so
+ * the rest of the file needs no #ifdefs. Also: the per-context workspace and
+ * byte copies between any two memories.
+ * Uses: 1, 2, 3. */
+
+#ifndef CPAR_WITH_DEVICE
+static const char cpar__no_device_msg[] = "this build has no device support (built with CPAR_CUDA=0)";
+const char *cpar_dev_last_error(void) { return cpar__no_device_msg; }
+int cpar_dev_count(void) { return 0; }
+#define CPAR__NODEV(...) { (void)0; return CPAR_ERR_UNSUPPORTED; }
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#endif
+cpar_status cpar_dev_set(int device) CPAR__NODEV()
+cpar_status cpar_dev_malloc(void **p, size_t bytes) CPAR__NODEV()
+cpar_status cpar_dev_free(void *p) CPAR__NODEV()
+cpar_status cpar_dev_memset(void *p, int byte, size_t bytes, cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_memcpy(void *dst, const void *src, size_t bytes, cpar_copy_kind kind, cpar_dev_stream s)
+    CPAR__NODEV()
+cpar_status cpar_dev_copy_2d(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t row_bytes,
+                             size_t rows, cpar_copy_kind kind, cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_sync(void) CPAR__NODEV()
+cpar_status cpar_dev_stream_create(cpar_dev_stream *s) CPAR__NODEV()
+cpar_status cpar_dev_stream_destroy(cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_stream_sync(cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_stream_query(cpar_dev_stream s, bool *done) CPAR__NODEV()
+cpar_status cpar_dev_event_create(cpar_dev_event *e) CPAR__NODEV()
+cpar_status cpar_dev_event_destroy(cpar_dev_event e) CPAR__NODEV()
+cpar_status cpar_dev_event_record(cpar_dev_event e, cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_stream_wait_event(cpar_dev_stream s, cpar_dev_event e) CPAR__NODEV()
+cpar_status cpar_dev_event_sync(cpar_dev_event e) CPAR__NODEV()
+cpar_status cpar_dev_blas_create(cpar_dev_blas *h) CPAR__NODEV()
+cpar_status cpar_dev_blas_destroy(cpar_dev_blas h) CPAR__NODEV()
+cpar_status cpar_dev_gemm(cpar_dev_blas h, cpar_dev_stream s, int transa, int transb, int m, int n, int k,
+                          float alpha, const void *A, cpar_dtype ab_dtype, int lda, int64_t stride_a,
+                          const void *B, int ldb, int64_t stride_b, float beta, void *C, cpar_dtype c_dtype,
+                          int ldc, int64_t stride_c, int batch) CPAR__NODEV()
+cpar_status cpar_dev_fill(void *p, cpar_dtype dt, int64_t n, double value, cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_cast(void *dst, cpar_dtype dst_dt, const void *src, cpar_dtype src_dt, int64_t n,
+                          cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_axpby(float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n,
+                           cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_reduce_into(void *acc, const void *src, cpar_dtype src_dt, int64_t n, cpar_reduce_op op,
+                                 cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_row_reduce(float *out, const void *in, cpar_dtype dt, int64_t rows, int64_t cols,
+                                cpar_row_op op, cpar_dev_stream s) CPAR__NODEV()
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#undef CPAR__NODEV
+#endif /* !CPAR_WITH_DEVICE */
+
+/* A device-layer failure seen from public function fn. */
+static cpar_status cpar__dev_fail(cpar_ctx *ctx, cpar_status st, const char *fn) {
+    return cpar__wrap(ctx, st, fn, cpar_dev_last_error());
+}
+#define CPAR_DEV_TRY(ctx, fn, call)                                                                          \
+    do {                                                                                                     \
+        cpar_status dst_ = (call);                                                                           \
+        if (dst_ != CPAR_OK) return cpar__dev_fail((ctx), dst_, (fn));                                       \
+    } while (0)
+
+static bool cpar__on_device(int device) { return device != CPAR_HOST; }
+
+static cpar_copy_kind cpar__copy_kind(int dst_device, int src_device) {
+    if (cpar__on_device(dst_device)) return cpar__on_device(src_device) ? CPAR_COPY_D2D : CPAR_COPY_H2D;
+    return cpar__on_device(src_device) ? CPAR_COPY_D2H : CPAR_COPY_H2H;
+}
+
+/* Copy bytes between any two memories, stream-ordered on the compute stream;
+ * a copy into host memory is complete on return. */
+static cpar_status cpar__copy_bytes(cpar_ctx *ctx, const char *fn, void *dst, int dst_device, const void *src,
+                                    int src_device, size_t bytes) {
+    if (!bytes || dst == src) return CPAR_OK;
+    cpar_copy_kind kind = cpar__copy_kind(dst_device, src_device);
+    if (kind == CPAR_COPY_H2H) {
+        memmove(dst, src, bytes);
+        return CPAR_OK;
+    }
+    cpar_dev_stream s = ctx ? ctx->compute : NULL;
+    CPAR_DEV_TRY(ctx, fn, cpar_dev_memcpy(dst, src, bytes, kind, s));
+    if (kind == CPAR_COPY_D2H) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(s));
+    return CPAR_OK;
+}
+
+/* Pitched 2-D copy (rows of row_bytes) between any two memories. */
+static cpar_status cpar__copy_2d(cpar_ctx *ctx, const char *fn, void *dst, size_t dst_pitch, int dst_device,
+                                 const void *src, size_t src_pitch, int src_device, size_t row_bytes, size_t rows) {
+    if (!row_bytes || !rows) return CPAR_OK;
+    cpar_copy_kind kind = cpar__copy_kind(dst_device, src_device);
+    if (kind == CPAR_COPY_H2H) {
+        for (size_t r = 0; r < rows; r++)
+            memmove((char *)dst + r * dst_pitch, (const char *)src + r * src_pitch, row_bytes);
+        return CPAR_OK;
+    }
+    CPAR_DEV_TRY(ctx, fn, cpar_dev_copy_2d(dst, dst_pitch, src, src_pitch, row_bytes, rows, kind, ctx->compute));
+    if (kind == CPAR_COPY_D2H) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+    return CPAR_OK;
+}
+
+static cpar_status cpar__mem_alloc(cpar_ctx *ctx, const char *fn, int device, size_t bytes, void **out) {
+    *out = NULL;
+    if (!cpar__on_device(device)) {
+        *out = cpar__host_alloc(bytes);
+        if (!*out) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: host allocation of %zu bytes failed", fn, bytes);
+        return CPAR_OK;
+    }
+    CPAR_DEV_TRY(ctx, fn, cpar_dev_malloc(out, bytes ? bytes : 1));
+    return CPAR_OK;
+}
+
+static void cpar__mem_free(int device, void *p) {
+    if (!p) return;
+    if (cpar__on_device(device)) cpar_dev_free(p);
+    else free(p);
+}
+
+/* At least bytes of workspace on the context's device. The workspace only
+ * grows (while warming up); growing waits for queued work that may still use
+ * the old buffer. Callers carve it; one user at a time. */
+static cpar_status cpar__workspace(cpar_ctx *ctx, const char *fn, size_t bytes, void **out) {
+    if (bytes > ctx->ws_bytes) {
+        size_t want = bytes + bytes / 4 + 4096;
+        if (ctx->ws && cpar__on_device(ctx->device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+        cpar__mem_free(ctx->device, ctx->ws);
+        ctx->ws = NULL;
+        ctx->ws_bytes = 0;
+        CPAR_TRY(cpar__mem_alloc(ctx, fn, ctx->device, want, &ctx->ws));
+        ctx->ws_bytes = want;
+        cpar__log(2, ctx->rank, "workspace grown to %zu bytes", want);
+    }
+    *out = ctx->ws;
+    return CPAR_OK;
+}
+
+cpar_status cpar_tensor_alloc(cpar_ctx *ctx, cpar_dtype dtype, int ndim, const int64_t *shape, cpar_tensor *out) {
+    static const char fn[] = "cpar_tensor_alloc";
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    if (!out) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    if (ndim < 0 || ndim > CPAR_MAX_DIMS)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ndim is %d, expected 0..%d", fn, ndim, CPAR_MAX_DIMS);
+    if (ndim > 0 && !shape) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: shape is NULL with ndim %d", fn, ndim);
+    if (!cpar__dtype_valid(dtype)) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dtype is %d, not a cpar_dtype", fn, (int)dtype);
+    for (int i = 0; i < ndim; i++)
+        if (shape[i] < 0)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: shape[%d] is %lld, expected >= 0", fn, i, (long long)shape[i]);
+    *out = cpar_tensor_make(NULL, dtype, ndim, shape, ctx->device);
+    return cpar__mem_alloc(ctx, fn, ctx->device, cpar_tensor_nbytes(out), &out->data);
+}
+
+cpar_status cpar_tensor_free(cpar_ctx *ctx, cpar_tensor *t) {
+    if (!t) return cpar__fail(ctx, CPAR_ERR_INVALID, "cpar_tensor_free: t is NULL");
+    if (t->data && cpar__on_device(t->device) && ctx) cpar_dev_stream_sync(ctx->compute);
+    cpar__mem_free(t->device, t->data);
+    t->data = NULL;
+    return CPAR_OK;
+}
+
+cpar_status cpar_tensor_copy(cpar_ctx *ctx, const cpar_tensor *src, cpar_tensor *dst) {
+    static const char fn[] = "cpar_tensor_copy";
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "src", src, -2));
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "dst", dst, -2));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "dst", dst, src->dtype));
+    if (cpar_tensor_numel(dst) != cpar_tensor_numel(src))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dst has %lld elements, expected %lld (as src)", fn,
+                          (long long)cpar_tensor_numel(dst), (long long)cpar_tensor_numel(src));
+    for (int i = 0; i < 2; i++) {
+        int d = i ? dst->device : src->device;
+        if (d != CPAR_HOST && d != ctx->device) {
+            char got[32];
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is on %s, expected host or the context's device %d",
+                              fn, i ? "dst" : "src", cpar__device_str(d, got, sizeof got), ctx->device);
+        }
+    }
+    return cpar__copy_bytes(ctx, fn, dst->data, dst->device, src->data, src->device, cpar_tensor_nbytes(src));
+}
+
+/* ==== 5. Host reference kernels ==========================================
+ * Plain loops that define what each CUDA kernel must compute; they run the
+ * host backend and are the references of the sim tests. Float math in fp32
+ * (row reductions accumulate in fp64 here: the reference must be at least as
+ * accurate as the kernel). Uses: 3. */
+
+static float cpar__load_f(const void *p, cpar_dtype dt, int64_t i) {
+    switch (dt) {
+    case CPAR_F32: return ((const float *)p)[i];
+    case CPAR_F16: return cpar_f16_to_f32(((const uint16_t *)p)[i]);
+    case CPAR_BF16: return cpar_bf16_to_f32(((const uint16_t *)p)[i]);
+    case CPAR_I32: return (float)((const int32_t *)p)[i];
+    case CPAR_I64: return (float)((const int64_t *)p)[i];
+    default: return (float)((const uint8_t *)p)[i];
+    }
+}
+
+static void cpar__store_f(void *p, cpar_dtype dt, int64_t i, float v) {
+    switch (dt) {
+    case CPAR_F32: ((float *)p)[i] = v; break;
+    case CPAR_F16: ((uint16_t *)p)[i] = cpar_f32_to_f16(v); break;
+    case CPAR_BF16: ((uint16_t *)p)[i] = cpar_f32_to_bf16(v); break;
+    case CPAR_I32: ((int32_t *)p)[i] = (int32_t)v; break;
+    case CPAR_I64: ((int64_t *)p)[i] = (int64_t)v; break;
+    default: ((uint8_t *)p)[i] = (uint8_t)v; break;
+    }
+}
+
+static void cpar__host_fill(void *p, cpar_dtype dt, int64_t n, double value) {
+    switch (dt) {
+    case CPAR_I32: for (int64_t i = 0; i < n; i++) ((int32_t *)p)[i] = (int32_t)value; break;
+    case CPAR_I64: for (int64_t i = 0; i < n; i++) ((int64_t *)p)[i] = (int64_t)value; break;
+    case CPAR_U8: memset(p, (uint8_t)value, (size_t)n); break;
+    default: for (int64_t i = 0; i < n; i++) cpar__store_f(p, dt, i, (float)value); break;
+    }
+}
+
+static void cpar__host_cast(void *dst, cpar_dtype dd, const void *src, cpar_dtype sd, int64_t n) {
+    if (dd == sd) memmove(dst, src, (size_t)n * cpar_dtype_size(sd));
+    else for (int64_t i = 0; i < n; i++) cpar__store_f(dst, dd, i, cpar__load_f(src, sd, i));
+}
+
+static void cpar__host_axpby(float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = alpha * cpar__load_f(x, dt, i);
+        if (beta != 0.0f) v += beta * cpar__load_f(y, dt, i); /* beta 0 never reads y (it may be NaN) */
+        cpar__store_f(y, dt, i, v);
+    }
+}
+
+/* fmaxf/fminf semantics (a NaN operand loses), as the kernels use. */
+static float cpar__reduce_f(float a, float b, cpar_reduce_op op) {
+    return op == CPAR_SUM ? a + b : op == CPAR_MAX ? fmaxf(a, b) : fminf(a, b);
+}
+#define CPAR__REDUCE_INT(a, b, op) ((op) == CPAR_SUM ? (a) + (b) : (op) == CPAR_MAX ? ((a) > (b) ? (a) : (b)) : ((a) < (b) ? (a) : (b)))
+
+/* acc = op(acc, src) for n elements: float dtypes into an fp32 acc; integers in their own type. */
+static void cpar__host_reduce_into(void *acc, const void *src, cpar_dtype dt, int64_t n, cpar_reduce_op op) {
+    switch (dt) {
+    case CPAR_I32:
+        for (int64_t i = 0; i < n; i++) {
+            int32_t a = ((int32_t *)acc)[i], b = ((const int32_t *)src)[i];
+            ((int32_t *)acc)[i] = (int32_t)CPAR__REDUCE_INT((int64_t)a, (int64_t)b, op);
+        }
+        break;
+    case CPAR_I64:
+        for (int64_t i = 0; i < n; i++) {
+            uint64_t a = (uint64_t)((int64_t *)acc)[i], b = (uint64_t)((const int64_t *)src)[i];
+            int64_t sa = ((int64_t *)acc)[i], sb = ((const int64_t *)src)[i];
+            ((int64_t *)acc)[i] = op == CPAR_SUM ? (int64_t)(a + b) : CPAR__REDUCE_INT(sa, sb, op); /* wraps */
+        }
+        break;
+    case CPAR_U8:
+        for (int64_t i = 0; i < n; i++) {
+            int a = ((uint8_t *)acc)[i], b = ((const uint8_t *)src)[i];
+            ((uint8_t *)acc)[i] = (uint8_t)CPAR__REDUCE_INT(a, b, op);
+        }
+        break;
+    default:
+        for (int64_t i = 0; i < n; i++) ((float *)acc)[i] = cpar__reduce_f(((float *)acc)[i], cpar__load_f(src, dt, i), op);
+        break;
+    }
+}
+
+static void cpar__host_row_reduce(float *out, const void *in, cpar_dtype dt, int64_t rows, int64_t cols,
+                                  cpar_row_op op) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t base = r * cols;
+        double acc = op == CPAR_ROW_SUM ? 0.0 : -INFINITY;
+        for (int64_t c = 0; c < cols; c++) {
+            double v = cpar__load_f(in, dt, base + c);
+            acc = op == CPAR_ROW_SUM ? acc + v : (v > acc ? v : acc);
+        }
+        if (op == CPAR_ROW_LOGSUMEXP && acc != -INFINITY) {
+            double m = acc, s = 0.0;
+            for (int64_t c = 0; c < cols; c++) s += exp((double)cpar__load_f(in, dt, base + c) - m);
+            acc = m + log(s);
+        }
+        out[r] = (float)acc;
+    }
+}
+
+/* ==== 6. Element-wise and layout operations ==============================
+ * Public ops that run the host reference on host tensors and the device
+ * layer's kernels on device tensors. Split and concat reduce to one pitched
+ * 2-D copy per piece: [outer, len_i * inner] rows inside [outer, D * inner].
+ * Uses: 2, 3, 4, 5. */
+
+static cpar_status cpar__check_op_tensor(cpar_ctx *ctx, const char *fn, const char *name, const cpar_tensor *t) {
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    return cpar__check_tensor(ctx, fn, name, t, t && t->device == CPAR_HOST ? CPAR_HOST : ctx->device);
+}
+
+cpar_status cpar_fill(cpar_ctx *ctx, cpar_tensor *t, double value) {
+    static const char fn[] = "cpar_fill";
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "t", t));
+    int64_t n = cpar_tensor_numel(t);
+    if (!cpar__on_device(t->device)) cpar__host_fill(t->data, t->dtype, n, value);
+    else CPAR_DEV_TRY(ctx, fn, cpar_dev_fill(t->data, t->dtype, n, value, ctx->compute));
+    return CPAR_OK;
+}
+
+static cpar_status cpar__check_same_place(cpar_ctx *ctx, const char *fn, const char *name, const cpar_tensor *t,
+                                          const char *ref_name, const cpar_tensor *ref) {
+    if (t->device != ref->device)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is on device %d, expected device %d (as %s)", fn, name,
+                          t->device, ref->device, ref_name);
+    if (cpar_tensor_numel(t) != cpar_tensor_numel(ref))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has %lld elements, expected %lld (as %s)", fn, name,
+                          (long long)cpar_tensor_numel(t), (long long)cpar_tensor_numel(ref), ref_name);
+    return CPAR_OK;
+}
+
+cpar_status cpar_cast(cpar_ctx *ctx, const cpar_tensor *src, cpar_tensor *dst) {
+    static const char fn[] = "cpar_cast";
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "src", src));
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "dst", dst));
+    CPAR_TRY(cpar__check_same_place(ctx, fn, "dst", dst, "src", src));
+    if (src->dtype != dst->dtype) {
+        CPAR_TRY(cpar__check_float(ctx, fn, "src", src));
+        CPAR_TRY(cpar__check_float(ctx, fn, "dst", dst));
+    }
+    int64_t n = cpar_tensor_numel(src);
+    if (!cpar__on_device(src->device)) cpar__host_cast(dst->data, dst->dtype, src->data, src->dtype, n);
+    else CPAR_DEV_TRY(ctx, fn, cpar_dev_cast(dst->data, dst->dtype, src->data, src->dtype, n, ctx->compute));
+    return CPAR_OK;
+}
+
+cpar_status cpar_axpby(cpar_ctx *ctx, float alpha, const cpar_tensor *x, float beta, cpar_tensor *y) {
+    static const char fn[] = "cpar_axpby";
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "x", x));
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "y", y));
+    CPAR_TRY(cpar__check_float(ctx, fn, "x", x));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "y", y, x->dtype));
+    CPAR_TRY(cpar__check_same_place(ctx, fn, "y", y, "x", x));
+    int64_t n = cpar_tensor_numel(x);
+    if (!cpar__on_device(x->device)) cpar__host_axpby(alpha, x->data, beta, y->data, x->dtype, n);
+    else CPAR_DEV_TRY(ctx, fn, cpar_dev_axpby(alpha, x->data, beta, y->data, x->dtype, n, ctx->compute));
+    return CPAR_OK;
+}
+
+/* Checks shared by split and concat: the whole tensor `whole` and n pieces
+ * that equal it except at dim, whose sizes add up to whole.shape[dim]. */
+static cpar_status cpar__check_pieces(cpar_ctx *ctx, const char *fn, const char *whole_name, const cpar_tensor *whole,
+                                      const char *pieces_name, cpar_tensor *const *pieces, int n, int *dim) {
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, whole_name, whole));
+    if (whole->ndim < 1)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is a scalar, expected at least 1 dimension", fn, whole_name);
+    if (*dim < -whole->ndim || *dim >= whole->ndim)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dim is %d, expected -%d..%d", fn, *dim, whole->ndim,
+                          whole->ndim - 1);
+    if (*dim < 0) *dim += whole->ndim;
+    if (n < 1) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: n is %d, expected >= 1", fn, n);
+    if (!pieces) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is NULL", fn, pieces_name);
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        char name[48];
+        snprintf(name, sizeof name, "%s[%d]", pieces_name, i);
+        CPAR_TRY(cpar__check_tensor(ctx, fn, name, pieces[i], whole->device));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, name, pieces[i], whole->dtype));
+        int64_t want[CPAR_MAX_DIMS];
+        memcpy(want, whole->shape, sizeof want);
+        want[*dim] = pieces[i]->ndim == whole->ndim ? pieces[i]->shape[*dim] : 0;
+        CPAR_TRY(cpar__check_shape(ctx, fn, name, pieces[i], want, whole->ndim, "equal to the whole except at dim"));
+        total += pieces[i]->shape[*dim];
+    }
+    if (total != whole->shape[*dim])
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s sizes along dim %d add up to %lld, expected %lld", fn,
+                          pieces_name, *dim, (long long)total, (long long)whole->shape[*dim]);
+    return CPAR_OK;
+}
+
+/* Move pieces to (to_pieces) or from the whole tensor along dim. */
+static cpar_status cpar__split_concat(cpar_ctx *ctx, const char *fn, const cpar_tensor *whole, int dim,
+                                      cpar_tensor *const *pieces, int n, bool to_pieces) {
+    size_t es = cpar_dtype_size(whole->dtype);
+    int64_t outer = 1, inner = 1;
+    for (int i = 0; i < dim; i++) outer *= whole->shape[i];
+    for (int i = dim + 1; i < whole->ndim; i++) inner *= whole->shape[i];
+    size_t whole_pitch = (size_t)(whole->shape[dim] * inner) * es, off = 0;
+    for (int i = 0; i < n; i++) {
+        size_t row = (size_t)(pieces[i]->shape[dim] * inner) * es;
+        char *w = (char *)whole->data + off;
+        if (to_pieces)
+            CPAR_TRY(cpar__copy_2d(ctx, fn, pieces[i]->data, row, pieces[i]->device, w, whole_pitch, whole->device,
+                                   row, (size_t)outer));
+        else
+            CPAR_TRY(cpar__copy_2d(ctx, fn, w, whole_pitch, whole->device, pieces[i]->data, row, pieces[i]->device,
+                                   row, (size_t)outer));
+        off += row;
+    }
+    return CPAR_OK;
+}
+
+cpar_status cpar_split(cpar_ctx *ctx, const cpar_tensor *in, int dim, int n, cpar_tensor *const *out) {
+    static const char fn[] = "cpar_split";
+    CPAR_TRY(cpar__check_pieces(ctx, fn, "in", in, "out", out, n, &dim));
+    for (int i = 0; i < n; i++)
+        if (cpar__ranges_overlap(out[i]->data, cpar_tensor_nbytes(out[i]), in->data, cpar_tensor_nbytes(in)))
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out[%d] overlaps in", fn, i);
+    return cpar__split_concat(ctx, fn, in, dim, out, n, true);
+}
+
+cpar_status cpar_concat(cpar_ctx *ctx, cpar_tensor *const *in, int n, int dim, cpar_tensor *out) {
+    static const char fn[] = "cpar_concat";
+    CPAR_TRY(cpar__check_pieces(ctx, fn, "out", out, "in", in, n, &dim));
+    for (int i = 0; i < n; i++)
+        if (cpar__ranges_overlap(in[i]->data, cpar_tensor_nbytes(in[i]), out->data, cpar_tensor_nbytes(out)))
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in[%d] overlaps out", fn, i);
+    return cpar__split_concat(ctx, fn, out, dim, in, n, false);
+}
+
+cpar_status cpar_row_reduce(cpar_ctx *ctx, const cpar_tensor *in, cpar_row_op op, cpar_tensor *out) {
+    static const char fn[] = "cpar_row_reduce";
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "in", in));
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "out", out));
+    CPAR_TRY(cpar__check_float(ctx, fn, "in", in));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "out", out, CPAR_F32));
+    if ((unsigned)op > CPAR_ROW_LOGSUMEXP)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: op is %d, expected CPAR_ROW_SUM, _MAX or _LOGSUMEXP", fn, (int)op);
+    if (in->ndim < 1 || in->shape[in->ndim - 1] < 1)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in needs a last dimension of at least 1", fn);
+    if (out->device != in->device)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is on device %d, expected device %d (as in)", fn,
+                          out->device, in->device);
+    int64_t cols = in->shape[in->ndim - 1], rows = cpar_tensor_numel(in) / cols;
+    if (cpar_tensor_numel(out) != rows)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out has %lld elements, expected %lld (rows of in)", fn,
+                          (long long)cpar_tensor_numel(out), (long long)rows);
+    if (!cpar__on_device(in->device)) cpar__host_row_reduce(out->data, in->data, in->dtype, rows, cols, op);
+    else CPAR_DEV_TRY(ctx, fn, cpar_dev_row_reduce(out->data, in->data, in->dtype, rows, cols, op, ctx->compute));
+    return CPAR_OK;
+}
+
+/* ==== 7. Rendezvous store and launch environment =========================
+ * A TCP key-value store hosted by rank 0 (set, get-with-wait, add, barrier)
+ * and the reader of torchrun / SLURM variables. Uses: 1, 2. */
+
+#include "wip/store.c"
+
+/* ==== 8. Host backend ====================================================
+ * Ranks are threads of one process (cpar_spawn). A job holds one mutex and
+ * condition variable; every group has an hcomm with a slot per member and a
+ * mailbox per ordered pair. A collective posts its slot, meets the others at
+ * a rendezvous, moves data by pulling from the peers' posted buffers, and
+ * meets them again so no buffer is released while a peer still reads it.
+ * Every wait has the context's deadline; a failed, aborted or finished rank
+ * releases its waiting peers with CPAR_ERR_PEER. The sim backend uses the same
+ * code with device pointers (its copies and reductions go through section 4).
+ * Uses: 1-6. */
+
+struct cpar__job {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int nranks;
+    bool failed;           /* a rank failed, timed out or aborted */
+    int failed_rank;
+    cpar_status failed_status;
+    bool *exited;          /* [nranks] the rank's function returned */
+};
+
+typedef struct cpar__slot {    /* one member's description of the current collective */
+    int kind;                  /* cpar_coll_kind, or CPAR__KIND_EXCHANGE */
+    cpar_dtype dtype;
+    int op, root;
+    int64_t rows, row_elems;   /* dim 0 of the input and elements per row */
+    const void *in;
+    void *out;
+    const int64_t *sizes;      /* all-gather / reduce-scatter per-rank rows, or NULL */
+    const int64_t *in_splits, *out_splits;
+} cpar__slot;
+#define CPAR__KIND_EXCHANGE CPAR_COLL_KIND_COUNT
+
+typedef struct cpar__mailbox {
+    const void *ptr;
+    size_t bytes;
+    uint64_t posted, taken;
+} cpar__mailbox;
+
+struct cpar__hcomm {
+    cpar__job *job;
+    int n;
+    int *world_ranks;          /* [n] */
+    uint64_t *entered;         /* [n] rendezvous entered by each member */
+    uint64_t gen;              /* completed rendezvous */
+    int count;                 /* members waiting in the current one */
+    cpar__slot *slot;          /* [n] */
+    cpar__mailbox *box;        /* [n*n], box[src*n + dst] */
+    atomic_int refs;
+};
+
+static cpar__job *cpar__job_create(int nranks) {
+    cpar__job *job = calloc(1, sizeof *job);
+    if (!job) return NULL;
+    job->exited = calloc((size_t)nranks, sizeof *job->exited);
+    if (!job->exited) { free(job); return NULL; }
+    pthread_mutex_init(&job->mu, NULL);
+    pthread_cond_init(&job->cv, NULL);
+    job->nranks = nranks;
+    job->failed_rank = -1;
+    return job;
+}
+
+static void cpar__job_destroy(cpar__job *job) {
+    if (!job) return;
+    pthread_mutex_destroy(&job->mu);
+    pthread_cond_destroy(&job->cv);
+    free(job->exited);
+    free(job);
+}
+
+/* Mark the job failed (first failure wins) and wake every waiter. */
+static void cpar__job_fail(cpar__job *job, int rank, cpar_status st) {
+    pthread_mutex_lock(&job->mu);
+    if (!job->failed) {
+        job->failed = true;
+        job->failed_rank = rank;
+        job->failed_status = st;
+    }
+    pthread_cond_broadcast(&job->cv);
+    pthread_mutex_unlock(&job->mu);
+}
+
+static void cpar__job_exit(cpar__job *job, int rank) {
+    pthread_mutex_lock(&job->mu);
+    job->exited[rank] = true;
+    pthread_cond_broadcast(&job->cv);
+    pthread_mutex_unlock(&job->mu);
+}
+
+static cpar__hcomm *cpar__hcomm_create(cpar__job *job, int n, const int *world_ranks) {
+    cpar__hcomm *hc = calloc(1, sizeof *hc);
+    if (!hc) return NULL;
+    hc->world_ranks = malloc((size_t)n * sizeof *hc->world_ranks);
+    hc->entered = calloc((size_t)n, sizeof *hc->entered);
+    hc->slot = calloc((size_t)n, sizeof *hc->slot);
+    hc->box = calloc((size_t)n * (size_t)n, sizeof *hc->box);
+    if (!hc->world_ranks || !hc->entered || !hc->slot || !hc->box) {
+        free(hc->world_ranks); free(hc->entered); free(hc->slot); free(hc->box); free(hc);
+        return NULL;
+    }
+    memcpy(hc->world_ranks, world_ranks, (size_t)n * sizeof *hc->world_ranks);
+    hc->job = job;
+    hc->n = n;
+    atomic_init(&hc->refs, n);
+    return hc;
+}
+
+static void cpar__hcomm_release(cpar__hcomm *hc) {
+    if (!hc || atomic_fetch_sub(&hc->refs, 1) != 1) return;
+    free(hc->world_ranks); free(hc->entered); free(hc->slot); free(hc->box); free(hc);
+}
+
+/* What a waiter waits for; all fields read under job->mu. */
+typedef enum { CPAR__WAIT_RENDEZVOUS, CPAR__WAIT_MAIL, CPAR__WAIT_TAKEN } cpar__wait_kind;
+typedef struct cpar__wait {
+    cpar__wait_kind kind;
+    int peer;        /* mail: the sender; taken: the receiver */
+    uint64_t target; /* rendezvous: generation to leave; mail/taken: count to reach */
+} cpar__wait;
+
+static bool cpar__wait_done(const cpar__hcomm *hc, int me, const cpar__wait *w) {
+    switch (w->kind) {
+    case CPAR__WAIT_RENDEZVOUS: return hc->gen >= w->target;
+    case CPAR__WAIT_MAIL: return hc->box[(size_t)w->peer * (size_t)hc->n + (size_t)me].posted >= w->target;
+    default: return hc->box[(size_t)me * (size_t)hc->n + (size_t)w->peer].taken >= w->target;
+    }
+}
+
+/* Is group member m among those this wait still needs? */
+static bool cpar__wait_needs(const cpar__hcomm *hc, int me, const cpar__wait *w, int m) {
+    if (w->kind != CPAR__WAIT_RENDEZVOUS) return m == w->peer;
+    return m != me && hc->entered[m] < hc->entered[me];
+}
+
+/* Block (job->mu held) until w is done, the job fails, a needed member has
+ * exited, or the deadline passes. */
+static cpar_status cpar__wait_locked(cpar_group *g, const char *fn, const cpar__wait *w, int64_t deadline) {
+    cpar__hcomm *hc = g->hc;
+    cpar__job *job = hc->job;
+    cpar_ctx *ctx = g->ctx;
+    const char *what = w->kind == CPAR__WAIT_RENDEZVOUS ? "collective" : w->kind == CPAR__WAIT_MAIL ? "send" : "receive";
+    for (;;) {
+        if (cpar__wait_done(hc, g->rank, w)) return CPAR_OK;
+        if (job->failed) {
+            int fr = job->failed_rank;
+            cpar_status fs = job->failed_status;
+            return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d failed (%s); abandoning the %s", fn, fr,
+                              cpar_status_string(fs), what);
+        }
+        for (int m = 0; m < hc->n; m++)
+            if (cpar__wait_needs(hc, g->rank, w, m) && job->exited[hc->world_ranks[m]])
+                return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d returned from its function without joining the %s",
+                                  fn, hc->world_ranks[m], what);
+        int64_t left = deadline - cpar__now_ms();
+        if (left > 0) {
+            struct timespec ts = cpar__abs_deadline(left < 100 ? left : 100);
+            pthread_cond_timedwait(&job->cv, &job->mu, &ts);
+            continue;
+        }
+        char who[256];
+        size_t len = 0;
+        int missing = 0;
+        who[0] = 0;
+        for (int m = 0; m < hc->n && len < sizeof who - 16; m++)
+            if (cpar__wait_needs(hc, g->rank, w, m))
+                len += (size_t)snprintf(who + len, sizeof who - len, "%s%d", missing++ ? "," : "", hc->world_ranks[m]);
+        /* A timed-out job is broken: release the peers that are still waiting. */
+        if (!job->failed) {
+            job->failed = true;
+            job->failed_rank = ctx->rank;
+            job->failed_status = CPAR_ERR_TIMEOUT;
+            pthread_cond_broadcast(&job->cv);
+        }
+        return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: %s timed out after %d ms waiting for rank%s %s", fn, what,
+                          ctx->timeout_ms, missing == 1 ? "" : "s", who);
+    }
+}
+
+/* Meet every member of g. */
+static cpar_status cpar__hc_rendezvous(cpar_group *g, const char *fn) {
+    cpar__hcomm *hc = g->hc;
+    cpar__job *job = hc->job;
+    int64_t deadline = cpar__now_ms() + g->ctx->timeout_ms;
+    pthread_mutex_lock(&job->mu);
+    cpar_status st = CPAR_OK;
+    if (job->failed) {
+        cpar__wait none = {CPAR__WAIT_RENDEZVOUS, -1, UINT64_MAX};
+        st = cpar__wait_locked(g, fn, &none, deadline); /* reports the failure */
+    } else {
+        hc->entered[g->rank]++;
+        cpar__wait w = {CPAR__WAIT_RENDEZVOUS, -1, hc->gen + 1};
+        if (++hc->count == hc->n) {
+            hc->count = 0;
+            hc->gen++;
+            pthread_cond_broadcast(&job->cv);
+        } else {
+            st = cpar__wait_locked(g, fn, &w, deadline);
+        }
+    }
+    pthread_mutex_unlock(&job->mu);
+    return st;
+}
+
+/* Post this member's slot. The rendezvous that follows publishes it. */
+static void cpar__hc_post(cpar_group *g, const cpar__slot *s) {
+    pthread_mutex_lock(&g->hc->job->mu);
+    g->hc->slot[g->rank] = *s;
+    pthread_mutex_unlock(&g->hc->job->mu);
+}
+
+/* Every member contributes bytes of host memory; all[] gets them in group
+ * rank order (used by group split). */
+static cpar_status cpar__hc_exchange(cpar_group *g, const char *fn, const void *mine, size_t bytes, void *all) {
+    cpar__slot s = {.kind = CPAR__KIND_EXCHANGE, .rows = (int64_t)bytes, .in = mine};
+    cpar__hc_post(g, &s);
+    CPAR_TRY(cpar__hc_rendezvous(g, fn));
+    for (int m = 0; m < g->size; m++) memcpy((char *)all + (size_t)m * bytes, g->hc->slot[m].in, bytes);
+    return cpar__hc_rendezvous(g, fn);
+}
+
+/* Even share [lo, hi) of n items for member r of size members. */
+static void cpar__even_share(int64_t n, int size, int r, int64_t *lo, int64_t *hi) {
+    int64_t q = n / size, rem = n % size;
+    *lo = r * q + cpar__min64(r, rem);
+    *hi = *lo + q + (r < rem);
+}
+
+/* outs[k][out_off + i] = op over j of ins[j][in_off + i], i < count, in rank
+ * order with fp32 accumulation of float types. On host memory it works in
+ * blocks through a stack accumulator; on device memory through an fp32 (or
+ * integer) accumulator in the workspace and the reduce/cast kernels. */
+static cpar_status cpar__reduce_rows(cpar_ctx *ctx, const char *fn, cpar_dtype dt, cpar_reduce_op op, int device,
+                                     const void *const *ins, int nin, int64_t in_off, void *const *outs, int nout,
+                                     int64_t out_off, int64_t count) {
+    if (count <= 0) return CPAR_OK;
+    size_t es = cpar_dtype_size(dt);
+    bool isf = cpar_dtype_is_float(dt);
+    cpar_dtype acc_dt = isf ? CPAR_F32 : dt;
+    size_t acc_es = cpar_dtype_size(acc_dt);
+    if (!cpar__on_device(device)) {
+        enum { B = 1024 };
+        int64_t acc[B]; /* 8 KiB, aligned for every accumulator type */
+        for (int64_t b = 0; b < count; b += B) {
+            int64_t len = cpar__min64(B, count - b);
+            cpar__host_cast(acc, acc_dt, (const char *)ins[0] + (size_t)(in_off + b) * es, dt, len);
+            for (int j = 1; j < nin; j++)
+                cpar__host_reduce_into(acc, (const char *)ins[j] + (size_t)(in_off + b) * es, dt, len, op);
+            for (int k = 0; k < nout; k++)
+                cpar__host_cast((char *)outs[k] + (size_t)(out_off + b) * es, dt, acc, acc_dt, len);
+        }
+        return CPAR_OK;
+    }
+    void *acc;
+    CPAR_TRY(cpar__workspace(ctx, fn, (size_t)count * acc_es, &acc));
+    cpar_dev_stream s = ctx->compute;
+    CPAR_DEV_TRY(ctx, fn, cpar_dev_cast(acc, acc_dt, (const char *)ins[0] + (size_t)in_off * es, dt, count, s));
+    for (int j = 1; j < nin; j++)
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_reduce_into(acc, (const char *)ins[j] + (size_t)in_off * es, dt, count, op, s));
+    for (int k = 0; k < nout; k++)
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_cast((char *)outs[k] + (size_t)out_off * es, dt, acc, acc_dt, count, s));
+    return CPAR_OK;
+}
+
+/* Describe a slot for mismatch messages: "all_gather(f16, 24 rows x 3)". */
+static const char *cpar__slot_str(const cpar__slot *s, char *buf, size_t cap) {
+    if (s->kind == CPAR__KIND_EXCHANGE) snprintf(buf, cap, "group split");
+    else snprintf(buf, cap, "%s(%s, %lld rows x %lld)", cpar_coll_kind_name((cpar_coll_kind)s->kind),
+                  cpar_dtype_name(s->dtype), (long long)s->rows, (long long)s->row_elems);
+    return buf;
+}
+
+/* Every member sees every slot, so every member reaches the same verdict. */
+static cpar_status cpar__hc_validate(cpar_group *g, const char *fn) {
+    const cpar__slot *sl = g->hc->slot, *a = &sl[0];
+    int n = g->size;
+    for (int m = 1; m < n; m++) {
+        const cpar__slot *b = &sl[m];
+        bool same = a->kind == b->kind && a->dtype == b->dtype && a->op == b->op && a->root == b->root &&
+                    a->row_elems == b->row_elems && (a->sizes == NULL) == (b->sizes == NULL);
+        /* Row counts may differ only where each rank has its own: all-to-all
+         * and all-gather with explicit sizes (checked against sizes below). */
+        bool own_rows = a->kind == CPAR_COLL_ALL_TO_ALL || (a->kind == CPAR_COLL_ALL_GATHER && a->sizes);
+        if (same && !own_rows) same = a->rows == b->rows;
+        for (int r = 0; same && a->sizes && r < n; r++) same = a->sizes[r] == b->sizes[r];
+        if (!same) {
+            char sa[96], sb[96];
+            return cpar__fail(g->ctx, CPAR_ERR_INVALID,
+                              "%s: group members disagree: rank %d called %s, rank %d called %s", fn,
+                              g->world_ranks[0], cpar__slot_str(a, sa, sizeof sa), g->world_ranks[m],
+                              cpar__slot_str(b, sb, sizeof sb));
+        }
+    }
+    if (a->kind == CPAR_COLL_ALL_TO_ALL)
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < n; j++)
+                if (sl[i].in_splits[j] != sl[j].out_splits[i])
+                    return cpar__fail(g->ctx, CPAR_ERR_INVALID,
+                                      "%s: rank %d sends %lld rows to rank %d, which expects %lld from it", fn,
+                                      g->world_ranks[i], (long long)sl[i].in_splits[j], g->world_ranks[j],
+                                      (long long)sl[j].out_splits[i]);
+    return CPAR_OK;
+}
+
+/* Post, meet, check agreement, move this member's share, meet again. */
+static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar__slot *mine) {
+    cpar_ctx *ctx = g->ctx;
+    cpar__hcomm *hc = g->hc;
+    int n = g->size, me = g->rank, dev = ctx->device;
+    cpar__hc_post(g, mine);
+    CPAR_TRY(cpar__hc_rendezvous(g, fn));
+    cpar_status st = cpar__hc_validate(g, fn);
+    const cpar__slot *sl = hc->slot;
+    size_t es = cpar_dtype_size(mine->dtype), row = (size_t)mine->row_elems * es;
+    const void *ins[256];
+    void *outs[256];
+    for (int m = 0; m < n && m < 256; m++) {
+        ins[m] = sl[m].in;
+        outs[m] = sl[m].out;
+    }
+    if (st == CPAR_OK) switch (mine->kind) {
+    case CPAR_COLL_ALL_REDUCE: {
+        /* Member me reduces its even share of the elements and writes it into
+         * every member's output: nobody else touches those elements, so
+         * in-place (out == in) is safe without a scratch copy. */
+        int64_t lo, hi;
+        cpar__even_share(mine->rows * mine->row_elems, n, me, &lo, &hi);
+        st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, lo, outs, n, lo, hi - lo);
+        break;
+    }
+    case CPAR_COLL_REDUCE_SCATTER: {
+        int64_t off = 0;
+        for (int m = 0; m < me; m++) off += mine->sizes ? mine->sizes[m] : sl[m].rows / n;
+        int64_t rows = mine->sizes ? mine->sizes[me] : mine->rows / n;
+        st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, off * mine->row_elems,
+                               &mine->out, 1, 0, rows * mine->row_elems);
+        break;
+    }
+    case CPAR_COLL_ALL_GATHER: {
+        size_t off = 0;
+        for (int m = 0; m < n && st == CPAR_OK; m++) {
+            size_t bytes = (size_t)sl[m].rows * row;
+            st = cpar__copy_bytes(ctx, fn, (char *)mine->out + off, dev, sl[m].in, dev, bytes);
+            off += bytes;
+        }
+        break;
+    }
+    case CPAR_COLL_ALL_TO_ALL: {
+        size_t off = 0;
+        for (int m = 0; m < n && st == CPAR_OK; m++) {
+            int64_t src_row = 0;
+            for (int j = 0; j < me; j++) src_row += sl[m].in_splits[j];
+            size_t bytes = (size_t)mine->out_splits[m] * row;
+            st = cpar__copy_bytes(ctx, fn, (char *)mine->out + off, dev, (const char *)sl[m].in + (size_t)src_row * row,
+                                  dev, bytes);
+            off += bytes;
+        }
+        break;
+    }
+    case CPAR_COLL_BROADCAST:
+        if (me != mine->root)
+            st = cpar__copy_bytes(ctx, fn, mine->out, dev, sl[mine->root].in, dev, (size_t)mine->rows * row);
+        break;
+    default: break;
+    }
+    /* Device work reads peers' buffers: finish it before releasing them. */
+    if (st == CPAR_OK && cpar__on_device(dev)) {
+        cpar_status ds = cpar_dev_stream_sync(ctx->compute);
+        if (ds != CPAR_OK) st = cpar__dev_fail(ctx, ds, fn);
+    }
+    cpar_status st2 = cpar__hc_rendezvous(g, fn);
+    return st != CPAR_OK ? st : st2;
+}
+
+/* Pairwise exchange through the mailboxes: post the send, take the receive,
+ * then wait until the receiver took ours (our buffer stays valid until then). */
+static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *send, size_t send_bytes, int to,
+                                     void *recv, size_t recv_bytes, int from) {
+    cpar__hcomm *hc = g->hc;
+    cpar__job *job = hc->job;
+    cpar_ctx *ctx = g->ctx;
+    int me = g->rank, n = hc->n;
+    int64_t deadline = cpar__now_ms() + ctx->timeout_ms;
+    cpar_status st = CPAR_OK;
+    pthread_mutex_lock(&job->mu);
+    uint64_t sent_no = 0;
+    if (job->failed) {
+        cpar__wait none = {CPAR__WAIT_RENDEZVOUS, -1, UINT64_MAX};
+        st = cpar__wait_locked(g, fn, &none, deadline);
+        pthread_mutex_unlock(&job->mu);
+        return st;
+    }
+    if (to >= 0) {
+        cpar__mailbox *b = &hc->box[(size_t)me * (size_t)n + (size_t)to];
+        b->ptr = send;
+        b->bytes = send_bytes;
+        sent_no = ++b->posted;
+        pthread_cond_broadcast(&job->cv);
+    }
+    if (from >= 0) {
+        cpar__mailbox *b = &hc->box[(size_t)from * (size_t)n + (size_t)me];
+        cpar__wait w = {CPAR__WAIT_MAIL, from, b->taken + 1};
+        st = cpar__wait_locked(g, fn, &w, deadline);
+        if (st == CPAR_OK) {
+            const void *src = b->ptr;
+            size_t bytes = b->bytes;
+            pthread_mutex_unlock(&job->mu);
+            if (bytes != recv_bytes)
+                st = cpar__fail(ctx, CPAR_ERR_INVALID, "%s: rank %d sent %zu bytes, the receive buffer has %zu", fn,
+                                hc->world_ranks[from], bytes, recv_bytes);
+            else
+                st = cpar__copy_bytes(ctx, fn, recv, ctx->device, src, ctx->device, bytes);
+            if (st == CPAR_OK && cpar__on_device(ctx->device)) {
+                cpar_status ds = cpar_dev_stream_sync(ctx->compute);
+                if (ds != CPAR_OK) st = cpar__dev_fail(ctx, ds, fn);
+            }
+            pthread_mutex_lock(&job->mu);
+            b->taken++;
+            pthread_cond_broadcast(&job->cv);
+        }
+    }
+    if (st == CPAR_OK && to >= 0) {
+        cpar__wait w = {CPAR__WAIT_TAKEN, to, sent_no};
+        st = cpar__wait_locked(g, fn, &w, deadline);
+    }
+    pthread_mutex_unlock(&job->mu);
+    return st;
+}
+
+/* ==== 9. NCCL backend ====================================================
+ * One communicator per group, created non-blocking (blocking = 0) and polled
+ * with ncclCommGetAsyncError against the context's deadline; on a failure or
+ * a timeout the communicator is aborted so no rank hangs in a kernel. In
+ * single-process mode a failed peer (cpar__job) also aborts the wait.
+ * Uses: 1-4, 8 (job state). */
+
+#ifdef CPAR_WITH_NCCL
+static ncclDataType_t cpar__nccl_dtype(cpar_dtype dt) {
+    switch (dt) {
+    case CPAR_F32: return ncclFloat32;
+    case CPAR_F16: return ncclFloat16;
+    case CPAR_BF16: return ncclBfloat16;
+    case CPAR_I32: return ncclInt32;
+    case CPAR_I64: return ncclInt64;
+    default: return ncclUint8;
+    }
+}
+
+static ncclRedOp_t cpar__nccl_op(cpar_reduce_op op) { return op == CPAR_SUM ? ncclSum : op == CPAR_MAX ? ncclMax : ncclMin; }
+
+static cpar_status cpar__nccl_fail(cpar_ctx *ctx, const char *fn, const char *call, ncclResult_t r, ncclComm_t comm) {
+    const char *detail = comm ? ncclGetLastError(comm) : NULL;
+    return cpar__fail(ctx, r == ncclRemoteError ? CPAR_ERR_PEER : CPAR_ERR_NCCL, "%s: %s failed: %s%s%s", fn, call,
+                      ncclGetErrorString(r), detail && *detail ? ": " : "", detail ? detail : "");
+}
+
+/* Poll comm until its pending operation settles. */
+static cpar_status cpar__nccl_wait(cpar_ctx *ctx, const char *fn, const char *call, ncclComm_t comm, ncclResult_t r) {
+    int64_t deadline = cpar__now_ms() + ctx->timeout_ms;
+    while (r == ncclInProgress) {
+        if (ctx->job && ctx->job->failed) {
+            ncclCommAbort(comm);
+            return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d failed (%s); NCCL communicator aborted", fn,
+                              ctx->job->failed_rank, cpar_status_string(ctx->job->failed_status));
+        }
+        if (cpar__now_ms() > deadline) {
+            ncclCommAbort(comm);
+            if (ctx->job) cpar__job_fail(ctx->job, ctx->rank, CPAR_ERR_TIMEOUT);
+            return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: %s still in progress after %d ms; communicator aborted", fn,
+                              call, ctx->timeout_ms);
+        }
+        struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+        ncclResult_t q = ncclCommGetAsyncError(comm, &r);
+        if (q != ncclSuccess) r = q;
+    }
+    if (r != ncclSuccess) {
+        cpar_status st = cpar__nccl_fail(ctx, fn, call, r, comm);
+        ncclCommAbort(comm);
+        return st;
+    }
+    return CPAR_OK;
+}
+
+#define CPAR_NCCL_TRY(ctx, fn, comm, call)                                                                   \
+    do {                                                                                                     \
+        ncclResult_t r_ = (call);                                                                            \
+        CPAR_TRY(cpar__nccl_wait((ctx), (fn), #call, (comm), r_));                                           \
+    } while (0)
+
+static ncclConfig_t cpar__nccl_config(void) {
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0; /* every call returns; cpar polls with a deadline */
+    return cfg;
+}
+
+static cpar_status cpar__nccl_comm_init(cpar_ctx *ctx, const char *fn, const void *id128, ncclComm_t *out) {
+    ncclUniqueId id;
+    memcpy(&id, id128, sizeof id);
+    ncclConfig_t cfg = cpar__nccl_config();
+    ncclResult_t r = ncclCommInitRankConfig(out, ctx->world, id, ctx->rank, &cfg);
+    if (r != ncclSuccess && r != ncclInProgress) return cpar__nccl_fail(ctx, fn, "ncclCommInitRankConfig", r, NULL);
+    return cpar__nccl_wait(ctx, fn, "ncclCommInitRankConfig", *out, r);
+}
+
+static cpar_status cpar__nccl_split(cpar_group *parent, const char *fn, int color, int key, ncclComm_t *out) {
+    ncclConfig_t cfg = cpar__nccl_config();
+    *out = NULL;
+    ncclResult_t r = ncclCommSplit(parent->nccl, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, out, &cfg);
+    if (r != ncclSuccess && r != ncclInProgress) return cpar__nccl_fail(parent->ctx, fn, "ncclCommSplit", r, parent->nccl);
+    return cpar__nccl_wait(parent->ctx, fn, "ncclCommSplit", parent->nccl, r);
+}
+
+static void cpar__nccl_destroy(ncclComm_t comm, bool aborted) {
+    if (!comm) return;
+    if (aborted) {
+        ncclCommAbort(comm);
+        return;
+    }
+    ncclResult_t r = ncclCommFinalize(comm);
+    ncclResult_t state = r;
+    int64_t deadline = cpar__now_ms() + 10000;
+    while (state == ncclInProgress && cpar__now_ms() < deadline) {
+        struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+        if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) break;
+    }
+    if (state == ncclSuccess) ncclCommDestroy(comm);
+    else ncclCommAbort(comm);
+}
+
+/* Enqueue one collective described by the caller's slot on the compute stream. */
+static cpar_status cpar__nccl_collective(cpar_group *g, const char *fn, const cpar__slot *c) {
+    cpar_ctx *ctx = g->ctx;
+    ncclComm_t comm = g->nccl;
+    cudaStream_t s = (cudaStream_t)ctx->compute;
+    ncclDataType_t dt = cpar__nccl_dtype(c->dtype);
+    size_t es = cpar_dtype_size(c->dtype), row = (size_t)c->row_elems * es;
+    int n = g->size, me = g->rank;
+    switch (c->kind) {
+    case CPAR_COLL_ALL_REDUCE:
+        CPAR_NCCL_TRY(ctx, fn, comm, ncclAllReduce(c->in, c->out, (size_t)(c->rows * c->row_elems), dt,
+                                                    cpar__nccl_op((cpar_reduce_op)c->op), comm, s));
+        return CPAR_OK;
+    case CPAR_COLL_BROADCAST:
+        CPAR_NCCL_TRY(ctx, fn, comm, ncclBroadcast(c->in, c->out, (size_t)(c->rows * c->row_elems), dt, c->root, comm, s));
+        return CPAR_OK;
+    case CPAR_COLL_ALL_GATHER:
+        if (!c->sizes) {
+            CPAR_NCCL_TRY(ctx, fn, comm, ncclAllGather(c->in, c->out, (size_t)(c->rows * c->row_elems), dt, comm, s));
+            return CPAR_OK;
+        }
+        /* Uneven: every rank broadcasts its rows into its place, in one group call. */
+        CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupStart());
+        for (int r = 0, off = 0; r < n; off += (int)c->sizes[r], r++) {
+            char *dst = (char *)c->out + (size_t)off * row;
+            ncclBroadcast(r == me ? c->in : dst, dst, (size_t)(c->sizes[r] * c->row_elems), dt, r, comm, s);
+        }
+        CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupEnd());
+        return CPAR_OK;
+    case CPAR_COLL_REDUCE_SCATTER:
+        if (!c->sizes) {
+            CPAR_NCCL_TRY(ctx, fn, comm, ncclReduceScatter(c->in, c->out, (size_t)(c->rows / n * c->row_elems), dt,
+                                                            cpar__nccl_op((cpar_reduce_op)c->op), comm, s));
+            return CPAR_OK;
+        }
+        /* Uneven: one reduce per rank, rooted at the owner of the rows. */
+        CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupStart());
+        for (int r = 0, off = 0; r < n; off += (int)c->sizes[r], r++) {
+            const char *src = (const char *)c->in + (size_t)off * row;
+            ncclReduce(src, r == me ? c->out : (void *)src, (size_t)(c->sizes[r] * c->row_elems), dt,
+                       cpar__nccl_op((cpar_reduce_op)c->op), r, comm, s);
+        }
+        CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupEnd());
+        return CPAR_OK;
+    case CPAR_COLL_ALL_TO_ALL: {
+        CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupStart());
+        size_t soff = 0, roff = 0;
+        for (int r = 0; r < n; r++) {
+            size_t sb = (size_t)c->in_splits[r] * row, rb = (size_t)c->out_splits[r] * row;
+            if (sb) ncclSend((const char *)c->in + soff, sb, ncclUint8, r, comm, s);
+            if (rb) ncclRecv((char *)c->out + roff, rb, ncclUint8, r, comm, s);
+            soff += sb;
+            roff += rb;
+        }
+        CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupEnd());
+        return CPAR_OK;
+    }
+    default: return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: unknown collective kind %d", fn, c->kind);
+    }
+}
+
+static cpar_status cpar__nccl_sendrecv(cpar_group *g, const char *fn, const void *send, size_t send_bytes, int to,
+                                       void *recv, size_t recv_bytes, int from) {
+    cpar_ctx *ctx = g->ctx;
+    cudaStream_t s = (cudaStream_t)ctx->compute;
+    CPAR_NCCL_TRY(ctx, fn, g->nccl, ncclGroupStart());
+    if (to >= 0) ncclSend(send, send_bytes, ncclUint8, to, g->nccl, s);
+    if (from >= 0) ncclRecv(recv, recv_bytes, ncclUint8, from, g->nccl, s);
+    CPAR_NCCL_TRY(ctx, fn, g->nccl, ncclGroupEnd());
+    return CPAR_OK;
+}
+
+/* Poll every communicator of ctx for asynchronous errors (a peer died). */
+static cpar_status cpar__nccl_check(cpar_ctx *ctx, const char *fn) {
+    for (cpar_group *g = ctx->groups; g; g = g->next) {
+        ncclResult_t state = ncclSuccess;
+        if (!g->nccl || ncclCommGetAsyncError(g->nccl, &state) != ncclSuccess) continue;
+        if (state != ncclSuccess && state != ncclInProgress) return cpar__nccl_fail(ctx, fn, "ncclCommGetAsyncError", state, g->nccl);
+    }
+    return CPAR_OK;
+}
+#endif /* CPAR_WITH_NCCL */
+
+/* ==== 10. Groups =========================================================
+ * A group is a rank's handle on a communicator: its rank, size and world
+ * ranks, the backend's shared state, and its communication statistics.
+ * Split is collective over the parent; on the host backend the members
+ * exchange (color, key) and the new group's first member publishes the
+ * shared state; on NCCL it is ncclCommSplit. Uses: 1-3, 8, 9. */
+
+static cpar_status cpar__group_new(cpar_ctx *ctx, const char *fn, int rank, int size, const int *world_ranks,
+                                   cpar_group **out) {
+    cpar_group *g = calloc(1, sizeof *g);
+    int *wr = malloc((size_t)size * sizeof *wr);
+    if (!g || !wr) {
+        free(g);
+        free(wr);
+        return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate a group of %d ranks", fn, size);
+    }
+    memcpy(wr, world_ranks, (size_t)size * sizeof *wr);
+    g->ctx = ctx;
+    g->rank = rank;
+    g->size = size;
+    g->world_ranks = wr;
+    g->next = ctx->groups;
+    ctx->groups = g;
+    *out = g;
+    return CPAR_OK;
+}
+
+static void cpar__group_free(cpar_group *g) {
+    cpar_ctx *ctx = g->ctx;
+    for (cpar_group **p = &ctx->groups; *p; p = &(*p)->next)
+        if (*p == g) {
+            *p = g->next;
+            break;
+        }
+    for (int k = 0; k < CPAR_GROUP_KIND_COUNT; k++)
+        if (ctx->grid[k] == g) ctx->grid[k] = NULL;
+    if (ctx->world_group == g) ctx->world_group = NULL;
+    cpar__hcomm_release(g->hc);
+#ifdef CPAR_WITH_NCCL
+    cpar__nccl_destroy(g->nccl, ctx->aborted || (ctx->job && ctx->job->failed));
+#endif
+    free(g->world_ranks);
+    free(g);
+}
+
+static cpar_status cpar__check_group(const cpar_group *g, const char *fn) {
+    if (!g) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: group is NULL", fn);
+    return CPAR_OK;
+}
+
+cpar_group *cpar_world_group(cpar_ctx *ctx) { return ctx ? ctx->world_group : NULL; }
+int cpar_group_rank(const cpar_group *g) { return g ? g->rank : -1; }
+int cpar_group_size(const cpar_group *g) { return g ? g->size : 0; }
+int cpar_group_world_rank(const cpar_group *g, int r) { return g && r >= 0 && r < g->size ? g->world_ranks[r] : -1; }
+cpar_ctx *cpar_group_ctx(const cpar_group *g) { return g ? g->ctx : NULL; }
+
+typedef struct cpar__color_key {
+    int color, key, parent_rank;
+} cpar__color_key;
+
+static int cpar__color_key_cmp(const void *a, const void *b) {
+    const cpar__color_key *x = a, *y = b;
+    if (x->key != y->key) return x->key < y->key ? -1 : 1;
+    return (x->parent_rank > y->parent_rank) - (x->parent_rank < y->parent_rank);
+}
+
+/* The parent's (color, key) of every member, in parent rank order. */
+static cpar_status cpar__split_exchange(cpar_group *parent, const char *fn, const cpar__color_key *mine,
+                                        cpar__color_key *all) {
+#ifdef CPAR_WITH_NCCL
+    if (parent->nccl) {
+        cpar_ctx *ctx = parent->ctx;
+        size_t bytes = sizeof *mine;
+        void *ws;
+        CPAR_TRY(cpar__workspace(ctx, fn, bytes * (size_t)(parent->size + 1), &ws));
+        char *d_all = (char *)ws + bytes;
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_memcpy(ws, mine, bytes, CPAR_COPY_H2D, ctx->compute));
+        CPAR_NCCL_TRY(ctx, fn, parent->nccl,
+                      ncclAllGather(ws, d_all, bytes, ncclUint8, parent->nccl, (cudaStream_t)ctx->compute));
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_memcpy(all, d_all, bytes * (size_t)parent->size, CPAR_COPY_D2H, ctx->compute));
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+        return CPAR_OK;
+    }
+#endif
+    return cpar__hc_exchange(parent, fn, mine, sizeof *mine, all);
+}
+
+cpar_status cpar_group_split(cpar_group *parent, int color, int key, cpar_group **out) {
+    static const char fn[] = "cpar_group_split";
+    CPAR_TRY(cpar__check_group(parent, fn));
+    cpar_ctx *ctx = parent->ctx;
+    if (!out) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    *out = NULL;
+    if (color < CPAR_SPLIT_NOCOLOR)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: color is %d, expected >= 0 or CPAR_SPLIT_NOCOLOR", fn, color);
+    int n = parent->size;
+    cpar__color_key mine = {color, key, parent->rank}, *all = malloc((size_t)n * sizeof *all);
+    int *wr = malloc((size_t)n * sizeof *wr);
+    cpar_status st = CPAR_OK;
+    if (!all || !wr) {
+        st = cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate %d entries", fn, n);
+        goto done;
+    }
+    CPAR_TRY_GOTO(cpar__split_exchange(parent, fn, &mine, all), st, done);
+    /* Members of my color ordered by (key, parent rank). */
+    int size = 0, rank = -1;
+    cpar__color_key *mem = all; /* compacted in place: entries of other colors are not needed again */
+    for (int i = 0; i < n; i++)
+        if (color >= 0 && all[i].color == color) mem[size++] = all[i];
+    qsort(mem, (size_t)size, sizeof *mem, cpar__color_key_cmp);
+    for (int i = 0; i < size; i++) {
+        wr[i] = parent->world_ranks[mem[i].parent_rank];
+        if (mem[i].parent_rank == parent->rank) rank = i;
+    }
+#ifdef CPAR_WITH_NCCL
+    if (parent->nccl) {
+        ncclComm_t comm = NULL;
+        CPAR_TRY_GOTO(cpar__nccl_split(parent, fn, color, key, &comm), st, done);
+        if (color >= 0) {
+            st = cpar__group_new(ctx, fn, rank, size, wr, out);
+            if (st != CPAR_OK) cpar__nccl_destroy(comm, false);
+            else (*out)->nccl = comm;
+        }
+        goto done;
+    }
+#endif
+    {
+        /* The new group's rank 0 creates the shared state and publishes it. */
+        cpar__hcomm *hc = NULL;
+        if (rank == 0) {
+            hc = cpar__hcomm_create(parent->hc->job, size, wr);
+            if (!hc) st = cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate the group state", fn);
+        }
+        uint64_t ptrs_mine = (uint64_t)(uintptr_t)hc, *ptrs = malloc((size_t)n * sizeof *ptrs);
+        if (!ptrs) {
+            cpar__hcomm_release(hc);
+            st = cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate %d entries", fn, n);
+            goto done;
+        }
+        /* Exchange even after a local failure so the peers are not left waiting. */
+        cpar_status xs = cpar__hc_exchange(parent, fn, &ptrs_mine, sizeof ptrs_mine, ptrs);
+        if (st == CPAR_OK) st = xs;
+        if (st == CPAR_OK && color >= 0) {
+            int leader = mem[0].parent_rank;
+            hc = (cpar__hcomm *)(uintptr_t)ptrs[leader];
+            if (!hc) st = cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d could not create the group", fn, wr[0]);
+            else if ((st = cpar__group_new(ctx, fn, rank, size, wr, out)) == CPAR_OK) (*out)->hc = hc;
+            else cpar__hcomm_release(hc);
+        }
+        free(ptrs);
+    }
+done:
+    free(all);
+    free(wr);
+    return st;
+}
+
+cpar_status cpar_group_destroy(cpar_group *g) {
+    CPAR_TRY(cpar__check_group(g, "cpar_group_destroy"));
+    if (g == g->ctx->world_group)
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "cpar_group_destroy: g is the world group (freed by cpar_finalize)");
+    cpar__group_free(g);
+    return CPAR_OK;
+}
+
+cpar_status cpar_group_stats(const cpar_group *g, cpar_comm_stats *out) {
+    CPAR_TRY(cpar__check_group(g, "cpar_group_stats"));
+    if (!out) return cpar__fail(g->ctx, CPAR_ERR_INVALID, "cpar_group_stats: out is NULL");
+    *out = g->stats;
+    return CPAR_OK;
+}
+
+cpar_status cpar_group_stats_reset(cpar_group *g) {
+    CPAR_TRY(cpar__check_group(g, "cpar_group_stats_reset"));
+    memset(&g->stats, 0, sizeof g->stats);
+    return CPAR_OK;
+}
+
+/* ==== 11. Collectives ====================================================
+ * The public collectives: argument checks (the same on every backend), the
+ * byte accounting of cpar.h §5, then the backend. A group of size 1 is a
+ * local copy. Uses: 2-4, 8-10. */
+
+const char *cpar_coll_kind_name(cpar_coll_kind k) {
+    static const char *const names[CPAR_COLL_KIND_COUNT] = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                                                             "broadcast",  "send_recv",  "barrier"};
+    return (unsigned)k < CPAR_COLL_KIND_COUNT ? names[k] : "?";
+}
+
+static void cpar__count(cpar_group *g, cpar_coll_kind k, uint64_t sent, uint64_t recv) {
+    g->stats.kind[k].calls++;
+    g->stats.kind[k].bytes_sent += sent;
+    g->stats.kind[k].bytes_recv += recv;
+}
+
+/* Checks every collective's tensor gets: group, then tensor structure on the
+ * context's device, then dtype agreement with the first tensor. */
+static cpar_status cpar__coll_tensor(cpar_group *g, const char *fn, const char *name, const cpar_tensor *t,
+                                     const cpar_tensor *like) {
+    CPAR_TRY(cpar__check_tensor(g->ctx, fn, name, t, g->ctx->device));
+    if (like) CPAR_TRY(cpar__check_dtype(g->ctx, fn, name, t, like->dtype));
+    return CPAR_OK;
+}
+
+static int64_t cpar__row_elems(const cpar_tensor *t) {
+    int64_t r = 1;
+    for (int i = 1; i < t->ndim; i++) r *= t->shape[i];
+    return r;
+}
+
+static cpar_status cpar__check_dim0(cpar_group *g, const char *fn, const char *name, const cpar_tensor *t) {
+    if (t->ndim >= 1) return CPAR_OK;
+    return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: %s is a scalar, expected at least 1 dimension (dim 0 is split)",
+                      fn, name);
+}
+
+/* Shape of `like` with dim 0 set to rows. */
+static void cpar__shape_rows(const cpar_tensor *like, int64_t rows, int64_t *shape) {
+    memcpy(shape, like->shape, sizeof like->shape);
+    shape[0] = rows;
+}
+
+static cpar_status cpar__check_sizes(cpar_group *g, const char *fn, const char *name, const int64_t *sizes,
+                                     int64_t *total) {
+    *total = 0;
+    for (int r = 0; r < g->size; r++) {
+        if (sizes[r] < 0)
+            return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: %s[%d] is %lld, expected >= 0", fn, name, r,
+                              (long long)sizes[r]);
+        *total += sizes[r];
+    }
+    return CPAR_OK;
+}
+
+static cpar_status cpar__run_collective(cpar_group *g, const char *fn, const cpar__slot *c) {
+#ifdef CPAR_WITH_NCCL
+    if (g->nccl) return cpar__nccl_collective(g, fn, c);
+#endif
+    return cpar__hc_collective(g, fn, c);
+}
+
+static cpar_status cpar__check_op(cpar_group *g, const char *fn, cpar_reduce_op op, const cpar_tensor *t) {
+    if ((unsigned)op >= CPAR_REDUCE_OP_COUNT)
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: op is %d, expected CPAR_SUM, CPAR_MAX or CPAR_MIN", fn, (int)op);
+    if (t->dtype == CPAR_U8 && op == CPAR_SUM)
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: u8 supports CPAR_MAX and CPAR_MIN, not CPAR_SUM", fn);
+    return CPAR_OK;
+}
+
+cpar_status cpar_all_reduce(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_reduce_op op) {
+    static const char fn[] = "cpar_all_reduce";
+    CPAR_TRY(cpar__check_group(g, fn));
+    CPAR_TRY(cpar__coll_tensor(g, fn, "in", in, NULL));
+    CPAR_TRY(cpar__coll_tensor(g, fn, "out", out, in));
+    CPAR_TRY(cpar__check_op(g, fn, op, in));
+    CPAR_TRY(cpar__check_shape(g->ctx, fn, "out", out, in->shape, in->ndim, "as in"));
+    if (out->data != in->data && cpar__ranges_overlap(in->data, cpar_tensor_nbytes(in), out->data, cpar_tensor_nbytes(out)))
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: out partially overlaps in (only out == in is allowed)", fn);
+    int n = g->size;
+    int64_t numel = cpar_tensor_numel(in), lo, hi;
+    size_t es = cpar_dtype_size(in->dtype), bytes = (size_t)numel * es;
+    cpar__even_share(numel, n, g->rank, &lo, &hi);
+    uint64_t moved = n > 1 ? (uint64_t)(bytes - (size_t)(hi - lo) * es) + (uint64_t)(n - 1) * (uint64_t)(hi - lo) * es : 0;
+    cpar__count(g, CPAR_COLL_ALL_REDUCE, moved, moved);
+    if (n == 1) return cpar__copy_bytes(g->ctx, fn, out->data, out->device, in->data, in->device, bytes);
+    cpar__slot c = {.kind = CPAR_COLL_ALL_REDUCE, .dtype = in->dtype, .op = op, .rows = numel, .row_elems = 1,
+                    .in = in->data, .out = out->data};
+    return cpar__run_collective(g, fn, &c);
+}
+
+cpar_status cpar_all_gather(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, const int64_t *sizes) {
+    static const char fn[] = "cpar_all_gather";
+    CPAR_TRY(cpar__check_group(g, fn));
+    CPAR_TRY(cpar__coll_tensor(g, fn, "in", in, NULL));
+    CPAR_TRY(cpar__coll_tensor(g, fn, "out", out, in));
+    CPAR_TRY(cpar__check_dim0(g, fn, "in", in));
+    int n = g->size;
+    int64_t total = in->shape[0] * n, want[CPAR_MAX_DIMS];
+    if (sizes) {
+        CPAR_TRY(cpar__check_sizes(g, fn, "sizes", sizes, &total));
+        if (in->shape[0] != sizes[g->rank])
+            return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: in has %lld rows, expected sizes[%d] = %lld", fn,
+                              (long long)in->shape[0], g->rank, (long long)sizes[g->rank]);
+    }
+    cpar__shape_rows(in, total, want);
+    char why[64];
+    snprintf(why, sizeof why, "%d ranks' rows along dim 0", n);
+    CPAR_TRY(cpar__check_shape(g->ctx, fn, "out", out, want, in->ndim, why));
+    if (cpar__ranges_overlap(in->data, cpar_tensor_nbytes(in), out->data, cpar_tensor_nbytes(out)))
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: out overlaps in", fn);
+    size_t own = cpar_tensor_nbytes(in);
+    cpar__count(g, CPAR_COLL_ALL_GATHER, own * (size_t)(n - 1), cpar_tensor_nbytes(out) - own);
+    if (n == 1) return cpar__copy_bytes(g->ctx, fn, out->data, out->device, in->data, in->device, own);
+    cpar__slot c = {.kind = CPAR_COLL_ALL_GATHER, .dtype = in->dtype, .rows = in->shape[0],
+                    .row_elems = cpar__row_elems(in), .in = in->data, .out = out->data, .sizes = sizes};
+    return cpar__run_collective(g, fn, &c);
+}
+
+cpar_status cpar_reduce_scatter(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_reduce_op op,
+                                const int64_t *sizes) {
+    static const char fn[] = "cpar_reduce_scatter";
+    CPAR_TRY(cpar__check_group(g, fn));
+    CPAR_TRY(cpar__coll_tensor(g, fn, "in", in, NULL));
+    CPAR_TRY(cpar__coll_tensor(g, fn, "out", out, in));
+    CPAR_TRY(cpar__check_dim0(g, fn, "in", in));
+    CPAR_TRY(cpar__check_op(g, fn, op, in));
+    int n = g->size;
+    int64_t mine, want[CPAR_MAX_DIMS];
+    if (sizes) {
+        int64_t total;
+        CPAR_TRY(cpar__check_sizes(g, fn, "sizes", sizes, &total));
+        if (total != in->shape[0])
+            return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: sizes add up to %lld, expected in.shape[0] = %lld", fn,
+                              (long long)total, (long long)in->shape[0]);
+        mine = sizes[g->rank];
+    } else {
+        if (in->shape[0] % n)
+            return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: in.shape[0] = %lld is not divisible by the group size %d",
+                              fn, (long long)in->shape[0], n);
+        mine = in->shape[0] / n;
+    }
+    cpar__shape_rows(in, mine, want);
+    CPAR_TRY(cpar__check_shape(g->ctx, fn, "out", out, want, in->ndim, "this rank's rows of in"));
+    if (cpar__ranges_overlap(in->data, cpar_tensor_nbytes(in), out->data, cpar_tensor_nbytes(out)))
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: out overlaps in", fn);
+    size_t own = cpar_tensor_nbytes(out);
+    cpar__count(g, CPAR_COLL_REDUCE_SCATTER, cpar_tensor_nbytes(in) - own, own * (size_t)(n - 1));
+    if (n == 1) return cpar__copy_bytes(g->ctx, fn, out->data, out->device, in->data, in->device, own);
+    cpar__slot c = {.kind = CPAR_COLL_REDUCE_SCATTER, .dtype = in->dtype, .op = op, .rows = in->shape[0],
+                    .row_elems = cpar__row_elems(in), .in = in->data, .out = out->data, .sizes = sizes};
+    return cpar__run_collective(g, fn, &c);
+}
+
+cpar_status cpar_all_to_all_single(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, const int64_t *out_splits,
+                                   const int64_t *in_splits) {
+    static const char fn[] = "cpar_all_to_all_single";
+    CPAR_TRY(cpar__check_group(g, fn));
+    CPAR_TRY(cpar__coll_tensor(g, fn, "in", in, NULL));
+    CPAR_TRY(cpar__coll_tensor(g, fn, "out", out, in));
+    CPAR_TRY(cpar__check_dim0(g, fn, "in", in));
+    CPAR_TRY(cpar__check_dim0(g, fn, "out", out));
+    int n = g->size;
+    int64_t *ins = malloc(2 * (size_t)n * sizeof *ins);
+    if (!ins) return cpar__fail(g->ctx, CPAR_ERR_OOM, "%s: cannot allocate split arrays", fn);
+    int64_t *outs = ins + n, in_total = 0, out_total = 0, want[CPAR_MAX_DIMS];
+    cpar_status st = CPAR_OK;
+    const char *const names[2] = {"in_splits", "out_splits"};
+    const cpar_tensor *ts[2] = {in, out};
+    const int64_t *given[2] = {in_splits, out_splits};
+    int64_t *use[2] = {ins, outs}, *total[2] = {&in_total, &out_total};
+    for (int k = 0; k < 2 && st == CPAR_OK; k++) {
+        if (given[k]) {
+            st = cpar__check_sizes(g, fn, names[k], given[k], total[k]);
+            memcpy(use[k], given[k], (size_t)n * sizeof *ins);
+        } else if (ts[k]->shape[0] % n) {
+            st = cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: %s.shape[0] = %lld is not divisible by the group size %d "
+                            "(pass %s)", fn, k ? "out" : "in", (long long)ts[k]->shape[0], n, names[k]);
+        } else {
+            for (int r = 0; r < n; r++) use[k][r] = ts[k]->shape[0] / n;
+            *total[k] = ts[k]->shape[0];
+        }
+        if (st == CPAR_OK && *total[k] != ts[k]->shape[0])
+            st = cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: %s add up to %lld, expected %s.shape[0] = %lld", fn, names[k],
+                            (long long)*total[k], k ? "out" : "in", (long long)ts[k]->shape[0]);
+    }
+    if (st == CPAR_OK) {
+        cpar__shape_rows(in, out_total, want);
+        st = cpar__check_shape(g->ctx, fn, "out", out, want, in->ndim, "out_splits rows, other dims as in");
+    }
+    if (st == CPAR_OK && cpar__ranges_overlap(in->data, cpar_tensor_nbytes(in), out->data, cpar_tensor_nbytes(out)))
+        st = cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: out overlaps in", fn);
+    if (st == CPAR_OK) {
+        size_t row = (size_t)cpar__row_elems(in) * cpar_dtype_size(in->dtype);
+        cpar__count(g, CPAR_COLL_ALL_TO_ALL, (size_t)(in_total - ins[g->rank]) * row,
+                    (size_t)(out_total - outs[g->rank]) * row);
+        if (n == 1) {
+            st = cpar__copy_bytes(g->ctx, fn, out->data, out->device, in->data, in->device, cpar_tensor_nbytes(in));
+        } else {
+            cpar__slot c = {.kind = CPAR_COLL_ALL_TO_ALL, .dtype = in->dtype, .rows = in->shape[0],
+                            .row_elems = cpar__row_elems(in), .in = in->data, .out = out->data,
+                            .in_splits = ins, .out_splits = outs};
+            st = cpar__run_collective(g, fn, &c);
+        }
+    }
+    free(ins);
+    return st;
+}
+
+cpar_status cpar_broadcast(cpar_group *g, cpar_tensor *buf, int root) {
+    static const char fn[] = "cpar_broadcast";
+    CPAR_TRY(cpar__check_group(g, fn));
+    CPAR_TRY(cpar__coll_tensor(g, fn, "buf", buf, NULL));
+    int n = g->size;
+    if (root < 0 || root >= n)
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: root is %d, expected a group rank in 0..%d", fn, root, n - 1);
+    size_t bytes = cpar_tensor_nbytes(buf);
+    if (g->rank == root) cpar__count(g, CPAR_COLL_BROADCAST, bytes * (size_t)(n - 1), 0);
+    else cpar__count(g, CPAR_COLL_BROADCAST, 0, bytes);
+    if (n == 1) return CPAR_OK;
+    cpar__slot c = {.kind = CPAR_COLL_BROADCAST, .dtype = buf->dtype, .root = root, .rows = cpar_tensor_numel(buf),
+                    .row_elems = 1, .in = buf->data, .out = buf->data};
+    return cpar__run_collective(g, fn, &c);
+}
+
+cpar_status cpar_sendrecv(cpar_group *g, const cpar_tensor *send, int send_to, cpar_tensor *recv, int recv_from) {
+    static const char fn[] = "cpar_sendrecv";
+    CPAR_TRY(cpar__check_group(g, fn));
+    int n = g->size;
+    if ((send == NULL) != (send_to < 0) || (recv == NULL) != (recv_from < 0))
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: give a tensor with a peer for each half (send %s with send_to "
+                          "%d, recv %s with recv_from %d)", fn, send ? "set" : "NULL", send_to, recv ? "set" : "NULL",
+                          recv_from);
+    if (send_to >= n || recv_from >= n)
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: peer %d is not a group rank (size %d)", fn,
+                          send_to >= n ? send_to : recv_from, n);
+    if (send) CPAR_TRY(cpar__coll_tensor(g, fn, "send", send, NULL));
+    if (recv) CPAR_TRY(cpar__coll_tensor(g, fn, "recv", recv, NULL));
+    if (send && recv && send->data != recv->data &&
+        cpar__ranges_overlap(send->data, cpar_tensor_nbytes(send), recv->data, cpar_tensor_nbytes(recv)))
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: recv overlaps send", fn);
+    size_t sb = send ? cpar_tensor_nbytes(send) : 0, rb = recv ? cpar_tensor_nbytes(recv) : 0;
+    bool self_send = send_to == g->rank, self_recv = recv_from == g->rank;
+    cpar__count(g, CPAR_COLL_SEND_RECV, self_send ? 0 : sb, self_recv ? 0 : rb);
+    if (self_send != self_recv || (self_send && sb != rb))
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: a send to oneself needs a matching receive of the same size", fn);
+    if (self_send) return cpar__copy_bytes(g->ctx, fn, recv->data, recv->device, send->data, send->device, sb);
+    if (send && recv && send->data == recv->data)
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: send and recv are the same buffer", fn);
+#ifdef CPAR_WITH_NCCL
+    if (g->nccl) return cpar__nccl_sendrecv(g, fn, send ? send->data : NULL, sb, send_to, recv ? recv->data : NULL, rb, recv_from);
+#endif
+    return cpar__hc_sendrecv(g, fn, send ? send->data : NULL, sb, send_to, recv ? recv->data : NULL, rb, recv_from);
+}
+
+cpar_status cpar_send(cpar_group *g, const cpar_tensor *t, int to) {
+    if (!t) return cpar__fail(g ? g->ctx : NULL, CPAR_ERR_INVALID, "cpar_send: t is NULL");
+    return cpar_sendrecv(g, t, to, NULL, -1);
+}
+
+cpar_status cpar_recv(cpar_group *g, cpar_tensor *t, int from) {
+    if (!t) return cpar__fail(g ? g->ctx : NULL, CPAR_ERR_INVALID, "cpar_recv: t is NULL");
+    return cpar_sendrecv(g, NULL, -1, t, from);
+}
+
+cpar_status cpar_ring_shift(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, int shift) {
+    static const char fn[] = "cpar_ring_shift";
+    CPAR_TRY(cpar__check_group(g, fn));
+    CPAR_TRY(cpar__coll_tensor(g, fn, "in", in, NULL));
+    CPAR_TRY(cpar__coll_tensor(g, fn, "out", out, in));
+    CPAR_TRY(cpar__check_shape(g->ctx, fn, "out", out, in->shape, in->ndim, "as in"));
+    if (cpar__ranges_overlap(in->data, cpar_tensor_nbytes(in), out->data, cpar_tensor_nbytes(out)))
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: out overlaps in", fn);
+    int n = g->size, s = ((shift % n) + n) % n;
+    return cpar_sendrecv(g, in, (g->rank + s) % n, out, (g->rank - s + n) % n);
+}
+
+cpar_status cpar_barrier(cpar_group *g) {
+    static const char fn[] = "cpar_barrier";
+    CPAR_TRY(cpar__check_group(g, fn));
+    cpar__count(g, CPAR_COLL_BARRIER, 0, 0);
+    if (g->size == 1) return CPAR_OK;
+#ifdef CPAR_WITH_NCCL
+    if (g->nccl) {
+        /* One-element all-reduce, then wait for it: what torch.distributed does. */
+        cpar_ctx *ctx = g->ctx;
+        void *ws;
+        CPAR_TRY(cpar__workspace(ctx, fn, sizeof(float), &ws));
+        CPAR_NCCL_TRY(ctx, fn, g->nccl, ncclAllReduce(ws, ws, 1, ncclFloat32, ncclSum, g->nccl, (cudaStream_t)ctx->compute));
+        return cpar_sync(ctx);
+    }
+#endif
+    cpar__slot c = {.kind = CPAR_COLL_BARRIER};
+    return cpar__hc_collective(g, fn, &c);
+}
+
+/* ==== 12. Contexts and start-up ==========================================
+ * A context is one rank: its backend, device, streams, cuBLAS handle,
+ * workspace, groups and last error. cpar_spawn runs ranks as threads;
+ * cpar_init_from_env joins a multi-process job through the store.
+ * Uses: 1-11. */
+
+#define CPAR__MAX_SPAWN 256 /* threads per process; also bounds the host backend's peer tables */
+#define CPAR__NCCL_ID_BYTES 128
+
+const char *cpar_backend_name(cpar_backend b) {
+    static const char *const names[CPAR_BACKEND_COUNT] = {"host", "nccl", "sim"};
+    return (unsigned)b < CPAR_BACKEND_COUNT ? names[b] : "?";
+}
+
+bool cpar_backend_available(cpar_backend b) {
+    switch (b) {
+    case CPAR_BACKEND_HOST: return true;
+#ifdef CPAR_WITH_NCCL
+    case CPAR_BACKEND_NCCL: return cpar_dev_count() > 0;
+#endif
+#ifdef CPAR_SIM
+    case CPAR_BACKEND_SIM: return cpar_dev_count() > 0;
+#endif
+    default: return false;
+    }
+}
+
+static cpar_status cpar__check_backend(const char *fn, cpar_backend b, int nranks) {
+    if ((unsigned)b >= CPAR_BACKEND_COUNT)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: backend is %d, expected CPAR_BACKEND_HOST, _NCCL or _SIM", fn, (int)b);
+    if (!cpar_backend_available(b)) {
+        const char *why = b == CPAR_BACKEND_SIM ? "only test builds (make test) include the CUDA simulator"
+#ifdef CPAR_WITH_NCCL
+                                                : "no GPU is visible (cudaGetDeviceCount found none)";
+#else
+                                                : "this build has no CUDA/NCCL (built with CPAR_CUDA=0)";
+#endif
+        return cpar__fail(NULL, CPAR_ERR_UNSUPPORTED, "%s: backend %s is not available: %s", fn, cpar_backend_name(b), why);
+    }
+    if (b != CPAR_BACKEND_HOST && nranks > cpar_dev_count())
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: nranks is %d, but only %d GPU%s visible (one per rank)", fn,
+                          nranks, cpar_dev_count(), cpar_dev_count() == 1 ? " is" : "s are");
+    return CPAR_OK;
+}
+
+cpar_status cpar_finalize(cpar_ctx *ctx) {
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_finalize: ctx is NULL");
+    if (cpar__on_device(ctx->device)) {
+        cpar_dev_set(ctx->device);
+        cpar_dev_stream_sync(ctx->compute);
+        cpar_dev_stream_sync(ctx->comm);
+    }
+    while (ctx->groups) cpar__group_free(ctx->groups);
+    cpar__mem_free(ctx->device, ctx->ws);
+    if (ctx->blas) cpar_dev_blas_destroy(ctx->blas);
+    if (ctx->compute) cpar_dev_stream_destroy(ctx->compute);
+    if (ctx->comm) cpar_dev_stream_destroy(ctx->comm);
+    if (ctx->store) cpar_store_destroy(ctx->store);
+    free(ctx);
+    return CPAR_OK;
+}
+
+/* A context for rank of world on backend; device state ready, no groups. */
+static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg, int rank, int world, int device,
+                                    cpar_ctx **out) {
+    cpar_ctx *ctx = calloc(1, sizeof *ctx);
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_OOM, "%s: cannot allocate a context", fn);
+    ctx->rank = rank;
+    ctx->world = world;
+    ctx->backend = cfg->backend;
+    ctx->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : cpar__default_timeout_ms();
+    ctx->device = cfg->backend == CPAR_BACKEND_HOST ? CPAR_HOST : device;
+    cpar_status st = CPAR_OK;
+    if (cpar__on_device(ctx->device)) {
+        st = cpar_dev_set(ctx->device);
+        if (st == CPAR_OK) st = cpar_dev_stream_create(&ctx->compute);
+        if (st == CPAR_OK) st = cpar_dev_stream_create(&ctx->comm);
+        if (st == CPAR_OK) st = cpar_dev_blas_create(&ctx->blas);
+        if (st != CPAR_OK) st = cpar__dev_fail(ctx, st, fn);
+    }
+    if (st == CPAR_OK && cfg->workspace_bytes) {
+        void *ws;
+        st = cpar__workspace(ctx, fn, cfg->workspace_bytes, &ws);
+    }
+    if (st != CPAR_OK) {
+        char msg[CPAR_ERR_LEN];
+        snprintf(msg, sizeof msg, "%s", ctx->err);
+        cpar_finalize(ctx);
+        cpar__set_error(NULL, msg);
+        return st;
+    }
+    *out = ctx;
+    return CPAR_OK;
+}
+
+typedef struct cpar__spawn_rank {
+    int rank, nranks;
+    const cpar_init_config *cfg;
+    cpar__job *job;
+    cpar__hcomm *world_hc;
+    const unsigned char *nccl_id;
+    cpar_rank_fn fn;
+    void *arg;
+    cpar_status st;
+    char err[CPAR_ERR_LEN];
+} cpar__spawn_rank;
+
+static cpar_status cpar__spawn_rank_run(cpar__spawn_rank *r, cpar_ctx **pctx) {
+    static const char fn[] = "cpar_spawn";
+    CPAR_TRY(cpar__ctx_create(fn, r->cfg, r->rank, r->nranks, r->rank, pctx));
+    cpar_ctx *ctx = *pctx;
+    ctx->job = r->job;
+    int *ranks = malloc((size_t)r->nranks * sizeof *ranks);
+    if (!ranks) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate the world group", fn);
+    for (int i = 0; i < r->nranks; i++) ranks[i] = i;
+    cpar_status st = cpar__group_new(ctx, fn, r->rank, r->nranks, ranks, &ctx->world_group);
+    free(ranks);
+    CPAR_TRY(st);
+#ifdef CPAR_WITH_NCCL
+    if (r->cfg->backend == CPAR_BACKEND_NCCL) return cpar__nccl_comm_init(ctx, fn, r->nccl_id, &ctx->world_group->nccl);
+#endif
+    ctx->world_group->hc = r->world_hc;
+    atomic_fetch_add(&r->world_hc->refs, 1); /* the job keeps its own reference */
+    return r->fn(ctx, r->arg);
+}
+
+static void *cpar__spawn_thread(void *p) {
+    cpar__spawn_rank *r = p;
+    cpar_ctx *ctx = NULL;
+    r->st = cpar__spawn_rank_run(r, &ctx);
+    if (r->st != CPAR_OK) {
+        const char *msg = ctx && ctx->err[0] ? ctx->err : cpar__tls_err;
+        snprintf(r->err, sizeof r->err, "%s", msg[0] ? msg : cpar_status_string(r->st));
+        cpar__job_fail(r->job, r->rank, r->st);
+    }
+    cpar__job_exit(r->job, r->rank);
+    if (ctx) cpar_finalize(ctx);
+    return NULL;
+}
+
+cpar_status cpar_spawn_with(int nranks, const cpar_init_config *cfg, cpar_rank_fn fn, void *arg) {
+    static const char fnn[] = "cpar_spawn";
+    cpar_init_config c = cfg ? *cfg : (cpar_init_config){0};
+    if (nranks < 1 || nranks > CPAR__MAX_SPAWN)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: nranks is %d, expected 1..%d", fnn, nranks, CPAR__MAX_SPAWN);
+    if (!fn) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: fn is NULL", fnn);
+    if (c.timeout_ms < 0) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: timeout_ms is %d, expected >= 0", fnn, c.timeout_ms);
+    CPAR_TRY(cpar__check_backend(fnn, c.backend, nranks));
+    cpar__job *job = cpar__job_create(nranks);
+    cpar__spawn_rank *ranks = calloc((size_t)nranks, sizeof *ranks);
+    pthread_t *threads = calloc((size_t)nranks, sizeof *threads);
+    int *ids = malloc((size_t)nranks * sizeof *ids);
+    cpar__hcomm *world_hc = NULL;
+    unsigned char nccl_id[CPAR__NCCL_ID_BYTES] = {0};
+    cpar_status st = CPAR_OK;
+    int started = 0;
+    if (!job || !ranks || !threads || !ids) {
+        st = cpar__fail(NULL, CPAR_ERR_OOM, "%s: cannot allocate %d ranks", fnn, nranks);
+        goto done;
+    }
+    for (int i = 0; i < nranks; i++) ids[i] = i;
+    world_hc = cpar__hcomm_create(job, nranks, ids);
+    if (!world_hc) {
+        st = cpar__fail(NULL, CPAR_ERR_OOM, "%s: cannot allocate the world group", fnn);
+        goto done;
+    }
+    atomic_store(&world_hc->refs, 1); /* each rank adds its own */
+#ifdef CPAR_WITH_NCCL
+    if (c.backend == CPAR_BACKEND_NCCL) {
+        ncclUniqueId id;
+        ncclResult_t r = ncclGetUniqueId(&id);
+        if (r != ncclSuccess) {
+            st = cpar__fail(NULL, CPAR_ERR_NCCL, "%s: ncclGetUniqueId failed: %s", fnn, ncclGetErrorString(r));
+            goto done;
+        }
+        memcpy(nccl_id, &id, sizeof id < sizeof nccl_id ? sizeof id : sizeof nccl_id);
+    }
+#endif
+    for (int i = 0; i < nranks; i++) {
+        ranks[i] = (cpar__spawn_rank){.rank = i, .nranks = nranks, .cfg = &c, .job = job, .world_hc = world_hc,
+                                      .nccl_id = nccl_id, .fn = fn, .arg = arg};
+        if (pthread_create(&threads[i], NULL, cpar__spawn_thread, &ranks[i])) {
+            st = cpar__fail(NULL, CPAR_ERR_SYSTEM, "%s: cannot start the thread of rank %d: %s", fnn, i, strerror(errno));
+            cpar__job_fail(job, i, CPAR_ERR_SYSTEM);
+            for (int k = i; k < nranks; k++) cpar__job_exit(job, k);
+            break;
+        }
+        started++;
+    }
+    for (int i = 0; i < started; i++) pthread_join(threads[i], NULL);
+    /* Report the rank that failed first: the others' failures (CPAR_ERR_PEER)
+     * are its consequences. */
+    if (st == CPAR_OK && job->failed) {
+        int fr = job->failed_rank;
+        st = ranks[fr].st != CPAR_OK ? ranks[fr].st : job->failed_status;
+        cpar__fail(NULL, st, "rank %d: %s", fr, ranks[fr].err[0] ? ranks[fr].err : cpar_status_string(st));
+    }
+done:
+    cpar__hcomm_release(world_hc);
+    cpar__job_destroy(job);
+    free(ranks);
+    free(threads);
+    free(ids);
+    return st;
+}
+
+cpar_status cpar_spawn(int nranks, cpar_backend backend, cpar_rank_fn fn, void *arg) {
+    cpar_init_config c = {.backend = backend};
+    return cpar_spawn_with(nranks, &c, fn, arg);
+}
+
+cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
+    static const char fn[] = "cpar_init_from_env";
+    if (!out) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    *out = NULL;
+    cpar_init_config c = cfg ? *cfg : (cpar_init_config){0};
+    if (!cfg) c.backend = CPAR_BACKEND_NCCL;
+    cpar_env env;
+    CPAR_TRY(cpar_env_read(&env));
+    if (c.backend != CPAR_BACKEND_NCCL && env.world_size > 1)
+        return cpar__fail(NULL, CPAR_ERR_UNSUPPORTED, "%s: WORLD_SIZE is %d but the %s backend runs ranks as threads of "
+                          "one process: use cpar_spawn, or CPAR_BACKEND_NCCL for a multi-process job", fn,
+                          env.world_size, cpar_backend_name(c.backend));
+    CPAR_TRY(cpar__check_backend(fn, c.backend, 1));
+    int device = c.device > 0 ? c.device : c.device < 0 ? 0 : env.local_rank;
+    if (c.backend != CPAR_BACKEND_HOST && device >= cpar_dev_count())
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: device %d (LOCAL_RANK %d) is not visible: %d GPU%s", fn, device,
+                          env.local_rank, cpar_dev_count(), cpar_dev_count() == 1 ? "" : "s");
+    cpar_ctx *ctx;
+    CPAR_TRY(cpar__ctx_create(fn, &c, env.rank, env.world_size, device, &ctx));
+    cpar_status st = CPAR_OK;
+    int ranks0 = 0, *ranks = malloc((size_t)env.world_size * sizeof *ranks);
+    if (!ranks) {
+        st = cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate the world group", fn);
+        goto fail;
+    }
+    for (int i = 0; i < env.world_size; i++) ranks[i] = i;
+    st = cpar__group_new(ctx, fn, env.rank, env.world_size, ranks, &ctx->world_group);
+    free(ranks);
+    if (st != CPAR_OK) goto fail;
+    if (c.backend != CPAR_BACKEND_NCCL) {
+        /* A single rank on the host or sim backend: its own one-member job. */
+        ctx->job = cpar__job_create(1);
+        ctx->world_group->hc = ctx->job ? cpar__hcomm_create(ctx->job, 1, &ranks0) : NULL;
+        if (!ctx->world_group->hc) st = cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate the world group", fn);
+        if (st != CPAR_OK) goto fail;
+        *out = ctx;
+        return CPAR_OK;
+    }
+#ifdef CPAR_WITH_NCCL
+    {
+        cpar_store_config sc = {.host = env.master_addr, .port = env.store_port, .is_server = env.rank == 0,
+                                .timeout_ms = ctx->timeout_ms};
+        unsigned char id[CPAR__NCCL_ID_BYTES];
+        size_t len = 0;
+        CPAR_TRY_GOTO(cpar_store_create(&sc, &ctx->store), st, fail);
+        if (env.rank == 0) {
+            ncclUniqueId uid;
+            ncclResult_t r = ncclGetUniqueId(&uid);
+            if (r != ncclSuccess) {
+                st = cpar__fail(ctx, CPAR_ERR_NCCL, "%s: ncclGetUniqueId failed: %s", fn, ncclGetErrorString(r));
+                goto fail;
+            }
+            memcpy(id, &uid, sizeof id);
+            CPAR_TRY_GOTO(cpar_store_set(ctx->store, "cpar/nccl_id/world", id, sizeof id), st, fail);
+        }
+        CPAR_TRY_GOTO(cpar_store_get(ctx->store, "cpar/nccl_id/world", id, sizeof id, &len), st, fail);
+        CPAR_TRY_GOTO(cpar__nccl_comm_init(ctx, fn, id, &ctx->world_group->nccl), st, fail);
+        /* Rank 0 hosts the store: nobody leaves before everyone has read the id. */
+        CPAR_TRY_GOTO(cpar_store_barrier(ctx->store, "cpar/init", env.rank, env.world_size), st, fail);
+        *out = ctx;
+        return CPAR_OK;
+    }
+#endif
+fail: {
+    char msg[CPAR_ERR_LEN];
+    snprintf(msg, sizeof msg, "%s", ctx->err[0] ? ctx->err : cpar__tls_err);
+    if (ctx->job) {
+        cpar__hcomm *hc = ctx->world_group ? ctx->world_group->hc : NULL;
+        if (ctx->world_group) ctx->world_group->hc = NULL;
+        cpar__hcomm_release(hc);
+    }
+    cpar__job *job = ctx->job;
+    cpar_finalize(ctx);
+    cpar__job_destroy(job);
+    cpar__set_error(NULL, msg);
+    return st;
+}
+}
+
+cpar_status cpar_abort(cpar_ctx *ctx) {
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_abort: ctx is NULL");
+    ctx->aborted = true;
+    if (ctx->job) cpar__job_fail(ctx->job, ctx->rank, CPAR_ERR_PEER);
+#ifdef CPAR_WITH_NCCL
+    for (cpar_group *g = ctx->groups; g; g = g->next)
+        if (g->nccl) {
+            ncclCommAbort(g->nccl);
+            g->nccl = NULL;
+        }
+#endif
+    return CPAR_OK;
+}
+
+cpar_status cpar_sync(cpar_ctx *ctx) {
+    static const char fn[] = "cpar_sync";
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    if (!cpar__on_device(ctx->device)) return CPAR_OK;
+    /* Poll rather than block: a dead peer leaves NCCL kernels spinning, and a
+     * blocking synchronize would never return. */
+    int64_t deadline = cpar__now_ms() + ctx->timeout_ms;
+    cpar_dev_stream streams[2] = {ctx->compute, ctx->comm};
+    for (int i = 0; i < 2; i++) {
+        for (;;) {
+            bool done = false;
+            CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_query(streams[i], &done));
+            if (done) break;
+#ifdef CPAR_WITH_NCCL
+            CPAR_TRY(cpar__nccl_check(ctx, fn));
+#endif
+            if (ctx->job && ctx->job->failed)
+                return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d failed (%s)", fn, ctx->job->failed_rank,
+                                  cpar_status_string(ctx->job->failed_status));
+            if (cpar__now_ms() > deadline) {
+                cpar_abort(ctx);
+                return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: device work unfinished after %d ms; communicators aborted",
+                                  fn, ctx->timeout_ms);
+            }
+            struct timespec ts = {0, 100000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    return CPAR_OK;
+}
+
+int cpar_rank(const cpar_ctx *ctx) { return ctx ? ctx->rank : -1; }
+int cpar_world_size(const cpar_ctx *ctx) { return ctx ? ctx->world : 0; }
+int cpar_device(const cpar_ctx *ctx) { return ctx ? ctx->device : CPAR_HOST; }
+cpar_backend cpar_ctx_backend(const cpar_ctx *ctx) { return ctx ? ctx->backend : CPAR_BACKEND_HOST; }
+int cpar_timeout_ms(const cpar_ctx *ctx) { return ctx ? ctx->timeout_ms : 0; }
+
+cpar_status cpar_set_timeout_ms(cpar_ctx *ctx, int ms) {
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_set_timeout_ms: ctx is NULL");
+    if (ms <= 0) return cpar__fail(ctx, CPAR_ERR_INVALID, "cpar_set_timeout_ms: ms is %d, expected > 0", ms);
+    ctx->timeout_ms = ms;
+    return CPAR_OK;
+}
+
+/* ==== 13. Grid ===========================================================
+ * Megatron's parallel state: tp fastest, then cp, dp, pp, i.e.
+ * rank = tp_rank + tp*(cp_rank + cp*(dp_rank + dp*pp_rank)). Each group is a
+ * split of the world whose color is the coordinates the group does not span,
+ * keyed by world rank (Megatron lists group members in rank order).
+ * Uses: 2, 10, 12. */
+
+cpar_status cpar_grid_init(cpar_ctx *ctx, const cpar_grid_config *cfg) {
+    static const char fn[] = "cpar_grid_init";
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    if (!cfg) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg is NULL", fn);
+    int tp = cfg->tp ? cfg->tp : 1, cp = cfg->cp ? cfg->cp : 1, pp = cfg->pp ? cfg->pp : 1, world = ctx->world;
+    if (tp < 0 || cp < 0 || pp < 0)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: sizes tp=%d cp=%d pp=%d, expected positive (0 means 1)", fn,
+                          cfg->tp, cfg->cp, cfg->pp);
+    if ((int64_t)tp * cp * pp > world || world % (tp * cp * pp))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: tp*cp*pp = %d*%d*%d = %lld does not divide the world size %d", fn,
+                          tp, cp, pp, (long long)tp * cp * pp, world);
+    int dp = world / (tp * cp * pp), r = ctx->rank;
+    int t = r % tp, c = r / tp % cp, d = r / (tp * cp) % dp, p = r / (tp * cp * dp);
+    for (int k = 1; k < CPAR_GROUP_KIND_COUNT; k++)
+        if (ctx->grid[k]) cpar__group_free(ctx->grid[k]);
+    int color[CPAR_GROUP_KIND_COUNT] = {
+        [CPAR_GROUP_TP] = c + cp * (d + dp * p), [CPAR_GROUP_CP] = t + tp * (d + dp * p),
+        [CPAR_GROUP_DP] = t + tp * (c + cp * p), [CPAR_GROUP_PP] = t + tp * (c + cp * d),
+        [CPAR_GROUP_TP_CP] = d + dp * p,         [CPAR_GROUP_DP_CP] = t + tp * p,
+    };
+    ctx->grid[CPAR_GROUP_WORLD] = ctx->world_group;
+    for (int k = 1; k < CPAR_GROUP_KIND_COUNT; k++)
+        CPAR_TRY(cpar_group_split(ctx->world_group, color[k], r, &ctx->grid[k]));
+    for (int k = 0; k < CPAR_GROUP_KIND_COUNT; k++) {
+        ctx->grid_size[k] = ctx->grid[k]->size;
+        ctx->grid_rank[k] = ctx->grid[k]->rank;
+    }
+    return CPAR_OK;
+}
+
+cpar_group *cpar_grid_group(cpar_ctx *ctx, cpar_group_kind kind) {
+    return ctx && (unsigned)kind < CPAR_GROUP_KIND_COUNT ? ctx->grid[kind] : NULL;
+}
+
+int cpar_grid_size(const cpar_ctx *ctx, cpar_group_kind kind) {
+    return ctx && (unsigned)kind < CPAR_GROUP_KIND_COUNT && ctx->grid[kind] ? ctx->grid_size[kind] : 0;
+}
+
+int cpar_grid_rank(const cpar_ctx *ctx, cpar_group_kind kind) {
+    return ctx && (unsigned)kind < CPAR_GROUP_KIND_COUNT && ctx->grid[kind] ? ctx->grid_rank[kind] : -1;
+}

@@ -1,0 +1,38 @@
+#!/bin/sh
+# Run cpar's Check suites: host backend, sim backend, then the GPU suite.
+# Prints each suite's Check summary and a closing "N passed, N failed" line
+# over all tests; exits non-zero when any suite fails.
+B=${B:-build}
+passed=0
+failed=0
+bad=""
+
+run() { # name, binary, backend
+    echo "== $1"
+    out=$(CPAR_TEST_BACKEND=$3 "$2" 2>&1)
+    rc=$?
+    printf '%s\n' "$out"
+    # Check prints "100%: Checks: 12, Failures: 0, Errors: 0".
+    line=$(printf '%s\n' "$out" | grep -E '^[0-9]+%: Checks: [0-9]+' | tail -n 1)
+    if [ -n "$line" ]; then
+        n=$(echo "$line" | sed -E 's/.*Checks: ([0-9]+).*/\1/')
+        f=$(echo "$line" | sed -E 's/.*Failures: ([0-9]+).*/\1/')
+        e=$(echo "$line" | sed -E 's/.*Errors: ([0-9]+).*/\1/')
+        passed=$((passed + n - f - e))
+        failed=$((failed + f + e))
+    elif [ $rc -ne 0 ]; then
+        failed=$((failed + 1))
+    fi
+    [ $rc -eq 0 ] || bad="$bad $1"
+}
+
+for s in $HOST_SUITES; do run "host/$s" "$B/host/test_$s" host; done
+for s in $SIM_SUITES; do run "sim/$s" "$B/sim/test_$s" sim; done
+if [ -n "$GPU_TEST" ]; then
+    run "gpu" "$GPU_TEST" nccl
+fi
+
+echo
+[ -z "$bad" ] || echo "failed suites:$bad"
+echo "$passed passed, $failed failed"
+[ -z "$bad" ]

@@ -1,0 +1,184 @@
+/* testutil.h — helpers shared by cpar's Check suites.
+ *
+ * Every suite is built twice by `make test`: against the host-only library
+ * (backend "host") and against the sim library (backend "sim": tensors in
+ * simulated device memory, kernels from cpar_kernels.cu run on the CPU). A
+ * test picks its backend with tu_backend() and moves data with tu_upload /
+ * tu_download, so the same test body runs on both.
+ *
+ * Inside rank functions (threads started by cpar_spawn) ck_assert* may be
+ * used: a failure ends the forked test process, which Check reports. */
+#ifndef CPAR_TESTUTIL_H
+#define CPAR_TESTUTIL_H
+
+#include <check.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpar.h"
+
+#define TU_TIMEOUT_MS 20000 /* collective deadline inside tests */
+
+/* ck_assert that a cpar call succeeded, printing the library's message. */
+#define TU_OK(call)                                                                                          \
+    do {                                                                                                     \
+        cpar_status tu_st_ = (call);                                                                         \
+        ck_assert_msg(tu_st_ == CPAR_OK, "%s -> %s: %s", #call, cpar_status_string(tu_st_),                  \
+                      cpar_thread_last_error());                                                             \
+    } while (0)
+
+/* ck_assert that a call failed with status `want` and that the message
+ * contains `needle` (the argument's name). */
+#define TU_FAILS(call, want, needle)                                                                         \
+    do {                                                                                                     \
+        cpar_status tu_st_ = (call);                                                                         \
+        ck_assert_msg(tu_st_ == (want), "%s -> %s, expected %s (%s)", #call, cpar_status_string(tu_st_),     \
+                      cpar_status_string(want), cpar_thread_last_error());                                   \
+        ck_assert_msg(strstr(cpar_thread_last_error(), (needle)) != NULL, "%s: message \"%s\" lacks \"%s\"", \
+                      #call, cpar_thread_last_error(), (needle));                                            \
+    } while (0)
+
+/* The backend under test: $CPAR_TEST_BACKEND ("host" or "sim"), else the sim
+ * backend in a sim build and the host backend otherwise. */
+static inline cpar_backend tu_backend(void) {
+    const char *v = getenv("CPAR_TEST_BACKEND");
+    if (v && !strcmp(v, "host")) return CPAR_BACKEND_HOST;
+    if (v && !strcmp(v, "sim")) return CPAR_BACKEND_SIM;
+    return cpar_backend_available(CPAR_BACKEND_SIM) ? CPAR_BACKEND_SIM : CPAR_BACKEND_HOST;
+}
+
+/* cpar_spawn on the backend under test with the test deadline. */
+static inline cpar_status tu_spawn(int nranks, cpar_rank_fn fn, void *arg) {
+    cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
+    return cpar_spawn_with(nranks, &cfg, fn, arg);
+}
+
+/* splitmix64: a tiny deterministic generator for test data. */
+static inline uint64_t tu_next(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [-1, 1), never exactly zero. */
+static inline double tu_uniform(uint64_t *s) {
+    double u = (double)(tu_next(s) >> 11) * (1.0 / 9007199254740992.0) * 2.0 - 1.0;
+    return u == 0.0 ? 0.5 : u;
+}
+
+/* Random values of dtype into host memory: floats in [-1, 1) (rounded to the
+ * dtype), integers in [-1000, 1000) (u8: [1, 255]). */
+static inline void tu_fill_random(void *p, cpar_dtype dt, int64_t n, uint64_t seed) {
+    uint64_t s = seed * 0x2545f4914f6cdd1dull + 1;
+    for (int64_t i = 0; i < n; i++) {
+        double u = tu_uniform(&s);
+        switch (dt) {
+        case CPAR_F32: ((float *)p)[i] = (float)u; break;
+        case CPAR_F16: ((uint16_t *)p)[i] = cpar_f32_to_f16((float)u); break;
+        case CPAR_BF16: ((uint16_t *)p)[i] = cpar_f32_to_bf16((float)u); break;
+        case CPAR_I32: ((int32_t *)p)[i] = (int32_t)(u * 1000.0); break;
+        case CPAR_I64: ((int64_t *)p)[i] = (int64_t)(u * 1000.0) * 1000003; break;
+        default: ((uint8_t *)p)[i] = (uint8_t)(1 + (tu_next(&s) % 255)); break;
+        }
+    }
+}
+
+/* Element i of host memory as double. */
+static inline double tu_get(const void *p, cpar_dtype dt, int64_t i) {
+    switch (dt) {
+    case CPAR_F32: return ((const float *)p)[i];
+    case CPAR_F16: return cpar_f16_to_f32(((const uint16_t *)p)[i]);
+    case CPAR_BF16: return cpar_bf16_to_f32(((const uint16_t *)p)[i]);
+    case CPAR_I32: return ((const int32_t *)p)[i];
+    case CPAR_I64: return (double)((const int64_t *)p)[i];
+    default: return ((const uint8_t *)p)[i];
+    }
+}
+
+/* Store v (rounded to the dtype) as element i of host memory. */
+static inline void tu_set(void *p, cpar_dtype dt, int64_t i, double v) {
+    switch (dt) {
+    case CPAR_F32: ((float *)p)[i] = (float)v; break;
+    case CPAR_F16: ((uint16_t *)p)[i] = cpar_f32_to_f16((float)v); break;
+    case CPAR_BF16: ((uint16_t *)p)[i] = cpar_f32_to_bf16((float)v); break;
+    case CPAR_I32: ((int32_t *)p)[i] = (int32_t)v; break;
+    case CPAR_I64: ((int64_t *)p)[i] = (int64_t)v; break;
+    default: ((uint8_t *)p)[i] = (uint8_t)v; break;
+    }
+}
+
+/* Allocate a tensor on ctx's device holding a copy of host data. */
+static inline cpar_tensor tu_upload(cpar_ctx *ctx, const void *host, cpar_dtype dt, int ndim, const int64_t *shape) {
+    cpar_tensor t, h = cpar_tensor_make((void *)host, dt, ndim, shape, CPAR_HOST);
+    TU_OK(cpar_tensor_alloc(ctx, dt, ndim, shape, &t));
+    TU_OK(cpar_tensor_copy(ctx, &h, &t));
+    return t;
+}
+
+/* Allocate a tensor on ctx's device filled with a poison pattern (0xFF bytes:
+ * NaN for every float dtype, -1 for integers) so unwritten elements show. */
+static inline cpar_tensor tu_alloc_poisoned(cpar_ctx *ctx, cpar_dtype dt, int ndim, const int64_t *shape) {
+    cpar_tensor t;
+    TU_OK(cpar_tensor_alloc(ctx, dt, ndim, shape, &t));
+    size_t bytes = cpar_tensor_nbytes(&t);
+    void *poison = malloc(bytes ? bytes : 1);
+    ck_assert_ptr_nonnull(poison);
+    memset(poison, 0xff, bytes);
+    cpar_tensor h = cpar_tensor_make(poison, dt, t.ndim, t.shape, CPAR_HOST);
+    TU_OK(cpar_tensor_copy(ctx, &h, &t));
+    free(poison);
+    return t;
+}
+
+/* Copy a tensor (any device) into newly malloc'ed host memory. */
+static inline void *tu_download(cpar_ctx *ctx, const cpar_tensor *t) {
+    size_t bytes = cpar_tensor_nbytes(t);
+    void *host = malloc(bytes ? bytes : 1);
+    ck_assert_ptr_nonnull(host);
+    cpar_tensor h = cpar_tensor_make(host, t->dtype, t->ndim, t->shape, CPAR_HOST);
+    TU_OK(cpar_tensor_copy(ctx, t, &h));
+    return host;
+}
+
+/* Tolerance of a float dtype relative to the values' scale. */
+static inline double tu_tol(cpar_dtype dt) {
+    return dt == CPAR_F16 ? 2e-3 : dt == CPAR_BF16 ? 1.6e-2 : dt == CPAR_F32 ? 2e-6 : 0.0;
+}
+
+/* Compare n elements of got (host memory, dtype dt) with want (double): each
+ * |got - want| <= tol * (1 + |want|), NaN in got always fails. Returns the
+ * first failing index or -1; writes a message to msg. */
+static inline int64_t tu_mismatch(const void *got, cpar_dtype dt, const double *want, int64_t n, double tol,
+                                  char *msg, size_t cap) {
+    for (int64_t i = 0; i < n; i++) {
+        double g = tu_get(got, dt, i), w = want[i];
+        if (isnan(g) || fabs(g - w) > tol * (1.0 + fabs(w))) {
+            snprintf(msg, cap, "element %lld: got %.9g, expected %.9g (tol %.3g, dtype %s)", (long long)i, g, w, tol,
+                     cpar_dtype_name(dt));
+            return i;
+        }
+    }
+    return -1;
+}
+
+#define TU_EXPECT_CLOSE(got, dt, want, n, tol)                                                               \
+    do {                                                                                                     \
+        char tu_msg_[256];                                                                                   \
+        int64_t tu_i_ = tu_mismatch((got), (dt), (want), (n), (tol), tu_msg_, sizeof tu_msg_);               \
+        ck_assert_msg(tu_i_ < 0, "%s", tu_msg_);                                                             \
+    } while (0)
+
+/* Run every test of a suite and return the process exit status. */
+static inline int tu_run_suite(Suite *s) {
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
+
+#endif /* CPAR_TESTUTIL_H */
