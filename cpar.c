@@ -628,6 +628,14 @@ static void cpar__host_reduce_into(void *acc, const void *src, cpar_dtype dt, in
             ((uint8_t *)acc)[i] = (uint8_t)CPAR__REDUCE_INT(a, b, op);
         }
         break;
+    case CPAR_F32: { /* the hot case: op hoisted out of the loop so it vectorises */
+        float *restrict a = acc;
+        const float *restrict b = src;
+        if (op == CPAR_SUM) for (int64_t i = 0; i < n; i++) a[i] += b[i];
+        else if (op == CPAR_MAX) for (int64_t i = 0; i < n; i++) a[i] = fmaxf(a[i], b[i]);
+        else for (int64_t i = 0; i < n; i++) a[i] = fminf(a[i], b[i]);
+        break;
+    }
     default:
         for (int64_t i = 0; i < n; i++) ((float *)acc)[i] = cpar__reduce_f(((float *)acc)[i], cpar__load_f(src, dt, i), op);
         break;
