@@ -68,12 +68,12 @@ $(B)/host $(B)/sim $(B)/cuda:
 
 # ---- library -------------------------------------------------------------
 HDR := cpar.h
-WIP := $(wildcard wip/*.c)
 
-$(B)/host/cpar.o: cpar.c $(HDR) $(WIP) | $(B)/host
+
+$(B)/host/cpar.o: cpar.c $(HDR) | $(B)/host
 	$(CC) $(ALL_CFLAGS) -c $< -o $@
 
-$(B)/cuda/cpar.o: cpar.c $(HDR) $(WIP) | $(B)/cuda
+$(B)/cuda/cpar.o: cpar.c $(HDR) | $(B)/cuda
 	$(CC) $(ALL_CFLAGS) -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL -isystem $(CUDA_HOME)/include -c $< -o $@
 
 $(B)/cuda/cpar_kernels.o: cpar_kernels.cu $(HDR) | $(B)/cuda
@@ -87,7 +87,7 @@ $(B)/cparrun: bootstrap/cparrun.c | $(B)/host
 	$(CC) $(ALL_CFLAGS) $< -o $@
 
 # ---- sim build -------------------------------------------------------------
-$(B)/sim/cpar.o: cpar.c $(HDR) $(WIP) | $(B)/sim
+$(B)/sim/cpar.o: cpar.c $(HDR) | $(B)/sim
 	$(CC) $(ALL_CFLAGS) -DCPAR_WITH_DEVICE -DCPAR_SIM -c $< -o $@
 
 $(B)/sim/cpar_kernels.o: cpar_kernels.cu tests/cudasim.h $(HDR) | $(B)/sim

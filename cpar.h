@@ -174,26 +174,36 @@ cpar_status cpar_env_read(cpar_env *out);
 /* Rendezvous key-value store over TCP (what cpar_init_from_env uses to share
  * NCCL unique ids). One process creates the server (it also gets a client
  * handle), the others connect. Keys are strings of at most 255 bytes, values
- * blobs of at most 1 MiB. Clients retry connecting until the deadline; the
- * server runs on its own thread, rejects malformed, unknown or oversized frames
- * by closing that connection, and keeps serving the others. */
+ * blobs of at most 1 MiB. Clients retry connecting until the deadline, then
+ * check with a handshake that the peer is a cpar store (torchrun's store on
+ * MASTER_PORT is refused clearly). The server runs on its own thread, rejects
+ * malformed, unknown or oversized frames by closing that connection, drops a
+ * client that stalls mid-frame past the deadline, and keeps serving the
+ * others. A server that goes away gives its clients CPAR_ERR_PEER. */
 typedef struct cpar_store cpar_store;
 typedef struct cpar_store_config {
-    const char *host; /* server: address to bind (NULL or "" -> all); client: address to reach */
+    const char *host; /* server: address to bind (NULL or "" -> all); client: address to reach
+                       * (NULL or "" -> 127.0.0.1) */
     int port;         /* required (1..65535) */
     bool is_server;
     int timeout_ms;   /* connect and wait deadline; 0 -> $CPAR_TIMEOUT_MS or 300000 */
 } cpar_store_config;
 cpar_status cpar_store_create(const cpar_store_config *cfg, cpar_store **out);
-cpar_status cpar_store_destroy(cpar_store *s); /* server: stops serving */
+/* Server: keeps serving until the other clients disconnect, at most
+ * min(timeout, 2 s), so the last rank leaving a final barrier is not cut off. */
+cpar_status cpar_store_destroy(cpar_store *s);
 cpar_status cpar_store_set(cpar_store *s, const char *key, const void *value, size_t len);
-/* Wait until key exists (or the deadline), then copy its value: *len gets its
- * size; a value larger than cap is CPAR_ERR_INVALID. */
+/* Wait until key exists (or the deadline), then copy its value: *len (may be
+ * NULL) gets its size, also when it is larger than cap, which is
+ * CPAR_ERR_INVALID; value may be NULL when cap is 0. */
 cpar_status cpar_store_get(cpar_store *s, const char *key, void *value, size_t cap, size_t *len);
-/* Atomically add delta to the integer under key (missing = 0); *result (may be NULL) gets the sum. */
+/* Atomically add delta to the integer under key (missing = 0); *result (may be
+ * NULL) gets the sum. Counters are stored as decimal text ("3"). */
 cpar_status cpar_store_add(cpar_store *s, const char *key, int64_t delta, int64_t *result);
-/* All nranks ranks call it with the same name; returns when all arrived, or
- * CPAR_ERR_TIMEOUT naming the ranks that did not ("ranks 2,3 of 4 missing"). */
+/* All nranks ranks call it with the same name (at most 244 bytes; it may be
+ * reused); returns when all arrived, or CPAR_ERR_TIMEOUT naming the ranks that
+ * did not ("ranks 2,3 of 4 missing"). Uses the keys "<name>/count" and
+ * "<name>/<rank>". */
 cpar_status cpar_store_barrier(cpar_store *s, const char *name, int rank, int nranks);
 
 /* Release everything the context owns (groups, workspace, streams, comms).

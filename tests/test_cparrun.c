@@ -1,0 +1,440 @@
+/* tests/test_cparrun.c — the launcher, end to end: cparrun runs store_prog
+ * ranks on 127.0.0.1 and we check exit codes, output prefixes, timing of the
+ * teardown and signal forwarding.
+ *
+ * Paths come from the environment (defaults in brackets; B is the build
+ * directory, exported by tests/run.sh):
+ *   CPARRUN     the launcher              [$B/cparrun]
+ *   STORE_PROG  the rank program          [$B/host/store_prog] */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* POSIX and Linux APIs under -std=c11, as in cpar.c */
+#endif
+#include <check.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+/* $NAME, else $B/default (B: the build directory, as tests/run.sh exports it). */
+static const char *path_from_env(const char *name, const char *dflt, char *buf, size_t n)
+{
+    const char *p = getenv(name), *b = getenv("B");
+    if (p && *p)
+        return p;
+    snprintf(buf, n, "%s/%s", b && *b ? b : "build", dflt);
+    return buf;
+}
+
+static const char *cparrun_path(void)
+{
+    static char buf[4096];
+    return path_from_env("CPARRUN", "cparrun", buf, sizeof buf);
+}
+
+static const char *prog_path(void)
+{
+    static char buf[4096];
+    return path_from_env("STORE_PROG", "host/store_prog", buf, sizeof buf);
+}
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ---- a child process with captured stdout and stderr --------------------- */
+
+typedef struct {
+    pid_t pid;
+    int fd[2];     /* stdout, stderr read ends; -1 at EOF */
+    char *text[2]; /* everything read so far, NUL-terminated */
+    size_t len[2];
+    int status;    /* exit code, or 128+signal */
+    int64_t start, end;
+} proc;
+
+/* argv[0] is replaced by the cparrun path; env is "NAME=value" pairs added. */
+static void proc_start(proc *p, const char *const *args, const char *const *env)
+{
+    int out[2], err[2];
+    memset(p, 0, sizeof *p);
+    ck_assert_int_eq(pipe(out), 0);
+    ck_assert_int_eq(pipe(err), 0);
+    p->start = now_ms();
+    p->pid = fork();
+    ck_assert_int_ge(p->pid, 0);
+    if (p->pid == 0) {
+        dup2(out[1], 1);
+        dup2(err[1], 2);
+        close(out[0]), close(out[1]), close(err[0]), close(err[1]);
+        for (; env && *env; env++)
+            putenv((char *)*env);
+        char *argv[32];
+        int n = 0;
+        argv[n++] = (char *)cparrun_path();
+        for (; *args && n < 31; args++)
+            argv[n++] = strcmp(*args, "PROG") ? (char *)*args : (char *)prog_path();
+        argv[n] = NULL;
+        execv(argv[0], argv);
+        _exit(99);
+    }
+    close(out[1]), close(err[1]);
+    p->fd[0] = out[0], p->fd[1] = err[0];
+    for (int k = 0; k < 2; k++) {
+        p->text[k] = calloc(1, 1);
+        fcntl(p->fd[k], F_SETFL, O_NONBLOCK);
+    }
+}
+
+/* Read output for up to ms, or until `until` appears `count` times on stdout. */
+static void proc_read(proc *p, int ms, const char *until, int count)
+{
+    int64_t end = now_ms() + ms;
+    for (;;) {
+        if (until) {
+            int seen = 0;
+            for (const char *s = p->text[0]; (s = strstr(s, until)); s++)
+                seen++;
+            if (seen >= count)
+                return;
+        }
+        struct pollfd pf[2];
+        int np = 0;
+        for (int k = 0; k < 2; k++)
+            if (p->fd[k] >= 0)
+                pf[np++] = (struct pollfd){.fd = p->fd[k], .events = POLLIN};
+        int left = (int)(end - now_ms());
+        if (np == 0 || left <= 0 || poll(pf, (nfds_t)np, left) <= 0)
+            return;
+        for (int k = 0; k < 2; k++) {
+            if (p->fd[k] < 0)
+                continue;
+            char buf[4096];
+            ssize_t r = read(p->fd[k], buf, sizeof buf);
+            if (r == 0) {
+                close(p->fd[k]);
+                p->fd[k] = -1;
+            } else if (r > 0) {
+                p->text[k] = realloc(p->text[k], p->len[k] + (size_t)r + 1);
+                memcpy(p->text[k] + p->len[k], buf, (size_t)r);
+                p->len[k] += (size_t)r;
+                p->text[k][p->len[k]] = '\0';
+            }
+        }
+    }
+}
+
+/* Wait for exit (SIGKILL and fail after ms), collecting all output. */
+static void proc_finish(proc *p, int ms)
+{
+    proc_read(p, ms, NULL, 0);
+    int st;
+    int64_t end = now_ms() + 1000;
+    pid_t r;
+    while ((r = waitpid(p->pid, &st, WNOHANG)) == 0 && now_ms() < end) {
+        struct timespec ts = {0, 5000000};
+        nanosleep(&ts, NULL);
+    }
+    if (r == 0) {
+        kill(p->pid, SIGKILL);
+        waitpid(p->pid, &st, 0);
+        ck_abort_msg("cparrun did not finish in time; stdout:\n%s\nstderr:\n%s", p->text[0], p->text[1]);
+    }
+    p->end = now_ms();
+    p->status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    for (int k = 0; k < 2; k++)
+        if (p->fd[k] >= 0)
+            close(p->fd[k]);
+}
+
+static void proc_free(proc *p)
+{
+    free(p->text[0]);
+    free(p->text[1]);
+}
+
+static void run(proc *p, const char *const *args, const char *const *env, int ms)
+{
+    proc_start(p, args, env);
+    proc_finish(p, ms);
+}
+
+#define ASSERT_HAS(text, needle)                                                                              \
+    ck_assert_msg(strstr((text), (needle)) != NULL, "\"%s\" not in output:\n%s", (needle), (text))
+
+/* Every line is "[r] ..." with 0 <= r < world. */
+static void assert_prefixed(const char *text, int world)
+{
+    for (const char *line = text; *line;) {
+        const char *nl = strchr(line, '\n');
+        int r = -1, used = 0;
+        ck_assert_msg(sscanf(line, "[%d] %n", &r, &used) == 1 && used > 0 && r >= 0 && r < world,
+                      "unprefixed line: %.*s", (int)(nl ? nl - line : (long)strlen(line)), line);
+        ck_assert_msg(nl != NULL, "last line has no newline: %s", line);
+        line = nl + 1;
+    }
+}
+
+/* ---- tests ---------------------------------------------------------------- */
+
+START_TEST(test_success)
+{
+    proc p;
+    run(&p, (const char *const[]){"-n", "4", "PROG", "ok", NULL}, NULL, 30000);
+    ck_assert_msg(p.status == 0, "status %d\nstdout:\n%s\nstderr:\n%s", p.status, p.text[0], p.text[1]);
+    assert_prefixed(p.text[0], 4);
+    assert_prefixed(p.text[1], 4);
+    char want[64];
+    for (int r = 0; r < 4; r++) {
+        snprintf(want, sizeof want, "[%d] rank %d ok\n", r, r);
+        ASSERT_HAS(p.text[0], want);
+        snprintf(want, sizeof want, "[%d] bye from %d\n", r, r); /* a partial last line, completed */
+        ASSERT_HAS(p.text[0], want);
+        snprintf(want, sizeof want, "[%d] rank %d stderr line\n", r, r);
+        ASSERT_HAS(p.text[1], want);
+        snprintf(want, sizeof want, "[%d] rank %d of 4 (torchrun), local %d of 4", r, r, r);
+        ASSERT_HAS(p.text[0], want);
+    }
+    proc_free(&p);
+}
+END_TEST
+
+START_TEST(test_rank_never_joins)
+{
+    proc p;
+    run(&p, (const char *const[]){"-n", "4", "PROG", "nojoin", "2", NULL},
+        (const char *const[]){"CPAR_TIMEOUT_MS=2000", NULL}, 30000);
+    ck_assert_msg(p.status == 1, "status %d\nstderr:\n%s", p.status, p.text[1]);
+    ASSERT_HAS(p.text[1], "CPAR_ERR_TIMEOUT");
+    ASSERT_HAS(p.text[1], "barrier \"start\" timed out after 2000 ms: rank 2 of 4 missing");
+    ck_assert_int_lt(p.end - p.start, 10000);
+    proc_free(&p);
+}
+END_TEST
+
+START_TEST(test_master_never_starts)
+{
+    proc p;
+    run(&p, (const char *const[]){"-n", "3", "PROG", "nojoin", "0", NULL},
+        (const char *const[]){"CPAR_TIMEOUT_MS=1500", NULL}, 30000);
+    ck_assert_int_eq(p.status, 1);
+    ASSERT_HAS(p.text[1], "CPAR_ERR_TIMEOUT");
+    ASSERT_HAS(p.text[1], "(is rank 0 running?)");
+    proc_free(&p);
+}
+END_TEST
+
+START_TEST(test_failing_rank)
+{
+    proc p;
+    run(&p, (const char *const[]){"-n", "4", "PROG", "fail", "3", NULL}, NULL, 30000);
+    ck_assert_msg(p.status == 3, "status %d\nstderr:\n%s", p.status, p.text[1]);
+    ck_assert_msg(p.end - p.start < 3000, "the sleeping ranks lived %lld ms", (long long)(p.end - p.start));
+    ASSERT_HAS(p.text[1], "cparrun: rank 3 exited with status 3; stopping the others");
+    ASSERT_HAS(p.text[1], "[3] rank 3 failing on purpose");
+    proc_free(&p);
+}
+END_TEST
+
+START_TEST(test_rank_killed_by_signal)
+{
+    proc p;
+    run(&p, (const char *const[]){"-n", "3", "PROG", "signal", "1", NULL}, NULL, 30000);
+    ck_assert_int_eq(p.status, 128 + SIGUSR1); /* as a shell reports it */
+    ck_assert_int_lt(p.end - p.start, 3000);
+    ASSERT_HAS(p.text[1], "cparrun: rank 1 was killed by signal");
+    proc_free(&p);
+}
+END_TEST
+
+START_TEST(test_sigterm_forwarded)
+{
+    proc p;
+    proc_start(&p, (const char *const[]){"-n", "3", "PROG", "sleep", NULL}, NULL);
+    proc_read(&p, 10000, "ready", 3);
+    ASSERT_HAS(p.text[0], "[2] rank 2 ready");
+    int64_t t0 = now_ms();
+    kill(p.pid, SIGTERM);
+    proc_finish(&p, 10000);
+    ck_assert_int_lt(p.end - t0, 3000);
+    ck_assert_int_eq(p.status, 128 + SIGTERM); /* the ranks exited 0, but the job was interrupted */
+    for (int r = 0; r < 3; r++) {
+        char want[64];
+        snprintf(want, sizeof want, "[%d] rank %d got signal %d\n", r, r, SIGTERM);
+        ASSERT_HAS(p.text[0], want);
+    }
+    proc_free(&p);
+}
+END_TEST
+
+START_TEST(test_sigint_forwarded)
+{
+    proc p;
+    proc_start(&p, (const char *const[]){"-n", "2", "PROG", "sleep", NULL}, NULL);
+    proc_read(&p, 10000, "ready", 2);
+    kill(p.pid, SIGINT);
+    proc_finish(&p, 10000);
+    ck_assert_int_eq(p.status, 128 + SIGINT);
+    ASSERT_HAS(p.text[0], "[1] rank 1 got signal 2\n");
+    proc_free(&p);
+}
+END_TEST
+
+START_TEST(test_sigkill_after_grace)
+{
+    proc p;
+    proc_start(&p, (const char *const[]){"-n", "2", "PROG", "ignore-term", NULL},
+               (const char *const[]){"CPARRUN_GRACE_MS=500", NULL});
+    proc_read(&p, 10000, "ready", 2);
+    int64_t t0 = now_ms();
+    kill(p.pid, SIGTERM);
+    proc_finish(&p, 10000);
+    ck_assert_int_ge(p.end - t0, 450);
+    ck_assert_int_lt(p.end - t0, 3000);
+    ck_assert_int_eq(p.status, 128 + SIGKILL);
+    ASSERT_HAS(p.text[1], "sending SIGKILL");
+    proc_free(&p);
+}
+END_TEST
+
+static int free_port_pair(void)
+{
+    for (;;) {
+        int a = socket(AF_INET, SOCK_STREAM, 0), b = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_ANY)};
+        socklen_t len = sizeof sa;
+        int port = 0;
+        if (bind(a, (struct sockaddr *)&sa, sizeof sa) == 0 && getsockname(a, (struct sockaddr *)&sa, &len) == 0) {
+            port = ntohs(sa.sin_port);
+            sa.sin_port = htons((uint16_t)(port + 1));
+            if (port >= 65535 || bind(b, (struct sockaddr *)&sa, sizeof sa) != 0)
+                port = 0;
+        }
+        close(a);
+        close(b);
+        if (port)
+            return port;
+    }
+}
+
+/* Two "nodes" on one machine: two cparrun with --nnodes 2, one store. */
+START_TEST(test_two_nodes)
+{
+    char master[32];
+    snprintf(master, sizeof master, "127.0.0.1:%d", free_port_pair());
+    proc n0, n1;
+    proc_start(&n1, (const char *const[]){"-n", "2", "--nnodes", "2", "--node-rank", "1", "--master", master,
+                                          "PROG", NULL}, NULL); /* node 1 first: clients wait for the store */
+    proc_start(&n0, (const char *const[]){"-n", "2", "--nnodes=2", "--node-rank=0", "--master", master, "PROG",
+                                          NULL}, NULL);
+    proc_finish(&n0, 30000);
+    proc_finish(&n1, 30000);
+    ck_assert_msg(n0.status == 0, "node 0: %d\n%s", n0.status, n0.text[1]);
+    ck_assert_msg(n1.status == 0, "node 1: %d\n%s", n1.status, n1.text[1]);
+    ASSERT_HAS(n0.text[0], "[1] rank 1 of 4 (torchrun), local 1 of 2");
+    ASSERT_HAS(n1.text[0], "[2] rank 2 of 4 (torchrun), local 0 of 2");
+    ASSERT_HAS(n1.text[0], "[3] rank 3 ok");
+    assert_prefixed(n1.text[0], 4);
+    proc_free(&n0);
+    proc_free(&n1);
+}
+END_TEST
+
+START_TEST(test_store_port)
+{
+    int port = free_port_pair();
+    char ps[16], want[64];
+    snprintf(ps, sizeof ps, "%d", port);
+    snprintf(want, sizeof want, "store 127.0.0.1:%d\n", port);
+    proc p;
+    run(&p, (const char *const[]){"-n", "2", "--store-port", ps, "PROG", NULL}, NULL, 30000);
+    ck_assert_msg(p.status == 0, "status %d\n%s", p.status, p.text[1]);
+    ASSERT_HAS(p.text[0], want);
+    proc_free(&p);
+}
+END_TEST
+
+START_TEST(test_exec_failure)
+{
+    proc p;
+    run(&p, (const char *const[]){"-n", "2", "/nonexistent/prog", NULL}, NULL, 10000);
+    ck_assert_int_eq(p.status, 127);
+    ASSERT_HAS(p.text[1], "cannot run /nonexistent/prog");
+    proc_free(&p);
+}
+END_TEST
+
+START_TEST(test_usage_errors)
+{
+    static const struct {
+        const char *args[10];
+        int status;
+        const char *expect;
+    } cases[] = {
+        {{"--help"}, 0, "usage: cparrun -n N"},
+        {{NULL}, 2, "-n N is required"},
+        {{"-n", "2"}, 2, "no program to run"},
+        {{"-n", "0", "true"}, 2, "-n expects an integer in 1..65536, got \"0\""},
+        {{"-n", "two", "true"}, 2, "got \"two\""},
+        {{"--bogus", "true"}, 2, "unknown option --bogus"},
+        {{"-n", "2", "--nnodes", "2", "true"}, 2, "needs --master HOST:PORT"},
+        {{"-n", "2", "--nnodes", "2", "--node-rank", "2", "--master", "h:1", "true"}, 2, "--node-rank 2 is not below"},
+        {{"-n", "2", "--master", "nohostport", "true"}, 2, "--master expects HOST:PORT"},
+        {{"-n", "2", "--master", "h:99999", "true"}, 2, "port expects an integer in 1..65535"},
+        {{"-n", "2", "--store-port", "0", "true"}, 2, "--store-port expects"},
+        {{"-n"}, 2, "-n needs a value"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        proc p;
+        run(&p, cases[i].args, NULL, 10000);
+        ck_assert_msg(p.status == cases[i].status, "case %zu: status %d", i, p.status);
+        ASSERT_HAS(cases[i].status ? p.text[1] : p.text[0], cases[i].expect);
+        proc_free(&p);
+    }
+}
+END_TEST
+
+int main(void)
+{
+    if (access(cparrun_path(), X_OK) != 0 || access(prog_path(), X_OK) != 0) {
+        fprintf(stderr, "test_cparrun: need CPARRUN (%s) and STORE_PROG (%s)\n", cparrun_path(), prog_path());
+        return EXIT_FAILURE;
+    }
+    unsetenv("CPAR_STORE_PORT"); /* the tests choose ports themselves */
+    unsetenv("CPARRUN_GRACE_MS");
+    unsetenv("CPAR_TIMEOUT_MS");
+    Suite *s = suite_create("cparrun");
+    TCase *tc = tcase_create("launch");
+    tcase_set_timeout(tc, 40);
+    tcase_add_test(tc, test_success);
+    tcase_add_test(tc, test_rank_never_joins);
+    tcase_add_test(tc, test_master_never_starts);
+    tcase_add_test(tc, test_failing_rank);
+    tcase_add_test(tc, test_rank_killed_by_signal);
+    tcase_add_test(tc, test_sigterm_forwarded);
+    tcase_add_test(tc, test_sigint_forwarded);
+    tcase_add_test(tc, test_sigkill_after_grace);
+    tcase_add_test(tc, test_two_nodes);
+    tcase_add_test(tc, test_store_port);
+    tcase_add_test(tc, test_exec_failure);
+    tcase_add_test(tc, test_usage_errors);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
