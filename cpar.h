@@ -142,8 +142,9 @@ typedef cpar_status (*cpar_rank_fn)(cpar_ctx *ctx, void *arg);
 
 /* Single-process mode: run fn(ctx, arg) on nranks threads, each with its own
  * context (rank r of nranks; on NCCL and SIM, device r). Returns CPAR_OK when
- * every rank returned CPAR_OK, else the first failure by rank order, with that
- * rank's message available from cpar_thread_last_error() on the caller.
+ * every rank returned CPAR_OK, else the status of the rank that failed first
+ * in time (the root cause: the peers it released fail with CPAR_ERR_PEER),
+ * with "rank N: <its message>" in cpar_thread_last_error() on the caller.
  * A rank that fails (returns non-OK) aborts the job: peers blocked in a
  * collective return CPAR_ERR_PEER. The process stays usable afterwards. */
 cpar_status cpar_spawn(int nranks, cpar_backend backend, cpar_rank_fn fn, void *arg);
