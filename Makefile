@@ -33,8 +33,9 @@ NVCCFLAGS ?= -O3 -std=c++17 $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),
              -Xcompiler -Wall,-Wextra -I.
 CHECK_FLAGS := $(shell pkg-config --cflags check 2>/dev/null)
 CHECK_LIBS  := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsubunit -lrt -lm -pthread)
+comma := ,
 CUDA_LIBS   := -L$(CUDA_HOME)/lib64 $(if $(NCCL_LIBDIR),-L$(NCCL_LIBDIR)) -lnccl -lcublas -lcudart \
-               -Wl,-rpath,$(CUDA_HOME)/lib64 $(if $(NCCL_LIBDIR),-Wl,-rpath,$(NCCL_LIBDIR))
+               -Wl$(comma)-rpath$(comma)$(CUDA_HOME)/lib64 $(if $(NCCL_LIBDIR),-Wl$(comma)-rpath$(comma)$(NCCL_LIBDIR))
 LIBS        := -pthread -lm
 
 B := build
@@ -42,11 +43,9 @@ B := build
 ifeq ($(CPAR_CUDA),1)
   LIB_OBJS  := $(B)/cuda/cpar.o $(B)/cuda/cpar_kernels.o
   LIB_LIBS  := $(CUDA_LIBS) $(LIBS) -lstdc++
-  LINK      := $(CXX)
 else
   LIB_OBJS  := $(B)/host/cpar.o
   LIB_LIBS  := $(LIBS)
-  LINK      := $(CC)
 endif
 
 # Suites that take a backend run on host and sim; the rest are host-only
@@ -132,13 +131,13 @@ test-gpu: $(GPU_TEST)
 
 # ---- demo and bench ----------------------------------------------------------
 $(B)/demo: examples/demo.c $(B)/libcpar.a
-	$(LINK) $(ALL_CFLAGS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS)
+	$(CC) $(ALL_CFLAGS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS)
 
 demo: $(B)/demo
 	./$(B)/demo
 
 $(B)/bench: bench/bench.c $(B)/libcpar.a
-	$(LINK) $(ALL_CFLAGS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS)
+	$(CC) $(ALL_CFLAGS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS)
 
 bench: $(B)/bench
 	./$(B)/bench
