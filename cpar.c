@@ -83,6 +83,7 @@ struct cpar_ctx {
     int device;           /* CPAR_HOST on the host backend */
     int timeout_ms;
     cpar__job *job;       /* host and sim backends */
+    bool owns_job;        /* a single-rank job made by cpar_init_from_env */
     cpar_store *store;    /* multi-process start-up */
     cpar_group *world_group, *groups;
     cpar_group *grid[CPAR_GROUP_KIND_COUNT];
@@ -536,8 +537,9 @@ cpar_status cpar_tensor_alloc(cpar_ctx *ctx, cpar_dtype dtype, int ndim, const i
 }
 
 cpar_status cpar_tensor_free(cpar_ctx *ctx, cpar_tensor *t) {
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_tensor_free: ctx is NULL");
     if (!t) return cpar__fail(ctx, CPAR_ERR_INVALID, "cpar_tensor_free: t is NULL");
-    if (t->data && cpar__on_device(t->device) && ctx) cpar_dev_stream_sync(ctx->compute);
+    if (t->data && cpar__on_device(t->device)) cpar_dev_stream_sync(ctx->compute);
     cpar__mem_free(t->device, t->data);
     t->data = NULL;
     return CPAR_OK;
@@ -607,9 +609,10 @@ static void cpar__host_cast(void *dst, cpar_dtype dd, const void *src, cpar_dtyp
 
 static void cpar__host_axpby(float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
-        float v = alpha * cpar__load_f(x, dt, i);
-        if (beta != 0.0f) v += beta * cpar__load_f(y, dt, i); /* beta 0 never reads y (it may be NaN) */
-        cpar__store_f(y, dt, i, v);
+        /* fmaf as the kernel does, so host and device agree bit for bit;
+         * beta 0 never reads y (it may hold NaN). */
+        float ax = alpha * cpar__load_f(x, dt, i);
+        cpar__store_f(y, dt, i, beta != 0.0f ? fmaf(beta, cpar__load_f(y, dt, i), ax) : ax);
     }
 }
 
@@ -664,7 +667,7 @@ static void cpar__host_row_reduce(float *out, const void *in, cpar_dtype dt, int
             double v = cpar__load_f(in, dt, base + c);
             acc = op == CPAR_ROW_SUM ? acc + v : (v > acc ? v : acc);
         }
-        if (op == CPAR_ROW_LOGSUMEXP && acc != -INFINITY) {
+        if (op == CPAR_ROW_LOGSUMEXP && isfinite(acc)) { /* -inf row: -inf; +inf: +inf (as PyTorch) */
             double m = acc, s = 0.0;
             for (int64_t c = 0; c < cols; c++) s += exp((double)cpar__load_f(in, dt, base + c) - m);
             acc = m + log(s);
@@ -687,6 +690,13 @@ static cpar_status cpar__check_op_tensor(cpar_ctx *ctx, const char *fn, const ch
 cpar_status cpar_fill(cpar_ctx *ctx, cpar_tensor *t, double value) {
     static const char fn[] = "cpar_fill";
     CPAR_TRY(cpar__check_op_tensor(ctx, fn, "t", t));
+    if (!cpar_dtype_is_float(t->dtype)) {
+        double lo = t->dtype == CPAR_U8 ? 0.0 : t->dtype == CPAR_I32 ? -2147483648.0 : -9223372036854775808.0;
+        double hi = t->dtype == CPAR_U8 ? 255.0 : t->dtype == CPAR_I32 ? 2147483647.0 : 9223372036854774784.0;
+        if (!(value >= lo && value <= hi))
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: value %g does not fit dtype %s", fn, value,
+                              cpar_dtype_name(t->dtype));
+    }
     int64_t n = cpar_tensor_numel(t);
     if (!cpar__on_device(t->device)) cpar__host_fill(t->data, t->dtype, n, value);
     else CPAR_DEV_TRY(ctx, fn, cpar_dev_fill(t->data, t->dtype, n, value, ctx->compute));
@@ -2142,6 +2152,7 @@ struct cpar__job {
     bool failed;           /* a rank failed, timed out or aborted */
     int failed_rank;
     cpar_status failed_status;
+    char failed_msg[CPAR_ERR_LEN]; /* why, when no rank's own message says it */
     bool *exited;          /* [nranks] the rank's function returned */
 };
 
@@ -2265,19 +2276,30 @@ static cpar_status cpar__wait_locked(cpar_group *g, const char *fn, const cpar__
     cpar__hcomm *hc = g->hc;
     cpar__job *job = hc->job;
     cpar_ctx *ctx = g->ctx;
-    const char *what = w->kind == CPAR__WAIT_RENDEZVOUS ? "collective" : w->kind == CPAR__WAIT_MAIL ? "send" : "receive";
+    const char *what = w->kind == CPAR__WAIT_RENDEZVOUS ? "collective" : w->kind == CPAR__WAIT_MAIL ? "receive" : "send";
     for (;;) {
         if (cpar__wait_done(hc, g->rank, w)) return CPAR_OK;
+        /* A needed rank that has returned is the cause, whoever saw it first:
+         * record it as the job's failure so every peer names the same rank. */
+        for (int m = 0; m < hc->n; m++)
+            if (cpar__wait_needs(hc, g->rank, w, m) && job->exited[hc->world_ranks[m]]) {
+                cpar_status st = cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d returned from its function without "
+                                            "joining the %s", fn, hc->world_ranks[m], what);
+                if (!job->failed) {
+                    job->failed = true;
+                    job->failed_rank = hc->world_ranks[m];
+                    job->failed_status = CPAR_ERR_PEER;
+                    snprintf(job->failed_msg, sizeof job->failed_msg, "%s", ctx->err);
+                    pthread_cond_broadcast(&job->cv);
+                }
+                return st;
+            }
         if (job->failed) {
             int fr = job->failed_rank;
             cpar_status fs = job->failed_status;
             return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d failed (%s); abandoning the %s", fn, fr,
                               cpar_status_string(fs), what);
         }
-        for (int m = 0; m < hc->n; m++)
-            if (cpar__wait_needs(hc, g->rank, w, m) && job->exited[hc->world_ranks[m]])
-                return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d returned from its function without joining the %s",
-                                  fn, hc->world_ranks[m], what);
         int64_t left = deadline - cpar__now_ms();
         if (left > 0) {
             struct timespec ts = cpar__abs_deadline(left < 100 ? left : 100);
@@ -2391,8 +2413,15 @@ static cpar_status cpar__reduce_rows(cpar_ctx *ctx, const char *fn, cpar_dtype d
 /* Describe a slot for mismatch messages: "all_gather(f16, 24 rows x 3)". */
 static const char *cpar__slot_str(const cpar__slot *s, char *buf, size_t cap) {
     if (s->kind == CPAR__KIND_EXCHANGE) snprintf(buf, cap, "group split");
-    else snprintf(buf, cap, "%s(%s, %lld rows x %lld)", cpar_coll_kind_name((cpar_coll_kind)s->kind),
-                  cpar_dtype_name(s->dtype), (long long)s->rows, (long long)s->row_elems);
+    else {
+        static const char *const ops[CPAR_REDUCE_OP_COUNT] = {"sum", "max", "min"};
+        bool reduces = s->kind == CPAR_COLL_ALL_REDUCE || s->kind == CPAR_COLL_REDUCE_SCATTER;
+        char extra[32] = "";
+        if (reduces) snprintf(extra, sizeof extra, ", %s", (unsigned)s->op < CPAR_REDUCE_OP_COUNT ? ops[s->op] : "?");
+        if (s->kind == CPAR_COLL_BROADCAST) snprintf(extra, sizeof extra, ", root %d", s->root);
+        snprintf(buf, cap, "%s(%s, %lld rows x %lld%s)", cpar_coll_kind_name((cpar_coll_kind)s->kind),
+                 cpar_dtype_name(s->dtype), (long long)s->rows, (long long)s->row_elems, extra);
+    }
     return buf;
 }
 
@@ -2410,7 +2439,7 @@ static cpar_status cpar__hc_validate(cpar_group *g, const char *fn) {
         if (same && !own_rows) same = a->rows == b->rows;
         for (int r = 0; same && a->sizes && r < n; r++) same = a->sizes[r] == b->sizes[r];
         if (!same) {
-            char sa[96], sb[96];
+            char sa[128], sb[128];
             return cpar__fail(g->ctx, CPAR_ERR_INVALID,
                               "%s: group members disagree: rank %d called %s, rank %d called %s", fn,
                               g->world_ranks[0], cpar__slot_str(a, sa, sizeof sa), g->world_ranks[m],
@@ -3142,17 +3171,20 @@ cpar_status cpar_broadcast(cpar_group *g, cpar_tensor *buf, int root) {
     return cpar__run_collective(g, fn, &c);
 }
 
-cpar_status cpar_sendrecv(cpar_group *g, const cpar_tensor *send, int send_to, cpar_tensor *recv, int recv_from) {
-    static const char fn[] = "cpar_sendrecv";
+/* Send/receive under the calling public function's name. */
+static cpar_status cpar__sendrecv(cpar_group *g, const char *fn, const cpar_tensor *send, int send_to, cpar_tensor *recv,
+                                  int recv_from) {
     CPAR_TRY(cpar__check_group(g, fn));
     int n = g->size;
     if ((send == NULL) != (send_to < 0) || (recv == NULL) != (recv_from < 0))
         return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: give a tensor with a peer for each half (send %s with send_to "
                           "%d, recv %s with recv_from %d)", fn, send ? "set" : "NULL", send_to, recv ? "set" : "NULL",
                           recv_from);
-    if (send_to >= n || recv_from >= n)
-        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: peer %d is not a group rank (size %d)", fn,
-                          send_to >= n ? send_to : recv_from, n);
+    if (send_to >= n)
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: send_to is %d, expected a group rank 0..%d", fn, send_to, n - 1);
+    if (recv_from >= n)
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: recv_from is %d, expected a group rank 0..%d", fn, recv_from,
+                          n - 1);
     if (send) CPAR_TRY(cpar__coll_tensor(g, fn, "send", send, NULL));
     if (recv) CPAR_TRY(cpar__coll_tensor(g, fn, "recv", recv, NULL));
     if (send && recv && send->data != recv->data &&
@@ -3160,26 +3192,37 @@ cpar_status cpar_sendrecv(cpar_group *g, const cpar_tensor *send, int send_to, c
         return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: recv overlaps send", fn);
     size_t sb = send ? cpar_tensor_nbytes(send) : 0, rb = recv ? cpar_tensor_nbytes(recv) : 0;
     bool self_send = send_to == g->rank, self_recv = recv_from == g->rank;
-    cpar__count(g, CPAR_COLL_SEND_RECV, self_send ? 0 : sb, self_recv ? 0 : rb);
     if (self_send != self_recv || (self_send && sb != rb))
         return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: a send to oneself needs a matching receive of the same size", fn);
-    if (self_send) return cpar__copy_bytes(g->ctx, fn, recv->data, recv->device, send->data, send->device, sb);
-    if (send && recv && send->data == recv->data)
+    if (send && recv && send->data == recv->data && !self_send)
         return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: send and recv are the same buffer", fn);
+    cpar__count(g, CPAR_COLL_SEND_RECV, self_send ? 0 : sb, self_recv ? 0 : rb);
+    if (self_send) return cpar__copy_bytes(g->ctx, fn, recv->data, recv->device, send->data, send->device, sb);
 #ifdef CPAR_WITH_NCCL
     if (g->nccl) return cpar__nccl_sendrecv(g, fn, send ? send->data : NULL, sb, send_to, recv ? recv->data : NULL, rb, recv_from);
 #endif
     return cpar__hc_sendrecv(g, fn, send ? send->data : NULL, sb, send_to, recv ? recv->data : NULL, rb, recv_from);
 }
 
+cpar_status cpar_sendrecv(cpar_group *g, const cpar_tensor *send, int send_to, cpar_tensor *recv, int recv_from) {
+    return cpar__sendrecv(g, "cpar_sendrecv", send, send_to, recv, recv_from);
+}
+
 cpar_status cpar_send(cpar_group *g, const cpar_tensor *t, int to) {
-    if (!t) return cpar__fail(g ? g->ctx : NULL, CPAR_ERR_INVALID, "cpar_send: t is NULL");
-    return cpar_sendrecv(g, t, to, NULL, -1);
+    CPAR_TRY(cpar__check_group(g, "cpar_send"));
+    if (!t) return cpar__fail(g->ctx, CPAR_ERR_INVALID, "cpar_send: t is NULL");
+    if (to < 0 || to >= g->size)
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "cpar_send: to is %d, expected a group rank 0..%d", to, g->size - 1);
+    return cpar__sendrecv(g, "cpar_send", t, to, NULL, -1);
 }
 
 cpar_status cpar_recv(cpar_group *g, cpar_tensor *t, int from) {
-    if (!t) return cpar__fail(g ? g->ctx : NULL, CPAR_ERR_INVALID, "cpar_recv: t is NULL");
-    return cpar_sendrecv(g, NULL, -1, t, from);
+    CPAR_TRY(cpar__check_group(g, "cpar_recv"));
+    if (!t) return cpar__fail(g->ctx, CPAR_ERR_INVALID, "cpar_recv: t is NULL");
+    if (from < 0 || from >= g->size)
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "cpar_recv: from is %d, expected a group rank 0..%d", from,
+                          g->size - 1);
+    return cpar__sendrecv(g, "cpar_recv", NULL, -1, t, from);
 }
 
 cpar_status cpar_ring_shift(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, int shift) {
@@ -3191,7 +3234,7 @@ cpar_status cpar_ring_shift(cpar_group *g, const cpar_tensor *in, cpar_tensor *o
     if (cpar__ranges_overlap(in->data, cpar_tensor_nbytes(in), out->data, cpar_tensor_nbytes(out)))
         return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: out overlaps in", fn);
     int n = g->size, s = ((shift % n) + n) % n;
-    return cpar_sendrecv(g, in, (g->rank + s) % n, out, (g->rank - s + n) % n);
+    return cpar__sendrecv(g, fn, in, (g->rank + s) % n, out, (g->rank - s + n) % n);
 }
 
 cpar_status cpar_barrier(cpar_group *g) {
@@ -3271,6 +3314,7 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
     if (ctx->compute) cpar_dev_stream_destroy(ctx->compute);
     if (ctx->comm) cpar_dev_stream_destroy(ctx->comm);
     if (ctx->store) cpar_store_destroy(ctx->store);
+    if (ctx->owns_job) cpar__job_destroy(ctx->job);
     free(ctx);
     return CPAR_OK;
 }
@@ -3408,7 +3452,8 @@ cpar_status cpar_spawn_with(int nranks, const cpar_init_config *cfg, cpar_rank_f
     if (st == CPAR_OK && job->failed) {
         int fr = job->failed_rank;
         st = ranks[fr].st != CPAR_OK ? ranks[fr].st : job->failed_status;
-        cpar__fail(NULL, st, "rank %d: %s", fr, ranks[fr].err[0] ? ranks[fr].err : cpar_status_string(st));
+        const char *why = ranks[fr].err[0] ? ranks[fr].err : job->failed_msg[0] ? job->failed_msg : cpar_status_string(st);
+        cpar__fail(NULL, st, "rank %d: %s", fr, why);
     }
 done:
     cpar__hcomm_release(world_hc);
@@ -3456,6 +3501,7 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
     if (c.backend != CPAR_BACKEND_NCCL) {
         /* A single rank on the host or sim backend: its own one-member job. */
         ctx->job = cpar__job_create(1);
+        ctx->owns_job = ctx->job != NULL;
         ctx->world_group->hc = ctx->job ? cpar__hcomm_create(ctx->job, 1, &ranks0) : NULL;
         if (!ctx->world_group->hc) st = cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate the world group", fn);
         if (st != CPAR_OK) goto fail;
@@ -3497,9 +3543,7 @@ fail: {
         if (ctx->world_group) ctx->world_group->hc = NULL;
         cpar__hcomm_release(hc);
     }
-    cpar__job *job = ctx->job;
-    cpar_finalize(ctx);
-    cpar__job_destroy(job);
+    cpar_finalize(ctx); /* destroys a job the context owns */
     cpar__set_error(NULL, msg);
     return st;
 }
@@ -3611,3 +3655,9 @@ int cpar_grid_size(const cpar_ctx *ctx, cpar_group_kind kind) {
 int cpar_grid_rank(const cpar_ctx *ctx, cpar_group_kind kind) {
     return ctx && (unsigned)kind < CPAR_GROUP_KIND_COUNT && ctx->grid[kind] ? ctx->grid_rank[kind] : -1;
 }
+
+/* ==== 14. Mappings and utilities (in progress) ========================== */
+#include "wip/mappings.c"
+
+/* ==== 15. RNG, dropout and checkpointing (in progress) ================== */
+#include "wip/rng.c"

@@ -435,13 +435,19 @@ cpar_status cpar_dev_cast(void *dst, cpar_dtype dst_dt, const void *src, cpar_dt
 /* y = alpha*x + beta*y in fp32; x, y of dtype dt (F32/F16/BF16). */
 cpar_status cpar_dev_axpby(float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n,
                            cpar_dev_stream s);
-/* acc = op(acc, src) elementwise. For float src dtypes acc is F32 (fp32
- * accumulation of F16/BF16 inputs); for I32/I64 acc has src's dtype. */
+/* acc = op(acc, src) elementwise, MAX/MIN with fmaxf/fminf semantics (a NaN
+ * loses to a number, as in NCCL). For float src dtypes acc is F32 (fp32
+ * accumulation of F16/BF16 inputs); for I32/I64/U8 acc has src's dtype. */
 cpar_status cpar_dev_reduce_into(void *acc, const void *src, cpar_dtype src_dt, int64_t n, cpar_reduce_op op,
                                  cpar_dev_stream s);
 /* out[r] = op over the last dimension of in [rows, cols] (float dtype), fp32 out. */
 cpar_status cpar_dev_row_reduce(float *out, const void *in, cpar_dtype dt, int64_t rows, int64_t cols,
                                 cpar_row_op op, cpar_dev_stream s);
+
+/* ==== 8. Tensor-parallel mappings and utilities (in progress) ============ */
+#include "wip/mappings.h"
+/* ==== 9. RNG, dropout and activation checkpointing (in progress) ========= */
+#include "wip/rng.h"
 
 #ifdef __cplusplus
 }

@@ -123,27 +123,47 @@ static bool write_all(int fd, struct iovec *iov, int n)
 static void set_cloexec(int fd) { fcntl(fd, F_SETFD, FD_CLOEXEC); }
 static void set_nonblock(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
+/* Lowest port the kernel hands out for outgoing connections (Linux's
+ * ip_local_port_range; 32768 by default). */
+static int ephemeral_port_floor(void)
+{
+    int lo = 32768, hi = 0;
+    FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
+    if (f) {
+        if (fscanf(f, "%d %d", &lo, &hi) != 2 || lo < 2048)
+            lo = 32768;
+        fclose(f);
+    }
+    return lo;
+}
+
 /* A port P such that P and P+1 are both free now: MASTER_PORT and the
- * store's default MASTER_PORT+1. Ports come from the kernel (bind port 0),
- * so concurrent jobs on one machine do not collide. */
+ * store's default MASTER_PORT+1. P is drawn below the ephemeral range: a rank
+ * that retries connecting before rank 0 listens could otherwise be given P+1
+ * as its own source port, connect to itself and keep the store from binding.
+ * A random start keeps concurrent jobs on one machine apart. */
 static int pick_free_port_pair(void)
 {
-    for (int attempt = 0; attempt < 64; attempt++) {
-        int a = socket(AF_INET, SOCK_STREAM, 0), b = socket(AF_INET, SOCK_STREAM, 0), port = 0;
+    int floor = ephemeral_port_floor(), base = 20000, span = floor - 1 - base;
+    if (span < 64) {
+        base = 1024;
+        span = floor - 1 - base;
+    }
+    unsigned seed = (unsigned)getpid() * 2654435761u ^ (unsigned)time(NULL);
+    for (int attempt = 0; attempt < 256; attempt++) {
+        int port = base + (int)(rand_r(&seed) % (unsigned)span);
+        int a = socket(AF_INET, SOCK_STREAM, 0), b = socket(AF_INET, SOCK_STREAM, 0), ok = 0;
         struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_ANY)};
-        socklen_t len = sizeof sa;
-        if (a >= 0 && b >= 0 && bind(a, (struct sockaddr *)&sa, sizeof sa) == 0 &&
-            getsockname(a, (struct sockaddr *)&sa, &len) == 0 && ntohs(sa.sin_port) < 65535) {
-            port = ntohs(sa.sin_port);
+        sa.sin_port = htons((uint16_t)port);
+        if (a >= 0 && b >= 0 && bind(a, (struct sockaddr *)&sa, sizeof sa) == 0) {
             sa.sin_port = htons((uint16_t)(port + 1));
-            if (bind(b, (struct sockaddr *)&sa, sizeof sa) != 0)
-                port = 0;
+            ok = bind(b, (struct sockaddr *)&sa, sizeof sa) == 0;
         }
         if (a >= 0)
             close(a);
         if (b >= 0)
             close(b);
-        if (port)
+        if (ok)
             return port;
     }
     return 0;

@@ -646,13 +646,35 @@ static void *server_later(void *p)
         cpar_store_set(s, "up", "1", 1);
         sleep_ms(300);
         cpar_store_destroy(s);
+    } else {
+        fprintf(stderr, "server_later: %s\n", cpar_thread_last_error());
     }
     return NULL;
 }
 
+/* A free port below the ephemeral range, so no retrying client can be given
+ * it as its own source port (a self-connection) before the server binds. */
+static int free_port_below_ephemeral(void)
+{
+    unsigned seed = (unsigned)getpid() ^ (unsigned)now_ms();
+    for (int attempt = 0; attempt < 256; attempt++) {
+        int port = 20000 + (int)(rand_r(&seed) % 12000u);
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        a.sin_port = htons((uint16_t)port);
+        int ok = fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0;
+        if (fd >= 0)
+            close(fd);
+        if (ok)
+            return port;
+    }
+    ck_abort_msg("no free port below 32000");
+    return 0;
+}
+
 START_TEST(test_client_before_server)
 {
-    setter_arg a = {free_port(), 400};
+    setter_arg a = {free_port_below_ephemeral(), 400};
     pthread_t t;
     pthread_create(&t, NULL, server_later, &a);
     cpar_store *c = connect_client(a.port, 5000); /* retries through ECONNREFUSED */

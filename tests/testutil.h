@@ -172,6 +172,47 @@ static inline int64_t tu_mismatch(const void *got, cpar_dtype dt, const double *
         ck_assert_msg(tu_i_ < 0, "%s", tu_msg_);                                                             \
     } while (0)
 
+/* ck_assert that the last error message contains needle (a number, a name). */
+#define TU_MSG_HAS(needle)                                                                                   \
+    ck_assert_msg(strstr(cpar_thread_last_error(), (needle)) != NULL, "message \"%s\" lacks \"%s\"",         \
+                  cpar_thread_last_error(), (needle))
+
+/* n random elements of dtype dt (tu_fill_random) in new host memory. */
+static inline void *tu_random_host(cpar_dtype dt, int64_t n, uint64_t seed) {
+    void *p = malloc(n > 0 ? (size_t)n * cpar_dtype_size(dt) : 1);
+    ck_assert_ptr_nonnull(p);
+    tu_fill_random(p, dt, n, seed);
+    return p;
+}
+
+/* v as dtype dt holds it (rounded to nearest even for floats). */
+static inline double tu_round(cpar_dtype dt, double v) {
+    uint64_t buf = 0;
+    tu_set(&buf, dt, 0, v);
+    return tu_get(&buf, dt, 0);
+}
+
+/* First index where got and want (host memory, n elements of dt) differ
+ * bitwise, a NaN matching any NaN for float dtypes; -1 when none. */
+static inline int64_t tu_bits_mismatch(const void *got, const void *want, cpar_dtype dt, int64_t n) {
+    size_t es = cpar_dtype_size(dt);
+    for (int64_t i = 0; i < n; i++) {
+        if (!memcmp((const char *)got + (size_t)i * es, (const char *)want + (size_t)i * es, es)) continue;
+        if (cpar_dtype_is_float(dt) && isnan(tu_get(got, dt, i)) && isnan(tu_get(want, dt, i))) continue;
+        return i;
+    }
+    return -1;
+}
+
+#define TU_EXPECT_SAME(got, want, dt, n)                                                                     \
+    do {                                                                                                     \
+        int64_t tu_i_ = tu_bits_mismatch((got), (want), (dt), (n));                                          \
+        double tu_g_ = tu_i_ < 0 ? 0.0 : tu_get((got), (dt), tu_i_);                                         \
+        double tu_w_ = tu_i_ < 0 ? 0.0 : tu_get((want), (dt), tu_i_);                                        \
+        ck_assert_msg(tu_i_ < 0, "element %lld: got %.9g, expected %.9g (dtype %s)", (long long)tu_i_,       \
+                      tu_g_, tu_w_, cpar_dtype_name(dt));                                                    \
+    } while (0)
+
 /* Run every test of a suite and return the process exit status. */
 static inline int tu_run_suite(Suite *s) {
     SRunner *sr = srunner_create(s);

@@ -1,0 +1,389 @@
+/* test_faults.c — a job never hangs (cpar.h §3, DESIGN.md §4): a rank that
+ * aborts, fails, leaves early, sleeps past the deadline, calls a different
+ * collective, or sends to nobody makes its peers return an error within the
+ * deadline, and the process can run a new job afterwards.
+ *
+ * Jobs run with a short deadline (cpar_spawn_with .timeout_ms). The ranks
+ * record their status, message and the time their blocked call took; the
+ * checks run on the test's thread after cpar_spawn returns. Check's timeout
+ * is the backstop should a job hang. */
+#define _GNU_SOURCE /* nanosleep, clock_gettime, strcasestr */
+#include <time.h>
+
+#include "testutil.h"
+
+#define MAX_RANKS 4
+#define DEADLINE_MS 1500
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts)) {}
+}
+
+/* Does msg name rank r ("rank 2", "ranks 1,2", "rank 2:")? */
+static bool names_rank(const char *msg, int r) {
+    char num[16];
+    snprintf(num, sizeof num, "%d", r);
+    for (const char *p = strstr(msg, "rank"); p; p = strstr(p + 1, "rank")) {
+        const char *q = p + 4;
+        if (*q == 's') q++;
+        while (*q == ' ') q++;
+        /* a list of numbers: "1,2" */
+        while (*q >= '0' && *q <= '9') {
+            size_t len = strspn(q, "0123456789");
+            if (len == strlen(num) && !strncmp(q, num, len)) return true;
+            q += len;
+            if (*q != ',') break;
+            q++;
+        }
+    }
+    return false;
+}
+
+/* What the peers are blocked in when the victim misbehaves. */
+typedef enum { OP_ALL_REDUCE, OP_ALL_GATHER, OP_BARRIER, OP_BROADCAST, OP_RECV, OP_COUNT } peer_op;
+static const char *const op_names[] = {"all_reduce", "all_gather", "barrier", "broadcast", "recv"};
+
+typedef struct {
+    int nranks, victim, timeout_ms;
+    peer_op op;
+    bool peers_late; /* peers enter their call only after the victim acted */
+    cpar_status st[MAX_RANKS];
+    int64_t ms[MAX_RANKS]; /* how long the rank's call took */
+    char msg[MAX_RANKS][512];
+} fault_arg;
+
+/* Run op on the world group (recv: from the victim). */
+static cpar_status do_op(cpar_ctx *ctx, peer_op op, int victim) {
+    cpar_group *w = cpar_world_group(ctx);
+    int n = cpar_world_size(ctx);
+    int64_t shape[] = {4}, gshape[] = {4 * n};
+    float *x = tu_random_host(CPAR_F32, 4, 17 + cpar_rank(ctx));
+    cpar_tensor in = tu_upload(ctx, x, CPAR_F32, 1, shape);
+    cpar_tensor out = tu_alloc_poisoned(ctx, CPAR_F32, 1, op == OP_ALL_GATHER ? gshape : shape);
+    cpar_status st = CPAR_OK;
+    switch (op) {
+    case OP_ALL_REDUCE: st = cpar_all_reduce(w, &in, &out, CPAR_SUM); break;
+    case OP_ALL_GATHER: st = cpar_all_gather(w, &in, &out, NULL); break;
+    case OP_BARRIER: st = cpar_barrier(w); break;
+    case OP_BROADCAST: st = cpar_broadcast(w, &in, victim); break;
+    default: st = cpar_recv(w, &out, victim); break;
+    }
+    TU_OK(cpar_tensor_free(ctx, &in));
+    TU_OK(cpar_tensor_free(ctx, &out));
+    free(x);
+    return st;
+}
+
+/* A working job: all-reduce of known values. Every scenario starts with it
+ * (the fault comes mid-job), and a fresh job after a fault runs it. */
+static cpar_status rank_healthy(cpar_ctx *ctx, void *p) {
+    (void)p;
+    int n = cpar_world_size(ctx), me = cpar_rank(ctx);
+    int64_t shape[] = {5};
+    int32_t x[5], want[5];
+    for (int i = 0; i < 5; i++) {
+        x[i] = (me + 1) * (i + 3);
+        want[i] = n * (n + 1) / 2 * (i + 3);
+    }
+    cpar_tensor in = tu_upload(ctx, x, CPAR_I32, 1, shape), out = tu_alloc_poisoned(ctx, CPAR_I32, 1, shape);
+    TU_OK(cpar_all_reduce(cpar_world_group(ctx), &in, &out, CPAR_SUM));
+    int32_t *got = tu_download(ctx, &out);
+    for (int i = 0; i < 5; i++) ck_assert_int_eq(got[i], want[i]);
+    free(got);
+    TU_OK(cpar_barrier(cpar_world_group(ctx)));
+    TU_OK(cpar_tensor_free(ctx, &in));
+    TU_OK(cpar_tensor_free(ctx, &out));
+    return CPAR_OK;
+}
+
+/* The peers' side of every scenario: call op, record status, time and message. */
+static cpar_status peer(cpar_ctx *ctx, fault_arg *a) {
+    int r = cpar_rank(ctx);
+    if (a->peers_late) sleep_ms(300);
+    int64_t t0 = now_ms();
+    a->st[r] = do_op(ctx, a->op, a->victim);
+    a->ms[r] = now_ms() - t0;
+    snprintf(a->msg[r], sizeof a->msg[r], "%s", cpar_last_error(ctx));
+    return a->st[r];
+}
+
+static cpar_status job(int nranks, int timeout_ms, cpar_rank_fn fn, fault_arg *a) {
+    cpar_init_config c = {.backend = tu_backend(), .timeout_ms = timeout_ms};
+    a->nranks = nranks;
+    a->timeout_ms = timeout_ms;
+    return cpar_spawn_with(nranks, &c, fn, a);
+}
+
+static void expect_healthy(void) {
+    TU_OK(tu_spawn(3, rank_healthy, NULL));
+    TU_OK(tu_spawn(1, rank_healthy, NULL));
+}
+
+/* Every peer got want, naming the victim, well before the deadline. */
+static void expect_peers(const fault_arg *a, cpar_status want) {
+    for (int r = 0; r < a->nranks; r++) {
+        if (r == a->victim) continue;
+        ck_assert_msg(a->st[r] == want, "%s: rank %d got %s, expected %s (%s)", op_names[a->op], r,
+                      cpar_status_string(a->st[r]), cpar_status_string(want), a->msg[r]);
+        ck_assert_msg(names_rank(a->msg[r], a->victim), "%s: rank %d's message \"%s\" does not name rank %d",
+                      op_names[a->op], r, a->msg[r], a->victim);
+        ck_assert_msg(a->ms[r] < a->timeout_ms / 2, "%s: rank %d returned after %lld ms (deadline %d ms)",
+                      op_names[a->op], r, (long long)a->ms[r], a->timeout_ms);
+    }
+}
+
+/* ---- cpar_abort ------------------------------------------------------------- */
+
+static cpar_status rank_aborts(cpar_ctx *ctx, void *p) {
+    fault_arg *a = p;
+    TU_OK(rank_healthy(ctx, NULL));
+    if (cpar_rank(ctx) != a->victim) return peer(ctx, a);
+    sleep_ms(150); /* let the peers block first */
+    TU_OK(cpar_abort(ctx));
+    TU_OK(cpar_abort(ctx)); /* idempotent */
+    return CPAR_OK;
+}
+
+/* Loop index: the peers' op, and whether they are blocked before the victim
+ * acts or enter their call after it. */
+#define SCENARIOS (2 * OP_COUNT)
+#define SCENARIO_OP(i) ((peer_op)((i) / 2))
+#define SCENARIO_LATE(i) ((i) % 2 == 1)
+
+START_TEST(test_abort) {
+    fault_arg a = {.victim = 1, .op = SCENARIO_OP(_i), .peers_late = SCENARIO_LATE(_i)};
+    cpar_status st = job(3, DEADLINE_MS, rank_aborts, &a);
+    ck_assert_msg(st == CPAR_ERR_PEER, "cpar_spawn returned %s (%s)", cpar_status_string(st),
+                  cpar_thread_last_error());
+    TU_MSG_HAS("rank 1");
+    expect_peers(&a, CPAR_ERR_PEER);
+    expect_healthy();
+}
+END_TEST
+
+/* ---- a rank returns an error ----------------------------------------------- */
+
+static cpar_status rank_fails(cpar_ctx *ctx, void *p) {
+    fault_arg *a = p;
+    TU_OK(rank_healthy(ctx, NULL));
+    if (cpar_rank(ctx) != a->victim) return peer(ctx, a);
+    sleep_ms(150);
+    /* A real failure with a message: a bad argument. */
+    return cpar_set_timeout_ms(ctx, -7);
+}
+
+START_TEST(test_rank_fails) {
+    fault_arg a = {.victim = 2, .op = SCENARIO_OP(_i), .peers_late = SCENARIO_LATE(_i)};
+    cpar_status st = job(3, DEADLINE_MS, rank_fails, &a);
+    /* The job reports the failing rank's own status and message. */
+    ck_assert_msg(st == CPAR_ERR_INVALID, "cpar_spawn returned %s (%s)", cpar_status_string(st),
+                  cpar_thread_last_error());
+    TU_MSG_HAS("rank 2");
+    TU_MSG_HAS("cpar_set_timeout_ms");
+    TU_MSG_HAS("-7");
+    expect_peers(&a, CPAR_ERR_PEER);
+    expect_healthy();
+}
+END_TEST
+
+/* ---- a rank leaves without joining -------------------------------------------- */
+
+static cpar_status rank_skips(cpar_ctx *ctx, void *p) {
+    fault_arg *a = p;
+    TU_OK(rank_healthy(ctx, NULL));
+    if (cpar_rank(ctx) != a->victim) return peer(ctx, a);
+    return CPAR_OK; /* returns early: never joins the collective */
+}
+
+START_TEST(test_rank_skips) {
+    fault_arg a = {.victim = 0, .op = SCENARIO_OP(_i), .peers_late = SCENARIO_LATE(_i)};
+    cpar_status st = job(3, DEADLINE_MS, rank_skips, &a);
+    ck_assert_msg(st == CPAR_ERR_PEER, "cpar_spawn returned %s (%s)", cpar_status_string(st),
+                  cpar_thread_last_error());
+    expect_peers(&a, CPAR_ERR_PEER);
+    expect_healthy();
+}
+END_TEST
+
+/* ---- a rank sleeps past the deadline -------------------------------------------- */
+
+static cpar_status rank_sleeps(cpar_ctx *ctx, void *p) {
+    fault_arg *a = p;
+    int r = cpar_rank(ctx);
+    TU_OK(rank_healthy(ctx, NULL));
+    if (r != a->victim) return peer(ctx, a);
+    sleep_ms(a->timeout_ms * 3);
+    /* Late: the job is already broken, so this fails too (how is not checked). */
+    a->st[r] = do_op(ctx, a->op, a->victim);
+    return CPAR_OK;
+}
+
+START_TEST(test_rank_sleeps) {
+    /* Two ranks: the single waiting peer times out, naming the sleeper. Four
+     * ranks: the first peer to time out names the sleeper; the others may be
+     * released by that (CPAR_ERR_PEER), but nobody waits for the sleeper. */
+    int n = _i < OP_COUNT ? 2 : 4;
+    peer_op op = (peer_op)(_i % OP_COUNT);
+    fault_arg a = {.victim = n - 1, .op = op};
+    int64_t t0 = now_ms();
+    cpar_status st = job(n, 500, rank_sleeps, &a);
+    ck_assert_msg(st == CPAR_ERR_TIMEOUT, "cpar_spawn returned %s (%s)", cpar_status_string(st),
+                  cpar_thread_last_error());
+    ck_assert_msg(names_rank(cpar_thread_last_error(), n - 1), "\"%s\" does not name rank %d",
+                  cpar_thread_last_error(), n - 1);
+    int timeouts = 0;
+    for (int r = 0; r < n - 1; r++) {
+        ck_assert_msg(a.st[r] == CPAR_ERR_TIMEOUT || (n > 2 && a.st[r] == CPAR_ERR_PEER),
+                      "%s, %d ranks: rank %d got %s (%s)", op_names[op], n, r, cpar_status_string(a.st[r]), a.msg[r]);
+        if (a.st[r] == CPAR_ERR_TIMEOUT) {
+            timeouts++;
+            ck_assert_msg(names_rank(a.msg[r], n - 1), "%s: \"%s\" does not name rank %d", op_names[op], a.msg[r],
+                          n - 1);
+            ck_assert_msg(a.ms[r] >= 450, "%s: rank %d timed out after %lld ms, before the 500 ms deadline",
+                          op_names[op], r, (long long)a.ms[r]);
+        }
+        ck_assert_msg(a.ms[r] < 1300, "%s: rank %d returned after %lld ms (deadline 500 ms)", op_names[op], r,
+                      (long long)a.ms[r]);
+    }
+    ck_assert_int_ge(timeouts, 1);
+    ck_assert_int_ne(a.st[n - 1], CPAR_OK); /* the sleeper's late call */
+    ck_assert_int_lt(now_ms() - t0, 3000);  /* the job ended once the sleeper woke */
+    expect_healthy();
+}
+END_TEST
+
+/* ---- ranks disagree on the collective ---------------------------------------- */
+
+typedef enum { MIS_KIND, MIS_DTYPE, MIS_SIZE, MIS_OP, MIS_ROOT, MIS_COUNT } mismatch;
+static const char *const mismatch_names[] = {"kind", "dtype", "size", "op", "root"};
+
+typedef struct {
+    mismatch what;
+    cpar_status st[3];
+    char msg[3][512];
+} mismatch_arg;
+
+/* Rank 1 makes a call that differs from the others' in one respect. */
+static cpar_status rank_mismatch(cpar_ctx *ctx, void *p) {
+    mismatch_arg *a = p;
+    cpar_group *w = cpar_world_group(ctx);
+    int r = cpar_rank(ctx);
+    bool odd = r == 1;
+    int64_t n4[] = {4}, n5[] = {5}, n12[] = {12};
+    cpar_dtype dt = a->what == MIS_DTYPE && odd ? CPAR_F16 : CPAR_F32;
+    const int64_t *shape = a->what == MIS_SIZE && odd ? n5 : n4;
+    void *x = tu_random_host(dt, shape[0], 3 + r);
+    cpar_tensor in = tu_upload(ctx, x, dt, 1, shape), out = tu_alloc_poisoned(ctx, dt, 1, shape);
+    cpar_tensor gout = tu_alloc_poisoned(ctx, dt, 1, n12);
+    switch (a->what) {
+    case MIS_KIND:
+        a->st[r] = odd ? cpar_all_gather(w, &in, &gout, NULL) : cpar_all_reduce(w, &in, &out, CPAR_SUM);
+        break;
+    case MIS_OP: a->st[r] = cpar_all_reduce(w, &in, &out, odd ? CPAR_MAX : CPAR_SUM); break;
+    case MIS_ROOT: a->st[r] = cpar_broadcast(w, &in, odd ? 1 : 0); break;
+    default: a->st[r] = cpar_all_reduce(w, &in, &out, CPAR_SUM); break;
+    }
+    snprintf(a->msg[r], sizeof a->msg[r], "%s", cpar_last_error(ctx));
+    TU_OK(cpar_tensor_free(ctx, &in));
+    TU_OK(cpar_tensor_free(ctx, &out));
+    TU_OK(cpar_tensor_free(ctx, &gout));
+    free(x);
+    return CPAR_OK;
+}
+
+START_TEST(test_mismatch) {
+    /* Needles: what differs, in a form the user recognises. */
+    static const char *const needles[MIS_COUNT][2] = {
+        {"all_gather", "all_reduce"}, {"f16", "f32"}, {"5", "4"}, {"max", "sum"}, {"root", "1"},
+    };
+    mismatch_arg a = {.what = (mismatch)_i};
+    cpar_init_config c = {.backend = tu_backend(), .timeout_ms = DEADLINE_MS};
+    int64_t t0 = now_ms();
+    TU_OK(cpar_spawn_with(3, &c, rank_mismatch, &a));
+    ck_assert_int_lt(now_ms() - t0, DEADLINE_MS);
+    for (int r = 0; r < 3; r++) {
+        ck_assert_msg(a.st[r] == CPAR_ERR_INVALID, "%s mismatch: rank %d got %s (%s)", mismatch_names[_i], r,
+                      cpar_status_string(a.st[r]), a.msg[r]);
+        for (int k = 0; k < 2; k++)
+            ck_assert_msg(strcasestr(a.msg[r], needles[_i][k]) != NULL,
+                          "%s mismatch: rank %d's message \"%s\" does not mention \"%s\"", mismatch_names[_i], r,
+                          a.msg[r], needles[_i][k]);
+    }
+    expect_healthy();
+}
+END_TEST
+
+/* ---- point to point with no partner --------------------------------------------- */
+
+typedef enum { P2P_SEND, P2P_RECV, P2P_SENDRECV, P2P_COUNT } p2p_kind;
+
+typedef struct {
+    p2p_kind kind;
+    cpar_status st;
+    int64_t ms;
+    char msg[512];
+} p2p_arg;
+
+static cpar_status rank_p2p_alone(cpar_ctx *ctx, void *p) {
+    p2p_arg *a = p;
+    if (cpar_rank(ctx) == 1) { /* alive, but never takes part */
+        sleep_ms(1500);
+        return CPAR_OK;
+    }
+    cpar_group *w = cpar_world_group(ctx);
+    int64_t shape[] = {6};
+    float *x = tu_random_host(CPAR_F32, 6, 9);
+    cpar_tensor t = tu_upload(ctx, x, CPAR_F32, 1, shape), u = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape);
+    int64_t t0 = now_ms();
+    a->st = a->kind == P2P_SEND ? cpar_send(w, &t, 1) : a->kind == P2P_RECV ? cpar_recv(w, &u, 1)
+                                                                              : cpar_sendrecv(w, &t, 1, &u, 1);
+    a->ms = now_ms() - t0;
+    snprintf(a->msg, sizeof a->msg, "%s", cpar_last_error(ctx));
+    TU_OK(cpar_tensor_free(ctx, &t));
+    TU_OK(cpar_tensor_free(ctx, &u));
+    free(x);
+    return a->st;
+}
+
+START_TEST(test_p2p_no_partner) {
+    p2p_arg a = {.kind = (p2p_kind)_i};
+    cpar_init_config c = {.backend = tu_backend(), .timeout_ms = 500};
+    cpar_status st = cpar_spawn_with(2, &c, rank_p2p_alone, &a);
+    ck_assert_msg(a.st == CPAR_ERR_TIMEOUT, "got %s (%s)", cpar_status_string(a.st), a.msg);
+    ck_assert_msg(names_rank(a.msg, 1), "\"%s\" does not name rank 1", a.msg);
+    ck_assert_msg(a.ms >= 450 && a.ms < 1300, "returned after %lld ms (deadline 500 ms)", (long long)a.ms);
+    ck_assert_int_eq(st, CPAR_ERR_TIMEOUT);
+    expect_healthy();
+    /* The line names the function that was called and what timed out. */
+    static const char *const called[] = {"cpar_send:", "cpar_recv:", "cpar_sendrecv:"};
+    static const char *const wrong[] = {"receive timed out", "send timed out", "@"};
+    ck_assert_msg(!strncmp(a.msg, called[_i], strlen(called[_i])) && !strstr(a.msg, wrong[_i]),
+                  "\"%s\" should begin with \"%s\" and not say \"%s\"", a.msg, called[_i], wrong[_i]);
+}
+END_TEST
+
+Suite *suite(void) {
+    Suite *s = suite_create("faults: aborts, failures, deadlines, disagreement");
+    TCase *tc = tcase_create("peers");
+    tcase_add_loop_test(tc, test_abort, 0, SCENARIOS);
+    tcase_add_loop_test(tc, test_rank_fails, 0, SCENARIOS);
+    tcase_add_loop_test(tc, test_rank_skips, 0, SCENARIOS);
+    tcase_add_loop_test(tc, test_rank_sleeps, 0, 2 * OP_COUNT); /* 2 ranks, then 4 */
+    tcase_set_timeout(tc, 120);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("disagreement");
+    tcase_add_loop_test(tc, test_mismatch, 0, MIS_COUNT);
+    tcase_add_loop_test(tc, test_p2p_no_partner, 0, P2P_COUNT);
+    tcase_set_timeout(tc, 60);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void) { return tu_run_suite(suite()); }

@@ -1,0 +1,473 @@
+/* test_gpu.c — the GPU suite: the NCCL backend and the CUDA kernels on real
+ * GPUs (built only in CUDA builds, against build/libcpar.a).
+ *
+ * With no GPU visible it prints one line saying so and exits 0 without
+ * running Check. Otherwise it runs, on CPAR_BACKEND_NCCL, a 1-rank world and
+ * an n-GPU single-process world (n = cpar_dev_count(), at most 8): every
+ * collective against a host reference computed in double, and the
+ * element-wise ops on device tensors against the same ops on host tensors
+ * (cpar's host reference kernels).
+ *
+ * CUDA is not fork-safe and Check forks a process per test, so this process
+ * never touches CUDA itself: the GPU count comes from a child process, and
+ * every CUDA/NCCL object is created inside a test. */
+#define _GNU_SOURCE /* fork, waitpid, unsetenv */
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "testutil.h"
+
+#define MAX_GPUS 8
+#define ROW 15 /* elements of a [rows, 3, 5] row */
+
+static int n_gpus; /* set in main from the probe */
+
+/* cpar_dev_count() in a child process, so this one stays CUDA-free; -1 if the probe could not run. */
+static int probe_gpu_count(void) {
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        int n = cpar_dev_count();
+        _exit(n > 100 ? 100 : n < 0 ? 0 : n);
+    }
+    int status = 0;
+    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return -1;
+    return WEXITSTATUS(status);
+}
+
+static cpar_status gpu_spawn(int nranks, cpar_rank_fn fn, void *arg) {
+    cpar_init_config c = {.backend = CPAR_BACKEND_NCCL, .timeout_ms = 120000};
+    return cpar_spawn_with(nranks, &c, fn, arg);
+}
+
+/* World sizes of the loop tests: one GPU, then all of them. */
+static int world_of(int i) { return i == 0 ? 1 : n_gpus; }
+
+static uint64_t seed_of(int call, int rank) { return (uint64_t)call * 1000003u + (uint64_t)rank * 7919u + 11u; }
+
+static int mod(int a, int n) { return ((a % n) + n) % n; }
+
+static int64_t *shape3(int64_t rows, int64_t *s) {
+    s[0] = rows;
+    s[1] = 3;
+    s[2] = 5;
+    return s;
+}
+
+static void free_tensor(cpar_ctx *ctx, cpar_tensor *t) { TU_OK(cpar_tensor_free(ctx, t)); }
+
+/* NCCL reduces in its own order (and may round F16/BF16 partial sums), so
+ * float sums get a bound that grows with the number of ranks. */
+static double gpu_tol(cpar_dtype dt, cpar_reduce_op op, int n) {
+    if (op != CPAR_SUM || !cpar_dtype_is_float(dt)) return 0.0;
+    return dt == CPAR_F32 ? 1e-6 * n : tu_tol(dt) * n;
+}
+
+static double reduce2(cpar_reduce_op op, double a, double b) {
+    return op == CPAR_SUM ? a + b : op == CPAR_MAX ? fmax(a, b) : fmin(a, b);
+}
+
+/* ---- collectives ------------------------------------------------------------------ */
+
+static const cpar_dtype coll_dtypes[] = {CPAR_F32, CPAR_F16, CPAR_BF16, CPAR_I32, CPAR_I64, CPAR_U8};
+#define N_COLL_DTYPES 6
+
+static void gpu_all_reduce(cpar_ctx *ctx, cpar_group *g, int *call) {
+    int n = cpar_group_size(g), me = cpar_group_rank(g);
+    static const int64_t counts[] = {75, 4099};
+    for (int d = 0; d < N_COLL_DTYPES; d++)
+        for (int o = 0; o < CPAR_REDUCE_OP_COUNT; o++)
+            for (int k = 0; k < 2; k++, (*call)++) {
+                cpar_dtype dt = coll_dtypes[d];
+                cpar_reduce_op op = (cpar_reduce_op)o;
+                if (dt == CPAR_U8 && op == CPAR_SUM) continue;
+                int64_t cnt = counts[k], shape[] = {cnt};
+                void *x[MAX_GPUS];
+                for (int r = 0; r < n; r++) x[r] = tu_random_host(dt, cnt, seed_of(*call, r));
+                cpar_tensor in = tu_upload(ctx, x[me], dt, 1, shape), out = tu_alloc_poisoned(ctx, dt, 1, shape);
+                TU_OK(cpar_all_reduce(g, &in, k ? &in : &out, op)); /* the long one in place */
+                TU_OK(cpar_sync(ctx));
+                double *want = malloc((size_t)cnt * sizeof *want);
+                for (int64_t i = 0; i < cnt; i++) {
+                    double acc = tu_get(x[0], dt, i);
+                    for (int r = 1; r < n; r++) acc = reduce2(op, acc, tu_get(x[r], dt, i));
+                    want[i] = tu_round(dt, acc);
+                }
+                void *got = tu_download(ctx, k ? &in : &out);
+                char msg[256];
+                ck_assert_msg(tu_mismatch(got, dt, want, cnt, gpu_tol(dt, op, n), msg, sizeof msg) < 0,
+                              "all_reduce op %d %s n %d: %s", o, cpar_dtype_name(dt), n, msg);
+                free(got);
+                free(want);
+                for (int r = 0; r < n; r++) free(x[r]);
+                free_tensor(ctx, &in);
+                free_tensor(ctx, &out);
+            }
+}
+
+/* All-gather and reduce-scatter, equal (NULL sizes) and uneven with a zero-row rank. */
+static void gpu_gather_scatter(cpar_ctx *ctx, cpar_group *g, int *call) {
+    int n = cpar_group_size(g), me = cpar_group_rank(g);
+    for (int d = 0; d < N_COLL_DTYPES; d++)
+        for (int uneven = 0; uneven < 2; uneven++, (*call)++) {
+            cpar_dtype dt = coll_dtypes[d];
+            size_t es = cpar_dtype_size(dt);
+            int64_t rows[MAX_GPUS], total = 0, off = 0, s[3];
+            for (int r = 0; r < n; r++) {
+                rows[r] = uneven ? (r == 1 ? 0 : r % 3 + 1) : 3;
+                if (r < me) off += rows[r];
+                total += rows[r];
+            }
+            /* all-gather of rows[r] rows from each rank */
+            void *x[MAX_GPUS];
+            for (int r = 0; r < n; r++) x[r] = tu_random_host(dt, total * ROW, seed_of(*call, r));
+            cpar_tensor in = tu_upload(ctx, x[me], dt, 3, shape3(rows[me], s));
+            cpar_tensor out = tu_alloc_poisoned(ctx, dt, 3, shape3(total, s));
+            TU_OK(cpar_all_gather(g, &in, &out, uneven ? rows : NULL));
+            char *want = malloc((size_t)(total * ROW) * es + 1), *at = want;
+            for (int r = 0; r < n; r++) {
+                memcpy(at, x[r], (size_t)(rows[r] * ROW) * es);
+                at += rows[r] * ROW * (int64_t)es;
+            }
+            void *got = tu_download(ctx, &out);
+            TU_EXPECT_SAME(got, want, dt, total * ROW);
+            free(got);
+            free(want);
+            free_tensor(ctx, &in);
+            free_tensor(ctx, &out);
+
+            /* reduce-scatter of [total, 3, 5] into this rank's rows */
+            cpar_reduce_op op = dt == CPAR_U8 ? CPAR_MAX : CPAR_SUM;
+            in = tu_upload(ctx, x[me], dt, 3, shape3(total, s));
+            out = tu_alloc_poisoned(ctx, dt, 3, shape3(rows[me], s));
+            TU_OK(cpar_reduce_scatter(g, &in, &out, op, uneven ? rows : NULL));
+            int64_t cnt = rows[me] * ROW;
+            double *rwant = malloc((size_t)cnt * sizeof *rwant + 1);
+            for (int64_t i = 0; i < cnt; i++) {
+                double acc = tu_get(x[0], dt, off * ROW + i);
+                for (int r = 1; r < n; r++) acc = reduce2(op, acc, tu_get(x[r], dt, off * ROW + i));
+                rwant[i] = tu_round(dt, acc);
+            }
+            got = tu_download(ctx, &out);
+            char msg[256];
+            ck_assert_msg(tu_mismatch(got, dt, rwant, cnt, gpu_tol(dt, op, n), msg, sizeof msg) < 0,
+                          "reduce_scatter %s n %d%s: %s", cpar_dtype_name(dt), n, uneven ? " uneven" : "", msg);
+            free(got);
+            free(rwant);
+            for (int r = 0; r < n; r++) free(x[r]);
+            free_tensor(ctx, &in);
+            free_tensor(ctx, &out);
+        }
+}
+
+static int64_t split_of(int i, int j, bool equal) { return equal ? 2 : (i + 2 * j + 1) % 3; }
+
+static void gpu_all_to_all(cpar_ctx *ctx, cpar_group *g, int *call) {
+    int n = cpar_group_size(g), me = cpar_group_rank(g);
+    for (int d = 0; d < N_COLL_DTYPES; d++)
+        for (int equal = 0; equal < 2; equal++, (*call)++) {
+            cpar_dtype dt = coll_dtypes[d];
+            size_t row = ROW * cpar_dtype_size(dt);
+            int64_t in_rows[MAX_GPUS] = {0}, in_splits[MAX_GPUS], out_splits[MAX_GPUS], out_rows = 0, s[3];
+            for (int i = 0; i < n; i++)
+                for (int j = 0; j < n; j++) in_rows[i] += split_of(i, j, equal);
+            for (int j = 0; j < n; j++) in_splits[j] = split_of(me, j, equal);
+            for (int i = 0; i < n; i++) out_rows += out_splits[i] = split_of(i, me, equal);
+            void *x[MAX_GPUS];
+            for (int r = 0; r < n; r++) x[r] = tu_random_host(dt, in_rows[r] * ROW, seed_of(*call, r));
+            cpar_tensor in = tu_upload(ctx, x[me], dt, 3, shape3(in_rows[me], s));
+            cpar_tensor out = tu_alloc_poisoned(ctx, dt, 3, shape3(out_rows, s));
+            TU_OK(cpar_all_to_all_single(g, &in, &out, equal ? NULL : out_splits, equal ? NULL : in_splits));
+            char *want = malloc((size_t)out_rows * row + 1), *at = want;
+            for (int i = 0; i < n; i++) {
+                int64_t first = 0;
+                for (int j = 0; j < me; j++) first += split_of(i, j, equal);
+                memcpy(at, (char *)x[i] + first * (int64_t)row, (size_t)split_of(i, me, equal) * row);
+                at += split_of(i, me, equal) * (int64_t)row;
+            }
+            void *got = tu_download(ctx, &out);
+            TU_EXPECT_SAME(got, want, dt, out_rows * ROW);
+            free(got);
+            free(want);
+            for (int r = 0; r < n; r++) free(x[r]);
+            free_tensor(ctx, &in);
+            free_tensor(ctx, &out);
+        }
+}
+
+/* Broadcast from every root, then ring shifts and a send/recv exchange. */
+static void gpu_broadcast_p2p(cpar_ctx *ctx, cpar_group *g, int *call) {
+    int n = cpar_group_size(g), me = cpar_group_rank(g);
+    int64_t s[3];
+    for (int d = 0; d < N_COLL_DTYPES; d++) {
+        cpar_dtype dt = coll_dtypes[d];
+        for (int root = 0; root < n; root++, (*call)++) {
+            void *x[MAX_GPUS];
+            for (int r = 0; r < n; r++) x[r] = tu_random_host(dt, 7 * ROW, seed_of(*call, r));
+            cpar_tensor buf = tu_upload(ctx, x[me], dt, 3, shape3(7, s));
+            TU_OK(cpar_broadcast(g, &buf, root));
+            void *got = tu_download(ctx, &buf);
+            TU_EXPECT_SAME(got, x[root], dt, 7 * ROW);
+            free(got);
+            for (int r = 0; r < n; r++) free(x[r]);
+            free_tensor(ctx, &buf);
+        }
+        static const int shifts[] = {1, -1, 2};
+        for (int k = 0; k < 3; k++)
+            for (int ring = 0; ring < 2; ring++, (*call)++) {
+                int from = mod(me - shifts[k], n), to = mod(me + shifts[k], n);
+                void *x[MAX_GPUS];
+                for (int r = 0; r < n; r++) x[r] = tu_random_host(dt, 5 * ROW, seed_of(*call, r));
+                cpar_tensor in = tu_upload(ctx, x[me], dt, 3, shape3(5, s));
+                cpar_tensor out = tu_alloc_poisoned(ctx, dt, 3, s);
+                if (ring) TU_OK(cpar_ring_shift(g, &in, &out, shifts[k]));
+                else TU_OK(cpar_sendrecv(g, &in, to, &out, from));
+                void *got = tu_download(ctx, &out);
+                TU_EXPECT_SAME(got, x[from], dt, 5 * ROW);
+                free(got);
+                for (int r = 0; r < n; r++) free(x[r]);
+                free_tensor(ctx, &in);
+                free_tensor(ctx, &out);
+            }
+    }
+    TU_OK(cpar_barrier(g));
+}
+
+typedef void (*coll_case)(cpar_ctx *ctx, cpar_group *g, int *call);
+
+static cpar_status rank_coll(cpar_ctx *ctx, void *p) {
+    coll_case fn = *(coll_case *)p;
+    ck_assert_int_eq(cpar_ctx_backend(ctx), CPAR_BACKEND_NCCL);
+    ck_assert_int_eq(cpar_device(ctx), cpar_rank(ctx));
+    int call = 0;
+    fn(ctx, cpar_world_group(ctx), &call);
+    /* The same on a sub-group: the ranks of each parity, reversed. */
+    cpar_group *sub;
+    TU_OK(cpar_group_split(cpar_world_group(ctx), cpar_rank(ctx) % 2, -cpar_rank(ctx), &sub));
+    fn(ctx, sub, &call);
+    TU_OK(cpar_group_destroy(sub));
+    TU_OK(cpar_sync(ctx));
+    return CPAR_OK;
+}
+
+static void run_coll(coll_case fn, int world) { TU_OK(gpu_spawn(world, rank_coll, &fn)); }
+
+START_TEST(test_all_reduce) { run_coll(gpu_all_reduce, world_of(_i)); }
+END_TEST
+START_TEST(test_gather_scatter) { run_coll(gpu_gather_scatter, world_of(_i)); }
+END_TEST
+START_TEST(test_all_to_all) { run_coll(gpu_all_to_all, world_of(_i)); }
+END_TEST
+START_TEST(test_broadcast_p2p) { run_coll(gpu_broadcast_p2p, world_of(_i)); }
+END_TEST
+
+/* ---- element-wise ops: device kernels against the host reference ---------------------- */
+
+static const cpar_dtype float_dtypes[] = {CPAR_F32, CPAR_F16, CPAR_BF16};
+static const int64_t op_sizes[] = {1, 31, 33, 1000, 4097, 100003};
+
+/* The same op on a host copy and on a device copy of the data. */
+typedef struct {
+    cpar_tensor h, d;
+    void *mem;
+} pair;
+
+static pair pair_upload(cpar_ctx *ctx, const void *x, cpar_dtype dt, int ndim, const int64_t *shape) {
+    pair p;
+    cpar_tensor probe = cpar_tensor_make(NULL, dt, ndim, shape, CPAR_HOST);
+    size_t bytes = cpar_tensor_nbytes(&probe);
+    p.mem = malloc(bytes + 1);
+    memcpy(p.mem, x, bytes);
+    p.h = cpar_tensor_make(p.mem, dt, ndim, shape, CPAR_HOST);
+    p.d = tu_upload(ctx, x, dt, ndim, shape);
+    return p;
+}
+
+static pair pair_poisoned(cpar_ctx *ctx, cpar_dtype dt, int ndim, const int64_t *shape) {
+    pair p;
+    cpar_tensor probe = cpar_tensor_make(NULL, dt, ndim, shape, CPAR_HOST);
+    size_t bytes = cpar_tensor_nbytes(&probe);
+    p.mem = malloc(bytes + 1);
+    memset(p.mem, 0xff, bytes);
+    p.h = cpar_tensor_make(p.mem, dt, ndim, shape, CPAR_HOST);
+    p.d = tu_alloc_poisoned(ctx, dt, ndim, shape);
+    return p;
+}
+
+/* Device result against host result: bit for bit, or within tol (relative). */
+static void pair_check(cpar_ctx *ctx, pair *p, double tol, const char *what) {
+    int64_t n = cpar_tensor_numel(&p->h);
+    void *got = tu_download(ctx, &p->d);
+    if (tol == 0.0) {
+        int64_t bad = tu_bits_mismatch(got, p->mem, p->h.dtype, n);
+        double g = bad < 0 ? 0 : tu_get(got, p->h.dtype, bad), h = bad < 0 ? 0 : tu_get(p->mem, p->h.dtype, bad);
+        ck_assert_msg(bad < 0, "%s (%s, %lld elements): element %lld is %.9g on the GPU, %.9g on the host", what,
+                      cpar_dtype_name(p->h.dtype), (long long)n, (long long)bad, g, h);
+    } else {
+        double *want = malloc((size_t)n * sizeof *want + 1);
+        for (int64_t i = 0; i < n; i++) want[i] = tu_get(p->mem, p->h.dtype, i);
+        char msg[256];
+        ck_assert_msg(tu_mismatch(got, p->h.dtype, want, n, tol, msg, sizeof msg) < 0, "%s: %s", what, msg);
+        free(want);
+    }
+    free(got);
+}
+
+static void pair_free(cpar_ctx *ctx, pair *p) {
+    free_tensor(ctx, &p->d);
+    free(p->mem);
+}
+
+static cpar_status rank_ops(cpar_ctx *ctx, void *unused) {
+    (void)unused;
+    for (size_t k = 0; k < sizeof op_sizes / sizeof op_sizes[0]; k++) {
+        int64_t n = op_sizes[k], shape[] = {n};
+        /* fill, every dtype */
+        for (int dt = 0; dt < CPAR_DTYPE_COUNT; dt++) {
+            pair t = pair_poisoned(ctx, (cpar_dtype)dt, 1, shape);
+            double v = cpar_dtype_is_float((cpar_dtype)dt) ? 0.1 : 77;
+            TU_OK(cpar_fill(ctx, &t.h, v));
+            TU_OK(cpar_fill(ctx, &t.d, v));
+            pair_check(ctx, &t, 0.0, "fill");
+            pair_free(ctx, &t);
+        }
+        for (int a = 0; a < 3; a++) {
+            cpar_dtype dt = float_dtypes[a];
+            void *x = tu_random_host(dt, n, 3 + k), *y = tu_random_host(dt, n, 30 + k);
+            /* cast to every float dtype */
+            for (int b = 0; b < 3; b++) {
+                pair src = pair_upload(ctx, x, dt, 1, shape), dst = pair_poisoned(ctx, float_dtypes[b], 1, shape);
+                TU_OK(cpar_cast(ctx, &src.h, &dst.h));
+                TU_OK(cpar_cast(ctx, &src.d, &dst.d));
+                pair_check(ctx, &dst, 0.0, "cast");
+                pair_free(ctx, &src);
+                pair_free(ctx, &dst);
+            }
+            /* axpby (the GPU may fuse a multiply-add) */
+            pair px = pair_upload(ctx, x, dt, 1, shape), py = pair_upload(ctx, y, dt, 1, shape);
+            TU_OK(cpar_axpby(ctx, 1.25f, &px.h, -0.5f, &py.h));
+            TU_OK(cpar_axpby(ctx, 1.25f, &px.d, -0.5f, &py.d));
+            pair_check(ctx, &py, tu_tol(dt), "axpby");
+            pair_free(ctx, &py);
+            py = pair_poisoned(ctx, dt, 1, shape); /* beta 0: y never read */
+            TU_OK(cpar_axpby(ctx, -2.0f, &px.h, 0.0f, &py.h));
+            TU_OK(cpar_axpby(ctx, -2.0f, &px.d, 0.0f, &py.d));
+            pair_check(ctx, &py, 0.0, "axpby beta 0");
+            pair_free(ctx, &px);
+            pair_free(ctx, &py);
+            /* row reduce of [rows, cols] with cols = n and 3 rows */
+            int64_t rshape[] = {3, n}, oshape[] = {3};
+            void *rx = tu_random_host(dt, 3 * n, 300 + k);
+            for (int op = 0; op < 3; op++) {
+                pair in = pair_upload(ctx, rx, dt, 2, rshape), out = pair_poisoned(ctx, CPAR_F32, 1, oshape);
+                TU_OK(cpar_row_reduce(ctx, &in.h, (cpar_row_op)op, &out.h));
+                TU_OK(cpar_row_reduce(ctx, &in.d, (cpar_row_op)op, &out.d));
+                /* sums within fp32 accumulation error of about sqrt(n) terms of size 1 */
+                pair_check(ctx, &out, op == CPAR_ROW_MAX ? 0.0 : 1e-5 * sqrt((double)n), "row_reduce");
+                pair_free(ctx, &in);
+                pair_free(ctx, &out);
+            }
+            free(rx);
+            free(x);
+            free(y);
+        }
+    }
+    /* split and concat along every dim of a 4-D tensor, for every dtype */
+    int64_t shape[] = {3, 5, 4, 7};
+    for (int dt = 0; dt < CPAR_DTYPE_COUNT; dt++) {
+        void *x = tu_random_host((cpar_dtype)dt, 420, 9);
+        pair whole = pair_upload(ctx, x, (cpar_dtype)dt, 4, shape);
+        for (int dim = 0; dim < 4; dim++) {
+            int64_t len[3] = {1, 0, shape[dim] - 1};
+            pair pieces[3];
+            cpar_tensor *ph[3], *pd[3];
+            for (int i = 0; i < 3; i++) {
+                int64_t ps[4] = {3, 5, 4, 7};
+                ps[dim] = len[i];
+                pieces[i] = pair_poisoned(ctx, (cpar_dtype)dt, 4, ps);
+                ph[i] = &pieces[i].h;
+                pd[i] = &pieces[i].d;
+            }
+            TU_OK(cpar_split(ctx, &whole.h, dim, 3, ph));
+            TU_OK(cpar_split(ctx, &whole.d, dim, 3, pd));
+            for (int i = 0; i < 3; i++) pair_check(ctx, &pieces[i], 0.0, "split");
+            pair back = pair_poisoned(ctx, (cpar_dtype)dt, 4, shape);
+            TU_OK(cpar_concat(ctx, ph, 3, dim, &back.h));
+            TU_OK(cpar_concat(ctx, pd, 3, dim, &back.d));
+            pair_check(ctx, &back, 0.0, "concat");
+            void *got = tu_download(ctx, &back.d);
+            ck_assert(!memcmp(got, x, 420 * cpar_dtype_size((cpar_dtype)dt)));
+            free(got);
+            pair_free(ctx, &back);
+            for (int i = 0; i < 3; i++) pair_free(ctx, &pieces[i]);
+        }
+        pair_free(ctx, &whole);
+        free(x);
+    }
+    return CPAR_OK;
+}
+
+START_TEST(test_ops_device_vs_host) { TU_OK(gpu_spawn(1, rank_ops, NULL)); }
+END_TEST
+
+/* cpar_init_from_env in a single process with no launch variables: a
+ * 1-rank NCCL world on GPU 0. */
+START_TEST(test_init_from_env_single) {
+    static const char *const vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                                       "SLURM_NTASKS", "SLURM_LOCALID"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]); /* this forked test's own env */
+    char port[16]; /* keep clear of a torchrun or another job on the default ports */
+    snprintf(port, sizeof port, "%d", 20000 + (int)(getpid() % 20000));
+    setenv("CPAR_STORE_PORT", port, 1);
+    cpar_init_config c = {.backend = CPAR_BACKEND_NCCL, .timeout_ms = 60000};
+    cpar_ctx *ctx = NULL;
+    TU_OK(cpar_init_from_env(&c, &ctx));
+    ck_assert_int_eq(cpar_world_size(ctx), 1);
+    ck_assert_int_eq(cpar_device(ctx), 0);
+    int64_t shape[] = {9};
+    float *x = tu_random_host(CPAR_F32, 9, 4);
+    cpar_tensor t = tu_upload(ctx, x, CPAR_F32, 1, shape);
+    TU_OK(cpar_all_reduce(cpar_world_group(ctx), &t, &t, CPAR_SUM));
+    TU_OK(cpar_sync(ctx));
+    void *got = tu_download(ctx, &t);
+    TU_EXPECT_SAME(got, x, CPAR_F32, 9);
+    free(got);
+    free(x);
+    free_tensor(ctx, &t);
+    TU_OK(cpar_finalize(ctx));
+}
+END_TEST
+
+Suite *suite(void) {
+    Suite *s = suite_create("gpu: NCCL backend and CUDA kernels");
+    TCase *tc = tcase_create("collectives");
+    int worlds = n_gpus > 1 ? 2 : 1; /* 1 rank, then every GPU */
+    tcase_add_loop_test(tc, test_all_reduce, 0, worlds);
+    tcase_add_loop_test(tc, test_gather_scatter, 0, worlds);
+    tcase_add_loop_test(tc, test_all_to_all, 0, worlds);
+    tcase_add_loop_test(tc, test_broadcast_p2p, 0, worlds);
+    tcase_set_timeout(tc, 300);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("ops");
+    tcase_add_test(tc, test_ops_device_vs_host);
+    tcase_add_test(tc, test_init_from_env_single);
+    tcase_set_timeout(tc, 300);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void) {
+    int n = probe_gpu_count();
+    if (n < 0) {
+        fprintf(stderr, "GPU suite: could not probe the GPUs (fork failed)\n");
+        return EXIT_FAILURE;
+    }
+    if (n == 0) {
+        printf("GPU suite skipped: no GPU visible (cudaGetDeviceCount found none)\n");
+        return EXIT_SUCCESS;
+    }
+    n_gpus = n > MAX_GPUS ? MAX_GPUS : n;
+    return tu_run_suite(suite());
+}

@@ -1,0 +1,438 @@
+/* test_ops.c — element-wise and layout operations (cpar.h §6): cpar_fill,
+ * cpar_cast, cpar_axpby, cpar_split, cpar_concat and cpar_row_reduce.
+ *
+ * Each runs on the context's device (host memory on the host backend; the
+ * CUDA kernels under the simulator on the sim backend) at odd sizes, and is
+ * compared with a reference computed here in double: bit for bit where the
+ * result is one rounding of an exact value (fill, cast, max, data movement),
+ * within a dtype-aware bound where fp32 arithmetic is involved. */
+#include "testutil.h"
+
+static const int64_t sizes[] = {1, 31, 33, 1000, 4097};
+#define N_SIZES ((int)(sizeof sizes / sizeof sizes[0]))
+
+static const cpar_dtype all_dtypes[] = {CPAR_F32, CPAR_F16, CPAR_BF16, CPAR_I32, CPAR_I64, CPAR_U8};
+static const cpar_dtype float_dtypes[] = {CPAR_F32, CPAR_F16, CPAR_BF16};
+#define N_ALL 6
+#define N_FLOAT 3
+
+/* Every op gets its context from a 1-rank job on the backend under test. */
+typedef void (*op_test)(cpar_ctx *ctx, int param);
+typedef struct {
+    op_test fn;
+    int param;
+} op_job;
+
+static cpar_status rank_op(cpar_ctx *ctx, void *p) {
+    op_job *j = p;
+    j->fn(ctx, j->param);
+    return CPAR_OK;
+}
+
+static void run_op(op_test fn, int param) {
+    op_job j = {fn, param};
+    TU_OK(tu_spawn(1, rank_op, &j));
+}
+
+static void free_tensor(cpar_ctx *ctx, cpar_tensor *t) { TU_OK(cpar_tensor_free(ctx, t)); }
+
+/* ---- fill ------------------------------------------------------------------------- */
+
+static void fill_case(cpar_ctx *ctx, int d) {
+    cpar_dtype dt = all_dtypes[d];
+    /* Values each dtype holds exactly, one it must round, one out of f16's range. */
+    double values[4];
+    int nv = 0;
+    if (cpar_dtype_is_float(dt)) {
+        values[nv++] = -2.75;
+        values[nv++] = 0.1;
+        values[nv++] = 70000.0; /* f16: inf */
+        values[nv++] = 3.0e-6;  /* f16: subnormal */
+    } else {
+        values[nv++] = dt == CPAR_U8 ? 200 : -123456;
+        values[nv++] = dt == CPAR_I64 ? 1099511627779.0 : dt == CPAR_U8 ? 7 : 2147483647.0;
+        values[nv++] = 0;
+    }
+    for (int k = 0; k < N_SIZES; k++)
+        for (int v = 0; v < nv; v++) {
+            int64_t n = sizes[k], shape[] = {n};
+            cpar_tensor t = tu_alloc_poisoned(ctx, dt, 1, shape);
+            TU_OK(cpar_fill(ctx, &t, values[v]));
+            void *got = tu_download(ctx, &t), *want = tu_random_host(dt, n, 1);
+            for (int64_t i = 0; i < n; i++) tu_set(want, dt, i, values[v]);
+            ck_assert_msg(tu_bits_mismatch(got, want, dt, n) < 0, "fill %s [%lld] with %g: got %g", cpar_dtype_name(dt),
+                          (long long)n, values[v], tu_get(got, dt, tu_bits_mismatch(got, want, dt, n)));
+            free(got);
+            free(want);
+            free_tensor(ctx, &t);
+        }
+    /* A scalar and a zero-sized tensor. */
+    int64_t none[] = {4, 0};
+    cpar_tensor s = tu_alloc_poisoned(ctx, dt, 0, NULL), z = tu_alloc_poisoned(ctx, dt, 2, none);
+    TU_OK(cpar_fill(ctx, &s, 5.0));
+    TU_OK(cpar_fill(ctx, &z, 5.0));
+    void *got = tu_download(ctx, &s);
+    ck_assert(tu_get(got, dt, 0) == 5.0);
+    free(got);
+    free_tensor(ctx, &s);
+    free_tensor(ctx, &z);
+}
+
+START_TEST(test_fill) { run_op(fill_case, _i); }
+END_TEST
+
+/* ---- cast --------------------------------------------------------------------------- */
+
+/* Values a cast must get right besides random ones: infinities, NaN,
+ * overflow and underflow of the narrower types, signed zero, subnormals,
+ * and f16/bf16 ties. */
+static const float special_values[] = {
+    INFINITY, -INFINITY, NAN, 65504.0f, 65520.0f, -1e6f, 3e38f, 1e-40f, -0.0f, 0x1p-25f, 0x1.8p-24f,
+    1.0f + 0x1p-11f, 1.0f + 0x3p-11f, 1.0f + 0x1p-8f, 1.0f + 0x3p-8f, 5.9604645e-08f, -3.0e-6f,
+};
+#define N_SPECIAL ((int64_t)(sizeof special_values / sizeof special_values[0]))
+
+/* Loop index: (src, dst) over the float dtypes, then equal integer dtypes. */
+#define N_CAST_PAIRS (N_FLOAT * N_FLOAT + 3)
+static void cast_pair(int i, cpar_dtype *src, cpar_dtype *dst) {
+    if (i < N_FLOAT * N_FLOAT) {
+        *src = float_dtypes[i / N_FLOAT];
+        *dst = float_dtypes[i % N_FLOAT];
+    } else {
+        static const cpar_dtype ints[] = {CPAR_I32, CPAR_I64, CPAR_U8};
+        *src = *dst = ints[i - N_FLOAT * N_FLOAT];
+    }
+}
+
+static void cast_case(cpar_ctx *ctx, int pair) {
+    cpar_dtype sd, dd;
+    cast_pair(pair, &sd, &dd);
+    for (int k = 0; k < N_SIZES; k++) {
+        int64_t n = sizes[k] + N_SPECIAL, shape[] = {3, n};
+        void *x = tu_random_host(sd, 3 * n, 40 + (uint64_t)k);
+        if (cpar_dtype_is_float(sd))
+            for (int64_t i = 0; i < N_SPECIAL; i++) tu_set(x, sd, i, special_values[i]);
+        cpar_tensor src = tu_upload(ctx, x, sd, 2, shape), dst = tu_alloc_poisoned(ctx, dd, 2, shape);
+        TU_OK(cpar_cast(ctx, &src, &dst));
+        /* One rounding of the exact source value (NaN stays NaN). */
+        void *want = tu_random_host(dd, 3 * n, 2), *got = tu_download(ctx, &dst);
+        for (int64_t i = 0; i < 3 * n; i++) tu_set(want, dd, i, tu_get(x, sd, i));
+        int64_t bad = tu_bits_mismatch(got, want, dd, 3 * n);
+        ck_assert_msg(bad < 0, "cast %s -> %s, n %lld: element %lld (%a) gave %a, expected %a", cpar_dtype_name(sd),
+                      cpar_dtype_name(dd), (long long)n, (long long)bad, bad < 0 ? 0 : tu_get(x, sd, bad),
+                      bad < 0 ? 0 : tu_get(got, dd, bad), bad < 0 ? 0 : tu_get(want, dd, bad));
+        free(x);
+        free(want);
+        free(got);
+        free_tensor(ctx, &src);
+        free_tensor(ctx, &dst);
+    }
+}
+
+START_TEST(test_cast) { run_op(cast_case, _i); }
+END_TEST
+
+/* ---- axpby ---------------------------------------------------------------------------- */
+
+static const float ab[][2] = {{1.5f, -0.5f}, {-0.75f, 0.0f}, {0.0f, 2.0f}, {1.0f, 1.0f}, {3.25f, -1.125f}};
+#define N_AB ((int)(sizeof ab / sizeof ab[0]))
+
+static void axpby_case(cpar_ctx *ctx, int d) {
+    cpar_dtype dt = float_dtypes[d];
+    for (int k = 0; k < N_SIZES; k++)
+        for (int c = 0; c < N_AB; c++) {
+            float alpha = ab[c][0], beta = ab[c][1];
+            int64_t n = sizes[k], shape[] = {n, 1};
+            void *x = tu_random_host(dt, n, 7 + (uint64_t)k), *y0 = tu_random_host(dt, n, 70 + (uint64_t)k);
+            cpar_tensor tx = tu_upload(ctx, x, dt, 2, shape), ty;
+            /* beta = 0: y is never read, so NaN there does no harm. */
+            if (beta == 0.0f) ty = tu_alloc_poisoned(ctx, dt, 2, shape);
+            else ty = tu_upload(ctx, y0, dt, 2, shape);
+            TU_OK(cpar_axpby(ctx, alpha, &tx, beta, &ty));
+            double *want = malloc((size_t)n * sizeof *want);
+            for (int64_t i = 0; i < n; i++) {
+                double v = (double)alpha * tu_get(x, dt, i);
+                if (beta != 0.0f) v += (double)beta * tu_get(y0, dt, i);
+                want[i] = tu_round(dt, v);
+            }
+            void *got = tu_download(ctx, &ty);
+            char msg[256];
+            ck_assert_msg(tu_mismatch(got, dt, want, n, tu_tol(dt), msg, sizeof msg) < 0,
+                          "axpby %s n %lld alpha %g beta %g: %s", cpar_dtype_name(dt), (long long)n, alpha, beta, msg);
+            free(x);
+            free(y0);
+            free(want);
+            free(got);
+            free_tensor(ctx, &tx);
+            free_tensor(ctx, &ty);
+        }
+}
+
+START_TEST(test_axpby) { run_op(axpby_case, _i); }
+END_TEST
+
+/* ---- split and concat ------------------------------------------------------------------- */
+
+static const struct {
+    int ndim;
+    int64_t shape[4];
+} sc_shapes[] = {{4, {3, 5, 4, 7}}, {3, {7, 1, 33}}, {2, {1, 1000}}};
+#define N_SC_SHAPES ((int)(sizeof sc_shapes / sizeof sc_shapes[0]))
+
+/* Piece sizes along a dimension of size D: uneven, with a zero-size piece. */
+static int make_pieces(int64_t D, int64_t *len) {
+    len[0] = (D + 1) / 3;
+    len[1] = 0;
+    len[2] = D - len[0] - 1 > 0 ? D - len[0] - 1 : 0;
+    len[3] = D - len[0] - len[2];
+    return 4;
+}
+
+/* Reference: piece p of whole along dim, whole viewed as [outer, D, inner]. */
+static void ref_piece(const void *whole, void *piece, size_t es, int64_t outer, int64_t D, int64_t inner, int64_t off,
+                      int64_t len) {
+    for (int64_t o = 0; o < outer; o++)
+        for (int64_t i = 0; i < len; i++)
+            memcpy((char *)piece + (size_t)((o * len + i) * inner) * es,
+                   (const char *)whole + (size_t)((o * D + off + i) * inner) * es, (size_t)inner * es);
+}
+
+static void split_concat_case(cpar_ctx *ctx, int d) {
+    cpar_dtype dt = all_dtypes[d];
+    size_t es = cpar_dtype_size(dt);
+    for (int k = 0; k < N_SC_SHAPES; k++) {
+        int nd = sc_shapes[k].ndim;
+        const int64_t *shape = sc_shapes[k].shape;
+        int64_t numel = 1;
+        for (int i = 0; i < nd; i++) numel *= shape[i];
+        void *x = tu_random_host(dt, numel, 99 + (uint64_t)k);
+        cpar_tensor whole = tu_upload(ctx, x, dt, nd, shape);
+        /* Every dim, counted from the front and from the end. */
+        for (int dim = -nd; dim < nd; dim++) {
+            int ax = dim < 0 ? dim + nd : dim;
+            int64_t D = shape[ax], outer = 1, inner = 1, len[4];
+            for (int i = 0; i < ax; i++) outer *= shape[i];
+            for (int i = ax + 1; i < nd; i++) inner *= shape[i];
+            for (int whole_piece = 0; whole_piece < 2; whole_piece++) {
+                int np = whole_piece ? 1 : make_pieces(D, len);
+                if (whole_piece) len[0] = D;
+                cpar_tensor pieces[4], *pp[4];
+                for (int p = 0; p < np; p++) {
+                    int64_t ps[4];
+                    memcpy(ps, shape, sizeof ps);
+                    ps[ax] = len[p];
+                    pieces[p] = tu_alloc_poisoned(ctx, dt, nd, ps);
+                    pp[p] = &pieces[p];
+                }
+                TU_OK(cpar_split(ctx, &whole, dim, np, pp));
+                int64_t off = 0;
+                for (int p = 0; p < np; p++) {
+                    int64_t cnt = outer * len[p] * inner;
+                    void *want = malloc((size_t)cnt * es + 1), *got = tu_download(ctx, &pieces[p]);
+                    ref_piece(x, want, es, outer, D, inner, off, len[p]);
+                    ck_assert_msg(cnt == 0 || !memcmp(got, want, (size_t)cnt * es),
+                                  "split %s shape %d dim %d: piece %d of %d differs", cpar_dtype_name(dt), k, dim, p,
+                                  np);
+                    off += len[p];
+                    free(want);
+                    free(got);
+                }
+                /* And back: concat of the pieces is the whole. */
+                cpar_tensor back = tu_alloc_poisoned(ctx, dt, nd, shape);
+                TU_OK(cpar_concat(ctx, pp, np, dim, &back));
+                void *got = tu_download(ctx, &back);
+                ck_assert_msg(!memcmp(got, x, (size_t)numel * es), "concat %s shape %d dim %d (%d pieces) differs",
+                              cpar_dtype_name(dt), k, dim, np);
+                free(got);
+                free_tensor(ctx, &back);
+                for (int p = 0; p < np; p++) free_tensor(ctx, &pieces[p]);
+            }
+        }
+        free(x);
+        free_tensor(ctx, &whole);
+    }
+}
+
+START_TEST(test_split_concat) { run_op(split_concat_case, _i); }
+END_TEST
+
+/* ---- row reduce ------------------------------------------------------------------------- */
+
+static const int64_t row_cols[] = {1, 31, 33, 1000, 4097};
+#define N_COLS ((int)(sizeof row_cols / sizeof row_cols[0]))
+static const char *const row_op_names[] = {"sum", "max", "logsumexp"};
+
+/* Loop index: input dtype x op. Rows: [2, 3, cols] -> [2, 3]; row 0 is all
+ * -inf, row 1 is shifted by +100 (exp would overflow fp32 without the max
+ * subtracted), the rest random. */
+static void row_reduce_case(cpar_ctx *ctx, int i) {
+    cpar_dtype dt = float_dtypes[i / 3];
+    cpar_row_op op = (cpar_row_op)(i % 3);
+    for (int k = 0; k < N_COLS; k++) {
+        int64_t cols = row_cols[k], rows = 6, shape[] = {2, 3, cols}, oshape[] = {2, 3};
+        void *x = tu_random_host(dt, rows * cols, 5 + (uint64_t)k);
+        for (int64_t c = 0; c < cols; c++) {
+            tu_set(x, dt, c, -INFINITY);
+            tu_set(x, dt, cols + c, 100.0 + tu_get(x, dt, cols + c));
+        }
+        cpar_tensor in = tu_upload(ctx, x, dt, 3, shape), out = tu_alloc_poisoned(ctx, CPAR_F32, 2, oshape);
+        TU_OK(cpar_row_reduce(ctx, &in, op, &out));
+        float *got = tu_download(ctx, &out);
+        for (int64_t r = 0; r < rows; r++) {
+            double sum = 0, abs_sum = 0, mx = -INFINITY, lse = 0;
+            for (int64_t c = 0; c < cols; c++) {
+                double v = tu_get(x, dt, r * cols + c);
+                sum += v;
+                abs_sum += fabs(v);
+                mx = fmax(mx, v);
+            }
+            if (mx == -INFINITY) {
+                lse = -INFINITY;
+            } else {
+                for (int64_t c = 0; c < cols; c++) lse += exp(tu_get(x, dt, r * cols + c) - mx);
+                lse = mx + log(lse);
+            }
+            double want = op == CPAR_ROW_SUM ? sum : op == CPAR_ROW_MAX ? mx : lse, g = got[r];
+            /* fp32 accumulation: sums within a bound of the sum of |x|; the max is exact. */
+            double tol = op == CPAR_ROW_SUM ? 2e-6 * (1 + abs_sum) : op == CPAR_ROW_MAX ? 0 : 1e-5 * (1 + fabs(want));
+            if (isinf(want))
+                ck_assert_msg(g == want, "row_reduce %s %s cols %lld row %lld: got %g, expected %g",
+                              row_op_names[op], cpar_dtype_name(dt), (long long)cols, (long long)r, g, want);
+            else
+                ck_assert_msg(!isnan(g) && fabs(g - want) <= tol,
+                              "row_reduce %s %s cols %lld row %lld: got %.9g, expected %.9g (tol %.3g)",
+                              row_op_names[op], cpar_dtype_name(dt), (long long)cols, (long long)r, g, want, tol);
+        }
+        free(x);
+        free(got);
+        free_tensor(ctx, &in);
+        free_tensor(ctx, &out);
+    }
+}
+
+START_TEST(test_row_reduce) { run_op(row_reduce_case, _i); }
+END_TEST
+
+/* ---- bad input ---------------------------------------------------------------------------- */
+
+static void bad_input_case(cpar_ctx *ctx, int unused) {
+    (void)unused;
+    int64_t s35[] = {3, 5}, s15[] = {15}, s34[] = {3, 4}, s3[] = {3}, s4[] = {4}, s2[] = {3, 2}, s1[] = {3, 1};
+    float *data = tu_random_host(CPAR_F32, 15, 8);
+    cpar_tensor f = tu_upload(ctx, data, CPAR_F32, 2, s35);  /* f32 [3,5] */
+    cpar_tensor g = tu_alloc_poisoned(ctx, CPAR_F32, 2, s35); /* f32 [3,5] */
+    cpar_tensor h = tu_alloc_poisoned(ctx, CPAR_F16, 2, s35); /* f16 [3,5] */
+    cpar_tensor i32 = tu_alloc_poisoned(ctx, CPAR_I32, 2, s35);
+    cpar_tensor u8 = tu_alloc_poisoned(ctx, CPAR_U8, 2, s35);
+    cpar_tensor g34 = tu_alloc_poisoned(ctx, CPAR_F32, 2, s34);
+    cpar_tensor flat = tu_alloc_poisoned(ctx, CPAR_F32, 1, s15);
+    cpar_tensor r3 = tu_alloc_poisoned(ctx, CPAR_F32, 1, s3), r4 = tu_alloc_poisoned(ctx, CPAR_F32, 1, s4);
+    cpar_tensor r3h = tu_alloc_poisoned(ctx, CPAR_F16, 1, s3);
+    cpar_tensor p2 = tu_alloc_poisoned(ctx, CPAR_F32, 2, s2), p1 = tu_alloc_poisoned(ctx, CPAR_F32, 2, s1);
+    cpar_tensor p2h = tu_alloc_poisoned(ctx, CPAR_F16, 2, s2);
+    int foreign = cpar_device(ctx) == 5 ? 6 : 5;
+    cpar_tensor ff = f;
+    ff.device = foreign;
+
+    /* fill */
+    TU_FAILS(cpar_fill(ctx, NULL, 1.0), CPAR_ERR_INVALID, "t");
+    TU_FAILS(cpar_fill(ctx, &ff, 1.0), CPAR_ERR_INVALID, "t");
+
+    /* cast: float pairs only, same numel */
+    TU_FAILS(cpar_cast(ctx, &f, &i32), CPAR_ERR_INVALID, "dst");
+    TU_MSG_HAS("i32");
+    TU_FAILS(cpar_cast(ctx, &i32, &f), CPAR_ERR_INVALID, "src");
+    TU_FAILS(cpar_cast(ctx, &u8, &h), CPAR_ERR_INVALID, "src");
+    TU_FAILS(cpar_cast(ctx, &f, &g34), CPAR_ERR_INVALID, "dst");
+    TU_MSG_HAS("12");
+    TU_FAILS(cpar_cast(ctx, NULL, &g), CPAR_ERR_INVALID, "src");
+    TU_FAILS(cpar_cast(ctx, &f, NULL), CPAR_ERR_INVALID, "dst");
+    TU_FAILS(cpar_cast(ctx, &ff, &g), CPAR_ERR_INVALID, "src");
+
+    /* axpby: float dtypes, same dtype and numel */
+    TU_FAILS(cpar_axpby(ctx, 1.0f, &f, 1.0f, &h), CPAR_ERR_INVALID, "y");
+    TU_MSG_HAS("f16");
+    TU_FAILS(cpar_axpby(ctx, 1.0f, &f, 1.0f, &g34), CPAR_ERR_INVALID, "y");
+    TU_FAILS(cpar_axpby(ctx, 1.0f, &i32, 1.0f, &i32), CPAR_ERR_INVALID, "x");
+    TU_FAILS(cpar_axpby(ctx, 1.0f, NULL, 1.0f, &g), CPAR_ERR_INVALID, "x");
+    TU_FAILS(cpar_axpby(ctx, 1.0f, &f, 1.0f, NULL), CPAR_ERR_INVALID, "y");
+    TU_FAILS(cpar_axpby(ctx, 1.0f, &f, 1.0f, &ff), CPAR_ERR_INVALID, "y");
+
+    /* split / concat: f [3,5] into [3,2] + [3,1] (adds up to 3, not 5), bad dims */
+    cpar_tensor *short_pieces[] = {&p2, &p1}, *mixed[] = {&p2, &p2h}, *wrong_rank[] = {&flat, &p2};
+    cpar_tensor *ok_pieces[] = {&p2, &p2, &p1};
+    TU_FAILS(cpar_split(ctx, &f, 1, 2, short_pieces), CPAR_ERR_INVALID, "out");
+    TU_MSG_HAS("5");
+    TU_FAILS(cpar_split(ctx, &f, 1, 2, mixed), CPAR_ERR_INVALID, "out[1]");
+    TU_FAILS(cpar_split(ctx, &f, 1, 2, wrong_rank), CPAR_ERR_INVALID, "out[0]");
+    TU_FAILS(cpar_split(ctx, &f, 0, 3, ok_pieces), CPAR_ERR_INVALID, "out[0]"); /* dim 0 is 3, not 3 x ... */
+    TU_FAILS(cpar_split(ctx, &f, 2, 3, ok_pieces), CPAR_ERR_INVALID, "dim");
+    TU_FAILS(cpar_split(ctx, &f, -3, 3, ok_pieces), CPAR_ERR_INVALID, "dim");
+    TU_FAILS(cpar_split(ctx, &f, 1, 0, ok_pieces), CPAR_ERR_INVALID, "n is 0");
+    TU_FAILS(cpar_split(ctx, &f, 1, 3, NULL), CPAR_ERR_INVALID, "out");
+    TU_FAILS(cpar_split(ctx, NULL, 1, 3, ok_pieces), CPAR_ERR_INVALID, "in");
+    TU_FAILS(cpar_concat(ctx, short_pieces, 2, 1, &g), CPAR_ERR_INVALID, "in");
+    TU_FAILS(cpar_concat(ctx, mixed, 2, 1, &g), CPAR_ERR_INVALID, "in[1]");
+    TU_FAILS(cpar_concat(ctx, ok_pieces, 3, 2, &g), CPAR_ERR_INVALID, "dim");
+    TU_FAILS(cpar_concat(ctx, ok_pieces, 3, -3, &g), CPAR_ERR_INVALID, "dim");
+    TU_FAILS(cpar_concat(ctx, ok_pieces, 3, 1, NULL), CPAR_ERR_INVALID, "out");
+    TU_FAILS(cpar_concat(ctx, ok_pieces, 3, 1, &h), CPAR_ERR_INVALID, "in[0]");
+    TU_FAILS(cpar_concat(ctx, ok_pieces, 3, 1, &ff), CPAR_ERR_INVALID, "out");
+
+    /* row_reduce: float input, F32 out with one element per row */
+    TU_FAILS(cpar_row_reduce(ctx, &i32, CPAR_ROW_SUM, &r3), CPAR_ERR_INVALID, "in");
+    TU_MSG_HAS("i32");
+    TU_FAILS(cpar_row_reduce(ctx, &u8, CPAR_ROW_MAX, &r3), CPAR_ERR_INVALID, "in");
+    TU_FAILS(cpar_row_reduce(ctx, &f, CPAR_ROW_SUM, &r3h), CPAR_ERR_INVALID, "out");
+    TU_MSG_HAS("f16");
+    TU_FAILS(cpar_row_reduce(ctx, &f, CPAR_ROW_SUM, &r4), CPAR_ERR_INVALID, "out");
+    TU_MSG_HAS("3");
+    TU_FAILS(cpar_row_reduce(ctx, &f, (cpar_row_op)3, &r3), CPAR_ERR_INVALID, "op");
+    TU_FAILS(cpar_row_reduce(ctx, &f, (cpar_row_op)-1, &r3), CPAR_ERR_INVALID, "op");
+    TU_FAILS(cpar_row_reduce(ctx, NULL, CPAR_ROW_SUM, &r3), CPAR_ERR_INVALID, "in");
+    TU_FAILS(cpar_row_reduce(ctx, &f, CPAR_ROW_SUM, NULL), CPAR_ERR_INVALID, "out");
+    TU_FAILS(cpar_row_reduce(ctx, &ff, CPAR_ROW_SUM, &r3), CPAR_ERR_INVALID, "in");
+
+    /* Nothing was written. */
+    cpar_tensor *outs[] = {&g, &h, &i32, &u8, &g34, &flat, &r3, &r4, &r3h, &p2, &p1, &p2h};
+    for (size_t k = 0; k < sizeof outs / sizeof outs[0]; k++) {
+        void *got = tu_download(ctx, outs[k]);
+        for (int64_t e = 0; e < cpar_tensor_numel(outs[k]); e++) {
+            cpar_dtype dt = outs[k]->dtype;
+            double v = tu_get(got, dt, e);
+            ck_assert(cpar_dtype_is_float(dt) ? isnan(v) : v == (dt == CPAR_U8 ? 255 : -1));
+        }
+        free(got);
+    }
+    cpar_tensor *all[] = {&f, &g, &h, &i32, &u8, &g34, &flat, &r3, &r4, &r3h, &p2, &p1, &p2h};
+    for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) free_tensor(ctx, all[k]);
+    free(data);
+}
+
+START_TEST(test_bad_input) { run_op(bad_input_case, 0); }
+END_TEST
+
+Suite *suite(void) {
+    Suite *s = suite_create("ops: fill, cast, axpby, split, concat, row_reduce");
+    struct {
+        const char *name;
+        const TTest *test;
+        int count;
+    } loops[] = {
+        {"fill", test_fill, N_ALL},
+        {"cast", test_cast, N_CAST_PAIRS},
+        {"axpby", test_axpby, N_FLOAT},
+        {"split_concat", test_split_concat, N_ALL},
+        {"row_reduce", test_row_reduce, N_FLOAT * 3},
+        {"bad_input", test_bad_input, 1},
+    };
+    for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
+        TCase *tc = tcase_create(loops[i].name);
+        tcase_add_loop_test(tc, loops[i].test, 0, loops[i].count);
+        tcase_set_timeout(tc, 120);
+        suite_add_tcase(s, tc);
+    }
+    return s;
+}
+
+int main(void) { return tu_run_suite(suite()); }
