@@ -996,3 +996,6 @@ cpar_status cpar_dev_gemm(cpar_dev_blas h, cpar_dev_stream s, int transa, int tr
                               cpar__dtype_name(ab_dtype), cpar__dtype_name(c_dtype), cublasGetStatusString(st));
     return CPAR_OK;
 }
+
+/* ==== RNG and dropout kernels (issue 4, in progress) ===================== */
+#include "wip/rng_kernels.cu"
