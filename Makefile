@@ -66,16 +66,20 @@ $(B)/host $(B)/sim $(B)/cuda:
 	@mkdir -p $@
 
 # ---- library -------------------------------------------------------------
-HDR := cpar.h
+# wip/ holds issue fragments that cpar.h, cpar.c and cpar_kernels.cu include
+# until they are inlined.
+HDR     := cpar.h $(wildcard wip/*.h)
+WIP_C   := $(wildcard wip/*.c)
+WIP_CU  := $(wildcard wip/*.cu)
 
 
-$(B)/host/cpar.o: cpar.c $(HDR) | $(B)/host
+$(B)/host/cpar.o: cpar.c $(HDR) $(WIP_C) | $(B)/host
 	$(CC) $(ALL_CFLAGS) -c $< -o $@
 
-$(B)/cuda/cpar.o: cpar.c $(HDR) | $(B)/cuda
+$(B)/cuda/cpar.o: cpar.c $(HDR) $(WIP_C) | $(B)/cuda
 	$(CC) $(ALL_CFLAGS) -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL -isystem $(CUDA_HOME)/include -c $< -o $@
 
-$(B)/cuda/cpar_kernels.o: cpar_kernels.cu $(HDR) | $(B)/cuda
+$(B)/cuda/cpar_kernels.o: cpar_kernels.cu $(HDR) $(WIP_CU) | $(B)/cuda
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
 $(B)/libcpar.a: $(LIB_OBJS)
@@ -86,10 +90,10 @@ $(B)/cparrun: bootstrap/cparrun.c | $(B)/host
 	$(CC) $(ALL_CFLAGS) $< -o $@
 
 # ---- sim build -------------------------------------------------------------
-$(B)/sim/cpar.o: cpar.c $(HDR) | $(B)/sim
+$(B)/sim/cpar.o: cpar.c $(HDR) $(WIP_C) | $(B)/sim
 	$(CC) $(ALL_CFLAGS) -DCPAR_WITH_DEVICE -DCPAR_SIM -c $< -o $@
 
-$(B)/sim/cpar_kernels.o: cpar_kernels.cu tests/cudasim.h $(HDR) | $(B)/sim
+$(B)/sim/cpar_kernels.o: cpar_kernels.cu tests/cudasim.h $(HDR) $(WIP_CU) | $(B)/sim
 	$(CXX) $(SIM_CXXFLAGS) -x c++ -c $< -o $@
 
 SIM_OBJS := $(B)/sim/cpar.o $(B)/sim/cpar_kernels.o
