@@ -3661,3 +3661,6 @@ int cpar_grid_rank(const cpar_ctx *ctx, cpar_group_kind kind) {
 
 /* ==== 15. RNG, dropout and checkpointing (in progress) ================== */
 #include "wip/rng.c"
+
+/* ==== 16. Embedding and cross entropy (in progress) ===================== */
+#include "wip/xent.c"

@@ -448,6 +448,8 @@ cpar_status cpar_dev_row_reduce(float *out, const void *in, cpar_dtype dt, int64
 #include "wip/mappings.h"
 /* ==== 9. RNG, dropout and activation checkpointing (in progress) ========= */
 #include "wip/rng.h"
+/* ==== 10. Vocabulary-parallel embedding and cross entropy (in progress) == */
+#include "wip/xent.h"
 
 #ifdef __cplusplus
 }

@@ -999,3 +999,6 @@ cpar_status cpar_dev_gemm(cpar_dev_blas h, cpar_dev_stream s, int transa, int tr
 
 /* ==== RNG and dropout kernels (issue 4, in progress) ===================== */
 #include "wip/rng_kernels.cu"
+
+/* ==== Embedding and cross-entropy kernels (issue 4, in progress) ========= */
+#include "wip/xent_kernels.cu"
