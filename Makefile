@@ -50,7 +50,7 @@ endif
 
 # Suites that take a backend run on host and sim; the rest are host-only
 # (processes, sockets) or sim-only (the simulator and the device layer).
-BACKEND_SUITES := core coll grid faults ops
+BACKEND_SUITES := core coll grid faults ops rng mappings xent
 HOST_SUITES    := $(BACKEND_SUITES) store cparrun
 SIM_SUITES     := $(BACKEND_SUITES) cudasim devlayer
 HOST_TESTS := $(HOST_SUITES:%=$(B)/host/test_%)
@@ -66,20 +66,16 @@ $(B)/host $(B)/sim $(B)/cuda:
 	@mkdir -p $@
 
 # ---- library -------------------------------------------------------------
-# wip/ holds issue fragments that cpar.h, cpar.c and cpar_kernels.cu include
-# until they are inlined.
-HDR     := cpar.h $(wildcard wip/*.h)
-WIP_C   := $(wildcard wip/*.c)
-WIP_CU  := $(wildcard wip/*.cu)
+HDR := cpar.h
 
 
-$(B)/host/cpar.o: cpar.c $(HDR) $(WIP_C) | $(B)/host
+$(B)/host/cpar.o: cpar.c $(HDR) | $(B)/host
 	$(CC) $(ALL_CFLAGS) -c $< -o $@
 
-$(B)/cuda/cpar.o: cpar.c $(HDR) $(WIP_C) | $(B)/cuda
+$(B)/cuda/cpar.o: cpar.c $(HDR) | $(B)/cuda
 	$(CC) $(ALL_CFLAGS) -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL -isystem $(CUDA_HOME)/include -c $< -o $@
 
-$(B)/cuda/cpar_kernels.o: cpar_kernels.cu $(HDR) $(WIP_CU) | $(B)/cuda
+$(B)/cuda/cpar_kernels.o: cpar_kernels.cu $(HDR) | $(B)/cuda
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
 $(B)/libcpar.a: $(LIB_OBJS)
@@ -90,10 +86,10 @@ $(B)/cparrun: bootstrap/cparrun.c | $(B)/host
 	$(CC) $(ALL_CFLAGS) $< -o $@
 
 # ---- sim build -------------------------------------------------------------
-$(B)/sim/cpar.o: cpar.c $(HDR) $(WIP_C) | $(B)/sim
+$(B)/sim/cpar.o: cpar.c $(HDR) | $(B)/sim
 	$(CC) $(ALL_CFLAGS) -DCPAR_WITH_DEVICE -DCPAR_SIM -c $< -o $@
 
-$(B)/sim/cpar_kernels.o: cpar_kernels.cu tests/cudasim.h $(HDR) $(WIP_CU) | $(B)/sim
+$(B)/sim/cpar_kernels.o: cpar_kernels.cu tests/cudasim.h $(HDR) | $(B)/sim
 	$(CXX) $(SIM_CXXFLAGS) -x c++ -c $< -o $@
 
 SIM_OBJS := $(B)/sim/cpar.o $(B)/sim/cpar_kernels.o

@@ -21,6 +21,9 @@
  *   11. Collectives                 argument checks, byte accounting, dispatch
  *   12. Contexts and start-up       spawn, init_from_env, finalize, abort, sync
  *   13. Grid                        Megatron's tp/cp/dp/pp groups
+ *   14. Mappings and utilities      region mappings, vocab ranges, views, broadcast_data
+ *   15. RNG, dropout, checkpointing Philox tracker, random fills, dropout, recompute
+ *   16. Embedding, cross entropy    vocab-parallel embedding and loss
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -73,6 +76,7 @@ struct cpar_group {
     ncclComm_t nccl;
 #endif
     uint64_t seq;         /* collectives issued on this group by this rank */
+    int64_t *splits;      /* [2*size] all-to-all split scratch, so no call allocates */
     cpar_comm_stats stats;
     cpar_group *next;     /* the context's list of live groups */
 };
@@ -90,8 +94,11 @@ struct cpar_ctx {
     int grid_size[CPAR_GROUP_KIND_COUNT], grid_rank[CPAR_GROUP_KIND_COUNT];
     void *ws;             /* workspace on the context's device (Megatron's global memory buffer) */
     size_t ws_bytes;
+    void *coll_ws;        /* the host/sim collectives' device accumulator, apart from ws so a */
+    size_t coll_ws_bytes; /* caller may keep scratch in ws across a collective */
     cpar_dev_stream compute, comm;
     cpar_dev_blas blas;
+    struct cpar__rng *rng; /* RNG tracker (section 15); NULL until first use */
     bool aborted;
     char err[CPAR_ERR_LEN];
 };
@@ -503,20 +510,28 @@ static void cpar__mem_free(int device, void *p) {
     else free(p);
 }
 
-/* At least bytes of workspace on the context's device. The workspace only
- * grows (while warming up); growing waits for queued work that may still use
- * the old buffer. Callers carve it; one user at a time. */
-static cpar_status cpar__workspace(cpar_ctx *ctx, const char *fn, size_t bytes, void **out) {
-    if (bytes > ctx->ws_bytes) {
+/* At least bytes of a growing buffer on the context's device. It only grows
+ * (while warming up); growing waits for queued work that may still use the
+ * old buffer. */
+static cpar_status cpar__grow_buffer(cpar_ctx *ctx, const char *fn, void **buf, size_t *have, size_t bytes) {
+    if (bytes > *have) {
         size_t want = bytes + bytes / 4 + 4096;
-        if (ctx->ws && cpar__on_device(ctx->device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
-        cpar__mem_free(ctx->device, ctx->ws);
-        ctx->ws = NULL;
-        ctx->ws_bytes = 0;
-        CPAR_TRY(cpar__mem_alloc(ctx, fn, ctx->device, want, &ctx->ws));
-        ctx->ws_bytes = want;
-        cpar__log(2, ctx->rank, "workspace grown to %zu bytes", want);
+        if (*buf && cpar__on_device(ctx->device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+        cpar__mem_free(ctx->device, *buf);
+        *buf = NULL;
+        *have = 0;
+        CPAR_TRY(cpar__mem_alloc(ctx, fn, ctx->device, want, buf));
+        *have = want;
+        cpar__log(2, ctx->rank, "%s: buffer grown to %zu bytes", fn, want);
     }
+    return CPAR_OK;
+}
+
+/* The context workspace: temporaries of one operation at a time, carved by
+ * the caller. The collectives never use it, so scratch kept here stays valid
+ * across a collective. */
+static cpar_status cpar__workspace(cpar_ctx *ctx, const char *fn, size_t bytes, void **out) {
+    CPAR_TRY(cpar__grow_buffer(ctx, fn, &ctx->ws, &ctx->ws_bytes, bytes));
     *out = ctx->ws;
     return CPAR_OK;
 }
@@ -2399,8 +2414,8 @@ static cpar_status cpar__reduce_rows(cpar_ctx *ctx, const char *fn, cpar_dtype d
         }
         return CPAR_OK;
     }
-    void *acc;
-    CPAR_TRY(cpar__workspace(ctx, fn, (size_t)count * acc_es, &acc));
+    CPAR_TRY(cpar__grow_buffer(ctx, fn, &ctx->coll_ws, &ctx->coll_ws_bytes, (size_t)count * acc_es));
+    void *acc = ctx->coll_ws;
     cpar_dev_stream s = ctx->compute;
     CPAR_DEV_TRY(ctx, fn, cpar_dev_cast(acc, acc_dt, (const char *)ins[0] + (size_t)in_off * es, dt, count, s));
     for (int j = 1; j < nin; j++)
@@ -2707,9 +2722,9 @@ static cpar_status cpar__nccl_collective(cpar_group *g, const char *fn, const cp
         }
         /* Uneven: every rank broadcasts its rows into its place, in one group call. */
         CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupStart());
-        for (int r = 0, off = 0; r < n; off += (int)c->sizes[r], r++) {
+        for (int64_t r = 0, off = 0; r < n; off += c->sizes[r], r++) {
             char *dst = (char *)c->out + (size_t)off * row;
-            ncclBroadcast(r == me ? c->in : dst, dst, (size_t)(c->sizes[r] * c->row_elems), dt, r, comm, s);
+            ncclBroadcast(r == me ? c->in : dst, dst, (size_t)(c->sizes[r] * c->row_elems), dt, (int)r, comm, s);
         }
         CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupEnd());
         return CPAR_OK;
@@ -2721,10 +2736,10 @@ static cpar_status cpar__nccl_collective(cpar_group *g, const char *fn, const cp
         }
         /* Uneven: one reduce per rank, rooted at the owner of the rows. */
         CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupStart());
-        for (int r = 0, off = 0; r < n; off += (int)c->sizes[r], r++) {
+        for (int64_t r = 0, off = 0; r < n; off += c->sizes[r], r++) {
             const char *src = (const char *)c->in + (size_t)off * row;
             ncclReduce(src, r == me ? c->out : (void *)src, (size_t)(c->sizes[r] * c->row_elems), dt,
-                       cpar__nccl_op((cpar_reduce_op)c->op), r, comm, s);
+                       cpar__nccl_op((cpar_reduce_op)c->op), (int)r, comm, s);
         }
         CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupEnd());
         return CPAR_OK;
@@ -2778,9 +2793,11 @@ static cpar_status cpar__group_new(cpar_ctx *ctx, const char *fn, int rank, int 
                                    cpar_group **out) {
     cpar_group *g = calloc(1, sizeof *g);
     int *wr = malloc((size_t)size * sizeof *wr);
-    if (!g || !wr) {
+    int64_t *splits = malloc(2 * (size_t)size * sizeof *splits);
+    if (!g || !wr || !splits) {
         free(g);
         free(wr);
+        free(splits);
         return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate a group of %d ranks", fn, size);
     }
     memcpy(wr, world_ranks, (size_t)size * sizeof *wr);
@@ -2788,6 +2805,7 @@ static cpar_status cpar__group_new(cpar_ctx *ctx, const char *fn, int rank, int 
     g->rank = rank;
     g->size = size;
     g->world_ranks = wr;
+    g->splits = splits;
     g->next = ctx->groups;
     ctx->groups = g;
     *out = g;
@@ -2809,6 +2827,7 @@ static void cpar__group_free(cpar_group *g) {
     cpar__nccl_destroy(g->nccl, ctx->aborted || (ctx->job && ctx->job->failed));
 #endif
     free(g->world_ranks);
+    free(g->splits);
     free(g);
 }
 
@@ -3109,9 +3128,7 @@ cpar_status cpar_all_to_all_single(cpar_group *g, const cpar_tensor *in, cpar_te
     CPAR_TRY(cpar__check_dim0(g, fn, "in", in));
     CPAR_TRY(cpar__check_dim0(g, fn, "out", out));
     int n = g->size;
-    int64_t *ins = malloc(2 * (size_t)n * sizeof *ins);
-    if (!ins) return cpar__fail(g->ctx, CPAR_ERR_OOM, "%s: cannot allocate split arrays", fn);
-    int64_t *outs = ins + n, in_total = 0, out_total = 0, want[CPAR_MAX_DIMS];
+    int64_t *ins = g->splits, *outs = ins + n, in_total = 0, out_total = 0, want[CPAR_MAX_DIMS];
     cpar_status st = CPAR_OK;
     const char *const names[2] = {"in_splits", "out_splits"};
     const cpar_tensor *ts[2] = {in, out};
@@ -3151,7 +3168,6 @@ cpar_status cpar_all_to_all_single(cpar_group *g, const cpar_tensor *in, cpar_te
             st = cpar__run_collective(g, fn, &c);
         }
     }
-    free(ins);
     return st;
 }
 
@@ -3310,11 +3326,13 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
     }
     while (ctx->groups) cpar__group_free(ctx->groups);
     cpar__mem_free(ctx->device, ctx->ws);
+    cpar__mem_free(ctx->device, ctx->coll_ws);
     if (ctx->blas) cpar_dev_blas_destroy(ctx->blas);
     if (ctx->compute) cpar_dev_stream_destroy(ctx->compute);
     if (ctx->comm) cpar_dev_stream_destroy(ctx->comm);
     if (ctx->store) cpar_store_destroy(ctx->store);
     if (ctx->owns_job) cpar__job_destroy(ctx->job);
+    free(ctx->rng);
     free(ctx);
     return CPAR_OK;
 }
@@ -3656,11 +3674,1716 @@ int cpar_grid_rank(const cpar_ctx *ctx, cpar_group_kind kind) {
     return ctx && (unsigned)kind < CPAR_GROUP_KIND_COUNT && ctx->grid[kind] ? ctx->grid_rank[kind] : -1;
 }
 
-/* ==== 14. Mappings and utilities (in progress) ========================== */
-#include "wip/mappings.c"
+/* ==== 14. Mappings and utilities =========================================
+ * Megatron's tensor-parallel region mappings (seed mappings.py), one public
+ * function per autograd Function with cpar_dir choosing forward or backward;
+ * the utilities divide / VocabUtility / _vocab_size_with_padding /
+ * split_tensor_along_last_dim (as views); and broadcast_data (seed data.py).
+ * Every mapping reduces to one primitive (copy, all-reduce, split or gather
+ * or reduce-scatter along the first or last dim, all-to-all) that checks all
+ * arguments before it communicates. Last-dim layouts are moved with one
+ * pitched 2-D copy per chunk (cpar__copy_2d: what cpar_split/cpar_concat do
+ * per piece, a kernel on device memory) into or out of workspace scratch.
+ * Uses: 2 (errors, tensor checks), 3, 4 (copies, workspace, allocation),
+ * 10 (groups), 11 (collectives and their checks). */
 
-/* ==== 15. RNG, dropout and checkpointing (in progress) ================== */
-#include "wip/rng.c"
+/* The primitive a mapping direction runs. */
+typedef enum cpar__map_op {
+    CPAR__MAP_COPY = 0,    /* identity */
+    CPAR__MAP_ALL_REDUCE,  /* sum over the group */
+    CPAR__MAP_SPLIT_LAST,  /* keep columns [r*H/n, (r+1)*H/n) */
+    CPAR__MAP_GATHER_LAST, /* all-gather along dim 0, chunks concatenated along the last dim */
+    CPAR__MAP_RS_LAST,     /* column chunks stacked along dim 0, reduce-scatter */
+    CPAR__MAP_SPLIT_FIRST, /* keep this rank's rows */
+    CPAR__MAP_GATHER_FIRST,
+    CPAR__MAP_RS_FIRST
+} cpar__map_op;
 
-/* ==== 16. Embedding and cross entropy (in progress) ===================== */
-#include "wip/xent.c"
+/* An inner call failed: put the mapping's name in front of its message. */
+#define CPAR__MAP_TRY(ctx, fn, call)                                                                         \
+    do {                                                                                                     \
+        cpar_status mst_ = (call);                                                                           \
+        if (mst_ != CPAR_OK) return cpar__wrap((ctx), mst_, (fn), cpar_thread_last_error());                 \
+    } while (0)
+
+#define CPAR__WRAP_GOTO(ctx, fn, call, st, label)                                                            \
+    do {                                                                                                     \
+        (st) = (call);                                                                                       \
+        if ((st) != CPAR_OK) {                                                                               \
+            (st) = cpar__wrap((ctx), (st), (fn), cpar_thread_last_error());                                  \
+            goto label;                                                                                      \
+        }                                                                                                    \
+    } while (0)
+
+static void *cpar__ptr_at(const void *p, size_t off) { return p ? (char *)p + off : NULL; }
+
+/* [rows, cols] view of data on device. */
+static cpar_tensor cpar__view2(const void *data, cpar_dtype dt, int64_t rows, int64_t cols, int device) {
+    int64_t shape[2] = {rows, cols};
+    return cpar_tensor_make((void *)data, dt, 2, shape, device);
+}
+
+/* Product of all but the last dimension (1 for rank 1). */
+static int64_t cpar__outer(const cpar_tensor *t) {
+    int64_t o = 1;
+    for (int i = 0; i + 1 < t->ndim; i++) o *= t->shape[i];
+    return o;
+}
+
+/* Workspace scratch of bytes (it stays valid across the collectives, which
+ * keep their own accumulator). *out is NULL when nothing is needed. */
+static cpar_status cpar__map_scratch(cpar_ctx *ctx, const char *fn, size_t bytes, void **out) {
+    *out = NULL;
+    if (!bytes) return CPAR_OK;
+    return cpar__workspace(ctx, fn, bytes, out);
+}
+
+/* dst: n blocks [rows, w] one after another; block j = columns [j*w, (j+1)*w)
+ * of src [rows, n*w] (the seed's torch.cat(torch.split(x, w, dim=1), dim=0)). */
+static cpar_status cpar__stack_last(cpar_ctx *ctx, const char *fn, void *dst, const void *src, int64_t rows,
+                                    int64_t w, int n, size_t es) {
+    int dev = ctx->device;
+    size_t wb = (size_t)w * es;
+    for (int j = 0; j < n; j++)
+        CPAR_TRY(cpar__copy_2d(ctx, fn, cpar__ptr_at(dst, (size_t)j * (size_t)rows * wb), wb, dev,
+                               cpar__ptr_at(src, (size_t)j * wb), (size_t)n * wb, dev, wb, (size_t)rows));
+    return CPAR_OK;
+}
+
+/* The inverse: dst [rows, n*w] <- n blocks [rows, w] stored one after another
+ * at src (torch.cat(x.chunk(n, dim=0), dim=-1)). */
+static cpar_status cpar__unstack_last(cpar_ctx *ctx, const char *fn, void *dst, const void *src, int64_t rows,
+                                      int64_t w, int n, size_t es) {
+    int dev = ctx->device;
+    size_t wb = (size_t)w * es;
+    for (int j = 0; j < n; j++)
+        CPAR_TRY(cpar__copy_2d(ctx, fn, cpar__ptr_at(dst, (size_t)j * wb), (size_t)n * wb, dev,
+                               cpar__ptr_at(src, (size_t)j * (size_t)rows * wb), wb, dev, wb, (size_t)rows));
+    return CPAR_OK;
+}
+
+/* Checks every mapping starts with: group, dir, in and out on the context's
+ * device with in's dtype, in of rank >= 1. */
+static cpar_status cpar__map_begin(cpar_group *g, const char *fn, const cpar_tensor *in, const cpar_tensor *out,
+                                   cpar_dir dir) {
+    CPAR_TRY(cpar__check_group(g, fn));
+    if ((unsigned)dir > (unsigned)CPAR_BWD)
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: dir is %d, expected CPAR_FWD or CPAR_BWD", fn, (int)dir);
+    CPAR_TRY(cpar__coll_tensor(g, fn, "in", in, NULL));
+    CPAR_TRY(cpar__coll_tensor(g, fn, "out", out, in));
+    if (in->ndim < 1)
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: in is a scalar, expected at least 1 dimension", fn);
+    return CPAR_OK;
+}
+
+/* out == in is allowed when `same_ok` (the shapes are already known equal);
+ * any other overlap is not. */
+static cpar_status cpar__map_overlap(cpar_group *g, const char *fn, const cpar_tensor *in, const cpar_tensor *out,
+                                     bool same_ok) {
+    size_t ib = cpar_tensor_nbytes(in), ob = cpar_tensor_nbytes(out);
+    if (same_ok && in->data == out->data) return CPAR_OK;
+    if (cpar__ranges_overlap(in->data, ib, out->data, ob))
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: out overlaps in%s", fn,
+                          same_ok ? " (only out == in is allowed)" : " (out may not alias in here)");
+    return CPAR_OK;
+}
+
+/* "in has last dim 10, not divisible by the group size 4" (pre, v, post). */
+static cpar_status cpar__map_divisible(cpar_group *g, const char *fn, const char *pre, int64_t v, const char *post) {
+    if (v % g->size == 0) return CPAR_OK;
+    return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: in has %s%lld%s, not divisible by the group size %d", fn, pre,
+                      (long long)v, post, g->size);
+}
+
+/* Reductions sum: every dtype but u8. */
+static cpar_status cpar__map_summable(cpar_group *g, const char *fn, const cpar_tensor *in) {
+    if (in->dtype != CPAR_U8) return CPAR_OK;
+    return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: in has dtype u8, which this direction sums; expected f32, f16, "
+                      "bf16, i32 or i64", fn);
+}
+
+/* Split sizes of a first-dim op: non-negative, *total their sum, *off and
+ * *mine this rank's first row and row count. */
+static cpar_status cpar__map_sizes(cpar_group *g, const char *fn, const int64_t *sizes, int64_t *total,
+                                   int64_t *off, int64_t *mine) {
+    CPAR_TRY(cpar__check_sizes(g, fn, "split_sizes", sizes, total));
+    *off = 0;
+    for (int j = 0; j < g->rank; j++) *off += sizes[j];
+    *mine = sizes[g->rank];
+    return CPAR_OK;
+}
+
+/* Check out's shape and the op's conditions, then run op from in to out. */
+static cpar_status cpar__map_run(cpar_group *g, const char *fn, cpar__map_op op, const cpar_tensor *in,
+                                 cpar_tensor *out, const int64_t *sizes) {
+    cpar_ctx *ctx = g->ctx;
+    int n = g->size, r = g->rank, nd = in->ndim, last = nd - 1, dev = ctx->device;
+    size_t es = cpar_dtype_size(in->dtype);
+    int64_t want[CPAR_MAX_DIMS], off = 0, mine = 0, total = 0;
+    char why[96];
+    memcpy(want, in->shape, sizeof want);
+    why[0] = 0;
+    switch (op) {
+    case CPAR__MAP_COPY:
+    case CPAR__MAP_ALL_REDUCE:
+        snprintf(why, sizeof why, "as in");
+        break;
+    case CPAR__MAP_SPLIT_LAST:
+    case CPAR__MAP_RS_LAST:
+        CPAR_TRY(cpar__map_divisible(g, fn, "last dim ", in->shape[last], ""));
+        want[last] = in->shape[last] / n;
+        snprintf(why, sizeof why, "in's last dim %lld / %d ranks", (long long)in->shape[last], n);
+        break;
+    case CPAR__MAP_GATHER_LAST:
+        want[last] = in->shape[last] * n;
+        snprintf(why, sizeof why, "%d ranks' in along the last dim", n);
+        break;
+    case CPAR__MAP_SPLIT_FIRST:
+    case CPAR__MAP_RS_FIRST:
+        if (sizes) {
+            CPAR_TRY(cpar__map_sizes(g, fn, sizes, &total, &off, &mine));
+            if (total != in->shape[0])
+                return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: split_sizes add up to %lld, expected in.shape[0] = %lld",
+                                  fn, (long long)total, (long long)in->shape[0]);
+        } else {
+            CPAR_TRY(cpar__map_divisible(g, fn, "", in->shape[0], " rows (dim 0)"));
+            mine = in->shape[0] / n;
+            off = mine * r;
+        }
+        want[0] = mine;
+        snprintf(why, sizeof why, "this rank's rows of in");
+        break;
+    case CPAR__MAP_GATHER_FIRST:
+        if (sizes) {
+            CPAR_TRY(cpar__map_sizes(g, fn, sizes, &total, &off, &mine));
+            if (in->shape[0] != mine)
+                return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in has %lld rows, expected split_sizes[%d] = %lld", fn,
+                                  (long long)in->shape[0], r, (long long)mine);
+            want[0] = total;
+        } else {
+            want[0] = in->shape[0] * n;
+        }
+        snprintf(why, sizeof why, "%d ranks' rows along dim 0", n);
+        break;
+    }
+    CPAR_TRY(cpar__check_shape(ctx, fn, "out", out, want, nd, why));
+    if (op == CPAR__MAP_ALL_REDUCE || op == CPAR__MAP_RS_FIRST || op == CPAR__MAP_RS_LAST)
+        CPAR_TRY(cpar__map_summable(g, fn, in));
+    CPAR_TRY(cpar__map_overlap(g, fn, in, out, op == CPAR__MAP_COPY || op == CPAR__MAP_ALL_REDUCE || n == 1));
+
+    /* The seed bypasses a group of one: the result is the input. */
+    if (n == 1 || op == CPAR__MAP_COPY)
+        return cpar__copy_bytes(ctx, fn, out->data, dev, in->data, dev, cpar_tensor_nbytes(in));
+
+    int64_t outer = cpar__outer(in), cols = in->shape[last];
+    switch (op) {
+    case CPAR__MAP_ALL_REDUCE: CPAR__MAP_TRY(ctx, fn, cpar_all_reduce(g, in, out, CPAR_SUM)); break;
+    case CPAR__MAP_SPLIT_LAST: {
+        size_t wb = (size_t)(cols / n) * es;
+        if (cpar_tensor_nbytes(out))
+            CPAR_TRY(cpar__copy_2d(ctx, fn, out->data, wb, dev, cpar__ptr_at(in->data, (size_t)r * wb), (size_t)n * wb,
+                                   dev, wb, (size_t)outer));
+        break;
+    }
+    case CPAR__MAP_SPLIT_FIRST: {
+        size_t row = (size_t)cpar__row_elems(in) * es;
+        CPAR_TRY(cpar__copy_bytes(ctx, fn, out->data, dev, cpar__ptr_at(in->data, (size_t)off * row), dev,
+                                  (size_t)mine * row));
+        break;
+    }
+    case CPAR__MAP_GATHER_FIRST: CPAR__MAP_TRY(ctx, fn, cpar_all_gather(g, in, out, sizes)); break;
+    case CPAR__MAP_RS_FIRST: CPAR__MAP_TRY(ctx, fn, cpar_reduce_scatter(g, in, out, CPAR_SUM, sizes)); break;
+    case CPAR__MAP_GATHER_LAST: {
+        /* all-gather along dim 0: [n*outer, cols], rank j's rows in block j;
+         * with one row per rank that already is out's layout. */
+        cpar_tensor gin = cpar__view2(in->data, in->dtype, outer, cols, dev), gathered;
+        void *s = out->data;
+        if (outer > 1) CPAR_TRY(cpar__map_scratch(ctx, fn, (size_t)n * cpar_tensor_nbytes(in), &s));
+        gathered = cpar__view2(s, in->dtype, (int64_t)n * outer, cols, dev);
+        CPAR__MAP_TRY(ctx, fn, cpar_all_gather(g, &gin, &gathered, NULL));
+        if (outer > 1) CPAR_TRY(cpar__unstack_last(ctx, fn, out->data, s, outer, cols, n, es));
+        break;
+    }
+    case CPAR__MAP_RS_LAST: {
+        int64_t w = cols / n;
+        const void *s = in->data;
+        if (outer > 1) {
+            void *scratch;
+            CPAR_TRY(cpar__map_scratch(ctx, fn, cpar_tensor_nbytes(in), &scratch));
+            CPAR_TRY(cpar__stack_last(ctx, fn, scratch, in->data, outer, w, n, es));
+            s = scratch;
+        }
+        cpar_tensor stacked = cpar__view2(s, in->dtype, (int64_t)n * outer, w, dev);
+        cpar_tensor mine2 = cpar__view2(out->data, in->dtype, outer, w, dev);
+        CPAR__MAP_TRY(ctx, fn, cpar_reduce_scatter(g, &stacked, &mine2, CPAR_SUM, NULL));
+        break;
+    }
+    default: break;
+    }
+    return CPAR_OK;
+}
+
+/* The two primitives of a mapping, forward and backward. */
+static cpar_status cpar__map(cpar_group *g, const char *fn, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir,
+                             cpar__map_op fwd, cpar__map_op bwd, const int64_t *sizes) {
+    CPAR_TRY(cpar__map_begin(g, fn, in, out, dir));
+    return cpar__map_run(g, fn, dir == CPAR_FWD ? fwd : bwd, in, out, sizes);
+}
+
+cpar_status cpar_copy_to_tp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    return cpar__map(g, "cpar_copy_to_tp_region", in, out, dir, CPAR__MAP_COPY, CPAR__MAP_ALL_REDUCE, NULL);
+}
+
+cpar_status cpar_reduce_from_tp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    return cpar__map(g, "cpar_reduce_from_tp_region", in, out, dir, CPAR__MAP_ALL_REDUCE, CPAR__MAP_COPY, NULL);
+}
+
+cpar_status cpar_scatter_to_tp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    return cpar__map(g, "cpar_scatter_to_tp_region", in, out, dir, CPAR__MAP_SPLIT_LAST, CPAR__MAP_GATHER_LAST, NULL);
+}
+
+cpar_status cpar_gather_from_tp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    return cpar__map(g, "cpar_gather_from_tp_region", in, out, dir, CPAR__MAP_GATHER_LAST, CPAR__MAP_SPLIT_LAST, NULL);
+}
+
+cpar_status cpar_scatter_to_sp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    return cpar__map(g, "cpar_scatter_to_sp_region", in, out, dir, CPAR__MAP_SPLIT_FIRST, CPAR__MAP_GATHER_FIRST,
+                     NULL);
+}
+
+cpar_status cpar_gather_from_sp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir,
+                                       bool tp_output_grad, const int64_t *split_sizes) {
+    return cpar__map(g, "cpar_gather_from_sp_region", in, out, dir, CPAR__MAP_GATHER_FIRST,
+                     tp_output_grad ? CPAR__MAP_RS_FIRST : CPAR__MAP_SPLIT_FIRST, split_sizes);
+}
+
+cpar_status cpar_reduce_scatter_to_sp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir,
+                                             const int64_t *split_sizes) {
+    return cpar__map(g, "cpar_reduce_scatter_to_sp_region", in, out, dir, CPAR__MAP_RS_FIRST, CPAR__MAP_GATHER_FIRST,
+                     split_sizes);
+}
+
+cpar_status cpar_all_gather_last_dim_from_tp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out,
+                                                    cpar_dir dir) {
+    return cpar__map(g, "cpar_all_gather_last_dim_from_tp_region", in, out, dir, CPAR__MAP_GATHER_LAST,
+                     CPAR__MAP_RS_LAST, NULL);
+}
+
+cpar_status cpar_reduce_scatter_last_dim_to_tp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out,
+                                                      cpar_dir dir) {
+    return cpar__map(g, "cpar_reduce_scatter_last_dim_to_tp_region", in, out, dir, CPAR__MAP_RS_LAST,
+                     CPAR__MAP_GATHER_LAST, NULL);
+}
+
+/* Rows of one side of an all-to-all: given splits must add up to rows; NULL
+ * means equal rows (divisible by n). *self = the rows this rank keeps. */
+static cpar_status cpar__a2a_side(cpar_group *g, const char *fn, const char *tname, int64_t rows, const char *sname,
+                                  const int64_t *splits, int64_t *self) {
+    if (splits) {
+        int64_t total;
+        CPAR_TRY(cpar__check_sizes(g, fn, sname, splits, &total));
+        if (total != rows)
+            return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: %s add up to %lld, expected %s.shape[0] = %lld", fn, sname,
+                              (long long)total, tname, (long long)rows);
+        *self = splits[g->rank];
+    } else {
+        if (rows % g->size)
+            return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: %s has %lld rows (dim 0), not divisible by the group size "
+                              "%d (pass %s)", fn, tname, (long long)rows, g->size, sname);
+        *self = rows / g->size;
+    }
+    return CPAR_OK;
+}
+
+cpar_status cpar_all_to_all(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir,
+                            const int64_t *out_splits, const int64_t *in_splits) {
+    static const char fn[] = "cpar_all_to_all";
+    CPAR_TRY(cpar__map_begin(g, fn, in, out, dir));
+    cpar_ctx *ctx = g->ctx;
+    /* Backward sends the gradient back: the forward's splits swapped. Names
+     * in messages stay the caller's argument names. */
+    bool bwd = dir == CPAR_BWD;
+    const int64_t *send = bwd ? out_splits : in_splits, *recv = bwd ? in_splits : out_splits;
+    const char *send_name = bwd ? "out_splits" : "in_splits", *recv_name = bwd ? "in_splits" : "out_splits";
+    int64_t send_self = 0, recv_self = 0, out_rows = in->shape[0], want[CPAR_MAX_DIMS];
+    CPAR_TRY(cpar__a2a_side(g, fn, "in", in->shape[0], send_name, send, &send_self));
+    if (recv) {
+        CPAR_TRY(cpar__check_sizes(g, fn, recv_name, recv, &out_rows));
+        recv_self = recv[g->rank];
+    } else {
+        CPAR_TRY(cpar__a2a_side(g, fn, "in", in->shape[0], recv_name, NULL, &recv_self));
+    }
+    if (send_self != recv_self)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s[%d] = %lld rows to this rank itself, but %s[%d] = %lld", fn,
+                          send_name, g->rank, (long long)send_self, recv_name, g->rank, (long long)recv_self);
+    memcpy(want, in->shape, sizeof want);
+    want[0] = out_rows;
+    CPAR_TRY(cpar__check_shape(ctx, fn, "out", out, want, in->ndim,
+                               recv ? "the received rows, other dims as in" : "as in"));
+    CPAR_TRY(cpar__map_overlap(g, fn, in, out, true));
+    if (g->size == 1) return cpar__copy_bytes(ctx, fn, out->data, ctx->device, in->data, ctx->device, cpar_tensor_nbytes(in));
+    cpar_tensor src = *in;
+    if (in->data == out->data && cpar_tensor_nbytes(in)) { /* in place: stage the input */
+        CPAR_TRY(cpar__map_scratch(ctx, fn, cpar_tensor_nbytes(in), &src.data));
+        CPAR_TRY(cpar__copy_bytes(ctx, fn, src.data, ctx->device, in->data, ctx->device, cpar_tensor_nbytes(in)));
+    }
+    CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &src, out, recv, send));
+    return CPAR_OK;
+}
+
+/* out must hold rows x cols: last dim cols, leading dims multiplying to rows. */
+static cpar_status cpar__check_rows_cols(cpar_ctx *ctx, const char *fn, const cpar_tensor *out, int64_t rows,
+                                         int64_t cols, const char *why) {
+    if (out->ndim >= 1 && out->shape[out->ndim - 1] == cols && cpar__outer(out) == rows) return CPAR_OK;
+    int64_t want[2] = {rows, cols};
+    char w2[128];
+    snprintf(w2, sizeof w2, "%s; any leading dims multiplying to %lld", why, (long long)rows);
+    return cpar__fail_shape(ctx, fn, "out", out, want, 2, w2);
+}
+
+/* sp2hp (to_hp) or hp2sp of in into out, as the seed's all_to_all_sp2hp/_hp2sp. */
+static cpar_status cpar__a2a_sp_hp(cpar_group *g, const char *fn, const cpar_tensor *in, cpar_tensor *out,
+                                   bool to_hp) {
+    cpar_ctx *ctx = g->ctx;
+    int n = g->size, dev = ctx->device;
+    size_t es = cpar_dtype_size(in->dtype);
+    int64_t cols = in->shape[in->ndim - 1], rows = cpar__outer(in);
+    if (cols < 1)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in has last dim %lld, expected >= 1 (the hidden size)", fn,
+                          (long long)cols);
+    char why[96];
+    if (to_hp) { /* [rows, cols] -> [n*rows, cols/n] */
+        CPAR_TRY(cpar__map_divisible(g, fn, "last dim ", cols, " (the hidden size)"));
+        snprintf(why, sizeof why, "[T, H/n] with T = %d x %lld tokens, H = %lld", n, (long long)rows, (long long)cols);
+        CPAR_TRY(cpar__check_rows_cols(ctx, fn, out, rows * n, cols / n, why));
+    } else { /* [rows, cols] -> [rows/n, n*cols] */
+        if (rows % n)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in has %lld tokens (the product of all but the last dim), "
+                              "not divisible by the group size %d", fn, (long long)rows, n);
+        snprintf(why, sizeof why, "[T/n, n*h] with T = %lld tokens, h = %lld", (long long)rows, (long long)cols);
+        CPAR_TRY(cpar__check_rows_cols(ctx, fn, out, rows / n, cols * n, why));
+    }
+    CPAR_TRY(cpar__map_overlap(g, fn, in, out, n == 1));
+    size_t bytes = cpar_tensor_nbytes(in);
+    if (n == 1) return cpar__copy_bytes(ctx, fn, out->data, dev, in->data, dev, bytes);
+    if (to_hp) {
+        /* Column chunks stacked along dim 0 (one token: already so), then an
+         * equal all-to-all: rank j gets chunk j of every rank's tokens. */
+        int64_t w = cols / n;
+        const void *s = in->data;
+        if (rows > 1) {
+            void *scratch;
+            CPAR_TRY(cpar__map_scratch(ctx, fn, bytes, &scratch));
+            CPAR_TRY(cpar__stack_last(ctx, fn, scratch, in->data, rows, w, n, es));
+            s = scratch;
+        }
+        cpar_tensor a = cpar__view2(s, in->dtype, rows * n, w, dev), b = cpar__view2(out->data, in->dtype, rows * n, w, dev);
+        CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &b, NULL, NULL));
+    } else {
+        /* Equal all-to-all, then the n received [rows/n, cols] blocks side by
+         * side (one token per rank: already so). */
+        int64_t t = rows / n;
+        void *s = out->data;
+        if (t > 1) CPAR_TRY(cpar__map_scratch(ctx, fn, bytes, &s));
+        cpar_tensor a = cpar__view2(in->data, in->dtype, rows, cols, dev), b = cpar__view2(s, in->dtype, rows, cols, dev);
+        CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &b, NULL, NULL));
+        if (t > 1) CPAR_TRY(cpar__unstack_last(ctx, fn, out->data, s, t, cols, n, es));
+    }
+    return CPAR_OK;
+}
+
+cpar_status cpar_all_to_all_sp2hp(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    static const char fn[] = "cpar_all_to_all_sp2hp";
+    CPAR_TRY(cpar__map_begin(g, fn, in, out, dir));
+    return cpar__a2a_sp_hp(g, fn, in, out, dir == CPAR_FWD);
+}
+
+cpar_status cpar_all_to_all_hp2sp(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    static const char fn[] = "cpar_all_to_all_hp2sp";
+    CPAR_TRY(cpar__map_begin(g, fn, in, out, dir));
+    return cpar__a2a_sp_hp(g, fn, in, out, dir == CPAR_BWD);
+}
+
+/* ---- Utilities ------------------------------------------------------------------ */
+
+cpar_status cpar_divide(int64_t num, int64_t den, int64_t *out) {
+    static const char fn[] = "cpar_divide";
+    if (!out) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    if (den == 0) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: den is 0, expected a non-zero denominator", fn);
+    if (num % den)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: %lld is not divisible by %lld", fn, (long long)num,
+                          (long long)den);
+    *out = num / den;
+    return CPAR_OK;
+}
+
+cpar_status cpar_vocab_range(int64_t global_vocab, int rank, int world, int64_t *first, int64_t *last) {
+    static const char fn[] = "cpar_vocab_range";
+    if (!first || !last) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: %s is NULL", fn, first ? "last" : "first");
+    if (world < 1) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: world is %d, expected >= 1", fn, world);
+    if (rank < 0 || rank >= world)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: rank is %d, expected 0..%d", fn, rank, world - 1);
+    if (global_vocab < 0)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: global_vocab is %lld, expected >= 0", fn,
+                          (long long)global_vocab);
+    if (global_vocab % world)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: global_vocab %lld is not divisible by world %d", fn,
+                          (long long)global_vocab, world);
+    int64_t per = global_vocab / world;
+    *first = per * rank;
+    *last = *first + per;
+    return CPAR_OK;
+}
+
+cpar_status cpar_pad_vocab_size(int64_t vocab, int64_t multiple, int tp, int64_t *out) {
+    static const char fn[] = "cpar_pad_vocab_size";
+    if (!out) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    if (vocab < 0) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: vocab is %lld, expected >= 0", fn, (long long)vocab);
+    if (multiple < 1)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: multiple is %lld, expected >= 1", fn, (long long)multiple);
+    if (tp < 1) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: tp is %d, expected >= 1", fn, tp);
+    if (multiple > INT64_MAX / tp)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: multiple %lld x tp %d overflows int64", fn, (long long)multiple, tp);
+    int64_t m = multiple * tp, q = vocab / m + (vocab % m != 0);
+    if (q > INT64_MAX / m)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: vocab %lld padded to a multiple of %lld overflows int64", fn,
+                          (long long)vocab, (long long)m);
+    *out = q * m;
+    return CPAR_OK;
+}
+
+/* Checks of the two view functions: t, n, i, view, and the split dim. */
+static cpar_status cpar__check_view(const char *fn, const cpar_tensor *t, int n, int i, const cpar_tensor *view,
+                                    int dim, const char *dim_name) {
+    CPAR_TRY(cpar__check_tensor(NULL, fn, "t", t, -2));
+    if (!view) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: view is NULL", fn);
+    if (t->ndim < 1) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: t is a scalar, expected at least 1 dimension", fn);
+    if (n < 1) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: n is %d, expected >= 1", fn, n);
+    if (i < 0 || i >= n) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: i is %d, expected 0..%d", fn, i, n - 1);
+    int d = dim < 0 ? t->ndim - 1 : dim;
+    if (t->shape[d] % n)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: t has %s %lld, not divisible by n = %d", fn, dim_name,
+                          (long long)t->shape[d], n);
+    return CPAR_OK;
+}
+
+cpar_status cpar_split_last_dim_view(const cpar_tensor *t, int n, int i, cpar_tensor *view, int64_t *row_stride) {
+    CPAR_TRY(cpar__check_view("cpar_split_last_dim_view", t, n, i, view, -1, "last dim"));
+    int last = t->ndim - 1;
+    int64_t len = t->shape[last], w = len / n;
+    cpar_tensor v = *t;
+    v.shape[last] = w;
+    v.data = cpar__ptr_at(t->data, (size_t)(i * w) * cpar_dtype_size(t->dtype));
+    *view = v;
+    if (row_stride) *row_stride = len;
+    return CPAR_OK;
+}
+
+cpar_status cpar_split_first_dim_view(const cpar_tensor *t, int n, int i, cpar_tensor *view) {
+    CPAR_TRY(cpar__check_view("cpar_split_first_dim_view", t, n, i, view, 0, "dim 0"));
+    int64_t rows = t->shape[0] / n;
+    cpar_tensor v = *t;
+    v.shape[0] = rows;
+    v.data = cpar__ptr_at(t->data, (size_t)(i * rows * cpar__row_elems(t)) * cpar_dtype_size(t->dtype));
+    *view = v;
+    return CPAR_OK;
+}
+
+/* ---- broadcast_data --------------------------------------------------------------- */
+
+enum { CPAR__BCAST_HDR = 2 }; /* status word, rejected key index; then CPAR_BROADCAST_MAX_DIMS per key */
+
+/* Rank 0's checks of its input; on failure *bad is the key (-1: in itself). */
+static cpar_status cpar__bcast_check_in(cpar_ctx *ctx, const char *fn, int nkeys, const char *const *keys,
+                                        const cpar_tensor *in, cpar_dtype dtype, int *bad) {
+    *bad = -1;
+    if (!in) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in is NULL on group rank 0, expected %d tensors", fn, nkeys);
+    for (int i = 0; i < nkeys; i++) {
+        char name[96];
+        const cpar_tensor *t = &in[i];
+        *bad = i;
+        snprintf(name, sizeof name, "in[%d] (key \"%.60s\")", i, keys[i]);
+        CPAR_TRY(cpar__check_tensor(ctx, fn, name, t, -2));
+        if (t->device != CPAR_HOST && t->device != ctx->device) {
+            char got[32];
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is on %s, expected host or the context's device %d", fn,
+                              name, cpar__device_str(t->device, got, sizeof got), ctx->device);
+        }
+        CPAR_TRY(cpar__check_dtype(ctx, fn, name, t, dtype));
+        if (t->ndim > CPAR_BROADCAST_MAX_DIMS)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has %d dims, expected at most %d (CPAR_BROADCAST_MAX_DIMS)",
+                              fn, name, t->ndim, CPAR_BROADCAST_MAX_DIMS);
+    }
+    *bad = -1;
+    return CPAR_OK;
+}
+
+static void cpar__bcast_free_outs(cpar_ctx *ctx, int nkeys, cpar_tensor *out) {
+    for (int i = 0; i < nkeys; i++) cpar_tensor_free(ctx, &out[i]);
+}
+
+cpar_status cpar_broadcast_data(cpar_group *tp, int nkeys, const char *const *keys, const cpar_tensor *in,
+                                cpar_dtype dtype, cpar_tensor *out) {
+    static const char fn[] = "cpar_broadcast_data";
+    CPAR_TRY(cpar__check_group(tp, fn));
+    cpar_ctx *ctx = tp->ctx;
+    int dev = ctx->device;
+    if (nkeys < 0 || nkeys > (INT_MAX - CPAR__BCAST_HDR) / CPAR_BROADCAST_MAX_DIMS)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: nkeys is %d, expected >= 0", fn, nkeys);
+    if (nkeys && !keys) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: keys is NULL", fn);
+    for (int i = 0; i < nkeys; i++)
+        if (!keys[i]) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: keys[%d] is NULL", fn, i);
+    if (nkeys && !out) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    for (int i = 0; i < nkeys; i++) out[i] = cpar_tensor_make(NULL, dtype, 0, NULL, dev);
+    if (!cpar__dtype_valid(dtype))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dtype is %d, not a cpar_dtype", fn, (int)dtype);
+    if (!nkeys) return CPAR_OK;
+
+    /* 1. The shapes, with rank 0's verdict on its input, so that a rejected
+     *    input fails every rank instead of leaving the others waiting. */
+    bool root = tp->rank == 0;
+    int bad = -1;
+    cpar_status mine = root ? cpar__bcast_check_in(ctx, fn, nkeys, keys, in, dtype, &bad) : CPAR_OK;
+    int64_t nhdr = CPAR__BCAST_HDR + (int64_t)nkeys * CPAR_BROADCAST_MAX_DIMS;
+    int64_t *hdr = malloc((size_t)nhdr * sizeof *hdr);
+    if (!hdr) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate %lld shape words", fn, (long long)nhdr);
+    for (int64_t k = 0; k < nhdr; k++) hdr[k] = -1;
+    hdr[0] = mine;
+    hdr[1] = bad;
+    for (int i = 0; root && mine == CPAR_OK && i < nkeys; i++)
+        for (int d = 0; d < in[i].ndim; d++) hdr[CPAR__BCAST_HDR + i * CPAR_BROADCAST_MAX_DIMS + d] = in[i].shape[d];
+    cpar_status st;
+    void *ws;
+    cpar_tensor hdr_t = cpar_tensor_make(NULL, CPAR_I64, 1, &nhdr, dev);
+    CPAR_TRY_GOTO(cpar__workspace(ctx, fn, (size_t)nhdr * sizeof *hdr, &ws), st, done);
+    hdr_t.data = ws;
+    CPAR_TRY_GOTO(cpar__copy_bytes(ctx, fn, ws, dev, hdr, CPAR_HOST, (size_t)nhdr * sizeof *hdr), st, done);
+    CPAR__WRAP_GOTO(ctx, fn, cpar_broadcast(tp, &hdr_t, 0), st, done);
+    CPAR_TRY_GOTO(cpar__copy_bytes(ctx, fn, hdr, CPAR_HOST, ws, dev, (size_t)nhdr * sizeof *hdr), st, done);
+    if (mine != CPAR_OK) {
+        st = mine; /* rank 0: its own message stays the last error */
+        goto done;
+    }
+    if (hdr[0] != CPAR_OK) {
+        int k = (int)hdr[1];
+        if (k >= 0 && k < nkeys)
+            st = cpar__fail(ctx, CPAR_ERR_PEER, "%s: group rank 0 (world rank %d) rejected its in[%d] (key \"%.60s\"): "
+                            "%s", fn, tp->world_ranks[0], k, keys[k], cpar_status_string((cpar_status)hdr[0]));
+        else
+            st = cpar__fail(ctx, CPAR_ERR_PEER, "%s: group rank 0 (world rank %d) rejected its input: %s", fn,
+                            tp->world_ranks[0], cpar_status_string((cpar_status)hdr[0]));
+        goto done;
+    }
+
+    /* 2. The data: concatenated on rank 0, one broadcast, split on every rank. */
+    size_t es = cpar_dtype_size(dtype), total = 0;
+    int64_t shape[CPAR_BROADCAST_MAX_DIMS];
+    for (int i = 0; i < nkeys; i++) {
+        const int64_t *s = hdr + CPAR__BCAST_HDR + i * CPAR_BROADCAST_MAX_DIMS;
+        int nd = 0;
+        while (nd < CPAR_BROADCAST_MAX_DIMS && s[nd] >= 0) nd++;
+        out[i] = cpar_tensor_make(NULL, dtype, nd, s, dev);
+        total += cpar_tensor_nbytes(&out[i]);
+    }
+    int64_t nelem = (int64_t)(total / es);
+    cpar_tensor flat = cpar_tensor_make(NULL, dtype, 1, &nelem, dev);
+    CPAR_TRY_GOTO(cpar__workspace(ctx, fn, total, &ws), st, done);
+    flat.data = total ? ws : NULL;
+    if (root) {
+        size_t off = 0;
+        for (int i = 0; i < nkeys; i++) {
+            size_t b = cpar_tensor_nbytes(&in[i]);
+            CPAR_TRY_GOTO(cpar__copy_bytes(ctx, fn, cpar__ptr_at(ws, off), dev, in[i].data, in[i].device, b), st, done);
+            off += b;
+        }
+    }
+    CPAR__WRAP_GOTO(ctx, fn, cpar_broadcast(tp, &flat, 0), st, done);
+    size_t off = 0;
+    for (int i = 0; i < nkeys; i++) {
+        cpar_tensor shape_only = out[i];
+        int nd = shape_only.ndim;
+        memcpy(shape, shape_only.shape, (size_t)nd * sizeof *shape);
+        CPAR__WRAP_GOTO(ctx, fn, cpar_tensor_alloc(ctx, dtype, nd, shape, &out[i]), st, done);
+        size_t b = cpar_tensor_nbytes(&out[i]);
+        CPAR_TRY_GOTO(cpar__copy_bytes(ctx, fn, out[i].data, dev, cpar__ptr_at(ws, off), dev, b), st, done);
+        off += b;
+    }
+    st = CPAR_OK;
+done:
+    free(hdr);
+    if (st != CPAR_OK) cpar__bcast_free_outs(ctx, nkeys, out);
+    return st;
+}
+
+/* ==== 15. RNG, dropout and checkpointing ==================================
+ * Owns cpar.h §9: Philox4x32-10 and the float transforms built on it (the
+ * host twin of the device core in cpar_kernels.cu: the same operations in
+ * the same order, so both give the same bits), the per-context RNG tracker
+ * (cpar_rng_*, cpar_model_parallel_manual_seed), random fills, dropout,
+ * activation checkpointing and the 1-D chunk split/gather. Host tensors run
+ * the reference loops below; device tensors one kernel each
+ * (cpar_dev_rng_*, cpar_dev_dropout_*).
+ * Uses: 2 (errors, argument checks), 3 (tensors, fp16/bf16 bits), 4 (device
+ * dispatch, copies, allocation), 5 (element load/store), 6 (op tensor
+ * checks), 10-11 (groups, all-gather), 13 (grid rank). */
+
+/* ---- host-only build: the device layer of §9 is absent -------------------- */
+#ifndef CPAR_WITH_DEVICE
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#endif
+cpar_status cpar_dev_rng_uniform(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float lo,
+                                 float hi, cpar_dev_stream s) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+cpar_status cpar_dev_rng_normal(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float mean,
+                                float std, cpar_dev_stream s) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+cpar_status cpar_dev_dropout_forward(const void *x, void *y, uint8_t *mask, cpar_dtype dt, int64_t n, float p,
+                                     float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+cpar_status cpar_dev_dropout_backward(const void *dy, void *dx, const uint8_t *mask, cpar_dtype dt, int64_t n,
+                                      float p, float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#endif /* !CPAR_WITH_DEVICE */
+
+/* ---- Philox4x32-10 and the float transforms (host twin of the device core) --
+ * Everything here is exact integer work or single correctly rounded fp32
+ * operations (+ - * / sqrt and explicit fmaf), evaluated in a fixed order.
+ * The device copy spells the same operations with __fmul_rn & co. so nvcc
+ * cannot contract them into different FMAs; this file relies on ISO C's
+ * default of no contraction (-std=c11; GNU modes contract only on targets
+ * with FMA instructions, e.g. -march=native, which would break bit equality
+ * with the GPU by an ulp). */
+
+#define CPAR__PHILOX_M0 0xD2511F53u
+#define CPAR__PHILOX_M1 0xCD9E8D57u
+#define CPAR__PHILOX_W0 0x9E3779B9u
+#define CPAR__PHILOX_W1 0xBB67AE85u
+#define CPAR__RNG_2POW_M24 5.9604644775390625e-08f /* 2^-24 */
+
+static void cpar__philox(const uint32_t ctr[4], uint32_t k0, uint32_t k1, uint32_t out[4]) {
+    uint32_t c0 = ctr[0], c1 = ctr[1], c2 = ctr[2], c3 = ctr[3];
+    for (int r = 0; r < 10; r++) {
+        if (r) {
+            k0 += CPAR__PHILOX_W0;
+            k1 += CPAR__PHILOX_W1;
+        }
+        uint64_t p0 = (uint64_t)CPAR__PHILOX_M0 * c0, p1 = (uint64_t)CPAR__PHILOX_M1 * c2;
+        uint32_t h0 = (uint32_t)(p0 >> 32), l0 = (uint32_t)p0, h1 = (uint32_t)(p1 >> 32), l1 = (uint32_t)p1;
+        c0 = h1 ^ c1 ^ k0;
+        c1 = l1;
+        c2 = h0 ^ c3 ^ k1;
+        c3 = l0;
+    }
+    out[0] = c0;
+    out[1] = c1;
+    out[2] = c2;
+    out[3] = c3;
+}
+
+void cpar_philox4x32_10_block(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]) {
+    if (!counter || !key || !out) return;
+    cpar__philox(counter, key[0], key[1], out);
+}
+
+void cpar_philox4x32_10(uint64_t seed, uint64_t counter, uint32_t out[4]) {
+    if (!out) return;
+    uint32_t ctr[4] = {(uint32_t)counter, (uint32_t)(counter >> 32), 0, 0};
+    cpar__philox(ctr, (uint32_t)seed, (uint32_t)(seed >> 32), out);
+}
+
+/* The block of group g (elements 4g..4g+3) of a draw from (seed, offset). */
+static void cpar__rng_block(uint64_t seed, uint64_t offset, int64_t g, uint32_t w[4]) {
+    cpar_philox4x32_10(seed, offset + (uint64_t)g, w);
+}
+
+/* u in [0, 1): the top 24 bits of w times 2^-24 (exact). */
+static float cpar__rng_u01(uint32_t w) { return (float)(w >> 8) * CPAR__RNG_2POW_M24; }
+
+/* ln x for a normal float x > 0 (fdlibm's logf reduction and polynomial,
+ * FMAs made explicit): < 1 ulp on the inputs Box-Muller feeds it. */
+static float cpar__rng_log(float x) {
+    uint32_t ix = cpar__f32_bits(x);
+    int k = (int)(ix >> 23) - 127;
+    ix &= 0x007fffffu;
+    uint32_t i = (ix + (0x95f64u << 3)) & 0x800000u; /* mantissa into [sqrt(2)/2, sqrt(2)) */
+    float m = cpar__bits_f32(ix | (i ^ 0x3f800000u));
+    k += (int)(i >> 23);
+    float f = m - 1.0f;
+    float s = f / (2.0f + f);
+    float z = s * s;
+    float w = z * z;
+    float t1 = w * fmaf(w, 2.4279078841e-01f, 4.0000972152e-01f);
+    float t2 = z * fmaf(w, 2.8498786688e-01f, 6.6666662693e-01f);
+    float r = t2 + t1;
+    float hfsq = (0.5f * f) * f;
+    float dk = (float)k;
+    float inner = fmaf(dk, 9.0580006145e-06f, s * (hfsq + r));
+    return fmaf(dk, 6.9313812256e-01f, -((hfsq - inner) - f));
+}
+
+/* sin and cos of x in [0, pi/4] (Cephes' sinf/cosf polynomials). */
+static void cpar__rng_sincos_poly(float x, float *sn, float *cs) {
+    float z = x * x;
+    float ps = fmaf(fmaf(-1.9515295891e-4f, z, 8.3321608736e-3f), z, -1.6666654611e-1f);
+    *sn = fmaf(z * ps, x, x);
+    float pc = fmaf(fmaf(2.443315711809948e-5f, z, -1.388731625493765e-3f), z, 4.166664568298827e-2f);
+    *cs = fmaf(z * pc, z, fmaf(-0.5f, z, 1.0f));
+}
+
+/* sin and cos of 2 pi j / 2^24 for a 24-bit j, < 2 ulp: the octant (top 3
+ * bits) is exact, the angle within it is reduced to [0, pi/4] exactly. */
+static void cpar__rng_sincos2pi(uint32_t j, float *sn, float *cs) {
+    uint32_t o = j >> 21, r = j & 0x1fffffu;
+    float x = (float)((o & 1u) ? 0x200000u - r : r) * (0.785398163397448309616f * 4.76837158203125e-07f);
+    float s, c;
+    cpar__rng_sincos_poly(x, &s, &c);
+    switch (o) {
+    case 0: *sn = s, *cs = c; break;
+    case 1: *sn = c, *cs = s; break;
+    case 2: *sn = c, *cs = -s; break;
+    case 3: *sn = s, *cs = -c; break;
+    case 4: *sn = -s, *cs = -c; break;
+    case 5: *sn = -c, *cs = -s; break;
+    case 6: *sn = -c, *cs = s; break;
+    default: *sn = -s, *cs = c; break;
+    }
+}
+
+/* The four standard normals of one block: Box-Muller on (w0, w1) and (w2, w3). */
+static void cpar__rng_normal4(const uint32_t w[4], float z[4]) {
+    for (int p = 0; p < 2; p++) {
+        float u1 = (float)((w[2 * p] >> 8) + 1u) * CPAR__RNG_2POW_M24; /* (0, 1] */
+        float r = sqrtf(-2.0f * cpar__rng_log(u1));
+        float sn, cs;
+        cpar__rng_sincos2pi(w[2 * p + 1] >> 8, &sn, &cs);
+        z[2 * p] = r * cs;
+        z[2 * p + 1] = r * sn;
+    }
+}
+
+/* lo + (hi - lo) * u, kept below hi. */
+static float cpar__rng_scale_uniform(uint32_t w, float lo, float hi) {
+    float v = fmaf(cpar__rng_u01(w), hi - lo, lo);
+    return v < hi ? v : lo;
+}
+
+/* ---- host reference kernels ----------------------------------------------- */
+
+static void cpar__host_rng_uniform(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float lo,
+                                   float hi) {
+    for (int64_t g = 0; g * 4 < n; g++) {
+        uint32_t w[4];
+        cpar__rng_block(seed, offset, g, w);
+        for (int e = 0; e < 4 && g * 4 + e < n; e++) cpar__store_f(p, dt, g * 4 + e, cpar__rng_scale_uniform(w[e], lo, hi));
+    }
+}
+
+static void cpar__host_rng_normal(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float mean,
+                                  float std) {
+    for (int64_t g = 0; g * 4 < n; g++) {
+        uint32_t w[4];
+        float z[4];
+        cpar__rng_block(seed, offset, g, w);
+        cpar__rng_normal4(w, z);
+        for (int e = 0; e < 4 && g * 4 + e < n; e++) cpar__store_f(p, dt, g * 4 + e, fmaf(z[e], std, mean));
+    }
+}
+
+/* out = (in * keep) * scale; keep from mask_in when given, else u >= p;
+ * mask_out (may be NULL) gets keep. in may equal out. */
+static void cpar__host_dropout(const void *in, void *out, const uint8_t *mask_in, uint8_t *mask_out, cpar_dtype dt,
+                               int64_t n, float p, float scale, uint64_t seed, uint64_t offset) {
+    for (int64_t g = 0; g * 4 < n; g++) {
+        uint32_t w[4] = {0, 0, 0, 0};
+        if (!mask_in) cpar__rng_block(seed, offset, g, w);
+        for (int e = 0; e < 4 && g * 4 + e < n; e++) {
+            int64_t i = g * 4 + e;
+            int keep = mask_in ? mask_in[i] != 0 : cpar__rng_u01(w[e]) >= p;
+            cpar__store_f(out, dt, i, (cpar__load_f(in, dt, i) * (float)keep) * scale);
+            if (mask_out) mask_out[i] = (uint8_t)keep;
+        }
+    }
+}
+
+/* ---- the tracker --------------------------------------------------------------
+ * struct cpar__rng is plain memory (no pointers): the snapshot plus the stack
+ * of open forks. */
+
+typedef struct cpar__rng_fork {
+    char name[CPAR_RNG_NAME_MAX]; /* the forked state */
+    cpar_rng_state outer;         /* the current state fork replaced */
+} cpar__rng_fork;
+
+struct cpar__rng {
+    cpar_rng_snapshot s;
+    int depth;
+    cpar__rng_fork forks[CPAR_RNG_MAX_FORK_DEPTH];
+};
+
+/* ctx's tracker, created on first use with current = (default seed, 0);
+ * NULL (with the error recorded) when ctx is NULL or memory runs out. */
+static struct cpar__rng *cpar__rng_of(cpar_ctx *ctx, const char *fn) {
+    if (!ctx) {
+        cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+        return NULL;
+    }
+    if (!ctx->rng) {
+        ctx->rng = calloc(1, sizeof *ctx->rng);
+        if (!ctx->rng) {
+            cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate the RNG tracker (%zu bytes)", fn, sizeof *ctx->rng);
+            return NULL;
+        }
+        ctx->rng->s.current = (cpar_rng_state){CPAR_RNG_DEFAULT_SEED, 0};
+    }
+    return ctx->rng;
+}
+
+/* Declare rng as ctx's tracker or return the failure. */
+#define CPAR__RNG_OF(rng, ctx, fn)                                                                           \
+    struct cpar__rng *rng = cpar__rng_of((ctx), (fn));                                                       \
+    if (!rng) return (ctx) ? CPAR_ERR_OOM : CPAR_ERR_INVALID
+
+static cpar_status cpar__rng_check_name(cpar_ctx *ctx, const char *fn, const char *name) {
+    if (!name) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: name is NULL", fn);
+    size_t len = strnlen(name, CPAR_RNG_NAME_MAX);
+    if (len == 0) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: name is empty, expected 1..%d chars", fn, CPAR_RNG_NAME_MAX - 1);
+    if (len >= CPAR_RNG_NAME_MAX)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: name \"%.20s...\" is longer than %d chars", fn, name,
+                          CPAR_RNG_NAME_MAX - 1);
+    return CPAR_OK;
+}
+
+static int cpar__rng_find(const cpar_rng_snapshot *s, const char *name) {
+    for (int i = 0; i < s->count; i++)
+        if (!strcmp(s->names[i], name)) return i;
+    return -1;
+}
+
+static cpar_status cpar__rng_unknown(cpar_ctx *ctx, const char *fn, const char *name) {
+    return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: name \"%s\" is not a tracked RNG state (cpar_rng_add it first)", fn,
+                      name);
+}
+
+/* tracker.add with the calling public function's name in messages. */
+static cpar_status cpar__rng_add(cpar_ctx *ctx, const char *fn, struct cpar__rng *rng, const char *name,
+                                 uint64_t seed) {
+    CPAR_TRY(cpar__rng_check_name(ctx, fn, name));
+    cpar_rng_snapshot *s = &rng->s;
+    for (int i = 0; i < s->count; i++)
+        if (s->states[i].seed == seed)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seed %" PRIu64 " already exists (state \"%s\")", fn, seed,
+                              s->names[i]);
+    if (cpar__rng_find(s, name) >= 0)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: name \"%s\" already exists", fn, name);
+    if (s->count == CPAR_RNG_MAX_STATES)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cannot add \"%s\": the tracker already holds %d states (the limit)",
+                          fn, name, CPAR_RNG_MAX_STATES);
+    snprintf(s->names[s->count], CPAR_RNG_NAME_MAX, "%s", name);
+    s->states[s->count] = (cpar_rng_state){seed, 0};
+    s->count++;
+    return CPAR_OK;
+}
+
+/* Advance the current state past a draw of n elements; returns the state used. */
+static cpar_rng_state cpar__rng_draw(struct cpar__rng *rng, int64_t n) {
+    cpar_rng_state used = rng->s.current;
+    rng->s.current.offset += (uint64_t)((n + 3) / 4);
+    return used;
+}
+
+cpar_status cpar_rng_manual_seed(cpar_ctx *ctx, uint64_t seed) {
+    CPAR__RNG_OF(rng, ctx, "cpar_rng_manual_seed");
+    rng->s.current = (cpar_rng_state){seed, 0};
+    return CPAR_OK;
+}
+
+cpar_status cpar_rng_reset(cpar_ctx *ctx) {
+    CPAR__RNG_OF(rng, ctx, "cpar_rng_reset");
+    memset(rng->s.names, 0, sizeof rng->s.names);
+    memset(rng->s.states, 0, sizeof rng->s.states);
+    rng->s.count = 0;
+    return CPAR_OK;
+}
+
+cpar_status cpar_rng_add(cpar_ctx *ctx, const char *name, uint64_t seed) {
+    static const char fn[] = "cpar_rng_add";
+    CPAR__RNG_OF(rng, ctx, fn);
+    return cpar__rng_add(ctx, fn, rng, name, seed);
+}
+
+cpar_status cpar_rng_fork(cpar_ctx *ctx, const char *name) {
+    static const char fn[] = "cpar_rng_fork";
+    CPAR__RNG_OF(rng, ctx, fn);
+    CPAR_TRY(cpar__rng_check_name(ctx, fn, name));
+    int i = cpar__rng_find(&rng->s, name);
+    if (i < 0) return cpar__rng_unknown(ctx, fn, name);
+    if (rng->depth == CPAR_RNG_MAX_FORK_DEPTH)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cannot fork \"%s\": %d forks are open (the limit)", fn, name,
+                          CPAR_RNG_MAX_FORK_DEPTH);
+    cpar__rng_fork *f = &rng->forks[rng->depth++];
+    snprintf(f->name, sizeof f->name, "%s", name);
+    f->outer = rng->s.current;
+    rng->s.current = rng->s.states[i];
+    return CPAR_OK;
+}
+
+cpar_status cpar_rng_unfork(cpar_ctx *ctx) {
+    static const char fn[] = "cpar_rng_unfork";
+    CPAR__RNG_OF(rng, ctx, fn);
+    if (rng->depth == 0) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: no fork is open (cpar_rng_fork first)", fn);
+    cpar__rng_fork *f = &rng->forks[rng->depth - 1];
+    int i = cpar__rng_find(&rng->s, f->name);
+    if (i < 0) { /* removed by reset/set_states while forked: the seed's dict assignment re-adds it */
+        if (rng->s.count == CPAR_RNG_MAX_STATES)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cannot store \"%s\" back: the tracker holds %d states (the limit)",
+                              fn, f->name, CPAR_RNG_MAX_STATES);
+        i = rng->s.count++;
+        memcpy(rng->s.names[i], f->name, CPAR_RNG_NAME_MAX); /* both NUL-padded arrays */
+    }
+    rng->s.states[i] = rng->s.current;
+    rng->s.current = f->outer;
+    rng->depth--;
+    memset(f, 0, sizeof *f);
+    return CPAR_OK;
+}
+
+cpar_status cpar_rng_get_state(cpar_ctx *ctx, const char *name, cpar_rng_state *out) {
+    static const char fn[] = "cpar_rng_get_state";
+    CPAR__RNG_OF(rng, ctx, fn);
+    if (!out) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    if (!name) {
+        *out = rng->s.current;
+        return CPAR_OK;
+    }
+    CPAR_TRY(cpar__rng_check_name(ctx, fn, name));
+    int i = cpar__rng_find(&rng->s, name);
+    if (i < 0) return cpar__rng_unknown(ctx, fn, name);
+    *out = rng->s.states[i];
+    return CPAR_OK;
+}
+
+cpar_status cpar_rng_set_state(cpar_ctx *ctx, const char *name, const cpar_rng_state *state) {
+    static const char fn[] = "cpar_rng_set_state";
+    CPAR__RNG_OF(rng, ctx, fn);
+    if (!state) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: state is NULL", fn);
+    if (!name) {
+        rng->s.current = *state;
+        return CPAR_OK;
+    }
+    CPAR_TRY(cpar__rng_check_name(ctx, fn, name));
+    int i = cpar__rng_find(&rng->s, name);
+    if (i < 0) return cpar__rng_unknown(ctx, fn, name);
+    rng->s.states[i] = *state;
+    return CPAR_OK;
+}
+
+cpar_status cpar_rng_get_states(cpar_ctx *ctx, cpar_rng_snapshot *out) {
+    static const char fn[] = "cpar_rng_get_states";
+    CPAR__RNG_OF(rng, ctx, fn);
+    if (!out) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    *out = rng->s;
+    return CPAR_OK;
+}
+
+static cpar_status cpar__rng_check_snapshot(cpar_ctx *ctx, const char *fn, const char *arg,
+                                            const cpar_rng_snapshot *s) {
+    if (!s) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is NULL", fn, arg);
+    if (s->count < 0 || s->count > CPAR_RNG_MAX_STATES)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has count %d, expected 0..%d", fn, arg, s->count,
+                          CPAR_RNG_MAX_STATES);
+    for (int i = 0; i < s->count; i++) {
+        size_t len = strnlen(s->names[i], CPAR_RNG_NAME_MAX);
+        if (len == 0 || len == CPAR_RNG_NAME_MAX)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s names[%d] is %s, expected 1..%d chars", fn, arg, i,
+                              len ? "not NUL-terminated" : "empty", CPAR_RNG_NAME_MAX - 1);
+        for (int j = 0; j < i; j++)
+            if (!strcmp(s->names[i], s->names[j]))
+                return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s names[%d] and names[%d] are both \"%s\"", fn, arg, j,
+                                  i, s->names[i]);
+    }
+    return CPAR_OK;
+}
+
+/* Replace the snapshot part of the tracker (names normalised: bytes after
+ * each NUL cleared, unused slots zeroed, so snapshots compare with memcmp). */
+static void cpar__rng_put(struct cpar__rng *rng, const cpar_rng_snapshot *s) {
+    cpar_rng_snapshot t;
+    memset(&t, 0, sizeof t);
+    t.current = s->current;
+    t.count = s->count;
+    for (int i = 0; i < s->count; i++) {
+        snprintf(t.names[i], CPAR_RNG_NAME_MAX, "%s", s->names[i]);
+        t.states[i] = s->states[i];
+    }
+    rng->s = t;
+}
+
+cpar_status cpar_rng_set_states(cpar_ctx *ctx, const cpar_rng_snapshot *snapshot) {
+    static const char fn[] = "cpar_rng_set_states";
+    CPAR__RNG_OF(rng, ctx, fn);
+    CPAR_TRY(cpar__rng_check_snapshot(ctx, fn, "snapshot", snapshot));
+    cpar__rng_put(rng, snapshot);
+    return CPAR_OK;
+}
+
+cpar_status cpar_model_parallel_manual_seed(cpar_ctx *ctx, uint64_t seed, int tp_rank, int ep_rank, int etp_rank) {
+    static const char fn[] = "cpar_model_parallel_manual_seed";
+    CPAR__RNG_OF(rng, ctx, fn);
+    if (tp_rank < 0) {
+        tp_rank = cpar_grid_rank(ctx, CPAR_GROUP_TP);
+        if (tp_rank < 0) tp_rank = 0;
+    }
+    if (ep_rank < 0) ep_rank = 0;
+    if (etp_rank < 0) etp_rank = 0;
+    CPAR_TRY(cpar_rng_reset(ctx));
+    rng->s.current = (cpar_rng_state){seed, 0};
+    CPAR_TRY(cpar__rng_add(ctx, fn, rng, CPAR_RNG_DATA_PARALLEL, seed));
+    CPAR_TRY(cpar__rng_add(ctx, fn, rng, CPAR_RNG_MODEL_PARALLEL, seed + 2718u + (uint64_t)tp_rank));
+    return cpar__rng_add(ctx, fn, rng, CPAR_RNG_EXPERT_PARALLEL,
+                         seed + 1024u + 100u * (uint64_t)ep_rank + (uint64_t)etp_rank);
+}
+
+/* ---- random fills ---------------------------------------------------------------- */
+
+static cpar_status cpar__rng_fill_tensor(cpar_ctx *ctx, const char *fn, cpar_tensor *t, struct cpar__rng **rng) {
+    if (!(*rng = cpar__rng_of(ctx, fn))) return ctx ? CPAR_ERR_OOM : CPAR_ERR_INVALID;
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "t", t));
+    return cpar__check_float(ctx, fn, "t", t);
+}
+
+cpar_status cpar_rng_uniform(cpar_ctx *ctx, cpar_tensor *t, float lo, float hi) {
+    static const char fn[] = "cpar_rng_uniform";
+    struct cpar__rng *rng;
+    CPAR_TRY(cpar__rng_fill_tensor(ctx, fn, t, &rng));
+    if (!isfinite(lo) || !isfinite(hi) || !(lo <= hi) || !isfinite(hi - lo))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: lo = %g, hi = %g, expected finite lo <= hi with hi - lo finite",
+                          fn, (double)lo, (double)hi);
+    int64_t n = cpar_tensor_numel(t);
+    cpar_rng_state st = rng->s.current;
+    if (!cpar__on_device(t->device)) cpar__host_rng_uniform(t->data, t->dtype, n, st.seed, st.offset, lo, hi);
+    else CPAR_DEV_TRY(ctx, fn, cpar_dev_rng_uniform(t->data, t->dtype, n, st.seed, st.offset, lo, hi, ctx->compute));
+    cpar__rng_draw(rng, n);
+    return CPAR_OK;
+}
+
+cpar_status cpar_rng_normal(cpar_ctx *ctx, cpar_tensor *t, float mean, float std) {
+    static const char fn[] = "cpar_rng_normal";
+    struct cpar__rng *rng;
+    CPAR_TRY(cpar__rng_fill_tensor(ctx, fn, t, &rng));
+    if (!isfinite(mean)) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: mean is %g, expected a finite value", fn, (double)mean);
+    if (!isfinite(std) || !(std >= 0.0f))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: std is %g, expected finite and >= 0", fn, (double)std);
+    int64_t n = cpar_tensor_numel(t);
+    cpar_rng_state st = rng->s.current;
+    if (!cpar__on_device(t->device)) cpar__host_rng_normal(t->data, t->dtype, n, st.seed, st.offset, mean, std);
+    else CPAR_DEV_TRY(ctx, fn, cpar_dev_rng_normal(t->data, t->dtype, n, st.seed, st.offset, mean, std, ctx->compute));
+    cpar__rng_draw(rng, n);
+    return CPAR_OK;
+}
+
+/* ---- dropout ----------------------------------------------------------------------- */
+
+static cpar_status cpar__check_dropout_p(cpar_ctx *ctx, const char *fn, float p) {
+    if (p >= 0.0f && p < 1.0f) return CPAR_OK;
+    return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: p is %g, expected 0 <= p < 1", fn, (double)p);
+}
+
+/* in/out pair (x, y or dy, dx) and the optional mask: float dtype, same
+ * dtype, device and element count; out == in or disjoint; mask U8,
+ * disjoint from both. */
+static cpar_status cpar__check_dropout_args(cpar_ctx *ctx, const char *fn, const char *in_name, const cpar_tensor *in,
+                                            const char *out_name, const cpar_tensor *out, const cpar_tensor *mask) {
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, in_name, in));
+    CPAR_TRY(cpar__check_float(ctx, fn, in_name, in));
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, out_name, out));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, out_name, out, in->dtype));
+    CPAR_TRY(cpar__check_same_place(ctx, fn, out_name, out, in_name, in));
+    size_t nb = cpar_tensor_nbytes(in);
+    if (out->data != in->data && cpar__ranges_overlap(in->data, nb, out->data, nb))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s partially overlaps %s (only %s == %s is allowed)", fn, out_name,
+                          in_name, out_name, in_name);
+    if (mask) {
+        CPAR_TRY(cpar__check_op_tensor(ctx, fn, "mask", mask));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, "mask", mask, CPAR_U8));
+        CPAR_TRY(cpar__check_same_place(ctx, fn, "mask", mask, in_name, in));
+        size_t mb = cpar_tensor_nbytes(mask);
+        if (cpar__ranges_overlap(mask->data, mb, in->data, nb) || cpar__ranges_overlap(mask->data, mb, out->data, nb))
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: mask overlaps %s or %s", fn, in_name, out_name);
+    }
+    return CPAR_OK;
+}
+
+cpar_status cpar_dropout_forward(cpar_ctx *ctx, float p, const cpar_tensor *x, cpar_tensor *y, cpar_tensor *mask,
+                                 cpar_rng_state *used) {
+    static const char fn[] = "cpar_dropout_forward";
+    CPAR__RNG_OF(rng, ctx, fn);
+    CPAR_TRY(cpar__check_dropout_p(ctx, fn, p));
+    CPAR_TRY(cpar__check_dropout_args(ctx, fn, "x", x, "y", y, mask));
+    int64_t n = cpar_tensor_numel(x);
+    float scale = 1.0f / (1.0f - p);
+    cpar_rng_state st = rng->s.current;
+    uint8_t *m = mask ? mask->data : NULL;
+    if (!cpar__on_device(x->device)) cpar__host_dropout(x->data, y->data, NULL, m, x->dtype, n, p, scale, st.seed, st.offset);
+    else
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_dropout_forward(x->data, y->data, m, x->dtype, n, p, scale, st.seed, st.offset,
+                                                       ctx->compute));
+    if (p > 0.0f) cpar__rng_draw(rng, n); /* p == 0 keeps everything: nothing drawn, as torch */
+    if (used) *used = st;
+    return CPAR_OK;
+}
+
+cpar_status cpar_dropout_backward(cpar_ctx *ctx, float p, const cpar_tensor *dy, cpar_tensor *dx,
+                                  const cpar_tensor *mask, const cpar_rng_state *state) {
+    static const char fn[] = "cpar_dropout_backward";
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    CPAR_TRY(cpar__check_dropout_p(ctx, fn, p));
+    CPAR_TRY(cpar__check_dropout_args(ctx, fn, "dy", dy, "dx", dx, mask));
+    if (!mask && !state && p > 0.0f)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: mask and state are both NULL (one is needed to know what was kept)", fn);
+    int64_t n = cpar_tensor_numel(dy);
+    float scale = 1.0f / (1.0f - p);
+    cpar_rng_state st = state ? *state : (cpar_rng_state){0, 0};
+    const uint8_t *m = mask ? mask->data : NULL;
+    if (!cpar__on_device(dy->device)) cpar__host_dropout(dy->data, dx->data, m, NULL, dy->dtype, n, p, scale, st.seed, st.offset);
+    else
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_dropout_backward(dy->data, dx->data, m, dy->dtype, n, p, scale, st.seed,
+                                                        st.offset, ctx->compute));
+    return CPAR_OK;
+}
+
+/* ---- 1-D chunks (distribute_saved_activations) --------------------------------- */
+
+cpar_status cpar_split_1d_chunk(cpar_group *g, const cpar_tensor *in, cpar_tensor *out) {
+    static const char fn[] = "cpar_split_1d_chunk";
+    CPAR_TRY(cpar__check_group(g, fn));
+    cpar_ctx *ctx = g->ctx;
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "in", in, ctx->device));
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "out", out, ctx->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "out", out, in->dtype));
+    int64_t n = cpar_tensor_numel(in), m = n / g->size;
+    if (n % g->size)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in has %lld elements, not divisible by the group size %d", fn,
+                          (long long)n, g->size);
+    if (cpar_tensor_numel(out) != m)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out has %lld elements, expected %lld (numel(in) %lld / group size %d)",
+                          fn, (long long)cpar_tensor_numel(out), (long long)m, (long long)n, g->size);
+    size_t es = cpar_dtype_size(in->dtype), bytes = (size_t)m * es;
+    const char *src = (const char *)in->data + (size_t)(g->rank * m) * es;
+    if (out->data != src && cpar__ranges_overlap(src, bytes, out->data, bytes))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out overlaps this rank's chunk of in", fn);
+    return cpar__copy_bytes(ctx, fn, out->data, out->device, src, in->device, bytes);
+}
+
+cpar_status cpar_gather_1d_chunks(cpar_group *g, const cpar_tensor *chunk, cpar_tensor *out) {
+    static const char fn[] = "cpar_gather_1d_chunks";
+    CPAR_TRY(cpar__check_group(g, fn));
+    cpar_ctx *ctx = g->ctx;
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "chunk", chunk, ctx->device));
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "out", out, ctx->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "out", out, chunk->dtype));
+    int64_t m = cpar_tensor_numel(chunk), total = m * g->size;
+    if (cpar_tensor_numel(out) != total)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out has %lld elements, expected %lld (group size %d x %lld)", fn,
+                          (long long)cpar_tensor_numel(out), (long long)total, g->size, (long long)m);
+    if (cpar__ranges_overlap(chunk->data, cpar_tensor_nbytes(chunk), out->data, cpar_tensor_nbytes(out)))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out overlaps chunk", fn);
+    cpar_tensor in1 = cpar_tensor_make(chunk->data, chunk->dtype, 1, &m, chunk->device);
+    cpar_tensor out1 = cpar_tensor_make(out->data, out->dtype, 1, &total, out->device);
+    return cpar_all_gather(g, &in1, &out1, NULL);
+}
+
+/* ---- activation checkpointing ---------------------------------------------------- */
+
+static cpar_status cpar__ckpt_args(cpar_ctx *ctx, const char *fn, const cpar_checkpoint *ck, struct cpar__rng **rng) {
+    if (!(*rng = cpar__rng_of(ctx, fn))) return ctx ? CPAR_ERR_OOM : CPAR_ERR_INVALID;
+    if (!ck) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ck is NULL", fn);
+    return CPAR_OK;
+}
+
+cpar_status cpar_checkpoint_forward(cpar_ctx *ctx, cpar_checkpoint *ck, cpar_checkpoint_fn fn, void *arg) {
+    static const char name[] = "cpar_checkpoint_forward";
+    struct cpar__rng *rng;
+    CPAR_TRY(cpar__ckpt_args(ctx, name, ck, &rng));
+    if (!fn) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: fn is NULL", name);
+    ck->rng = rng->s;
+    ck->recorded = true;
+    ck->distributed = false; /* a new step: a chunk left from the last one is stale */
+    return fn(ctx, arg);
+}
+
+cpar_status cpar_checkpoint_recompute(cpar_ctx *ctx, cpar_checkpoint *ck, cpar_checkpoint_fn fn, void *arg) {
+    static const char name[] = "cpar_checkpoint_recompute";
+    struct cpar__rng *rng;
+    CPAR_TRY(cpar__ckpt_args(ctx, name, ck, &rng));
+    if (!fn) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: fn is NULL", name);
+    if (!ck->recorded)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ck holds no recorded states (run cpar_checkpoint_forward first)",
+                          name);
+    if (ck->distributed)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: ck's activation is still distributed (run cpar_checkpoint_gather first)", name);
+    CPAR_TRY(cpar__rng_check_snapshot(ctx, name, "ck->rng", &ck->rng));
+    struct cpar__rng saved = *rng; /* _fork_rng: every state and the open forks */
+    cpar__rng_put(rng, &ck->rng);
+    cpar_status st = fn(ctx, arg);
+    *rng = saved;
+    return st;
+}
+
+cpar_status cpar_checkpoint_distribute(cpar_ctx *ctx, cpar_checkpoint *ck, cpar_group *g,
+                                       const cpar_tensor *activation) {
+    static const char fn[] = "cpar_checkpoint_distribute";
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    if (!ck) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ck is NULL", fn);
+    if (!g) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: g is NULL", fn);
+    if (g->ctx != ctx) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: g belongs to another context", fn);
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "activation", activation, ctx->device));
+    int64_t n = cpar_tensor_numel(activation), m = n / g->size;
+    if (n % g->size)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: activation has %lld elements, not divisible by the group size %d",
+                          fn, (long long)n, g->size);
+    size_t bytes = (size_t)m * cpar_dtype_size(activation->dtype);
+    if (ck->chunk && (ck->chunk_cap < bytes || ck->chunk_device != ctx->device)) {
+        if (cpar__on_device(ck->chunk_device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+        cpar__mem_free(ck->chunk_device, ck->chunk);
+        ck->chunk = NULL;
+        ck->chunk_cap = 0;
+    }
+    if (!ck->chunk) {
+        CPAR_TRY(cpar__mem_alloc(ctx, fn, ctx->device, bytes, &ck->chunk));
+        ck->chunk_cap = bytes;
+        ck->chunk_device = ctx->device;
+    }
+    cpar_tensor view = cpar_tensor_make(ck->chunk, activation->dtype, 1, &m, ctx->device);
+    CPAR_TRY(cpar_split_1d_chunk(g, activation, &view));
+    ck->distributed = true;
+    ck->dtype = activation->dtype;
+    ck->numel = n;
+    ck->group_size = g->size;
+    return CPAR_OK;
+}
+
+cpar_status cpar_checkpoint_gather(cpar_ctx *ctx, cpar_checkpoint *ck, cpar_group *g, cpar_tensor *activation) {
+    static const char fn[] = "cpar_checkpoint_gather";
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    if (!ck) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ck is NULL", fn);
+    if (!g) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: g is NULL", fn);
+    if (g->ctx != ctx) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: g belongs to another context", fn);
+    if (!ck->distributed)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ck holds no distributed activation (cpar_checkpoint_distribute first)",
+                          fn);
+    if (g->size != ck->group_size)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: g has %d ranks, expected %d (the group that distributed)", fn,
+                          g->size, ck->group_size);
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "activation", activation, ctx->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "activation", activation, ck->dtype));
+    if (cpar_tensor_numel(activation) != ck->numel)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: activation has %lld elements, expected %lld (as distributed)", fn,
+                          (long long)cpar_tensor_numel(activation), (long long)ck->numel);
+    int64_t m = ck->numel / ck->group_size;
+    cpar_tensor view = cpar_tensor_make(ck->chunk, ck->dtype, 1, &m, ck->chunk_device);
+    CPAR_TRY(cpar_gather_1d_chunks(g, &view, activation));
+    ck->distributed = false;
+    return CPAR_OK;
+}
+
+cpar_status cpar_checkpoint_release(cpar_ctx *ctx, cpar_checkpoint *ck) {
+    static const char fn[] = "cpar_checkpoint_release";
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    if (!ck) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ck is NULL", fn);
+    if (ck->chunk) {
+        if (cpar__on_device(ck->chunk_device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+        cpar__mem_free(ck->chunk_device, ck->chunk);
+    }
+    memset(ck, 0, sizeof *ck);
+    return CPAR_OK;
+}
+
+/* ==== 16. Embedding and cross entropy =====================================
+ * Owns cpar.h §10: the vocabulary-parallel embedding (masked lookup, then
+ * all-reduce or transpose + reduce-scatter; backward: all-gather when
+ * sequence parallel, then a deterministic or atomic scatter-add into the fp32
+ * main grad) and the vocabulary-parallel cross entropy (forward: one pass
+ * over the local logits, an all-reduce MAX and one packed all-reduce SUM, then
+ * an element-wise finish; backward: one element-wise pass, no communication).
+ * Host tensors run the reference loops below (fp64 accumulation), device
+ * tensors the cpar_dev_xent_* kernels of cpar_kernels.cu. Scratch comes from
+ * the context workspace.
+ * Uses: 2 (errors, argument checks), 3 (tensors), 4 (device dispatch,
+ * workspace), 5 (element load/store), 10-11 (groups, all-reduce). */
+
+/* ---- host-only build: the device layer of §10 is absent ------------------- */
+#ifndef CPAR_WITH_DEVICE
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#endif
+cpar_status cpar_dev_xent_local(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows,
+                                int64_t cols, int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part,
+                                cpar_dev_stream s) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+cpar_status cpar_dev_xent_rescale(float *part, const float *m_loc, const float *m, int64_t rows, cpar_dev_stream s) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+cpar_status cpar_dev_xent_finalize(const float *m, const float *part, int64_t rows, int64_t vocab, float s, bool smooth,
+                                   float *loss, float *stats, cpar_dev_stream st) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+cpar_status cpar_dev_xent_backward(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
+                                   cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows, int64_t cols,
+                                   int64_t first, int64_t vocab, float s, cpar_dev_stream st) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+cpar_status cpar_dev_embedding_lookup(const void *weight, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
+                                      int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
+                                      void *out, cpar_dev_stream st) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
+                                    int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
+                                    float *dweight, bool deterministic, cpar_dev_stream st) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#endif /* !CPAR_WITH_DEVICE */
+
+/* Workspace scratch of `bytes`; it stays valid across the collectives, which
+ * keep their own accumulator. */
+static cpar_status cpar__xent_scratch(cpar_ctx *ctx, const char *fn, size_t bytes, void **out) {
+    return cpar__workspace(ctx, fn, bytes, out);
+}
+
+static int64_t cpar__xent_target_at(const void *t, cpar_dtype dt, int64_t i) {
+    return dt == CPAR_I32 ? (int64_t)((const int32_t *)t)[i] : ((const int64_t *)t)[i];
+}
+
+/* The checks forward and backward share; *rows = tokens, *cols = v_local,
+ * *first = this rank's first vocabulary index, *vocab = V, *s = the scaled
+ * smoothing a V / (V - 1). */
+static cpar_status cpar__xent_check(cpar_group *tp, const char *fn, const cpar_tensor *logits,
+                                    const cpar_tensor *target, float label_smoothing, int64_t *rows, int64_t *cols,
+                                    int64_t *first, int64_t *vocab, float *s) {
+    CPAR_TRY(cpar__check_group(tp, fn));
+    cpar_ctx *ctx = tp->ctx;
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "logits", logits, ctx->device));
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "target", target, ctx->device));
+    CPAR_TRY(cpar__check_float(ctx, fn, "logits", logits));
+    if (target->dtype != CPAR_I32 && target->dtype != CPAR_I64)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: target has dtype %s, expected i32 or i64", fn,
+                          cpar_dtype_name(target->dtype));
+    if (logits->ndim < 1 || logits->shape[logits->ndim - 1] < 1) {
+        char got[128];
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: logits has shape %s, expected [..., v_local] with v_local >= 1",
+                          fn, cpar__shape_str(logits, got, sizeof got));
+    }
+    CPAR_TRY(cpar__check_shape(ctx, fn, "target", target, logits->shape, logits->ndim - 1, "logits' shape without its last dim"));
+    if (!(label_smoothing >= 0.f && label_smoothing < 1.f))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: label_smoothing is %g, expected in [0, 1)", fn,
+                          (double)label_smoothing);
+    *cols = logits->shape[logits->ndim - 1];
+    *rows = cpar_tensor_numel(target);
+    *vocab = *cols * tp->size;
+    *first = *cols * tp->rank;
+    if (label_smoothing > 0.f && *vocab < 2)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: label_smoothing is %g with a vocabulary of %lld, expected >= 2 entries",
+                          fn, (double)label_smoothing, (long long)*vocab);
+    *s = label_smoothing > 0.f ? (float)((double)label_smoothing * (double)*vocab / (double)(*vocab - 1)) : 0.f;
+    /* Host tensors: targets outside [0, V) are an error (device: NaN loss, see cpar.h §10). */
+    if (!cpar__on_device(target->device))
+        for (int64_t i = 0; i < *rows; i++) {
+            int64_t t = cpar__xent_target_at(target->data, target->dtype, i);
+            if (t < 0 || t >= *vocab)
+                return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: target[%lld] is %lld, expected in [0, %lld) (the global vocab)",
+                                  fn, (long long)i, (long long)t, (long long)*vocab);
+        }
+    return CPAR_OK;
+}
+
+/* Host reference of cpar_dev_xent_local (fp64 sums, stored as fp32). */
+static void cpar__host_xent_local(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows,
+                                  int64_t cols, int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t base = r * cols, t = cpar__xent_target_at(target, tdt, r);
+        float m = -INFINITY;
+        double sum = 0.0, zsum = 0.0;
+        for (int64_t j = 0; j < cols; j++) m = fmaxf(m, cpar__load_f(logits, dt, base + j));
+        for (int64_t j = 0; j < cols; j++) {
+            double z = cpar__load_f(logits, dt, base + j);
+            sum += z == m ? 1.0 : exp(z - m);
+            zsum += z;
+        }
+        m_loc[r] = m;
+        part[r] = (float)sum;
+        part[rows + r] = t < 0 || t >= vocab ? NAN : t >= first && t < first + cols ? cpar__load_f(logits, dt, base + t - first) : 0.f;
+        if (smooth) part[2 * rows + r] = (float)zsum;
+    }
+}
+
+static void cpar__host_xent_finalize(const float *m, const float *part, int64_t rows, int64_t vocab, float s,
+                                     bool smooth, float *loss, float *stats) {
+    for (int64_t r = 0; r < rows; r++) {
+        double log_sum = log((double)part[r]), lse = (double)m[r] + log_sum;
+        double nll = ((double)m[r] - (double)part[rows + r]) + log_sum; /* lse - z_t */
+        double l = nll;
+        if (smooth) l = (1.0 - s) * nll - s * ((double)part[2 * rows + r] / (double)vocab - lse);
+        loss[r] = (float)l;
+        stats[2 * r] = m[r];
+        stats[2 * r + 1] = (float)lse;
+    }
+}
+
+cpar_status cpar_vocab_parallel_cross_entropy_forward(cpar_group *tp, const cpar_tensor *logits,
+                                                      const cpar_tensor *target, float label_smoothing,
+                                                      cpar_tensor *loss, cpar_tensor *stats) {
+    static const char fn[] = "cpar_vocab_parallel_cross_entropy_forward";
+    int64_t rows, cols, first, vocab;
+    float s;
+    CPAR_TRY(cpar__xent_check(tp, fn, logits, target, label_smoothing, &rows, &cols, &first, &vocab, &s));
+    cpar_ctx *ctx = tp->ctx;
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "loss", loss, ctx->device));
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "stats", stats, ctx->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "loss", loss, CPAR_F32));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "stats", stats, CPAR_F32));
+    CPAR_TRY(cpar__check_shape(ctx, fn, "loss", loss, target->shape, target->ndim, "target's shape"));
+    int64_t sshape[CPAR_MAX_DIMS];
+    memcpy(sshape, target->shape, sizeof sshape);
+    sshape[target->ndim] = 2; /* target->ndim < CPAR_MAX_DIMS: it is logits' ndim - 1 */
+    CPAR_TRY(cpar__check_shape(ctx, fn, "stats", stats, sshape, target->ndim + 1, "target's shape + [2]: max, lse"));
+    if (rows == 0) return CPAR_OK;
+
+    const bool smooth = s > 0.f, dev = cpar__on_device(ctx->device);
+    const int64_t k = smooth ? 3 : 2;
+    /* scratch: m_loc [rows] | m [rows] | part [k, rows] */
+    float *m_loc, *m, *part;
+    void *scratch;
+    CPAR_TRY(cpar__xent_scratch(ctx, fn, (size_t)((2 + k) * rows) * sizeof(float), &scratch));
+    m_loc = scratch;
+    m = m_loc + rows;
+    part = m + rows;
+    if (dev)
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_xent_local(logits->data, logits->dtype, target->data, target->dtype, rows, cols,
+                                                  first, vocab, smooth, m_loc, part, ctx->compute));
+    else
+        cpar__host_xent_local(logits->data, logits->dtype, target->data, target->dtype, rows, cols, first, vocab,
+                              smooth, m_loc, part);
+    cpar_tensor t_mloc = cpar_tensor_make(m_loc, CPAR_F32, 1, &rows, ctx->device);
+    cpar_tensor t_m = cpar_tensor_make(m, CPAR_F32, 1, &rows, ctx->device);
+    int64_t pshape[2] = {k, rows};
+    cpar_tensor t_part = cpar_tensor_make(part, CPAR_F32, 2, pshape, ctx->device);
+    CPAR_TRY(cpar_all_reduce(tp, &t_mloc, &t_m, CPAR_MAX));
+    if (dev) {
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_xent_rescale(part, m_loc, m, rows, ctx->compute));
+    } else {
+        for (int64_t r = 0; r < rows; r++)
+            if (m_loc[r] != m[r]) part[r] = (float)((double)part[r] * exp((double)m_loc[r] - (double)m[r]));
+    }
+    CPAR_TRY(cpar_all_reduce(tp, &t_part, &t_part, CPAR_SUM));
+    if (dev)
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_xent_finalize(m, part, rows, vocab, s, smooth, loss->data, stats->data, ctx->compute));
+    else
+        cpar__host_xent_finalize(m, part, rows, vocab, s, smooth, loss->data, stats->data);
+    return CPAR_OK;
+}
+
+static void cpar__host_xent_backward(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
+                                     cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows, int64_t cols,
+                                     int64_t first, int64_t vocab, float s) {
+    const double uniform = (double)s / (double)vocab, hit = 1.0 - (double)s;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t t = cpar__xent_target_at(target, tdt, r) - first;
+        double lse = stats[2 * r + 1], dl = dloss[r];
+        for (int64_t j = 0; j < cols; j++) {
+            double p = exp((double)cpar__load_f(logits, dt, r * cols + j) - lse);
+            cpar__store_f(dlogits, dt, r * cols + j, (float)((p - uniform - (j == t ? hit : 0.0)) * dl));
+        }
+    }
+}
+
+cpar_status cpar_vocab_parallel_cross_entropy_backward(cpar_group *tp, const cpar_tensor *logits,
+                                                       const cpar_tensor *target, float label_smoothing,
+                                                       const cpar_tensor *stats, const cpar_tensor *dloss,
+                                                       cpar_tensor *dlogits) {
+    static const char fn[] = "cpar_vocab_parallel_cross_entropy_backward";
+    int64_t rows, cols, first, vocab;
+    float s;
+    CPAR_TRY(cpar__xent_check(tp, fn, logits, target, label_smoothing, &rows, &cols, &first, &vocab, &s));
+    cpar_ctx *ctx = tp->ctx;
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "stats", stats, ctx->device));
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "dloss", dloss, ctx->device));
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "dlogits", dlogits, ctx->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "stats", stats, CPAR_F32));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "dloss", dloss, CPAR_F32));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "dlogits", dlogits, logits->dtype));
+    int64_t sshape[CPAR_MAX_DIMS];
+    memcpy(sshape, target->shape, sizeof sshape);
+    sshape[target->ndim] = 2;
+    CPAR_TRY(cpar__check_shape(ctx, fn, "stats", stats, sshape, target->ndim + 1, "target's shape + [2], from forward"));
+    CPAR_TRY(cpar__check_shape(ctx, fn, "dloss", dloss, target->shape, target->ndim, "target's shape"));
+    CPAR_TRY(cpar__check_shape(ctx, fn, "dlogits", dlogits, logits->shape, logits->ndim, "logits' shape"));
+    size_t nb = cpar_tensor_nbytes(logits);
+    if (dlogits->data != logits->data && cpar__ranges_overlap(logits->data, nb, dlogits->data, nb))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dlogits partially overlaps logits (only dlogits == logits is allowed)", fn);
+    if (rows == 0) return CPAR_OK;
+    if (cpar__on_device(ctx->device))
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_xent_backward(logits->data, dlogits->data, logits->dtype, target->data,
+                                                     target->dtype, stats->data, dloss->data, rows, cols, first, vocab,
+                                                     s, ctx->compute));
+    else
+        cpar__host_xent_backward(logits->data, dlogits->data, logits->dtype, target->data, target->dtype, stats->data,
+                                 dloss->data, rows, cols, first, vocab, s);
+    return CPAR_OK;
+}
+
+/* ---- vocabulary-parallel embedding ------------------------------------------------------ */
+
+/* Checks shared by forward and backward: ids [b, s] I32/I64 on the context's
+ * device (host ids: every value in [0, V)). */
+static cpar_status cpar__emb_check_ids(cpar_group *tp, const char *fn, const cpar_tensor *ids, int64_t v_local,
+                                       bool rs, int64_t *b, int64_t *s) {
+    cpar_ctx *ctx = tp->ctx;
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "ids", ids, ctx->device));
+    if (ids->dtype != CPAR_I32 && ids->dtype != CPAR_I64)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ids has dtype %s, expected i32 or i64", fn,
+                          cpar_dtype_name(ids->dtype));
+    if (ids->ndim != 2) {
+        char got[128];
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ids has shape %s, expected [b, s]", fn,
+                          cpar__shape_str(ids, got, sizeof got));
+    }
+    *b = ids->shape[0], *s = ids->shape[1];
+    if (rs && *s % tp->size)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: sequence length s = %lld (ids.shape[1]) is not divisible by the tensor-parallel size %d "
+                          "(reduce_scatter_embeddings)", fn, (long long)*s, tp->size);
+    int64_t vocab = v_local * tp->size, n = *b * *s;
+    if (!cpar__on_device(ids->device))
+        for (int64_t i = 0; i < n; i++) {
+            int64_t id = cpar__xent_target_at(ids->data, ids->dtype, i);
+            if (id < 0 || id >= vocab)
+                return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ids[%lld] is %lld, expected in [0, %lld) (the global vocab)",
+                                  fn, (long long)i, (long long)id, (long long)vocab);
+        }
+    return CPAR_OK;
+}
+
+/* Embedding row of token (i, j) of ids [b, s]. */
+static int64_t cpar__emb_row(int64_t i, int64_t j, int64_t b, int64_t s, bool seq_first) {
+    return seq_first ? j * b + i : i * s + j;
+}
+
+static void cpar__host_embedding_lookup(const void *weight, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
+                                        int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
+                                        void *out) {
+    size_t es = cpar_dtype_size(dt), row = (size_t)hidden * es;
+    for (int64_t i = 0; i < b; i++)
+        for (int64_t j = 0; j < s; j++) {
+            int64_t id = cpar__xent_target_at(ids, idt, i * s + j) - first;
+            char *dst = (char *)out + (size_t)cpar__emb_row(i, j, b, s, seq_first) * row;
+            if (id >= 0 && id < v_local) memcpy(dst, (const char *)weight + (size_t)id * row, row);
+            else memset(dst, 0, row); /* +0.0 in every float dtype */
+        }
+}
+
+static void cpar__host_embedding_grad(const void *dout, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
+                                      int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
+                                      float *dweight) {
+    for (int64_t i = 0; i < b; i++)
+        for (int64_t j = 0; j < s; j++) {
+            int64_t id = cpar__xent_target_at(ids, idt, i * s + j) - first;
+            if (id < 0 || id >= v_local) continue;
+            int64_t src = cpar__emb_row(i, j, b, s, seq_first) * hidden;
+            for (int64_t h = 0; h < hidden; h++) dweight[id * hidden + h] += cpar__load_f(dout, dt, src + h);
+        }
+}
+
+cpar_status cpar_embedding_forward(cpar_group *tp, const cpar_tensor *weight, const cpar_tensor *ids, cpar_tensor *out,
+                                   bool reduce_scatter_embeddings) {
+    static const char fn[] = "cpar_embedding_forward";
+    CPAR_TRY(cpar__check_group(tp, fn));
+    cpar_ctx *ctx = tp->ctx;
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "weight", weight, ctx->device));
+    CPAR_TRY(cpar__check_float(ctx, fn, "weight", weight));
+    if (weight->ndim != 2) {
+        char got[128];
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: weight has shape %s, expected [v_local, H]", fn,
+                          cpar__shape_str(weight, got, sizeof got));
+    }
+    int64_t vl = weight->shape[0], H = weight->shape[1], b, s;
+    const bool rs = reduce_scatter_embeddings;
+    CPAR_TRY(cpar__emb_check_ids(tp, fn, ids, vl, rs, &b, &s));
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "out", out, ctx->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "out", out, weight->dtype));
+    int64_t want[3] = {b, s, H};
+    if (rs) want[0] = s / tp->size, want[1] = b;
+    CPAR_TRY(cpar__check_shape(ctx, fn, "out", out, want, 3,
+                               rs ? "[s/tp, b, H]: reduce_scatter_embeddings" : "[b, s, H]"));
+    const int64_t first = vl * tp->rank;
+    const bool dev = cpar__on_device(ctx->device);
+    void *partial = out->data;
+    if (rs) { /* [s, b, H] partial in the workspace */
+        size_t bytes = (size_t)(s * b * H) * cpar_dtype_size(weight->dtype);
+        CPAR_TRY(cpar__xent_scratch(ctx, fn, bytes, &partial));
+    }
+    if (dev)
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_embedding_lookup(weight->data, weight->dtype, ids->data, ids->dtype, b, s, H,
+                                                        first, vl, rs, partial, ctx->compute));
+    else
+        cpar__host_embedding_lookup(weight->data, weight->dtype, ids->data, ids->dtype, b, s, H, first, vl, rs,
+                                    partial);
+    if (!rs) return cpar_all_reduce(tp, out, out, CPAR_SUM);
+    int64_t pshape[3] = {s, b, H};
+    cpar_tensor t_partial = cpar_tensor_make(partial, weight->dtype, 3, pshape, ctx->device);
+    return cpar_reduce_scatter(tp, &t_partial, out, CPAR_SUM, NULL);
+}
+
+cpar_status cpar_embedding_backward(cpar_group *tp, const cpar_tensor *ids, const cpar_tensor *dout,
+                                    bool reduce_scatter_embeddings, cpar_tensor *dweight, bool deterministic) {
+    static const char fn[] = "cpar_embedding_backward";
+    CPAR_TRY(cpar__check_group(tp, fn));
+    cpar_ctx *ctx = tp->ctx;
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "dweight", dweight, ctx->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "dweight", dweight, CPAR_F32));
+    if (dweight->ndim != 2) {
+        char got[128];
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dweight has shape %s, expected [v_local, H]", fn,
+                          cpar__shape_str(dweight, got, sizeof got));
+    }
+    int64_t vl = dweight->shape[0], H = dweight->shape[1], b, s;
+    const bool rs = reduce_scatter_embeddings;
+    CPAR_TRY(cpar__emb_check_ids(tp, fn, ids, vl, rs, &b, &s));
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "dout", dout, ctx->device));
+    CPAR_TRY(cpar__check_float(ctx, fn, "dout", dout));
+    int64_t want[3] = {b, s, H};
+    if (rs) want[0] = s / tp->size, want[1] = b;
+    CPAR_TRY(cpar__check_shape(ctx, fn, "dout", dout, want, 3,
+                               rs ? "[s/tp, b, H]: reduce_scatter_embeddings" : "[b, s, H]"));
+    const int64_t first = vl * tp->rank;
+    const bool dev = cpar__on_device(ctx->device);
+    const void *full = dout->data;
+    if (rs) { /* all-gather along s into [s, b, H] */
+        void *gathered;
+        CPAR_TRY(cpar__xent_scratch(ctx, fn, (size_t)(s * b * H) * cpar_dtype_size(dout->dtype), &gathered));
+        int64_t gshape[3] = {s, b, H};
+        cpar_tensor t_g = cpar_tensor_make(gathered, dout->dtype, 3, gshape, ctx->device);
+        CPAR_TRY(cpar_all_gather(tp, dout, &t_g, NULL));
+        full = gathered;
+    }
+    if (dev)
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_embedding_grad(full, dout->dtype, ids->data, ids->dtype, b, s, H, first, vl, rs,
+                                                      dweight->data, deterministic, ctx->compute));
+    else
+        cpar__host_embedding_grad(full, dout->dtype, ids->data, ids->dtype, b, s, H, first, vl, rs, dweight->data);
+    return CPAR_OK;
+}

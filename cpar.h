@@ -22,6 +22,9 @@
  *   5. Raw collectives and communication statistics
  *   6. Element-wise and layout operations (host reference + CUDA kernels)
  *   7. Device layer (internal: implemented in cpar_kernels.cu, used by cpar.c)
+ *   8. Tensor-parallel mappings and utilities
+ *   9. RNG, dropout and activation checkpointing
+ *  10. Vocabulary-parallel embedding and cross entropy
  */
 #ifndef CPAR_H
 #define CPAR_H
@@ -444,12 +447,502 @@ cpar_status cpar_dev_reduce_into(void *acc, const void *src, cpar_dtype src_dt, 
 cpar_status cpar_dev_row_reduce(float *out, const void *in, cpar_dtype dt, int64_t rows, int64_t cols,
                                 cpar_row_op op, cpar_dev_stream s);
 
-/* ==== 8. Tensor-parallel mappings and utilities (in progress) ============ */
-#include "wip/mappings.h"
-/* ==== 9. RNG, dropout and activation checkpointing (in progress) ========= */
-#include "wip/rng.h"
-/* ==== 10. Vocabulary-parallel embedding and cross entropy (in progress) == */
-#include "wip/xent.h"
+/* ==== 8. Tensor-parallel mappings and utilities ========================== */
+/* Megatron's region mappings (megatron/core/tensor_parallel/mappings.py): one
+ * function per autograd Function. dir == CPAR_FWD runs the seed's forward on
+ * the activation, CPAR_BWD the seed's backward on the gradient (pass the same
+ * group and split sizes as the forward). In the table n is the group size and
+ * r this rank's group rank; "[..., H]" keeps every leading dimension.
+ *
+ *   function                                  CPAR_FWD                  CPAR_BWD
+ *   cpar_copy_to_tp_region                    identity                  all-reduce
+ *   cpar_reduce_from_tp_region                all-reduce                identity
+ *   cpar_scatter_to_tp_region                 split last dim            all-gather last dim
+ *   cpar_gather_from_tp_region                all-gather last dim       split last dim
+ *   cpar_scatter_to_sp_region                 split first dim           all-gather first dim
+ *   cpar_gather_from_sp_region                all-gather first dim      reduce-scatter first dim
+ *                                                                       (split when !tp_output_grad)
+ *   cpar_reduce_scatter_to_sp_region          reduce-scatter first dim  all-gather first dim
+ *   cpar_all_gather_last_dim_from_tp_region   all-gather last dim       reduce-scatter last dim
+ *   cpar_reduce_scatter_last_dim_to_tp_region reduce-scatter last dim   all-gather last dim
+ *   cpar_all_to_all                           all-to-all(v) on dim 0    the same, splits swapped
+ *   cpar_all_to_all_sp2hp                     [T/n, H] -> [T, H/n]      [T, H/n] -> [T/n, H]
+ *   cpar_all_to_all_hp2sp                     [T, H/n] -> [T/n, H]      [T/n, H] -> [T, H/n]
+ *
+ * Shapes (out is preallocated by the caller and checked):
+ *   split last dim     in [..., H] -> out [..., H/n], columns [r*H/n, (r+1)*H/n)
+ *   all-gather last    in [..., h] -> out [..., n*h], rank j's in in columns [j*h, (j+1)*h)
+ *   reduce-scatter last in [..., H] -> out [..., H/n], sum over ranks of columns [r*H/n, ...)
+ *   split first dim    in [R, ...] -> out [R/n, ...] (or split_sizes[r] rows at sum(split_sizes[:r]))
+ *   all-gather first   in [R, ...] -> out [n*R, ...] (or sum(split_sizes) rows)
+ *   reduce-scatter first in [R, ...] -> out [R/n, ...] (or split_sizes[r] rows)
+ * The last-dim collectives follow the seed's layout: the all-gather gathers
+ * along dim 0 into workspace and concatenates the n chunks along the last dim;
+ * the reduce-scatter stacks the n column chunks along dim 0 in workspace and
+ * reduce-scatters that.
+ *
+ * Rules shared by every mapping:
+ *  - in and out: contiguous, at least 1 dimension, on the context's device
+ *    (cpar_device(cpar_group_ctx(g))), the same dtype. Data movement takes any
+ *    dtype; reductions sum F32/F16/BF16 (fp32 accumulation), I32 and I64.
+ *  - out may equal in (the same data pointer) where the shapes are equal: the
+ *    identity and all-reduce directions, every mapping on a group of size 1,
+ *    and cpar_all_to_all with out shaped like in (staged through the
+ *    workspace). Any other overlap of out and in is CPAR_ERR_INVALID.
+ *  - A group of size 1 copies in to out (nothing when out == in) and
+ *    communicates nothing, as the seed bypasses it.
+ *  - Collective over g (except the identity and split directions, which are
+ *    local): every member calls with matching shapes. Bytes moved are the
+ *    collective's minimum (see cpar_comm_stats); temporaries come from the
+ *    context workspace, so after warm-up nothing is allocated.
+ *  - Bad arguments (NULL, dtype, shape, device, divisibility, dir, split sizes)
+ *    are CPAR_ERR_INVALID with one line naming the function and the argument,
+ *    detected before any communication. */
+
+typedef enum cpar_dir {
+    CPAR_FWD = 0, /* the seed's forward, on the activation */
+    CPAR_BWD      /* the seed's backward, on the gradient */
+} cpar_dir;
+
+cpar_status cpar_copy_to_tp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
+cpar_status cpar_reduce_from_tp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
+cpar_status cpar_scatter_to_tp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
+cpar_status cpar_gather_from_tp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
+cpar_status cpar_scatter_to_sp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
+
+/* Megatron's gather_from_sequence_parallel_region(tensor_parallel_output_grad,
+ * output_split_sizes). split_sizes (n entries, or NULL for equal rows): rank
+ * j's rows; in has split_sizes[r] rows and out their sum (forward). Backward:
+ * reduce-scatter of the gradient [sum, ...] to [split_sizes[r], ...] when
+ * tp_output_grad, else this rank's rows are cut out of it (no communication;
+ * Megatron asserts split_sizes is None there, cpar takes the uneven rows).
+ * tp_output_grad is ignored in the forward. */
+cpar_status cpar_gather_from_sp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir,
+                                       bool tp_output_grad, const int64_t *split_sizes);
+
+/* Megatron's reduce_scatter_to_sequence_parallel_region(input_split_sizes):
+ * forward in [sum(split_sizes), ...] -> out [split_sizes[r], ...] (NULL: equal
+ * rows, in.shape[0] divisible by n); backward all-gathers with the same sizes. */
+cpar_status cpar_reduce_scatter_to_sp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir,
+                                             const int64_t *split_sizes);
+
+cpar_status cpar_all_gather_last_dim_from_tp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out,
+                                                    cpar_dir dir);
+cpar_status cpar_reduce_scatter_last_dim_to_tp_region(cpar_group *g, const cpar_tensor *in, cpar_tensor *out,
+                                                      cpar_dir dir);
+
+/* Megatron's all_to_all(group, input, output_split_sizes, input_split_sizes):
+ * torch's all_to_all_single on dim 0 (see cpar_all_to_all_single). Forward:
+ * the in_splits[j] rows starting at sum(in_splits[:j]) go to rank j; out has
+ * sum(out_splits) rows, the out_splits[i] received from rank i in rank order.
+ * NULL splits: equal rows (dim 0 divisible by n; a NULL out_splits means out
+ * has in's rows, as torch's empty_like). Backward: pass the forward's splits
+ * unchanged; the gradient [sum(out_splits), ...] goes back to
+ * [sum(in_splits), ...] with the splits swapped. */
+cpar_status cpar_all_to_all(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir,
+                            const int64_t *out_splits, const int64_t *in_splits);
+
+/* Megatron's all_to_all_sp2hp: in [..., H] is read as [T/n, H] (T/n = numel/H
+ * tokens of this rank's sequence shard, H divisible by n); out is [T, H/n]:
+ * every rank's tokens in rank order, columns [r*H/n, (r+1)*H/n). Seed layout:
+ * the H/n column chunks of in are stacked along dim 0 ([n*T/n, H/n]), then an
+ * equal all-to-all. out's last dim must be H/n and its leading dims multiply
+ * to T (e.g. [T, H/n] or [s, b, H/n]). Backward: hp2sp of the gradient. */
+cpar_status cpar_all_to_all_sp2hp(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
+/* Megatron's all_to_all_hp2sp, the inverse: in [..., h] read as [T, h] (T
+ * divisible by n) -> out [T/n, n*h] (leading dims multiplying to T/n): an
+ * equal all-to-all, then the n received [T/n, h] blocks concatenated along the
+ * last dim. Backward: sp2hp of the gradient. */
+cpar_status cpar_all_to_all_hp2sp(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
+
+/* ---- Utilities (megatron/core/tensor_parallel/utils.py, megatron.core.utils) ---- */
+
+/* *out = num / den; CPAR_ERR_INVALID unless den divides num
+ * ("cpar_divide: 10 is not divisible by 4"). Megatron's divide(). */
+cpar_status cpar_divide(int64_t num, int64_t den, int64_t *out);
+
+/* VocabUtility.vocab_range_from_global_vocab_size: rank's half-open slice
+ * [*first, *last) of a vocabulary of global_vocab entries split evenly over
+ * world ranks; a global_vocab not divisible by world is CPAR_ERR_INVALID
+ * naming both numbers. */
+cpar_status cpar_vocab_range(int64_t global_vocab, int rank, int world, int64_t *first, int64_t *last);
+
+/* Megatron's _vocab_size_with_padding: vocab rounded up to a multiple of
+ * multiple * tp (make_vocab_size_divisible_by x tensor-parallel size), so every
+ * TP rank gets an equal, aligned slice. vocab >= 0, multiple >= 1, tp >= 1. */
+cpar_status cpar_pad_vocab_size(int64_t vocab, int64_t multiple, int tp, int64_t *out);
+
+/* split_tensor_along_last_dim(t, n)[i] as a view, no copy: *view aliases t's
+ * memory, starting at chunk i of the first row, with shape [..., L/n] where L
+ * is t's last dim (divisible by n); *row_stride (may be NULL) gets L, the
+ * element distance between consecutive rows of the view. Such a view is a
+ * plain contiguous tensor, usable by every cpar function, only when the outer
+ * dims multiply to at most 1 (or n == 1); otherwise it is for strided
+ * consumers that take a leading dimension, such as GEMMs (lda = row_stride).
+ * cpar_split copies the chunks into contiguous tensors instead. */
+cpar_status cpar_split_last_dim_view(const cpar_tensor *t, int n, int i, cpar_tensor *view, int64_t *row_stride);
+/* Chunk i of n along dim 0 as a contiguous view (rows divisible by n). */
+cpar_status cpar_split_first_dim_view(const cpar_tensor *t, int n, int i, cpar_tensor *view);
+
+/* ---- broadcast_data (megatron/core/tensor_parallel/data.py) ---- */
+
+#define CPAR_BROADCAST_MAX_DIMS 5 /* the seed's _MAX_DATA_DIM */
+
+/* Megatron's broadcast_data(keys, data, datatype): group rank 0 of tp holds
+ * nkeys tensors in[0..nkeys) (host or the context's device, each of dtype
+ * dtype, at most CPAR_BROADCAST_MAX_DIMS dims; zero-sized dims and scalars
+ * are fine); the other ranks pass in = NULL (ignored there). On return every
+ * rank, rank 0 included, has out[i] allocated with cpar_tensor_alloc on the
+ * context's device, with key i's shape and values (free each with
+ * cpar_tensor_free). keys name the tensors in messages; every rank passes the
+ * same nkeys, keys and dtype. Two broadcasts, as the seed: the shapes (one I64
+ * tensor of 2 + 5*nkeys: a status word, the index of a rejected key, then 5
+ * dims per key, unused ones -1), then all the data flattened and concatenated
+ * in key order in one broadcast of dtype. When rank 0 rejects its input
+ * (wrong dtype, too many dims, NULL) it still sends the shapes with the status
+ * set and returns CPAR_ERR_INVALID naming the key; the other ranks return
+ * CPAR_ERR_PEER instead of waiting. On failure out[i].data is NULL. */
+cpar_status cpar_broadcast_data(cpar_group *tp, int nkeys, const char *const *keys, const cpar_tensor *in,
+                                cpar_dtype dtype, cpar_tensor *out);
+
+/* ==== 9. RNG, dropout and activation checkpointing ======================
+ * Megatron's CudaRNGStatesTracker, model_parallel_cuda_manual_seed,
+ * dropout, checkpoint / CheckpointWithoutOutput and the 1-D activation
+ * split/gather of distribute_saved_activations (seed 001, random.py and
+ * utils.py), with a counter-based generator so the host and the GPU draw
+ * the same numbers from the same state.
+ *
+ * Generator: Philox4x32-10 (Salmon et al., SC'11; curand's and PyTorch's
+ * constants). A state is (seed, offset). Element i of a draw from state s
+ * is word i % 4 of
+ *     philox(counter = {lo32(c), hi32(c), 0, 0}, key = {lo32(s.seed), hi32(s.seed)}),
+ *     c = s.offset + i / 4,
+ * and a draw of n elements advances s.offset by ceil(n / 4). (These are the
+ * words curand's Philox4_32_10 gives for that seed, subsequence 0 and
+ * offset 4c.) From a 32-bit word w:
+ *     uniform u  = (w >> 8) * 2^-24                          in [0, 1)
+ *     normal     = Box-Muller on the words of pairs (i, i ^ 1):
+ *                  u1 = ((w_even >> 8) + 1) * 2^-24 in (0, 1], u2 from w_odd,
+ *                  r = sqrt(-2 ln u1); element even = r cos(2 pi u2),
+ *                  element odd = r sin(2 pi u2).
+ * ln, cos and sin are cpar's own few-ulp polynomials written with explicit
+ * fused multiply-adds and correctly rounded operations, so the host
+ * reference, the simulator and real GPUs agree bit for bit for every op of
+ * this section (uniform, normal, dropout masks and outputs).
+ *
+ * The tracker (one per context, like torch's default CUDA generator plus
+ * Megatron's tracker): a "current" state, which every draw uses and
+ * advances, plus up to CPAR_RNG_MAX_STATES named states. Before any seeding
+ * the current state is (CPAR_RNG_DEFAULT_SEED, 0) and there are no named
+ * states. Draws are stream-ordered like every other op; the state update is
+ * a host-side counter, so snapshots are cheap and never synchronise. */
+
+#define CPAR_RNG_MAX_STATES 16     /* named states per tracker */
+#define CPAR_RNG_NAME_MAX 64       /* bytes of a name including its NUL: names of 1..63 chars */
+#define CPAR_RNG_MAX_FORK_DEPTH 8  /* nested cpar_rng_fork calls */
+#define CPAR_RNG_DEFAULT_SEED 67280421310721ull /* torch's default CUDA seed */
+
+/* Megatron's tracker names (set by cpar_model_parallel_manual_seed). */
+#define CPAR_RNG_DATA_PARALLEL "data-parallel-rng"
+#define CPAR_RNG_MODEL_PARALLEL "model-parallel-rng"
+#define CPAR_RNG_EXPERT_PARALLEL "expert-parallel-rng"
+
+typedef struct cpar_rng_state {
+    uint64_t seed;   /* Philox key */
+    uint64_t offset; /* next unused 128-bit Philox block (4 words) */
+} cpar_rng_state;
+
+/* Every state of a tracker: Megatron's _get_all_rng_states (the default
+ * generator's state and the tracker's dictionary). Plain data: copy it,
+ * store it, compare it. */
+typedef struct cpar_rng_snapshot {
+    cpar_rng_state current;
+    int count;                                          /* named states in use, 0..CPAR_RNG_MAX_STATES */
+    char names[CPAR_RNG_MAX_STATES][CPAR_RNG_NAME_MAX]; /* in the order they were added */
+    cpar_rng_state states[CPAR_RNG_MAX_STATES];         /* states[i] belongs to names[i] */
+} cpar_rng_snapshot;
+
+/* The raw Philox4x32-10 block function in Random123's word order:
+ * counter[0] and key[0] are the least significant words. E.g. counter
+ * {0,0,0,0}, key {0,0} gives {0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}. */
+void cpar_philox4x32_10_block(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
+/* The block that elements 4c..4c+3 of a draw from (seed, offset = c) use:
+ * counter {lo32(c), hi32(c), 0, 0}, key {lo32(seed), hi32(seed)}. */
+void cpar_philox4x32_10(uint64_t seed, uint64_t counter, uint32_t out[4]);
+
+/* ---- the tracker (CudaRNGStatesTracker) ---------------------------------
+ * Errors are CPAR_ERR_INVALID (bad argument, unknown or duplicate name,
+ * duplicate seed, fork depth) or CPAR_ERR_OOM (the tracker's first use
+ * allocates it). */
+
+/* torch.cuda.manual_seed: current = (seed, 0). Named states are kept. */
+cpar_status cpar_rng_manual_seed(cpar_ctx *ctx, uint64_t seed);
+/* Forget every named state (the current state is kept), as tracker.reset(). */
+cpar_status cpar_rng_reset(cpar_ctx *ctx);
+/* tracker.add(name, seed): a new named state (seed, 0). Errors, checked in
+ * the seed's order: "seed 1234 already exists" when a named state has that
+ * seed, "name \"x\" already exists", a name that is NULL, empty or longer
+ * than 63 chars, or a full tracker. The current state is not touched. */
+cpar_status cpar_rng_add(cpar_ctx *ctx, const char *name, uint64_t seed);
+/* tracker.fork(name) as two calls: fork pushes the current state and makes
+ * the named state current; unfork stores the current state back into that
+ * named state (re-adding it if cpar_rng_reset/set_states removed it meanwhile,
+ * as the seed's dictionary assignment does) and pops the pushed state back
+ * into current. Forks nest up to CPAR_RNG_MAX_FORK_DEPTH. Forking an unknown
+ * name, forking too deep and unforking with no fork open are errors.
+ * As in the seed, forking a name that is already forked starts from its
+ * stored (not its in-flight) state. */
+cpar_status cpar_rng_fork(cpar_ctx *ctx, const char *name);
+cpar_status cpar_rng_unfork(cpar_ctx *ctx);
+/* Read or replace one state: name NULL means the current state. */
+cpar_status cpar_rng_get_state(cpar_ctx *ctx, const char *name, cpar_rng_state *out);
+cpar_status cpar_rng_set_state(cpar_ctx *ctx, const char *name, const cpar_rng_state *state);
+/* _get_all_rng_states / _set_all_rng_states: every state at once. set_states
+ * replaces the current state and the whole set of named states with the
+ * snapshot's (validated: count in range, names 1..63 chars, NUL-terminated,
+ * distinct); open forks stay open. Duplicate-seed checks of later adds see
+ * the snapshot's seeds (the seed's separate seeds_ set is not kept). */
+cpar_status cpar_rng_get_states(cpar_ctx *ctx, cpar_rng_snapshot *out);
+cpar_status cpar_rng_set_states(cpar_ctx *ctx, const cpar_rng_snapshot *snapshot);
+
+/* model_parallel_cuda_manual_seed: reset the tracker, current = (seed, 0),
+ * then add CPAR_RNG_DATA_PARALLEL = seed, CPAR_RNG_MODEL_PARALLEL =
+ * seed + 2718 + tp_rank and CPAR_RNG_EXPERT_PARALLEL = seed + 1024 +
+ * 100 * ep_rank + etp_rank (mod 2^64). tp_rank < 0: the context's grid TP
+ * rank (cpar_grid_rank(ctx, CPAR_GROUP_TP)), or 0 before cpar_grid_init;
+ * ep_rank, etp_rank < 0: 0 (cpar has no expert grid yet). Seeds that collide
+ * are the add error. */
+cpar_status cpar_model_parallel_manual_seed(cpar_ctx *ctx, uint64_t seed, int tp_rank, int ep_rank, int etp_rank);
+
+/* ---- random fills (from the current state, advancing it) -----------------
+ * t: F32, F16 or BF16, on the host or the context's device (host loop or one
+ * kernel). Values are computed in fp32 and rounded to t's dtype. */
+
+/* t = lo + (hi - lo) * u, u uniform in [0, 1) (one fmaf), in [lo, hi) in
+ * fp32 (a value that rounds up to hi becomes lo); after rounding to F16/BF16
+ * a value may equal hi. Needs finite lo <= hi with hi - lo finite. */
+cpar_status cpar_rng_uniform(cpar_ctx *ctx, cpar_tensor *t, float lo, float hi);
+/* t = mean + std * z, z standard normal (Box-Muller, above). Needs finite
+ * mean and std >= 0. */
+cpar_status cpar_rng_normal(cpar_ctx *ctx, cpar_tensor *t, float mean, float std);
+
+/* ---- dropout ---------------------------------------------------------------
+ * x, y (and dy, dx): same float dtype and element count, on the host or the
+ * context's device, all on the same one; mask: U8 with the same element
+ * count there too (1 = kept, 0 = dropped). Element i is kept when its uniform
+ * u_i >= p (a draw of numel(x) elements from the state), and
+ *     y = (x * keep) * scale,  scale = 1 / (1 - p) in fp32,
+ * exactly PyTorch's fused dropout expression, so a dropped inf/NaN gives NaN
+ * as it does there. p in [0, 1); p == 0 copies x (mask all ones) and draws
+ * nothing. One kernel launch per call. */
+
+/* Draws from the current state and advances it by ceil(numel / 4). y may
+ * equal x (in place; no other overlap). mask may be NULL (not stored: use
+ * the state to recompute); *used (may be NULL) receives the state the draw
+ * used, which cpar_dropout_backward can regenerate the decisions from. */
+cpar_status cpar_dropout_forward(cpar_ctx *ctx, float p, const cpar_tensor *x, cpar_tensor *y, cpar_tensor *mask,
+                                 cpar_rng_state *used);
+/* dx = (dy * keep) * scale. keep from mask when it is given, else
+ * regenerated from *state (the forward's *used): no mask memory, same bits.
+ * dx may equal dy. The tracker is not touched. */
+cpar_status cpar_dropout_backward(cpar_ctx *ctx, float p, const cpar_tensor *dy, cpar_tensor *dx,
+                                  const cpar_tensor *mask, const cpar_rng_state *state);
+
+/* ---- activation checkpointing --------------------------------------------
+ * checkpoint(fn, distribute_saved_activations, *args) in C: the caller owns
+ * a zero-initialised cpar_checkpoint and its inputs.
+ *   forward:   cpar_checkpoint_forward(ctx, &ck, fn, arg) records every RNG
+ *              state (the snapshot) and runs fn(ctx, arg);
+ *              optionally cpar_checkpoint_distribute(ctx, &ck, tp, input)
+ *              keeps only this rank's 1/size of the saved input (the caller
+ *              may then reuse the input's memory);
+ *   backward:  cpar_checkpoint_gather(ctx, &ck, tp, input) refills the
+ *              input; cpar_checkpoint_recompute(ctx, &ck, fn, arg) saves the
+ *              tracker, restores the recorded states, runs fn again (same
+ *              dropout masks, bit for bit) and restores the saved tracker
+ *              (the seed's _fork_rng), then the caller runs its backward;
+ *   finally:   cpar_checkpoint_release(ctx, &ck) frees the chunk buffer (the
+ *              struct may be reused for the next step without releasing:
+ *              the buffer is kept and reused when large enough).
+ * CheckpointWithoutOutput maps onto the same calls: run fn under
+ * cpar_checkpoint_forward, then free or reuse the output's storage; before
+ * the backward that needs it, reallocate it (same shape, anywhere fn writes
+ * it) and call cpar_checkpoint_recompute, which refills it. No extra API:
+ * C has no storage-resize hooks, fn simply writes its outputs again. */
+
+typedef cpar_status (*cpar_checkpoint_fn)(cpar_ctx *ctx, void *arg);
+
+typedef struct cpar_checkpoint {
+    /* Private: read through the functions below; zero-initialise. */
+    cpar_rng_snapshot rng;   /* states recorded by cpar_checkpoint_forward */
+    bool recorded;           /* cpar_checkpoint_forward ran */
+    bool distributed;        /* the input lives only as chunks until cpar_checkpoint_gather */
+    void *chunk;             /* this rank's chunk, on chunk_device (owned) */
+    size_t chunk_cap;        /* bytes allocated at chunk */
+    int chunk_device;
+    cpar_dtype dtype;        /* of the distributed input */
+    int64_t numel;           /* of the distributed input */
+    int group_size;          /* of the distributing group */
+} cpar_checkpoint;
+
+/* Record the RNG snapshot, then return fn(ctx, arg). */
+cpar_status cpar_checkpoint_forward(cpar_ctx *ctx, cpar_checkpoint *ck, cpar_checkpoint_fn fn, void *arg);
+/* Run fn(ctx, arg) under the recorded states; afterwards every RNG state and
+ * open fork of the tracker is what it was before the call (also when fn
+ * fails, whose status is returned). Needs a prior cpar_checkpoint_forward,
+ * and cpar_checkpoint_gather after a distribute. */
+cpar_status cpar_checkpoint_recompute(cpar_ctx *ctx, cpar_checkpoint *ck, cpar_checkpoint_fn fn, void *arg);
+/* Keep this rank's chunk (cpar_split_1d_chunk) of activation in ck's buffer
+ * (allocated on the context's device once and reused). Collective-free; g is
+ * the group the chunks are gathered over (the seed's TP group). */
+cpar_status cpar_checkpoint_distribute(cpar_ctx *ctx, cpar_checkpoint *ck, cpar_group *g,
+                                       const cpar_tensor *activation);
+/* All-gather the chunks over g into activation (same dtype and element count
+ * as distributed, any shape). Collective over g. */
+cpar_status cpar_checkpoint_gather(cpar_ctx *ctx, cpar_checkpoint *ck, cpar_group *g, cpar_tensor *activation);
+/* Free ck's buffer and clear it (zero state). NULL-safe on a zeroed ck. */
+cpar_status cpar_checkpoint_release(cpar_ctx *ctx, cpar_checkpoint *ck);
+
+/* split_tensor_into_1d_equal_chunks: out = elements [r*m, (r+1)*m) of the
+ * flattened in, m = numel(in) / size, r = the group rank. numel(in) must be
+ * divisible by the group size; out has m elements (any shape), in's dtype,
+ * and both live on the group's context device. Local copy, no communication. */
+cpar_status cpar_split_1d_chunk(cpar_group *g, const cpar_tensor *in, cpar_tensor *out);
+/* gather_split_1d_tensor: out (any shape, size * numel(chunk) elements,
+ * chunk's dtype, not overlapping chunk) = the ranks' chunks in rank order.
+ * Collective over g (an all-gather). */
+cpar_status cpar_gather_1d_chunks(cpar_group *g, const cpar_tensor *chunk, cpar_tensor *out);
+
+/* ---- device layer (internal; cpar_kernels.cu, cpar.h §7 conventions) ------
+ * dt is F32, F16 or BF16; (seed, offset) the state of the draw; n elements. */
+cpar_status cpar_dev_rng_uniform(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float lo,
+                                 float hi, cpar_dev_stream s);
+cpar_status cpar_dev_rng_normal(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float mean,
+                                float std, cpar_dev_stream s);
+/* y = (x * keep) * scale, keep = u_i >= p; mask (may be NULL) = keep as 0/1. */
+cpar_status cpar_dev_dropout_forward(const void *x, void *y, uint8_t *mask, cpar_dtype dt, int64_t n, float p,
+                                     float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s);
+/* dx = (dy * keep) * scale, keep = mask[i] != 0 when mask, else u_i >= p. */
+cpar_status cpar_dev_dropout_backward(const void *dy, void *dx, const uint8_t *mask, cpar_dtype dt, int64_t n,
+                                      float p, float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s);
+
+/* ==== 10. Vocabulary-parallel embedding and cross entropy =============== */
+/* ---- vocabulary-parallel cross entropy (Megatron's vocab_parallel_cross_entropy, seed 001) ----
+ *
+ * The vocabulary is split evenly over the tensor-parallel group tp: rank r of
+ * tp (size P) holds logits for the vocabulary entries [r*v_local, (r+1)*v_local)
+ * of a global vocabulary V = P * v_local. Every tensor lives on the context's
+ * device (host memory on the host backend). The token layout is free (any
+ * leading shape, [s, b] in Megatron); every TP rank passes the same target.
+ *
+ * Loss of a token with logits z (global) and target t:
+ *     lse  = log(sum_j exp(z_j))                        (over the global vocab)
+ *     loss = lse - z_t                                  (label_smoothing == 0)
+ *     loss = (1 - s) (lse - z_t) - s mean_j(z_j - lse)  with s = a V / (V - 1)
+ * for label_smoothing a in [0, 1): the global mean over all V entries, so the
+ * loss is identical on every rank and equals the tp = 1 loss (the seed's local
+ * mean differs between ranks, Megatron issues #7452/#7464). Log-probabilities
+ * are formed as z - lse, never log(softmax): a probability that underflows
+ * leaves the loss finite. All arithmetic accumulates in fp32 (fp64 on the host
+ * path).
+ *
+ * Target values outside [0, V): on host tensors CPAR_ERR_INVALID naming
+ * target (checked before any communication, so every rank of tp fails the
+ * same way). On device tensors the values are not inspected by the host (that
+ * would need a synchronisation); such a token's loss is NaN on every rank and
+ * its dlogits row is NaN, so a bad label shows up instead of silently training
+ * towards nothing.
+ *
+ * Communication (forward only; backward needs none): an all-reduce MAX of
+ * [tokens] floats (the global max), then one all-reduce SUM of [2, tokens]
+ * floats (exp-sum rescaled to the global max, and the target's logit), or
+ * [3, tokens] with label smoothing (plus the sum of the logits). The logits
+ * are read once: each rank computes its local max and local exp-sum in one
+ * pass (online softmax) and rescales the exp-sum after the MAX. */
+
+/* logits: [..., v_local] F32/F16/BF16 (this rank's vocabulary slice);
+ * target: [...] I32 or I64, global vocabulary indices; loss: [...] F32 out;
+ * stats: [..., 2] F32 out, per token (global max, global log-sum-exp): all
+ * that backward needs (no fp32 copy of the logits is kept). Scratch comes
+ * from the context workspace. */
+cpar_status cpar_vocab_parallel_cross_entropy_forward(cpar_group *tp, const cpar_tensor *logits,
+                                                      const cpar_tensor *target, float label_smoothing,
+                                                      cpar_tensor *loss, cpar_tensor *stats);
+
+/* dlogits = (softmax(z) - (1 - s) onehot(t) - s / V) * dloss on this rank's
+ * vocabulary slice, with softmax = exp(z - lse) from forward's stats. logits
+ * and target as in forward (the same values), stats forward's output, dloss
+ * [...] F32; dlogits has logits' shape and dtype and may equal logits (in
+ * place, as the seed writes the gradient into the logits buffer). No
+ * communication. */
+cpar_status cpar_vocab_parallel_cross_entropy_backward(cpar_group *tp, const cpar_tensor *logits,
+                                                       const cpar_tensor *target, float label_smoothing,
+                                                       const cpar_tensor *stats, const cpar_tensor *dloss,
+                                                       cpar_tensor *dlogits);
+
+/* ---- device layer (internal) for the cross entropy: cpar_kernels.cu ---------------------------
+ * rows tokens, cols = v_local, first = this rank's first vocabulary index,
+ * vocab = V. Targets tdt I32/I64. All float buffers F32 on the device. */
+
+/* One pass over logits [rows, cols] (dt): m_loc[r] = local max; part[r] =
+ * sum_j exp(z_j - m_loc[r]); part[rows + r] = z[t - first] when this rank owns
+ * t, 0 when another rank does, NaN when t is outside [0, vocab); with smooth,
+ * part[2 rows + r] = sum_j z_j. */
+cpar_status cpar_dev_xent_local(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows,
+                                int64_t cols, int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part,
+                                cpar_dev_stream s);
+/* After the MAX all-reduce (m = global max): part[r] *= exp(m_loc[r] - m[r]). */
+cpar_status cpar_dev_xent_rescale(float *part, const float *m_loc, const float *m, int64_t rows, cpar_dev_stream s);
+/* After the SUM all-reduce: lse = m + log(part[r]); loss[r] = (m - part[rows+r]
+ * + log part[r]) scaled as above with s (smooth: using part[2 rows + r]);
+ * stats[2r] = m, stats[2r+1] = lse. */
+cpar_status cpar_dev_xent_finalize(const float *m, const float *part, int64_t rows, int64_t vocab, float s, bool smooth,
+                                   float *loss, float *stats, cpar_dev_stream st);
+/* dlogits[r, j] = (exp(z - lse) - (1-s)[first + j == t] - s/vocab) * dloss[r]
+ * (NaN rows for t outside [0, vocab)); dlogits may equal logits. */
+cpar_status cpar_dev_xent_backward(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
+                                   cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows, int64_t cols,
+                                   int64_t first, int64_t vocab, float s, cpar_dev_stream st);
+
+/* ---- vocabulary-parallel embedding (Megatron's VocabParallelEmbedding, seed 001) ----
+ * weight: this rank's rows [v_local, H] (F32/F16/BF16) of a global table of
+ * V = tp * v_local rows; rank r owns ids [r v_local, (r+1) v_local). ids:
+ * [b, s] I32/I64, the same on every rank of tp. Ids outside [0, V): on host
+ * tensors CPAR_ERR_INVALID naming ids; on device tensors (not inspected by
+ * the host) they select no rank's rows, so their embedding is a zero row and
+ * they get no gradient.
+ *
+ * Forward: masked lookup of the local range (other ids give zero rows), then
+ *  - reduce_scatter_embeddings == false: all-reduce SUM -> out [b, s, H];
+ *  - true (sequence parallelism): the partial [b, s, H] is transposed to
+ *    [s, b, H] and reduce-scattered along s -> out [s/tp, b, H] (s must be
+ *    divisible by tp, else CPAR_ERR_INVALID naming both).
+ * out has weight's dtype. Scratch from the context workspace. */
+cpar_status cpar_embedding_forward(cpar_group *tp, const cpar_tensor *weight, const cpar_tensor *ids, cpar_tensor *out,
+                                   bool reduce_scatter_embeddings);
+
+/* The gradient of forward accumulated (+=) in fp32 into dweight [v_local, H]
+ * F32 (the main-grad buffer). dout: forward's out shape and dtype ([b, s, H],
+ * the full gradient every rank holds, or [s/tp, b, H], all-gathered along s
+ * first). deterministic: no atomics, each row sums its tokens in token order
+ * (bitwise reproducible; O(v_local x tokens) id comparisons on a GPU);
+ * otherwise one atomicAdd per owned token element. The host path is always
+ * deterministic. */
+cpar_status cpar_embedding_backward(cpar_group *tp, const cpar_tensor *ids, const cpar_tensor *dout,
+                                    bool reduce_scatter_embeddings, cpar_tensor *dweight, bool deterministic);
+
+/* ---- device layer (internal) for the embedding: cpar_kernels.cu ----
+ * Token (i, j) of ids [b, s] has its embedding row at i*s + j, or at j*b + i
+ * when seq_first ([s, b, H] layout). */
+/* out row of token = weight[id - first] when first <= id < first + v_local, else 0. */
+cpar_status cpar_dev_embedding_lookup(const void *weight, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
+                                      int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
+                                      void *out, cpar_dev_stream st);
+/* dweight [v_local, hidden] f32 += dout rows of the tokens each row owns. */
+cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
+                                    int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
+                                    float *dweight, bool deterministic, cpar_dev_stream st);
+
 
 #ifdef __cplusplus
 }

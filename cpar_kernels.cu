@@ -30,6 +30,9 @@
  *    9. Pitched 2-D copy (split, concat, all-to-all packing)
  *   10. Row reduce (sum, max, log-sum-exp over the last dimension)
  *   11. GEMM (cuBLAS; k == 0 by a kernel of ours)
+ *   12. RNG: random fills and dropout
+ *   13. Vocabulary-parallel cross entropy
+ *   14. Vocabulary-parallel embedding
  */
 
 /* ==== 1. Includes and launch macros =======================================
@@ -997,8 +1000,720 @@ cpar_status cpar_dev_gemm(cpar_dev_blas h, cpar_dev_stream s, int transa, int tr
     return CPAR_OK;
 }
 
-/* ==== RNG and dropout kernels (issue 4, in progress) ===================== */
-#include "wip/rng_kernels.cu"
+/* ==== 12. RNG: random fills and dropout ======================================
+ * The device half of cpar.h §9 (the host half and its reference loops are
+ * cpar.c §15): Philox4x32-10, the uniform/normal transforms and dropout.
+ * Element i of a draw from state (seed, offset) is word i % 4 of the Philox
+ * block with counter {lo32(c), hi32(c), 0, 0}, c = offset + i / 4, and key
+ * {lo32(seed), hi32(seed)}; each thread owns whole blocks (4 consecutive
+ * elements), grid-stride over blocks, so the numbers do not depend on the
+ * launch shape.
+ *
+ * Bit equality with the host: the float transforms are written with
+ * __fmul_rn/__fadd_rn/__fsub_rn/__fdiv_rn/__fsqrt_rn and explicit fmaf, which
+ * nvcc never contracts or approximates, in exactly the order of cpar.c's
+ * twins (cpar__rng_log, cpar__rng_sincos2pi, cpar__rng_normal4,
+ * cpar__rng_scale_uniform); F16/BF16 outputs round to nearest even on both
+ * sides. Keep the two copies identical when editing either.
+ * Uses: 2 (errors), 4 (widen/narrow, packs, launch geometry). */
 
-/* ==== Embedding and cross-entropy kernels (issue 4, in progress) ========= */
-#include "wip/xent_kernels.cu"
+static constexpr uint32_t CPAR__PHILOX_M0 = 0xD2511F53u, CPAR__PHILOX_M1 = 0xCD9E8D57u;
+static constexpr uint32_t CPAR__PHILOX_W0 = 0x9E3779B9u, CPAR__PHILOX_W1 = 0xBB67AE85u;
+static constexpr float CPAR__RNG_2POW_M24 = 5.9604644775390625e-08f; /* 2^-24 */
+
+struct cpar__u4 {
+    uint32_t w[4];
+};
+
+/* The Philox4x32-10 block of counter {lo32(c), hi32(c), 0, 0}, key seed. */
+static __device__ __forceinline__ cpar__u4 cpar__philox4(uint64_t seed, uint64_t c) {
+    uint32_t c0 = (uint32_t)c, c1 = (uint32_t)(c >> 32), c2 = 0, c3 = 0;
+    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    for (int r = 0; r < 10; r++) {
+        if (r) {
+            k0 += CPAR__PHILOX_W0;
+            k1 += CPAR__PHILOX_W1;
+        }
+        const uint32_t h0 = __umulhi(CPAR__PHILOX_M0, c0), l0 = CPAR__PHILOX_M0 * c0;
+        const uint32_t h1 = __umulhi(CPAR__PHILOX_M1, c2), l1 = CPAR__PHILOX_M1 * c2;
+        c0 = h1 ^ c1 ^ k0;
+        c1 = l1;
+        c2 = h0 ^ c3 ^ k1;
+        c3 = l0;
+    }
+    return {{c0, c1, c2, c3}};
+}
+
+/* u in [0, 1): the top 24 bits of w times 2^-24 (exact). */
+static __device__ __forceinline__ float cpar__rng_u01(uint32_t w) {
+    return __fmul_rn((float)(w >> 8), CPAR__RNG_2POW_M24);
+}
+
+/* ln x for a normal float x > 0; twin of cpar.c's cpar__rng_log. */
+static __device__ __forceinline__ float cpar__rng_log(float x) {
+    uint32_t ix = __float_as_uint(x);
+    int k = (int)(ix >> 23) - 127;
+    ix &= 0x007fffffu;
+    const uint32_t i = (ix + (0x95f64u << 3)) & 0x800000u;
+    const float m = __uint_as_float(ix | (i ^ 0x3f800000u));
+    k += (int)(i >> 23);
+    const float f = __fsub_rn(m, 1.0f);
+    const float s = __fdiv_rn(f, __fadd_rn(2.0f, f));
+    const float z = __fmul_rn(s, s);
+    const float w = __fmul_rn(z, z);
+    const float t1 = __fmul_rn(w, fmaf(w, 2.4279078841e-01f, 4.0000972152e-01f));
+    const float t2 = __fmul_rn(z, fmaf(w, 2.8498786688e-01f, 6.6666662693e-01f));
+    const float r = __fadd_rn(t2, t1);
+    const float hfsq = __fmul_rn(__fmul_rn(0.5f, f), f);
+    const float dk = (float)k;
+    const float inner = fmaf(dk, 9.0580006145e-06f, __fmul_rn(s, __fadd_rn(hfsq, r)));
+    return fmaf(dk, 6.9313812256e-01f, -__fsub_rn(__fsub_rn(hfsq, inner), f));
+}
+
+/* sin and cos of x in [0, pi/4]; twin of cpar__rng_sincos_poly. */
+static __device__ __forceinline__ void cpar__rng_sincos_poly(float x, float *sn, float *cs) {
+    const float z = __fmul_rn(x, x);
+    const float ps = fmaf(fmaf(-1.9515295891e-4f, z, 8.3321608736e-3f), z, -1.6666654611e-1f);
+    *sn = fmaf(__fmul_rn(z, ps), x, x);
+    const float pc = fmaf(fmaf(2.443315711809948e-5f, z, -1.388731625493765e-3f), z, 4.166664568298827e-2f);
+    *cs = fmaf(__fmul_rn(z, pc), z, fmaf(-0.5f, z, 1.0f));
+}
+
+/* sin and cos of 2 pi j / 2^24 for a 24-bit j; twin of cpar__rng_sincos2pi. */
+static __device__ __forceinline__ void cpar__rng_sincos2pi(uint32_t j, float *sn, float *cs) {
+    const uint32_t o = j >> 21, r = j & 0x1fffffu;
+    const float x = __fmul_rn((float)((o & 1u) ? 0x200000u - r : r), 0.785398163397448309616f * 4.76837158203125e-07f);
+    float s, c;
+    cpar__rng_sincos_poly(x, &s, &c);
+    switch (o) {
+    case 0: *sn = s, *cs = c; break;
+    case 1: *sn = c, *cs = s; break;
+    case 2: *sn = c, *cs = -s; break;
+    case 3: *sn = s, *cs = -c; break;
+    case 4: *sn = -s, *cs = -c; break;
+    case 5: *sn = -c, *cs = -s; break;
+    case 6: *sn = -c, *cs = s; break;
+    default: *sn = -s, *cs = c; break;
+    }
+}
+
+/* The four standard normals of one block; twin of cpar__rng_normal4. */
+static __device__ __forceinline__ void cpar__rng_normal4(const cpar__u4 &w, float z[4]) {
+    for (int p = 0; p < 2; p++) {
+        const float u1 = __fmul_rn((float)((w.w[2 * p] >> 8) + 1u), CPAR__RNG_2POW_M24);
+        const float r = __fsqrt_rn(__fmul_rn(-2.0f, cpar__rng_log(u1)));
+        float sn, cs;
+        cpar__rng_sincos2pi(w.w[2 * p + 1] >> 8, &sn, &cs);
+        z[2 * p] = __fmul_rn(r, cs);
+        z[2 * p + 1] = __fmul_rn(r, sn);
+    }
+}
+
+/* lo + (hi - lo) * u, kept below hi; twin of cpar__rng_scale_uniform. */
+static __device__ __forceinline__ float cpar__rng_scale_uniform(uint32_t w, float lo, float hi) {
+    const float v = fmaf(cpar__rng_u01(w), __fsub_rn(hi, lo), lo);
+    return v < hi ? v : lo;
+}
+
+/* Store the elements i0..i0+3 (those below n) of one block: one aligned
+ * 4-element pack when VEC and the block is whole, else one by one. */
+template <bool VEC, typename T>
+static __device__ __forceinline__ void cpar__rng_store4(T *p, int64_t i0, int64_t n, const float v[4]) {
+    if (VEC && i0 + 4 <= n) {
+        cpar__pack<T, 4> pk;
+        for (int e = 0; e < 4; e++) pk.v[e] = cpar__narrow<T>(v[e]);
+        cpar__store<4>(p + i0, pk);
+    } else {
+        for (int e = 0; e < 4 && i0 + e < n; e++) p[i0 + e] = cpar__narrow<T>(v[e]);
+    }
+}
+
+/* p: [n] T (F32/F16/BF16). MODE 0: uniform in [a, b) (lo, hi); MODE 1:
+ * normal with mean a and std b. Launch: 1-D grid-stride over ceil(n/4)
+ * blocks, 256 threads, one Philox block per thread step; VEC when p is
+ * aligned to 4 elements. Moves n * sizeof(T) bytes. */
+template <typename T, int MODE, bool VEC>
+static __global__ void cpar__rng_fill_kernel(T *__restrict__ p, int64_t n, uint64_t seed, uint64_t offset, float a,
+                                             float b) {
+    const int64_t blocks = (n + 3) / 4, step = cpar__thread_count();
+    for (int64_t g = cpar__thread_id(); g < blocks; g += step) {
+        const cpar__u4 w = cpar__philox4(seed, offset + (uint64_t)g);
+        float v[4];
+        if (MODE == 0) {
+            for (int e = 0; e < 4; e++) v[e] = cpar__rng_scale_uniform(w.w[e], a, b);
+        } else {
+            cpar__rng_normal4(w, v);
+            for (int e = 0; e < 4; e++) v[e] = fmaf(v[e], b, a);
+        }
+        cpar__rng_store4<VEC>(p, g * 4, n, v);
+    }
+}
+
+template <typename T, int MODE>
+static cudaError_t cpar__launch_rng_fill(void *p, int64_t n, uint64_t seed, uint64_t offset, float a, float b,
+                                         cudaStream_t s) {
+    T *q = static_cast<T *>(p);
+    const unsigned grid = cpar__grid((n + 3) / 4, CPAR__BLOCK);
+    if (cpar__aligned(4 * sizeof(T), p)) {
+        auto kernel = cpar__rng_fill_kernel<T, MODE, true>;
+        CPAR_LAUNCH(kernel, grid, CPAR__BLOCK, 0, s)(q, n, seed, offset, a, b);
+    } else {
+        auto kernel = cpar__rng_fill_kernel<T, MODE, false>;
+        CPAR_LAUNCH(kernel, grid, CPAR__BLOCK, 0, s)(q, n, seed, offset, a, b);
+    }
+    return cudaGetLastError();
+}
+
+cpar_status cpar_dev_rng_uniform(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float lo,
+                                 float hi, cpar_dev_stream s) {
+    CPAR__CHECK_COUNT(n);
+    CPAR__CHECK_PTR(p, n > 0);
+    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
+    if (!(lo <= hi)) return CPAR__INVALID("lo = %g > hi = %g", (double)lo, (double)hi);
+    if (n == 0) return CPAR_OK;
+    cudaError_t e = cpar__with_float_type(dt, [&](auto t) {
+        return cpar__launch_rng_fill<decltype(t), 0>(p, n, seed, offset, lo, hi, cpar__stream(s));
+    });
+    CPAR__TRY_CUDA(e, "rng uniform kernel launch (%s, n = %lld)", cpar__dtype_name(dt), (long long)n);
+    return CPAR_OK;
+}
+
+cpar_status cpar_dev_rng_normal(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float mean,
+                                float std, cpar_dev_stream s) {
+    CPAR__CHECK_COUNT(n);
+    CPAR__CHECK_PTR(p, n > 0);
+    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
+    if (!(std >= 0.f)) return CPAR__INVALID("std = %g, expected >= 0", (double)std);
+    if (n == 0) return CPAR_OK;
+    cudaError_t e = cpar__with_float_type(dt, [&](auto t) {
+        return cpar__launch_rng_fill<decltype(t), 1>(p, n, seed, offset, mean, std, cpar__stream(s));
+    });
+    CPAR__TRY_CUDA(e, "rng normal kernel launch (%s, n = %lld)", cpar__dtype_name(dt), (long long)n);
+    return CPAR_OK;
+}
+
+/* out = (in * keep) * scale for n elements of T; keep = mask_in[i] != 0 when
+ * mask_in (backward from a stored mask), else u_i >= p from the Philox block
+ * (forward, or backward by recomputation); mask_out (may be NULL) = keep.
+ * in may equal out (in place: each element is read before it is written, by
+ * the same thread), so neither is __restrict__. Launch: 1-D grid-stride over
+ * ceil(n/4) blocks, 256 threads; VEC when in and out are aligned to 4
+ * elements and the masks to 4 bytes. Moves n * (2 * sizeof(T) + 1) bytes
+ * with a mask, n * 2 * sizeof(T) without. */
+template <typename T, bool VEC>
+static __global__ void cpar__dropout_kernel(const T *in, T *out, const uint8_t *__restrict__ mask_in,
+                                            uint8_t *__restrict__ mask_out, int64_t n, float p, float scale,
+                                            uint64_t seed, uint64_t offset) {
+    const int64_t blocks = (n + 3) / 4, step = cpar__thread_count();
+    for (int64_t g = cpar__thread_id(); g < blocks; g += step) {
+        const int64_t i0 = g * 4;
+        const bool whole = VEC && i0 + 4 <= n;
+        float x[4] = {0.f, 0.f, 0.f, 0.f};
+        uint8_t keep[4] = {0, 0, 0, 0};
+        if (whole) {
+            const cpar__pack<T, 4> pk = cpar__load<4>(in + i0);
+            for (int e = 0; e < 4; e++) x[e] = cpar__widen(pk.v[e]);
+        } else {
+            for (int e = 0; e < 4 && i0 + e < n; e++) x[e] = cpar__widen(in[i0 + e]);
+        }
+        if (mask_in) {
+            if (whole) {
+                const cpar__pack<uint8_t, 4> mk = cpar__load<4>(mask_in + i0);
+                for (int e = 0; e < 4; e++) keep[e] = mk.v[e] != 0;
+            } else {
+                for (int e = 0; e < 4 && i0 + e < n; e++) keep[e] = mask_in[i0 + e] != 0;
+            }
+        } else {
+            const cpar__u4 w = cpar__philox4(seed, offset + (uint64_t)g);
+            for (int e = 0; e < 4; e++) keep[e] = cpar__rng_u01(w.w[e]) >= p;
+        }
+        float v[4];
+        for (int e = 0; e < 4; e++) v[e] = __fmul_rn(__fmul_rn(x[e], (float)keep[e]), scale);
+        cpar__rng_store4<VEC>(out, i0, n, v);
+        if (mask_out) {
+            if (whole) {
+                cpar__pack<uint8_t, 4> mk;
+                for (int e = 0; e < 4; e++) mk.v[e] = keep[e];
+                cpar__store<4>(mask_out + i0, mk);
+            } else {
+                for (int e = 0; e < 4 && i0 + e < n; e++) mask_out[i0 + e] = keep[e];
+            }
+        }
+    }
+}
+
+template <typename T>
+static cudaError_t cpar__launch_dropout(const void *in, void *out, const uint8_t *mask_in, uint8_t *mask_out,
+                                        int64_t n, float p, float scale, uint64_t seed, uint64_t offset,
+                                        cudaStream_t s) {
+    const T *x = static_cast<const T *>(in);
+    T *y = static_cast<T *>(out);
+    const unsigned grid = cpar__grid((n + 3) / 4, CPAR__BLOCK);
+    if (cpar__aligned(4 * sizeof(T), in, out) && cpar__aligned(4, mask_in, mask_out)) {
+        auto kernel = cpar__dropout_kernel<T, true>;
+        CPAR_LAUNCH(kernel, grid, CPAR__BLOCK, 0, s)(x, y, mask_in, mask_out, n, p, scale, seed, offset);
+    } else {
+        auto kernel = cpar__dropout_kernel<T, false>;
+        CPAR_LAUNCH(kernel, grid, CPAR__BLOCK, 0, s)(x, y, mask_in, mask_out, n, p, scale, seed, offset);
+    }
+    return cudaGetLastError();
+}
+
+static cpar_status cpar__dropout_dev(const char *func, const void *in, void *out, const uint8_t *mask_in,
+                                     uint8_t *mask_out, cpar_dtype dt, int64_t n, float p, float scale,
+                                     uint64_t seed, uint64_t offset, cpar_dev_stream s) {
+    if (n < 0) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: n = %lld, expected >= 0", func, (long long)n);
+    if (n > 0 && (!in || !out))
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: %s is NULL", func, in ? "the output" : "the input");
+    if (!cpar__is_float(dt))
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: dtype %s, expected f32, f16 or bf16", func, cpar__dtype_name(dt));
+    if (!(p >= 0.f && p < 1.f)) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: p = %g, expected 0 <= p < 1", func, (double)p);
+    if (n == 0) return CPAR_OK;
+    cudaError_t e = cpar__with_float_type(dt, [&](auto t) {
+        return cpar__launch_dropout<decltype(t)>(in, out, mask_in, mask_out, n, p, scale, seed, offset,
+                                                 cpar__stream(s));
+    });
+    if (e != cudaSuccess)
+        return cpar__cuda_fail(e, func, "dropout kernel launch (%s, n = %lld)", cpar__dtype_name(dt), (long long)n);
+    return CPAR_OK;
+}
+
+cpar_status cpar_dev_dropout_forward(const void *x, void *y, uint8_t *mask, cpar_dtype dt, int64_t n, float p,
+                                     float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s) {
+    return cpar__dropout_dev(__func__, x, y, NULL, mask, dt, n, p, scale, seed, offset, s);
+}
+
+cpar_status cpar_dev_dropout_backward(const void *dy, void *dx, const uint8_t *mask, cpar_dtype dt, int64_t n,
+                                      float p, float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s) {
+    return cpar__dropout_dev(__func__, dy, dx, mask, NULL, dt, n, p, scale, seed, offset, s);
+}
+
+/* ==== 13. Vocabulary-parallel cross entropy =================================
+ * The device half of cpar.h §10 (host half and reference loops: cpar.c §16).
+ * Forward is three launches around two all-reduces: xent_local reads the
+ * logits once (online softmax: local max and exp-sum in one pass, plus the
+ * target's logit and the logit sum), xent_rescale moves the exp-sum to the
+ * global max after the MAX all-reduce, xent_finalize forms loss and stats
+ * after the SUM all-reduce. Backward is one element-wise pass. Log-
+ * probabilities are z - lse, never log(softmax). A target outside [0, vocab)
+ * gives NaN (loss and dlogits row), see cpar.h §10.
+ * Uses: 2 (errors), 4 (widen/narrow, packs, launch geometry), 10 (the online
+ * log-sum-exp state: cpar__row_push/merge/warp_reduce). */
+
+template <typename I> static __device__ __forceinline__ int64_t cpar__xent_target(const I *t, int64_t r) {
+    return (int64_t)t[r];
+}
+
+/* Butterfly sum over the 32 lanes: every lane ends with the total. */
+static __device__ __forceinline__ float cpar__xent_warp_sum(float v) {
+    for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+/* The local pass over one row: logit state (m, s) and the logit sum. */
+struct cpar__xent_acc {
+    cpar__row_state a;
+    float zsum;
+};
+
+template <int V, bool SMOOTH, typename T>
+static __device__ __forceinline__ cpar__xent_acc cpar__xent_fold(const T *row, int64_t cols, int64_t first_pack,
+                                                                 int64_t stride) {
+    cpar__xent_acc acc = {{-INFINITY, 0.f}, 0.f};
+    for (int64_t j = first_pack; j < cols / V; j += stride) {
+        const cpar__pack<T, V> p = cpar__load<V>(row + j * V);
+        for (int e = 0; e < V; e++) {
+            const float z = cpar__widen(p.v[e]);
+            cpar__row_push<CPAR_ROW_LOGSUMEXP>(acc.a, z);
+            if (SMOOTH) acc.zsum += z;
+        }
+    }
+    return acc;
+}
+
+template <bool SMOOTH>
+static __device__ __forceinline__ cpar__xent_acc cpar__xent_warp_reduce(cpar__xent_acc acc) {
+    acc.a = cpar__row_warp_reduce<CPAR_ROW_LOGSUMEXP>(acc.a);
+    if (SMOOTH) acc.zsum = cpar__xent_warp_sum(acc.zsum);
+    return acc;
+}
+
+/* Writes a row's results (called by one thread per row). */
+template <bool SMOOTH, typename T, typename I>
+static __device__ __forceinline__ void cpar__xent_local_store(cpar__xent_acc acc, const T *row, const I *target,
+                                                              int64_t r, int64_t rows, int64_t cols, int64_t first,
+                                                              int64_t vocab, float *m_loc, float *part) {
+    const int64_t t = cpar__xent_target(target, r);
+    m_loc[r] = acc.a.m;
+    part[r] = acc.a.s;
+    part[rows + r] = (t < 0 || t >= vocab) ? NAN : (t >= first && t < first + cols) ? cpar__widen(row[t - first]) : 0.f;
+    if (SMOOTH) part[2 * rows + r] = acc.zsum;
+}
+
+/* Short rows (cols <= CPAR__ROW_WARP_MAX): one warp per row, 8 rows per
+ * 256-thread block step, grid-stride over rows. logits [rows, cols] T
+ * row-major, target [rows] I; m_loc [rows], part [2 or 3, rows] f32. V = 16 /
+ * sizeof(T) when logits is 16-byte aligned and cols % V == 0, else 1. Moves
+ * rows * (cols * sizeof(T) + sizeof(I) + 12 or 16) bytes. */
+template <typename T, typename I, int V, bool SMOOTH>
+static __global__ void cpar__xent_local_warp_kernel(const T *__restrict__ logits, const I *__restrict__ target,
+                                                    int64_t rows, int64_t cols, int64_t first, int64_t vocab,
+                                                    float *__restrict__ m_loc, float *__restrict__ part) {
+    const int lane = threadIdx.x % 32, warps_per_block = blockDim.x / 32;
+    for (int64_t r = (int64_t)blockIdx.x * warps_per_block + threadIdx.x / 32; r < rows;
+         r += (int64_t)gridDim.x * warps_per_block) {
+        const T *row = logits + r * cols;
+        cpar__xent_acc acc = cpar__xent_fold<V, SMOOTH>(row, cols, lane, 32);
+        acc = cpar__xent_warp_reduce<SMOOTH>(acc);
+        if (lane == 0) cpar__xent_local_store<SMOOTH>(acc, row, target, r, rows, cols, first, vocab, m_loc, part);
+    }
+}
+
+/* Long rows: one 512-thread block per row (grid-stride over rows); warp
+ * butterflies, then warp 0 merges the warp states through shared memory.
+ * Layout, vector width and bytes moved as the warp kernel. */
+template <typename T, typename I, int V, bool SMOOTH>
+static __global__ void cpar__xent_local_block_kernel(const T *__restrict__ logits, const I *__restrict__ target,
+                                                     int64_t rows, int64_t cols, int64_t first, int64_t vocab,
+                                                     float *__restrict__ m_loc, float *__restrict__ part) {
+    __shared__ cpar__xent_acc warp_acc[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T *row = logits + r * cols;
+        cpar__xent_acc acc = cpar__xent_fold<V, SMOOTH>(row, cols, threadIdx.x, blockDim.x);
+        acc = cpar__xent_warp_reduce<SMOOTH>(acc);
+        if (lane == 0) warp_acc[warp] = acc;
+        __syncthreads();
+        if (warp == 0) {
+            acc = lane < nwarps ? warp_acc[lane] : cpar__xent_acc{{-INFINITY, 0.f}, 0.f};
+            acc = cpar__xent_warp_reduce<SMOOTH>(acc);
+            if (lane == 0) cpar__xent_local_store<SMOOTH>(acc, row, target, r, rows, cols, first, vocab, m_loc, part);
+        }
+        __syncthreads(); /* warp_acc is rewritten for the next row */
+    }
+}
+
+template <typename T, typename I, int V, bool SMOOTH>
+static cudaError_t cpar__launch_xent_local_v(const T *logits, const I *target, int64_t rows, int64_t cols,
+                                             int64_t first, int64_t vocab, float *m_loc, float *part, cudaStream_t s) {
+    if (cols <= CPAR__ROW_WARP_MAX) {
+        auto kernel = cpar__xent_local_warp_kernel<T, I, V, SMOOTH>;
+        CPAR_LAUNCH(kernel, cpar__grid(rows, CPAR__BLOCK / 32), CPAR__BLOCK, 0, s)
+        (logits, target, rows, cols, first, vocab, m_loc, part);
+    } else {
+        auto kernel = cpar__xent_local_block_kernel<T, I, V, SMOOTH>;
+        CPAR_LAUNCH(kernel, cpar__grid(rows, 1), CPAR__ROW_BLOCK, 0, s)
+        (logits, target, rows, cols, first, vocab, m_loc, part);
+    }
+    return cudaGetLastError();
+}
+
+template <typename T, typename I, bool SMOOTH>
+static cudaError_t cpar__launch_xent_local(const void *logits, const void *target, int64_t rows, int64_t cols,
+                                           int64_t first, int64_t vocab, float *m_loc, float *part, cudaStream_t s) {
+    constexpr int V = cpar__vec16<T>;
+    const T *z = static_cast<const T *>(logits);
+    const I *t = static_cast<const I *>(target);
+    if (cpar__aligned(16, logits) && cols % V == 0)
+        return cpar__launch_xent_local_v<T, I, V, SMOOTH>(z, t, rows, cols, first, vocab, m_loc, part, s);
+    return cpar__launch_xent_local_v<T, I, 1, SMOOTH>(z, t, rows, cols, first, vocab, m_loc, part, s);
+}
+
+/* Calls f(I{}) with I the C++ type of an index dtype (I32 or I64, validated by the caller). */
+template <typename F> static cudaError_t cpar__with_index_type(cpar_dtype dt, F &&f) {
+    if (dt == CPAR_I32) return f(int32_t());
+    return f(int64_t());
+}
+
+static bool cpar__is_index(cpar_dtype dt) { return dt == CPAR_I32 || dt == CPAR_I64; }
+
+cpar_status cpar_dev_xent_local(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows,
+                                int64_t cols, int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part,
+                                cpar_dev_stream s) {
+    CPAR__CHECK_COUNT(rows);
+    CPAR__CHECK_COUNT(first);
+    if (cols < 1) return CPAR__INVALID("cols = %lld, expected >= 1", (long long)cols);
+    if (vocab < first + cols)
+        return CPAR__INVALID("vocab = %lld, expected >= first + cols = %lld", (long long)vocab, (long long)(first + cols));
+    CPAR__CHECK_PTR(logits, rows > 0);
+    CPAR__CHECK_PTR(target, rows > 0);
+    CPAR__CHECK_PTR(m_loc, rows > 0);
+    CPAR__CHECK_PTR(part, rows > 0);
+    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
+    if (!cpar__is_index(tdt)) return CPAR__INVALID("target dtype %s, expected i32 or i64", cpar__dtype_name(tdt));
+    if (rows == 0) return CPAR_OK;
+    cudaStream_t cs = cpar__stream(s);
+    cudaError_t e = cpar__with_float_type(dt, [&](auto zt) {
+        typedef decltype(zt) T;
+        return cpar__with_index_type(tdt, [&](auto it) {
+            typedef decltype(it) I;
+            if (smooth) return cpar__launch_xent_local<T, I, true>(logits, target, rows, cols, first, vocab, m_loc, part, cs);
+            return cpar__launch_xent_local<T, I, false>(logits, target, rows, cols, first, vocab, m_loc, part, cs);
+        });
+    });
+    CPAR__TRY_CUDA(e, "xent_local kernel launch (%s, %lld x %lld)", cpar__dtype_name(dt), (long long)rows,
+                   (long long)cols);
+    return CPAR_OK;
+}
+
+/* part [rows] *= exp(m_loc - m), element-wise grid-stride; moves 16 bytes a row. */
+static __global__ void cpar__xent_rescale_kernel(float *__restrict__ part, const float *__restrict__ m_loc,
+                                                 const float *__restrict__ m, int64_t rows) {
+    for (int64_t r = cpar__thread_id(); r < rows; r += cpar__thread_count())
+        part[r] *= cpar__exp_below(m_loc[r], m[r]);
+}
+
+cpar_status cpar_dev_xent_rescale(float *part, const float *m_loc, const float *m, int64_t rows, cpar_dev_stream s) {
+    CPAR__CHECK_COUNT(rows);
+    CPAR__CHECK_PTR(part, rows > 0);
+    CPAR__CHECK_PTR(m_loc, rows > 0);
+    CPAR__CHECK_PTR(m, rows > 0);
+    if (rows == 0) return CPAR_OK;
+    CPAR_LAUNCH(cpar__xent_rescale_kernel, cpar__grid(rows, CPAR__BLOCK), CPAR__BLOCK, 0, cpar__stream(s))
+    (part, m_loc, m, rows);
+    CPAR__TRY_CUDA(cudaGetLastError(), "xent_rescale kernel launch (%lld rows)", (long long)rows);
+    return CPAR_OK;
+}
+
+/* m [rows], part [2 or 3, rows] (reduced over the group) -> loss [rows],
+ * stats [rows, 2] = (m, lse). Element-wise grid-stride. */
+template <bool SMOOTH>
+static __global__ void cpar__xent_finalize_kernel(const float *__restrict__ m, const float *__restrict__ part,
+                                                  int64_t rows, float inv_vocab, float s, float *__restrict__ loss,
+                                                  float *__restrict__ stats) {
+    for (int64_t r = cpar__thread_id(); r < rows; r += cpar__thread_count()) {
+        const float mr = m[r], log_sum = logf(part[r]), lse = mr + log_sum;
+        const float nll = (mr - part[rows + r]) + log_sum; /* lse - z_t */
+        float l = nll;
+        if (SMOOTH) l = (1.f - s) * nll - s * (part[2 * rows + r] * inv_vocab - lse);
+        loss[r] = l;
+        stats[2 * r] = mr;
+        stats[2 * r + 1] = lse;
+    }
+}
+
+cpar_status cpar_dev_xent_finalize(const float *m, const float *part, int64_t rows, int64_t vocab, float s, bool smooth,
+                                   float *loss, float *stats, cpar_dev_stream st) {
+    CPAR__CHECK_COUNT(rows);
+    if (vocab < 1) return CPAR__INVALID("vocab = %lld, expected >= 1", (long long)vocab);
+    CPAR__CHECK_PTR(m, rows > 0);
+    CPAR__CHECK_PTR(part, rows > 0);
+    CPAR__CHECK_PTR(loss, rows > 0);
+    CPAR__CHECK_PTR(stats, rows > 0);
+    if (rows == 0) return CPAR_OK;
+    const unsigned grid = cpar__grid(rows, CPAR__BLOCK);
+    const float inv_vocab = (float)(1.0 / (double)vocab);
+    if (smooth)
+        CPAR_LAUNCH(cpar__xent_finalize_kernel<true>, grid, CPAR__BLOCK, 0, cpar__stream(st))
+        (m, part, rows, inv_vocab, s, loss, stats);
+    else
+        CPAR_LAUNCH(cpar__xent_finalize_kernel<false>, grid, CPAR__BLOCK, 0, cpar__stream(st))
+        (m, part, rows, inv_vocab, s, loss, stats);
+    CPAR__TRY_CUDA(cudaGetLastError(), "xent_finalize kernel launch (%lld rows)", (long long)rows);
+    return CPAR_OK;
+}
+
+/* dlogits[r, j] = (exp(z - lse) - s/V - (1-s)[first + j == t]) * dloss[r].
+ * logits, dlogits [rows, cols] T (may be the same buffer: each element is
+ * read then written by one thread), target [rows], stats [rows, 2], dloss
+ * [rows]. Launch: cpar__shape_2d over packs-per-row x rows, grid-stride in
+ * both; V = 16 / sizeof(T) when both buffers are 16-byte aligned and cols %
+ * V == 0. Moves rows * (2 cols sizeof(T) + 12 + sizeof(I)) bytes. */
+template <typename T, typename I, int V>
+static __global__ void cpar__xent_backward_kernel(const T *logits, T *dlogits, const I *__restrict__ target,
+                                                  const float *__restrict__ stats, const float *__restrict__ dloss,
+                                                  int64_t rows, int64_t cols, int64_t first, int64_t vocab,
+                                                  float uniform, float hit) {
+    const int64_t packs = cols / V, c0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (int64_t r = (int64_t)blockIdx.y * blockDim.y + threadIdx.y; r < rows; r += (int64_t)gridDim.y * blockDim.y) {
+        const int64_t tg = cpar__xent_target(target, r), t = tg - first;
+        const float lse = stats[2 * r + 1];
+        const float dl = (tg < 0 || tg >= vocab) ? NAN : dloss[r];
+        for (int64_t c = c0; c < packs; c += (int64_t)gridDim.x * blockDim.x) {
+            cpar__pack<T, V> p = cpar__load<V>(logits + r * cols + c * V);
+            for (int e = 0; e < V; e++) {
+                const float g = expf(cpar__widen(p.v[e]) - lse) - uniform - (c * V + e == t ? hit : 0.f);
+                p.v[e] = cpar__narrow<T>(g * dl);
+            }
+            cpar__store<V>(dlogits + r * cols + c * V, p);
+        }
+    }
+}
+
+template <typename T, typename I, int V>
+static cudaError_t cpar__launch_xent_backward_v(const void *logits, void *dlogits, const void *target,
+                                                const float *stats, const float *dloss, int64_t rows, int64_t cols,
+                                                int64_t first, int64_t vocab, float uniform, float hit, cudaStream_t s) {
+    const cpar__shape sh = cpar__shape_2d(cols / V, rows);
+    auto kernel = cpar__xent_backward_kernel<T, I, V>;
+    CPAR_LAUNCH(kernel, sh.grid, sh.block, 0, s)
+    (static_cast<const T *>(logits), static_cast<T *>(dlogits), static_cast<const I *>(target), stats, dloss, rows,
+     cols, first, vocab, uniform, hit);
+    return cudaGetLastError();
+}
+
+cpar_status cpar_dev_xent_backward(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
+                                   cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows, int64_t cols,
+                                   int64_t first, int64_t vocab, float s, cpar_dev_stream st) {
+    CPAR__CHECK_COUNT(rows);
+    CPAR__CHECK_COUNT(first);
+    if (cols < 1) return CPAR__INVALID("cols = %lld, expected >= 1", (long long)cols);
+    if (vocab < first + cols)
+        return CPAR__INVALID("vocab = %lld, expected >= first + cols = %lld", (long long)vocab, (long long)(first + cols));
+    CPAR__CHECK_PTR(logits, rows > 0);
+    CPAR__CHECK_PTR(dlogits, rows > 0);
+    CPAR__CHECK_PTR(target, rows > 0);
+    CPAR__CHECK_PTR(stats, rows > 0);
+    CPAR__CHECK_PTR(dloss, rows > 0);
+    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
+    if (!cpar__is_index(tdt)) return CPAR__INVALID("target dtype %s, expected i32 or i64", cpar__dtype_name(tdt));
+    if (rows == 0) return CPAR_OK;
+    const float uniform = (float)((double)s / (double)vocab), hit = 1.f - s;
+    cudaStream_t cs = cpar__stream(st);
+    cudaError_t e = cpar__with_float_type(dt, [&](auto zt) {
+        typedef decltype(zt) T;
+        constexpr int V = cpar__vec16<T>;
+        const bool vec = cpar__aligned(16, logits, dlogits) && cols % V == 0;
+        return cpar__with_index_type(tdt, [&](auto it) {
+            typedef decltype(it) I;
+            if (vec)
+                return cpar__launch_xent_backward_v<T, I, V>(logits, dlogits, target, stats, dloss, rows, cols, first,
+                                                             vocab, uniform, hit, cs);
+            return cpar__launch_xent_backward_v<T, I, 1>(logits, dlogits, target, stats, dloss, rows, cols, first,
+                                                         vocab, uniform, hit, cs);
+        });
+    });
+    CPAR__TRY_CUDA(e, "xent_backward kernel launch (%s, %lld x %lld)", cpar__dtype_name(dt), (long long)rows,
+                   (long long)cols);
+    return CPAR_OK;
+}
+
+/* ==== 14. Vocabulary-parallel embedding ======================================
+ * The device half of the embedding in cpar.h §10 (host half: cpar.c §16).
+ * Token (i, j) of ids [b, s] maps to embedding row i*s + j ([b, s, H]) or
+ * j*b + i when seq_first ([s, b, H], the sequence-parallel layout that the
+ * reduce-scatter along s needs), so the transpose costs nothing.
+ * Uses: 2 (errors), 4 (widen/narrow, launch geometry), 13 (index types). */
+
+static __device__ __forceinline__ int64_t cpar__emb_row(int64_t tok, int64_t b, int64_t s, bool seq_first) {
+    return seq_first ? (tok % s) * b + tok / s : tok;
+}
+
+/* out [b*s, H] (rows ordered as above) = weight [v_local, H] rows of the
+ * owned ids, zero rows otherwise. Launch: cpar__shape_2d over H x tokens,
+ * grid-stride. Moves tokens * (2 H sizeof(T) + sizeof(I)) bytes at most. */
+template <typename T, typename I>
+static __global__ void cpar__embedding_lookup_kernel(const T *__restrict__ weight, const I *__restrict__ ids,
+                                                     int64_t b, int64_t s, int64_t hidden, int64_t first,
+                                                     int64_t v_local, bool seq_first, T *__restrict__ out) {
+    const int64_t h0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = b * s;
+    for (int64_t tok = (int64_t)blockIdx.y * blockDim.y + threadIdx.y; tok < n; tok += (int64_t)gridDim.y * blockDim.y) {
+        const int64_t id = (int64_t)ids[tok] - first, row = cpar__emb_row(tok, b, s, seq_first);
+        const bool owned = id >= 0 && id < v_local;
+        for (int64_t h = h0; h < hidden; h += (int64_t)gridDim.x * blockDim.x)
+            out[row * hidden + h] = owned ? weight[id * hidden + h] : cpar__narrow<T>(0.f);
+    }
+}
+
+cpar_status cpar_dev_embedding_lookup(const void *weight, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
+                                      int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
+                                      void *out, cpar_dev_stream st) {
+    CPAR__CHECK_COUNT(b);
+    CPAR__CHECK_COUNT(s);
+    CPAR__CHECK_COUNT(hidden);
+    CPAR__CHECK_COUNT(v_local);
+    const bool nonempty = b > 0 && s > 0 && hidden > 0;
+    CPAR__CHECK_PTR(weight, nonempty && v_local > 0);
+    CPAR__CHECK_PTR(ids, nonempty);
+    CPAR__CHECK_PTR(out, nonempty);
+    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
+    if (!cpar__is_index(idt)) return CPAR__INVALID("ids dtype %s, expected i32 or i64", cpar__dtype_name(idt));
+    if (!nonempty) return CPAR_OK;
+    const cpar__shape sh = cpar__shape_2d(hidden, b * s);
+    cudaStream_t cs = cpar__stream(st);
+    cudaError_t e = cpar__with_float_type(dt, [&](auto wt) {
+        typedef decltype(wt) T;
+        return cpar__with_index_type(idt, [&](auto it) {
+            typedef decltype(it) I;
+            auto kernel = cpar__embedding_lookup_kernel<T, I>;
+            CPAR_LAUNCH(kernel, sh.grid, sh.block, 0, cs)
+            (static_cast<const T *>(weight), static_cast<const I *>(ids), b, s, hidden, first, v_local, seq_first,
+             static_cast<T *>(out));
+            return cudaGetLastError();
+        });
+    });
+    CPAR__TRY_CUDA(e, "embedding_lookup kernel launch (%s, %lld tokens x %lld)", cpar__dtype_name(dt),
+                   (long long)(b * s), (long long)hidden);
+    return CPAR_OK;
+}
+
+/* Atomic: dweight[id - first, h] += dout[row(tok), h] for owned tokens.
+ * Launch: cpar__shape_2d over H x tokens, grid-stride. */
+template <typename T, typename I>
+static __global__ void cpar__embedding_grad_atomic_kernel(const T *__restrict__ dout, const I *__restrict__ ids,
+                                                          int64_t b, int64_t s, int64_t hidden, int64_t first,
+                                                          int64_t v_local, bool seq_first, float *dweight) {
+    const int64_t h0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = b * s;
+    for (int64_t tok = (int64_t)blockIdx.y * blockDim.y + threadIdx.y; tok < n; tok += (int64_t)gridDim.y * blockDim.y) {
+        const int64_t id = (int64_t)ids[tok] - first, row = cpar__emb_row(tok, b, s, seq_first);
+        if (id < 0 || id >= v_local) continue;
+        for (int64_t h = h0; h < hidden; h += (int64_t)gridDim.x * blockDim.x)
+            atomicAdd(&dweight[id * hidden + h], cpar__widen(dout[row * hidden + h]));
+    }
+}
+
+/* Deterministic: thread (v, h) walks every token in order and adds the rows
+ * of the tokens with id first + v; no atomics, a fixed order, so the result
+ * is bitwise reproducible. Launch: cpar__shape_2d over H x v_local,
+ * grid-stride. Reads v_local x tokens ids (cached) plus the owned rows. */
+template <typename T, typename I>
+static __global__ void cpar__embedding_grad_rows_kernel(const T *__restrict__ dout, const I *__restrict__ ids,
+                                                        int64_t b, int64_t s, int64_t hidden, int64_t first,
+                                                        int64_t v_local, bool seq_first, float *__restrict__ dweight) {
+    const int64_t h0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = b * s;
+    for (int64_t v = (int64_t)blockIdx.y * blockDim.y + threadIdx.y; v < v_local; v += (int64_t)gridDim.y * blockDim.y)
+        for (int64_t h = h0; h < hidden; h += (int64_t)gridDim.x * blockDim.x) {
+            float acc = dweight[v * hidden + h];
+            for (int64_t tok = 0; tok < n; tok++)
+                if ((int64_t)ids[tok] - first == v) acc += cpar__widen(dout[cpar__emb_row(tok, b, s, seq_first) * hidden + h]);
+            dweight[v * hidden + h] = acc;
+        }
+}
+
+cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
+                                    int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
+                                    float *dweight, bool deterministic, cpar_dev_stream st) {
+    CPAR__CHECK_COUNT(b);
+    CPAR__CHECK_COUNT(s);
+    CPAR__CHECK_COUNT(hidden);
+    CPAR__CHECK_COUNT(v_local);
+    const bool nonempty = b > 0 && s > 0 && hidden > 0 && v_local > 0;
+    CPAR__CHECK_PTR(dout, nonempty);
+    CPAR__CHECK_PTR(ids, nonempty);
+    CPAR__CHECK_PTR(dweight, nonempty);
+    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
+    if (!cpar__is_index(idt)) return CPAR__INVALID("ids dtype %s, expected i32 or i64", cpar__dtype_name(idt));
+    if (!nonempty) return CPAR_OK;
+    cudaStream_t cs = cpar__stream(st);
+    cudaError_t e = cpar__with_float_type(dt, [&](auto wt) {
+        typedef decltype(wt) T;
+        return cpar__with_index_type(idt, [&](auto it) {
+            typedef decltype(it) I;
+            const T *d = static_cast<const T *>(dout);
+            const I *x = static_cast<const I *>(ids);
+            if (deterministic) {
+                const cpar__shape sh = cpar__shape_2d(hidden, v_local);
+                auto kernel = cpar__embedding_grad_rows_kernel<T, I>;
+                CPAR_LAUNCH(kernel, sh.grid, sh.block, 0, cs)(d, x, b, s, hidden, first, v_local, seq_first, dweight);
+            } else {
+                const cpar__shape sh = cpar__shape_2d(hidden, b * s);
+                auto kernel = cpar__embedding_grad_atomic_kernel<T, I>;
+                CPAR_LAUNCH(kernel, sh.grid, sh.block, 0, cs)(d, x, b, s, hidden, first, v_local, seq_first, dweight);
+            }
+            return cudaGetLastError();
+        });
+    });
+    CPAR__TRY_CUDA(e, "embedding_grad kernel launch (%s, %lld tokens x %lld, %s)", cpar__dtype_name(dt),
+                   (long long)(b * s), (long long)hidden, deterministic ? "deterministic" : "atomic");
+    return CPAR_OK;
+}
