@@ -471,7 +471,8 @@ struct Fiber {
     void *fake_stack;
 #endif
 #ifdef CUDASIM_TSAN
-    void *tsan_fiber; /* created when the fiber starts, destroyed when the block ends */
+    void *tsan_fiber;   /* reused across blocks: creating one is expensive */
+    unsigned tsan_uses; /* each finished fiber leaves fiber_main on TSan's shadow stack */
 #endif
 };
 
@@ -495,6 +496,7 @@ struct HostThread {
     bool shared_free = true;
     std::vector<Fiber> fibers;
     std::vector<unsigned> order;
+    std::vector<unsigned> warp_waiting; /* per warp: lanes waiting in some warp collective */
     /* the scheduler's own context */
     void *main_sp = nullptr;
 #ifdef CUDASIM_SWITCH_UCONTEXT
@@ -531,11 +533,14 @@ struct HostThread {
 
 inline thread_local Fiber *t_fiber = &g_host_fiber;
 inline thread_local HostThread *t_host = nullptr;
+inline thread_local bool t_host_gone = false;
 
+/* Frees the thread's state (fiber stacks) when the host thread exits. */
 struct HostThreadOwner {
     HostThread *h = nullptr;
     ~HostThreadOwner() {
-        if (t_host == h) t_host = nullptr;
+        t_host = nullptr;
+        t_host_gone = true;
         delete h;
     }
 };
@@ -543,8 +548,8 @@ struct HostThreadOwner {
 inline HostThread &host() {
     if (!t_host) {
         static thread_local HostThreadOwner owner;
-        owner.h = new HostThread();
-        t_host = owner.h;
+        t_host = new HostThread();
+        if (!t_host_gone) owner.h = t_host; /* else: a runtime call from a later thread_local destructor; leak it */
     }
     return *t_host;
 }
@@ -628,6 +633,10 @@ inline HostThread::HostThread() {
 }
 
 inline HostThread::~HostThread() {
+#ifdef CUDASIM_TSAN
+    for (Fiber &f : fibers)
+        if (f.tsan_fiber) __tsan_destroy_fiber(f.tsan_fiber);
+#endif
     if (pool) munmap(pool, pool_bytes);
     free(smem);
 }
@@ -651,8 +660,8 @@ struct Global {
 };
 
 inline Global &global() {
-    static Global g;
-    return g;
+    static Global *g = new Global; /* never destroyed: threads may outlive exit() */
+    return *g;
 }
 
 inline int device_count() {
@@ -793,8 +802,17 @@ inline void switch_out(HostThread &h, Fiber *f, bool exiting = false) {
  * kernels) all reuse the same few cache lines; a fiber that waits keeps the
  * stack it started on until it exits. MAP_NORESERVE: only the pages a kernel
  * touches are ever committed. */
+inline void release_tsan_fibers(HostThread &h) {
+#ifdef CUDASIM_TSAN
+    for (Fiber &f : h.fibers)
+        if (f.tsan_fiber) __tsan_destroy_fiber(f.tsan_fiber);
+#endif
+    (void)h;
+}
+
 inline bool ensure_stacks(HostThread &h, unsigned n) {
     if (n <= h.nstacks) return true;
+    release_tsan_fibers(h);
     if (h.pool) munmap(h.pool, h.pool_bytes);
     h.pool = nullptr;
     h.nstacks = 0;
@@ -975,6 +993,7 @@ inline void run_block(HostThread &h, uint3 bid) {
     }
     h.live = h.nthreads;
     h.bar_waiting = 0;
+    h.warp_waiting.assign(h.nwarps, 0u);
     h.shared_free = true;
     if (h.smem_size) memset(h.smem, 0xFF, h.smem_size);
     while (h.live && !h.failed) {
@@ -988,7 +1007,11 @@ inline void run_block(HostThread &h, uint3 bid) {
                 h.shared_free = false;
                 fiber_prepare(f, h.fp_ctl);
 #ifdef CUDASIM_TSAN
-                f->tsan_fiber = __tsan_create_fiber(0);
+                if (!f->tsan_fiber || ++f->tsan_uses >= 512) {
+                    if (f->tsan_fiber) __tsan_destroy_fiber(f->tsan_fiber);
+                    f->tsan_fiber = __tsan_create_fiber(0);
+                    f->tsan_uses = 0;
+                }
 #endif
                 f->state = FS_RUNNABLE;
             } else if (f->state != FS_RUNNABLE) {
@@ -1002,8 +1025,12 @@ inline void run_block(HostThread &h, uint3 bid) {
         if (!ran && !h.failed) report_stall(h);
     }
 #ifdef CUDASIM_TSAN
-    for (unsigned i = 0; i < h.nthreads; i++)
-        if (h.fibers[i].state != FS_NEW) __tsan_destroy_fiber(h.fibers[i].tsan_fiber);
+    if (h.failed) /* abandoned frames stay on their shadow stacks: start those afresh */
+        for (unsigned i = 0; i < h.nthreads; i++)
+            if (h.fibers[i].state != FS_NEW && h.fibers[i].state != FS_DONE) {
+                __tsan_destroy_fiber(h.fibers[i].tsan_fiber);
+                h.fibers[i].tsan_fiber = nullptr;
+            }
 #endif
 }
 
@@ -1113,9 +1140,16 @@ inline unsigned long long warp_collective(WarpOp op, unsigned char subop, const 
      * report_stall names the mismatch. */
     Fiber *w = &h->fibers[f->warp * 32];
     unsigned m = mask & warp_exist_mask(*h, f->warp);
-    bool complete = true;
-    for (unsigned r = m; r && complete; r &= r - 1) complete = same_collective(*h, w[__builtin_ctz(r)], *f, m);
-    if (complete) warp_complete(w, m, f);
+    unsigned &waiting = h->warp_waiting[f->warp];
+    waiting |= 1u << f->lane;
+    if ((waiting & m) == m) { /* cheap test first: every named lane waits somewhere */
+        bool complete = true;
+        for (unsigned r = m; r && complete; r &= r - 1) complete = same_collective(*h, w[__builtin_ctz(r)], *f, m);
+        if (complete) {
+            warp_complete(w, m, f);
+            waiting &= ~m;
+        }
+    }
     switch_out(*h, f);
     return f->result;
 }
@@ -2729,17 +2763,55 @@ inline cublasStatus_t gemm(const char *fn, cublasHandle_t handle, cublasOperatio
                         round_input(load_as_float(Bb, bt, tb_t ? j + (long long)p * ldb : p + (long long)j * ldb),
                                     rounding);
         }
-        for (int j = 0; j < n; j++) {
-            for (int i = 0; i < m; i++) {
-                float acc = 0.0f;
-                if (use_ab) {
-                    const float *x = &ap[(size_t)i * k], *y = &bp[(size_t)j * k];
-                    for (int p = 0; p < k; p++) acc += x[p] * y[p];
+        auto finish = [&](int i, int j, float acc) {
+            long long ci = i + (long long)j * ldc;
+            float out = alpha * acc;
+            if (beta != 0.0f) out += beta * load_as_float(Cb, ct, ci);
+            store_from_float(Cb, ct, ci, out);
+        };
+        if (!use_ab) {
+            for (int j = 0; j < n; j++)
+                for (int i = 0; i < m; i++) finish(i, j, 0.0f);
+            continue;
+        }
+        /* Four rows of op(A) (reused from L1) against a 64-column panel of
+         * op(B) (reused from L2): four independent sums per column. Each
+         * element is still summed in plain index order, so the tiling does not
+         * change results. */
+        volatile float sums[4];
+        for (int j0 = 0; j0 < n; j0 += 64) {
+            int j1 = std::min(n, j0 + 64);
+            int i = 0;
+            for (; i + 4 <= m; i += 4) {
+                const float *x0 = &ap[(size_t)i * k], *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
+                for (int j = j0; j < j1; j++) {
+                    const float *y = &bp[(size_t)j * k];
+                    float c0 = 0, c1 = 0, c2 = 0, c3 = 0;
+                    for (int p = 0; p < k; p++) {
+                        float bv = y[p];
+                        c0 += x0[p] * bv;
+                        c1 += x1[p] * bv;
+                        c2 += x2[p] * bv;
+                        c3 += x3[p] * bv;
+                    }
+                    /* via a volatile array: sums still live across the calls
+                     * below would make -O1 keep them on the stack inside the
+                     * loop above (3x slower) */
+                    sums[0] = c0;
+                    sums[1] = c1;
+                    sums[2] = c2;
+                    sums[3] = c3;
+                    for (int r = 0; r < 4; r++) finish(i + r, j, sums[r]);
                 }
-                long long ci = i + (long long)j * ldc;
-                float out = alpha * acc;
-                if (beta != 0.0f) out += beta * load_as_float(Cb, ct, ci);
-                store_from_float(Cb, ct, ci, out);
+            }
+            for (; i < m; i++) {
+                const float *x = &ap[(size_t)i * k];
+                for (int j = j0; j < j1; j++) {
+                    const float *y = &bp[(size_t)j * k];
+                    float c = 0;
+                    for (int p = 0; p < k; p++) c += x[p] * y[p];
+                    finish(i, j, c);
+                }
             }
         }
     }
