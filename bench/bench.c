@@ -131,6 +131,119 @@ static cpar_status run_copy(cpar_ctx *ctx, void *arg) {
     return cpar_tensor_free(ctx, &b);
 }
 
+/* ---- tensor-parallel mappings ----------------------------------------------
+ * Activations [s, b, h] in fp32; rank 0's time per call and received bytes. */
+enum { MAP_GATHER_SP, MAP_RS_SP, MAP_GATHER_TP, MAP_SP2HP, MAP_COUNT };
+static const char *const map_names[MAP_COUNT] = {"gather_from_sp fwd", "reduce_scatter_to_sp fwd",
+                                                 "gather_from_tp fwd", "all_to_all_sp2hp"};
+
+typedef struct {
+    int op, iters;
+    int64_t s, b, h; /* the full activation */
+    double seconds;
+    uint64_t recv;
+} map_case;
+
+static cpar_status run_map(cpar_ctx *ctx, void *arg) {
+    map_case *c = arg;
+    cpar_group *g = cpar_world_group(ctx);
+    int n = cpar_group_size(g);
+    int64_t full[3] = {c->s, c->b, c->h}, seq[3] = {c->s / n, c->b, c->h}, hid[3] = {c->s, c->b, c->h / n};
+    int64_t t_sp[2] = {c->s * c->b / n, c->h}, t_hp[2] = {c->s * c->b, c->h / n};
+    const int64_t *in_shape = full, *out_shape = full;
+    int in_nd = 3, out_nd = 3;
+    switch (c->op) {
+    case MAP_GATHER_SP: in_shape = seq; break;
+    case MAP_RS_SP: out_shape = seq; break;
+    case MAP_GATHER_TP: in_shape = hid; break;
+    default: in_shape = t_sp; out_shape = t_hp; in_nd = out_nd = 2; break;
+    }
+    cpar_tensor in, out;
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, in_nd, in_shape, &in));
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, out_nd, out_shape, &out));
+    TRY(cpar_fill(ctx, &in, 1.0));
+    double *t = malloc(sizeof(double) * (size_t)c->iters);
+    for (int it = -1; it < c->iters; it++) {
+        TRY(cpar_barrier(g));
+        if (it == 0) TRY(cpar_group_stats_reset(g));
+        double t0 = now_s();
+        switch (c->op) {
+        case MAP_GATHER_SP: TRY(cpar_gather_from_sp_region(g, &in, &out, CPAR_FWD, true, NULL)); break;
+        case MAP_RS_SP: TRY(cpar_reduce_scatter_to_sp_region(g, &in, &out, CPAR_FWD, NULL)); break;
+        case MAP_GATHER_TP: TRY(cpar_gather_from_tp_region(g, &in, &out, CPAR_FWD)); break;
+        default: TRY(cpar_all_to_all_sp2hp(g, &in, &out, CPAR_FWD)); break;
+        }
+        TRY(cpar_sync(ctx));
+        if (it >= 0) t[it] = now_s() - t0;
+    }
+    if (cpar_rank(ctx) == 0) {
+        qsort(t, (size_t)c->iters, sizeof *t, cmp_double);
+        c->seconds = t[c->iters / 2];
+        cpar_comm_stats st;
+        TRY(cpar_group_stats(g, &st));
+        uint64_t recv = 0;
+        for (int k = 0; k < CPAR_COLL_KIND_COUNT; k++) recv += st.kind[k].bytes_recv;
+        c->recv = recv / (uint64_t)c->iters;
+    }
+    free(t);
+    TRY(cpar_tensor_free(ctx, &in));
+    return cpar_tensor_free(ctx, &out);
+}
+
+/* ---- vocabulary-parallel cross entropy ----------------------------------------
+ * tokens x vocab/tp logits in fp32; forward, then backward in place. */
+typedef struct {
+    int iters;
+    int64_t tokens, vocab;
+    double fwd, bwd;
+    uint64_t recv;
+} xent_case;
+
+static cpar_status run_xent(cpar_ctx *ctx, void *arg) {
+    xent_case *c = arg;
+    cpar_group *g = cpar_world_group(ctx);
+    int n = cpar_group_size(g);
+    int64_t lshape[2] = {c->tokens, c->vocab / n}, tshape[1] = {c->tokens}, sshape[2] = {c->tokens, 2};
+    cpar_tensor logits, target, loss, stats, dloss;
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 2, lshape, &logits));
+    TRY(cpar_tensor_alloc(ctx, CPAR_I64, 1, tshape, &target));
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 1, tshape, &loss));
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 2, sshape, &stats));
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 1, tshape, &dloss));
+    TRY(cpar_fill(ctx, &target, 7.0));
+    TRY(cpar_fill(ctx, &dloss, 1.0));
+    double *tf = malloc(sizeof(double) * (size_t)c->iters), *tb = malloc(sizeof(double) * (size_t)c->iters);
+    for (int it = -1; it < c->iters; it++) {
+        TRY(cpar_rng_uniform(ctx, &logits, -4.0f, 4.0f));
+        TRY(cpar_barrier(g));
+        if (it == 0) TRY(cpar_group_stats_reset(g));
+        double t0 = now_s();
+        TRY(cpar_vocab_parallel_cross_entropy_forward(g, &logits, &target, 0.0f, &loss, &stats));
+        TRY(cpar_sync(ctx));
+        double t1 = now_s();
+        TRY(cpar_vocab_parallel_cross_entropy_backward(g, &logits, &target, 0.0f, &stats, &dloss, &logits));
+        TRY(cpar_sync(ctx));
+        if (it >= 0) {
+            tf[it] = t1 - t0;
+            tb[it] = now_s() - t1;
+        }
+    }
+    if (cpar_rank(ctx) == 0) {
+        qsort(tf, (size_t)c->iters, sizeof *tf, cmp_double);
+        qsort(tb, (size_t)c->iters, sizeof *tb, cmp_double);
+        c->fwd = tf[c->iters / 2];
+        c->bwd = tb[c->iters / 2];
+        cpar_comm_stats st;
+        TRY(cpar_group_stats(g, &st));
+        c->recv = st.kind[CPAR_COLL_ALL_REDUCE].bytes_recv / (uint64_t)c->iters;
+    }
+    free(tf);
+    free(tb);
+    cpar_tensor *ts[] = {&logits, &target, &loss, &stats, &dloss};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) TRY(cpar_tensor_free(ctx, ts[i]));
+    return CPAR_OK;
+}
+
 int main(void) {
     int iters = env_int("CPAR_BENCH_ITERS", 10), max_mib = env_int("CPAR_BENCH_MAX_MIB", 16);
     cpar_backend backend = cpar_backend_available(CPAR_BACKEND_NCCL) ? CPAR_BACKEND_NCCL : CPAR_BACKEND_HOST;
@@ -165,5 +278,53 @@ int main(void) {
                        c.seconds * 1e3, (unsigned long long)c.recv, (unsigned long long)min, algbw, algbw * bus,
                        algbw * bus / ceiling.gbps);
             }
+
+    /* Mappings: the bytes any algorithm must receive are (n-1)/n of the
+     * gathered or scattered activation (sp2hp: of the local one). */
+    int64_t s_len = 1024, b = 2, h = 1024 * (int64_t)max_mib / 8;
+    printf("\n%-26s %5s %14s %11s %12s %12s %9s %8s\n", "mapping [s,b,h] fp32", "ranks", "activation", "time/call",
+           "recv/rank", "minimum", "busbw", "busbw/ceil");
+    for (int op = 0; op < MAP_COUNT; op++)
+        for (int n = 2; n <= max_ranks; n *= 2) {
+            map_case c = {.op = op, .iters = iters, .s = s_len, .b = b, .h = h};
+            if (cpar_spawn(n, backend, run_map, &c) != CPAR_OK) {
+                fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+                return 1;
+            }
+            uint64_t bytes = (uint64_t)(s_len * b * h) * sizeof(float);
+            uint64_t min = op == MAP_SP2HP ? bytes / (uint64_t)n * (uint64_t)(n - 1) / (uint64_t)n
+                                           : bytes / (uint64_t)n * (uint64_t)(n - 1);
+            double busbw = (double)min / c.seconds / 1e9;
+            printf("%-26s %5d %8lldx%lldx%lld %8.3f ms %12llu %12llu %6.2f GB/s %7.2f\n", map_names[op], n,
+                   (long long)s_len, (long long)b, (long long)h, c.seconds * 1e3, (unsigned long long)c.recv,
+                   (unsigned long long)min, busbw, busbw / ceiling.gbps);
+        }
+
+    /* Cross entropy: the forward reads the logits once and the backward reads
+     * and writes them once; the all-reduces carry 3 floats per token. */
+    /* The host backend runs the fp64 reference loops: a smaller problem. */
+    int64_t tokens = backend == CPAR_BACKEND_NCCL ? 8192 : 1024, vocab = backend == CPAR_BACKEND_NCCL ? 131072 : 8192;
+    printf("\n%-26s %5s %14s %11s %11s %12s %12s %10s %10s\n", "cross entropy fp32", "ranks", "tokens x V/tp",
+           "forward", "backward", "recv/rank", "minimum", "fwd/ceil", "bwd/ceil");
+    for (int n = 1; n <= max_ranks; n *= 2) {
+        xent_case c = {.iters = iters, .tokens = tokens, .vocab = vocab};
+        if (cpar_spawn(n, backend, run_xent, &c) != CPAR_OK) {
+            fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+            return 1;
+        }
+        double local = (double)(tokens * (vocab / n)) * sizeof(float);
+        uint64_t part = (uint64_t)tokens * sizeof(float), min = 0;
+        if (n > 1) /* three all-reduces of [tokens] floats: 2(n-1)/n each */
+            for (int k = 0; k < 3; k++) {
+                uint64_t mine = part / (uint64_t)n;
+                min += (part - mine) + (uint64_t)(n - 1) * mine;
+            }
+        /* fwd/ceil: a read of the local logits at the copy ceiling (a copy
+         * moves 2 bytes per byte); bwd/ceil: a read + write of them. */
+        printf("%-26s %5d %8lld x %-5lld %8.3f ms %8.3f ms %12llu %12llu %10.2f %10.2f\n", "vocab_parallel_xent", n,
+               (long long)tokens, (long long)(vocab / n), c.fwd * 1e3, c.bwd * 1e3, (unsigned long long)c.recv,
+               (unsigned long long)min, local / c.fwd / 1e9 / (2 * ceiling.gbps),
+               2 * local / c.bwd / 1e9 / (2 * ceiling.gbps));
+    }
     return 0;
 }
