@@ -414,11 +414,7 @@ END_TEST
 
 Suite *suite(void) {
     Suite *s = suite_create("ops: fill, cast, axpby, split, concat, row_reduce");
-    struct {
-        const char *name;
-        const TTest *test;
-        int count;
-    } loops[] = {
+    const tu_loop loops[] = {
         {"fill", test_fill, N_ALL},
         {"cast", test_cast, N_CAST_PAIRS},
         {"axpby", test_axpby, N_FLOAT},
@@ -426,12 +422,7 @@ Suite *suite(void) {
         {"row_reduce", test_row_reduce, N_FLOAT * 3},
         {"bad_input", test_bad_input, 1},
     };
-    for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
-        TCase *tc = tcase_create(loops[i].name);
-        tcase_add_loop_test(tc, loops[i].test, 0, loops[i].count);
-        tcase_set_timeout(tc, 120);
-        suite_add_tcase(s, tc);
-    }
+    tu_add_loops(s, loops, sizeof loops / sizeof loops[0], 120);
     return s;
 }
 

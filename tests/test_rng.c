@@ -878,11 +878,7 @@ END_TEST
 
 Suite *suite(void) {
     Suite *s = suite_create("rng: Philox, tracker, fills, dropout, checkpointing");
-    struct {
-        const char *name;
-        const TTest *test;
-        int count;
-    } loops[] = {
+    const tu_loop loops[] = {
         {"philox_kat", test_philox_kat, 1},
         {"uniform", test_uniform, N_FLOAT},
         {"normal", test_normal, N_FLOAT},
@@ -897,12 +893,7 @@ Suite *suite(void) {
         {"chunks", test_chunks, N_GROUPS},
         {"bad_input", test_bad_input, 1},
     };
-    for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
-        TCase *tc = tcase_create(loops[i].name);
-        tcase_add_loop_test(tc, loops[i].test, 0, loops[i].count);
-        tcase_set_timeout(tc, 120);
-        suite_add_tcase(s, tc);
-    }
+    tu_add_loops(s, loops, sizeof loops / sizeof loops[0], 120);
     return s;
 }
 

@@ -473,11 +473,7 @@ END_TEST
 
 static Suite *suite(void) {
     Suite *s = suite_create("xent: vocab-parallel cross entropy and embedding");
-    struct {
-        const char *name;
-        const TTest *test;
-        int count;
-    } loops[] = {
+    const tu_loop loops[] = {
         {"xent_reference", test_xent_matches_reference, 12},
         {"xent_long_rows_in_place", test_xent_long_rows_and_in_place, 1},
         {"xent_finite_differences", test_xent_finite_differences, 4},
@@ -486,12 +482,7 @@ static Suite *suite(void) {
         {"embedding_reference", test_embedding_matches_reference, 12},
         {"embedding_bad_args", test_embedding_bad_args, 2},
     };
-    for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
-        TCase *tc = tcase_create(loops[i].name);
-        tcase_add_loop_test(tc, loops[i].test, 0, loops[i].count);
-        tcase_set_timeout(tc, 120);
-        suite_add_tcase(s, tc);
-    }
+    tu_add_loops(s, loops, sizeof loops / sizeof loops[0], 120);
     return s;
 }
 

@@ -213,6 +213,23 @@ static inline int64_t tu_bits_mismatch(const void *got, const void *want, cpar_d
                       tu_g_, tu_w_, cpar_dtype_name(dt));                                                    \
     } while (0)
 
+/* A table of loop tests: one test case per row, named, looped over
+ * [0, count), with a common timeout. */
+typedef struct tu_loop {
+    const char *name;
+    const TTest *test;
+    int count;
+} tu_loop;
+
+static inline void tu_add_loops(Suite *s, const tu_loop *loops, size_t n, double timeout_s) {
+    for (size_t i = 0; i < n; i++) {
+        TCase *tc = tcase_create(loops[i].name);
+        tcase_add_loop_test(tc, loops[i].test, 0, loops[i].count);
+        tcase_set_timeout(tc, timeout_s);
+        suite_add_tcase(s, tc);
+    }
+}
+
 /* Run every test of a suite and return the process exit status. */
 static inline int tu_run_suite(Suite *s) {
     SRunner *sr = srunner_create(s);
