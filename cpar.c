@@ -24,6 +24,7 @@
  *   14. Mappings and utilities      region mappings, vocab ranges, views, broadcast_data
  *   15. RNG, dropout, checkpointing Philox tracker, random fills, dropout, recompute
  *   16. Embedding, cross entropy    vocab-parallel embedding and loss
+ *   17. Linear layers               column/row-parallel linear, init, fwd/bwd
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -5386,4 +5387,568 @@ cpar_status cpar_embedding_backward(cpar_group *tp, const cpar_tensor *ids, cons
     else
         cpar__host_embedding_grad(full, dout->dtype, ids->data, ids->dtype, b, s, H, first, vl, rs, dweight->data);
     return CPAR_OK;
+}
+
+/* ==== 17. Linear layers ===================================================
+ * Owns cpar.h §11: cpar_linear (Megatron's ColumnParallelLinear,
+ * RowParallelLinear, LinearWithFrozenWeight and the linear autograd function
+ * with gradient-accumulation fusion and sequence parallelism), its
+ * initialisation from a master weight (with partition stride) or under the
+ * model-parallel RNG fork, forward, backward and zero_grad.
+ * Every product is one column-major GEMM with cuBLAS's argument semantics
+ * (cpar__lin_gemm): cpar_dev_gemm on device tensors, a loop reference with
+ * fp32 accumulation on host tensors, so both paths use the same operand
+ * mapping. Row-major Y[T,N] = X[T,K] W[N,K]^T is column-major
+ * Y^T(NxT) = op_T(W as KxN) X^T(KxT); see the cpar__lin_* wrappers.
+ * Temporaries: one workspace carve per call; collectives are the raw ones of
+ * §11 (they never touch the workspace).
+ * Uses: 2 (errors, argument checks), 3 (tensors), 4 (device dispatch,
+ * workspace, copies), 5 (element load/store, host fill), 6 (cpar_fill),
+ * 10-11 (groups, collectives), 15 (RNG fork, normal fills). */
+
+struct cpar_linear {
+    cpar_group *tp;
+    cpar_ctx *ctx;
+    bool row;                /* RowParallelLinear, else ColumnParallelLinear */
+    cpar_linear_config cfg;  /* defaults applied */
+    int n, r;                /* tp size and rank */
+    int64_t out_l, in_l;     /* local weight [out_l, in_l] */
+    cpar_tensor w, b, dw, db;
+    bool have_x;             /* forward ran: x below is the input backward uses */
+    cpar_tensor x;           /* forward's x as passed (a reference, not a copy) */
+};
+
+/* ---- the GEMM: cuBLAS column-major semantics on the device or a host loop ----
+ * C(m x n) = op(A) op(B) + beta C, op(A) m x k, op(B) k x n, alpha = 1. */
+static cpar_status cpar__lin_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb, int64_t m, int64_t n, int64_t k,
+                                  const void *A, int64_t lda, const void *B, int64_t ldb, cpar_dtype abt, float beta,
+                                  void *C, cpar_dtype ct, int64_t ldc) {
+    if (m == 0 || n == 0) return CPAR_OK;
+    if (cpar__on_device(ctx->device)) {
+        const int64_t dims[6] = {m, n, k, lda, ldb, ldc};
+        for (int i = 0; i < 6; i++)
+            if (dims[i] > INT_MAX)
+                return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: GEMM dimension %lld exceeds INT_MAX (cuBLAS)", fn,
+                                  (long long)dims[i]);
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_gemm(ctx->blas, ctx->compute, ta, tb, (int)m, (int)n, (int)k, 1.f, A, abt,
+                                            (int)lda, 0, B, (int)ldb, 0, beta, C, ct, (int)ldc, 0, 1));
+        return CPAR_OK;
+    }
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = 0; i < m; i++) {
+            float acc = 0.f;
+            for (int64_t p = 0; p < k; p++) {
+                float a = cpar__load_f(A, abt, ta ? p + i * lda : i + p * lda);
+                float bv = cpar__load_f(B, abt, tb ? j + p * ldb : p + j * ldb);
+                acc += a * bv;
+            }
+            if (beta != 0.f) acc += beta * cpar__load_f(C, ct, i + j * ldc);
+            cpar__store_f(C, ct, i + j * ldc, acc);
+        }
+    return CPAR_OK;
+}
+
+/* Y[T,N] (row stride ldy) = X[T,K] (row stride ldx) W[N,K]^T + beta Y. */
+static cpar_status cpar__lin_fwd(cpar_linear *l, const char *fn, const void *X, int64_t ldx, int64_t T, int64_t K,
+                                 int64_t N, void *Y, int64_t ldy) {
+    return cpar__lin_gemm(l->ctx, fn, 1, 0, N, T, K, l->w.data, K, X, ldx, l->cfg.dtype, 0.f, Y, l->cfg.dtype, ldy);
+}
+/* dX[T,K] (ldx) = dY[T,N] (ldy) W[N,K]. */
+static cpar_status cpar__lin_dgrad(cpar_linear *l, const char *fn, const void *dY, int64_t ldy, int64_t T, int64_t N,
+                                   int64_t K, void *dX, int64_t ldx) {
+    return cpar__lin_gemm(l->ctx, fn, 0, 0, K, T, N, l->w.data, K, dY, ldy, l->cfg.dtype, 0.f, dX, l->cfg.dtype, ldx);
+}
+/* main_grad[N,K] (F32) += dY[T,N]^T X[T,K]: gradient-accumulation fusion. */
+static cpar_status cpar__lin_wgrad(cpar_linear *l, const char *fn, const void *dY, int64_t ldy, const void *X,
+                                   int64_t ldx, int64_t T, int64_t N, int64_t K) {
+    return cpar__lin_gemm(l->ctx, fn, 0, 1, K, N, T, X, ldx, dY, ldy, l->cfg.dtype, 1.f, l->dw.data, CPAR_F32, K);
+}
+/* Y[T,N] (ldy) += 1_T b^T: a k = 1 rank-one update. ones: T ones. */
+static cpar_status cpar__lin_bias_add(cpar_linear *l, const char *fn, void *Y, int64_t ldy, int64_t T, int64_t N,
+                                      const void *ones) {
+    return cpar__lin_gemm(l->ctx, fn, 0, 0, N, T, 1, l->b.data, N, ones, 1, l->cfg.dtype, 1.f, Y, l->cfg.dtype, ldy);
+}
+/* db[N] (F32) += dY[T,N]^T 1_T. */
+static cpar_status cpar__lin_bias_grad(cpar_linear *l, const char *fn, const void *dY, int64_t ldy, int64_t T,
+                                       int64_t N, const void *ones) {
+    return cpar__lin_gemm(l->ctx, fn, 0, 0, N, 1, T, dY, ldy, ones, T, l->cfg.dtype, 1.f, l->db.data, CPAR_F32, N);
+}
+
+/* ---- workspace carving: one cpar__workspace call per public call ---- */
+typedef struct cpar__lin_ws {
+    size_t need;
+    size_t size[6];
+    void *ptr[6];
+    int count;
+} cpar__lin_ws;
+
+/* Reserve bytes; returns the slot index. */
+static int cpar__lin_ws_add(cpar__lin_ws *w, size_t bytes) {
+    w->size[w->count] = (bytes + 255) & ~(size_t)255;
+    w->need += w->size[w->count];
+    return w->count++;
+}
+
+static cpar_status cpar__lin_ws_carve(cpar_ctx *ctx, const char *fn, cpar__lin_ws *w) {
+    if (!w->need) return CPAR_OK;
+    void *base;
+    CPAR_TRY(cpar__workspace(ctx, fn, w->need, &base));
+    size_t off = 0;
+    for (int i = 0; i < w->count; i++) {
+        w->ptr[i] = w->size[i] ? (char *)base + off : NULL;
+        off += w->size[i];
+    }
+    return CPAR_OK;
+}
+
+static cpar_status cpar__lin_ones(cpar_linear *l, const char *fn, void *p, int64_t n) {
+    if (cpar__on_device(l->ctx->device))
+        CPAR_DEV_TRY(l->ctx, fn, cpar_dev_fill(p, l->cfg.dtype, n, 1.0, l->ctx->compute));
+    else cpar__host_fill(p, l->cfg.dtype, n, 1.0);
+    return CPAR_OK;
+}
+
+/* ---- creation ---- */
+
+static cpar_status cpar__lin_create(cpar_group *tp, const cpar_linear_config *cfg, bool row, cpar_linear **out) {
+    const char *fn = row ? "cpar_row_parallel_linear_create" : "cpar_column_parallel_linear_create";
+    CPAR_TRY(cpar__check_group(tp, fn));
+    cpar_ctx *ctx = tp->ctx;
+    if (!out) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    *out = NULL;
+    if (!cfg) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg is NULL", fn);
+    cpar_linear_config c = *cfg;
+    if (c.stride == 0) c.stride = 1;
+    if (c.input_size <= 0 || c.output_size <= 0)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg input_size %lld and output_size %lld must be > 0", fn,
+                          (long long)c.input_size, (long long)c.output_size);
+    if (!cpar_dtype_is_float(c.dtype))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg dtype is %s, expected f32, f16 or bf16", fn,
+                          cpar_dtype_name(c.dtype));
+    if (c.stride < 1) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg stride is %d, expected >= 1", fn, c.stride);
+    if (!row && c.sequence_parallel && c.gather_output)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: cfg sequence_parallel and gather_output cannot be enabled together", fn);
+    if (row && c.sequence_parallel && !c.input_is_parallel)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg sequence_parallel requires input_is_parallel", fn);
+    const int n = tp->size;
+    const int64_t part = row ? c.input_size : c.output_size, div = (int64_t)n * c.stride;
+    if (part % div)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg %s %lld is not divisible by tp*stride = %lld (tp=%d, stride=%d)",
+                          fn, row ? "input_size" : "output_size", (long long)part, (long long)div, n, c.stride);
+    cpar_linear *l = calloc(1, sizeof *l);
+    if (!l) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate %zu bytes", fn, sizeof *l);
+    l->tp = tp, l->ctx = ctx, l->row = row, l->cfg = c, l->n = n, l->r = tp->rank;
+    l->out_l = row ? c.output_size : c.output_size / n;
+    l->in_l = row ? c.input_size / n : c.input_size;
+    int64_t wshape[2] = {l->out_l, l->in_l}, bshape[1] = {l->out_l};
+    cpar_status st;
+    CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, c.dtype, 2, wshape, &l->w), st, fail);
+    CPAR_TRY_GOTO(cpar_fill(ctx, &l->w, 0.0), st, fail);
+    if (c.bias) {
+        CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, c.dtype, 1, bshape, &l->b), st, fail);
+        CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, CPAR_F32, 1, bshape, &l->db), st, fail);
+    }
+    if (!c.frozen) CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, CPAR_F32, 2, wshape, &l->dw), st, fail);
+    if (c.bias) CPAR_TRY_GOTO(cpar_fill(ctx, &l->b, 0.0), st, fail);
+    CPAR_TRY_GOTO(cpar_linear_zero_grad(l), st, fail);
+    *out = l;
+    return CPAR_OK;
+fail:
+    cpar_linear_destroy(l);
+    return st;
+}
+
+cpar_status cpar_column_parallel_linear_create(cpar_group *tp, const cpar_linear_config *cfg, cpar_linear **out) {
+    return cpar__lin_create(tp, cfg, false, out);
+}
+
+cpar_status cpar_row_parallel_linear_create(cpar_group *tp, const cpar_linear_config *cfg, cpar_linear **out) {
+    return cpar__lin_create(tp, cfg, true, out);
+}
+
+cpar_status cpar_linear_destroy(cpar_linear *l) {
+    if (!l) return CPAR_OK;
+    cpar_tensor *all[] = {&l->w, &l->b, &l->dw, &l->db};
+    for (int i = 0; i < 4; i++)
+        if (all[i]->data) cpar_tensor_free(l->ctx, all[i]);
+    free(l);
+    return CPAR_OK;
+}
+
+static cpar_tensor cpar__lin_view(const cpar_tensor *t) {
+    return *t; /* data NULL (zeroed struct) when absent */
+}
+cpar_tensor cpar_linear_weight(const cpar_linear *l) { return l ? cpar__lin_view(&l->w) : (cpar_tensor){0}; }
+cpar_tensor cpar_linear_bias(const cpar_linear *l) { return l ? cpar__lin_view(&l->b) : (cpar_tensor){0}; }
+cpar_tensor cpar_linear_weight_grad(const cpar_linear *l) { return l ? cpar__lin_view(&l->dw) : (cpar_tensor){0}; }
+cpar_tensor cpar_linear_bias_grad(const cpar_linear *l) { return l ? cpar__lin_view(&l->db) : (cpar_tensor){0}; }
+
+cpar_status cpar_linear_zero_grad(cpar_linear *l) {
+    if (!l) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_linear_zero_grad: l is NULL");
+    if (l->dw.data) CPAR_TRY(cpar_fill(l->ctx, &l->dw, 0.0));
+    if (l->db.data) CPAR_TRY(cpar_fill(l->ctx, &l->db, 0.0));
+    return CPAR_OK;
+}
+
+/* ---- initialisation ---- */
+
+/* Global index of local index i along the partition dim: chunks of per
+ * elements, rank r holds chunks r, r + n, r + 2n, ... in order. */
+static int64_t cpar__lin_global(int64_t i, int64_t per, int r, int n) {
+    return ((int64_t)r + (i / per) * n) * per + i % per;
+}
+
+cpar_status cpar_linear_init_from_master(cpar_linear *l, const cpar_tensor *master_weight,
+                                         const cpar_tensor *master_bias) {
+    static const char fn[] = "cpar_linear_init_from_master";
+    if (!l) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: l is NULL", fn);
+    cpar_ctx *ctx = l->ctx;
+    const int64_t O = l->cfg.output_size, I = l->cfg.input_size;
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "master_weight", master_weight, CPAR_HOST));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "master_weight", master_weight, CPAR_F32));
+    int64_t wshape[2] = {O, I};
+    CPAR_TRY(cpar__check_shape(ctx, fn, "master_weight", master_weight, wshape, 2, "[output_size, input_size]"));
+    if (master_bias) {
+        CPAR_TRY(cpar__check_tensor(ctx, fn, "master_bias", master_bias, CPAR_HOST));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, "master_bias", master_bias, CPAR_F32));
+        CPAR_TRY(cpar__check_shape(ctx, fn, "master_bias", master_bias, &O, 1, "[output_size]"));
+        if (!l->cfg.bias)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: master_bias given but the layer has no bias", fn);
+    }
+    const cpar_dtype dt = l->cfg.dtype;
+    const int64_t per = (l->row ? l->in_l : l->out_l) / l->cfg.stride;
+    const float *mw = master_weight->data;
+    size_t wbytes = cpar_tensor_nbytes(&l->w), bbytes = l->b.data ? cpar_tensor_nbytes(&l->b) : 0;
+    char *buf = malloc(wbytes + bbytes + 1);
+    if (!buf) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: host allocation of %zu bytes failed", fn, wbytes + bbytes);
+    for (int64_t i = 0; i < l->out_l; i++)
+        for (int64_t j = 0; j < l->in_l; j++) {
+            int64_t gi = l->row ? i : cpar__lin_global(i, per, l->r, l->n);
+            int64_t gj = l->row ? cpar__lin_global(j, per, l->r, l->n) : j;
+            cpar__store_f(buf, dt, i * l->in_l + j, mw[gi * I + gj]);
+        }
+    if (bbytes)
+        for (int64_t i = 0; i < l->out_l; i++) {
+            int64_t gi = l->row ? i : cpar__lin_global(i, per, l->r, l->n);
+            cpar__store_f(buf + wbytes, dt, i, master_bias ? ((const float *)master_bias->data)[gi] : 0.f);
+        }
+    cpar_status st = cpar__copy_bytes(ctx, fn, l->w.data, l->w.device, buf, CPAR_HOST, wbytes);
+    if (st == CPAR_OK && bbytes) st = cpar__copy_bytes(ctx, fn, l->b.data, l->b.device, buf + wbytes, CPAR_HOST, bbytes);
+    /* a host-to-device copy may still read buf */
+    if (st == CPAR_OK && cpar__on_device(ctx->device)) {
+        cpar_status ds = cpar_dev_stream_sync(ctx->compute);
+        if (ds != CPAR_OK) st = cpar__dev_fail(ctx, ds, fn);
+    }
+    free(buf);
+    return st;
+}
+
+cpar_status cpar_linear_init_random(cpar_linear *l, float std) {
+    static const char fn[] = "cpar_linear_init_random";
+    if (!l) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: l is NULL", fn);
+    cpar_ctx *ctx = l->ctx;
+    if (!(std >= 0.f) || isinf(std))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: std is %g, expected finite and >= 0", fn, (double)std);
+    cpar_rng_state s;
+    if (cpar_rng_get_state(ctx, CPAR_RNG_MODEL_PARALLEL, &s) != CPAR_OK)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: the RNG tracker has no \"%s\" state (call cpar_model_parallel_manual_seed first)", fn,
+                          CPAR_RNG_MODEL_PARALLEL);
+    CPAR_TRY(cpar_rng_fork(ctx, CPAR_RNG_MODEL_PARALLEL));
+    cpar_status st = cpar_rng_normal(ctx, &l->w, 0.f, std);
+    cpar_status su = cpar_rng_unfork(ctx);
+    if (st != CPAR_OK) return st;
+    if (su != CPAR_OK) return su;
+    if (l->b.data) CPAR_TRY(cpar_fill(ctx, &l->b, 0.0));
+    return CPAR_OK;
+}
+
+/* ---- argument checks ---- */
+
+/* t: on the context's device, the layer's dtype, at least 2 dims. */
+static cpar_status cpar__lin_check_act(cpar_linear *l, const char *fn, const char *name, const cpar_tensor *t) {
+    CPAR_TRY(cpar__check_tensor(l->ctx, fn, name, t, l->ctx->device));
+    CPAR_TRY(cpar__check_dtype(l->ctx, fn, name, t, l->cfg.dtype));
+    if (t->ndim < 2) {
+        char got[128];
+        return cpar__fail(l->ctx, CPAR_ERR_INVALID, "%s: %s has shape %s, expected [tokens..., features] (>= 2 dims)",
+                          fn, name, cpar__shape_str(t, got, sizeof got));
+    }
+    return CPAR_OK;
+}
+
+/* Last dim of t == want, else "t has shape [..], expected [*,*,want] (why)". */
+static cpar_status cpar__lin_check_last(cpar_linear *l, const char *fn, const char *name, const cpar_tensor *t,
+                                        int64_t want, const char *why) {
+    if (t->shape[t->ndim - 1] == want) return CPAR_OK;
+    char got[128], exp[128];
+    size_t k = 0;
+    k += (size_t)snprintf(exp + k, sizeof exp - k, "[");
+    for (int i = 0; i < t->ndim - 1 && k < sizeof exp; i++) k += (size_t)snprintf(exp + k, sizeof exp - k, "*,");
+    if (k < sizeof exp) snprintf(exp + k, sizeof exp - k, "%lld]", (long long)want);
+    return cpar__fail(l->ctx, CPAR_ERR_INVALID, "%s: %s has shape %s, expected %s (%s with tp=%d)", fn, name,
+                      cpar__shape_str(t, got, sizeof got), exp, why, l->n);
+}
+
+/* The input x: feature dim, and dim 0 divisible by tp where it is split. */
+static cpar_status cpar__lin_check_x(cpar_linear *l, const char *fn, const char *name, const cpar_tensor *x) {
+    CPAR_TRY(cpar__lin_check_act(l, fn, name, x));
+    if (!l->row) CPAR_TRY(cpar__lin_check_last(l, fn, name, x, l->in_l, "input_size"));
+    else if (l->cfg.input_is_parallel) CPAR_TRY(cpar__lin_check_last(l, fn, name, x, l->in_l, "input_size/tp"));
+    else CPAR_TRY(cpar__lin_check_last(l, fn, name, x, l->cfg.input_size, "input_size: input_is_parallel is false"));
+    if (l->row && l->cfg.sequence_parallel && x->shape[0] % l->n)
+        return cpar__fail(l->ctx, CPAR_ERR_INVALID,
+                          "%s: %s has %lld rows in dim 0, not divisible by tp=%d (sequence_parallel reduce-scatters "
+                          "the output along dim 0)",
+                          fn, name, (long long)x->shape[0], l->n);
+    return CPAR_OK;
+}
+
+/* The output shape forward writes for input x. */
+static void cpar__lin_y_shape(const cpar_linear *l, const cpar_tensor *x, int64_t *shape, const char **why) {
+    memcpy(shape, x->shape, sizeof x->shape);
+    const bool sp = l->cfg.sequence_parallel;
+    int last = x->ndim - 1;
+    if (!l->row) {
+        if (sp) shape[0] *= l->n;
+        shape[last] = l->cfg.gather_output ? l->cfg.output_size : l->out_l;
+        *why = sp ? "[s*tp, ..., output_size/tp]: sequence_parallel"
+                  : l->cfg.gather_output ? "[s, ..., output_size]: gather_output" : "[s, ..., output_size/tp]";
+    } else {
+        if (sp) shape[0] /= l->n;
+        shape[last] = l->cfg.output_size;
+        *why = sp ? "[s/tp, ..., output_size]: sequence_parallel" : "[s, ..., output_size]";
+    }
+}
+
+static int64_t cpar__lin_tokens(const cpar_tensor *t) { return cpar_tensor_numel(t) / t->shape[t->ndim - 1]; }
+
+/* ---- forward ---- */
+
+static cpar_status cpar__lin_column_forward(cpar_linear *l, const char *fn, const cpar_tensor *x, cpar_tensor *y) {
+    cpar_ctx *ctx = l->ctx;
+    const cpar_dtype dt = l->cfg.dtype;
+    const size_t es = cpar_dtype_size(dt);
+    const int n = l->n;
+    const bool sp = l->cfg.sequence_parallel && n > 1, go = l->cfg.gather_output && n > 1;
+    const bool add_bias = l->b.data && !l->cfg.skip_bias_add;
+    const int64_t T = cpar__lin_tokens(x) * (sp ? n : 1), K = l->in_l, N = l->out_l;
+    cpar__lin_ws w = {0};
+    int s_xg = cpar__lin_ws_add(&w, sp ? (size_t)(T * K) * es : 0);
+    int s_yl = cpar__lin_ws_add(&w, go ? (size_t)(T * N) * es : 0);
+    int s_st = cpar__lin_ws_add(&w, go ? (size_t)(T * N * n) * es : 0);
+    int s_one = cpar__lin_ws_add(&w, add_bias ? (size_t)T * es : 0);
+    CPAR_TRY(cpar__lin_ws_carve(ctx, fn, &w));
+    const void *X = x->data;
+    if (sp) { /* gather_from_sequence_parallel_region */
+        cpar_tensor xg = *x;
+        xg.shape[0] *= n;
+        xg.data = w.ptr[s_xg];
+        CPAR_TRY(cpar_all_gather(l->tp, x, &xg, NULL));
+        X = xg.data;
+    }
+    void *Y = go ? w.ptr[s_yl] : y->data;
+    CPAR_TRY(cpar__lin_fwd(l, fn, X, K, T, K, N, Y, N));
+    if (add_bias) {
+        CPAR_TRY(cpar__lin_ones(l, fn, w.ptr[s_one], T));
+        CPAR_TRY(cpar__lin_bias_add(l, fn, Y, N, T, N, w.ptr[s_one]));
+    }
+    if (go) { /* gather_from_tensor_model_parallel_region: along dim 0, then interleave */
+        int64_t ls[2] = {T, N}, gs[2] = {T * n, N};
+        cpar_tensor yl = cpar_tensor_make(Y, dt, 2, ls, ctx->device), st = cpar_tensor_make(w.ptr[s_st], dt, 2, gs, ctx->device);
+        CPAR_TRY(cpar_all_gather(l->tp, &yl, &st, NULL));
+        for (int j = 0; j < n; j++)
+            CPAR_TRY(cpar__copy_2d(ctx, fn, (char *)y->data + (size_t)(j * N) * es, (size_t)(N * n) * es, ctx->device,
+                                   (const char *)st.data + (size_t)(j * T * N) * es, (size_t)N * es, ctx->device,
+                                   (size_t)N * es, (size_t)T));
+    }
+    return CPAR_OK;
+}
+
+static cpar_status cpar__lin_row_forward(cpar_linear *l, const char *fn, const cpar_tensor *x, cpar_tensor *y) {
+    cpar_ctx *ctx = l->ctx;
+    const cpar_dtype dt = l->cfg.dtype;
+    const size_t es = cpar_dtype_size(dt);
+    const int n = l->n;
+    const bool sp = l->cfg.sequence_parallel && n > 1, iip = l->cfg.input_is_parallel;
+    const bool add_bias = l->b.data && !l->cfg.skip_bias_add;
+    const int64_t T = cpar__lin_tokens(x), K = l->in_l, N = l->out_l, Ty = cpar__lin_tokens(y);
+    cpar__lin_ws w = {0};
+    int s_part = cpar__lin_ws_add(&w, sp ? (size_t)(T * N) * es : 0);
+    int s_one = cpar__lin_ws_add(&w, add_bias ? (size_t)Ty * es : 0);
+    CPAR_TRY(cpar__lin_ws_carve(ctx, fn, &w));
+    /* scatter_to_tensor_model_parallel_region: this rank's columns, read in place */
+    const void *X = iip ? x->data : (const char *)x->data + (size_t)(l->r * K) * es;
+    const int64_t ldx = iip ? K : l->cfg.input_size;
+    void *P = sp ? w.ptr[s_part] : y->data;
+    CPAR_TRY(cpar__lin_fwd(l, fn, X, ldx, T, K, N, P, N));
+    if (sp) { /* reduce_scatter_to_sequence_parallel_region */
+        cpar_tensor part = *x;
+        part.shape[x->ndim - 1] = N;
+        part.data = P;
+        CPAR_TRY(cpar_reduce_scatter(l->tp, &part, y, CPAR_SUM, NULL));
+    } else if (n > 1) { /* reduce_from_tensor_model_parallel_region */
+        CPAR_TRY(cpar_all_reduce(l->tp, y, y, CPAR_SUM));
+    }
+    if (add_bias) {
+        CPAR_TRY(cpar__lin_ones(l, fn, w.ptr[s_one], Ty));
+        CPAR_TRY(cpar__lin_bias_add(l, fn, y->data, N, Ty, N, w.ptr[s_one]));
+    }
+    return CPAR_OK;
+}
+
+cpar_status cpar_linear_forward(cpar_linear *l, const cpar_tensor *x, cpar_tensor *y, cpar_tensor *bias_out) {
+    static const char fn[] = "cpar_linear_forward";
+    if (!l) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: l is NULL", fn);
+    cpar_ctx *ctx = l->ctx;
+    CPAR_TRY(cpar__lin_check_x(l, fn, "x", x));
+    CPAR_TRY(cpar__lin_check_act(l, fn, "y", y));
+    int64_t want[CPAR_MAX_DIMS];
+    const char *why;
+    cpar__lin_y_shape(l, x, want, &why);
+    CPAR_TRY(cpar__check_shape(ctx, fn, "y", y, want, x->ndim, why));
+    if (cpar__ranges_overlap(x->data, cpar_tensor_nbytes(x), y->data, cpar_tensor_nbytes(y)))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: y overlaps x", fn);
+    const bool give_bias = l->b.data && l->cfg.skip_bias_add;
+    if (give_bias) {
+        CPAR_TRY(cpar__check_tensor(ctx, fn, "bias_out", bias_out, ctx->device));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, "bias_out", bias_out, l->cfg.dtype));
+        CPAR_TRY(cpar__check_shape(ctx, fn, "bias_out", bias_out, l->b.shape, 1,
+                                   l->row ? "[output_size]" : "[output_size/tp]"));
+    }
+    l->have_x = false;
+    CPAR_TRY(l->row ? cpar__lin_row_forward(l, fn, x, y) : cpar__lin_column_forward(l, fn, x, y));
+    if (give_bias)
+        CPAR_TRY(cpar__copy_bytes(ctx, fn, bias_out->data, bias_out->device, l->b.data, l->b.device,
+                                  cpar_tensor_nbytes(&l->b)));
+    l->x = *x;
+    l->have_x = true;
+    return CPAR_OK;
+}
+
+/* ---- backward ----
+ * Issue order is Megatron's overlapped schedule: the SP all-gather of the
+ * input, the dgrad GEMM, the dgrad reduce-scatter / all-reduce, the wgrad
+ * GEMM, the bias grad. Today everything runs in that order on the compute
+ * stream, because §11's collectives always enqueue on ctx->compute (NCCL) or
+ * synchronise it (host/sim); results are the same as overlapped. TODO
+ * (needs §4/§9/§11): a way to enqueue a collective on ctx->comm, after which
+ * this section records an event on compute, makes comm wait on it, runs the
+ * gather (resp. the dgrad reduction) on comm while the dgrad (resp. wgrad)
+ * GEMM runs on compute, and joins with a second event before the consumer. */
+
+static cpar_status cpar__lin_column_backward(cpar_linear *l, const char *fn, const cpar_tensor *dy, cpar_tensor *dx) {
+    cpar_ctx *ctx = l->ctx;
+    const cpar_dtype dt = l->cfg.dtype;
+    const size_t es = cpar_dtype_size(dt);
+    const int n = l->n;
+    const bool sp = l->cfg.sequence_parallel && n > 1, go = l->cfg.gather_output && n > 1;
+    const bool wgrad = l->dw.data != NULL, bgrad = l->db.data != NULL;
+    const cpar_tensor *x = &l->x;
+    const int64_t T = cpar__lin_tokens(dy), K = l->in_l, N = l->out_l;
+    cpar__lin_ws w = {0};
+    int s_xg = cpar__lin_ws_add(&w, sp && wgrad ? (size_t)(T * K) * es : 0);
+    int s_dx = cpar__lin_ws_add(&w, sp && dx ? (size_t)(T * K) * es : 0);
+    int s_one = cpar__lin_ws_add(&w, bgrad ? (size_t)T * es : 0);
+    CPAR_TRY(cpar__lin_ws_carve(ctx, fn, &w));
+    /* with gather_output, this rank's columns of dy (split of the last dim), read in place */
+    const void *dY = go ? (const char *)dy->data + (size_t)(l->r * N) * es : dy->data;
+    const int64_t ldy = go ? N * n : N;
+    const void *X = x->data;
+    if (sp && wgrad) { /* re-gather the input (Megatron: async, overlapped with the dgrad GEMM) */
+        cpar_tensor xg = *x;
+        xg.shape[0] *= n;
+        xg.data = w.ptr[s_xg];
+        CPAR_TRY(cpar_all_gather(l->tp, x, &xg, NULL));
+        X = xg.data;
+    }
+    if (dx) {
+        void *dX = sp ? w.ptr[s_dx] : dx->data;
+        CPAR_TRY(cpar__lin_dgrad(l, fn, dY, ldy, T, N, K, dX, K));
+        if (sp) { /* reduce-scatter of dgrad (Megatron: async, overlapped with the wgrad GEMM) */
+            cpar_tensor full = *x;
+            full.shape[0] *= n;
+            full.data = dX;
+            CPAR_TRY(cpar_reduce_scatter(l->tp, &full, dx, CPAR_SUM, NULL));
+        } else if (n > 1 && !l->cfg.disable_grad_reduce) {
+            CPAR_TRY(cpar_all_reduce(l->tp, dx, dx, CPAR_SUM));
+        }
+    }
+    if (wgrad) CPAR_TRY(cpar__lin_wgrad(l, fn, dY, ldy, X, K, T, N, K));
+    if (bgrad) {
+        CPAR_TRY(cpar__lin_ones(l, fn, w.ptr[s_one], T));
+        CPAR_TRY(cpar__lin_bias_grad(l, fn, dY, ldy, T, N, w.ptr[s_one]));
+    }
+    return CPAR_OK;
+}
+
+static cpar_status cpar__lin_row_backward(cpar_linear *l, const char *fn, const cpar_tensor *dy, cpar_tensor *dx) {
+    cpar_ctx *ctx = l->ctx;
+    const cpar_dtype dt = l->cfg.dtype;
+    const size_t es = cpar_dtype_size(dt);
+    const int n = l->n;
+    const bool sp = l->cfg.sequence_parallel && n > 1, iip = l->cfg.input_is_parallel;
+    const bool wgrad = l->dw.data != NULL, bgrad = l->db.data != NULL;
+    const bool gather_dx = dx && !iip && n > 1;
+    const cpar_tensor *x = &l->x;
+    const int64_t T = cpar__lin_tokens(x), K = l->in_l, N = l->out_l;
+    cpar__lin_ws w = {0};
+    int s_dy = cpar__lin_ws_add(&w, sp ? (size_t)(T * N) * es : 0);
+    int s_dxl = cpar__lin_ws_add(&w, gather_dx ? (size_t)(T * K) * es : 0);
+    int s_st = cpar__lin_ws_add(&w, gather_dx ? (size_t)(T * K * n) * es : 0);
+    int s_one = cpar__lin_ws_add(&w, bgrad ? (size_t)T * es : 0);
+    CPAR_TRY(cpar__lin_ws_carve(ctx, fn, &w));
+    const void *dY = dy->data;
+    if (sp) { /* backward of reduce_scatter_to_sequence_parallel_region */
+        cpar_tensor g = *dy;
+        g.shape[0] *= n;
+        g.data = w.ptr[s_dy];
+        CPAR_TRY(cpar_all_gather(l->tp, dy, &g, NULL));
+        dY = g.data;
+    }
+    const void *X = iip ? x->data : (const char *)x->data + (size_t)(l->r * K) * es;
+    const int64_t ldx = iip ? K : l->cfg.input_size;
+    if (dx) {
+        void *dX = gather_dx ? w.ptr[s_dxl] : dx->data;
+        CPAR_TRY(cpar__lin_dgrad(l, fn, dY, N, T, N, K, dX, K));
+        if (gather_dx) { /* backward of scatter_to_tp_region: all-gather of the last dim */
+            int64_t ls[2] = {T, K}, gs[2] = {T * n, K};
+            cpar_tensor xl = cpar_tensor_make(dX, dt, 2, ls, ctx->device);
+            cpar_tensor st = cpar_tensor_make(w.ptr[s_st], dt, 2, gs, ctx->device);
+            CPAR_TRY(cpar_all_gather(l->tp, &xl, &st, NULL));
+            for (int j = 0; j < n; j++)
+                CPAR_TRY(cpar__copy_2d(ctx, fn, (char *)dx->data + (size_t)(j * K) * es, (size_t)(K * n) * es,
+                                       ctx->device, (const char *)st.data + (size_t)(j * T * K) * es, (size_t)K * es,
+                                       ctx->device, (size_t)K * es, (size_t)T));
+        }
+    }
+    if (wgrad) CPAR_TRY(cpar__lin_wgrad(l, fn, dY, N, X, ldx, T, N, K));
+    if (bgrad) {
+        CPAR_TRY(cpar__lin_ones(l, fn, w.ptr[s_one], T));
+        CPAR_TRY(cpar__lin_bias_grad(l, fn, dY, N, T, N, w.ptr[s_one]));
+    }
+    return CPAR_OK;
+}
+
+cpar_status cpar_linear_backward(cpar_linear *l, const cpar_tensor *dy, cpar_tensor *dx) {
+    static const char fn[] = "cpar_linear_backward";
+    if (!l) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: l is NULL", fn);
+    cpar_ctx *ctx = l->ctx;
+    if (!l->have_x)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: no forward input is kept (call cpar_linear_forward first)", fn);
+    CPAR_TRY(cpar__lin_check_act(l, fn, "dy", dy));
+    int64_t want[CPAR_MAX_DIMS];
+    const char *why;
+    cpar__lin_y_shape(l, &l->x, want, &why);
+    CPAR_TRY(cpar__check_shape(ctx, fn, "dy", dy, want, l->x.ndim, why));
+    if (dx) {
+        CPAR_TRY(cpar__lin_check_act(l, fn, "dx", dx));
+        CPAR_TRY(cpar__check_shape(ctx, fn, "dx", dx, l->x.shape, l->x.ndim, "as forward's x"));
+        if (cpar__ranges_overlap(dx->data, cpar_tensor_nbytes(dx), dy->data, cpar_tensor_nbytes(dy)))
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dx overlaps dy", fn);
+        if (cpar__ranges_overlap(dx->data, cpar_tensor_nbytes(dx), l->x.data, cpar_tensor_nbytes(&l->x)))
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dx overlaps forward's x (still needed for the weight gradient)", fn);
+    }
+    return l->row ? cpar__lin_row_backward(l, fn, dy, dx) : cpar__lin_column_backward(l, fn, dy, dx);
 }

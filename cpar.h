@@ -25,6 +25,7 @@
  *   8. Tensor-parallel mappings and utilities
  *   9. RNG, dropout and activation checkpointing
  *  10. Vocabulary-parallel embedding and cross entropy
+ *  11. Linear layers (column- and row-parallel)
  */
 #ifndef CPAR_H
 #define CPAR_H
@@ -942,6 +943,135 @@ cpar_status cpar_dev_embedding_lookup(const void *weight, cpar_dtype dt, const v
 cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
                                     int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
                                     float *dweight, bool deterministic, cpar_dev_stream st);
+
+
+/* ==== 11. Linear layers ====================================================
+ * Megatron's ColumnParallelLinear, RowParallelLinear, LinearWithFrozenWeight
+ * and linear_with_grad_accumulation_and_async_allreduce (seed 001, layers.py)
+ * as one object, cpar_linear. Y = X W^T + b, row-major, tokens first:
+ *
+ *   column: weight [out/tp, in], bias [out/tp] (partitioned)
+ *     x [s, b, in]           (sequence_parallel: [s/tp, b, in], all-gathered
+ *                             along dim 0 into the context workspace first)
+ *     y [s, b, out/tp]       (gather_output: [s, b, out], all-gathered along
+ *                             the last dim; not with sequence_parallel)
+ *     backward: dx = dy W, then all-reduce over tp (sequence_parallel:
+ *       reduce-scatter along dim 0 into [s/tp, b, in]; disable_grad_reduce:
+ *       neither with tp > 1 and no sequence parallelism: dx is this rank's
+ *       partial sum, as Megatron's allreduce_dgrad == False);
+ *       with gather_output dy is [s, b, out] and its last dim is split first.
+ *   row: weight [out, in/tp], bias [out] (not partitioned)
+ *     x [s, b, in/tp] with input_is_parallel, else x [s, b, in] of which this
+ *       rank uses columns [r in/tp, (r+1) in/tp) (scatter_to_tp_region; read
+ *       in place through the GEMM's leading dimension, no copy)
+ *     y = all-reduce(x W^T) [s, b, out], or with sequence_parallel (requires
+ *       input_is_parallel) reduce-scatter along dim 0 into [s/tp, b, out];
+ *       then + bias (after the reduction) unless skip_bias_add
+ *     backward: dy (sequence_parallel: [s/tp, b, out], all-gathered along dim
+ *       0 first), dx = dy W [s, b, in/tp]; without input_is_parallel dx is
+ *       [s, b, in]: the ranks' slices all-gathered along the last dim (the
+ *       backward of scatter_to_tp_region).
+ *
+ * x and y may have any number of leading dims ([s, b, h] or [T, h]); the
+ * last dim is the feature dim and dim 0 the sequence (split by sequence
+ * parallelism, so it must be divisible by tp there). Every activation has
+ * the layer's dtype and lives on the context's device (host memory on the
+ * host backend). F32 accumulation everywhere: on device tensors the GEMMs are
+ * cuBLAS (cpar_dev_gemm, fp32 compute), on host tensors a loop reference with
+ * the same operand mapping.
+ *
+ * Gradients: weight and bias gradients accumulate (+=) into fp32 main-grad
+ * buffers owned by the layer (Megatron's gradient_accumulation_fusion,
+ * always on: the wgrad GEMM has beta = 1 into the F32 buffer; the bias grad is
+ * a GEMM of dy with a ones vector, beta = 1). cpar_linear_zero_grad clears
+ * them. frozen: no weight gradient (LinearWithFrozenWeight; no main grad is
+ * allocated), the bias gradient is still accumulated. skip_bias_add: the
+ * caller adds the bias it receives to y, so d(bias) = sum over tokens of dy
+ * and backward accumulates it all the same. Row + sequence_parallel: the bias
+ * gradient is summed over the all-gathered dy, so it is the full gradient on
+ * every rank (Megatron marks that bias sequence_parallel and all-reduces its
+ * partial gradient in finalize_model_grads; cpar needs no extra step).
+ *
+ * Forward keeps a reference to x (not a copy; with sequence parallelism the
+ * local shard, re-gathered in backward): the caller keeps x alive and
+ * unchanged until the matching backward. Temporaries come from the context
+ * workspace (one carve per call); nothing is allocated after warm-up.
+ * Collective calls are over tp, in the same order on every member. Bytes
+ * moved are the minimum of each mapping (see cpar_comm_stats):
+ *   column fwd: SP all-gather of x; gather_output all-gather of y. Nothing else.
+ *   column bwd: SP all-gather of x + reduce-scatter of dx; else all-reduce of
+ *               dx (none with disable_grad_reduce).
+ *   row fwd:    all-reduce of y (SP: reduce-scatter).
+ *   row bwd:    SP all-gather of dy; !input_is_parallel all-gather of dx.
+ * A group of size 1 moves nothing. Backward issues its work in Megatron's
+ * overlap order (gather x | dgrad, then reduce dgrad | wgrad) but, for now,
+ * sequentially on the compute stream (no overlap on GPUs yet).
+ *
+ * Bad arguments are CPAR_ERR_INVALID naming the function and the argument
+ * with the tp numbers, e.g.
+ *   "cpar_linear_forward: x has shape [8,2,1024], expected [*,*,512] (input_size/tp with tp=2)". */
+
+typedef struct cpar_linear_config {
+    int64_t input_size, output_size; /* global sizes (Megatron's), > 0 */
+    cpar_dtype dtype;                /* weights and activations: F32 (0), F16 or BF16 */
+    bool bias;                       /* has a bias */
+    bool gather_output;              /* column: all-gather y along the last dim */
+    bool input_is_parallel;          /* row: x already split along the last dim */
+    bool skip_bias_add;              /* forward returns the bias in bias_out instead of adding it */
+    bool sequence_parallel;          /* see above; column: not with gather_output; row: needs input_is_parallel */
+    bool disable_grad_reduce;        /* column: no all-reduce of dx (ignored with sequence_parallel) */
+    bool frozen;                     /* no weight gradient (LinearWithFrozenWeight) */
+    int stride;                      /* 0 -> 1: partition stride of the master weight (init_from_master) */
+} cpar_linear_config;
+
+typedef struct cpar_linear cpar_linear;
+
+/* Create a layer on tp's context: the weight (uninitialised: call an init),
+ * zero bias, zero main grads. output_size (column) or input_size (row) must
+ * be divisible by tp * stride. Collective-free. */
+cpar_status cpar_column_parallel_linear_create(cpar_group *tp, const cpar_linear_config *cfg, cpar_linear **out);
+cpar_status cpar_row_parallel_linear_create(cpar_group *tp, const cpar_linear_config *cfg, cpar_linear **out);
+/* Frees everything the layer owns. NULL is fine. */
+cpar_status cpar_linear_destroy(cpar_linear *l);
+
+/* Views of the layer's tensors on the context's device (data NULL when the
+ * layer has none: no bias, or frozen for the weight grad). The caller may
+ * read and write through them (e.g. an optimizer step). */
+cpar_tensor cpar_linear_weight(const cpar_linear *l);      /* [out/tp, in] or [out, in/tp], cfg dtype */
+cpar_tensor cpar_linear_bias(const cpar_linear *l);        /* [out/tp] or [out], cfg dtype */
+cpar_tensor cpar_linear_weight_grad(const cpar_linear *l); /* F32 main grad, weight's shape */
+cpar_tensor cpar_linear_bias_grad(const cpar_linear *l);   /* F32, bias's shape */
+
+/* Megatron's _initialize_affine_weight_cpu: master_weight host F32
+ * [output_size, input_size] (the same on every rank); the partition dim (0
+ * column, 1 row) is cut into tp * stride equal chunks and rank r takes chunks
+ * r, r + tp, r + 2 tp, ... in order, rounded to the layer's dtype.
+ * master_bias host F32 [output_size] or NULL (then the bias is zero):
+ * column takes its rows the same way, row keeps it whole. No communication. */
+cpar_status cpar_linear_init_from_master(cpar_linear *l, const cpar_tensor *master_weight,
+                                         const cpar_tensor *master_bias);
+/* Megatron's _initialize_affine_weight_gpu with init_method normal(0, std):
+ * the local weight is drawn (cpar_rng_normal) under a fork of
+ * CPAR_RNG_MODEL_PARALLEL, so each TP rank draws from its own state and the
+ * result is reproducible for a fixed cpar_model_parallel_manual_seed. The
+ * tracker must have that state (else CPAR_ERR_INVALID saying so). Bias zero. */
+cpar_status cpar_linear_init_random(cpar_linear *l, float std);
+
+/* y (and bias_out) preallocated with the shapes above; bias_out [out/tp]
+ * (column) or [out] (row) in the layer's dtype receives the bias when
+ * skip_bias_add and the layer has one; it is ignored (may be NULL) otherwise. */
+cpar_status cpar_linear_forward(cpar_linear *l, const cpar_tensor *x, cpar_tensor *y, cpar_tensor *bias_out);
+/* dy shaped like forward's y; dx shaped like forward's x, or NULL: no input
+ * gradient (no dgrad GEMM and no dgrad communication). Accumulates the main
+ * grads. Needs a prior forward (whose x the caller kept alive). */
+cpar_status cpar_linear_backward(cpar_linear *l, const cpar_tensor *dy, cpar_tensor *dx);
+/* Main grads = 0. */
+cpar_status cpar_linear_zero_grad(cpar_linear *l);
+
+/* ---- device layer (internal) -------------------------------------------------
+ * None: the linear layers need no kernels of their own. The GEMMs, the bias
+ * add (a k = 1 rank-one update y += bias 1^T) and the bias-grad column sums
+ * (db += dy^T 1) are cpar_dev_gemm calls; the ones vector is cpar_dev_fill. */
 
 
 #ifdef __cplusplus
