@@ -244,6 +244,120 @@ static cpar_status run_xent(cpar_ctx *ctx, void *arg) {
     return CPAR_OK;
 }
 
+/* ---- linear layers -------------------------------------------------------------
+ * Megatron's MLP block: column-parallel [h -> 4h] then row-parallel [4h -> h]
+ * on activations [s, b, h], forward + backward (dgrad and wgrad), fp32. The
+ * ceiling is the FLOP rate of one plain GEMM of the same per-rank work on
+ * this backend, measured in this run (a 1-rank layer forward). */
+typedef struct {
+    int iters;
+    bool sp;
+    int64_t s, b, h;
+    double seconds;
+    uint64_t recv;
+} mlp_case;
+
+static cpar_status run_mlp(cpar_ctx *ctx, void *arg) {
+    mlp_case *c = arg;
+    cpar_group *g = cpar_world_group(ctx);
+    int n = cpar_group_size(g);
+    int64_t s_loc = c->sp ? c->s / n : c->s;
+    int64_t xs[3] = {s_loc, c->b, c->h}, ms[3] = {c->s, c->b, 4 * c->h / n};
+    cpar_linear_config col = {.input_size = c->h, .output_size = 4 * c->h, .bias = true, .sequence_parallel = c->sp};
+    cpar_linear_config row = {.input_size = 4 * c->h, .output_size = c->h, .bias = true, .input_is_parallel = true,
+                              .sequence_parallel = c->sp};
+    cpar_linear *l1, *l2;
+    TRY(cpar_model_parallel_manual_seed(ctx, 1234, cpar_group_rank(g), 0, 0));
+    TRY(cpar_column_parallel_linear_create(g, &col, &l1));
+    TRY(cpar_row_parallel_linear_create(g, &row, &l2));
+    TRY(cpar_linear_init_random(l1, 0.02f));
+    TRY(cpar_linear_init_random(l2, 0.02f));
+    cpar_tensor x, dx, m, dm, y, dy;
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 3, xs, &x));
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 3, xs, &dx));
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 3, ms, &m));
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 3, ms, &dm));
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 3, xs, &y));
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 3, xs, &dy));
+    TRY(cpar_rng_uniform(ctx, &x, -1.0f, 1.0f));
+    TRY(cpar_rng_uniform(ctx, &dy, -1.0f, 1.0f));
+    double *t = malloc(sizeof(double) * (size_t)c->iters);
+    for (int it = -1; it < c->iters; it++) {
+        TRY(cpar_barrier(g));
+        if (it == 0) TRY(cpar_group_stats_reset(g));
+        double t0 = now_s();
+        TRY(cpar_linear_forward(l1, &x, &m, NULL));
+        TRY(cpar_linear_forward(l2, &m, &y, NULL));
+        TRY(cpar_linear_backward(l2, &dy, &dm));
+        TRY(cpar_linear_backward(l1, &dm, &dx));
+        TRY(cpar_sync(ctx));
+        if (it >= 0) t[it] = now_s() - t0;
+    }
+    if (cpar_rank(ctx) == 0) {
+        qsort(t, (size_t)c->iters, sizeof *t, cmp_double);
+        c->seconds = t[c->iters / 2];
+        cpar_comm_stats st;
+        TRY(cpar_group_stats(g, &st));
+        uint64_t recv = 0;
+        for (int k = 0; k < CPAR_COLL_KIND_COUNT; k++)
+            if (k != CPAR_COLL_BARRIER) recv += st.kind[k].bytes_recv;
+        c->recv = recv / (uint64_t)c->iters;
+    }
+    free(t);
+    cpar_tensor *ts[] = {&x, &dx, &m, &dm, &y, &dy};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) TRY(cpar_tensor_free(ctx, ts[i]));
+    TRY(cpar_linear_destroy(l1));
+    return cpar_linear_destroy(l2);
+}
+
+/* The GEMM ceiling: a 1-rank linear forward [tokens, k] x [k, n]. */
+typedef struct {
+    int iters;
+    int64_t tokens, k, n;
+    double flops;
+} gemm_case;
+
+static cpar_status run_gemm(cpar_ctx *ctx, void *arg) {
+    gemm_case *c = arg;
+    int64_t xs[2] = {c->tokens, c->k}, ys[2] = {c->tokens, c->n};
+    cpar_linear_config cfg = {.input_size = c->k, .output_size = c->n};
+    cpar_linear *l;
+    TRY(cpar_model_parallel_manual_seed(ctx, 1, 0, 0, 0));
+    TRY(cpar_column_parallel_linear_create(cpar_world_group(ctx), &cfg, &l));
+    TRY(cpar_linear_init_random(l, 0.02f));
+    cpar_tensor x, y;
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 2, xs, &x));
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 2, ys, &y));
+    TRY(cpar_rng_uniform(ctx, &x, -1.0f, 1.0f));
+    double *t = malloc(sizeof(double) * (size_t)c->iters);
+    for (int it = -1; it < c->iters; it++) {
+        TRY(cpar_sync(ctx));
+        double t0 = now_s();
+        TRY(cpar_linear_forward(l, &x, &y, NULL));
+        TRY(cpar_sync(ctx));
+        if (it >= 0) t[it] = now_s() - t0;
+    }
+    qsort(t, (size_t)c->iters, sizeof *t, cmp_double);
+    c->flops = 2.0 * (double)(c->tokens * c->k * c->n) / t[c->iters / 2];
+    free(t);
+    TRY(cpar_tensor_free(ctx, &x));
+    TRY(cpar_tensor_free(ctx, &y));
+    return cpar_linear_destroy(l);
+}
+
+/* What rank 0 must receive at least for one MLP forward + backward: without
+ * SP two all-reduces of the [s, b, h] activation (row forward, column dgrad);
+ * with SP five (n-1)/n shares of it (gather x, reduce-scatter y, gather dy,
+ * re-gather x, reduce-scatter dx). */
+static uint64_t mlp_min_recv(int n, bool sp, int64_t elems) {
+    if (n == 1) return 0;
+    uint64_t bytes = (uint64_t)elems * sizeof(float), share = bytes / (uint64_t)n;
+    if (sp) return 5 * (bytes - share);
+    int64_t lo = 0, hi = (elems + n - 1) / n; /* rank 0's even share of the elements */
+    uint64_t mine = (uint64_t)(hi - lo) * sizeof(float);
+    return 2 * ((bytes - mine) + (uint64_t)(n - 1) * mine);
+}
+
 int main(void) {
     int iters = env_int("CPAR_BENCH_ITERS", 10), max_mib = env_int("CPAR_BENCH_MAX_MIB", 16);
     cpar_backend backend = cpar_backend_available(CPAR_BACKEND_NCCL) ? CPAR_BACKEND_NCCL : CPAR_BACKEND_HOST;
@@ -326,5 +440,34 @@ int main(void) {
                (unsigned long long)min, local / c.fwd / 1e9 / (2 * ceiling.gbps),
                2 * local / c.bwd / 1e9 / (2 * ceiling.gbps));
     }
+
+    /* Linear layers: FLOP rate per rank of the MLP forward + backward (6
+     * GEMM-equivalents of 2*T*h*4h each, split over n ranks) against the
+     * single-rank GEMM ceiling. */
+    bool nccl = backend == CPAR_BACKEND_NCCL;
+    int64_t ms_len = nccl ? 4096 : 128, mb = 2, mh = nccl ? 4096 : 128;
+    gemm_case gc = {.iters = iters, .tokens = ms_len * mb, .k = mh, .n = 4 * mh};
+    if (cpar_spawn(1, backend, run_gemm, &gc) != CPAR_OK) {
+        fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+        return 1;
+    }
+    printf("\nMLP [s,b,h]=[%lld,%lld,%lld] fp32, column h->4h then row 4h->h; GEMM ceiling (1-rank layer "
+           "forward [%lld x %lld] x [%lld x %lld]): %.2f GFLOP/s\n",
+           (long long)ms_len, (long long)mb, (long long)mh, (long long)(ms_len * mb), (long long)mh, (long long)mh,
+           (long long)(4 * mh), gc.flops / 1e9);
+    printf("%-26s %5s %4s %11s %12s %12s %14s %9s\n", "linear fwd+bwd", "ranks", "sp", "time", "recv/rank", "minimum",
+           "GFLOP/s/rank", "/ceiling");
+    for (int n = 1; n <= max_ranks; n *= 2)
+        for (int sp = 0; sp <= (n > 1); sp++) {
+            mlp_case c = {.iters = iters, .sp = sp, .s = ms_len, .b = mb, .h = mh};
+            if (cpar_spawn(n, backend, run_mlp, &c) != CPAR_OK) {
+                fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+                return 1;
+            }
+            double flops = 6.0 * 2.0 * (double)(ms_len * mb * mh * 4 * mh) / n / c.seconds;
+            printf("%-26s %5d %4s %8.3f ms %12llu %12llu %14.2f %9.2f\n", "column -> row MLP", n, sp ? "yes" : "no",
+                   c.seconds * 1e3, (unsigned long long)c.recv,
+                   (unsigned long long)mlp_min_recv(n, sp, ms_len * mb * mh), flops / 1e9, flops / gc.flops);
+        }
     return 0;
 }
