@@ -98,6 +98,8 @@ struct cpar_ctx {
     void *coll_ws;        /* the host/sim collectives' device accumulator, apart from ws so a */
     size_t coll_ws_bytes; /* caller may keep scratch in ws across a collective */
     cpar_dev_stream compute, comm;
+    cpar_dev_stream coll_stream; /* where the collectives enqueue: NULL = compute; set only
+                                  * between cpar__on_comm_stream and cpar__on_compute_stream */
     cpar_dev_blas blas;
     struct cpar__rng *rng; /* RNG tracker (section 15); NULL until first use */
     bool aborted;
@@ -463,20 +465,41 @@ static cpar_copy_kind cpar__copy_kind(int dst_device, int src_device) {
     return cpar__on_device(src_device) ? CPAR_COPY_D2H : CPAR_COPY_H2H;
 }
 
-/* Copy bytes between any two memories, stream-ordered on the compute stream;
- * a copy into host memory is complete on return. */
-static cpar_status cpar__copy_bytes(cpar_ctx *ctx, const char *fn, void *dst, int dst_device, const void *src,
-                                    int src_device, size_t bytes) {
+/* The stream the collectives enqueue on (sections 8, 9, 11): the compute
+ * stream, or the communication stream between cpar__on_comm_stream and
+ * cpar__on_compute_stream. The caller of the pair orders the communication
+ * stream after the compute work it depends on (events) and joins it back
+ * before anything on compute consumes the result; the pair is never left
+ * set across a return to the user, so the public collectives keep their
+ * compute-stream behaviour. Host tensors: both are no-ops. */
+static cpar_dev_stream cpar__coll_stream(const cpar_ctx *ctx) {
+    return ctx->coll_stream ? ctx->coll_stream : ctx->compute;
+}
+static void cpar__on_comm_stream(cpar_ctx *ctx) {
+    if (cpar__on_device(ctx->device)) ctx->coll_stream = ctx->comm;
+}
+static void cpar__on_compute_stream(cpar_ctx *ctx) { ctx->coll_stream = NULL; }
+
+/* Copy bytes between any two memories, stream-ordered on stream s; a copy
+ * into host memory is complete on return. */
+static cpar_status cpar__copy_bytes_on(cpar_ctx *ctx, const char *fn, cpar_dev_stream s, void *dst, int dst_device,
+                                       const void *src, int src_device, size_t bytes) {
     if (!bytes || dst == src) return CPAR_OK;
     cpar_copy_kind kind = cpar__copy_kind(dst_device, src_device);
     if (kind == CPAR_COPY_H2H) {
         memmove(dst, src, bytes);
         return CPAR_OK;
     }
-    cpar_dev_stream s = ctx ? ctx->compute : NULL;
     CPAR_DEV_TRY(ctx, fn, cpar_dev_memcpy(dst, src, bytes, kind, s));
     if (kind == CPAR_COPY_D2H) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(s));
     return CPAR_OK;
+}
+
+/* Copy bytes between any two memories, stream-ordered on the compute stream;
+ * a copy into host memory is complete on return. */
+static cpar_status cpar__copy_bytes(cpar_ctx *ctx, const char *fn, void *dst, int dst_device, const void *src,
+                                    int src_device, size_t bytes) {
+    return cpar__copy_bytes_on(ctx, fn, ctx ? ctx->compute : NULL, dst, dst_device, src, src_device, bytes);
 }
 
 /* Pitched 2-D copy (rows of row_bytes) between any two memories. */
@@ -512,12 +535,15 @@ static void cpar__mem_free(int device, void *p) {
 }
 
 /* At least bytes of a growing buffer on the context's device. It only grows
- * (while warming up); growing waits for queued work that may still use the
- * old buffer. */
+ * (while warming up); growing waits for queued work on both streams that may
+ * still use the old buffer. */
 static cpar_status cpar__grow_buffer(cpar_ctx *ctx, const char *fn, void **buf, size_t *have, size_t bytes) {
     if (bytes > *have) {
         size_t want = bytes + bytes / 4 + 4096;
-        if (*buf && cpar__on_device(ctx->device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+        if (*buf && cpar__on_device(ctx->device)) {
+            CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+            if (ctx->comm) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->comm));
+        }
         cpar__mem_free(ctx->device, *buf);
         *buf = NULL;
         *have = 0;
@@ -2393,7 +2419,8 @@ static void cpar__even_share(int64_t n, int size, int r, int64_t *lo, int64_t *h
 /* outs[k][out_off + i] = op over j of ins[j][in_off + i], i < count, in rank
  * order with fp32 accumulation of float types. On host memory it works in
  * blocks through a stack accumulator; on device memory through an fp32 (or
- * integer) accumulator in the workspace and the reduce/cast kernels. */
+ * integer) accumulator in ctx->coll_ws and the reduce/cast kernels, on the
+ * stream the collective runs on (cpar__coll_stream). */
 static cpar_status cpar__reduce_rows(cpar_ctx *ctx, const char *fn, cpar_dtype dt, cpar_reduce_op op, int device,
                                      const void *const *ins, int nin, int64_t in_off, void *const *outs, int nout,
                                      int64_t out_off, int64_t count) {
@@ -2417,7 +2444,7 @@ static cpar_status cpar__reduce_rows(cpar_ctx *ctx, const char *fn, cpar_dtype d
     }
     CPAR_TRY(cpar__grow_buffer(ctx, fn, &ctx->coll_ws, &ctx->coll_ws_bytes, (size_t)count * acc_es));
     void *acc = ctx->coll_ws;
-    cpar_dev_stream s = ctx->compute;
+    cpar_dev_stream s = cpar__coll_stream(ctx);
     CPAR_DEV_TRY(ctx, fn, cpar_dev_cast(acc, acc_dt, (const char *)ins[0] + (size_t)in_off * es, dt, count, s));
     for (int j = 1; j < nin; j++)
         CPAR_DEV_TRY(ctx, fn, cpar_dev_reduce_into(acc, (const char *)ins[j] + (size_t)in_off * es, dt, count, op, s));
@@ -2478,6 +2505,11 @@ static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar
     cpar_ctx *ctx = g->ctx;
     cpar__hcomm *hc = g->hc;
     int n = g->size, me = g->rank, dev = ctx->device;
+    const cpar_dev_stream cs = cpar__coll_stream(ctx);
+    /* On the communication stream: peers read our buffers as soon as the
+     * rendezvous publishes them, so work already queued on compute (which may
+     * produce them) must be finished first. On compute, stream order does it. */
+    if (cpar__on_device(dev) && cs != ctx->compute) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
     cpar__hc_post(g, mine);
     CPAR_TRY(cpar__hc_rendezvous(g, fn));
     cpar_status st = cpar__hc_validate(g, fn);
@@ -2511,7 +2543,7 @@ static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar
         size_t off = 0;
         for (int m = 0; m < n && st == CPAR_OK; m++) {
             size_t bytes = (size_t)sl[m].rows * row;
-            st = cpar__copy_bytes(ctx, fn, (char *)mine->out + off, dev, sl[m].in, dev, bytes);
+            st = cpar__copy_bytes_on(ctx, fn, cs, (char *)mine->out + off, dev, sl[m].in, dev, bytes);
             off += bytes;
         }
         break;
@@ -2522,21 +2554,21 @@ static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar
             int64_t src_row = 0;
             for (int j = 0; j < me; j++) src_row += sl[m].in_splits[j];
             size_t bytes = (size_t)mine->out_splits[m] * row;
-            st = cpar__copy_bytes(ctx, fn, (char *)mine->out + off, dev, (const char *)sl[m].in + (size_t)src_row * row,
-                                  dev, bytes);
+            st = cpar__copy_bytes_on(ctx, fn, cs, (char *)mine->out + off, dev,
+                                     (const char *)sl[m].in + (size_t)src_row * row, dev, bytes);
             off += bytes;
         }
         break;
     }
     case CPAR_COLL_BROADCAST:
         if (me != mine->root)
-            st = cpar__copy_bytes(ctx, fn, mine->out, dev, sl[mine->root].in, dev, (size_t)mine->rows * row);
+            st = cpar__copy_bytes_on(ctx, fn, cs, mine->out, dev, sl[mine->root].in, dev, (size_t)mine->rows * row);
         break;
     default: break;
     }
     /* Device work reads peers' buffers: finish it before releasing them. */
     if (st == CPAR_OK && cpar__on_device(dev)) {
-        cpar_status ds = cpar_dev_stream_sync(ctx->compute);
+        cpar_status ds = cpar_dev_stream_sync(cs);
         if (ds != CPAR_OK) st = cpar__dev_fail(ctx, ds, fn);
     }
     cpar_status st2 = cpar__hc_rendezvous(g, fn);
@@ -2551,6 +2583,10 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
     cpar__job *job = hc->job;
     cpar_ctx *ctx = g->ctx;
     int me = g->rank, n = hc->n;
+    const cpar_dev_stream cs = cpar__coll_stream(ctx);
+    /* As in cpar__hc_collective: our send buffer is read once posted. */
+    if (cpar__on_device(ctx->device) && cs != ctx->compute)
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
     int64_t deadline = cpar__now_ms() + ctx->timeout_ms;
     cpar_status st = CPAR_OK;
     pthread_mutex_lock(&job->mu);
@@ -2580,9 +2616,9 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
                 st = cpar__fail(ctx, CPAR_ERR_INVALID, "%s: rank %d sent %zu bytes, the receive buffer has %zu", fn,
                                 hc->world_ranks[from], bytes, recv_bytes);
             else
-                st = cpar__copy_bytes(ctx, fn, recv, ctx->device, src, ctx->device, bytes);
+                st = cpar__copy_bytes_on(ctx, fn, cs, recv, ctx->device, src, ctx->device, bytes);
             if (st == CPAR_OK && cpar__on_device(ctx->device)) {
-                cpar_status ds = cpar_dev_stream_sync(ctx->compute);
+                cpar_status ds = cpar_dev_stream_sync(cs);
                 if (ds != CPAR_OK) st = cpar__dev_fail(ctx, ds, fn);
             }
             pthread_mutex_lock(&job->mu);
@@ -2700,11 +2736,12 @@ static void cpar__nccl_destroy(ncclComm_t comm, bool aborted) {
     else ncclCommAbort(comm);
 }
 
-/* Enqueue one collective described by the caller's slot on the compute stream. */
+/* Enqueue one collective described by the caller's slot on the collectives'
+ * stream (cpar__coll_stream: compute unless a caller switched to comm). */
 static cpar_status cpar__nccl_collective(cpar_group *g, const char *fn, const cpar__slot *c) {
     cpar_ctx *ctx = g->ctx;
     ncclComm_t comm = g->nccl;
-    cudaStream_t s = (cudaStream_t)ctx->compute;
+    cudaStream_t s = (cudaStream_t)cpar__coll_stream(ctx);
     ncclDataType_t dt = cpar__nccl_dtype(c->dtype);
     size_t es = cpar_dtype_size(c->dtype), row = (size_t)c->row_elems * es;
     int n = g->size, me = g->rank;
@@ -2764,7 +2801,7 @@ static cpar_status cpar__nccl_collective(cpar_group *g, const char *fn, const cp
 static cpar_status cpar__nccl_sendrecv(cpar_group *g, const char *fn, const void *send, size_t send_bytes, int to,
                                        void *recv, size_t recv_bytes, int from) {
     cpar_ctx *ctx = g->ctx;
-    cudaStream_t s = (cudaStream_t)ctx->compute;
+    cudaStream_t s = (cudaStream_t)cpar__coll_stream(ctx);
     CPAR_NCCL_TRY(ctx, fn, g->nccl, ncclGroupStart());
     if (to >= 0) ncclSend(send, send_bytes, ncclUint8, to, g->nccl, s);
     if (from >= 0) ncclRecv(recv, recv_bytes, ncclUint8, from, g->nccl, s);
@@ -3021,6 +3058,13 @@ static cpar_status cpar__check_sizes(cpar_group *g, const char *fn, const char *
     return CPAR_OK;
 }
 
+/* The local copy of a group of size 1 (or a send to self), on the stream the
+ * collectives run on. */
+static cpar_status cpar__coll_copy(cpar_group *g, const char *fn, void *dst, int dst_device, const void *src,
+                                   int src_device, size_t bytes) {
+    return cpar__copy_bytes_on(g->ctx, fn, cpar__coll_stream(g->ctx), dst, dst_device, src, src_device, bytes);
+}
+
 static cpar_status cpar__run_collective(cpar_group *g, const char *fn, const cpar__slot *c) {
 #ifdef CPAR_WITH_NCCL
     if (g->nccl) return cpar__nccl_collective(g, fn, c);
@@ -3051,7 +3095,7 @@ cpar_status cpar_all_reduce(cpar_group *g, const cpar_tensor *in, cpar_tensor *o
     cpar__even_share(numel, n, g->rank, &lo, &hi);
     uint64_t moved = n > 1 ? (uint64_t)(bytes - (size_t)(hi - lo) * es) + (uint64_t)(n - 1) * (uint64_t)(hi - lo) * es : 0;
     cpar__count(g, CPAR_COLL_ALL_REDUCE, moved, moved);
-    if (n == 1) return cpar__copy_bytes(g->ctx, fn, out->data, out->device, in->data, in->device, bytes);
+    if (n == 1) return cpar__coll_copy(g, fn, out->data, out->device, in->data, in->device, bytes);
     cpar__slot c = {.kind = CPAR_COLL_ALL_REDUCE, .dtype = in->dtype, .op = op, .rows = numel, .row_elems = 1,
                     .in = in->data, .out = out->data};
     return cpar__run_collective(g, fn, &c);
@@ -3079,7 +3123,7 @@ cpar_status cpar_all_gather(cpar_group *g, const cpar_tensor *in, cpar_tensor *o
         return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: out overlaps in", fn);
     size_t own = cpar_tensor_nbytes(in);
     cpar__count(g, CPAR_COLL_ALL_GATHER, own * (size_t)(n - 1), cpar_tensor_nbytes(out) - own);
-    if (n == 1) return cpar__copy_bytes(g->ctx, fn, out->data, out->device, in->data, in->device, own);
+    if (n == 1) return cpar__coll_copy(g, fn, out->data, out->device, in->data, in->device, own);
     cpar__slot c = {.kind = CPAR_COLL_ALL_GATHER, .dtype = in->dtype, .rows = in->shape[0],
                     .row_elems = cpar__row_elems(in), .in = in->data, .out = out->data, .sizes = sizes};
     return cpar__run_collective(g, fn, &c);
@@ -3114,7 +3158,7 @@ cpar_status cpar_reduce_scatter(cpar_group *g, const cpar_tensor *in, cpar_tenso
         return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: out overlaps in", fn);
     size_t own = cpar_tensor_nbytes(out);
     cpar__count(g, CPAR_COLL_REDUCE_SCATTER, cpar_tensor_nbytes(in) - own, own * (size_t)(n - 1));
-    if (n == 1) return cpar__copy_bytes(g->ctx, fn, out->data, out->device, in->data, in->device, own);
+    if (n == 1) return cpar__coll_copy(g, fn, out->data, out->device, in->data, in->device, own);
     cpar__slot c = {.kind = CPAR_COLL_REDUCE_SCATTER, .dtype = in->dtype, .op = op, .rows = in->shape[0],
                     .row_elems = cpar__row_elems(in), .in = in->data, .out = out->data, .sizes = sizes};
     return cpar__run_collective(g, fn, &c);
@@ -3161,7 +3205,7 @@ cpar_status cpar_all_to_all_single(cpar_group *g, const cpar_tensor *in, cpar_te
         cpar__count(g, CPAR_COLL_ALL_TO_ALL, (size_t)(in_total - ins[g->rank]) * row,
                     (size_t)(out_total - outs[g->rank]) * row);
         if (n == 1) {
-            st = cpar__copy_bytes(g->ctx, fn, out->data, out->device, in->data, in->device, cpar_tensor_nbytes(in));
+            st = cpar__coll_copy(g, fn, out->data, out->device, in->data, in->device, cpar_tensor_nbytes(in));
         } else {
             cpar__slot c = {.kind = CPAR_COLL_ALL_TO_ALL, .dtype = in->dtype, .rows = in->shape[0],
                             .row_elems = cpar__row_elems(in), .in = in->data, .out = out->data,
@@ -3214,7 +3258,7 @@ static cpar_status cpar__sendrecv(cpar_group *g, const char *fn, const cpar_tens
     if (send && recv && send->data == recv->data && !self_send)
         return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: send and recv are the same buffer", fn);
     cpar__count(g, CPAR_COLL_SEND_RECV, self_send ? 0 : sb, self_recv ? 0 : rb);
-    if (self_send) return cpar__copy_bytes(g->ctx, fn, recv->data, recv->device, send->data, send->device, sb);
+    if (self_send) return cpar__coll_copy(g, fn, recv->data, recv->device, send->data, send->device, sb);
 #ifdef CPAR_WITH_NCCL
     if (g->nccl) return cpar__nccl_sendrecv(g, fn, send ? send->data : NULL, sb, send_to, recv ? recv->data : NULL, rb, recv_from);
 #endif
@@ -5416,6 +5460,11 @@ struct cpar_linear {
     cpar_tensor w, b, dw, db;
     bool have_x;             /* forward ran: x below is the input backward uses */
     cpar_tensor x;           /* forward's x as passed (a reference, not a copy) */
+    /* Column backward's stream fork/join (device contexts only, else NULL):
+     * ev_compute is recorded on compute for comm to wait on, ev_comm on comm
+     * for compute to wait on. Re-recording is fine: a wait uses the record
+     * that precedes it. */
+    cpar_dev_event ev_compute, ev_comm;
 };
 
 /* ---- the GEMM: cuBLAS column-major semantics on the device or a host loop ----
@@ -5550,6 +5599,14 @@ static cpar_status cpar__lin_create(cpar_group *tp, const cpar_linear_config *cf
         CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, CPAR_F32, 1, bshape, &l->db), st, fail);
     }
     if (!c.frozen) CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, CPAR_F32, 2, wshape, &l->dw), st, fail);
+    if (!row && cpar__on_device(ctx->device)) {
+        cpar_status es = cpar_dev_event_create(&l->ev_compute);
+        if (es == CPAR_OK) es = cpar_dev_event_create(&l->ev_comm);
+        if (es != CPAR_OK) {
+            st = cpar__dev_fail(ctx, es, fn);
+            goto fail;
+        }
+    }
     if (c.bias) CPAR_TRY_GOTO(cpar_fill(ctx, &l->b, 0.0), st, fail);
     CPAR_TRY_GOTO(cpar_linear_zero_grad(l), st, fail);
     *out = l;
@@ -5572,6 +5629,9 @@ cpar_status cpar_linear_destroy(cpar_linear *l) {
     cpar_tensor *all[] = {&l->w, &l->b, &l->dw, &l->db};
     for (int i = 0; i < 4; i++)
         if (all[i]->data) cpar_tensor_free(l->ctx, all[i]);
+    /* backward joined comm into compute before returning */
+    if (l->ev_compute) cpar_dev_event_destroy(l->ev_compute);
+    if (l->ev_comm) cpar_dev_event_destroy(l->ev_comm);
     free(l);
     return CPAR_OK;
 }
@@ -5828,15 +5888,34 @@ cpar_status cpar_linear_forward(cpar_linear *l, const cpar_tensor *x, cpar_tenso
 }
 
 /* ---- backward ----
- * Issue order is Megatron's overlapped schedule: the SP all-gather of the
- * input, the dgrad GEMM, the dgrad reduce-scatter / all-reduce, the wgrad
- * GEMM, the bias grad. Today everything runs in that order on the compute
- * stream, because §11's collectives always enqueue on ctx->compute (NCCL) or
- * synchronise it (host/sim); results are the same as overlapped. TODO
- * (needs §4/§9/§11): a way to enqueue a collective on ctx->comm, after which
- * this section records an event on compute, makes comm wait on it, runs the
- * gather (resp. the dgrad reduction) on comm while the dgrad (resp. wgrad)
- * GEMM runs on compute, and joins with a second event before the consumer. */
+ * Issue order is Megatron's overlapped schedule (column layer; the row
+ * layer's communication is outside its linear autograd function in Megatron
+ * and stays sequential here). On device tensors with tp > 1:
+ *   compute: record ev_compute                 comm: wait ev_compute
+ *   compute: dgrad GEMM -> dX                  comm: SP all-gather x -> xg
+ *   compute: record ev_compute                 comm: wait ev_compute,
+ *                                                    record ev_comm (gathered)
+ *   compute: wait ev_comm (xg ready)           comm: reduce-scatter dX -> dx
+ *                                                    (no SP: all-reduce dx)
+ *   compute: wgrad GEMM, bias grad             comm: record ev_comm
+ *   compute: wait ev_comm (join), return
+ * The GEMMs (one cuBLAS handle) stay on compute; only the collectives move
+ * (cpar__on_comm_stream). The workspace is carved once, into disjoint slots:
+ * xg (written by comm, read by compute), dX (written by compute, read by
+ * comm), the ones vector (compute); the host/sim accumulator coll_ws is used
+ * on comm only. The final join keeps the public contract: everything is
+ * stream-ordered on compute when the call returns. Host tensors: the same
+ * order, sequentially; the sim backend executes streams at issue time, so
+ * it runs this very code with identical results. */
+
+/* Record ev on stream from and make stream to wait for it (device only). */
+static cpar_status cpar__lin_order(cpar_linear *l, const char *fn, cpar_dev_event ev, cpar_dev_stream from,
+                                   cpar_dev_stream to) {
+    if (!ev) return CPAR_OK;
+    CPAR_DEV_TRY(l->ctx, fn, cpar_dev_event_record(ev, from));
+    CPAR_DEV_TRY(l->ctx, fn, cpar_dev_stream_wait_event(to, ev));
+    return CPAR_OK;
+}
 
 static cpar_status cpar__lin_column_backward(cpar_linear *l, const char *fn, const cpar_tensor *dy, cpar_tensor *dx) {
     cpar_ctx *ctx = l->ctx;
@@ -5845,10 +5924,14 @@ static cpar_status cpar__lin_column_backward(cpar_linear *l, const char *fn, con
     const int n = l->n;
     const bool sp = l->cfg.sequence_parallel && n > 1, go = l->cfg.gather_output && n > 1;
     const bool wgrad = l->dw.data != NULL, bgrad = l->db.data != NULL;
+    const bool gather = sp && wgrad, reduce = dx && (sp || (n > 1 && !l->cfg.disable_grad_reduce));
     const cpar_tensor *x = &l->x;
     const int64_t T = cpar__lin_tokens(dy), K = l->in_l, N = l->out_l;
+    /* two streams only when there is communication to overlap */
+    const bool overlap = l->ev_compute && cpar__on_device(ctx->device) && (gather || reduce);
+    cpar_dev_event ev_cp = overlap ? l->ev_compute : NULL, ev_cm = overlap ? l->ev_comm : NULL;
     cpar__lin_ws w = {0};
-    int s_xg = cpar__lin_ws_add(&w, sp && wgrad ? (size_t)(T * K) * es : 0);
+    int s_xg = cpar__lin_ws_add(&w, gather ? (size_t)(T * K) * es : 0);
     int s_dx = cpar__lin_ws_add(&w, sp && dx ? (size_t)(T * K) * es : 0);
     int s_one = cpar__lin_ws_add(&w, bgrad ? (size_t)T * es : 0);
     CPAR_TRY(cpar__lin_ws_carve(ctx, fn, &w));
@@ -5856,31 +5939,67 @@ static cpar_status cpar__lin_column_backward(cpar_linear *l, const char *fn, con
     const void *dY = go ? (const char *)dy->data + (size_t)(l->r * N) * es : dy->data;
     const int64_t ldy = go ? N * n : N;
     const void *X = x->data;
-    if (sp && wgrad) { /* re-gather the input (Megatron: async, overlapped with the dgrad GEMM) */
+    cpar_status st = CPAR_OK;
+    bool forked = false;
+    /* fork: comm starts after everything already queued on compute (x, dy,
+     * dx and the workspace are free to use) */
+    CPAR_TRY(cpar__lin_order(l, fn, ev_cp, ctx->compute, ctx->comm));
+    forked = overlap;
+    if (gather) { /* re-gather the input on comm, overlapped with the dgrad GEMM */
         cpar_tensor xg = *x;
         xg.shape[0] *= n;
         xg.data = w.ptr[s_xg];
-        CPAR_TRY(cpar_all_gather(l->tp, x, &xg, NULL));
+        if (overlap) cpar__on_comm_stream(ctx);
+        st = cpar_all_gather(l->tp, x, &xg, NULL);
+        cpar__on_compute_stream(ctx);
+        if (st != CPAR_OK) goto join;
         X = xg.data;
+    }
+    if (gather && dx && ev_cm) { /* comm: mark the gather, before the dgrad reduction is queued behind it */
+        st = cpar_dev_event_record(ev_cm, ctx->comm);
+        if (st != CPAR_OK) { st = cpar__dev_fail(ctx, st, fn); goto join; }
     }
     if (dx) {
         void *dX = sp ? w.ptr[s_dx] : dx->data;
-        CPAR_TRY(cpar__lin_dgrad(l, fn, dY, ldy, T, N, K, dX, K));
-        if (sp) { /* reduce-scatter of dgrad (Megatron: async, overlapped with the wgrad GEMM) */
-            cpar_tensor full = *x;
-            full.shape[0] *= n;
-            full.data = dX;
-            CPAR_TRY(cpar_reduce_scatter(l->tp, &full, dx, CPAR_SUM, NULL));
-        } else if (n > 1 && !l->cfg.disable_grad_reduce) {
-            CPAR_TRY(cpar_all_reduce(l->tp, dx, dx, CPAR_SUM));
+        st = cpar__lin_dgrad(l, fn, dY, ldy, T, N, K, dX, K);
+        if (st != CPAR_OK) goto join;
+        if (reduce) { /* dgrad reduction on comm (after the GEMM), overlapped with the wgrad GEMM */
+            st = cpar__lin_order(l, fn, ev_cp, ctx->compute, ctx->comm);
+            if (st != CPAR_OK) goto join;
+            if (overlap) cpar__on_comm_stream(ctx);
+            if (sp) {
+                cpar_tensor full = *x;
+                full.shape[0] *= n;
+                full.data = dX;
+                st = cpar_reduce_scatter(l->tp, &full, dx, CPAR_SUM, NULL);
+            } else {
+                st = cpar_all_reduce(l->tp, dx, dx, CPAR_SUM);
+            }
+            cpar__on_compute_stream(ctx);
+            if (st != CPAR_OK) goto join;
         }
+    } else if (gather && ev_cm) {
+        st = cpar_dev_event_record(ev_cm, ctx->comm);
+        if (st != CPAR_OK) { st = cpar__dev_fail(ctx, st, fn); goto join; }
     }
-    if (wgrad) CPAR_TRY(cpar__lin_wgrad(l, fn, dY, ldy, X, K, T, N, K));
+    if (wgrad) {
+        if (gather && ev_cm) { /* compute: the gathered input is ready */
+            st = cpar_dev_stream_wait_event(ctx->compute, ev_cm);
+            if (st != CPAR_OK) { st = cpar__dev_fail(ctx, st, fn); goto join; }
+        }
+        st = cpar__lin_wgrad(l, fn, dY, ldy, X, K, T, N, K);
+        if (st != CPAR_OK) goto join;
+    }
     if (bgrad) {
-        CPAR_TRY(cpar__lin_ones(l, fn, w.ptr[s_one], T));
-        CPAR_TRY(cpar__lin_bias_grad(l, fn, dY, ldy, T, N, w.ptr[s_one]));
+        st = cpar__lin_ones(l, fn, w.ptr[s_one], T);
+        if (st == CPAR_OK) st = cpar__lin_bias_grad(l, fn, dY, ldy, T, N, w.ptr[s_one]);
     }
-    return CPAR_OK;
+join: /* compute waits for everything queued on comm, also after a failure */
+    if (forked) {
+        cpar_status js = cpar__lin_order(l, fn, ev_cm, ctx->comm, ctx->compute);
+        if (st == CPAR_OK) st = js;
+    }
+    return st;
 }
 
 static cpar_status cpar__lin_row_backward(cpar_linear *l, const char *fn, const cpar_tensor *dy, cpar_tensor *dx) {

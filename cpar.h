@@ -1003,9 +1003,14 @@ cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void 
  *               dx (none with disable_grad_reduce).
  *   row fwd:    all-reduce of y (SP: reduce-scatter).
  *   row bwd:    SP all-gather of dy; !input_is_parallel all-gather of dx.
- * A group of size 1 moves nothing. Backward issues its work in Megatron's
- * overlap order (gather x | dgrad, then reduce dgrad | wgrad) but, for now,
- * sequentially on the compute stream (no overlap on GPUs yet).
+ * A group of size 1 moves nothing. The column backward overlaps as Megatron
+ * does on device tensors: the SP all-gather of x runs on the context's
+ * communication stream while the dgrad GEMM runs on the compute stream, then
+ * the dgrad reduce-scatter (all-reduce without SP) runs on the communication
+ * stream while the wgrad GEMM runs; events order the two, and the call joins
+ * the communication stream back into the compute stream before it returns
+ * (everything stays stream-ordered on compute for the caller). Host tensors
+ * run the same order sequentially.
  *
  * Bad arguments are CPAR_ERR_INVALID naming the function and the argument
  * with the tp numbers, e.g.

@@ -13,6 +13,14 @@
  *    forward and backward against the minimum;
  *  - finite differences of the MLP (host backend, F32, tp 1 and 2);
  *  - init_random reproducible under the model-parallel RNG fork;
+ *  - the column backward's two-stream schedule (collectives on the comm
+ *    stream, GEMMs on compute, joined by events): on the sim backend its
+ *    results are bit-identical to the sequential order recomputed here with
+ *    the public collectives and cpar_dev_gemm, its statistics are those of
+ *    the sequential order, and the public collectives still work (on
+ *    compute) afterwards. The sim executes every stream at issue time, so
+ *    the overlap itself (and a missing event wait) is not observable there;
+ *    a stale or destroyed event handle is (the sim checks every handle);
  *  - bad arguments. */
 #include "testutil.h"
 
@@ -634,6 +642,132 @@ static cpar_status rank_bad(cpar_ctx *ctx, void *arg) {
     return CPAR_OK;
 }
 
+/* _i: 0 sequence parallel, 1 all-reduce of dx; tp 2 */
+static cpar_status rank_overlap(cpar_ctx *ctx, void *arg) {
+    const bool sp = *(const int *)arg == 0;
+    cpar_group *g = cpar_world_group(ctx);
+    const int n = cpar_group_size(g), r = cpar_group_rank(g);
+    const int64_t s = 8, b = 2, K = 24, N = 16, Nl = N / n, T = s * b, sx = sp ? s / n : s, Tx = sx * b;
+    cpar_linear_config cfg = {.input_size = K, .output_size = N, .dtype = CPAR_F32, .bias = true,
+                              .sequence_parallel = sp};
+    cpar_linear *l;
+    TU_OK(cpar_column_parallel_linear_create(g, &cfg, &l));
+    double *Wd = random_doubles(N * K, 0.2, 901), *xd = random_doubles(T * K, 1.0, 902);
+    double *dyd = random_doubles(T * N, 1.0, 903);
+    for (int64_t i = 0; i < N * K; i++) Wd[i] = (float)Wd[i];
+    for (int64_t i = 0; i < T * K; i++) xd[i] = (float)xd[i];
+    for (int64_t i = 0; i < T * N; i++) dyd[i] = (float)dyd[i];
+    float *Wf = to_f32(Wd, N * K);
+    int64_t ws[2] = {N, K};
+    cpar_tensor mw = cpar_tensor_make(Wf, CPAR_F32, 2, ws, CPAR_HOST);
+    TU_OK(cpar_linear_init_from_master(l, &mw, NULL));
+    int64_t xs[3] = {sx, b, K}, ys[3] = {s, b, Nl};
+    int64_t ncols[16];
+    for (int64_t i = 0; i < Nl; i++) ncols[i] = r * Nl + i;
+    cpar_tensor x = upload_sub(ctx, xd, K, sp ? r * Tx : 0, Tx, NULL, K, CPAR_F32, 3, xs);
+    cpar_tensor dy = upload_sub(ctx, dyd, N, 0, T, ncols, Nl, CPAR_F32, 3, ys);
+    cpar_tensor y = tu_alloc_poisoned(ctx, CPAR_F32, 3, ys), dx = tu_alloc_poisoned(ctx, CPAR_F32, 3, xs);
+    TU_OK(cpar_linear_forward(l, &x, &y, NULL));
+
+    /* backward with dx: exactly the sequential order's collectives */
+    TU_OK(cpar_group_stats_reset(g));
+    TU_OK(cpar_linear_backward(l, &dy, &dx));
+    cpar_comm_stats st;
+    TU_OK(cpar_group_stats(g, &st));
+    for (int k = 0; k < CPAR_COLL_KIND_COUNT; k++) {
+        uint64_t want = k == CPAR_COLL_ALL_GATHER ? (uint64_t)sp
+                        : k == CPAR_COLL_REDUCE_SCATTER ? (uint64_t)sp
+                        : k == CPAR_COLL_ALL_REDUCE ? (uint64_t)!sp : 0;
+        ck_assert_msg(st.kind[k].calls == want, "overlap %s: %s called %llu times, expected %llu", sp ? "sp" : "ar",
+                      cpar_coll_kind_name(k), (unsigned long long)st.kind[k].calls, (unsigned long long)want);
+    }
+    /* against the fp64 reference */
+    double *dxref = malloc(sizeof(double) * (size_t)(T * K)), *dwref = calloc((size_t)(N * K), sizeof(double));
+    bool mask[16];
+    for (int i = 0; i < 16; i++) mask[i] = true;
+    ref_dgrad(dyd, Wd, T, K, N, mask, dxref);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t o = 0; o < N; o++)
+            for (int64_t k = 0; k < K; k++) dwref[o * K + k] += dyd[t * N + o] * xd[t * K + k];
+    expect_tensor(ctx, &dx, dxref + (sp ? r * Tx * K : 0), 1e-5, "overlap dx");
+    cpar_tensor dW = cpar_linear_weight_grad(l), db = cpar_linear_bias_grad(l);
+    expect_tensor(ctx, &dW, dwref + r * Nl * K, 1e-5, "overlap dW");
+    float *dx1 = tu_download(ctx, &dx), *dw1 = tu_download(ctx, &dW), *db1 = tu_download(ctx, &db);
+
+    /* the public collectives still run on compute, in order with it */
+    int64_t one = 4;
+    cpar_tensor v;
+    TU_OK(cpar_tensor_alloc(ctx, CPAR_F32, 1, &one, &v));
+    TU_OK(cpar_fill(ctx, &v, (double)(r + 1)));
+    TU_OK(cpar_all_reduce(g, &v, &v, CPAR_SUM));
+    TU_OK(cpar_axpby(ctx, 1.f, &v, 1.f, &v)); /* compute, after the collective */
+    TU_OK(cpar_sync(ctx));
+    double vwant[4];
+    for (int i = 0; i < 4; i++) vwant[i] = 2.0 * n * (n + 1) / 2;
+    expect_tensor(ctx, &v, vwant, 0.0, "all_reduce after backward");
+
+    /* again, from zero grads: bit-identical (events re-recorded) */
+    TU_OK(cpar_linear_zero_grad(l));
+    TU_OK(cpar_linear_backward(l, &dy, &dx));
+    float *dx2 = tu_download(ctx, &dx), *dw2 = tu_download(ctx, &dW), *db2 = tu_download(ctx, &db);
+    ck_assert(!memcmp(dx1, dx2, (size_t)(Tx * K) * 4) && !memcmp(dw1, dw2, (size_t)(Nl * K) * 4) &&
+              !memcmp(db1, db2, (size_t)Nl * 4));
+
+    if (tu_backend() == CPAR_BACKEND_SIM) {
+        /* the sequential order, recomputed with the same GEMM on compute-ordered
+         * calls: gather x, dgrad, reduce dgrad, wgrad into zeros */
+        cpar_dev_blas h;
+        TU_OK(cpar_dev_blas_create(&h));
+        int64_t gs[3] = {s, b, K}, wsz[2] = {Nl, K};
+        cpar_tensor xg, dX, dWs, dxs;
+        TU_OK(cpar_tensor_alloc(ctx, CPAR_F32, 3, gs, &xg));
+        TU_OK(cpar_tensor_alloc(ctx, CPAR_F32, 3, gs, &dX));
+        TU_OK(cpar_tensor_alloc(ctx, CPAR_F32, 2, wsz, &dWs));
+        TU_OK(cpar_tensor_alloc(ctx, CPAR_F32, 3, xs, &dxs));
+        TU_OK(cpar_fill(ctx, &dWs, 0.0));
+        if (sp) TU_OK(cpar_all_gather(g, &x, &xg, NULL));
+        else TU_OK(cpar_tensor_copy(ctx, &x, &xg));
+        cpar_tensor w = cpar_linear_weight(l);
+        TU_OK(cpar_dev_gemm(h, NULL, 0, 0, (int)K, (int)T, (int)Nl, 1.f, w.data, CPAR_F32, (int)K, 0, dy.data,
+                            (int)Nl, 0, 0.f, dX.data, CPAR_F32, (int)K, 0, 1));
+        if (sp) TU_OK(cpar_reduce_scatter(g, &dX, &dxs, CPAR_SUM, NULL));
+        else {
+            TU_OK(cpar_all_reduce(g, &dX, &dX, CPAR_SUM));
+            TU_OK(cpar_tensor_copy(ctx, &dX, &dxs));
+        }
+        TU_OK(cpar_dev_gemm(h, NULL, 0, 1, (int)K, (int)Nl, (int)T, 1.f, xg.data, CPAR_F32, (int)K, 0, dy.data,
+                            (int)Nl, 0, 1.f, dWs.data, CPAR_F32, (int)K, 0, 1));
+        TU_OK(cpar_sync(ctx));
+        float *dx3 = tu_download(ctx, &dxs), *dw3 = tu_download(ctx, &dWs);
+        ck_assert_msg(!memcmp(dx1, dx3, (size_t)(Tx * K) * 4), "overlap dx differs from the sequential order");
+        ck_assert_msg(!memcmp(dw1, dw3, (size_t)(Nl * K) * 4), "overlap dW differs from the sequential order");
+        free(dx3), free(dw3);
+        cpar_tensor *tmp[] = {&xg, &dX, &dWs, &dxs};
+        for (size_t i = 0; i < 4; i++) TU_OK(cpar_tensor_free(ctx, tmp[i]));
+        TU_OK(cpar_dev_blas_destroy(h));
+    }
+
+    /* no dx: the gather alone (SP), nothing without SP */
+    TU_OK(cpar_group_stats_reset(g));
+    TU_OK(cpar_linear_backward(l, &dy, NULL));
+    TU_OK(cpar_group_stats(g, &st));
+    ck_assert(st.kind[CPAR_COLL_ALL_GATHER].calls == (uint64_t)sp && st.kind[CPAR_COLL_REDUCE_SCATTER].calls == 0 &&
+              st.kind[CPAR_COLL_ALL_REDUCE].calls == 0);
+
+    free(dx1), free(dw1), free(db1), free(dx2), free(dw2), free(db2);
+    free(Wd), free(xd), free(dyd), free(Wf), free(dxref), free(dwref);
+    cpar_tensor *all[] = {&x, &dy, &y, &dx, &v};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) TU_OK(cpar_tensor_free(ctx, all[i]));
+    TU_OK(cpar_linear_destroy(l));
+    return CPAR_OK;
+}
+
+START_TEST(test_backward_overlap) {
+    int v = _i;
+    TU_OK(tu_spawn(2, rank_overlap, &v));
+}
+END_TEST
+
 START_TEST(test_bad_args) { TU_OK(tu_spawn(2, rank_bad, NULL)); }
 END_TEST
 
@@ -648,6 +782,7 @@ static Suite *suite(void) {
         {"mlp_finite_differences", test_mlp_finite_differences, 2},
         {"options", test_options, N_OPT},
         {"init_random", test_init_random, 3},
+        {"backward_overlap", test_backward_overlap, 2},
         {"bad_args", test_bad_args, 1},
     };
     for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
