@@ -4,7 +4,7 @@
  * the same master weights (rounded to the layer's dtype), so a tp = p run
  * matching it at every p also matches the tp = 1 layers:
  *  - a two-layer MLP, column -> GeLU (in the test, fp64) -> row, at tp 1..4,
- *    with and without sequence parallelism, F32 and BF16: output, input
+ *    with and without sequence parallelism, F32, BF16 and F16: output, input
  *    gradient, every rank's slice of the weight and bias gradients;
  *  - one layer per option at tp 1..4 (F32): bias on/off, gather_output,
  *    skip_bias_add, disable_grad_reduce, frozen, stride 3, sequence
@@ -235,7 +235,7 @@ static cpar_status rank_mlp(cpar_ctx *ctx, void *arg) {
     mlp_setup(ctx, c, &m);
     mlp_forward(ctx, c, &m);
     mlp_backward(ctx, c, &m);
-    double tol = c->dt == CPAR_F32 ? 1e-5 : 1e-2;
+    double tol = c->dt == CPAR_F32 ? 1e-5 : c->dt == CPAR_F16 ? 4e-3 : 1e-2;
     int64_t cols[64];
     for (int64_t j = 0; j < Fl; j++) cols[j] = r * Fl + j;
     double *w;
@@ -246,7 +246,8 @@ static cpar_status rank_mlp(cpar_ctx *ctx, void *arg) {
     cpar_tensor dW2 = cpar_linear_weight_grad(m.row), db2 = cpar_linear_bias_grad(m.row);
     double *d1 = sub(c->dW1, H, r * Fl, Fl, NULL, H, 1.0), *e1 = sub(c->db1, 1, r * Fl, Fl, NULL, 1, 1.0);
     double *d2 = sub(c->dW2, F, 0, H, cols, Fl, 1.0);
-    double gtol = c->dt == CPAR_F32 ? 1e-5 : 2e-2; /* sums over T tokens of dtype-rounded products */
+    /* sums over T tokens of dtype-rounded products */
+    double gtol = c->dt == CPAR_F32 ? 1e-5 : c->dt == CPAR_F16 ? 8e-3 : 2e-2;
     expect_tensor(ctx, &dW1, d1, gtol, "dW1");
     expect_tensor(ctx, &db1, e1, gtol, "db1");
     expect_tensor(ctx, &dW2, d2, gtol, "dW2");
@@ -256,12 +257,14 @@ static cpar_status rank_mlp(cpar_ctx *ctx, void *arg) {
     return CPAR_OK;
 }
 
-/* _i = ((tp - 1) * 2 + sp) * 2 + bf16 */
+/* _i = ((tp - 1) * 2 + sp) * 3 + dtype index */
+static const cpar_dtype mlp_dtypes[3] = {CPAR_F32, CPAR_BF16, CPAR_F16};
+
 START_TEST(test_mlp_matches_reference) {
-    int tp = _i / 4 + 1;
-    bool sp = (_i / 2) % 2, bf = _i % 2;
+    int tp = _i / 6 + 1;
+    bool sp = (_i / 3) % 2;
     mlp_case c;
-    mlp_init(&c, tp, sp, bf ? CPAR_BF16 : CPAR_F32, 100 + (uint64_t)_i);
+    mlp_init(&c, tp, sp, mlp_dtypes[_i % 3], 100 + (uint64_t)_i);
     TU_OK(tu_spawn(tp, rank_mlp, &c));
     mlp_free(&c);
 }
@@ -778,7 +781,7 @@ static Suite *suite(void) {
         const TTest *test;
         int count;
     } loops[] = {
-        {"mlp_reference", test_mlp_matches_reference, 16},
+        {"mlp_reference", test_mlp_matches_reference, 24},
         {"mlp_finite_differences", test_mlp_finite_differences, 2},
         {"options", test_options, N_OPT},
         {"init_random", test_init_random, 3},
