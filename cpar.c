@@ -5062,9 +5062,12 @@ cpar_status cpar_checkpoint_release(cpar_ctx *ctx, cpar_checkpoint *ck) {
  * an element-wise finish; backward: one element-wise pass, no communication).
  * Host tensors run the reference loops below (fp64 accumulation), device
  * tensors the cpar_dev_xent_* kernels of cpar_kernels.cu. Scratch comes from
- * the context workspace.
+ * the context workspace. Also the cpar_embedding layer object: weight and
+ * main grad allocated at create, init from a master table or under the
+ * model-parallel RNG fork, forward/backward through the functional calls.
  * Uses: 2 (errors, argument checks), 3 (tensors), 4 (device dispatch,
- * workspace), 5 (element load/store), 10-11 (groups, all-reduce). */
+ * workspace), 5 (element load/store), 6 (cpar_fill, cpar_cast), 10-11
+ * (groups, all-reduce), 14 (cpar_vocab_range), 15 (RNG fork, normal fills). */
 
 /* ---- host-only build: the device layer of §10 is absent ------------------- */
 #ifndef CPAR_WITH_DEVICE
@@ -5353,9 +5356,10 @@ static void cpar__host_embedding_grad(const void *dout, cpar_dtype dt, const voi
         }
 }
 
-cpar_status cpar_embedding_forward(cpar_group *tp, const cpar_tensor *weight, const cpar_tensor *ids, cpar_tensor *out,
-                                   bool reduce_scatter_embeddings) {
-    static const char fn[] = "cpar_embedding_forward";
+/* The functional forward and backward, with fn naming the public entry point
+ * in messages (the functional call or the cpar_embedding layer's). */
+static cpar_status cpar__emb_forward(cpar_group *tp, const char *fn, const cpar_tensor *weight, const cpar_tensor *ids,
+                                     cpar_tensor *out, bool reduce_scatter_embeddings) {
     CPAR_TRY(cpar__check_group(tp, fn));
     cpar_ctx *ctx = tp->ctx;
     CPAR_TRY(cpar__check_tensor(ctx, fn, "weight", weight, ctx->device));
@@ -5393,9 +5397,13 @@ cpar_status cpar_embedding_forward(cpar_group *tp, const cpar_tensor *weight, co
     return cpar_reduce_scatter(tp, &t_partial, out, CPAR_SUM, NULL);
 }
 
-cpar_status cpar_embedding_backward(cpar_group *tp, const cpar_tensor *ids, const cpar_tensor *dout,
-                                    bool reduce_scatter_embeddings, cpar_tensor *dweight, bool deterministic) {
-    static const char fn[] = "cpar_embedding_backward";
+cpar_status cpar_embedding_forward(cpar_group *tp, const cpar_tensor *weight, const cpar_tensor *ids, cpar_tensor *out,
+                                   bool reduce_scatter_embeddings) {
+    return cpar__emb_forward(tp, "cpar_embedding_forward", weight, ids, out, reduce_scatter_embeddings);
+}
+
+static cpar_status cpar__emb_backward(cpar_group *tp, const char *fn, const cpar_tensor *ids, const cpar_tensor *dout,
+                                      bool reduce_scatter_embeddings, cpar_tensor *dweight, bool deterministic) {
     CPAR_TRY(cpar__check_group(tp, fn));
     cpar_ctx *ctx = tp->ctx;
     CPAR_TRY(cpar__check_tensor(ctx, fn, "dweight", dweight, ctx->device));
@@ -5431,6 +5439,129 @@ cpar_status cpar_embedding_backward(cpar_group *tp, const cpar_tensor *ids, cons
     else
         cpar__host_embedding_grad(full, dout->dtype, ids->data, ids->dtype, b, s, H, first, vl, rs, dweight->data);
     return CPAR_OK;
+}
+
+cpar_status cpar_embedding_backward(cpar_group *tp, const cpar_tensor *ids, const cpar_tensor *dout,
+                                    bool reduce_scatter_embeddings, cpar_tensor *dweight, bool deterministic) {
+    return cpar__emb_backward(tp, "cpar_embedding_backward", ids, dout, reduce_scatter_embeddings, dweight,
+                              deterministic);
+}
+
+/* ---- the embedding layer (cpar_embedding) ------------------------------------------------
+ * Owns the weight rows [first, last) and the fp32 main grad; forward and
+ * backward are the functional calls above with the layer's settings. */
+
+struct cpar_embedding {
+    cpar_group *tp;
+    cpar_ctx *ctx;
+    cpar_embedding_config cfg;
+    int64_t first, last; /* this rank's vocabulary rows */
+    cpar_tensor w, dw;   /* [last - first, H]: cfg dtype, F32 */
+};
+
+cpar_status cpar_embedding_create(cpar_group *tp, const cpar_embedding_config *cfg, cpar_embedding **out) {
+    static const char fn[] = "cpar_embedding_create";
+    CPAR_TRY(cpar__check_group(tp, fn));
+    cpar_ctx *ctx = tp->ctx;
+    if (!out) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    *out = NULL;
+    if (!cfg) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg is NULL", fn);
+    const cpar_embedding_config c = *cfg;
+    if (c.num_embeddings <= 0 || c.embedding_dim <= 0)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg num_embeddings %lld and embedding_dim %lld must be > 0", fn,
+                          (long long)c.num_embeddings, (long long)c.embedding_dim);
+    if (!cpar_dtype_is_float(c.dtype))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg dtype is %s, expected f32, f16 or bf16", fn,
+                          cpar_dtype_name(c.dtype));
+    if (c.num_embeddings % tp->size)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: cfg num_embeddings %lld is not divisible by the tensor-parallel size %d (pad the "
+                          "vocabulary with cpar_pad_vocab_size)",
+                          fn, (long long)c.num_embeddings, tp->size);
+    int64_t first, last;
+    CPAR_TRY(cpar_vocab_range(c.num_embeddings, tp->rank, tp->size, &first, &last));
+    cpar_embedding *e = calloc(1, sizeof *e);
+    if (!e) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate %zu bytes", fn, sizeof *e);
+    e->tp = tp, e->ctx = ctx, e->cfg = c, e->first = first, e->last = last;
+    int64_t wshape[2] = {last - first, c.embedding_dim};
+    cpar_status st;
+    CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, c.dtype, 2, wshape, &e->w), st, fail);
+    CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, CPAR_F32, 2, wshape, &e->dw), st, fail);
+    CPAR_TRY_GOTO(cpar_fill(ctx, &e->w, 0.0), st, fail);
+    CPAR_TRY_GOTO(cpar_embedding_zero_grad(e), st, fail);
+    *out = e;
+    return CPAR_OK;
+fail:
+    cpar_embedding_destroy(e);
+    return st;
+}
+
+cpar_status cpar_embedding_destroy(cpar_embedding *e) {
+    if (!e) return CPAR_OK;
+    if (e->w.data) cpar_tensor_free(e->ctx, &e->w);
+    if (e->dw.data) cpar_tensor_free(e->ctx, &e->dw);
+    free(e);
+    return CPAR_OK;
+}
+
+cpar_tensor cpar_embedding_weight(const cpar_embedding *e) { return e ? e->w : (cpar_tensor){0}; }
+cpar_tensor cpar_embedding_weight_grad(const cpar_embedding *e) { return e ? e->dw : (cpar_tensor){0}; }
+
+cpar_status cpar_embedding_zero_grad(cpar_embedding *e) {
+    if (!e) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_embedding_zero_grad: e is NULL");
+    return cpar_fill(e->ctx, &e->dw, 0.0);
+}
+
+cpar_status cpar_embedding_init_from_master(cpar_embedding *e, const cpar_tensor *master) {
+    static const char fn[] = "cpar_embedding_init_from_master";
+    if (!e) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: e is NULL", fn);
+    cpar_ctx *ctx = e->ctx;
+    const int64_t H = e->cfg.embedding_dim, vl = e->last - e->first;
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "master", master, CPAR_HOST));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "master", master, CPAR_F32));
+    int64_t mshape[2] = {e->cfg.num_embeddings, H}, lshape[2] = {vl, H};
+    CPAR_TRY(cpar__check_shape(ctx, fn, "master", master, mshape, 2, "[num_embeddings, embedding_dim]"));
+    /* rows [first, last) of the master are contiguous: cast them straight in on
+     * the host; on a device, stage them (F32) in the workspace, then cast */
+    cpar_tensor src = cpar_tensor_make((float *)master->data + e->first * H, CPAR_F32, 2, lshape, CPAR_HOST);
+    if (!cpar__on_device(ctx->device)) return cpar_cast(ctx, &src, &e->w);
+    void *stage;
+    CPAR_TRY(cpar__workspace(ctx, fn, (size_t)(vl * H) * sizeof(float), &stage));
+    cpar_tensor t_stage = cpar_tensor_make(stage, CPAR_F32, 2, lshape, ctx->device);
+    CPAR_TRY(cpar__copy_bytes(ctx, fn, stage, ctx->device, src.data, CPAR_HOST, cpar_tensor_nbytes(&src)));
+    CPAR_TRY(cpar_cast(ctx, &t_stage, &e->w));
+    /* the host-to-device copy may still read the caller's master */
+    CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+    return CPAR_OK;
+}
+
+cpar_status cpar_embedding_init_random(cpar_embedding *e, float std) {
+    static const char fn[] = "cpar_embedding_init_random";
+    if (!e) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: e is NULL", fn);
+    cpar_ctx *ctx = e->ctx;
+    if (!(std >= 0.f) || isinf(std))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: std is %g, expected finite and >= 0", fn, (double)std);
+    cpar_rng_state s;
+    if (cpar_rng_get_state(ctx, CPAR_RNG_MODEL_PARALLEL, &s) != CPAR_OK)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: the RNG tracker has no \"%s\" state (call cpar_model_parallel_manual_seed first)", fn,
+                          CPAR_RNG_MODEL_PARALLEL);
+    CPAR_TRY(cpar_rng_fork(ctx, CPAR_RNG_MODEL_PARALLEL));
+    cpar_status st = cpar_rng_normal(ctx, &e->w, 0.f, std);
+    cpar_status su = cpar_rng_unfork(ctx);
+    return st != CPAR_OK ? st : su;
+}
+
+cpar_status cpar_embedding_layer_forward(cpar_embedding *e, const cpar_tensor *ids, cpar_tensor *out) {
+    static const char fn[] = "cpar_embedding_layer_forward";
+    if (!e) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: e is NULL", fn);
+    return cpar__emb_forward(e->tp, fn, &e->w, ids, out, e->cfg.reduce_scatter_embeddings);
+}
+
+cpar_status cpar_embedding_layer_backward(cpar_embedding *e, const cpar_tensor *ids, const cpar_tensor *dout) {
+    static const char fn[] = "cpar_embedding_layer_backward";
+    if (!e) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: e is NULL", fn);
+    return cpar__emb_backward(e->tp, fn, ids, dout, e->cfg.reduce_scatter_embeddings, &e->dw, e->cfg.deterministic);
 }
 
 /* ==== 17. Linear layers ===================================================

@@ -944,6 +944,62 @@ cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void 
                                     int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
                                     float *dweight, bool deterministic, cpar_dev_stream st);
 
+/* ---- the embedding layer: cpar_embedding (VocabParallelEmbedding as an object) ----
+ * Owns this rank's weight rows and their fp32 main grad, like cpar_linear
+ * (§11), and runs the functional calls above on them. Naming: the object's
+ * forward and backward are cpar_embedding_layer_forward / _backward because
+ * cpar_embedding_forward / _backward are the functional calls above (which
+ * take the weight as an argument); everything else is cpar_embedding_*.
+ *
+ * The global vocabulary V is split evenly over tp (size P, rank r): the layer
+ * holds rows [first, last) = cpar_vocab_range(V, r, P) of the [V, H] table.
+ * V must be divisible by P (pad it with cpar_pad_vocab_size). ids, out and
+ * dout are exactly as for cpar_embedding_forward / _backward, with the
+ * layer's reduce_scatter_embeddings and deterministic settings. All memory
+ * (weight and main grad) is allocated by _create on tp's context; forward
+ * and backward take their scratch from the context workspace. Bad arguments
+ * are CPAR_ERR_INVALID naming the function and the argument. */
+
+typedef struct cpar_embedding_config {
+    int64_t num_embeddings, embedding_dim; /* global vocabulary V and hidden H, > 0 */
+    cpar_dtype dtype;                      /* weight and out: F32 (0), F16, BF16 */
+    bool reduce_scatter_embeddings;        /* sequence-parallel output [s/tp, b, H] */
+    bool deterministic;                    /* backward without atomics */
+} cpar_embedding_config;
+
+typedef struct cpar_embedding cpar_embedding;
+
+/* Create the layer on tp's context: weight uninitialised (call an init; it
+ * is zero-filled meanwhile), main grad zero. num_embeddings not divisible by
+ * tp: CPAR_ERR_INVALID naming both sizes and pointing at cpar_pad_vocab_size.
+ * Collective-free. */
+cpar_status cpar_embedding_create(cpar_group *tp, const cpar_embedding_config *cfg, cpar_embedding **out);
+/* Frees everything the layer owns. NULL is fine. */
+cpar_status cpar_embedding_destroy(cpar_embedding *e);
+
+/* Views on the context's device (zeroed struct for a NULL layer); the caller
+ * may read and write through them (e.g. an optimizer step). */
+cpar_tensor cpar_embedding_weight(const cpar_embedding *e);      /* [V/tp, H] cfg dtype: vocabulary rows [first, last) */
+cpar_tensor cpar_embedding_weight_grad(const cpar_embedding *e); /* F32 main grad, weight's shape */
+
+/* master: host F32 [V, H] (the same on every rank); this rank takes rows
+ * [first, last), rounded to the layer's dtype. No communication. */
+cpar_status cpar_embedding_init_from_master(cpar_embedding *e, const cpar_tensor *master);
+/* Megatron's _initialize_affine_weight_gpu with normal(0, std), as
+ * cpar_linear_init_random: drawn under a fork of CPAR_RNG_MODEL_PARALLEL, so
+ * each TP rank draws from its own state, reproducibly for a fixed
+ * cpar_model_parallel_manual_seed (missing state: CPAR_ERR_INVALID saying so). */
+cpar_status cpar_embedding_init_random(cpar_embedding *e, float std);
+
+/* cpar_embedding_forward on the layer's weight: ids [b, s]; out [b, s, H], or
+ * [s/tp, b, H] with reduce_scatter_embeddings, in the layer's dtype. */
+cpar_status cpar_embedding_layer_forward(cpar_embedding *e, const cpar_tensor *ids, cpar_tensor *out);
+/* cpar_embedding_backward into the layer's main grad (accumulates, +=):
+ * ids as in forward, dout forward's out shape and dtype. */
+cpar_status cpar_embedding_layer_backward(cpar_embedding *e, const cpar_tensor *ids, const cpar_tensor *dout);
+/* Main grad = 0. */
+cpar_status cpar_embedding_zero_grad(cpar_embedding *e);
+
 
 /* ==== 11. Linear layers ====================================================
  * Megatron's ColumnParallelLinear, RowParallelLinear, LinearWithFrozenWeight

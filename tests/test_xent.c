@@ -14,7 +14,11 @@
  * The embedding: forward (all-reduce and reduce-scatter modes) against the
  * global table lookup, backward against an fp64 scatter-add into a non-zero
  * main grad, deterministic and atomic, at tp 1..4; the deterministic mode is
- * bitwise reproducible across two runs. */
+ * bitwise reproducible across two runs. The cpar_embedding layer at tp 1..4
+ * (init_from_master) equals the tp = 1 layer (forward output, gathered main
+ * grad), both output modes; main-grad accumulation and zero_grad;
+ * init_random under the model-parallel fork (reproducible, distinct per TP
+ * rank); a vocabulary not divisible by tp; bad arguments. */
 #include "testutil.h"
 
 #define MAX_TP 4
@@ -471,6 +475,265 @@ static cpar_status rank_emb_bad(cpar_ctx *ctx, void *arg) {
 START_TEST(test_embedding_bad_args) { TU_OK(tu_spawn(_i + 1, rank_emb_bad, NULL)); }
 END_TEST
 
+/* ---- the embedding layer (cpar_embedding) ------------------------------------------------ */
+
+#define LE_B 2
+#define LE_S 12 /* divisible by every tp of 1..4 (reduce_scatter_embeddings) */
+#define LE_H 3
+#define LE_V 12
+
+typedef struct {
+    cpar_dtype dt;
+    bool rs, deterministic;
+    float master[LE_V * LE_H]; /* [V, H] */
+    int64_t ids[LE_B * LE_S];  /* [b, s] */
+    double dout[LE_B * LE_S * LE_H]; /* global dout in dt: [b, s, H], or [s, b, H] when rs */
+    double out[LE_B * LE_S * LE_H];  /* global forward output (as dout's layout), filled by the ranks */
+    double dw[LE_V * LE_H];          /* gathered main grad after one backward */
+} le_case;
+
+/* Forward + backward of a layer built from c->master; each rank stores its
+ * output rows and main-grad rows into the case's global arrays. */
+static cpar_status rank_layer(cpar_ctx *ctx, void *arg) {
+    le_case *c = arg;
+    cpar_group *g = cpar_world_group(ctx);
+    int r = cpar_group_rank(g), p = cpar_group_size(g);
+    cpar_embedding_config cfg = {.num_embeddings = LE_V, .embedding_dim = LE_H, .dtype = c->dt,
+                                 .reduce_scatter_embeddings = c->rs, .deterministic = c->deterministic};
+    cpar_embedding *e;
+    TU_OK(cpar_embedding_create(g, &cfg, &e));
+    int64_t mshape[2] = {LE_V, LE_H}, ishape[2] = {LE_B, LE_S}, vl = LE_V / p, sl = c->rs ? LE_S / p : LE_S;
+    int64_t first, last;
+    TU_OK(cpar_vocab_range(LE_V, r, p, &first, &last));
+    cpar_tensor w = cpar_embedding_weight(e), dw = cpar_embedding_weight_grad(e);
+    ck_assert(w.ndim == 2 && w.shape[0] == vl && w.shape[1] == LE_H && w.dtype == c->dt && w.device == cpar_device(ctx));
+    ck_assert(dw.ndim == 2 && dw.shape[0] == vl && dw.shape[1] == LE_H && dw.dtype == CPAR_F32);
+    float *z = tu_download(ctx, &dw); /* created with a zero main grad */
+    for (int64_t i = 0; i < vl * LE_H; i++) ck_assert(z[i] == 0.f);
+    free(z);
+    cpar_tensor master = cpar_tensor_make(c->master, CPAR_F32, 2, mshape, CPAR_HOST);
+    TU_OK(cpar_embedding_init_from_master(e, &master));
+    void *hw = tu_download(ctx, &w);
+    for (int64_t i = 0; i < vl * LE_H; i++)
+        ck_assert(tu_get(hw, c->dt, i) == tu_round(c->dt, c->master[first * LE_H + i]));
+    free(hw);
+
+    int64_t oshape[3] = {LE_B, LE_S, LE_H};
+    if (c->rs) oshape[0] = sl, oshape[1] = LE_B;
+    int64_t on = oshape[0] * oshape[1] * LE_H, off = c->rs ? (int64_t)r * on : 0; /* rows of the global layout */
+    cpar_tensor ids = tu_upload(ctx, c->ids, CPAR_I64, 2, ishape);
+    cpar_tensor out = tu_alloc_poisoned(ctx, c->dt, 3, oshape);
+    TU_OK(cpar_embedding_layer_forward(e, &ids, &out));
+    void *ho = tu_download(ctx, &out);
+    for (int64_t i = 0; i < on; i++) c->out[off + i] = tu_get(ho, c->dt, i);
+    void *hg = malloc((size_t)on * cpar_dtype_size(c->dt));
+    for (int64_t i = 0; i < on; i++) tu_set(hg, c->dt, i, c->dout[off + i]);
+    cpar_tensor dout = tu_upload(ctx, hg, c->dt, 3, oshape);
+    /* accumulates: twice = 2x once; zero_grad clears; once more = the gradient */
+    TU_OK(cpar_embedding_layer_backward(e, &ids, &dout));
+    float *g1 = tu_download(ctx, &dw);
+    TU_OK(cpar_embedding_layer_backward(e, &ids, &dout));
+    float *g2 = tu_download(ctx, &dw);
+    double *twice = malloc(sizeof(double) * (size_t)(vl * LE_H));
+    for (int64_t i = 0; i < vl * LE_H; i++) twice[i] = 2.0 * (double)g1[i];
+    TU_EXPECT_CLOSE(g2, CPAR_F32, twice, vl * LE_H, 1e-6);
+    TU_OK(cpar_embedding_zero_grad(e));
+    float *g0 = tu_download(ctx, &dw);
+    for (int64_t i = 0; i < vl * LE_H; i++) ck_assert(g0[i] == 0.f);
+    TU_OK(cpar_embedding_layer_backward(e, &ids, &dout));
+    float *g3 = tu_download(ctx, &dw);
+    if (c->deterministic || cpar_device(ctx) == CPAR_HOST) TU_EXPECT_SAME(g3, g1, CPAR_F32, vl * LE_H);
+    for (int64_t i = 0; i < vl * LE_H; i++) c->dw[first * LE_H + i] = g3[i];
+    free(ho), free(hg), free(g0), free(g1), free(g2), free(g3), free(twice);
+    TU_OK(cpar_tensor_free(ctx, &ids));
+    TU_OK(cpar_tensor_free(ctx, &out));
+    TU_OK(cpar_tensor_free(ctx, &dout));
+    TU_OK(cpar_embedding_destroy(e));
+    return CPAR_OK;
+}
+
+/* _i = tp - 1: the layer at tp equals the tp = 1 layer (forward output and the
+ * gathered main grad), both output modes, deterministic and atomic, F32/BF16. */
+START_TEST(test_embedding_layer_matches_tp1) {
+    int tp = _i + 1;
+    for (int m = 0; m < 8; m++) {
+        le_case ref, c;
+        memset(&ref, 0, sizeof ref);
+        ref.dt = (m & 4) ? CPAR_BF16 : CPAR_F32, ref.rs = (m & 1) != 0, ref.deterministic = (m & 2) != 0;
+        uint64_t st = (uint64_t)(_i * 8 + m) * 0x9e3779b97f4a7c15ull + 11;
+        for (int64_t i = 0; i < LE_V * LE_H; i++) ref.master[i] = (float)(2.0 * tu_uniform(&st) - 1.0);
+        for (int64_t i = 0; i < LE_B * LE_S; i++) ref.ids[i] = (int64_t)(tu_next(&st) % LE_V); /* repeats */
+        ref.ids[0] = 0, ref.ids[1] = LE_V - 1, ref.ids[2] = LE_V - 1;
+        for (int64_t i = 0; i < LE_B * LE_S * LE_H; i++) ref.dout[i] = tu_round(ref.dt, tu_uniform(&st));
+        c = ref;
+        TU_OK(tu_spawn(1, rank_layer, &ref));
+        TU_OK(tu_spawn(tp, rank_layer, &c));
+        for (int64_t i = 0; i < LE_B * LE_S * LE_H; i++) /* one non-zero term per element: exact */
+            ck_assert_msg(c.out[i] == ref.out[i], "tp %d mode %d: out[%lld] %g, tp=1 %g", tp, m, (long long)i,
+                          c.out[i], ref.out[i]);
+        for (int64_t i = 0; i < LE_V * LE_H; i++)
+            ck_assert_msg(fabs(c.dw[i] - ref.dw[i]) <= 1e-5 * (1.0 + fabs(ref.dw[i])),
+                          "tp %d mode %d: dw[%lld] %g, tp=1 %g", tp, m, (long long)i, c.dw[i], ref.dw[i]);
+        /* and the tp = 1 layer is the table lookup */
+        for (int64_t i = 0; i < LE_B; i++)
+            for (int64_t j = 0; j < LE_S; j++) {
+                int64_t row = ref.rs ? j * LE_B + i : i * LE_S + j, id = ref.ids[i * LE_S + j];
+                for (int64_t h = 0; h < LE_H; h++)
+                    ck_assert(ref.out[row * LE_H + h] == tu_round(ref.dt, ref.master[id * LE_H + h]));
+            }
+    }
+}
+END_TEST
+
+typedef struct {
+    float *w[MAX_TP];
+} le_rand_case;
+
+static cpar_status rank_layer_random(cpar_ctx *ctx, void *arg) {
+    le_rand_case *c = arg;
+    cpar_group *g = cpar_world_group(ctx);
+    int r = cpar_group_rank(g), p = cpar_group_size(g);
+    const int64_t V = 8 * p, H = 16, n = 8 * H;
+    cpar_embedding_config cfg = {.num_embeddings = V, .embedding_dim = H};
+    cpar_embedding *e;
+    TU_OK(cpar_embedding_create(g, &cfg, &e));
+    TU_FAILS(cpar_embedding_init_random(e, 0.02f), CPAR_ERR_INVALID, "cpar_model_parallel_manual_seed");
+    TU_FAILS(cpar_embedding_init_random(e, -1.f), CPAR_ERR_INVALID, "std");
+    TU_FAILS(cpar_embedding_init_random(e, NAN), CPAR_ERR_INVALID, "std");
+    TU_OK(cpar_model_parallel_manual_seed(ctx, 1234, r, -1, -1));
+    cpar_rng_state before, after;
+    TU_OK(cpar_rng_get_state(ctx, NULL, &before));
+    TU_OK(cpar_embedding_init_random(e, 0.02f));
+    TU_OK(cpar_rng_get_state(ctx, NULL, &after));
+    ck_assert(before.seed == after.seed && before.offset == after.offset); /* drawn under the fork only */
+    cpar_tensor w = cpar_embedding_weight(e);
+    float *w1 = tu_download(ctx, &w);
+    /* the same draws as a manual fork of the model-parallel state */
+    TU_OK(cpar_model_parallel_manual_seed(ctx, 1234, r, -1, -1));
+    cpar_tensor t;
+    TU_OK(cpar_tensor_alloc(ctx, CPAR_F32, 2, w.shape, &t));
+    TU_OK(cpar_rng_fork(ctx, CPAR_RNG_MODEL_PARALLEL));
+    TU_OK(cpar_rng_normal(ctx, &t, 0.f, 0.02f));
+    TU_OK(cpar_rng_unfork(ctx));
+    float *w2 = tu_download(ctx, &t);
+    TU_EXPECT_SAME(w1, w2, CPAR_F32, n);
+    /* reproducible for a fixed seed */
+    TU_OK(cpar_model_parallel_manual_seed(ctx, 1234, r, -1, -1));
+    TU_OK(cpar_embedding_init_random(e, 0.02f));
+    float *w3 = tu_download(ctx, &w);
+    TU_EXPECT_SAME(w1, w3, CPAR_F32, n);
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += (double)w1[i] * w1[i];
+    ck_assert_msg(sqrt(ss / (double)n) > 0.01 && sqrt(ss / (double)n) < 0.04, "std %g", sqrt(ss / (double)n));
+    c->w[r] = w1;
+    free(w2), free(w3);
+    TU_OK(cpar_tensor_free(ctx, &t));
+    TU_OK(cpar_embedding_destroy(e));
+    return CPAR_OK;
+}
+
+/* _i = tp - 2 */
+START_TEST(test_embedding_layer_init_random) {
+    int tp = _i + 2;
+    le_rand_case c;
+    memset(&c, 0, sizeof c);
+    TU_OK(tu_spawn(tp, rank_layer_random, &c));
+    for (int r = 1; r < tp; r++)
+        ck_assert_msg(memcmp(c.w[0], c.w[r], sizeof(float) * 8 * 16), "tp %d: rank %d drew rank 0's weight", tp, r);
+    for (int r = 0; r < tp; r++) free(c.w[r]);
+}
+END_TEST
+
+static cpar_status rank_layer_bad(cpar_ctx *ctx, void *arg) {
+    (void)arg;
+    static const char cr[] = "cpar_embedding_create";
+    cpar_group *g = cpar_world_group(ctx);
+    int p = cpar_group_size(g);
+    cpar_embedding *e = (cpar_embedding *)&e;
+    cpar_embedding_config cfg = {.num_embeddings = 4 * p, .embedding_dim = 3};
+    /* the vocabulary is not divisible by tp */
+    cpar_embedding_config odd = cfg;
+    odd.num_embeddings = 4 * p + 1;
+    char want[96];
+    snprintf(want, sizeof want, "num_embeddings %d is not divisible by the tensor-parallel size %d", 4 * p + 1, p);
+    if (p > 1) { /* every vocabulary divides by tp = 1 */
+        TU_FAILS(cpar_embedding_create(g, &odd, &e), CPAR_ERR_INVALID, want);
+        ck_assert(e == NULL);
+        TU_FAILS(cpar_embedding_create(g, &odd, &e), CPAR_ERR_INVALID, "cpar_pad_vocab_size");
+    }
+    cpar_embedding_config bad = cfg;
+    bad.embedding_dim = 0;
+    TU_FAILS(cpar_embedding_create(g, &bad, &e), CPAR_ERR_INVALID, "embedding_dim 0");
+    bad = cfg, bad.num_embeddings = -4;
+    TU_FAILS(cpar_embedding_create(g, &bad, &e), CPAR_ERR_INVALID, "num_embeddings -4");
+    bad = cfg, bad.dtype = CPAR_I32;
+    TU_FAILS(cpar_embedding_create(g, &bad, &e), CPAR_ERR_INVALID, "cfg dtype is i32");
+    TU_FAILS(cpar_embedding_create(NULL, &cfg, &e), CPAR_ERR_INVALID, cr);
+    TU_FAILS(cpar_embedding_create(g, NULL, &e), CPAR_ERR_INVALID, "cpar_embedding_create: cfg is NULL");
+    TU_FAILS(cpar_embedding_create(g, &cfg, NULL), CPAR_ERR_INVALID, "cpar_embedding_create: out is NULL");
+    TU_OK(cpar_embedding_destroy(NULL));
+    ck_assert(cpar_embedding_weight(NULL).data == NULL && cpar_embedding_weight_grad(NULL).data == NULL);
+
+    TU_OK(cpar_embedding_create(g, &cfg, &e));
+    int64_t ishape[2] = {2, 5}, oshape[3] = {2, 5, 3}, rshape[3] = {2, 2, 3}, mshape[2] = {4 * p, 3}, m2[2] = {4, 3};
+    int64_t hi[10] = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1};
+    float hm[4 * MAX_TP * 3] = {0};
+    cpar_tensor ids = tu_upload(ctx, hi, CPAR_I64, 2, ishape), idsf = tu_alloc_poisoned(ctx, CPAR_F32, 2, ishape);
+    cpar_tensor out = tu_alloc_poisoned(ctx, CPAR_F32, 3, oshape), out16 = tu_alloc_poisoned(ctx, CPAR_F16, 3, oshape);
+    cpar_tensor outr = tu_alloc_poisoned(ctx, CPAR_F32, 3, rshape);
+    cpar_tensor master = cpar_tensor_make(hm, CPAR_F32, 2, mshape, CPAR_HOST);
+    cpar_tensor master_small = cpar_tensor_make(hm, CPAR_F32, 2, m2, CPAR_HOST);
+    cpar_tensor master16 = cpar_tensor_make(hm, CPAR_F16, 2, mshape, CPAR_HOST);
+    static const char fwd[] = "cpar_embedding_layer_forward", bwd[] = "cpar_embedding_layer_backward";
+    TU_FAILS(cpar_embedding_layer_forward(NULL, &ids, &out), CPAR_ERR_INVALID, "cpar_embedding_layer_forward: e is NULL");
+    TU_FAILS(cpar_embedding_layer_forward(e, NULL, &out), CPAR_ERR_INVALID, "cpar_embedding_layer_forward: ids is NULL");
+    TU_FAILS(cpar_embedding_layer_forward(e, &idsf, &out), CPAR_ERR_INVALID, "ids has dtype f32");
+    TU_FAILS(cpar_embedding_layer_forward(e, &ids, &out16), CPAR_ERR_INVALID, "out has dtype f16");
+    TU_FAILS(cpar_embedding_layer_forward(e, &ids, &outr), CPAR_ERR_INVALID, fwd);
+    TU_FAILS(cpar_embedding_layer_forward(e, &ids, NULL), CPAR_ERR_INVALID, "out is NULL");
+    TU_FAILS(cpar_embedding_layer_backward(NULL, &ids, &out), CPAR_ERR_INVALID, "cpar_embedding_layer_backward: e is NULL");
+    TU_FAILS(cpar_embedding_layer_backward(e, &ids, &outr), CPAR_ERR_INVALID, "cpar_embedding_layer_backward: dout has shape");
+    TU_FAILS(cpar_embedding_layer_backward(e, &idsf, &out), CPAR_ERR_INVALID, bwd);
+    TU_FAILS(cpar_embedding_layer_backward(e, &ids, NULL), CPAR_ERR_INVALID, "dout is NULL");
+    TU_FAILS(cpar_embedding_init_from_master(NULL, &master), CPAR_ERR_INVALID, "cpar_embedding_init_from_master: e is NULL");
+    TU_FAILS(cpar_embedding_init_from_master(e, NULL), CPAR_ERR_INVALID, "master is NULL");
+    TU_FAILS(cpar_embedding_init_from_master(e, &master16), CPAR_ERR_INVALID, "master has dtype f16");
+    if (p > 1) TU_FAILS(cpar_embedding_init_from_master(e, &master_small), CPAR_ERR_INVALID, "master has shape [4,3]");
+    TU_FAILS(cpar_embedding_init_random(NULL, 0.02f), CPAR_ERR_INVALID, "cpar_embedding_init_random: e is NULL");
+    TU_FAILS(cpar_embedding_zero_grad(NULL), CPAR_ERR_INVALID, "cpar_embedding_zero_grad");
+    if (cpar_device(ctx) != CPAR_HOST) { /* the master lives on the host */
+        cpar_tensor md = tu_upload(ctx, hm, CPAR_F32, 2, mshape);
+        TU_FAILS(cpar_embedding_init_from_master(e, &md), CPAR_ERR_INVALID, "master is on");
+        TU_OK(cpar_tensor_free(ctx, &md));
+    }
+    if (p == 2) { /* s = 5 is not divisible by tp = 2 */
+        cpar_embedding *ers;
+        cpar_embedding_config rcfg = cfg;
+        rcfg.reduce_scatter_embeddings = true;
+        TU_OK(cpar_embedding_create(g, &rcfg, &ers));
+        TU_FAILS(cpar_embedding_layer_forward(ers, &ids, &outr), CPAR_ERR_INVALID, "s = 5");
+        TU_OK(cpar_embedding_destroy(ers));
+    }
+    if (cpar_device(ctx) == CPAR_HOST) {
+        hi[3] = 4 * p;
+        cpar_tensor badids = tu_upload(ctx, hi, CPAR_I64, 2, ishape);
+        TU_FAILS(cpar_embedding_layer_forward(e, &badids, &out), CPAR_ERR_INVALID, "ids[3]");
+        TU_OK(cpar_tensor_free(ctx, &badids));
+    }
+    /* still usable after the failures */
+    TU_OK(cpar_embedding_init_from_master(e, &master));
+    TU_OK(cpar_embedding_layer_forward(e, &ids, &out));
+    TU_OK(cpar_embedding_layer_backward(e, &ids, &out));
+    cpar_tensor *all[] = {&ids, &idsf, &out, &out16, &outr};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) TU_OK(cpar_tensor_free(ctx, all[i]));
+    TU_OK(cpar_embedding_destroy(e));
+    return CPAR_OK;
+}
+
+/* _i = tp - 1 */
+START_TEST(test_embedding_layer_bad_args) { TU_OK(tu_spawn(_i + 1, rank_layer_bad, NULL)); }
+END_TEST
+
 static Suite *suite(void) {
     Suite *s = suite_create("xent: vocab-parallel cross entropy and embedding");
     const tu_loop loops[] = {
@@ -481,6 +744,9 @@ static Suite *suite(void) {
         {"xent_bad_args", test_xent_bad_args, 1},
         {"embedding_reference", test_embedding_matches_reference, 12},
         {"embedding_bad_args", test_embedding_bad_args, 2},
+        {"embedding_layer_tp1", test_embedding_layer_matches_tp1, 4},
+        {"embedding_layer_init_random", test_embedding_layer_init_random, 3},
+        {"embedding_layer_bad_args", test_embedding_layer_bad_args, 3},
     };
     tu_add_loops(s, loops, sizeof loops / sizeof loops[0], 120);
     return s;
