@@ -50,9 +50,9 @@ endif
 
 # Suites that take a backend run on host and sim; the rest are host-only
 # (processes, sockets) or sim-only (the simulator and the device layer).
-BACKEND_SUITES := core coll grid faults ops rng mappings xent linear
+BACKEND_SUITES := core coll grid faults ops rng mappings xent linear attn ring mamba
 HOST_SUITES    := $(BACKEND_SUITES) store cparrun
-SIM_SUITES     := $(BACKEND_SUITES) cudasim devlayer
+SIM_SUITES     := $(BACKEND_SUITES) cudasim devlayer mma attn_bwd
 HOST_TESTS := $(HOST_SUITES:%=$(B)/host/test_%)
 SIM_TESTS  := $(SIM_SUITES:%=$(B)/sim/test_%)
 GPU_TEST   := $(if $(filter 1,$(CPAR_CUDA)),$(B)/cuda/test_gpu)
@@ -67,7 +67,6 @@ $(B)/host $(B)/sim $(B)/cuda:
 
 # ---- library -------------------------------------------------------------
 HDR := cpar.h
-
 
 $(B)/host/cpar.o: cpar.c $(HDR) | $(B)/host
 	$(CC) $(ALL_CFLAGS) -c $< -o $@
@@ -113,6 +112,12 @@ $(B)/sim/test_cudasim: tests/test_cudasim.cu tests/cudasim.h | $(B)/sim
 
 $(B)/sim/test_devlayer: tests/test_devlayer.cu $(B)/sim/cpar_kernels.o tests/cudasim.h $(HDR) | $(B)/sim
 	$(CXX) $(SIM_CXXFLAGS) $(CHECK_FLAGS) -x c++ $< -x none $(B)/sim/cpar_kernels.o -o $@ $(CHECK_LIBS) $(LIBS)
+
+# The tensor-core wrappers and the attention kernels' internals are static
+# device functions: these suites include cpar_kernels.cu themselves and link
+# nothing else from cpar.
+$(B)/sim/test_mma $(B)/sim/test_attn_bwd: $(B)/sim/test_%: tests/test_%.cu cpar_kernels.cu tests/cudasim.h $(HDR) | $(B)/sim
+	$(CXX) $(SIM_CXXFLAGS) $(CHECK_FLAGS) -x c++ $< -o $@ $(CHECK_LIBS) $(LIBS)
 
 $(B)/cuda/test_gpu: tests/test_gpu.c $(B)/libcpar.a tests/testutil.h | $(B)/cuda
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) $< $(B)/libcpar.a -o $@ $(CHECK_LIBS) $(CUDA_LIBS) $(LIBS) -lstdc++

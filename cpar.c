@@ -25,6 +25,9 @@
  *   15. RNG, dropout, checkpointing Philox tracker, random fills, dropout, recompute
  *   16. Embedding, cross entropy    vocab-parallel embedding and loss
  *   17. Linear layers               column/row-parallel linear, init, fwd/bwd
+ *   18. Local attention             flash-style attention fwd/bwd, host reference, blocks
+ *   19. Ring attention, CP sharding  cp_shard/unshard, ring fwd/bwd, the LSE merge
+ *   20. Mamba context parallelism   cp2hp/hp2cp, load balancing, pre/post conv_ssm, conv1d
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -6201,4 +6204,1854 @@ cpar_status cpar_linear_backward(cpar_linear *l, const cpar_tensor *dy, cpar_ten
             return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dx overlaps forward's x (still needed for the weight gradient)", fn);
     }
     return l->row ? cpar__lin_row_backward(l, fn, dy, dx) : cpar__lin_column_backward(l, fn, dy, dx);
+}
+
+/* ==== 18. Local attention ==================================================
+ * Owns cpar.h §12's local attention: cpar_attention_forward/_backward on one
+ * rank, and the block functions below that the ring attention of section 19
+ * calls once per KV block. Host tensors run the reference loops of this
+ * section (fp32 accumulation, exact two-pass softmax per query row); device
+ * tensors run the flash kernels of cpar_kernels.cu §16 through
+ * cpar_dev_attention_fwd / _bwd. Scratch: one workspace carve per call.
+ * Uses: 2 (errors, argument checks), 3 (tensors, fp16/bf16 bits), 4 (device
+ * dispatch, workspace), 5 (element load/store, host fill and cast).
+ *
+ * Contract shared with section 19 (ring attention) — do not change the
+ * signatures without telling the ring attention's author:
+ *
+ * One block of attention on raw buffers: host memory when !on_device
+ * (the host reference), device memory otherwise (the flash kernels).
+ * Layout and strides as cpar_dev_attn (cpar.h §12): a sub-range of the
+ * sequence (e.g. the second half of q) is a pointer offset with the parent's
+ * strides. */
+typedef cpar_dev_attn cpar__attn_io; /* cpar.h §12 device layer: the same description on host memory */
+
+/* out [b, hq, sq, d] of dtype out_dt (F32 or io->dt) with (b,h) stride o_bh,
+ * lse F32 with (b,h) stride lse_bh: both overwritten. A row that sees no key:
+ * lse = -inf, out row = 0. Stream-ordered on ctx's compute stream. */
+static cpar_status cpar__attn_fwd(cpar_ctx *ctx, const char *fn, bool on_device, const cpar__attn_io *io,
+                                  void *out, cpar_dtype out_dt, int64_t o_bh, float *lse, int64_t lse_bh,
+                                  void *scratch);
+
+/* Accumulate (+=) this block's gradients in fp32: dq [b,hq,sq,d] (stride dq_bh),
+ * dk, dv [b,hkv,sk,d] (stride dkv_bh). out/dout (dtype out_dt, stride o_bh)
+ * and lse (stride lse_bh) are those of the whole attention this block is part
+ * of (for the ring: the merged output and lse), so P = exp(scale·qkᵀ - lse)
+ * and D_i = rowsum(dout_i ∘ out_i). A row with lse = -inf contributes nothing.
+ * The caller zeroes dq/dk/dv before the first block. */
+static cpar_status cpar__attn_bwd(cpar_ctx *ctx, const char *fn, bool on_device, const cpar__attn_io *io,
+                                  const void *out, const void *dout, cpar_dtype out_dt, int64_t o_bh,
+                                  const float *lse, int64_t lse_bh, float *dq, int64_t dq_bh, float *dk, float *dv,
+                                  int64_t dkv_bh, void *scratch);
+
+/* Neither block function touches ctx->ws: the caller owns the workspace and
+ * passes scratch of at least this many bytes (on the block's memory: device
+ * or host), 256-byte aligned. Zero is a valid answer. */
+static size_t cpar__attn_scratch_bytes(const cpar__attn_io *io, bool backward);
+
+/* ---- host-only build: the device layer of §12 is absent ------------------- */
+#ifndef CPAR_WITH_DEVICE
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#endif
+cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype out_dt, int64_t o_bh, float *lse,
+                                   int64_t lse_bh, cpar_dev_stream s) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+size_t cpar_dev_attention_bwd_scratch_bytes(const cpar_dev_attn *a) { return 0; }
+cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, const void *dout, cpar_dtype out_dt,
+                                   int64_t o_bh, const float *lse, int64_t lse_bh, float *dq, int64_t dq_bh,
+                                   float *dk, float *dv, int64_t dkv_bh, void *scratch, cpar_dev_stream s) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#endif /* !CPAR_WITH_DEVICE */
+
+/* ---- the host reference ------------------------------------------------------ */
+
+#define CPAR__ATTN_ALIGN ((size_t)256)
+
+static size_t cpar__attn_round(size_t bytes) { return (bytes + CPAR__ATTN_ALIGN - 1) / CPAR__ATTN_ALIGN * CPAR__ATTN_ALIGN; }
+
+/* Keys query row i sees: top-left causal lets it see j <= i. */
+static int64_t cpar__attn_keys(const cpar__attn_io *io, int64_t i) {
+    return io->causal ? cpar__min64(io->sk, i + 1) : io->sk;
+}
+
+/* Row of d elements at element offset off of p (dtype dt) as fp32: F32 rows
+ * are read in place, 16-bit rows are widened into buf. */
+static const float *cpar__attn_row(const void *p, cpar_dtype dt, int64_t off, int64_t d, float *buf) {
+    if (dt == CPAR_F32) return (const float *)p + off;
+    const uint16_t *s = (const uint16_t *)p + off;
+    if (dt == CPAR_F16)
+        for (int64_t c = 0; c < d; c++) buf[c] = cpar_f16_to_f32(s[c]);
+    else
+        for (int64_t c = 0; c < d; c++) buf[c] = cpar_bf16_to_f32(s[c]);
+    return buf;
+}
+
+static float cpar__attn_dot(const float *a, const float *b, int64_t d) {
+    float acc = 0.f;
+    for (int64_t c = 0; c < d; c++) acc += a[c] * b[c];
+    return acc;
+}
+
+/* scratch (fp32): scores [sk] | q row [d] | k or v row [d] | out accumulator [d]. */
+static void cpar__host_attn_fwd(const cpar__attn_io *io, void *out, cpar_dtype out_dt, int64_t o_bh, float *lse,
+                                int64_t lse_bh, float *scratch) {
+    const int64_t d = io->d, group = io->hq / io->hkv;
+    float *sc = scratch, *qbuf = sc + io->sk, *kbuf = qbuf + d, *acc = kbuf + d;
+    for (int64_t bi = 0; bi < io->b; bi++)
+        for (int64_t hi = 0; hi < io->hq; hi++) {
+            const int64_t bh = bi * io->hq + hi, qbase = bh * io->q_bh, obase = bh * o_bh;
+            const int64_t kvbase = (bi * io->hkv + hi / group) * io->kv_bh;
+            for (int64_t i = 0; i < io->sq; i++) {
+                const int64_t n = cpar__attn_keys(io, i);
+                float *lrow = lse + bh * lse_bh + i;
+                if (n == 0) {
+                    *lrow = -INFINITY;
+                    for (int64_t c = 0; c < d; c++) cpar__store_f(out, out_dt, obase + i * d + c, 0.f);
+                    continue;
+                }
+                /* pass 1: scores and their max; pass 2: exp, sum and P·V */
+                const float *qr = cpar__attn_row(io->q, io->dt, qbase + i * d, d, qbuf);
+                float m = -INFINITY;
+                for (int64_t j = 0; j < n; j++) {
+                    const float *kr = cpar__attn_row(io->k, io->dt, kvbase + j * d, d, kbuf);
+                    sc[j] = io->scale * cpar__attn_dot(qr, kr, d);
+                    m = fmaxf(m, sc[j]);
+                }
+                float sum = 0.f;
+                for (int64_t c = 0; c < d; c++) acc[c] = 0.f;
+                for (int64_t j = 0; j < n; j++) {
+                    const float p = expf(sc[j] - m);
+                    const float *vr = cpar__attn_row(io->v, io->dt, kvbase + j * d, d, kbuf);
+                    sum += p;
+                    for (int64_t c = 0; c < d; c++) acc[c] += p * vr[c];
+                }
+                const float inv = 1.f / sum; /* sum >= 1: the max term is exp(0) */
+                for (int64_t c = 0; c < d; c++) cpar__store_f(out, out_dt, obase + i * d + c, acc[c] * inv);
+                *lrow = m + logf(sum);
+            }
+        }
+}
+
+/* scratch (fp32): q row | dout row | out row | k row | v row, [d] each. */
+static void cpar__host_attn_bwd(const cpar__attn_io *io, const void *out, const void *dout, cpar_dtype out_dt,
+                                int64_t o_bh, const float *lse, int64_t lse_bh, float *dq, int64_t dq_bh, float *dk,
+                                float *dv, int64_t dkv_bh, float *scratch) {
+    const int64_t d = io->d, group = io->hq / io->hkv;
+    float *qbuf = scratch, *dobuf = qbuf + d, *obuf = dobuf + d, *kbuf = obuf + d, *vbuf = kbuf + d;
+    const float scale = io->scale;
+    for (int64_t bi = 0; bi < io->b; bi++)
+        for (int64_t hi = 0; hi < io->hq; hi++) {
+            const int64_t bh = bi * io->hq + hi, hk = bi * io->hkv + hi / group;
+            const int64_t qbase = bh * io->q_bh, obase = bh * o_bh, kvbase = hk * io->kv_bh;
+            for (int64_t i = 0; i < io->sq; i++) {
+                const float L = lse[bh * lse_bh + i];
+                const int64_t n = cpar__attn_keys(io, i);
+                if (L == -INFINITY || n == 0) continue; /* the row saw no key: P = 0 */
+                const float *qr = cpar__attn_row(io->q, io->dt, qbase + i * d, d, qbuf);
+                const float *dor = cpar__attn_row(dout, out_dt, obase + i * d, d, dobuf);
+                const float *outr = cpar__attn_row(out, out_dt, obase + i * d, d, obuf);
+                const float D = cpar__attn_dot(dor, outr, d);
+                float *dqr = dq + bh * dq_bh + i * d;
+                for (int64_t j = 0; j < n; j++) {
+                    const float *kr = cpar__attn_row(io->k, io->dt, kvbase + j * d, d, kbuf);
+                    const float *vr = cpar__attn_row(io->v, io->dt, kvbase + j * d, d, vbuf);
+                    const float p = expf(scale * cpar__attn_dot(qr, kr, d) - L);
+                    const float ds = p * (cpar__attn_dot(dor, vr, d) - D), sds = scale * ds;
+                    float *dkr = dk + hk * dkv_bh + j * d, *dvr = dv + hk * dkv_bh + j * d;
+                    for (int64_t c = 0; c < d; c++) {
+                        dqr[c] += sds * kr[c];
+                        dkr[c] += sds * qr[c];
+                        dvr[c] += p * dor[c];
+                    }
+                }
+            }
+        }
+}
+
+/* ---- the block functions (contract above) ------------------------------------ */
+
+static size_t cpar__attn_scratch_bytes(const cpar__attn_io *io, bool backward) {
+    /* The host reference needs O(sk + d) floats; the device forward none. The
+     * memory kind is the caller's, so the answer covers both paths. */
+    const size_t host = (size_t)(backward ? 5 * io->d : io->sk + 3 * io->d) * sizeof(float);
+    const size_t dev = backward ? cpar_dev_attention_bwd_scratch_bytes(io) : 0;
+    return cpar__attn_round(host > dev ? host : dev);
+}
+
+static cpar_status cpar__attn_fwd(cpar_ctx *ctx, const char *fn, bool on_device, const cpar__attn_io *io,
+                                  void *out, cpar_dtype out_dt, int64_t o_bh, float *lse, int64_t lse_bh,
+                                  void *scratch) {
+    if (io->b == 0 || io->hq == 0 || io->sq == 0) return CPAR_OK;
+    if (on_device)
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_attention_fwd(io, out, out_dt, o_bh, lse, lse_bh, ctx->compute));
+    else
+        cpar__host_attn_fwd(io, out, out_dt, o_bh, lse, lse_bh, scratch);
+    return CPAR_OK;
+}
+
+static cpar_status cpar__attn_bwd(cpar_ctx *ctx, const char *fn, bool on_device, const cpar__attn_io *io,
+                                  const void *out, const void *dout, cpar_dtype out_dt, int64_t o_bh,
+                                  const float *lse, int64_t lse_bh, float *dq, int64_t dq_bh, float *dk, float *dv,
+                                  int64_t dkv_bh, void *scratch) {
+    if (io->b == 0 || io->hq == 0 || io->sq == 0 || io->sk == 0) return CPAR_OK;
+    if (on_device)
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_attention_bwd(io, out, dout, out_dt, o_bh, lse, lse_bh, dq, dq_bh, dk, dv,
+                                                     dkv_bh, scratch, ctx->compute));
+    else
+        cpar__host_attn_bwd(io, out, dout, out_dt, o_bh, lse, lse_bh, dq, dq_bh, dk, dv, dkv_bh, scratch);
+    return CPAR_OK;
+}
+
+/* ---- public functions ------------------------------------------------------------ */
+
+/* t is on `device` (q's), or an error naming t and q's memory. */
+static cpar_status cpar__attn_check_device(cpar_ctx *ctx, const char *fn, const char *name, const cpar_tensor *t,
+                                           int device) {
+    if (t->device == device) return CPAR_OK;
+    char got[32], want[32];
+    return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is on %s, expected %s (as q)", fn, name,
+                      cpar__device_str(t->device, got, sizeof got), cpar__device_str(device, want, sizeof want));
+}
+
+/* A tensor like q (or k) on q's memory with q's dtype and the given shape. */
+static cpar_status cpar__attn_check_like(cpar_ctx *ctx, const char *fn, const char *name, const cpar_tensor *t,
+                                         const cpar_tensor *q, const int64_t *shape, int ndim, const char *why) {
+    CPAR_TRY(cpar__check_tensor(ctx, fn, name, t, -2));
+    CPAR_TRY(cpar__attn_check_device(ctx, fn, name, t, q->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, name, t, q->dtype));
+    return cpar__check_shape(ctx, fn, name, t, shape, ndim, why);
+}
+
+/* The lse tensor: F32 [b, hq, sq] on q's memory. */
+static cpar_status cpar__attn_check_lse(cpar_ctx *ctx, const char *fn, const cpar_tensor *lse, const cpar_tensor *q) {
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "lse", lse, -2));
+    CPAR_TRY(cpar__attn_check_device(ctx, fn, "lse", lse, q->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "lse", lse, CPAR_F32));
+    return cpar__check_shape(ctx, fn, "lse", lse, q->shape, 3, "[b, hq, sq] of q");
+}
+
+/* Checks of q, k, v, causal and scale shared by forward and backward; fills
+ * the block description of the whole attention (contiguous strides). */
+static cpar_status cpar__attn_check_qkv(cpar_ctx *ctx, const char *fn, const cpar_tensor *q, const cpar_tensor *k,
+                                        const cpar_tensor *v, bool causal, float scale, cpar__attn_io *io) {
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "q", q, -2));
+    if (q->device != CPAR_HOST && q->device != ctx->device) {
+        char got[32], want[32];
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: q is on %s, expected host or the context's %s", fn,
+                          cpar__device_str(q->device, got, sizeof got), cpar__device_str(ctx->device, want, sizeof want));
+    }
+    CPAR_TRY(cpar__check_float(ctx, fn, "q", q));
+    if (q->ndim != 4) {
+        char got[128];
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: q has shape %s, expected [b, hq, sq, d]", fn,
+                          cpar__shape_str(q, got, sizeof got));
+    }
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "k", k, -2));
+    CPAR_TRY(cpar__attn_check_device(ctx, fn, "k", k, q->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "k", k, q->dtype));
+    if (k->ndim != 4) {
+        char got[128];
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: k has shape %s, expected [b, hkv, sk, d]", fn,
+                          cpar__shape_str(k, got, sizeof got));
+    }
+    const int64_t b = q->shape[0], hq = q->shape[1], sq = q->shape[2], d = q->shape[3];
+    const int64_t hkv = k->shape[1], sk = k->shape[2];
+    const int64_t kshape[4] = {b, hkv, sk, d};
+    CPAR_TRY(cpar__check_shape(ctx, fn, "k", k, kshape, 4, "[b, hkv, sk, d] with q's b and d"));
+    CPAR_TRY(cpar__attn_check_like(ctx, fn, "v", v, q, k->shape, 4, "as k"));
+    if (hkv < 1 || hq % hkv)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: k has %lld heads, expected a divisor of q's %lld heads (grouped-query attention)", fn,
+                          (long long)hkv, (long long)hq);
+    if (d < 1) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: q has head dim d = %lld, expected >= 1", fn, (long long)d);
+    if (!isfinite(scale) || scale < 0.f)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: scale is %g, expected finite and >= 0 (0: 1/sqrt(d))", fn,
+                          (double)scale);
+    if (cpar__on_device(q->device)) {
+        if (q->dtype == CPAR_F32)
+            return cpar__fail(ctx, CPAR_ERR_UNSUPPORTED,
+                              "%s: q has dtype f32 on device %d; device attention takes f16 or bf16 (f32 runs on "
+                              "host tensors)", fn, q->device);
+        if (d % 8 || d > 128)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: q has head dim d = %lld, expected a multiple of 8 up to 128 on devices", fn,
+                              (long long)d);
+    }
+    memset(io, 0, sizeof *io);
+    io->dt = q->dtype;
+    io->b = b, io->hq = hq, io->hkv = hkv, io->sq = sq, io->sk = sk, io->d = d;
+    io->q = q->data, io->k = k->data, io->v = v->data;
+    io->q_bh = sq * d, io->kv_bh = sk * d;
+    io->causal = causal;
+    io->scale = scale > 0.f ? scale : (float)(1.0 / sqrt((double)d));
+    return CPAR_OK;
+}
+
+/* Error when two of the n tensors (the first `outputs` of them written)
+ * overlap, an output with anything. */
+static cpar_status cpar__attn_check_overlap(cpar_ctx *ctx, const char *fn, const cpar_tensor *const *t,
+                                            const char *const *names, int n, int outputs) {
+    for (int i = 0; i < outputs; i++)
+        for (int j = 0; j < n; j++)
+            if (j != i && cpar__ranges_overlap(t[i]->data, cpar_tensor_nbytes(t[i]), t[j]->data, cpar_tensor_nbytes(t[j])))
+                return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s overlaps %s", fn, names[i], names[j]);
+    return CPAR_OK;
+}
+
+/* Scratch of `bytes` on the tensors' memory: the context workspace, except
+ * for host tensors on a device context (the reference path there, never a
+ * hot path), which take a host allocation returned in *owned for the caller
+ * to free. */
+static cpar_status cpar__attn_scratch(cpar_ctx *ctx, const char *fn, int device, size_t bytes, void **out,
+                                      void **owned) {
+    *owned = NULL;
+    if (device == ctx->device) return cpar__workspace(ctx, fn, bytes, out);
+    CPAR_TRY(cpar__mem_alloc(ctx, fn, CPAR_HOST, bytes, owned));
+    *out = *owned;
+    return CPAR_OK;
+}
+
+cpar_status cpar_attention_forward(cpar_ctx *ctx, const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
+                                   bool causal, float scale, cpar_tensor *out, cpar_tensor *lse) {
+    static const char fn[] = "cpar_attention_forward";
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    cpar__attn_io io;
+    CPAR_TRY(cpar__attn_check_qkv(ctx, fn, q, k, v, causal, scale, &io));
+    CPAR_TRY(cpar__attn_check_like(ctx, fn, "out", out, q, q->shape, 4, "as q"));
+    CPAR_TRY(cpar__attn_check_lse(ctx, fn, lse, q));
+    const cpar_tensor *all[5] = {out, lse, q, k, v};
+    static const char *const names[5] = {"out", "lse", "q", "k", "v"};
+    CPAR_TRY(cpar__attn_check_overlap(ctx, fn, all, names, 5, 2));
+
+    const bool dev = cpar__on_device(q->device);
+    const int64_t rows = io.b * io.hq * io.sq;
+    if (rows == 0) return CPAR_OK;
+    if (io.sk == 0) { /* no key at all: every row is empty */
+        if (dev) {
+            CPAR_DEV_TRY(ctx, fn, cpar_dev_fill(out->data, out->dtype, rows * io.d, 0.0, ctx->compute));
+            CPAR_DEV_TRY(ctx, fn, cpar_dev_fill(lse->data, CPAR_F32, rows, -INFINITY, ctx->compute));
+        } else {
+            cpar__host_fill(out->data, out->dtype, rows * io.d, 0.0);
+            cpar__host_fill(lse->data, CPAR_F32, rows, -INFINITY);
+        }
+        return CPAR_OK;
+    }
+    void *scratch = NULL, *owned = NULL; /* the device forward needs none */
+    if (!dev) CPAR_TRY(cpar__attn_scratch(ctx, fn, q->device, cpar__attn_scratch_bytes(&io, false), &scratch, &owned));
+    cpar_status st = cpar__attn_fwd(ctx, fn, dev, &io, out->data, out->dtype, io.q_bh, lse->data, io.sq, scratch);
+    free(owned);
+    return st;
+}
+
+cpar_status cpar_attention_backward(cpar_ctx *ctx, const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
+                                    const cpar_tensor *out, const cpar_tensor *dout, const cpar_tensor *lse,
+                                    bool causal, float scale, cpar_tensor *dq, cpar_tensor *dk, cpar_tensor *dv) {
+    static const char fn[] = "cpar_attention_backward";
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    cpar__attn_io io;
+    CPAR_TRY(cpar__attn_check_qkv(ctx, fn, q, k, v, causal, scale, &io));
+    CPAR_TRY(cpar__attn_check_like(ctx, fn, "out", out, q, q->shape, 4, "as q, from forward"));
+    CPAR_TRY(cpar__attn_check_like(ctx, fn, "dout", dout, q, q->shape, 4, "as q"));
+    CPAR_TRY(cpar__attn_check_lse(ctx, fn, lse, q));
+    CPAR_TRY(cpar__attn_check_like(ctx, fn, "dq", dq, q, q->shape, 4, "as q"));
+    CPAR_TRY(cpar__attn_check_like(ctx, fn, "dk", dk, q, k->shape, 4, "as k"));
+    CPAR_TRY(cpar__attn_check_like(ctx, fn, "dv", dv, q, k->shape, 4, "as v"));
+    const cpar_tensor *all[9] = {dq, dk, dv, q, k, v, out, dout, lse};
+    static const char *const names[9] = {"dq", "dk", "dv", "q", "k", "v", "out", "dout", "lse"};
+    CPAR_TRY(cpar__attn_check_overlap(ctx, fn, all, names, 9, 3));
+
+    const bool dev = cpar__on_device(q->device), f32 = q->dtype == CPAR_F32;
+    const int64_t nq = cpar_tensor_numel(dq), nkv = cpar_tensor_numel(dk);
+    /* fp32 accumulators: the outputs themselves when they are F32, else
+     * scratch cast into them at the end. Layout: dq | dk | dv | block scratch. */
+    const size_t acc_q = f32 ? 0 : cpar__attn_round((size_t)nq * sizeof(float));
+    const size_t acc_kv = f32 ? 0 : cpar__attn_round((size_t)nkv * sizeof(float));
+    const size_t block = cpar__attn_scratch_bytes(&io, true);
+    void *scratch, *owned;
+    CPAR_TRY(cpar__attn_scratch(ctx, fn, q->device, acc_q + 2 * acc_kv + block, &scratch, &owned));
+    float *gq = f32 ? dq->data : scratch;
+    float *gk = f32 ? dk->data : (float *)((char *)scratch + acc_q);
+    float *gv = f32 ? dv->data : (float *)((char *)scratch + acc_q + acc_kv);
+    void *bscratch = (char *)scratch + acc_q + 2 * acc_kv;
+    cpar_status st = CPAR_OK;
+    if (dev) {
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_memset(gq, 0, (size_t)nq * sizeof(float), ctx->compute));
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_memset(gk, 0, (size_t)nkv * sizeof(float), ctx->compute));
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_memset(gv, 0, (size_t)nkv * sizeof(float), ctx->compute));
+    } else {
+        memset(gq, 0, (size_t)nq * sizeof(float));
+        memset(gk, 0, (size_t)nkv * sizeof(float));
+        memset(gv, 0, (size_t)nkv * sizeof(float));
+    }
+    CPAR_TRY_GOTO(cpar__attn_bwd(ctx, fn, dev, &io, out->data, dout->data, out->dtype, io.q_bh, lse->data, io.sq, gq,
+                                 io.q_bh, gk, gv, io.kv_bh, bscratch),
+                  st, done);
+    if (!f32) {
+        if (dev) {
+            CPAR_DEV_TRY(ctx, fn, cpar_dev_cast(dq->data, dq->dtype, gq, CPAR_F32, nq, ctx->compute));
+            CPAR_DEV_TRY(ctx, fn, cpar_dev_cast(dk->data, dk->dtype, gk, CPAR_F32, nkv, ctx->compute));
+            CPAR_DEV_TRY(ctx, fn, cpar_dev_cast(dv->data, dv->dtype, gv, CPAR_F32, nkv, ctx->compute));
+        } else {
+            cpar__host_cast(dq->data, dq->dtype, gq, CPAR_F32, nq);
+            cpar__host_cast(dk->data, dk->dtype, gk, CPAR_F32, nkv);
+            cpar__host_cast(dv->data, dv->dtype, gv, CPAR_F32, nkv);
+        }
+    }
+done:
+    free(owned);
+    return st;
+}
+
+/* ==== 19. Ring attention and CP sharding ===================================
+ * Owns cpar.h §12's context parallelism for attention: cpar_cp_shard and
+ * cpar_cp_unshard (PyTorch's _SequentialSharder / _RoundRobinLoadBalancer and
+ * context_parallel_unshard), cpar_ring_attention_forward / _backward
+ * (_templated_ring_attention and its backward, _SDPAMerger, the all-gather
+ * and all-to-all rotaters). Each ring step is one call of section 18's block
+ * functions on pointer-offset sub-ranges of the shards; the fp32 merge is
+ * cpar_dev_ring_merge (cpar_kernels.cu §17) or its host twin below. Scratch:
+ * one carve of the context workspace per call (the collectives never touch
+ * it, so it stays valid across them).
+ * Uses: 2 (errors, checks), 3 (tensors), 4 (device dispatch, workspace,
+ * copies), 5 (host cast, reduce), 11 (all-gather, ring shift), 18 (block
+ * attention). */
+
+/* ---- host-only build: the device layer of §12 is absent ------------------- */
+#ifndef CPAR_WITH_DEVICE
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#endif
+cpar_status cpar_dev_ring_merge(float *out, float *lse, const float *out_b, const float *lse_b, int64_t nbh,
+                                int64_t rows, int64_t d, int64_t o_bh, int64_t lse_bh, cpar_dev_stream s) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#endif /* !CPAR_WITH_DEVICE */
+
+/* ---- sequence sharding --------------------------------------------------------- */
+
+/* Checks of the group, the whole and the sharded tensor shared by shard and
+ * unshard; resolves seq_dim and gives the layout [outer, S, inner] of full
+ * (S along seq_dim) and the chunk length c (S / (2P) with load balancing,
+ * else S / P). dev_only: both tensors on the context's device (a collective). */
+static cpar_status cpar__cp_check(const char *fn, cpar_group *cp, const char *full_name, const cpar_tensor *full,
+                                  const char *local_name, const cpar_tensor *local, int *seq_dim, bool load_balance,
+                                  bool dev_only, int64_t *outer, int64_t *inner, int64_t *c) {
+    if (!cp) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cp is NULL (the context-parallel group)", fn);
+    cpar_ctx *ctx = cp->ctx;
+    const int P = cp->size;
+    const cpar_tensor *t[2] = {full, local};
+    const char *names[2] = {full_name, local_name};
+    for (int i = 0; i < 2; i++) {
+        CPAR_TRY(cpar__check_tensor(ctx, fn, names[i], t[i], dev_only ? ctx->device : -2));
+        if (!dev_only && t[i]->device != CPAR_HOST && t[i]->device != ctx->device) {
+            char got[32], want[32];
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is on %s, expected host or the context's %s", fn,
+                              names[i], cpar__device_str(t[i]->device, got, sizeof got),
+                              cpar__device_str(ctx->device, want, sizeof want));
+        }
+    }
+    CPAR_TRY(cpar__check_dtype(ctx, fn, local_name, local, full->dtype));
+    if (full->ndim < 1)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is a scalar, expected a sequence dimension", fn, full_name);
+    const int nd = full->ndim;
+    if (*seq_dim < -nd || *seq_dim >= nd)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seq_dim is %d, expected -%d..%d (dims of %s)", fn, *seq_dim, nd,
+                          nd - 1, full_name);
+    if (*seq_dim < 0) *seq_dim += nd;
+    const int sd = *seq_dim;
+    const int64_t S = full->shape[sd], chunks = load_balance ? 2 * (int64_t)P : P;
+    if (S % chunks)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: %s has length %lld along seq_dim %d, not divisible by %lld (%s with cp = %d)", fn,
+                          full_name, (long long)S, sd, (long long)chunks,
+                          load_balance ? "2 * cp chunks for load balancing" : "cp chunks", P);
+    int64_t want[CPAR_MAX_DIMS];
+    memcpy(want, full->shape, sizeof want);
+    want[sd] = S / P;
+    char why[96];
+    snprintf(why, sizeof why, "%s with dim %d divided by cp = %d", full_name, sd, P);
+    CPAR_TRY(cpar__check_shape(ctx, fn, local_name, local, want, nd, why));
+    if (cpar__ranges_overlap(full->data, cpar_tensor_nbytes(full), local->data, cpar_tensor_nbytes(local)))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s overlaps %s", fn, local_name, full_name);
+    *outer = 1, *inner = 1;
+    for (int i = 0; i < sd; i++) *outer *= full->shape[i];
+    for (int i = sd + 1; i < nd; i++) *inner *= full->shape[i];
+    *c = S / chunks;
+    return CPAR_OK;
+}
+
+/* The global chunk held in slot `slot` of rank r's shard: r (sequential), or
+ * r and 2P-1-r (load balancing). */
+static int64_t cpar__cp_chunk_of(int P, int r, bool load_balance, int slot) {
+    return !load_balance ? r : slot == 0 ? r : 2 * (int64_t)P - 1 - r;
+}
+
+/* Copy rank r's chunks between the whole tensor (layout [outer, S, inner],
+ * memory full) and one shard ([outer, S/P, inner], memory local), either way. */
+static cpar_status cpar__cp_copy(cpar_ctx *ctx, const char *fn, void *full, int full_dev, void *local, int local_dev,
+                                 int64_t outer, int64_t S, int64_t inner, int64_t c, size_t es, int P, int r,
+                                 bool load_balance, bool to_local) {
+    const size_t row = (size_t)(c * inner) * es, full_pitch = (size_t)(S * inner) * es;
+    const size_t local_pitch = (size_t)(S / P * inner) * es;
+    for (int slot = 0; slot < (load_balance ? 2 : 1); slot++) {
+        char *f = (char *)full + (size_t)cpar__cp_chunk_of(P, r, load_balance, slot) * row;
+        char *l = (char *)local + (size_t)slot * row;
+        if (to_local)
+            CPAR_TRY(cpar__copy_2d(ctx, fn, l, local_pitch, local_dev, f, full_pitch, full_dev, row, (size_t)outer));
+        else
+            CPAR_TRY(cpar__copy_2d(ctx, fn, f, full_pitch, full_dev, l, local_pitch, local_dev, row, (size_t)outer));
+    }
+    return CPAR_OK;
+}
+
+cpar_status cpar_cp_shard(cpar_group *cp, const cpar_tensor *full, int seq_dim, bool load_balance,
+                          cpar_tensor *local) {
+    static const char fn[] = "cpar_cp_shard";
+    int64_t outer, inner, c;
+    CPAR_TRY(cpar__cp_check(fn, cp, "full", full, "local", local, &seq_dim, load_balance, false, &outer, &inner, &c));
+    return cpar__cp_copy(cp->ctx, fn, full->data, full->device, local->data, local->device, outer,
+                         full->shape[seq_dim], inner, c, cpar_dtype_size(full->dtype), cp->size, cp->rank,
+                         load_balance, true);
+}
+
+cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_dim, bool load_balance,
+                            cpar_tensor *full) {
+    static const char fn[] = "cpar_cp_unshard";
+    int64_t outer, inner, c;
+    CPAR_TRY(cpar__cp_check(fn, cp, "full", full, "local", local, &seq_dim, load_balance, true, &outer, &inner, &c));
+    cpar_ctx *ctx = cp->ctx;
+    const int P = cp->size;
+    const int64_t n = cpar_tensor_numel(local);
+    const int64_t in_shape[2] = {1, n}, out_shape[2] = {P, n};
+    cpar_tensor in = cpar_tensor_make(local->data, local->dtype, 2, in_shape, local->device);
+    /* a sequential shard of the outermost dimension is already in place in
+     * the rank-ordered gather: gather straight into full */
+    if (!load_balance && outer == 1) {
+        cpar_tensor out = cpar_tensor_make(full->data, full->dtype, 2, out_shape, full->device);
+        return cpar_all_gather(cp, &in, &out, NULL);
+    }
+    void *ws;
+    CPAR_TRY(cpar__workspace(ctx, fn, cpar_tensor_nbytes(full) ? cpar_tensor_nbytes(full) : 1, &ws));
+    cpar_tensor gathered = cpar_tensor_make(ws, local->dtype, 2, out_shape, ctx->device);
+    CPAR_TRY(cpar_all_gather(cp, &in, &gathered, NULL));
+    const size_t es = cpar_dtype_size(full->dtype);
+    for (int j = 0; j < P; j++)
+        CPAR_TRY(cpar__cp_copy(ctx, fn, full->data, full->device, (char *)ws + (size_t)(j * n) * es, ctx->device,
+                               outer, full->shape[seq_dim], inner, c, es, P, j, load_balance, false));
+    return CPAR_OK;
+}
+
+/* ---- the merge (host twin of cpar_kernels.cu §17) ---------------------------------- */
+
+/* Twin of the device cpar__ring_merge_coef: the block's weight
+ * w = sigmoid(lb - l) and the merged lse l - logsigmoid(l - lb), overflow
+ * free; an empty side (lse = -inf) takes the other side as it is. */
+static void cpar__ring_merge_coef(float l, float lb, float *w, float *nl) {
+    if (lb == -INFINITY) {
+        *w = 0.f, *nl = l;
+        return;
+    }
+    if (l == -INFINITY) {
+        *w = 1.f, *nl = lb;
+        return;
+    }
+    const float x = lb - l, e = expf(-fabsf(x));
+    *w = x >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+    *nl = l - (fminf(-x, 0.f) - log1pf(e));
+}
+
+/* cpar_dev_ring_merge on host memory (same arguments). */
+static void cpar__host_ring_merge(float *out, float *lse, const float *out_b, const float *lse_b, int64_t nbh,
+                                  int64_t rows, int64_t d, int64_t o_bh, int64_t lse_bh) {
+    for (int64_t j = 0; j < nbh; j++)
+        for (int64_t i = 0; i < rows; i++) {
+            float w, *l = lse + j * lse_bh + i;
+            cpar__ring_merge_coef(*l, lse_b[j * lse_bh + i], &w, l);
+            if (w == 0.f) continue;
+            float *o = out + j * o_bh + i * d;
+            const float *ob = out_b + j * o_bh + i * d;
+            for (int64_t c = 0; c < d; c++) o[c] -= w * (o[c] - ob[c]);
+        }
+}
+
+/* ---- ring attention ------------------------------------------------------------------ */
+
+/* What step i of rank r computes (the seed's _is_causal_behavior plus its
+ * load-balancing branches). */
+typedef enum cpar__ring_kind {
+    CPAR__RING_SKIP = 0, /* causal, no load balancing, i > r: the block is all in the future */
+    CPAR__RING_CAUSAL,   /* causal step 0: the local block, top-left causal */
+    CPAR__RING_FULL,     /* every query sees every key */
+    CPAR__RING_KV_HALF,  /* load balancing, i <= r: all queries, the first half of the keys */
+    CPAR__RING_Q_HALF    /* load balancing, i > r: the second half of the queries, every key */
+} cpar__ring_kind;
+
+static cpar__ring_kind cpar__ring_step_kind(const cpar_ring_attention_config *cfg, int r, int i) {
+    if (!cfg->causal) return CPAR__RING_FULL;
+    if (i == 0) return CPAR__RING_CAUSAL;
+    if (!cfg->load_balance) return i <= r ? CPAR__RING_FULL : CPAR__RING_SKIP;
+    return i <= r ? CPAR__RING_KV_HALF : CPAR__RING_Q_HALF;
+}
+
+#define CPAR__RING_ALIGN ((size_t)256)
+#define CPAR__RING_SLOTS 8
+
+/* The state of one ring call. Streams on devices:
+ *   compute: every block, merge, zeroing and cast;
+ *   comm:    the KV rotation (all-gather once, or one ring shift per step
+ *            issued before the step's block so the next block's transfer
+ *            overlaps this block) and the dK/dV ring shifts of backward.
+ * Events: ev_cp (compute -> comm: the buffers a transfer reads or
+ * overwrites are done with), ev_kv (the next KV block arrived), ev_dkv (the
+ * travelling dK/dV accumulator arrived). A compute wait is issued before the
+ * event is recorded again, so every wait sees the record it means. Host
+ * tensors: the same order, sequentially; the sim backend runs streams at
+ * issue time, so it executes this very schedule. */
+typedef struct cpar__ring {
+    cpar_ctx *ctx;
+    cpar_group *g;
+    const char *fn;
+    const cpar_ring_attention_config *cfg;
+    cpar__attn_io io; /* this rank's q against its own KV shard (strides of the whole shards) */
+    int P, r;
+    bool dev;
+    size_t es;
+    int64_t nkv; /* elements of k (and of v) */
+    /* workspace carve */
+    size_t off[CPAR__RING_SLOTS], total;
+    int nslots;
+    void *ptr[CPAR__RING_SLOTS];
+    /* rotation: ALLGATHER: kg, vg [P][nkv]; ALLTOALL: buf[2] = [k | v] blocks */
+    void *kg, *vg, *buf[2];
+    cpar_dev_event ev_cp, ev_kv, ev_dkv;
+    bool forked; /* comm holds work compute has not waited for */
+} cpar__ring;
+
+static int cpar__ring_slot(cpar__ring *R, size_t bytes) {
+    R->off[R->nslots] = R->total;
+    R->total += (bytes + CPAR__RING_ALIGN - 1) / CPAR__RING_ALIGN * CPAR__RING_ALIGN;
+    R->ptr[R->nslots] = NULL;
+    return R->nslots++;
+}
+
+/* One workspace carve for every slot; empty slots stay NULL. */
+static cpar_status cpar__ring_carve(cpar__ring *R) {
+    void *base;
+    CPAR_TRY(cpar__workspace(R->ctx, R->fn, R->total ? R->total : 1, &base));
+    for (int i = 0; i < R->nslots; i++)
+        R->ptr[i] = (i + 1 < R->nslots ? R->off[i + 1] : R->total) > R->off[i] ? (char *)base + R->off[i] : NULL;
+    return CPAR_OK;
+}
+
+/* The rotation's slots: ALLGATHER every rank's k and v; ALLTOALL two [k | v]
+ * blocks. None for P = 1. */
+static void cpar__ring_rot_slots(cpar__ring *R, int *a, int *b) {
+    const size_t blk = (size_t)R->nkv * R->es;
+    *a = *b = -1;
+    if (R->P == 1) return;
+    if (R->cfg->rotate == CPAR_ROTATE_ALLGATHER) {
+        *a = cpar__ring_slot(R, blk * (size_t)R->P);
+        *b = cpar__ring_slot(R, blk * (size_t)R->P);
+    } else {
+        *a = cpar__ring_slot(R, 2 * blk);
+        *b = cpar__ring_slot(R, 2 * blk);
+    }
+}
+
+static void cpar__ring_rot_bind(cpar__ring *R, int a, int b) {
+    if (a < 0) return;
+    if (R->cfg->rotate == CPAR_ROTATE_ALLGATHER) R->kg = R->ptr[a], R->vg = R->ptr[b];
+    else R->buf[0] = R->ptr[a], R->buf[1] = R->ptr[b];
+}
+
+/* Events exist only on devices with P > 1 (the per-call cost of creating
+ * three events is negligible next to a ring of attention blocks). */
+static cpar_status cpar__ring_events(cpar__ring *R) {
+    if (!R->dev || R->P == 1) return CPAR_OK;
+    cpar_dev_event *ev[3] = {&R->ev_cp, &R->ev_kv, &R->ev_dkv};
+    for (int i = 0; i < 3; i++) CPAR_DEV_TRY(R->ctx, R->fn, cpar_dev_event_create(ev[i]));
+    return CPAR_OK;
+}
+
+/* Compute waits for everything queued on comm (also after a failure, so the
+ * call leaves both streams ordered), then the events go. */
+static cpar_status cpar__ring_finish(cpar__ring *R, cpar_status st) {
+    cpar__on_compute_stream(R->ctx);
+    if (R->forked && R->ev_kv) {
+        cpar_status js = cpar_dev_event_record(R->ev_kv, R->ctx->comm);
+        if (js == CPAR_OK) js = cpar_dev_stream_wait_event(R->ctx->compute, R->ev_kv);
+        if (js != CPAR_OK && st == CPAR_OK) st = cpar__dev_fail(R->ctx, js, R->fn);
+    }
+    cpar_dev_event ev[3] = {R->ev_cp, R->ev_kv, R->ev_dkv};
+    for (int i = 0; i < 3; i++)
+        if (ev[i]) cpar_dev_event_destroy(ev[i]);
+    return st;
+}
+
+/* Comm starts after everything queued on compute so far. */
+static cpar_status cpar__ring_fork(cpar__ring *R) {
+    if (!R->ev_cp) return CPAR_OK;
+    CPAR_DEV_TRY(R->ctx, R->fn, cpar_dev_event_record(R->ev_cp, R->ctx->compute));
+    CPAR_DEV_TRY(R->ctx, R->fn, cpar_dev_stream_wait_event(R->ctx->comm, R->ev_cp));
+    R->forked = true;
+    cpar__on_comm_stream(R->ctx);
+    return CPAR_OK;
+}
+
+/* Back on compute; ev marks the end of the comm work just issued. */
+static cpar_status cpar__ring_unfork(cpar__ring *R, cpar_dev_event ev) {
+    cpar__on_compute_stream(R->ctx);
+    if (ev) CPAR_DEV_TRY(R->ctx, R->fn, cpar_dev_event_record(ev, R->ctx->comm));
+    return CPAR_OK;
+}
+
+static cpar_status cpar__ring_wait(cpar__ring *R, cpar_dev_event ev) {
+    if (ev) CPAR_DEV_TRY(R->ctx, R->fn, cpar_dev_stream_wait_event(R->ctx->compute, ev));
+    return CPAR_OK;
+}
+
+/* Start the KV rotation: ALLGATHER gathers every rank's k and v on comm
+ * (overlapped with step 0, which uses the local shard); ALLTOALL packs the
+ * local [k | v] into buf[0], the block the first ring shift sends. */
+static cpar_status cpar__ring_start(cpar__ring *R) {
+    if (R->P == 1) return CPAR_OK;
+    cpar_ctx *ctx = R->ctx;
+    const size_t blk = (size_t)R->nkv * R->es;
+    if (R->cfg->rotate == CPAR_ROTATE_ALLTOALL) {
+        CPAR_TRY(cpar__copy_bytes(ctx, R->fn, R->buf[0], ctx->device, R->io.k, ctx->device, blk));
+        return cpar__copy_bytes(ctx, R->fn, (char *)R->buf[0] + blk, ctx->device, R->io.v, ctx->device, blk);
+    }
+    const int64_t in_shape[2] = {1, R->nkv}, out_shape[2] = {R->P, R->nkv};
+    cpar_tensor kin = cpar_tensor_make((void *)R->io.k, R->io.dt, 2, in_shape, ctx->device);
+    cpar_tensor vin = cpar_tensor_make((void *)R->io.v, R->io.dt, 2, in_shape, ctx->device);
+    cpar_tensor kout = cpar_tensor_make(R->kg, R->io.dt, 2, out_shape, ctx->device);
+    cpar_tensor vout = cpar_tensor_make(R->vg, R->io.dt, 2, out_shape, ctx->device);
+    CPAR_TRY(cpar__ring_fork(R));
+    cpar_status st = cpar_all_gather(R->g, &kin, &kout, NULL);
+    if (st == CPAR_OK) st = cpar_all_gather(R->g, &vin, &vout, NULL);
+    cpar_status us = cpar__ring_unfork(R, R->ev_kv);
+    return st != CPAR_OK ? st : us;
+}
+
+/* Before step i's block: the KV block of rank (r - i) mod P in *kp, *vp
+ * (compute ordered after its arrival) and, for ALLTOALL, the ring shift of
+ * this block to the next rank (which receives it for step i + 1) issued on
+ * comm, so it overlaps step i's block. */
+static cpar_status cpar__ring_next(cpar__ring *R, int i, const void **kp, const void **vp) {
+    *kp = R->io.k, *vp = R->io.v;
+    if (R->P == 1) return CPAR_OK;
+    const size_t blk = (size_t)R->nkv * R->es;
+    if (R->cfg->rotate == CPAR_ROTATE_ALLGATHER) {
+        if (i == 1) CPAR_TRY(cpar__ring_wait(R, R->ev_kv));
+        if (i > 0) {
+            const size_t src = (size_t)((R->r - i + R->P) % R->P);
+            *kp = (const char *)R->kg + src * blk, *vp = (const char *)R->vg + src * blk;
+        }
+        return CPAR_OK;
+    }
+    if (i > 0) {
+        CPAR_TRY(cpar__ring_wait(R, R->ev_kv)); /* block i, shifted during step i - 1 */
+        *kp = R->buf[i % 2], *vp = (const char *)R->buf[i % 2] + blk;
+    }
+    if (i < R->P - 1) {
+        /* buf[(i+1) % 2] was last read by step i - 1's block: the fork orders after it */
+        const int64_t shape[1] = {2 * R->nkv};
+        cpar_tensor send = cpar_tensor_make(R->buf[i % 2], R->io.dt, 1, shape, R->ctx->device);
+        cpar_tensor recv = cpar_tensor_make(R->buf[(i + 1) % 2], R->io.dt, 1, shape, R->ctx->device);
+        CPAR_TRY(cpar__ring_fork(R));
+        cpar_status st = cpar_ring_shift(R->g, &send, &recv, 1);
+        cpar_status us = cpar__ring_unfork(R, R->ev_kv);
+        if (st != CPAR_OK) return st;
+        CPAR_TRY(us);
+    }
+    return CPAR_OK;
+}
+
+/* The block of step `kind` with KV (kp, vp): io's sub-ranges, and the row
+ * offset of the queries it covers (the second half for CPAR__RING_Q_HALF). */
+static cpar__attn_io cpar__ring_block_io(const cpar__ring *R, cpar__ring_kind kind, const void *kp, const void *vp,
+                                         int64_t *q0) {
+    cpar__attn_io io = R->io;
+    io.k = kp, io.v = vp;
+    io.causal = kind == CPAR__RING_CAUSAL;
+    *q0 = 0;
+    if (kind == CPAR__RING_KV_HALF) io.sk = R->io.sk / 2;
+    if (kind == CPAR__RING_Q_HALF) {
+        *q0 = R->io.sq / 2;
+        io.sq = R->io.sq - *q0;
+        io.q = (const char *)R->io.q + (size_t)(*q0 * R->io.d) * R->es;
+    }
+    return io;
+}
+
+/* Checks shared by forward and backward: group, cfg, q, k, v (on the
+ * context's device); fills R and its io (the whole local attention). */
+static cpar_status cpar__ring_check(cpar__ring *R, const char *fn, cpar_group *cp,
+                                    const cpar_ring_attention_config *cfg, const cpar_tensor *q, const cpar_tensor *k,
+                                    const cpar_tensor *v) {
+    memset(R, 0, sizeof *R);
+    if (!cp) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cp is NULL (the context-parallel group)", fn);
+    cpar_ctx *ctx = cp->ctx;
+    if (!cfg) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg is NULL", fn);
+    if ((unsigned)cfg->rotate > (unsigned)CPAR_ROTATE_ALLTOALL)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: cfg->rotate is %d, expected CPAR_ROTATE_ALLGATHER or CPAR_ROTATE_ALLTOALL", fn,
+                          (int)cfg->rotate);
+    if (!isfinite(cfg->scale) || cfg->scale < 0.f)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg->scale is %g, expected finite and >= 0 (0: 1/sqrt(d))", fn,
+                          (double)cfg->scale);
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "q", q, ctx->device));
+    CPAR_TRY(cpar__check_float(ctx, fn, "q", q));
+    if (q->ndim != 4) {
+        char got[128];
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: q has shape %s, expected [b, hq, s_local, d]", fn,
+                          cpar__shape_str(q, got, sizeof got));
+    }
+    const int64_t b = q->shape[0], hq = q->shape[1], sq = q->shape[2], d = q->shape[3];
+    const cpar_tensor *kv[2] = {k, v};
+    const char *kvn[2] = {"k", "v"};
+    for (int i = 0; i < 2; i++) {
+        CPAR_TRY(cpar__check_tensor(ctx, fn, kvn[i], kv[i], ctx->device));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, kvn[i], kv[i], q->dtype));
+        if (kv[i]->ndim != 4) {
+            char got[128];
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has shape %s, expected [b, hkv, s_local_kv, d]", fn,
+                              kvn[i], cpar__shape_str(kv[i], got, sizeof got));
+        }
+        const int64_t want[4] = {b, k->shape[1], k->shape[2], d};
+        CPAR_TRY(cpar__check_shape(ctx, fn, kvn[i], kv[i], want, 4,
+                                   i ? "as k" : "[b, hkv, s_local_kv, d] with q's b and d"));
+    }
+    const int64_t hkv = k->shape[1], sk = k->shape[2];
+    if (hkv < 1 || hq % hkv)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: k has %lld heads, expected a divisor of q's %lld heads (grouped-query attention)", fn,
+                          (long long)hkv, (long long)hq);
+    if (d < 1) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: q has head dim d = %lld, expected >= 1", fn, (long long)d);
+    if (cfg->causal && sk != sq)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: k has s_local %lld, expected q's %lld (causal ring attention needs equal query and "
+                          "key shards)", fn, (long long)sk, (long long)sq);
+    if (cfg->causal && cfg->load_balance && sq % 2)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: q has s_local = %lld, expected an even length (load balancing holds two chunks)", fn,
+                          (long long)sq);
+    if (cpar__on_device(ctx->device)) {
+        if (q->dtype == CPAR_F32)
+            return cpar__fail(ctx, CPAR_ERR_UNSUPPORTED,
+                              "%s: q has dtype f32 on device %d; device attention takes f16 or bf16 (f32 runs on "
+                              "the host backend)", fn, q->device);
+        if (d % 8 || d > 128)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: q has head dim d = %lld, expected a multiple of 8 up to 128 on devices", fn,
+                              (long long)d);
+    }
+    R->ctx = ctx, R->g = cp, R->fn = fn, R->cfg = cfg;
+    R->P = cp->size, R->r = cp->rank;
+    R->dev = cpar__on_device(ctx->device);
+    R->es = cpar_dtype_size(q->dtype);
+    R->nkv = cpar_tensor_numel(k);
+    cpar__attn_io *io = &R->io;
+    io->dt = q->dtype;
+    io->b = b, io->hq = hq, io->hkv = hkv, io->sq = sq, io->sk = sk, io->d = d;
+    io->q = q->data, io->k = k->data, io->v = v->data;
+    io->q_bh = sq * d, io->kv_bh = sk * d;
+    io->causal = cfg->causal;
+    io->scale = cfg->scale > 0.f ? cfg->scale : (float)(1.0 / sqrt((double)d));
+    return CPAR_OK;
+}
+
+/* name like q (dtype, device, shape as ref_shape). */
+static cpar_status cpar__ring_check_like(cpar__ring *R, const char *name, const cpar_tensor *t,
+                                         const int64_t *shape, int ndim, cpar_dtype dt, const char *why) {
+    CPAR_TRY(cpar__check_tensor(R->ctx, R->fn, name, t, R->ctx->device));
+    CPAR_TRY(cpar__check_dtype(R->ctx, R->fn, name, t, dt));
+    return cpar__check_shape(R->ctx, R->fn, name, t, shape, ndim, why);
+}
+
+/* Error when one of the first `outputs` tensors overlaps any other. */
+static cpar_status cpar__ring_check_overlap(cpar__ring *R, const cpar_tensor *const *t, const char *const *names,
+                                            int n, int outputs) {
+    for (int i = 0; i < outputs; i++)
+        for (int j = 0; j < n; j++)
+            if (j != i && cpar__ranges_overlap(t[i]->data, cpar_tensor_nbytes(t[i]), t[j]->data, cpar_tensor_nbytes(t[j])))
+                return cpar__fail(R->ctx, CPAR_ERR_INVALID, "%s: %s overlaps %s", R->fn, names[i], names[j]);
+    return CPAR_OK;
+}
+
+static cpar_status cpar__ring_zero(cpar__ring *R, void *p, size_t bytes) {
+    if (!bytes) return CPAR_OK;
+    if (R->dev) CPAR_DEV_TRY(R->ctx, R->fn, cpar_dev_memset(p, 0, bytes, R->ctx->compute));
+    else memset(p, 0, bytes);
+    return CPAR_OK;
+}
+
+/* dst (dtype dt) = src (F32), n elements, on compute. */
+static cpar_status cpar__ring_cast(cpar__ring *R, void *dst, cpar_dtype dt, const float *src, int64_t n) {
+    if ((const void *)dst == (const void *)src) return CPAR_OK;
+    if (R->dev) CPAR_DEV_TRY(R->ctx, R->fn, cpar_dev_cast(dst, dt, src, CPAR_F32, n, R->ctx->compute));
+    else cpar__host_cast(dst, dt, src, CPAR_F32, n);
+    return CPAR_OK;
+}
+
+/* out (b,h-stride o_bh, lse_bh) <- merge with the block's (same strides). */
+static cpar_status cpar__ring_merge(cpar__ring *R, float *out, float *lse, const float *out_b, const float *lse_b,
+                                    int64_t rows) {
+    const int64_t nbh = R->io.b * R->io.hq, d = R->io.d, o_bh = R->io.sq * d, lse_bh = R->io.sq;
+    if (R->dev)
+        CPAR_DEV_TRY(R->ctx, R->fn,
+                     cpar_dev_ring_merge(out, lse, out_b, lse_b, nbh, rows, d, o_bh, lse_bh, R->ctx->compute));
+    else
+        cpar__host_ring_merge(out, lse, out_b, lse_b, nbh, rows, d, o_bh, lse_bh);
+    return CPAR_OK;
+}
+
+/* The ring of the forward, after the checks and with the workspace bound:
+ * acc (F32 [b,hq,sq,d]) and lse receive the merged result. */
+static cpar_status cpar__ring_forward_steps(cpar__ring *R, float *acc, float *lse, float *bo, float *bl,
+                                            void *scratch) {
+    const int64_t d = R->io.d;
+    for (int i = 0; i < R->P; i++) {
+        const void *kp, *vp;
+        CPAR_TRY(cpar__ring_next(R, i, &kp, &vp));
+        const cpar__ring_kind kind = cpar__ring_step_kind(R->cfg, R->r, i);
+        if (kind == CPAR__RING_SKIP) continue;
+        int64_t q0;
+        const cpar__attn_io io = cpar__ring_block_io(R, kind, kp, vp, &q0);
+        /* step 0 (always computed) writes the accumulators themselves */
+        float *o = i == 0 ? acc : bo, *l = i == 0 ? lse : bl;
+        CPAR_TRY(cpar__attn_fwd(R->ctx, R->fn, R->dev, &io, o + q0 * d, CPAR_F32, R->io.q_bh, l + q0, R->io.sq,
+                                scratch));
+        if (i > 0) CPAR_TRY(cpar__ring_merge(R, acc + q0 * d, lse + q0, bo + q0 * d, bl + q0, io.sq));
+    }
+    return CPAR_OK;
+}
+
+cpar_status cpar_ring_attention_forward(cpar_group *cp, const cpar_ring_attention_config *cfg,
+                                        const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
+                                        cpar_tensor *out, cpar_tensor *lse) {
+    static const char fn[] = "cpar_ring_attention_forward";
+    cpar__ring R;
+    CPAR_TRY(cpar__ring_check(&R, fn, cp, cfg, q, k, v));
+    CPAR_TRY(cpar__ring_check_like(&R, "out", out, q->shape, 4, q->dtype, "as q"));
+    CPAR_TRY(cpar__ring_check_like(&R, "lse", lse, q->shape, 3, CPAR_F32, "[b, hq, s_local] of q"));
+    const cpar_tensor *all[5] = {out, lse, q, k, v};
+    static const char *const names[5] = {"out", "lse", "q", "k", "v"};
+    CPAR_TRY(cpar__ring_check_overlap(&R, all, names, 5, 2));
+
+    cpar_ctx *ctx = R.ctx;
+    const int64_t rows = R.io.b * R.io.hq * R.io.sq, nq = rows * R.io.d;
+    if (rows == 0) return CPAR_OK; /* the same on every rank: shards are equal */
+    if (R.io.sk == 0 || R.io.hkv * R.io.b == 0) { /* no key anywhere: every row is empty */
+        if (R.dev) {
+            CPAR_DEV_TRY(ctx, fn, cpar_dev_fill(out->data, out->dtype, nq, 0.0, ctx->compute));
+            CPAR_DEV_TRY(ctx, fn, cpar_dev_fill(lse->data, CPAR_F32, rows, -INFINITY, ctx->compute));
+        } else {
+            cpar__host_fill(out->data, out->dtype, nq, 0.0);
+            cpar__host_fill(lse->data, CPAR_F32, rows, -INFINITY);
+        }
+        return CPAR_OK;
+    }
+    /* workspace: rotation | fp32 output accumulator (out itself when F32) |
+     * one block's fp32 out and lse | the block function's scratch */
+    int ra, rb;
+    cpar__ring_rot_slots(&R, &ra, &rb);
+    const bool f32 = out->dtype == CPAR_F32, merge = R.P > 1;
+    const int s_acc = cpar__ring_slot(&R, f32 ? 0 : (size_t)nq * sizeof(float));
+    const int s_bo = cpar__ring_slot(&R, merge ? (size_t)nq * sizeof(float) : 0);
+    const int s_bl = cpar__ring_slot(&R, merge ? (size_t)rows * sizeof(float) : 0);
+    const int s_scr = cpar__ring_slot(&R, cpar__attn_scratch_bytes(&R.io, false));
+    CPAR_TRY(cpar__ring_carve(&R));
+    cpar__ring_rot_bind(&R, ra, rb);
+    float *acc = f32 ? out->data : R.ptr[s_acc];
+
+    cpar_status st = cpar__ring_events(&R);
+    if (st == CPAR_OK) st = cpar__ring_start(&R);
+    if (st == CPAR_OK) st = cpar__ring_forward_steps(&R, acc, lse->data, R.ptr[s_bo], R.ptr[s_bl], R.ptr[s_scr]);
+    if (st == CPAR_OK && !f32) st = cpar__ring_cast(&R, out->data, out->dtype, acc, nq);
+    return cpar__ring_finish(&R, st);
+}
+
+/* The ring of the backward: gq (F32 like q) accumulates dq; the dK/dV
+ * accumulator of each KV block ([dk | dv] F32) travels with it: step i adds
+ * this rank's share of block (r - i) into the accumulator received from rank
+ * r - 1 and passes it on, so after P shifts each rank holds its own block's.
+ * Returns that final accumulator in *fin. */
+static cpar_status cpar__ring_backward_steps(cpar__ring *R, const void *out, const void *dout, cpar_dtype out_dt,
+                                             const float *lse, float *gq, float *acc[2], float *tmp, void *scratch,
+                                             float **fin) {
+    const int64_t d = R->io.d, nkv = R->nkv;
+    const size_t acc_bytes = (size_t)(2 * nkv) * sizeof(float);
+    const size_t oes = cpar_dtype_size(out_dt);
+    for (int i = 0; i < R->P; i++) {
+        const void *kp, *vp;
+        CPAR_TRY(cpar__ring_next(R, i, &kp, &vp));
+        const cpar__ring_kind kind = cpar__ring_step_kind(R->cfg, R->r, i);
+        float *a = acc[i % 2];
+        if (kind != CPAR__RING_SKIP) {
+            /* step 0 accumulates into the (zeroed) travelling buffer itself;
+             * later steps into tmp, added once the accumulator has arrived,
+             * so its transfer overlaps this block */
+            float *g = i == 0 ? a : tmp;
+            if (i > 0) CPAR_TRY(cpar__ring_zero(R, tmp, acc_bytes));
+            int64_t q0;
+            const cpar__attn_io io = cpar__ring_block_io(R, kind, kp, vp, &q0);
+            const size_t qoff = (size_t)(q0 * d);
+            CPAR_TRY(cpar__attn_bwd(R->ctx, R->fn, R->dev, &io, (const char *)out + qoff * oes,
+                                    (const char *)dout + qoff * oes, out_dt, R->io.q_bh, lse + q0, R->io.sq,
+                                    gq + qoff, R->io.q_bh, g, g + nkv, R->io.kv_bh, scratch));
+        }
+        if (R->P == 1) break;
+        if (i > 0) {
+            CPAR_TRY(cpar__ring_wait(R, R->ev_dkv)); /* a arrived during this step */
+            if (kind != CPAR__RING_SKIP) {
+                if (R->dev)
+                    CPAR_DEV_TRY(R->ctx, R->fn,
+                                 cpar_dev_reduce_into(a, tmp, CPAR_F32, 2 * nkv, CPAR_SUM, R->ctx->compute));
+                else
+                    cpar__host_reduce_into(a, tmp, CPAR_F32, 2 * nkv, CPAR_SUM);
+            }
+        }
+        const int64_t shape[1] = {2 * nkv};
+        cpar_tensor send = cpar_tensor_make(a, CPAR_F32, 1, shape, R->ctx->device);
+        cpar_tensor recv = cpar_tensor_make(acc[(i + 1) % 2], CPAR_F32, 1, shape, R->ctx->device);
+        CPAR_TRY(cpar__ring_fork(R));
+        cpar_status st = cpar_ring_shift(R->g, &send, &recv, 1);
+        cpar_status us = cpar__ring_unfork(R, R->ev_dkv);
+        if (st != CPAR_OK) return st;
+        CPAR_TRY(us);
+    }
+    if (R->P > 1) CPAR_TRY(cpar__ring_wait(R, R->ev_dkv));
+    *fin = acc[R->P == 1 ? 0 : R->P % 2];
+    return CPAR_OK;
+}
+
+cpar_status cpar_ring_attention_backward(cpar_group *cp, const cpar_ring_attention_config *cfg,
+                                         const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
+                                         const cpar_tensor *out, const cpar_tensor *dout, const cpar_tensor *lse,
+                                         cpar_tensor *dq, cpar_tensor *dk, cpar_tensor *dv) {
+    static const char fn[] = "cpar_ring_attention_backward";
+    cpar__ring R;
+    CPAR_TRY(cpar__ring_check(&R, fn, cp, cfg, q, k, v));
+    CPAR_TRY(cpar__ring_check_like(&R, "out", out, q->shape, 4, q->dtype, "as q, from forward"));
+    CPAR_TRY(cpar__ring_check_like(&R, "dout", dout, q->shape, 4, q->dtype, "as q"));
+    CPAR_TRY(cpar__ring_check_like(&R, "lse", lse, q->shape, 3, CPAR_F32, "[b, hq, s_local] of q, from forward"));
+    CPAR_TRY(cpar__ring_check_like(&R, "dq", dq, q->shape, 4, q->dtype, "as q"));
+    CPAR_TRY(cpar__ring_check_like(&R, "dk", dk, k->shape, 4, q->dtype, "as k"));
+    CPAR_TRY(cpar__ring_check_like(&R, "dv", dv, k->shape, 4, q->dtype, "as v"));
+    const cpar_tensor *all[9] = {dq, dk, dv, q, k, v, out, dout, lse};
+    static const char *const names[9] = {"dq", "dk", "dv", "q", "k", "v", "out", "dout", "lse"};
+    CPAR_TRY(cpar__ring_check_overlap(&R, all, names, 9, 3));
+
+    const int64_t nq = cpar_tensor_numel(q), nkv = R.nkv;
+    const bool f32 = dq->dtype == CPAR_F32;
+    if (nkv == 0) /* no key anywhere (the same on every rank): dq = 0, all-zero bytes in every float dtype */
+        return cpar__ring_zero(&R, dq->data, cpar_tensor_nbytes(dq));
+    /* workspace: rotation | dq accumulator (dq itself when F32) | two
+     * travelling [dk | dv] accumulators and one block's (one accumulator
+     * when P = 1) | the block function's scratch */
+    int ra, rb;
+    cpar__ring_rot_slots(&R, &ra, &rb);
+    const bool ring = R.P > 1;
+    const size_t acc_bytes = (size_t)(2 * nkv) * sizeof(float);
+    const int s_gq = cpar__ring_slot(&R, f32 ? 0 : (size_t)nq * sizeof(float));
+    const int s_a0 = cpar__ring_slot(&R, acc_bytes);
+    const int s_a1 = cpar__ring_slot(&R, ring ? acc_bytes : 0);
+    const int s_tmp = cpar__ring_slot(&R, ring ? acc_bytes : 0);
+    const int s_scr = cpar__ring_slot(&R, cpar__attn_scratch_bytes(&R.io, true));
+    CPAR_TRY(cpar__ring_carve(&R));
+    cpar__ring_rot_bind(&R, ra, rb);
+    float *gq = f32 ? dq->data : R.ptr[s_gq], *acc[2] = {R.ptr[s_a0], R.ptr[s_a1]}, *fin = NULL;
+
+    cpar_status st = cpar__ring_events(&R);
+    if (st == CPAR_OK) st = cpar__ring_zero(&R, gq, (size_t)nq * sizeof(float));
+    if (st == CPAR_OK) st = cpar__ring_zero(&R, acc[0], acc_bytes);
+    if (st == CPAR_OK) st = cpar__ring_start(&R);
+    if (st == CPAR_OK)
+        st = cpar__ring_backward_steps(&R, out->data, dout->data, out->dtype, lse->data, gq, acc, R.ptr[s_tmp],
+                                       R.ptr[s_scr], &fin);
+    if (st == CPAR_OK && !f32) st = cpar__ring_cast(&R, dq->data, dq->dtype, gq, nq);
+    if (st == CPAR_OK) st = cpar__ring_cast(&R, dk->data, dk->dtype, fin, nkv);
+    if (st == CPAR_OK) st = cpar__ring_cast(&R, dv->data, dv->dtype, fin + nkv, nkv);
+    return cpar__ring_finish(&R, st);
+}
+
+/* ==== 20. Mamba context parallelism =======================================
+ *
+ * Owns cpar.h §13: Megatron's MambaContextParallel (seed 000). The module
+ * functions cp2hp / hp2cp reuse section 14's sp2hp machinery (they are the
+ * same all-to-all on a 3-D view); undo / redo of the load balancing are 2P
+ * chunk copies. pre_conv_ssm packs z, x, B, C (group-repeated) and dt for
+ * every destination into one workspace buffer with pitched 2-D copies, runs a
+ * single equal all-to-all (the seed runs five; the bytes are the same), then
+ * undoes the load balancing into out; its backward runs the same steps in
+ * reverse and sums the B/C replica gradients (cpar_dev_mamba_sum_replicas).
+ * post_conv_ssm is redo + all-to-all + unstack. Parameter slices are at most
+ * three contiguous row ranges of the cp = 1 tensors, copied or accumulated
+ * with section 4/5 machinery. The conv1d reads the cp = 1 weight and bias
+ * through the row mapping (host loops below, cpar_dev_mamba_conv1d_* on
+ * device tensors). Scratch comes from the context workspace, carved once per
+ * call. Uses: 2 (errors, checks), 3, 4 (copies, workspace), 5 (element
+ * load/store, reduce_into), 10-11 (groups, all-to-all), 14 (mapping helpers). */
+
+/* ---- host-only build: the device layer of §13 is absent ------------------- */
+#ifndef CPAR_WITH_DEVICE
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#endif
+cpar_status cpar_dev_mamba_conv1d_forward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
+                                          const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
+                                          int64_t b, int64_t channels, int k, bool silu, void *y,
+                                          cpar_dev_stream st) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+cpar_status cpar_dev_mamba_conv1d_backward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
+                                           const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
+                                           int64_t b, int64_t channels, int k, bool silu, const void *dy, void *dx,
+                                           float *partial, int nsplit, float *dw, float *dbias, cpar_dev_stream st) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
+                                        int64_t rep_stride, int64_t src_pitch, int64_t groups, int64_t reps,
+                                        int64_t rows, int64_t cols, cpar_dtype dt, cpar_dev_stream st) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#endif /* !CPAR_WITH_DEVICE */
+
+struct cpar_mamba_cp {
+    cpar_group *cp;
+    cpar_ctx *ctx;
+    cpar_mamba_cp_info info;
+};
+
+/* ---- load balancing ----------------------------------------------------------
+ * Chunk k of out (of 2P chunks of chunk_bytes) is chunk order(k) of in:
+ * undo order = [0, 2, ..., 2P-2, 2P-1, ..., 3, 1]; redo order = [0, 2P-1, 1,
+ * 2P-2, ...] (its inverse). */
+static int64_t cpar__mcp_lb_src(int p, int64_t k, bool undo) {
+    int64_t n = 2 * (int64_t)p;
+    if (undo) return k < p ? 2 * k : 2 * (n - 1 - k) + 1;
+    return k % 2 == 0 ? k / 2 : n - 1 - k / 2;
+}
+
+static cpar_status cpar__mcp_lb(cpar_ctx *ctx, const char *fn, void *dst, int dst_dev, const void *src, int src_dev,
+                                size_t chunk_bytes, int p, bool undo) {
+    for (int64_t k = 0; k < 2 * (int64_t)p; k++)
+        CPAR_TRY(cpar__copy_bytes(ctx, fn, cpar__ptr_at(dst, (size_t)k * chunk_bytes), dst_dev,
+                                  cpar__ptr_at(src, (size_t)cpar__mcp_lb_src(p, k, undo) * chunk_bytes), src_dev,
+                                  chunk_bytes));
+    return CPAR_OK;
+}
+
+static cpar_status cpar__mcp_lb_public(cpar_ctx *ctx, const char *fn, int cp_size, const cpar_tensor *in,
+                                       cpar_tensor *out, bool undo) {
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "in", in));
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "out", out));
+    if (cp_size < 1) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cp_size is %d, expected >= 1", fn, cp_size);
+    if (in->ndim < 1)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in is a scalar, expected at least 1 dimension (dim 0 is the "
+                          "sequence)", fn);
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "out", out, in->dtype));
+    CPAR_TRY(cpar__check_shape(ctx, fn, "out", out, in->shape, in->ndim, "as in"));
+    if (out->device != in->device)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is on device %d, expected device %d (as in)", fn, out->device,
+                          in->device);
+    if (in->shape[0] % (2 * (int64_t)cp_size))
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: in has %lld rows (dim 0, the sequence), not divisible by 2*cp_size = %d", fn,
+                          (long long)in->shape[0], 2 * cp_size);
+    if (cpar__ranges_overlap(in->data, cpar_tensor_nbytes(in), out->data, cpar_tensor_nbytes(out)))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out overlaps in", fn);
+    size_t chunk = cpar_tensor_nbytes(in) / (size_t)(2 * cp_size);
+    return cpar__mcp_lb(ctx, fn, out->data, out->device, in->data, in->device, chunk, cp_size, undo);
+}
+
+cpar_status cpar_undo_attention_load_balancing(cpar_ctx *ctx, int cp_size, const cpar_tensor *in, cpar_tensor *out) {
+    return cpar__mcp_lb_public(ctx, "cpar_undo_attention_load_balancing", cp_size, in, out, true);
+}
+
+cpar_status cpar_redo_attention_load_balancing(cpar_ctx *ctx, int cp_size, const cpar_tensor *in, cpar_tensor *out) {
+    return cpar__mcp_lb_public(ctx, "cpar_redo_attention_load_balancing", cp_size, in, out, false);
+}
+
+/* ---- cp2hp / hp2cp -------------------------------------------------------------- */
+
+/* to_hp: in [sl, b, h] -> out [P sl, b, h/P]; else in [s, b, h] -> out [s/P, b, P h]. */
+static cpar_status cpar__mcp_a2a(cpar_group *g, const char *fn, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir,
+                                 bool to_hp) {
+    CPAR_TRY(cpar__map_begin(g, fn, in, out, dir));
+    cpar_ctx *ctx = g->ctx;
+    int n = g->size;
+    char got[128];
+    if (in->ndim != 3)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in has shape %s, expected 3 dimensions [s, b, h]", fn,
+                          cpar__shape_str(in, got, sizeof got));
+    int64_t want[3] = {in->shape[0], in->shape[1], in->shape[2]};
+    char why[96];
+    if (to_hp) {
+        if (in->shape[2] % n)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in has hidden size %lld (dim 2), not divisible by the group "
+                              "size %d", fn, (long long)in->shape[2], n);
+        want[0] *= n;
+        want[2] /= n;
+        snprintf(why, sizeof why, "[s, b, h/cp] with cp = %d", n);
+    } else {
+        if (in->shape[0] % n)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in has sequence length %lld (dim 0), not divisible by the "
+                              "group size %d", fn, (long long)in->shape[0], n);
+        want[0] /= n;
+        want[2] *= n;
+        snprintf(why, sizeof why, "[s/cp, b, h*cp] with cp = %d", n);
+    }
+    CPAR_TRY(cpar__check_shape(ctx, fn, "out", out, want, 3, why));
+    if (in->shape[2] == 0) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in has hidden size 0, expected >= 1", fn);
+    return cpar__a2a_sp_hp(g, fn, in, out, to_hp);
+}
+
+cpar_status cpar_all_to_all_cp2hp(cpar_group *cp, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    return cpar__mcp_a2a(cp, "cpar_all_to_all_cp2hp", in, out, dir, dir == CPAR_FWD);
+}
+
+cpar_status cpar_all_to_all_hp2cp(cpar_group *cp, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    return cpar__mcp_a2a(cp, "cpar_all_to_all_hp2cp", in, out, dir, dir == CPAR_BWD);
+}
+
+/* ---- the object -------------------------------------------------------------------- */
+
+cpar_status cpar_mamba_cp_create(cpar_group *cp, const cpar_mamba_cp_config *cfg, cpar_mamba_cp **out) {
+    static const char fn[] = "cpar_mamba_cp_create";
+    CPAR_TRY(cpar__check_group(cp, fn));
+    cpar_ctx *ctx = cp->ctx;
+    if (!out) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    *out = NULL;
+    if (!cfg) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg is NULL", fn);
+    const struct { const char *name; int64_t v; } sizes[] = {
+        {"d_inner_local_tp", cfg->d_inner_local_tp}, {"nheads_local_tp", cfg->nheads_local_tp},
+        {"ngroups_local_tp", cfg->ngroups_local_tp}, {"d_state", cfg->d_state}};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+        if (sizes[i].v < 1)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg->%s is %lld, expected >= 1", fn, sizes[i].name,
+                              (long long)sizes[i].v);
+    int k = cfg->d_conv ? cfg->d_conv : 4;
+    if (k < 2 || k > 4)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg->d_conv is %d, expected 2..4 (0 -> 4)", fn, cfg->d_conv);
+    int64_t di = cfg->d_inner_local_tp, nh = cfg->nheads_local_tp, ng = cfg->ngroups_local_tp, ds = cfg->d_state;
+    int p = cp->size;
+    if (di % nh)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: d_inner_local_tp %lld is not divisible by nheads_local_tp %lld "
+                          "(d_inner = nheads * headdim)", fn, (long long)di, (long long)nh);
+    if (nh % ng)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: nheads_local_tp %lld is not divisible by ngroups_local_tp %lld "
+                          "(every group owns whole heads)", fn, (long long)nh, (long long)ng);
+    int64_t rep = 1, ngc = ng;
+    if (p > 1) {
+        if (nh % p)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: nheads_local_tp %lld is not divisible by cp_size %d (nheads "
+                              "must be evenly divisible by tp_size * cp_size)", fn, (long long)nh, p);
+        if (ng < p) {
+            if (p % ng)
+                return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cp_size %d is not divisible by ngroups_local_tp %lld "
+                                  "(cp_size must be evenly divisible by ngroups/tp_size)", fn, p, (long long)ng);
+            rep = p / ng;
+            ngc = 1;
+        } else {
+            if (ng % p)
+                return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ngroups_local_tp %lld is not divisible by cp_size %d "
+                                  "(ngroups must be evenly divisible by tp_size * cp_size)", fn, (long long)ng, p);
+            ngc = ng / p;
+        }
+    }
+    cpar_mamba_cp *m = calloc(1, sizeof *m);
+    if (!m) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: allocation of %zu bytes failed", fn, sizeof *m);
+    m->cp = cp;
+    m->ctx = ctx;
+    cpar_mamba_cp_info *in = &m->info;
+    in->cp_size = p;
+    in->cp_rank = cp->rank;
+    in->d_inner_local_tp = di, in->nheads_local_tp = nh, in->ngroups_local_tp = ng, in->d_state = ds;
+    in->d_conv = k;
+    in->D_has_hdim = cfg->D_has_hdim;
+    in->d_inner_local_tpcp = di / p;
+    in->nheads_local_tpcp = nh / p;
+    in->ngroups_local_tpcp = ngc;
+    in->group_repeat_count = rep;
+    in->conv1d_channels = di / p + 2 * ngc * ds;
+    in->conv_dim = di + 2 * ng * ds;
+    in->in_width = 2 * di + 2 * ng * ds + nh;
+    in->out_width = 2 * (di / p) + 2 * ngc * ds + nh / p;
+    in->vector_len = nh / p;
+    in->D_len = cfg->D_has_hdim ? di / p : nh / p;
+    *out = m;
+    return CPAR_OK;
+}
+
+cpar_status cpar_mamba_cp_destroy(cpar_mamba_cp *m) {
+    free(m);
+    return CPAR_OK;
+}
+
+static cpar_status cpar__mcp_check(const cpar_mamba_cp *m, const char *fn) {
+    if (!m) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: m is NULL", fn);
+    return CPAR_OK;
+}
+
+cpar_status cpar_mamba_cp_get_info(const cpar_mamba_cp *m, cpar_mamba_cp_info *out) {
+    static const char fn[] = "cpar_mamba_cp_get_info";
+    CPAR_TRY(cpar__mcp_check(m, fn));
+    if (!out) return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    *out = m->info;
+    return CPAR_OK;
+}
+
+int64_t cpar_mamba_cp_conv1d_channels(const cpar_mamba_cp *m) { return m ? m->info.conv1d_channels : 0; }
+
+/* ---- pre_conv_ssm / post_conv_ssm ---------------------------------------------- */
+
+/* The five pieces of the in-projection output (z, x, B, C, dt): where piece p
+ * starts in in's row, its width per destination rank, and where it starts in
+ * out's row. Destination j's columns of piece p begin at in column
+ * cpar__mcp_src_col(m, p, j). */
+enum { CPAR__MCP_PIECES = 5 };
+
+static void cpar__mcp_pieces(const cpar_mamba_cp_info *in, int64_t start[5], int64_t width[5], int64_t off[5]) {
+    int64_t di = in->d_inner_local_tp, gs = in->ngroups_local_tp * in->d_state;
+    int64_t w[5] = {in->d_inner_local_tpcp, in->d_inner_local_tpcp, in->ngroups_local_tpcp * in->d_state,
+                    in->ngroups_local_tpcp * in->d_state, in->nheads_local_tpcp};
+    int64_t s[5] = {0, di, 2 * di, 2 * di + gs, 2 * di + 2 * gs};
+    int64_t o = 0;
+    for (int p = 0; p < 5; p++) {
+        start[p] = s[p];
+        width[p] = w[p];
+        off[p] = o;
+        o += w[p];
+    }
+}
+
+/* B and C (pieces 2, 3): destination j gets the groups [g0, g0 + ng_tpcp),
+ * g0 = (j / R) ng_tpcp: the seed's repeat "(g n) -> (g r n)" then chunk j. */
+static int64_t cpar__mcp_src_col(const cpar_mamba_cp_info *in, const int64_t start[5], const int64_t width[5], int p,
+                                 int j) {
+    if (p == 2 || p == 3) return start[p] + (j / in->group_repeat_count) * in->ngroups_local_tpcp * in->d_state;
+    return start[p] + (int64_t)j * width[p];
+}
+
+/* Host reference of cpar_dev_mamba_sum_replicas. */
+static void cpar__mcp_host_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
+                                        int64_t rep_stride, int64_t src_pitch, int64_t groups, int64_t reps,
+                                        int64_t rows, int64_t cols, cpar_dtype dt) {
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t t = 0; t < rows; t++)
+            for (int64_t c = 0; c < cols; c++) {
+                float acc = 0.f;
+                for (int64_t q = 0; q < reps; q++)
+                    acc += cpar__load_f(src, dt, g * src_gs + q * rep_stride + t * src_pitch + c);
+                cpar__store_f(dst, dt, g * dst_gs + t * dst_pitch + c, acc);
+            }
+}
+
+/* "in has s/cp = 5 rows ..." when the global sequence does not cut into 2P chunks. */
+static cpar_status cpar__mcp_check_seq(cpar_mamba_cp *m, const char *fn, const char *name, int64_t rows, bool local) {
+    int p = m->info.cp_size;
+    if (p == 1) return CPAR_OK;
+    int64_t s = local ? rows * p : rows;
+    if (s % (2 * (int64_t)p) == 0) return CPAR_OK;
+    if (local)
+        return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: %s has %lld rows (s/cp), so s = %lld is not divisible by "
+                          "2*cp = %d (the load balancing cuts 2*cp chunks)", fn, name, (long long)rows, (long long)s, 2 * p);
+    return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: %s has %lld rows (s), not divisible by 2*cp = %d (the load "
+                      "balancing cuts 2*cp chunks)", fn, name, (long long)s, 2 * p);
+}
+
+/* The checks pre and post share: m, dir, in and out 3-D on the context's
+ * device with in's dtype, in's last dim in_last (< 0: any >= 1). */
+static cpar_status cpar__mcp_io(cpar_mamba_cp *m, const char *fn, const cpar_tensor *in, const cpar_tensor *out,
+                                cpar_dir dir, int64_t in_last) {
+    CPAR_TRY(cpar__mcp_check(m, fn));
+    CPAR_TRY(cpar__map_begin(m->cp, fn, in, out, dir));
+    char got[128];
+    if (in->ndim != 3 || (in_last >= 0 && in->shape[2] != in_last) || (in_last < 0 && in->shape[2] < 1)) {
+        if (in_last >= 0)
+            return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: in has shape %s, expected [*, *, %lld]", fn,
+                              cpar__shape_str(in, got, sizeof got), (long long)in_last);
+        return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: in has shape %s, expected [s, b, h] with h >= 1", fn,
+                          cpar__shape_str(in, got, sizeof got));
+    }
+    return CPAR_OK;
+}
+
+cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    static const char fn[] = "cpar_mamba_cp_pre_conv_ssm";
+    const cpar_mamba_cp_info *mi = m ? &m->info : NULL;
+    bool fwd = dir == CPAR_FWD;
+    CPAR_TRY(cpar__mcp_io(m, fn, in, out, dir, mi ? (fwd ? mi->in_width : mi->out_width) : 0));
+    cpar_ctx *ctx = m->ctx;
+    cpar_group *g = m->cp;
+    int p = mi->cp_size, dev = ctx->device;
+    CPAR_TRY(cpar__mcp_check_seq(m, fn, "in", in->shape[0], fwd));
+    int64_t b = in->shape[1], sl = fwd ? in->shape[0] : in->shape[0] / p;
+    int64_t want[3] = {fwd ? sl * p : sl, b, fwd ? mi->out_width : mi->in_width};
+    char why[128];
+    snprintf(why, sizeof why, fwd ? "[s, b, 2 d_inner/cp + 2 ngroups_tpcp d_state + nheads/cp] with cp = %d"
+                                  : "[s/cp, b, 2 d_inner + 2 ngroups d_state + nheads] with cp = %d", p);
+    CPAR_TRY(cpar__check_shape(ctx, fn, "out", out, want, 3, why));
+    if (!fwd && mi->group_repeat_count > 1 && !cpar_dtype_is_float(in->dtype))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in has dtype %s; the backward sums the B/C replica gradients, "
+                          "expected f32, f16 or bf16", fn, cpar_dtype_name(in->dtype));
+    CPAR_TRY(cpar__map_overlap(g, fn, in, out, p == 1));
+    if (p == 1) return cpar__copy_bytes(ctx, fn, out->data, dev, in->data, dev, cpar_tensor_nbytes(in));
+
+    /* The packed layout [P, T, W]: block j = what rank j gets from this
+     * rank's T = s/P * b tokens (forward); after the all-to-all block i holds
+     * rank i's tokens, i.e. the sequence in load-balanced chunk order. */
+    size_t es = cpar_dtype_size(in->dtype);
+    int64_t t = sl * b, w = mi->out_width, hin = mi->in_width, numel = (int64_t)p * t * w;
+    if (!numel) return CPAR_OK;
+    size_t half = ((size_t)numel * es + 255) & ~(size_t)255;
+    void *ws;
+    CPAR_TRY(cpar__map_scratch(ctx, fn, 2 * half, &ws));
+    char *send = ws, *recv = (char *)ws + half;
+    size_t chunk = (size_t)(t / 2 * w) * es; /* one of the 2P sequence chunks of [s, b, W] */
+    int64_t start[5], width[5], off[5];
+    cpar__mcp_pieces(mi, start, width, off);
+    cpar_tensor a = cpar__view2(send, in->dtype, (int64_t)p * t, w, dev);
+    cpar_tensor r = cpar__view2(recv, in->dtype, (int64_t)p * t, w, dev);
+    if (fwd) {
+        for (int j = 0; j < p; j++)
+            for (int q = 0; q < CPAR__MCP_PIECES; q++)
+                CPAR_TRY(cpar__copy_2d(ctx, fn, send + (size_t)((int64_t)j * t * w + off[q]) * es, (size_t)w * es, dev,
+                                       (const char *)in->data + (size_t)cpar__mcp_src_col(mi, start, width, q, j) * es,
+                                       (size_t)hin * es, dev, (size_t)width[q] * es, (size_t)t));
+        CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
+        return cpar__mcp_lb(ctx, fn, out->data, dev, recv, dev, chunk, p, true);
+    }
+    /* Backward: back to load-balanced order, the reverse all-to-all, unpack. */
+    CPAR_TRY(cpar__mcp_lb(ctx, fn, send, dev, in->data, dev, chunk, p, false));
+    CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
+    int64_t rep = mi->group_repeat_count, tw = t * w;
+    for (int q = 0; q < CPAR__MCP_PIECES; q++) {
+        if ((q == 2 || q == 3) && rep > 1) { /* ng_tpcp = 1: block j holds a replica of group j / R */
+            int64_t ds = mi->d_state, ng = mi->ngroups_local_tp;
+            char *dst = (char *)out->data + (size_t)start[q] * es;
+            const char *src = recv + (size_t)off[q] * es;
+            if (!cpar__on_device(dev))
+                cpar__mcp_host_sum_replicas(dst, ds, hin, src, rep * tw, tw, w, ng, rep, t, ds, in->dtype);
+            else
+                CPAR_DEV_TRY(ctx, fn, cpar_dev_mamba_sum_replicas(dst, ds, hin, src, rep * tw, tw, w, ng, rep, t, ds,
+                                                                  in->dtype, ctx->compute));
+            continue;
+        }
+        for (int j = 0; j < p; j++)
+            CPAR_TRY(cpar__copy_2d(ctx, fn, (char *)out->data + (size_t)cpar__mcp_src_col(mi, start, width, q, j) * es,
+                                   (size_t)hin * es, dev, recv + (size_t)((int64_t)j * tw + off[q]) * es, (size_t)w * es,
+                                   dev, (size_t)width[q] * es, (size_t)t));
+    }
+    return CPAR_OK;
+}
+
+cpar_status cpar_mamba_cp_post_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    static const char fn[] = "cpar_mamba_cp_post_conv_ssm";
+    bool fwd = dir == CPAR_FWD;
+    CPAR_TRY(cpar__mcp_io(m, fn, in, out, dir, -1));
+    cpar_ctx *ctx = m->ctx;
+    cpar_group *g = m->cp;
+    int p = m->info.cp_size, dev = ctx->device;
+    CPAR_TRY(cpar__mcp_check_seq(m, fn, "in", in->shape[0], !fwd));
+    int64_t b = in->shape[1];
+    if (!fwd && in->shape[2] % p)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in has hidden size %lld (dim 2), not divisible by cp = %d", fn,
+                          (long long)in->shape[2], p);
+    int64_t sl = fwd ? in->shape[0] / p : in->shape[0], h = fwd ? in->shape[2] : in->shape[2] / p;
+    int64_t want[3] = {fwd ? sl : sl * p, b, fwd ? h * p : h};
+    char why[96];
+    snprintf(why, sizeof why, fwd ? "[s/cp, b, cp*h] with cp = %d" : "[s, b, h/cp] with cp = %d", p);
+    CPAR_TRY(cpar__check_shape(ctx, fn, "out", out, want, 3, why));
+    CPAR_TRY(cpar__map_overlap(g, fn, in, out, p == 1));
+    if (p == 1) return cpar__copy_bytes(ctx, fn, out->data, dev, in->data, dev, cpar_tensor_nbytes(in));
+
+    size_t es = cpar_dtype_size(in->dtype);
+    int64_t t = sl * b;
+    if (!t) return CPAR_OK;
+    size_t bytes = cpar_tensor_nbytes(in), half = (bytes + 255) & ~(size_t)255, chunk = (size_t)(t / 2 * h) * es;
+    void *ws;
+    CPAR_TRY(cpar__map_scratch(ctx, fn, 2 * half, &ws));
+    char *send = ws, *recv = (char *)ws + half;
+    cpar_tensor a = cpar__view2(send, in->dtype, (int64_t)p * t, h, dev);
+    cpar_tensor r = cpar__view2(recv, in->dtype, (int64_t)p * t, h, dev);
+    if (fwd) { /* redo, then hp2cp: block j (rank j's chunks) to rank j, blocks side by side */
+        CPAR_TRY(cpar__mcp_lb(ctx, fn, send, dev, in->data, dev, chunk, p, false));
+        CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
+        return cpar__unstack_last(ctx, fn, out->data, recv, t, h, p, es);
+    }
+    /* backward: cp2hp (column chunk j to rank j), then undo */
+    CPAR_TRY(cpar__stack_last(ctx, fn, send, in->data, t, h, p, es));
+    CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
+    return cpar__mcp_lb(ctx, fn, out->data, dev, recv, dev, chunk, p, true);
+}
+
+/* ---- parameter slices -------------------------------------------------------------- */
+
+/* This rank's conv1d rows as three (local start, count, cp = 1 row) segments. */
+static cpar_dev_conv_rows cpar__mcp_conv_rows(const cpar_mamba_cp_info *in) {
+    int64_t gsc = in->ngroups_local_tpcp * in->d_state, gs = in->ngroups_local_tp * in->d_state;
+    int64_t g0 = (in->cp_rank / in->group_repeat_count) * gsc;
+    cpar_dev_conv_rows r = {{in->d_inner_local_tpcp, gsc, gsc},
+                            {in->cp_rank * in->d_inner_local_tpcp, in->d_inner_local_tp + g0,
+                             in->d_inner_local_tp + gs + g0}};
+    return r;
+}
+
+/* t is [rows, K] or [rows, 1, K] ("name has shape ..., expected ..."). */
+static cpar_status cpar__mcp_check_weight(cpar_ctx *ctx, const char *fn, const char *name, const cpar_tensor *t,
+                                          int64_t rows, int k, const char *why) {
+    int64_t want2[2] = {rows, k}, want3[3] = {rows, 1, k};
+    if (t->ndim == 3) return cpar__check_shape(ctx, fn, name, t, want3, 3, why);
+    return cpar__check_shape(ctx, fn, name, t, want2, 2, why);
+}
+
+/* Which parameter a slice function handles. */
+typedef enum { CPAR__MCP_WEIGHT = 0, CPAR__MCP_BIAS, CPAR__MCP_VEC, CPAR__MCP_D } cpar__mcp_param;
+
+/* Check param (cp = 1 shape) and slice (this rank's shape) and describe the
+ * slice as n segments of rows: local row lrow[i], cp = 1 row crow[i], count
+ * cnt[i], each row row_elems elements. grad: slice is F32/F16/BF16 and param
+ * F32 (accumulate); else same dtype (get). */
+static cpar_status cpar__mcp_slice_args(cpar_mamba_cp *m, const char *fn, cpar__mcp_param kind, const char *pname,
+                                        const cpar_tensor *param, const char *sname, const cpar_tensor *slice,
+                                        bool grad, int *n, int64_t lrow[3], int64_t crow[3], int64_t cnt[3],
+                                        int64_t *row_elems) {
+    CPAR_TRY(cpar__mcp_check(m, fn));
+    cpar_ctx *ctx = m->ctx;
+    const cpar_mamba_cp_info *mi = &m->info;
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, pname, param));
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, sname, slice));
+    if (grad) {
+        CPAR_TRY(cpar__check_float(ctx, fn, sname, slice));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, pname, param, CPAR_F32));
+    } else {
+        CPAR_TRY(cpar__check_dtype(ctx, fn, sname, slice, param->dtype));
+    }
+    if (slice->device != param->device)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is on device %d, expected device %d (as %s)", fn, sname,
+                          slice->device, param->device, pname);
+    *row_elems = 1;
+    if (kind == CPAR__MCP_WEIGHT || kind == CPAR__MCP_BIAS) {
+        if (kind == CPAR__MCP_WEIGHT) {
+            CPAR_TRY(cpar__mcp_check_weight(ctx, fn, pname, param, mi->conv_dim, mi->d_conv,
+                                            "cp=1 conv1d weight [conv_dim, d_conv]"));
+            CPAR_TRY(cpar__mcp_check_weight(ctx, fn, sname, slice, mi->conv1d_channels, mi->d_conv,
+                                            "[conv1d_channels, d_conv]"));
+            *row_elems = mi->d_conv;
+        } else {
+            CPAR_TRY(cpar__check_shape(ctx, fn, pname, param, &mi->conv_dim, 1, "cp=1 conv1d bias [conv_dim]"));
+            CPAR_TRY(cpar__check_shape(ctx, fn, sname, slice, &mi->conv1d_channels, 1, "[conv1d_channels]"));
+        }
+        cpar_dev_conv_rows r = cpar__mcp_conv_rows(mi);
+        *n = 3;
+        for (int i = 0; i < 3; i++) {
+            lrow[i] = i ? lrow[i - 1] + cnt[i - 1] : 0;
+            crow[i] = r.seg_row[i];
+            cnt[i] = r.seg_len[i];
+        }
+        return CPAR_OK;
+    }
+    bool hdim = kind == CPAR__MCP_D && mi->D_has_hdim;
+    int64_t full = hdim ? mi->d_inner_local_tp : mi->nheads_local_tp;
+    int64_t part = hdim ? mi->d_inner_local_tpcp : mi->nheads_local_tpcp;
+    CPAR_TRY(cpar__check_shape(ctx, fn, pname, param, &full, 1, hdim ? "cp=1 [d_inner] (D_has_hdim)" : "cp=1 [nheads]"));
+    CPAR_TRY(cpar__check_shape(ctx, fn, sname, slice, &part, 1, hdim ? "[d_inner/cp] (D_has_hdim)" : "[nheads/cp]"));
+    *n = 1;
+    lrow[0] = 0, crow[0] = mi->cp_rank * part, cnt[0] = part;
+    return CPAR_OK;
+}
+
+static cpar_status cpar__mcp_get(cpar_mamba_cp *m, const char *fn, cpar__mcp_param kind, const cpar_tensor *param,
+                                 cpar_tensor *out) {
+    int n;
+    int64_t lrow[3], crow[3], cnt[3], re;
+    CPAR_TRY(cpar__mcp_slice_args(m, fn, kind, "param", param, "out", out, false, &n, lrow, crow, cnt, &re));
+    if (cpar__ranges_overlap(param->data, cpar_tensor_nbytes(param), out->data, cpar_tensor_nbytes(out)))
+        return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: out overlaps param", fn);
+    size_t rb = (size_t)re * cpar_dtype_size(param->dtype);
+    for (int i = 0; i < n; i++)
+        CPAR_TRY(cpar__copy_bytes(m->ctx, fn, (char *)out->data + (size_t)lrow[i] * rb, out->device,
+                                  (const char *)param->data + (size_t)crow[i] * rb, param->device, (size_t)cnt[i] * rb));
+    return CPAR_OK;
+}
+
+static cpar_status cpar__mcp_accumulate(cpar_mamba_cp *m, const char *fn, cpar__mcp_param kind, const cpar_tensor *grad,
+                                        cpar_tensor *grad_cp1) {
+    int n;
+    int64_t lrow[3], crow[3], cnt[3], re;
+    CPAR_TRY(cpar__mcp_slice_args(m, fn, kind, "grad_cp1", grad_cp1, "grad", grad, true, &n, lrow, crow, cnt, &re));
+    if (cpar__ranges_overlap(grad->data, cpar_tensor_nbytes(grad), grad_cp1->data, cpar_tensor_nbytes(grad_cp1)))
+        return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: grad overlaps grad_cp1", fn);
+    size_t es = cpar_dtype_size(grad->dtype);
+    for (int i = 0; i < n; i++) {
+        float *acc = (float *)grad_cp1->data + crow[i] * re;
+        const void *src = (const char *)grad->data + (size_t)(lrow[i] * re) * es;
+        int64_t cnt_el = cnt[i] * re;
+        if (!cnt_el) continue;
+        if (!cpar__on_device(grad->device)) cpar__host_reduce_into(acc, src, grad->dtype, cnt_el, CPAR_SUM);
+        else CPAR_DEV_TRY(m->ctx, fn, cpar_dev_reduce_into(acc, src, grad->dtype, cnt_el, CPAR_SUM, m->ctx->compute));
+    }
+    return CPAR_OK;
+}
+
+cpar_status cpar_mamba_cp_get_conv1d_weight(cpar_mamba_cp *m, const cpar_tensor *param, cpar_tensor *out) {
+    return cpar__mcp_get(m, "cpar_mamba_cp_get_conv1d_weight", CPAR__MCP_WEIGHT, param, out);
+}
+cpar_status cpar_mamba_cp_get_conv1d_bias(cpar_mamba_cp *m, const cpar_tensor *param, cpar_tensor *out) {
+    return cpar__mcp_get(m, "cpar_mamba_cp_get_conv1d_bias", CPAR__MCP_BIAS, param, out);
+}
+cpar_status cpar_mamba_cp_get_dt_bias(cpar_mamba_cp *m, const cpar_tensor *param, cpar_tensor *out) {
+    return cpar__mcp_get(m, "cpar_mamba_cp_get_dt_bias", CPAR__MCP_VEC, param, out);
+}
+cpar_status cpar_mamba_cp_get_A_log(cpar_mamba_cp *m, const cpar_tensor *param, cpar_tensor *out) {
+    return cpar__mcp_get(m, "cpar_mamba_cp_get_A_log", CPAR__MCP_VEC, param, out);
+}
+cpar_status cpar_mamba_cp_get_D(cpar_mamba_cp *m, const cpar_tensor *param, cpar_tensor *out) {
+    return cpar__mcp_get(m, "cpar_mamba_cp_get_D", CPAR__MCP_D, param, out);
+}
+
+cpar_status cpar_mamba_cp_accumulate_conv1d_weight_grad(cpar_mamba_cp *m, const cpar_tensor *grad,
+                                                        cpar_tensor *grad_cp1) {
+    return cpar__mcp_accumulate(m, "cpar_mamba_cp_accumulate_conv1d_weight_grad", CPAR__MCP_WEIGHT, grad, grad_cp1);
+}
+cpar_status cpar_mamba_cp_accumulate_conv1d_bias_grad(cpar_mamba_cp *m, const cpar_tensor *grad,
+                                                      cpar_tensor *grad_cp1) {
+    return cpar__mcp_accumulate(m, "cpar_mamba_cp_accumulate_conv1d_bias_grad", CPAR__MCP_BIAS, grad, grad_cp1);
+}
+cpar_status cpar_mamba_cp_accumulate_dt_bias_grad(cpar_mamba_cp *m, const cpar_tensor *grad, cpar_tensor *grad_cp1) {
+    return cpar__mcp_accumulate(m, "cpar_mamba_cp_accumulate_dt_bias_grad", CPAR__MCP_VEC, grad, grad_cp1);
+}
+cpar_status cpar_mamba_cp_accumulate_A_log_grad(cpar_mamba_cp *m, const cpar_tensor *grad, cpar_tensor *grad_cp1) {
+    return cpar__mcp_accumulate(m, "cpar_mamba_cp_accumulate_A_log_grad", CPAR__MCP_VEC, grad, grad_cp1);
+}
+cpar_status cpar_mamba_cp_accumulate_D_grad(cpar_mamba_cp *m, const cpar_tensor *grad, cpar_tensor *grad_cp1) {
+    return cpar__mcp_accumulate(m, "cpar_mamba_cp_accumulate_D_grad", CPAR__MCP_D, grad, grad_cp1);
+}
+
+cpar_status cpar_mamba_cp_vector_view(const cpar_mamba_cp *m, const cpar_tensor *param, bool has_hdim,
+                                      cpar_tensor *view) {
+    static const char fn[] = "cpar_mamba_cp_vector_view";
+    CPAR_TRY(cpar__mcp_check(m, fn));
+    cpar_ctx *ctx = m->ctx;
+    if (!view) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: view is NULL", fn);
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "param", param, -2));
+    const cpar_mamba_cp_info *mi = &m->info;
+    int64_t full = has_hdim ? mi->d_inner_local_tp : mi->nheads_local_tp;
+    int64_t part = has_hdim ? mi->d_inner_local_tpcp : mi->nheads_local_tpcp;
+    CPAR_TRY(cpar__check_shape(ctx, fn, "param", param, &full, 1, has_hdim ? "cp=1 [d_inner] (has_hdim)" : "cp=1 [nheads]"));
+    *view = *param;
+    view->shape[0] = part;
+    view->data = cpar__ptr_at(param->data, (size_t)(mi->cp_rank * part) * cpar_dtype_size(param->dtype));
+    return CPAR_OK;
+}
+
+/* ---- conv1d -------------------------------------------------------------------------- */
+
+static int64_t cpar__mcp_row_of(const cpar_dev_conv_rows *r, int64_t c) {
+    if (c < r->seg_len[0]) return r->seg_row[0] + c;
+    c -= r->seg_len[0];
+    if (c < r->seg_len[1]) return r->seg_row[1] + c;
+    return r->seg_row[2] + c - r->seg_len[1];
+}
+
+/* Pre-activation u of token (t, bi), channel c (fp32, the kernel's order). */
+static float cpar__mcp_host_u(const void *x, int64_t pitch, cpar_dtype dt, const void *w, const void *bias,
+                              cpar_dtype pdt, int64_t row, int64_t t, int64_t bi, int64_t b, int64_t c, int k) {
+    float acc = bias ? cpar__load_f(bias, pdt, row) : 0.f;
+    for (int j = 0; j < k; j++) {
+        int64_t tt = t - (k - 1) + j;
+        if (tt >= 0) acc = fmaf(cpar__load_f(w, pdt, row * k + j), cpar__load_f(x, dt, (tt * b + bi) * pitch + c), acc);
+    }
+    return acc;
+}
+
+static float cpar__mcp_sigmoid(float u) { return 1.f / (1.f + expf(-u)); }
+
+/* Host reference of cpar_dev_mamba_conv1d_forward. */
+static void cpar__mcp_host_conv_fwd(const void *x, int64_t pitch, cpar_dtype dt, const void *w, const void *bias,
+                                    cpar_dtype pdt, const cpar_dev_conv_rows *rows, int64_t s, int64_t b, int64_t ch,
+                                    int k, bool silu, void *y) {
+    for (int64_t c = 0; c < ch; c++) {
+        int64_t row = cpar__mcp_row_of(rows, c);
+        for (int64_t t = 0; t < s; t++)
+            for (int64_t bi = 0; bi < b; bi++) {
+                float u = cpar__mcp_host_u(x, pitch, dt, w, bias, pdt, row, t, bi, b, c, k);
+                cpar__store_f(y, dt, (t * b + bi) * ch + c, silu ? u * cpar__mcp_sigmoid(u) : u);
+            }
+    }
+}
+
+/* du = dy * silu'(u) (or dy). */
+static float cpar__mcp_host_du(const void *x, int64_t pitch, cpar_dtype dt, const void *w, const void *bias,
+                               cpar_dtype pdt, int64_t row, int64_t t, int64_t bi, int64_t b, int64_t c, int k,
+                               bool silu, const void *dy, int64_t ch) {
+    float g = cpar__load_f(dy, dt, (t * b + bi) * ch + c);
+    if (!silu) return g;
+    float u = cpar__mcp_host_u(x, pitch, dt, w, bias, pdt, row, t, bi, b, c, k), sg = cpar__mcp_sigmoid(u);
+    return g * (sg * (1.f + u * (1.f - sg)));
+}
+
+/* Host backward: dx overwritten, dw/dbias += (fp64 sums per channel). */
+static void cpar__mcp_host_conv_bwd(const void *x, int64_t pitch, cpar_dtype dt, const void *w, const void *bias,
+                                    cpar_dtype pdt, const cpar_dev_conv_rows *rows, int64_t s, int64_t b, int64_t ch,
+                                    int k, bool silu, const void *dy, void *dx, float *dw, float *dbias) {
+    for (int64_t c = 0; c < ch; c++) {
+        int64_t row = cpar__mcp_row_of(rows, c);
+        double gw[4] = {0, 0, 0, 0}, gb = 0.0;
+        for (int64_t t = 0; t < s; t++)
+            for (int64_t bi = 0; bi < b; bi++) {
+                float du = cpar__mcp_host_du(x, pitch, dt, w, bias, pdt, row, t, bi, b, c, k, silu, dy, ch);
+                gb += du;
+                for (int j = 0; j < k; j++) {
+                    int64_t tt = t - (k - 1) + j;
+                    if (tt >= 0) gw[j] += (double)du * cpar__load_f(x, dt, (tt * b + bi) * pitch + c);
+                }
+                float acc = 0.f; /* dx[t] = sum_j w[j] du[t + (K-1) - j] */
+                for (int j = 0; j < k; j++) {
+                    int64_t tt = t + (k - 1) - j;
+                    if (tt < s)
+                        acc = fmaf(cpar__load_f(w, pdt, row * k + j),
+                                   cpar__mcp_host_du(x, pitch, dt, w, bias, pdt, row, tt, bi, b, c, k, silu, dy, ch), acc);
+                }
+                cpar__store_f(dx, dt, (t * b + bi) * pitch + c, acc);
+            }
+        for (int j = 0; j < k; j++) dw[row * k + j] += (float)gw[j];
+        if (dbias) dbias[row] += (float)gb;
+    }
+}
+
+/* Checks forward and backward share. */
+static cpar_status cpar__mcp_conv_args(cpar_mamba_cp *m, const char *fn, const cpar_tensor *x, int64_t x_col,
+                                       const cpar_tensor *weight, const cpar_tensor *bias) {
+    CPAR_TRY(cpar__mcp_check(m, fn));
+    cpar_ctx *ctx = m->ctx;
+    const cpar_mamba_cp_info *mi = &m->info;
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "x", x));
+    CPAR_TRY(cpar__check_float(ctx, fn, "x", x));
+    char got[128];
+    if (x->ndim != 3)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: x has shape %s, expected 3 dimensions [s, b, W]", fn,
+                          cpar__shape_str(x, got, sizeof got));
+    if (x_col < 0 || x_col + mi->conv1d_channels > x->shape[2])
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: x_col is %lld: channels [%lld, %lld) do not fit x's last dim %lld "
+                          "(conv1d_channels = %lld)", fn, (long long)x_col, (long long)x_col,
+                          (long long)(x_col + mi->conv1d_channels), (long long)x->shape[2], (long long)mi->conv1d_channels);
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "weight", weight, x->device));
+    CPAR_TRY(cpar__check_float(ctx, fn, "weight", weight));
+    CPAR_TRY(cpar__mcp_check_weight(ctx, fn, "weight", weight, mi->conv_dim, mi->d_conv, "cp=1 [conv_dim, d_conv]"));
+    if (bias) {
+        CPAR_TRY(cpar__check_tensor(ctx, fn, "bias", bias, x->device));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, "bias", bias, weight->dtype));
+        CPAR_TRY(cpar__check_shape(ctx, fn, "bias", bias, &mi->conv_dim, 1, "cp=1 [conv_dim]"));
+    }
+    return CPAR_OK;
+}
+
+/* "name has shape .., expected [s, b, C]" for y and dy. */
+static cpar_status cpar__mcp_check_y(cpar_mamba_cp *m, const char *fn, const char *name, const cpar_tensor *t,
+                                     const cpar_tensor *x) {
+    CPAR_TRY(cpar__check_tensor(m->ctx, fn, name, t, x->device));
+    CPAR_TRY(cpar__check_dtype(m->ctx, fn, name, t, x->dtype));
+    int64_t want[3] = {x->shape[0], x->shape[1], m->info.conv1d_channels};
+    return cpar__check_shape(m->ctx, fn, name, t, want, 3, "[s, b, conv1d_channels]");
+}
+
+cpar_status cpar_mamba_cp_conv1d_forward(cpar_mamba_cp *m, const cpar_tensor *x, int64_t x_col,
+                                         const cpar_tensor *weight, const cpar_tensor *bias, bool silu, cpar_tensor *y) {
+    static const char fn[] = "cpar_mamba_cp_conv1d_forward";
+    CPAR_TRY(cpar__mcp_conv_args(m, fn, x, x_col, weight, bias));
+    CPAR_TRY(cpar__mcp_check_y(m, fn, "y", y, x));
+    if (cpar__ranges_overlap(x->data, cpar_tensor_nbytes(x), y->data, cpar_tensor_nbytes(y)))
+        return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: y overlaps x", fn);
+    const cpar_mamba_cp_info *mi = &m->info;
+    cpar_dev_conv_rows rows = cpar__mcp_conv_rows(mi);
+    int64_t s = x->shape[0], b = x->shape[1], pitch = x->shape[2];
+    const void *xc = cpar__ptr_at(x->data, (size_t)x_col * cpar_dtype_size(x->dtype));
+    const void *bd = bias ? bias->data : NULL;
+    if (!cpar_tensor_numel(y)) return CPAR_OK;
+    if (!cpar__on_device(x->device))
+        cpar__mcp_host_conv_fwd(xc, pitch, x->dtype, weight->data, bd, weight->dtype, &rows, s, b, mi->conv1d_channels,
+                                mi->d_conv, silu, y->data);
+    else
+        CPAR_DEV_TRY(m->ctx, fn, cpar_dev_mamba_conv1d_forward(xc, pitch, x->dtype, weight->data, bd, weight->dtype,
+                                                               rows, s, b, mi->conv1d_channels, mi->d_conv, silu,
+                                                               y->data, m->ctx->compute));
+    return CPAR_OK;
+}
+
+/* Token splits of the device backward's weight-gradient reduction: enough
+ * blocks to fill a GPU (about 64 tokens per split), at most 64 splits. */
+static int cpar__mcp_nsplit(int64_t tokens) {
+    int64_t n = tokens / 64;
+    return (int)(n < 1 ? 1 : n > 64 ? 64 : n);
+}
+
+cpar_status cpar_mamba_cp_conv1d_backward(cpar_mamba_cp *m, const cpar_tensor *x, int64_t x_col,
+                                          const cpar_tensor *weight, const cpar_tensor *bias, bool silu,
+                                          const cpar_tensor *dy, cpar_tensor *dx, cpar_tensor *dweight,
+                                          cpar_tensor *dbias) {
+    static const char fn[] = "cpar_mamba_cp_conv1d_backward";
+    CPAR_TRY(cpar__mcp_conv_args(m, fn, x, x_col, weight, bias));
+    cpar_ctx *ctx = m->ctx;
+    const cpar_mamba_cp_info *mi = &m->info;
+    CPAR_TRY(cpar__mcp_check_y(m, fn, "dy", dy, x));
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "dx", dx, x->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "dx", dx, x->dtype));
+    CPAR_TRY(cpar__check_shape(ctx, fn, "dx", dx, x->shape, 3, "as x"));
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "dweight", dweight, x->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "dweight", dweight, CPAR_F32));
+    CPAR_TRY(cpar__mcp_check_weight(ctx, fn, "dweight", dweight, mi->conv_dim, mi->d_conv, "cp=1 [conv_dim, d_conv]"));
+    if (bias && !dbias) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dbias is NULL but bias is given", fn);
+    if (!bias && dbias) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dbias is given but bias is NULL", fn);
+    if (dbias) {
+        CPAR_TRY(cpar__check_tensor(ctx, fn, "dbias", dbias, x->device));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, "dbias", dbias, CPAR_F32));
+        CPAR_TRY(cpar__check_shape(ctx, fn, "dbias", dbias, &mi->conv_dim, 1, "cp=1 [conv_dim]"));
+    }
+    const struct { const char *name; const cpar_tensor *t; } ins[] = {
+        {"x", x}, {"dy", dy}, {"weight", weight}, {"bias", bias}, {"dweight", dweight}, {"dbias", dbias}};
+    for (size_t i = 0; i < sizeof ins / sizeof ins[0]; i++)
+        if (ins[i].t && cpar__ranges_overlap(dx->data, cpar_tensor_nbytes(dx), ins[i].t->data, cpar_tensor_nbytes(ins[i].t)))
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dx overlaps %s", fn, ins[i].name);
+    if (cpar__ranges_overlap(dweight->data, cpar_tensor_nbytes(dweight), dy->data, cpar_tensor_nbytes(dy)) ||
+        (dbias && cpar__ranges_overlap(dbias->data, cpar_tensor_nbytes(dbias), dy->data, cpar_tensor_nbytes(dy))))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dweight or dbias overlaps dy", fn);
+    cpar_dev_conv_rows rows = cpar__mcp_conv_rows(mi);
+    int64_t s = x->shape[0], b = x->shape[1], pitch = x->shape[2], ch = mi->conv1d_channels;
+    size_t es = cpar_dtype_size(x->dtype);
+    const void *xc = cpar__ptr_at(x->data, (size_t)x_col * es);
+    void *dxc = cpar__ptr_at(dx->data, (size_t)x_col * es);
+    const void *bd = bias ? bias->data : NULL;
+    float *dbd = dbias ? dbias->data : NULL;
+    if (!s || !b) return CPAR_OK;
+    if (!cpar__on_device(x->device)) {
+        cpar__mcp_host_conv_bwd(xc, pitch, x->dtype, weight->data, bd, weight->dtype, &rows, s, b, ch, mi->d_conv, silu,
+                                dy->data, dxc, dweight->data, dbd);
+        return CPAR_OK;
+    }
+    int nsplit = cpar__mcp_nsplit(s * b);
+    void *partial;
+    CPAR_TRY(cpar__workspace(ctx, fn, (size_t)nsplit * (size_t)(mi->d_conv + 1) * (size_t)ch * sizeof(float), &partial));
+    CPAR_DEV_TRY(ctx, fn, cpar_dev_mamba_conv1d_backward(xc, pitch, x->dtype, weight->data, bd, weight->dtype, rows, s, b,
+                                                         ch, mi->d_conv, silu, dy->data, dxc, partial, nsplit,
+                                                         dweight->data, dbd, ctx->compute));
+    return CPAR_OK;
 }

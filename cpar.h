@@ -26,6 +26,8 @@
  *   9. RNG, dropout and activation checkpointing
  *  10. Vocabulary-parallel embedding and cross entropy
  *  11. Linear layers (column- and row-parallel)
+ *  12. Attention and context parallelism (local flash attention, ring attention, sharding)
+ *  13. Mamba context parallelism
  */
 #ifndef CPAR_H
 #define CPAR_H
@@ -1134,6 +1136,377 @@ cpar_status cpar_linear_zero_grad(cpar_linear *l);
  * add (a k = 1 rank-one update y += bias 1^T) and the bias-grad column sums
  * (db += dy^T 1) are cpar_dev_gemm calls; the ones vector is cpar_dev_fill. */
 
+
+/* ==== 12. Attention and context parallelism ===============================
+ *
+ * ---- local attention (one rank) -------------------------------------------
+ * Flash-style scaled dot-product attention: softmax(scale · q kᵀ [+ mask]) v
+ * without materialising the score matrix, plus the fp32 log-sum-exp per query
+ * row that backward (and the ring merge of §12) needs.
+ *   q   [b, hq,  sq, d]     F32, F16 or BF16 (all of q, k, v, out, dout, dq, dk, dv share it)
+ *   k,v [b, hkv, sk, d]     hq % hkv == 0 (grouped-query attention: q head h
+ *                           reads kv head h / (hq/hkv), PyTorch's enable_gqa)
+ *   out [b, hq,  sq, d]     q's dtype
+ *   lse [b, hq,  sq]        F32, natural log; -inf for a row that sees no key
+ *                           (its out row is 0, never NaN)
+ * d ≤ 128 and a multiple of 8 on devices (any d ≥ 1 on the host).
+ * causal: top-left aligned as PyTorch's SDPA is_causal: query i sees keys
+ * j ≤ i (so with sq > sk every row still sees key 0).
+ * scale: 0 means 1/sqrt(d); otherwise must be finite and > 0.
+ * Every tensor on the host, or every one on the context's device. Host
+ * tensors run the host reference (fp32 accumulation, two-pass exact
+ * softmax; on a device context too, with host scratch allocated per call);
+ * device tensors run the flash kernels of cpar_kernels.cu, F16/BF16 only (F32
+ * on a device is CPAR_ERR_UNSUPPORTED). sk = 0: out 0 and lse -inf. Temporaries
+ * come from the context workspace. Stream-ordered on the compute stream. */
+cpar_status cpar_attention_forward(cpar_ctx *ctx, const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
+                                   bool causal, float scale, cpar_tensor *out, cpar_tensor *lse);
+/* Gradients of forward: dq like q, dk and dv like k and v (overwritten, not
+ * accumulated; with GQA dk/dv sum over the q heads sharing a kv head). out and
+ * lse are forward's outputs; dout like out. Gradients accumulate in fp32
+ * (workspace scratch for F16/BF16, cast into dq/dk/dv at the end). */
+cpar_status cpar_attention_backward(cpar_ctx *ctx, const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
+                                    const cpar_tensor *out, const cpar_tensor *dout, const cpar_tensor *lse,
+                                    bool causal, float scale, cpar_tensor *dq, cpar_tensor *dk, cpar_tensor *dv);
+
+/* ---- device layer (internal; cpar.h §7 conventions) --------------------------
+ * One block of attention on device buffers, as cpar.c §18 describes:
+ * rows of d contiguous elements; (batch, head) slices q_bh / kv_bh / o_bh /
+ * lse_bh / dq_bh / dkv_bh elements apart, so a sub-range of the sequence is a
+ * pointer offset with the parent's strides. Element (batch bi, head hi, row i,
+ * col c) of q is at (bi*hq + hi)*q_bh + i*d + c; of k and v at
+ * (bi*hkv + hi/(hq/hkv))*kv_bh + j*d + c; of lse at (bi*hq + hi)*lse_bh + i. */
+typedef struct cpar_dev_attn {
+    cpar_dtype dt;                  /* q, k, v: F16 or BF16 on devices (F32 too on the host path) */
+    int64_t b, hq, hkv, sq, sk, d;  /* hq % hkv == 0; sq, sk >= 1; d <= 128, d % 8 == 0 on devices */
+    const void *q, *k, *v;
+    int64_t q_bh, kv_bh;
+    bool causal;                    /* top-left: query i sees keys j <= i */
+    float scale;                    /* > 0, already resolved */
+} cpar_dev_attn;
+
+/* out (dtype out_dt: F32 or a->dt, stride o_bh) and lse (F32, stride lse_bh)
+ * overwritten. A row that sees no key: lse = -inf, out row 0. */
+cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype out_dt, int64_t o_bh, float *lse,
+                                   int64_t lse_bh, cpar_dev_stream s);
+/* Device scratch cpar_dev_attention_bwd needs (bytes; 0 is valid). */
+size_t cpar_dev_attention_bwd_scratch_bytes(const cpar_dev_attn *a);
+/* Accumulate (+=) in fp32: dq [b,hq,sq,d] (stride dq_bh), dk and dv
+ * [b,hkv,sk,d] (stride dkv_bh). out and dout (dtype out_dt, stride o_bh) and
+ * lse (stride lse_bh) are those of the whole attention this block belongs
+ * to: P = exp(scale·q kᵀ - lse), D_i = rowsum(dout_i ∘ out_i); a row with
+ * lse = -inf contributes nothing. scratch: cpar_dev_attention_bwd_scratch_bytes. */
+cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, const void *dout, cpar_dtype out_dt,
+                                   int64_t o_bh, const float *lse, int64_t lse_bh, float *dq, int64_t dq_bh,
+                                   float *dk, float *dv, int64_t dkv_bh, void *scratch, cpar_dev_stream s);
+
+/* ---- ring attention and sequence sharding for context parallelism ----------
+ * PyTorch's _templated_ring_attention (+ backward), _SDPAMerger,
+ * _RoundRobinLoadBalancer / _SequentialSharder, set_rotate_method and
+ * context_parallel_unshard on a CP group of size P, rank r.
+ *
+ * Per step i = 0..P-1 rank r attends to the KV shard of rank (r - i) mod P.
+ * With causal attention (the seed's _is_causal_behavior):
+ *   step 0: the local block, causal (top-left on the local shard; with load
+ *     balancing the two local chunks r and 2P-1-r are in global order, so
+ *     that mask is exactly right);
+ *   no load balancing: blocks from ranks < r in full, from ranks > r skipped;
+ *   load balancing: i <= r: all of q against the first half (chunk r - i) of
+ *     the received KV; i > r: the second half of q (chunk 2P-1-r) against the
+ *     whole received KV, merged into those rows only.
+ * Non-causal attention uses every block in full, with either sharding (the
+ * seed refuses that combination with load balancing; nothing requires it).
+ * Block results are merged in fp32 as _SDPAMerger does:
+ *   out <- out - sigmoid(lse_b - lse) (out - out_b),  lse <- lse - logsigmoid(lse - lse_b)
+ * (a row no block reaches keeps lse = -inf and out = 0). */
+
+typedef enum cpar_rotate_method {
+    CPAR_ROTATE_ALLGATHER = 0, /* all-gather every KV shard up front (the seed's default) */
+    CPAR_ROTATE_ALLTOALL       /* ring send/recv of one KV block per step, overlapped with compute
+                                * on GPUs (PyTorch's "alltoall" rotate method) */
+} cpar_rotate_method;
+
+typedef struct cpar_ring_attention_config {
+    bool causal;
+    bool load_balance;         /* the sequence was sharded round-robin: rank r holds chunks r and 2P-1-r */
+    cpar_rotate_method rotate;
+    float scale;               /* 0: 1/sqrt(d); else finite and > 0 */
+} cpar_ring_attention_config;
+
+/* q [b, hq, s_local, d], k, v [b, hkv, s_local_kv, d] this rank's shard of
+ * the sequence (dtypes, head dims and GQA as cpar_attention_forward), all on
+ * the context's device; causal needs s_local_kv == s_local, and with load
+ * balancing an even s_local. out like q, lse F32 [b, hq, s_local]: exactly the
+ * rows of full-sequence attention this rank holds. Communication on cp:
+ * ALLGATHER: two all-gathers (k, v) receiving (P-1)/P of the global K and V;
+ * ALLTOALL: P-1 ring send/recvs of this rank's K and V. Scratch: one carve of
+ * the context workspace. */
+cpar_status cpar_ring_attention_forward(cpar_group *cp, const cpar_ring_attention_config *cfg,
+                                        const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
+                                        cpar_tensor *out, cpar_tensor *lse);
+/* dq like q, dk, dv like k, v (overwritten): this rank's rows of the
+ * full-sequence gradients. out, lse from forward, dout like out. The KV
+ * rotation is forward's (again); the fp32 dK/dV accumulators travel around
+ * the ring with their KV block (P send/recvs of 2 * numel(k) floats) and
+ * arrive at their owner; dq accumulates locally in fp32. */
+cpar_status cpar_ring_attention_backward(cpar_group *cp, const cpar_ring_attention_config *cfg,
+                                         const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
+                                         const cpar_tensor *out, const cpar_tensor *dout, const cpar_tensor *lse,
+                                         cpar_tensor *dq, cpar_tensor *dk, cpar_tensor *dv);
+
+/* full: the whole sequence along dim seq_dim (negative counts from the end);
+ * local: the same shape and dtype with seq_dim divided by P. Sequential: rank
+ * r takes chunk r of P. load_balance: rank r takes chunks r and 2P-1-r of 2P,
+ * in that order (the length must divide by 2P, else by P). Each of full and
+ * local on the host or the context's device. No communication. */
+cpar_status cpar_cp_shard(cpar_group *cp, const cpar_tensor *full, int seq_dim, bool load_balance,
+                          cpar_tensor *local);
+/* Inverse of cpar_cp_shard on every rank: all-gather the shards and restore
+ * the sequence order. local and full on the context's device. Scratch: the
+ * context workspace (P * nbytes(local)), except for a sequential shard along
+ * an outermost dimension, which is gathered in place. */
+cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_dim, bool load_balance,
+                            cpar_tensor *full);
+
+/* ---- device layer (internal; cpar.h §7 conventions) --------------------------
+ * The _SDPAMerger step for rows blocks of d floats: for each (batch, head)
+ * slice j < nbh and row i < rows, with o = out + j*o_bh + i*d,
+ * ob = out_b + j*o_bh + i*d, l = lse[j*lse_bh + i], lb = lse_b[j*lse_bh + i]:
+ *   lb == -inf: nothing; l == -inf: o = ob, l = lb; else
+ *   o -= sigmoid(lb - l) (o - ob), l -= logsigmoid(l - lb).
+ * A partial merge (second half of the rows) is a pointer offset. All fp32. */
+cpar_status cpar_dev_ring_merge(float *out, float *lse, const float *out_b, const float *lse_b, int64_t nbh,
+                                int64_t rows, int64_t d, int64_t o_bh, int64_t lse_bh, cpar_dev_stream s);
+
+/* ==== 13. Mamba context parallelism =======================================
+ *
+ * Megatron's MambaContextParallel and its helpers
+ * (megatron/core/ssm/mamba_context_parallel.py, seed 000): "all-to-all"
+ * context parallelism for Mamba-2 mixers. Outside the mixer the sequence is
+ * sharded over the CP group (size P, rank r) with attention's load balancing
+ * (round-robin: the sequence is cut into 2P chunks and rank r holds chunks r
+ * and 2P-1-r, in that order); inside, every rank sees the whole sequence for
+ * 1/P of the heads, so the causal conv1d and the SSM scan run unchanged.
+ *
+ * Sizes are those of one TP rank ("_local_tp"), as the seed takes them:
+ *   dI = d_inner_local_tp, nh = nheads_local_tp, ng = ngroups_local_tp,
+ *   ds = d_state, K = d_conv. With P > 1 (the seed's checks, plus the two
+ *   Mamba-2 invariants the seed relies on: dI % nh == 0, nh % ng == 0):
+ *     nheads_local_tpcp  = nh / P              (nh % P == 0)
+ *     d_inner_local_tpcp = dI / P
+ *     ng < P: group_repeat_count R = P / ng (P % ng == 0), ngroups_local_tpcp = 1
+ *     else:   R = 1, ngroups_local_tpcp = ng / P             (ng % P == 0)
+ *     conv1d_channels    = d_inner_local_tpcp + 2 ngroups_local_tpcp ds
+ *   P == 1: the _tpcp sizes equal the _tp ones and R = 1.
+ *
+ * Activations are sequence first, [s, b, h] (s the global sequence length,
+ * b the micro-batch), row-major, any dtype for pure data movement (F32, F16
+ * or BF16 where something is summed or computed).
+ *
+ *   pre_conv_ssm  CPAR_FWD: in  [s/P, b, 2 dI + 2 ng ds + nh]  (the in-projection
+ *                           output, columns z | x | B | C | dt, load-balanced shard)
+ *                      ->   out [s, b, 2 dI/P + 2 ng_tpcp ds + nh/P]
+ *                           (columns z | x | B | C | dt of this rank's heads, the
+ *                           whole sequence in natural order)
+ *                 Each of z, x, B, C, dt goes through cp2hp (B and C first
+ *                 repeated group-major, "l b (g n) -> l b (g r n)", when R > 1,
+ *                 so the replicas of a group land on consecutive ranks with
+ *                 that group's heads), the pieces are concatenated along the
+ *                 hidden dim and the load balancing is undone. cpar packs all
+ *                 five pieces into one all-to-all (the seed makes five): the
+ *                 bytes moved are the same, (P-1)/P of out, in one call.
+ *                 CPAR_BWD: in = d(out) [s, b, ...] -> out = d(in) [s/P, b, ...];
+ *                 the gradients of the R replicas of a B or C group are summed
+ *                 (fp32, rounded once).
+ *   post_conv_ssm CPAR_FWD: in [s, b, h] (any h, e.g. the SSM output of this
+ *                           rank's heads) -> out [s/P, b, P h]: load balancing
+ *                           redone, then hp2cp. CPAR_BWD: the inverse.
+ *   With P == 1 both copy in to out (the seed returns its input).
+ *   s must be divisible by 2P (P > 1): the load balancing cuts 2P chunks.
+ *
+ * Parameters stay those of the cp = 1 mixer (the seed's conv1d_cp1,
+ * dt_bias_cp1, A_log_cp1, D_cp1); this object owns none. The conv1d weight
+ * is [conv_dim, K] with conv_dim = dI + 2 ng ds (PyTorch's Conv1d weight
+ * [conv_dim, 1, K] is accepted too: the same memory), bias [conv_dim], rows
+ * x | B | C. This rank's conv1d rows: x rows [r dI/P, (r+1) dI/P), then the
+ * B rows and the C rows of groups [g0, g0 + ng_tpcp), g0 = (r / R) ng_tpcp,
+ * i.e. rows [g0 ds, (g0 + ng_tpcp) ds) of each. dt_bias, A_log [nh] and D
+ * [nh] (or [dI] with D_has_hdim) take elements [r n, (r+1) n), n = nh/P (or
+ * dI/P). The get functions copy those rows into caller tensors; the
+ * accumulate functions add (+=) a slice's gradient into the matching rows of
+ * an F32 gradient buffer shaped like the cp = 1 parameter, so after summing
+ * over the CP group (the data-parallel x context-parallel gradient all-reduce
+ * Megatron does) the cp = 1 parameters get their full gradients.
+ *
+ * The conv1d (mamba_ssm's causal_conv1d, Megatron's conv1d with padding
+ * K-1 and the output cut to the first s steps): depthwise over this rank's
+ * conv1d_channels channels, reading the cp = 1 weight and bias through the
+ * row mapping above (no sliced copy is made), so backward accumulates the
+ * gradients straight into the cp = 1 rows:
+ *     u[t, c] = bias[row(c)] + sum_k w[row(c), k] x[t - (K-1) + k, c]  (x[t < 0] = 0)
+ *     y = silu(u) = u sigmoid(u) when silu, else u.
+ * Layout: sequence first, the layout pre_conv_ssm produces (Megatron
+ * transposes to [b, c, s] for torch's conv; cpar convolves in place along
+ * dim 0 instead): x [s, b, W] whose channels are columns [x_col, x_col + C)
+ * of the last dim, C = conv1d_channels. x_col = 0 for a plain [s, b, C]
+ * tensor, or d_inner_local_tpcp to read the x | B | C columns of
+ * pre_conv_ssm's output without a copy. y [s, b, C] (x's dtype). fp32 math.
+ *
+ * Errors: CPAR_ERR_INVALID with one line naming the function, the argument
+ * and the numbers, e.g. "cpar_mamba_cp_create: nheads_local_tp 6 is not
+ * divisible by cp_size 4 (nheads must be evenly divisible by tp_size *
+ * cp_size)", detected before any communication. */
+
+/* ---- all-to-all and load balancing (the seed's module functions) ---------- */
+
+/* _all_to_all_cp2hp over cp (size P): in [s/P, b, h] -> out [s, b, h/P]
+ * (h divisible by P): column chunk j of every rank's in goes to rank j, which
+ * stacks the chunks of ranks 0..P-1 along dim 0 (the seed: flatten [s/P * b,
+ * h], cut h into P chunks stacked along dim 0, equal all-to-all, reshape).
+ * CPAR_BWD is hp2cp of the gradient (in [s, b, h/P] -> out [s/P, b, h]).
+ * Exactly 3-dimensional tensors on the context's device, the same dtype;
+ * out may not overlap in (P == 1: a copy, out == in allowed). One all-to-all
+ * moving (P-1)/P of in's bytes each way. */
+cpar_status cpar_all_to_all_cp2hp(cpar_group *cp, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
+/* _all_to_all_hp2cp: in [s, b, h] -> out [s/P, b, P h] (s divisible by P):
+ * row block j of in (its s/P * b rows) goes to rank j, which concatenates the
+ * blocks of ranks 0..P-1 along the last dim. CPAR_BWD is cp2hp. */
+cpar_status cpar_all_to_all_hp2cp(cpar_group *cp, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
+
+/* _undo_attention_load_balancing(input, cp_size): in [s, ...] cut along dim 0
+ * into 2 cp_size equal chunks (s divisible by 2 cp_size) holding sequence
+ * chunks 0, 2P-1, 1, 2P-2, ... (P = cp_size; what an all-gather of the
+ * load-balanced shards gives; for P = 3 the order 1,6,2,5,3,4) -> out in
+ * natural order 1..2P: out chunk k = in chunk order[k], order = [0, 2, 4, ...,
+ * 2P-2, 2P-1, ..., 3, 1]. _redo is the inverse (1..6 -> 1,6,2,5,3,4). in and
+ * out: the same shape and dtype, host or the context's device (both on the
+ * same), not overlapping. Local copies (2P of them), no communication. */
+cpar_status cpar_undo_attention_load_balancing(cpar_ctx *ctx, int cp_size, const cpar_tensor *in, cpar_tensor *out);
+cpar_status cpar_redo_attention_load_balancing(cpar_ctx *ctx, int cp_size, const cpar_tensor *in, cpar_tensor *out);
+
+/* ---- the MambaContextParallel object --------------------------------------- */
+
+typedef struct cpar_mamba_cp_config {
+    int64_t d_inner_local_tp; /* > 0 */
+    int64_t nheads_local_tp;  /* > 0, divides d_inner_local_tp (headdim) */
+    int64_t ngroups_local_tp; /* > 0, divides nheads_local_tp */
+    int64_t d_state;          /* > 0 */
+    int d_conv;               /* conv1d kernel size: 0 -> 4; 2..4 */
+    bool D_has_hdim;          /* D is [d_inner] (per channel) rather than [nheads] */
+} cpar_mamba_cp_config;
+
+/* Everything the object derived (readable without the object's internals). */
+typedef struct cpar_mamba_cp_info {
+    int cp_size, cp_rank;
+    int64_t d_inner_local_tp, nheads_local_tp, ngroups_local_tp, d_state;
+    int d_conv;
+    bool D_has_hdim;
+    int64_t d_inner_local_tpcp, nheads_local_tpcp, ngroups_local_tpcp;
+    int64_t group_repeat_count; /* R */
+    int64_t conv1d_channels;    /* d_inner_local_tpcp + 2 ngroups_local_tpcp d_state */
+    int64_t conv_dim;           /* rows of the cp = 1 conv1d params: d_inner_local_tp + 2 ngroups_local_tp d_state */
+    int64_t in_width;           /* pre_conv_ssm in's last dim: 2 dI + 2 ng ds + nh (the _tp sizes) */
+    int64_t out_width;          /* pre_conv_ssm out's last dim: 2 dI/P + 2 ngroups_local_tpcp ds + nh/P */
+    int64_t vector_len;         /* dt_bias / A_log slice: nheads_local_tpcp */
+    int64_t D_len;              /* D slice: d_inner_local_tpcp with D_has_hdim, else nheads_local_tpcp */
+} cpar_mamba_cp_info;
+
+typedef struct cpar_mamba_cp cpar_mamba_cp;
+
+/* Check the sizes against cp's size and derive the rest. Collective-free;
+ * allocates only the small object. Errors name the sizes (the seed's
+ * messages in parentheses). */
+cpar_status cpar_mamba_cp_create(cpar_group *cp, const cpar_mamba_cp_config *cfg, cpar_mamba_cp **out);
+cpar_status cpar_mamba_cp_destroy(cpar_mamba_cp *m); /* NULL is fine */
+cpar_status cpar_mamba_cp_get_info(const cpar_mamba_cp *m, cpar_mamba_cp_info *out);
+/* The seed's conv1d_channels(); 0 for NULL. */
+int64_t cpar_mamba_cp_conv1d_channels(const cpar_mamba_cp *m);
+
+/* pre_conv_ssm / post_conv_ssm with the shapes of the section comment. in
+ * and out on the context's device, the same dtype, not overlapping (with
+ * P == 1, out == in is allowed). Scratch from the context workspace. */
+cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
+cpar_status cpar_mamba_cp_post_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
+
+/* The seed's get_conv1d_weight / _bias / get_dt_bias / get_A_log / get_D:
+ * copy this rank's slice of the cp = 1 parameter param into out (same dtype;
+ * host or the context's device, both on the same). Shapes: weight
+ * [conv_dim, K] (or [conv_dim, 1, K]) -> [conv1d_channels, K] (or [.., 1, K]);
+ * bias [conv_dim] -> [conv1d_channels]; dt_bias, A_log [nh] -> [nh/P]; D [nh]
+ * -> [nh/P] or, with D_has_hdim, [dI] -> [dI/P]. */
+cpar_status cpar_mamba_cp_get_conv1d_weight(cpar_mamba_cp *m, const cpar_tensor *param, cpar_tensor *out);
+cpar_status cpar_mamba_cp_get_conv1d_bias(cpar_mamba_cp *m, const cpar_tensor *param, cpar_tensor *out);
+cpar_status cpar_mamba_cp_get_dt_bias(cpar_mamba_cp *m, const cpar_tensor *param, cpar_tensor *out);
+cpar_status cpar_mamba_cp_get_A_log(cpar_mamba_cp *m, const cpar_tensor *param, cpar_tensor *out);
+cpar_status cpar_mamba_cp_get_D(cpar_mamba_cp *m, const cpar_tensor *param, cpar_tensor *out);
+/* The vector slices are contiguous: *view aliases param's elements (no
+ * copy; a gradient buffer's view is where that slice's gradient goes).
+ * has_hdim: the D_has_hdim layout (length dI) instead of per head. */
+cpar_status cpar_mamba_cp_vector_view(const cpar_mamba_cp *m, const cpar_tensor *param, bool has_hdim,
+                                      cpar_tensor *view);
+
+/* grad_cp1 (F32, shaped like the cp = 1 parameter) += grad (this rank's
+ * slice, shaped like the get function's out, F32/F16/BF16), at the slice's
+ * rows; other rows untouched. Host or the context's device, both on the
+ * same. Local, no communication. */
+cpar_status cpar_mamba_cp_accumulate_conv1d_weight_grad(cpar_mamba_cp *m, const cpar_tensor *grad,
+                                                        cpar_tensor *grad_cp1);
+cpar_status cpar_mamba_cp_accumulate_conv1d_bias_grad(cpar_mamba_cp *m, const cpar_tensor *grad,
+                                                      cpar_tensor *grad_cp1);
+cpar_status cpar_mamba_cp_accumulate_dt_bias_grad(cpar_mamba_cp *m, const cpar_tensor *grad, cpar_tensor *grad_cp1);
+cpar_status cpar_mamba_cp_accumulate_A_log_grad(cpar_mamba_cp *m, const cpar_tensor *grad, cpar_tensor *grad_cp1);
+cpar_status cpar_mamba_cp_accumulate_D_grad(cpar_mamba_cp *m, const cpar_tensor *grad, cpar_tensor *grad_cp1);
+
+/* The seed's conv1d on this rank's channels (section comment): x [s, b, W]
+ * (F32/F16/BF16, channels at columns [x_col, x_col + C)), weight the cp = 1
+ * [conv_dim, K] (or [conv_dim, 1, K]), bias the cp = 1 [conv_dim] or NULL
+ * (none); weight and bias F32, F16 or BF16 (the same dtype, independent of
+ * x's); y [s, b, C] in x's dtype, not overlapping x. Every tensor on the host
+ * or the context's device, all on the same. */
+cpar_status cpar_mamba_cp_conv1d_forward(cpar_mamba_cp *m, const cpar_tensor *x, int64_t x_col,
+                                         const cpar_tensor *weight, const cpar_tensor *bias, bool silu, cpar_tensor *y);
+/* Backward of the forward with the same x, x_col, weight, bias, silu (the
+ * pre-activation is recomputed, nothing is kept): dy [s, b, C] (x's dtype);
+ * dx shaped like x (x's dtype): only its columns [x_col, x_col + C) are
+ * written (overwritten), so dx may be the whole pre_conv_ssm gradient whose
+ * z and dt columns the caller fills; dweight [conv_dim, K] (or [conv_dim, 1,
+ * K]) and dbias [conv_dim] F32 += at this rank's rows (dbias NULL when bias
+ * is). Deterministic: no atomics, per-channel sums in a fixed order; scratch
+ * from the context workspace. */
+cpar_status cpar_mamba_cp_conv1d_backward(cpar_mamba_cp *m, const cpar_tensor *x, int64_t x_col,
+                                          const cpar_tensor *weight, const cpar_tensor *bias, bool silu,
+                                          const cpar_tensor *dy, cpar_tensor *dx, cpar_tensor *dweight,
+                                          cpar_tensor *dbias);
+
+/* ---- device layer (internal; cpar_kernels.cu, cpar.h §7 conventions) ------
+ * The channel -> cp = 1 row mapping of the conv1d: local channel c lies in
+ * segment i (seg_len[0..2]: x, B, C, in that order) at offset o, and reads
+ * row seg_row[i] + o of weight [conv_dim, K] and bias [conv_dim]. */
+typedef struct cpar_dev_conv_rows {
+    int64_t seg_len[3], seg_row[3];
+} cpar_dev_conv_rows;
+
+/* y [s*b, C] (dt) = conv of x (dt, row pitch x_pitch elements, channel c at
+ * column c of each row: the caller offsets x by x_col) as above; w, bias
+ * (bias may be NULL) of dtype pdt. tokens = s*b; token (t, bi) is row t*b+bi. */
+cpar_status cpar_dev_mamba_conv1d_forward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
+                                          const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
+                                          int64_t b, int64_t channels, int k, bool silu, void *y,
+                                          cpar_dev_stream st);
+/* dx (row pitch x_pitch, offset like x) = the input gradient; partial F32
+ * [nsplit, K+1, C] scratch: split p holds the weight (j < K) and bias (j == K)
+ * gradient sums of its share of the tokens; then dw[row(c), j] += sum over p
+ * in order, dbias[row(c)] += likewise (dbias may be NULL). nsplit >= 1. */
+cpar_status cpar_dev_mamba_conv1d_backward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
+                                           const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
+                                           int64_t b, int64_t channels, int k, bool silu, const void *dy, void *dx,
+                                           float *partial, int nsplit, float *dw, float *dbias, cpar_dev_stream st);
+/* dst[g*dst_gs + t*dst_pitch + c] = sum_{q < reps} src[g*src_gs + q*rep_stride
+ * + t*src_pitch + c] for g < groups, t < rows, c < cols (elements of dt,
+ * F32/F16/BF16; fp32 sum in q order, rounded once): the B/C replica gradients. */
+cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
+                                        int64_t rep_stride, int64_t src_pitch, int64_t groups, int64_t reps,
+                                        int64_t rows, int64_t cols, cpar_dtype dt, cpar_dev_stream st);
 
 #ifdef __cplusplus
 }

@@ -9,7 +9,9 @@
  *   g++  -std=c++17 -DCPAR_SIM -I. -x c++ -c cpar_kernels.cu   (tests/cudasim.h:
  *        the same kernels run on the CPU, threads of a block as fibers)
  * so kernels use only what the simulator models: launches go through
- * CPAR_LAUNCH, dynamic shared memory through CPAR_DYN_SMEM, no inline PTX.
+ * CPAR_LAUNCH, dynamic shared memory through CPAR_DYN_SMEM, and inline PTX
+ * only inside the tensor-core wrappers of section 15, which the sim build
+ * replaces with exact lane-level emulations.
  *
  * Conventions: every function returns cpar_status and, on failure, leaves one
  * line in a thread-local buffer (cpar_dev_last_error) naming the cpar_dev
@@ -33,6 +35,10 @@
  *   12. RNG: random fills and dropout
  *   13. Vocabulary-parallel cross entropy
  *   14. Vocabulary-parallel embedding
+ *   15. Tensor-core wrappers: mma.sync m16n8k16, ldmatrix, cp.async
+ *   16. Local attention: the flash forward and backward kernels
+ *   17. Ring attention: the fp32 LSE merge
+ *   18. Mamba context parallelism: group-replica sums, depthwise causal conv1d
  */
 
 /* ==== 1. Includes and launch macros =======================================
@@ -1715,5 +1721,1304 @@ cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void 
     });
     CPAR__TRY_CUDA(e, "embedding_grad kernel launch (%s, %lld tokens x %lld, %s)", cpar__dtype_name(dt),
                    (long long)(b * s), (long long)hidden, deterministic ? "deterministic" : "atomic");
+    return CPAR_OK;
+}
+
+/* ==== 15. Tensor-core wrappers: mma.sync m16n8k16 and ldmatrix ============
+ * The flash-attention kernels reach the tensor cores only through these
+ * functions. Under nvcc each is one PTX instruction (sm_80+); in the sim
+ * build each is an exact emulation that moves the operands between lanes
+ * with warp shuffles in the documented fragment layouts, so the sim tests
+ * run the very code path (same fragments, same lane arithmetic) as a GPU,
+ * and a fragment mix-up is a wrong result here too.
+ *
+ * Rules for callers: 1-D blocks whose size is a multiple of 32 (the lane is
+ * threadIdx.x & 31); all 32 lanes of the warp call together (the .sync
+ * forms); ldmatrix row addresses point into shared memory, 16-byte aligned.
+ *
+ * Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16", 16-bit
+ * types). lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3. A register
+ * holds two 16-bit elements, the lower column (A, C) or lower row (B) in its
+ * low half.
+ *   A (16 x 16, row-major)      a[0]: row g,   cols 2t, 2t+1
+ *                               a[1]: row g+8, cols 2t, 2t+1
+ *                               a[2]: row g,   cols 2t+8, 2t+9
+ *                               a[3]: row g+8, cols 2t+8, 2t+9
+ *   B (16 x 8, k x n, "col")    b[0]: rows 2t, 2t+1,   col g
+ *                               b[1]: rows 2t+8, 2t+9, col g
+ *   C, D (16 x 8, fp32)         c[0], c[1]: row g,   cols 2t, 2t+1
+ *                               c[2], c[3]: row g+8, cols 2t, 2t+1
+ * ldmatrix (m8n8, .b16): lanes 8m..8m+7 give the addresses of rows 0..7 of
+ * matrix m (16 bytes each: 8 elements). r[m] of each lane receives
+ *   plain:  row g of matrix m, elements 2t and 2t+1
+ *   .trans: elements (row 2t, col g) and (row 2t+1, col g) of matrix m
+ * so .x4 of a 16x16 row-major tile whose lane l points at row (l & 15),
+ * column 8·(l >> 4) yields exactly the A fragment above, and .trans of a
+ * row-major [k][n] tile yields B fragments. .x2 uses lanes 0..15's addresses
+ * (the others' are ignored but must be valid pointers). */
+
+/* Two floats -> one register of two T (T = __half or __nv_bfloat16), lo in the low half. */
+template <typename T> static __device__ __forceinline__ uint32_t cpar__pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t cpar__pack2<__half>(float lo, float hi) {
+    return (uint32_t)__half_as_ushort(__float2half_rn(lo)) | ((uint32_t)__half_as_ushort(__float2half_rn(hi)) << 16);
+}
+template <> __device__ __forceinline__ uint32_t cpar__pack2<__nv_bfloat16>(float lo, float hi) {
+    return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
+           ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
+}
+
+/* Wrappers the kernels do not call yet but tests/test_mma.cu checks (the
+ * .x2 loads, unpack) are marked so that nvcc does not warn about them. */
+#define CPAR__SPARE __attribute__((unused))
+
+/* One register of two T -> float (half = 0: low element, 1: high element). */
+template <typename T> static __device__ __forceinline__ CPAR__SPARE float cpar__unpack(uint32_t r, int half);
+template <> __device__ __forceinline__ float cpar__unpack<__half>(uint32_t r, int half) {
+    return __half2float(__ushort_as_half((unsigned short)(half ? r >> 16 : r & 0xffffu)));
+}
+template <> __device__ __forceinline__ float cpar__unpack<__nv_bfloat16>(uint32_t r, int half) {
+    return __bfloat162float(__ushort_as_bfloat16((unsigned short)(half ? r >> 16 : r & 0xffffu)));
+}
+
+#ifndef CPAR_SIM
+
+template <typename T> static __device__ __forceinline__ void cpar__mma_m16n8k16(float d[4], const uint32_t a[4],
+                                                                               const uint32_t b[2], const float c[4]);
+template <> __device__ __forceinline__ void cpar__mma_m16n8k16<__half>(float d[4], const uint32_t a[4],
+                                                                      const uint32_t b[2], const float c[4]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%10,%11,%12,%13};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),
+                   "f"(c[2]), "f"(c[3]));
+}
+template <> __device__ __forceinline__ void cpar__mma_m16n8k16<__nv_bfloat16>(float d[4], const uint32_t a[4],
+                                                                             const uint32_t b[2], const float c[4]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%10,%11,%12,%13};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),
+                   "f"(c[2]), "f"(c[3]));
+}
+
+static __device__ __forceinline__ uint32_t cpar__smem_addr(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+static __device__ __forceinline__ void cpar__ldmatrix_x4(uint32_t r[4], const void *row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(cpar__smem_addr(row)));
+}
+static __device__ __forceinline__ void cpar__ldmatrix_x4_trans(uint32_t r[4], const void *row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(cpar__smem_addr(row)));
+}
+static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2(uint32_t r[2], const void *row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(cpar__smem_addr(row)));
+}
+static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint32_t r[2], const void *row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(cpar__smem_addr(row)));
+}
+
+#else /* CPAR_SIM: the same operations by warp exchange */
+
+/* Two registers travel in one 8-byte shuffle (half the warp collectives). */
+static __device__ __forceinline__ uint64_t cpar__shfl_pair(uint32_t lo, uint32_t hi, int src) {
+    return __shfl_sync(0xffffffffu, (uint64_t)lo | ((uint64_t)hi << 32), src);
+}
+
+template <typename T>
+static __device__ __forceinline__ void cpar__mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                                         const float c[4]) {
+    const int lane = (int)(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
+    float arow[2][16], bcol[2][16]; /* A rows g, g+8; B columns 2t, 2t+1 (all 16 k) */
+    for (int s = 0; s < 4; s++) {
+        /* lane 4g+s holds A's rows g and g+8 at columns 2s, 2s+1 and 2s+8, 2s+9 */
+        const uint64_t a01 = cpar__shfl_pair(a[0], a[1], 4 * g + s), a23 = cpar__shfl_pair(a[2], a[3], 4 * g + s);
+        for (int e = 0; e < 2; e++) {
+            arow[0][2 * s + e] = cpar__unpack<T>((uint32_t)a01, e);
+            arow[1][2 * s + e] = cpar__unpack<T>((uint32_t)(a01 >> 32), e);
+            arow[0][2 * s + 8 + e] = cpar__unpack<T>((uint32_t)a23, e);
+            arow[1][2 * s + 8 + e] = cpar__unpack<T>((uint32_t)(a23 >> 32), e);
+        }
+        /* lane 4n+s holds B's column n at rows 2s, 2s+1 and 2s+8, 2s+9 */
+        for (int j = 0; j < 2; j++) {
+            const uint64_t bb = cpar__shfl_pair(b[0], b[1], 4 * (2 * t + j) + s);
+            for (int e = 0; e < 2; e++) {
+                bcol[j][2 * s + e] = cpar__unpack<T>((uint32_t)bb, e);
+                bcol[j][2 * s + 8 + e] = cpar__unpack<T>((uint32_t)(bb >> 32), e);
+            }
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        const float *ar = arow[i >> 1], *bc = bcol[i & 1];
+        float acc = 0.0f; /* products of 16-bit values are exact in fp32 */
+        for (int k = 0; k < 16; k++) acc += ar[k] * bc[k];
+        d[i] = c[i] + acc;
+    }
+}
+
+template <int N, bool TRANS> static __device__ __forceinline__ void cpar__ldmatrix_sim(uint32_t *r, const void *row) {
+    const int lane = (int)(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
+    for (int m = 0; m < N; m++) {
+        if (!TRANS) {
+            const uint16_t *p = (const uint16_t *)__shfl_sync(0xffffffffu, row, 8 * m + g);
+            r[m] = (uint32_t)p[2 * t] | ((uint32_t)p[2 * t + 1] << 16);
+        } else {
+            const uint16_t *p0 = (const uint16_t *)__shfl_sync(0xffffffffu, row, 8 * m + 2 * t);
+            const uint16_t *p1 = (const uint16_t *)__shfl_sync(0xffffffffu, row, 8 * m + 2 * t + 1);
+            r[m] = (uint32_t)p0[g] | ((uint32_t)p1[g] << 16);
+        }
+    }
+}
+static __device__ __forceinline__ void cpar__ldmatrix_x4(uint32_t r[4], const void *row) {
+    cpar__ldmatrix_sim<4, false>(r, row);
+}
+static __device__ __forceinline__ void cpar__ldmatrix_x4_trans(uint32_t r[4], const void *row) {
+    cpar__ldmatrix_sim<4, true>(r, row);
+}
+static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2(uint32_t r[2], const void *row) {
+    cpar__ldmatrix_sim<2, false>(r, row);
+}
+static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint32_t r[2], const void *row) {
+    cpar__ldmatrix_sim<2, true>(r, row);
+}
+
+#endif /* CPAR_SIM */
+
+/* ==== 16. Local attention: the flash kernels ================================
+ * The device half of cpar.h §12's local attention (host half and reference
+ * loops: cpar.c §18); the backward kernels follow in this section.
+ *
+ * FlashAttention-2 forward: softmax(scale · q kᵀ) v and the fp32 natural-log
+ * log-sum-exp per query row, without materialising the score matrix.
+ *   grid  (b·hq, ceil(sq / 64)): one CTA per (batch·head, 64-row query tile),
+ *         the last query tiles first (causal: they have the most KV tiles,
+ *         so the long CTAs start early and the short ones fill the tail);
+ *   block 128 threads = 4 warps, warp w owns query rows 16w .. 16w+15.
+ * The Q tile is staged through shared memory into A fragments that stay in
+ * registers; K and V tiles of 64 keys are staged in shared memory (rows
+ * padded by 16 bytes so the 8 row addresses of an ldmatrix hit distinct
+ * banks) by cp.async, V(j) overlapping S(j) and K(j+1) overlapping P(j)V(j). Per KV tile: S = Q Kᵀ (mma m16n8k16, B fragments by ldmatrix from
+ * K's [key][d] rows), masking, the online softmax in fp32 registers with
+ * exp2f on log2(e)-prescaled scores (FA2), then O += P V with P re-packed
+ * from the S accumulators into A fragments (the C and A layouts line up) and
+ * V's B fragments by ldmatrix.trans from its [key][d] rows. Causal (top-left:
+ * query i sees keys j <= i) stops at the diagonal tile. Rows past sq and keys
+ * past sk are zero-filled (masked keys score -inf), and so are the columns
+ * d .. DT-1 of the head-dim tile DT (64 or 128), so any d <= 128 with
+ * d % 8 == 0 works; k-steps and output column blocks beyond d are skipped.
+ * Tensor cores only through section 15's wrappers, so the sim runs the very
+ * fragment code an H100 runs. Reads b·hq·(sq·d + KV tiles · 2·64·d)
+ * elements, writes b·hq·sq·(d + 1).
+ * Uses: 2 (errors), 4 (toolkit), 15 (mma.sync, ldmatrix, pack). */
+
+/* Full unrolling keeps the fragment arrays in registers under nvcc; g++
+ * (the sim build) does not know the pragma. */
+#ifndef CPAR__UNROLL
+#ifdef CPAR_SIM
+#define CPAR__UNROLL
+#else
+#define CPAR__UNROLL _Pragma("unroll")
+#endif
+#endif
+
+static constexpr int CPAR__ATTN_BM = 64;      /* query rows per CTA */
+static constexpr int CPAR__ATTN_BN = 64;      /* keys per KV tile */
+static constexpr int CPAR__ATTN_WARPS = 4;    /* 16 query rows each */
+static constexpr int CPAR__ATTN_THREADS = 32 * CPAR__ATTN_WARPS;
+static constexpr float CPAR__LOG2E = 1.4426950408889634f;
+
+/* Asynchronous 16-byte global -> shared copies (cp.async, sm_80+): the K/V
+ * tile of the next step is in flight while the tensor cores work on this
+ * one. cp.async has no simulator model, so the sim build copies at once and
+ * the waits are no-ops; the barriers around them are the same code in both
+ * builds, so the sim schedules still check them. */
+#ifndef CPAR_SIM
+static __device__ __forceinline__ void cpar__attn_cp16(void *smem, const void *gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(cpar__smem_addr(smem)), "l"(gmem) : "memory");
+}
+static __device__ __forceinline__ void cpar__attn_cp_commit(void) { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+/* Wait until at most N committed groups are still in flight (this thread's). */
+template <int N> static __device__ __forceinline__ void cpar__attn_cp_wait(void) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#else
+static __device__ __forceinline__ void cpar__attn_cp16(void *smem, const void *gmem) { memcpy(smem, gmem, 16); }
+static __device__ __forceinline__ void cpar__attn_cp_commit(void) {}
+template <int N> static __device__ __forceinline__ void cpar__attn_cp_wait(void) {}
+#endif
+
+/* Stage rows [row0, row0 + 64) of a [rows, d] matrix (row stride d elements)
+ * into a shared tile of 64 rows x DT columns with row pitch LD, zero-filling
+ * rows >= rows and columns >= d. d % 8 == 0, so every 8-element chunk is
+ * wholly inside or outside. vec (src 16-byte aligned): asynchronous 16-byte
+ * copies, committed as one group; else plain element loads. */
+template <typename T, int DT, int LD>
+static __device__ __forceinline__ void cpar__attn_stage(T *tile, const T *src, int64_t row0, int64_t rows, int d,
+                                                        bool vec) {
+    constexpr int CHUNKS = DT / 8; /* 8-element chunks per tile row */
+    for (int c = threadIdx.x; c < CPAR__ATTN_BM * CHUNKS; c += CPAR__ATTN_THREADS) {
+        const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+        const int64_t gr = row0 + r;
+        T *dst = tile + r * LD + col;
+        cpar__pack<T, 8> v;
+        if (gr < rows && col < d) {
+            const T *p = src + gr * d + col;
+            if (vec) {
+                cpar__attn_cp16(dst, p);
+                continue;
+            }
+            for (int e = 0; e < 8; e++) v.v[e] = p[e];
+        } else {
+            for (int e = 0; e < 8; e++) v.v[e] = cpar__narrow<T>(0.f);
+        }
+        cpar__store<8>(dst, v);
+    }
+    cpar__attn_cp_commit();
+}
+
+/* a: the attention (q, k, v at the (b, h) slices' bases below); out (OutT)
+ * [b, hq, sq, d] with (b,h) stride o_bh; lse f32 with stride lse_bh. */
+template <typename T, int DT>
+static __global__ void __launch_bounds__(CPAR__ATTN_THREADS)
+    cpar__attn_fwd_kernel(const cpar_dev_attn a, void *__restrict__ out, bool out_f32, int64_t o_bh,
+                          float *__restrict__ lse, int64_t lse_bh, bool vec) {
+    constexpr int LD = DT + 8; /* +16 bytes: conflict-free ldmatrix rows */
+    constexpr int KSTEPS = DT / 16, NB = CPAR__ATTN_BN / 8, OB = DT / 8;
+    __shared__ __align__(16) T sk[CPAR__ATTN_BN * LD]; /* also stages the Q tile */
+    __shared__ __align__(16) T sv[CPAR__ATTN_BN * LD];
+
+    const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5), g = lane >> 2, t = lane & 3;
+    const int d = (int)a.d;
+    const int64_t bh = blockIdx.x, bi = bh / a.hq, hi = bh % a.hq;
+    const int64_t kvh = bi * a.hkv + hi / (a.hq / a.hkv);
+    const int64_t q0 = (int64_t)(gridDim.y - 1 - blockIdx.y) * CPAR__ATTN_BM;
+    const T *q = static_cast<const T *>(a.q) + bh * a.q_bh;
+    const T *k = static_cast<const T *>(a.k) + kvh * a.kv_bh;
+    const T *v = static_cast<const T *>(a.v) + kvh * a.kv_bh;
+    const int ksteps = (d + 15) / 16; /* k-steps of 16 that hold any of the d columns */
+    const float sl2 = a.scale * CPAR__LOG2E;
+
+    /* Q tile -> A fragments (registers) for the whole KV loop */
+    cpar__attn_stage<T, DT, LD>(sk, q, q0, a.sq, d, vec);
+    cpar__attn_cp_wait<0>();
+    __syncthreads();
+    uint32_t qf[KSTEPS][4] = {};
+CPAR__UNROLL
+    for (int kk = 0; kk < KSTEPS; kk++)
+        if (kk < ksteps) cpar__ldmatrix_x4(qf[kk], &sk[(warp * 16 + (lane & 15)) * LD + kk * 16 + 8 * (lane >> 4)]);
+
+    float o[OB][4];
+CPAR__UNROLL
+    for (int nb = 0; nb < OB; nb++) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; /* rows g and g+8: raw-score max, partial sum */
+    const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+
+    /* Pipeline (FA2's): K(j) and V(j) are separate copy groups; V(j) lands
+     * while S(j) is computed, K(j+1) while O += P(j) V(j) is. */
+    const int64_t kv_end = a.causal ? (a.sk < q0 + CPAR__ATTN_BM ? a.sk : q0 + CPAR__ATTN_BM) : a.sk;
+    __syncthreads(); /* every warp has its Q fragments: sk is free for K */
+    if (kv_end > 0) cpar__attn_stage<T, DT, LD>(sk, k, 0, a.sk, d, vec);
+    for (int64_t j0 = 0; j0 < kv_end; j0 += CPAR__ATTN_BN) {
+        cpar__attn_stage<T, DT, LD>(sv, v, j0, a.sk, d, vec); /* sv is free: barrier at the end of the last step */
+        cpar__attn_cp_wait<1>();                              /* K(j) has landed (V(j) may be in flight) */
+        __syncthreads();
+
+        /* S = Q Kᵀ: 16 rows x 64 keys per warp, n-blocks of 8 keys */
+        float s[NB][4];
+CPAR__UNROLL
+        for (int nb = 0; nb < NB; nb++) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+CPAR__UNROLL
+        for (int kk = 0; kk < KSTEPS; kk++) {
+            if (kk >= ksteps) continue;
+CPAR__UNROLL
+            for (int nb = 0; nb < NB; nb += 2) { /* keys 8nb .. 8nb+15: one x4 gives two B fragments */
+                uint32_t bf[4];
+                cpar__ldmatrix_x4(bf, &sk[(nb * 8 + (lane & 7) + 8 * (lane >> 4)) * LD + kk * 16 + 8 * ((lane >> 3) & 1)]);
+                cpar__mma_m16n8k16<T>(s[nb], qf[kk], &bf[0], s[nb]);
+                cpar__mma_m16n8k16<T>(s[nb + 1], qf[kk], &bf[2], s[nb + 1]);
+            }
+        }
+
+        /* mask keys past sk and, causal, keys after the row */
+        if (j0 + CPAR__ATTN_BN > a.sk || (a.causal && j0 + CPAR__ATTN_BN - 1 > q0)) {
+CPAR__UNROLL
+            for (int nb = 0; nb < NB; nb++)
+CPAR__UNROLL
+                for (int r = 0; r < 4; r++) {
+                    const int64_t j = j0 + nb * 8 + 2 * t + (r & 1);
+                    if (j >= a.sk || (a.causal && j > row[r >> 1])) s[nb][r] = -INFINITY;
+                }
+        }
+
+        /* online softmax: new row max over the quad (the 4 lanes of a row) */
+CPAR__UNROLL
+        for (int h = 0; h < 2; h++) {
+            float mx = m[h];
+CPAR__UNROLL
+            for (int nb = 0; nb < NB; nb++) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            /* a row with no key yet keeps max -inf: exponents relative to 0 then give exact zeros */
+            const float base = mx == -INFINITY ? 0.f : mx * sl2;
+            const float corr = exp2f(m[h] * sl2 - base); /* m = -inf: 0 */
+            m[h] = mx;
+            l[h] *= corr;
+CPAR__UNROLL
+            for (int nb = 0; nb < OB; nb++) o[nb][2 * h] *= corr, o[nb][2 * h + 1] *= corr;
+CPAR__UNROLL
+            for (int nb = 0; nb < NB; nb++)
+CPAR__UNROLL
+                for (int e = 0; e < 2; e++) {
+                    const float p = exp2f(fmaf(s[nb][2 * h + e], sl2, -base));
+                    s[nb][2 * h + e] = p;
+                    l[h] += p;
+                }
+        }
+
+        cpar__attn_cp_wait<0>(); /* V(j) has landed */
+        __syncthreads();         /* ... for every thread, and no warp reads K(j) any more */
+        if (j0 + CPAR__ATTN_BN < kv_end) cpar__attn_stage<T, DT, LD>(sk, k, j0 + CPAR__ATTN_BN, a.sk, d, vec);
+
+        /* O += P V: P's k-step kk is n-blocks 2kk, 2kk+1 of S, as A fragments */
+CPAR__UNROLL
+        for (int kk = 0; kk < CPAR__ATTN_BN / 16; kk++) {
+            uint32_t pf[4];
+            pf[0] = cpar__pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+            pf[1] = cpar__pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+            pf[2] = cpar__pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pf[3] = cpar__pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+CPAR__UNROLL
+            for (int nb = 0; nb < OB; nb += 2) { /* output columns 8nb .. 8nb+15 */
+                if (nb * 8 >= d) continue;
+                uint32_t bf[4];
+                cpar__ldmatrix_x4_trans(bf, &sv[(kk * 16 + (lane & 15)) * LD + nb * 8 + 8 * (lane >> 4)]);
+                cpar__mma_m16n8k16<T>(o[nb], pf, &bf[0], o[nb]);
+                cpar__mma_m16n8k16<T>(o[nb + 1], pf, &bf[2], o[nb + 1]);
+            }
+        }
+        __syncthreads(); /* no warp reads V(j) any more: the next step restages sv */
+    }
+
+    /* epilogue: the row sums over the quad, then out = O / l and lse */
+CPAR__UNROLL
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        if (row[h] >= a.sq) continue;
+        const bool empty = !(l[h] > 0.f); /* saw no key: out 0, lse -inf */
+        const float inv = empty ? 0.f : 1.f / l[h];
+        const int64_t base = bh * o_bh + row[h] * d;
+CPAR__UNROLL
+        for (int nb = 0; nb < OB; nb++) {
+            const int col = nb * 8 + 2 * t;
+            if (col >= d) continue;
+            const float x0 = o[nb][2 * h] * inv, x1 = o[nb][2 * h + 1] * inv;
+            if (out_f32) {
+                float *po = static_cast<float *>(out) + base + col;
+                po[0] = x0, po[1] = x1;
+            } else {
+                T *po = static_cast<T *>(out) + base + col;
+                po[0] = cpar__narrow<T>(x0), po[1] = cpar__narrow<T>(x1);
+            }
+        }
+        if (t == 0) lse[bh * lse_bh + row[h]] = empty ? -INFINITY : m[h] * a.scale + logf(l[h]);
+    }
+}
+
+template <typename T, int DT>
+static cudaError_t cpar__launch_attn_fwd(const cpar_dev_attn &a, void *out, bool out_f32, int64_t o_bh, float *lse,
+                                         int64_t lse_bh, bool vec, dim3 grid, cudaStream_t s) {
+    auto kernel = cpar__attn_fwd_kernel<T, DT>;
+    CPAR_LAUNCH(kernel, grid, CPAR__ATTN_THREADS, 0, s)(a, out, out_f32, o_bh, lse, lse_bh, vec);
+    return cudaGetLastError();
+}
+
+/* The checks of cpar_dev_attention_fwd/_bwd on the attention description. */
+static cpar_status cpar__attn_dev_check(const char *func, const cpar_dev_attn *a) {
+    if (a == NULL) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: a is NULL", func);
+    if (a->dt != CPAR_F16 && a->dt != CPAR_BF16)
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: a->dt = %s, expected f16 or bf16", func, cpar__dtype_name(a->dt));
+    if (a->b < 0 || a->hq < 0 || a->sq < 0 || a->sk < 0)
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: negative size (b %lld, hq %lld, sq %lld, sk %lld)", func,
+                              (long long)a->b, (long long)a->hq, (long long)a->sq, (long long)a->sk);
+    if (a->hkv < 1 || a->hq % a->hkv)
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: a->hkv = %lld, expected a divisor of a->hq = %lld", func,
+                              (long long)a->hkv, (long long)a->hq);
+    if (a->d < 8 || a->d > 128 || a->d % 8)
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: a->d = %lld, expected a multiple of 8 in [8, 128]", func,
+                              (long long)a->d);
+    if (!(a->scale > 0.f) || isinf(a->scale))
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: a->scale = %g, expected finite and > 0", func, (double)a->scale);
+    if (a->q_bh < a->sq * a->d || a->kv_bh < a->sk * a->d)
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: a->q_bh = %lld / a->kv_bh = %lld, expected >= sq*d = %lld / sk*d = %lld",
+                              func, (long long)a->q_bh, (long long)a->kv_bh, (long long)(a->sq * a->d),
+                              (long long)(a->sk * a->d));
+    const bool work = a->b > 0 && a->hq > 0 && a->sq > 0;
+    if (work && (a->q == NULL || (a->sk > 0 && (a->k == NULL || a->v == NULL))))
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: a->q, a->k or a->v is NULL", func);
+    return CPAR_OK;
+}
+
+cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype out_dt, int64_t o_bh, float *lse,
+                                   int64_t lse_bh, cpar_dev_stream s) {
+    const cpar_status st = cpar__attn_dev_check(__func__, a);
+    if (st != CPAR_OK) return st;
+    if (out_dt != CPAR_F32 && out_dt != a->dt)
+        return CPAR__INVALID("out_dt = %s, expected f32 or a->dt (%s)", cpar__dtype_name(out_dt),
+                             cpar__dtype_name(a->dt));
+    if (o_bh < a->sq * a->d || lse_bh < a->sq)
+        return CPAR__INVALID("o_bh = %lld / lse_bh = %lld, expected >= sq*d = %lld / sq = %lld", (long long)o_bh,
+                             (long long)lse_bh, (long long)(a->sq * a->d), (long long)a->sq);
+    const int64_t bh = a->b * a->hq, tiles = (a->sq + CPAR__ATTN_BM - 1) / CPAR__ATTN_BM;
+    CPAR__CHECK_PTR(out, bh * a->sq > 0);
+    CPAR__CHECK_PTR(lse, bh * a->sq > 0);
+    if (bh == 0 || a->sq == 0) return CPAR_OK;
+    if (bh > INT32_MAX || tiles > 65535)
+        return CPAR__INVALID("b*hq = %lld, sq = %lld: grid (b*hq, sq/64) exceeds (2^31-1, 65535)", (long long)bh,
+                             (long long)a->sq);
+    /* 16-byte staging loads need 16-byte aligned rows: d % 8 == 0 always, so the bases and (b,h) strides decide */
+    const bool vec = cpar__aligned(16, a->q, a->k) && cpar__aligned(16, a->v) && a->q_bh % 8 == 0 && a->kv_bh % 8 == 0;
+    const dim3 grid((unsigned)bh, (unsigned)tiles);
+    const bool f32 = out_dt == CPAR_F32;
+    const cudaStream_t cs = cpar__stream(s);
+    cudaError_t e;
+    if (a->dt == CPAR_F16)
+        e = a->d <= 64 ? cpar__launch_attn_fwd<__half, 64>(*a, out, f32, o_bh, lse, lse_bh, vec, grid, cs)
+                       : cpar__launch_attn_fwd<__half, 128>(*a, out, f32, o_bh, lse, lse_bh, vec, grid, cs);
+    else
+        e = a->d <= 64 ? cpar__launch_attn_fwd<__nv_bfloat16, 64>(*a, out, f32, o_bh, lse, lse_bh, vec, grid, cs)
+                       : cpar__launch_attn_fwd<__nv_bfloat16, 128>(*a, out, f32, o_bh, lse, lse_bh, vec, grid, cs);
+    CPAR__TRY_CUDA(e, "attention forward kernel launch (%s, b*hq %lld, sq %lld, sk %lld, d %lld, %s)",
+                   cpar__dtype_name(a->dt), (long long)bh, (long long)a->sq, (long long)a->sk, (long long)a->d,
+                   a->causal ? "causal" : "full");
+    return CPAR_OK;
+}
+
+/* ---- 16b. Flash attention backward -------------------------------------------
+ * cpar_dev_attention_bwd of cpar.h §12: FlashAttention-2's backward on the
+ * tensor cores (mma.sync m16n8k16 through the wrappers of k_mma.cu), d <= 128
+ * with d % 8 == 0, F16/BF16 inputs, out/dout in F32 or the input dtype,
+ * causal (top-left) or not, sq != sk, GQA. Three launches on one stream:
+ *   1. dot:  Dsum[row] = Σ_c dout·out (fp32) into scratch, one warp per row.
+ *   2. dkdv: one CTA per (64-key tile, batch·kv head). K and V stay in shared
+ *      memory while the CTA walks the q heads of its GQA group and their
+ *      query tiles (causal: from the first tile that sees a key of the block),
+ *      recomputing P = exp(scale·q kᵀ - lse) and dS = P∘(dO vᵀ - Dsum);
+ *      dV += Pᵀ dO and dK += scale·dSᵀ q stay in fp32 registers and are added
+ *      to dk/dv once at the end (one CTA owns each dk/dv row: no atomics).
+ *   3. dq:   one CTA per (64-query tile, batch·q head) walks the key tiles
+ *      (causal: up to the diagonal) and recomputes P and dS the same way;
+ *      dQ += scale·dS k, added to dq at the end.
+ * Why a separate dq kernel instead of FA2's fp32 atomicAdd of dS·k from the
+ * dkdv CTAs: atomics make dq's summation order (and so its bits) depend on
+ * scheduling, and this project keeps results reproducible run to run (the
+ * host backend reduces in rank order); the price is recomputing S and dP
+ * once more (7 GEMM-equivalents instead of 5), with no extra scratch.
+ * Tiles: each warp owns 16 rows (keys in dkdv, queries in dq) and computes
+ * against the whole opposite tile, so warps never exchange data; shared tiles
+ * are zero-filled past the sequence and past d (padded to D = 64 or 128), rows
+ * padded by 8 elements so ldmatrix's 8 row addresses hit distinct banks.
+ * P and dS are rounded to the input type for the mma (as FA2 does); every sum
+ * is fp32. lse = -inf (a row that sees no key) and rows past sq become +inf in
+ * the shared lse, so exp gives exactly 0 there. Instantiations: element type
+ * × D (64, 128); causal and the dout dtype are runtime flags.
+ * Traffic: dot reads out and dout once; dkdv reads k, v once and q, dout
+ * (plus lse, Dsum) once per 64-key tile; dq reads q, dout once and k, v once
+ * per 64-query tile (causal: about half of those tiles); dq, dk, dv are read
+ * and written once. Global-to-shared copies are plain 16-byte loads (no
+ * cp.async: no inline PTX outside k_mma.cu, and the simulator has none).
+ * Uses: 2 (errors), 4 (widen/narrow, packs), k_mma.cu (tensor-core wrappers). */
+
+/* Full unrolling keeps the fragment arrays in registers under nvcc; g++ (the
+ * sim build) does not know the pragma. Same definition as k_attn.cu's. */
+#ifndef CPAR__UNROLL
+#ifdef CPAR_SIM
+#define CPAR__UNROLL
+#else
+#define CPAR__UNROLL _Pragma("unroll")
+#endif
+#endif
+
+static constexpr int CPAR__AB_BC = 64;      /* keys per tile (both kernels) */
+static constexpr int CPAR__AB_BRQ = 64;     /* queries per tile of the dq kernel */
+static constexpr int CPAR__AB_THREADS = 128; /* 4 warps x 16 rows */
+static constexpr float CPAR__AB_LOG2E = 1.4426950408889634f;
+
+/* Queries per tile of the dkdv kernel: 32 at D = 128 keeps S and dP (16 x BR
+ * fp32 each per warp) beside the 2 x D/2 dK/dV accumulators in registers. */
+template <int D> static constexpr int cpar__ab_brkv = D == 128 ? 32 : 64;
+
+/* Everything the two main kernels read, by value. Pointers are the (0,0)
+ * elements of cpar_dev_attn's layout; dsum is the dot kernel's output. */
+struct cpar__ab_args {
+    const void *q, *k, *v, *dout;
+    const float *lse, *dsum;
+    float *dq, *dk, *dv;
+    int64_t b, hq, hkv, sq, sk, q_bh, kv_bh, o_bh, lse_bh, dq_bh, dkv_bh;
+    int d;
+    bool dout_f32, causal;
+    float scale, scale_log2; /* scale and scale·log2(e): exp(x) = exp2(x·log2 e) */
+};
+
+/* Shared bytes of a kernel holding two ROWS_A-row and two ROWS_B-row tiles of
+ * T (row pitch D + 8) and two floats per query row. */
+template <typename T, int D> static constexpr size_t cpar__ab_smem(int rows_a, int rows_b, int q_rows) {
+    return (size_t)(2 * rows_a + 2 * rows_b) * (D + 8) * sizeof(T) + (size_t)2 * q_rows * sizeof(float);
+}
+
+static __device__ __forceinline__ bool cpar__ab_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+/* ROWS x D tile of T (row pitch D + 8) <- rows [0, nvalid) x cols [0, d) of
+ * src (row pitch d, element T, or float when src_f32), zeros elsewhere.
+ * 8-element chunks; 16-byte global loads where the address allows. */
+template <typename T, int D, int ROWS>
+static __device__ __forceinline__ void cpar__ab_load_tile(T *s, const void *src, bool src_f32, int64_t nvalid,
+                                                          int d) {
+    constexpr int LD = D + 8, CH = D / 8;
+    for (int c = (int)threadIdx.x; c < ROWS * CH; c += (int)blockDim.x) {
+        const int r = c / CH, col = (c % CH) * 8;
+        cpar__pack<T, 8> v;
+        if (r < nvalid && col < d) {
+            if (src_f32) {
+                const float *p = static_cast<const float *>(src) + (int64_t)r * d + col;
+                if (cpar__ab_aligned16(p)) {
+                    const cpar__pack<float, 4> lo = cpar__load<4>(p), hi = cpar__load<4>(p + 4);
+                    CPAR__UNROLL
+                    for (int e = 0; e < 4; e++) {
+                        v.v[e] = cpar__narrow<T>(lo.v[e]);
+                        v.v[4 + e] = cpar__narrow<T>(hi.v[e]);
+                    }
+                } else {
+                    CPAR__UNROLL
+                    for (int e = 0; e < 8; e++) v.v[e] = cpar__narrow<T>(p[e]);
+                }
+            } else {
+                const T *p = static_cast<const T *>(src) + (int64_t)r * d + col;
+                if (cpar__ab_aligned16(p)) v = cpar__load<8>(p);
+                else
+                    CPAR__UNROLL
+                    for (int e = 0; e < 8; e++) v.v[e] = p[e];
+            }
+        } else {
+            CPAR__UNROLL
+            for (int e = 0; e < 8; e++) v.v[e] = cpar__narrow<T>(0.f);
+        }
+        cpar__store<8>(s + r * LD + col, v);
+    }
+}
+
+/* acc[NB][4] (16 x 8·NB, C fragments) = A·Bᵀ over k in [0, KD): A rows
+ * [m0, m0+16) of sa, B rows [0, 8·NB) of sb, both row-major [row][k] with
+ * pitch LD (the q·kᵀ pattern: B from an [n][k] tile without .trans). k-steps
+ * at or past d (zero columns of the padded tile) are skipped. */
+template <typename T, int NB, int KD, int LD>
+static __device__ __forceinline__ void cpar__ab_mma_abt(float (&acc)[NB][4], const T *sa, int m0, const T *sb,
+                                                        int d) {
+    const int lane = (int)(threadIdx.x & 31);
+    CPAR__UNROLL
+    for (int nb = 0; nb < NB; nb++)
+        CPAR__UNROLL
+        for (int e = 0; e < 4; e++) acc[nb][e] = 0.f;
+    CPAR__UNROLL
+    for (int kk = 0; kk < KD; kk += 16) {
+        if (kk >= d) break;
+        uint32_t a[4];
+        cpar__ldmatrix_x4(a, sa + (m0 + (lane & 15)) * LD + kk + 8 * (lane >> 4));
+        CPAR__UNROLL
+        for (int nb = 0; nb < NB; nb += 2) {
+            uint32_t b[4]; /* n-block nb in b[0..1], nb+1 in b[2..3] */
+            cpar__ldmatrix_x4(b, sb + (nb * 8 + (lane & 7) + 8 * (lane >> 4)) * LD + kk + 8 * ((lane >> 3) & 1));
+            cpar__mma_m16n8k16<T>(acc[nb], a, b, acc[nb]);
+            cpar__mma_m16n8k16<T>(acc[nb + 1], a, b + 2, acc[nb + 1]);
+        }
+    }
+}
+
+/* acc[ND][4] (16 x D) += X·B, X the 16 x 8·NK fp32 C fragments x (rounded to
+ * T: C fragments of two adjacent n-blocks are one A fragment), B rows
+ * [0, 8·NK) of sb, row-major [k][n] with pitch LD (the p·v pattern: .trans).
+ * Column blocks at or past d are left alone (never stored). */
+template <typename T, int NK, int ND, int LD>
+static __device__ __forceinline__ void cpar__ab_mma_xb(float (&acc)[ND][4], const float (&x)[NK][4], const T *sb,
+                                                       int d) {
+    const int lane = (int)(threadIdx.x & 31);
+    CPAR__UNROLL
+    for (int kq = 0; kq < NK / 2; kq++) {
+        const uint32_t a[4] = {cpar__pack2<T>(x[2 * kq][0], x[2 * kq][1]), cpar__pack2<T>(x[2 * kq][2], x[2 * kq][3]),
+                               cpar__pack2<T>(x[2 * kq + 1][0], x[2 * kq + 1][1]),
+                               cpar__pack2<T>(x[2 * kq + 1][2], x[2 * kq + 1][3])};
+        CPAR__UNROLL
+        for (int nd = 0; nd < ND; nd += 2) {
+            if (nd * 8 >= d) break;
+            uint32_t b[4];
+            cpar__ldmatrix_x4_trans(b, sb + (kq * 16 + (lane & 15)) * LD + nd * 8 + 8 * (lane >> 4));
+            cpar__mma_m16n8k16<T>(acc[nd], a, b, acc[nd]);
+            cpar__mma_m16n8k16<T>(acc[nd + 1], a, b + 2, acc[nd + 1]);
+        }
+    }
+}
+
+/* dsum[(bi·hq + h)·sq + i] = Σ_c dout[.., i, c] · out[.., i, c] in fp32.
+ * rows = b·hq·sq; one warp per row (lanes stride the columns, then a fixed
+ * butterfly: deterministic), grid-stride over rows. */
+template <typename O>
+static __global__ void cpar__attn_bwd_dot_kernel(const O *__restrict__ out, const O *__restrict__ dout, int64_t o_bh,
+                                                 int64_t rows, int64_t sq, int d, float *__restrict__ dsum) {
+    const int lane = (int)(threadIdx.x & 31);
+    const int64_t nwarps = cpar__thread_count() >> 5;
+    for (int64_t r = cpar__thread_id() >> 5; r < rows; r += nwarps) {
+        const int64_t off = (r / sq) * o_bh + (r % sq) * d;
+        float acc = 0.f;
+        for (int c = lane; c < d; c += 32) acc = fmaf(cpar__widen(dout[off + c]), cpar__widen(out[off + c]), acc);
+        CPAR__UNROLL
+        for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+        if (lane == 0) dsum[r] = acc;
+    }
+}
+
+/* dK, dV of one 64-key tile (blockIdx.x) for batch·kv-head slices
+ * blockIdx.y, += gridDim.y. Shared: K, V [64][D+8], Q, dO [BR][D+8] of T,
+ * then lse·log2e (+inf where P must be 0) and Dsum [BR] fp32. 128 threads:
+ * warp w owns keys [16w, 16w+16) of the tile. */
+template <typename T, int D, int BR>
+static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_kernel(const cpar__ab_args p) {
+    constexpr int BC = CPAR__AB_BC, LD = D + 8, NQ = BR / 8, ND = D / 8;
+    CPAR_DYN_SMEM(unsigned char, smem);
+    T *sK = reinterpret_cast<T *>(smem), *sV = sK + BC * LD, *sQ = sV + BC * LD, *sdO = sQ + BR * LD;
+    float *sL = reinterpret_cast<float *>(sdO + BR * LD), *sD = sL + BR;
+    const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2, t = lane & 3;
+    const int64_t j0 = (int64_t)blockIdx.x * BC, group = p.hq / p.hkv;
+    const int64_t i_first = p.causal ? j0 / BR * BR : 0; /* earlier query tiles see none of these keys */
+    if (i_first >= p.sq) return;                         /* block-uniform: no query sees them at all */
+    for (int64_t bh = blockIdx.y; bh < p.b * p.hkv; bh += gridDim.y) {
+        const int64_t bi = bh / p.hkv, hk = bh % p.hkv;
+        __syncthreads(); /* the previous slice's readers of sK/sV are done */
+        cpar__ab_load_tile<T, D, BC>(sK, static_cast<const T *>(p.k) + bh * p.kv_bh + j0 * p.d, false, p.sk - j0, p.d);
+        cpar__ab_load_tile<T, D, BC>(sV, static_cast<const T *>(p.v) + bh * p.kv_bh + j0 * p.d, false, p.sk - j0, p.d);
+        float dk[ND][4], dv[ND][4];
+        CPAR__UNROLL
+        for (int nd = 0; nd < ND; nd++)
+            CPAR__UNROLL
+            for (int e = 0; e < 4; e++) dk[nd][e] = dv[nd][e] = 0.f;
+        for (int64_t hi = hk * group; hi < (hk + 1) * group; hi++) {
+            const int64_t qbh = bi * p.hq + hi;
+            for (int64_t i0 = i_first; i0 < p.sq; i0 += BR) {
+                __syncthreads(); /* readers of the previous sQ/sdO/sL/sD are done */
+                const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
+                cpar__ab_load_tile<T, D, BR>(sQ, static_cast<const T *>(p.q) + qbh * p.q_bh + i0 * p.d, false,
+                                             p.sq - i0, p.d);
+                cpar__ab_load_tile<T, D, BR>(
+                    sdO, static_cast<const char *>(p.dout) + (size_t)(qbh * p.o_bh + i0 * p.d) * osz, p.dout_f32,
+                    p.sq - i0, p.d);
+                for (int r = (int)threadIdx.x; r < BR; r += (int)blockDim.x) {
+                    const int64_t i = i0 + r;
+                    const float l = i < p.sq ? p.lse[qbh * p.lse_bh + i] : -INFINITY;
+                    sL[r] = l == -INFINITY ? INFINITY : l * CPAR__AB_LOG2E;
+                    sD[r] = i < p.sq ? p.dsum[qbh * p.sq + i] : 0.f;
+                }
+                __syncthreads();
+                /* this warp's keys are past sk, or (causal) after every query of the tile */
+                if (j0 + m0 >= p.sk || (p.causal && j0 + m0 > i0 + BR - 1)) continue;
+                float s[NQ][4], dp[NQ][4]; /* Sᵀ then Pᵀ; dPᵀ then dSᵀ: [key][query] */
+                cpar__ab_mma_abt<T, NQ, D, LD>(s, sK, m0, sQ, p.d);
+                CPAR__UNROLL
+                for (int nb = 0; nb < NQ; nb++)
+                    CPAR__UNROLL
+                    for (int e = 0; e < 4; e++) {
+                        const int r = nb * 8 + 2 * t + (e & 1);
+                        const int64_t j = j0 + m0 + g + 8 * (e >> 1), i = i0 + r;
+                        const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -sL[r]));
+                        s[nb][e] = (j >= p.sk || (p.causal && j > i)) ? 0.f : x;
+                    }
+                cpar__ab_mma_xb<T, NQ, ND, LD>(dv, s, sdO, p.d);
+                cpar__ab_mma_abt<T, NQ, D, LD>(dp, sV, m0, sdO, p.d);
+                CPAR__UNROLL
+                for (int nb = 0; nb < NQ; nb++)
+                    CPAR__UNROLL
+                    for (int e = 0; e < 4; e++) dp[nb][e] = s[nb][e] * (dp[nb][e] - sD[nb * 8 + 2 * t + (e & 1)]);
+                cpar__ab_mma_xb<T, NQ, ND, LD>(dk, dp, sQ, p.d);
+            }
+        }
+        float *gk = p.dk + bh * p.dkv_bh, *gv = p.dv + bh * p.dkv_bh;
+        CPAR__UNROLL
+        for (int nd = 0; nd < ND; nd++)
+            CPAR__UNROLL
+            for (int e = 0; e < 4; e++) {
+                const int64_t j = j0 + m0 + g + 8 * (e >> 1);
+                const int c = nd * 8 + 2 * t + (e & 1);
+                if (j < p.sk && c < p.d) {
+                    gk[j * p.d + c] += p.scale * dk[nd][e];
+                    gv[j * p.d + c] += dv[nd][e];
+                }
+            }
+    }
+}
+
+/* dQ of one 64-query tile (blockIdx.x) for batch·q-head slices blockIdx.y,
+ * += gridDim.y. Shared: Q, dO, K, V [64][D+8] of T. 128 threads: warp w owns
+ * queries [16w, 16w+16) of the tile and keeps their lse and Dsum in registers. */
+template <typename T, int D>
+static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_kernel(const cpar__ab_args p) {
+    constexpr int BR = CPAR__AB_BRQ, BC = CPAR__AB_BC, LD = D + 8, NK = BC / 8, ND = D / 8;
+    CPAR_DYN_SMEM(unsigned char, smem);
+    T *sQ = reinterpret_cast<T *>(smem), *sdO = sQ + BR * LD, *sK = sdO + BR * LD, *sV = sK + BC * LD;
+    const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2, t = lane & 3;
+    /* the last query tiles first: causal, they have the most key tiles, so the
+     * long CTAs start early and the short ones fill the tail */
+    const int64_t i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * BR, group = p.hq / p.hkv;
+    /* causal: keys past the tile's last query are seen by none of its rows */
+    const int64_t j_end = p.causal && i0 + BR < p.sk ? i0 + BR : p.sk;
+    const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
+    for (int64_t bh = blockIdx.y; bh < p.b * p.hq; bh += gridDim.y) {
+        const int64_t kvbh = (bh / p.hq) * p.hkv + (bh % p.hq) / group;
+        __syncthreads(); /* the previous slice's readers of sQ/sdO are done */
+        cpar__ab_load_tile<T, D, BR>(sQ, static_cast<const T *>(p.q) + bh * p.q_bh + i0 * p.d, false, p.sq - i0, p.d);
+        cpar__ab_load_tile<T, D, BR>(sdO, static_cast<const char *>(p.dout) + (size_t)(bh * p.o_bh + i0 * p.d) * osz,
+                                     p.dout_f32, p.sq - i0, p.d);
+        float l2[2], ds[2]; /* rows m0 + g and m0 + g + 8 */
+        CPAR__UNROLL
+        for (int h = 0; h < 2; h++) {
+            const int64_t i = i0 + m0 + g + 8 * h;
+            const float l = i < p.sq ? p.lse[bh * p.lse_bh + i] : -INFINITY;
+            l2[h] = l == -INFINITY ? INFINITY : l * CPAR__AB_LOG2E;
+            ds[h] = i < p.sq ? p.dsum[bh * p.sq + i] : 0.f;
+        }
+        float dq[ND][4];
+        CPAR__UNROLL
+        for (int nd = 0; nd < ND; nd++)
+            CPAR__UNROLL
+            for (int e = 0; e < 4; e++) dq[nd][e] = 0.f;
+        for (int64_t j0 = 0; j0 < j_end; j0 += BC) {
+            __syncthreads(); /* readers of the previous sK/sV are done (and sQ/sdO are loaded) */
+            cpar__ab_load_tile<T, D, BC>(sK, static_cast<const T *>(p.k) + kvbh * p.kv_bh + j0 * p.d, false,
+                                         p.sk - j0, p.d);
+            cpar__ab_load_tile<T, D, BC>(sV, static_cast<const T *>(p.v) + kvbh * p.kv_bh + j0 * p.d, false,
+                                         p.sk - j0, p.d);
+            __syncthreads();
+            /* this warp's queries are past sq, or (causal) before every key of the tile */
+            if (i0 + m0 >= p.sq || (p.causal && j0 > i0 + m0 + 15)) continue;
+            float s[NK][4], dp[NK][4]; /* S then P; dP then dS: [query][key] */
+            cpar__ab_mma_abt<T, NK, D, LD>(s, sQ, m0, sK, p.d);
+            CPAR__UNROLL
+            for (int nb = 0; nb < NK; nb++)
+                CPAR__UNROLL
+                for (int e = 0; e < 4; e++) {
+                    const int64_t i = i0 + m0 + g + 8 * (e >> 1), j = j0 + nb * 8 + 2 * t + (e & 1);
+                    const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
+                    s[nb][e] = (j >= p.sk || (p.causal && j > i)) ? 0.f : x;
+                }
+            cpar__ab_mma_abt<T, NK, D, LD>(dp, sdO, m0, sV, p.d);
+            CPAR__UNROLL
+            for (int nb = 0; nb < NK; nb++)
+                CPAR__UNROLL
+                for (int e = 0; e < 4; e++) dp[nb][e] = s[nb][e] * (dp[nb][e] - ds[e >> 1]);
+            cpar__ab_mma_xb<T, NK, ND, LD>(dq, dp, sK, p.d);
+        }
+        float *gq = p.dq + bh * p.dq_bh;
+        CPAR__UNROLL
+        for (int nd = 0; nd < ND; nd++)
+            CPAR__UNROLL
+            for (int e = 0; e < 4; e++) {
+                const int64_t i = i0 + m0 + g + 8 * (e >> 1);
+                const int c = nd * 8 + 2 * t + (e & 1);
+                if (i < p.sq && c < p.d) gq[i * p.d + c] += p.scale * dq[nd][e];
+            }
+    }
+}
+
+/* Grid y: batch·head slices, capped at CUDA's limit (the kernels loop over
+ * the rest). The sim test lowers the cap to exercise that loop. */
+static int64_t cpar__ab_grid_y_cap = 65535;
+static unsigned cpar__ab_grid_y(int64_t slices) {
+    return (unsigned)(slices < cpar__ab_grid_y_cap ? slices : cpar__ab_grid_y_cap);
+}
+
+template <typename K> static cudaError_t cpar__ab_smem_optin(K kernel, size_t bytes) {
+    if (bytes <= 48 * 1024) return cudaSuccess;
+    return cudaFuncSetAttribute(reinterpret_cast<const void *>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)bytes);
+}
+
+/* The dkdv and dq launches of one element type and head-dim tile D. */
+template <typename T, int D> static cudaError_t cpar__attn_bwd_launch(const cpar__ab_args &p, cudaStream_t cs) {
+    constexpr int BRKV = cpar__ab_brkv<D>;
+    auto kv = cpar__attn_bwd_dkdv_kernel<T, D, BRKV>;
+    const size_t smem_kv = cpar__ab_smem<T, D>(CPAR__AB_BC, BRKV, BRKV);
+    cudaError_t e = cpar__ab_smem_optin(kv, smem_kv);
+    if (e != cudaSuccess) return e;
+    const dim3 grid_kv((unsigned)((p.sk + CPAR__AB_BC - 1) / CPAR__AB_BC), cpar__ab_grid_y(p.b * p.hkv));
+    CPAR_LAUNCH(kv, grid_kv, CPAR__AB_THREADS, smem_kv, cs)(p);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    auto qk = cpar__attn_bwd_dq_kernel<T, D>;
+    const size_t smem_q = cpar__ab_smem<T, D>(CPAR__AB_BRQ, CPAR__AB_BC, 0);
+    if ((e = cpar__ab_smem_optin(qk, smem_q)) != cudaSuccess) return e;
+    const dim3 grid_q((unsigned)((p.sq + CPAR__AB_BRQ - 1) / CPAR__AB_BRQ), cpar__ab_grid_y(p.b * p.hq));
+    CPAR_LAUNCH(qk, grid_q, CPAR__AB_THREADS, smem_q, cs)(p);
+    return cudaGetLastError();
+}
+
+/* Dsum rows, fp32 (the only scratch). */
+static int64_t cpar__ab_dsum_rows(const cpar_dev_attn *a) { return a->b * a->hq * a->sq; }
+
+size_t cpar_dev_attention_bwd_scratch_bytes(const cpar_dev_attn *a) {
+    if (a == NULL || a->b <= 0 || a->hq <= 0 || a->sq <= 0 || a->sk <= 0 || a->d <= 0) return 0;
+    return (size_t)cpar__ab_dsum_rows(a) * sizeof(float);
+}
+
+cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, const void *dout, cpar_dtype out_dt,
+                                   int64_t o_bh, const float *lse, int64_t lse_bh, float *dq, int64_t dq_bh,
+                                   float *dk, float *dv, int64_t dkv_bh, void *scratch, cpar_dev_stream s) {
+    CPAR__CHECK_PTR(a, true);
+    if (a->dt != CPAR_F16 && a->dt != CPAR_BF16)
+        return CPAR__INVALID("a->dt = %s, expected f16 or bf16 on devices", cpar__dtype_name(a->dt));
+    if (out_dt != CPAR_F32 && out_dt != a->dt)
+        return CPAR__INVALID("out_dt = %s, expected f32 or a->dt (%s)", cpar__dtype_name(out_dt),
+                             cpar__dtype_name(a->dt));
+    const int64_t b = a->b, hq = a->hq, hkv = a->hkv, sq = a->sq, sk = a->sk, d = a->d;
+    CPAR__CHECK_COUNT(b);
+    CPAR__CHECK_COUNT(hq);
+    CPAR__CHECK_COUNT(sq);
+    CPAR__CHECK_COUNT(sk);
+    if (hkv < 1 || hq % hkv != 0)
+        return CPAR__INVALID("a->hkv = %lld, expected >= 1 and dividing a->hq = %lld", (long long)hkv, (long long)hq);
+    if (d < 0 || d > 128 || d % 8 != 0)
+        return CPAR__INVALID("a->d = %lld, expected a multiple of 8 in [0, 128] on devices", (long long)d);
+    if (!(a->scale > 0.f) || !isfinite(a->scale))
+        return CPAR__INVALID("a->scale = %g, expected finite and > 0 (resolved)", (double)a->scale);
+    const bool work = b > 0 && hq > 0 && sq > 0 && sk > 0 && d > 0;
+    if (!work) return CPAR_OK;
+    CPAR__CHECK_PTR(a->q, true);
+    CPAR__CHECK_PTR(a->k, true);
+    CPAR__CHECK_PTR(a->v, true);
+    CPAR__CHECK_PTR(out, true);
+    CPAR__CHECK_PTR(dout, true);
+    CPAR__CHECK_PTR(lse, true);
+    CPAR__CHECK_PTR(dq, true);
+    CPAR__CHECK_PTR(dk, true);
+    CPAR__CHECK_PTR(dv, true);
+    CPAR__CHECK_PTR(scratch, true);
+    /* the (batch, head) slices must not overlap: strides of at least one slice */
+    const struct {
+        const char *name;
+        int64_t got, min;
+    } strides[] = {{"a->q_bh", a->q_bh, sq * d}, {"a->kv_bh", a->kv_bh, sk * d}, {"o_bh", o_bh, sq * d},
+                   {"lse_bh", lse_bh, sq},       {"dq_bh", dq_bh, sq * d},      {"dkv_bh", dkv_bh, sk * d}};
+    for (const auto &st : strides)
+        if (st.got < st.min)
+            return CPAR__INVALID("%s = %lld, expected >= %lld (one slice: sq = %lld, sk = %lld, d = %lld)", st.name,
+                                 (long long)st.got, (long long)st.min, (long long)sq, (long long)sk, (long long)d);
+    if (!cpar__aligned(sizeof(float), scratch))
+        return CPAR__INVALID("scratch = %p, expected 4-byte alignment", scratch);
+
+    cudaStream_t cs = cpar__stream(s);
+    float *dsum = static_cast<float *>(scratch);
+    const int64_t rows = cpar__ab_dsum_rows(a);
+    const unsigned dot_grid = cpar__grid(rows, CPAR__BLOCK / 32);
+    cudaError_t e = cpar__with_float_type(out_dt, [&](auto zt) {
+        typedef decltype(zt) O;
+        CPAR_LAUNCH(cpar__attn_bwd_dot_kernel<O>, dot_grid, CPAR__BLOCK, 0, cs)
+        (static_cast<const O *>(out), static_cast<const O *>(dout), o_bh, rows, sq, (int)d, dsum);
+        return cudaGetLastError();
+    });
+    CPAR__TRY_CUDA(e, "attention_bwd dot kernel launch (%s, %lld rows x %lld)", cpar__dtype_name(out_dt),
+                   (long long)rows, (long long)d);
+
+    cpar__ab_args p;
+    p.q = a->q;
+    p.k = a->k;
+    p.v = a->v;
+    p.dout = dout;
+    p.lse = lse;
+    p.dsum = dsum;
+    p.dq = dq;
+    p.dk = dk;
+    p.dv = dv;
+    p.b = b;
+    p.hq = hq;
+    p.hkv = hkv;
+    p.sq = sq;
+    p.sk = sk;
+    p.q_bh = a->q_bh;
+    p.kv_bh = a->kv_bh;
+    p.o_bh = o_bh;
+    p.lse_bh = lse_bh;
+    p.dq_bh = dq_bh;
+    p.dkv_bh = dkv_bh;
+    p.d = (int)d;
+    p.dout_f32 = out_dt == CPAR_F32;
+    p.causal = a->causal;
+    p.scale = a->scale;
+    p.scale_log2 = a->scale * CPAR__AB_LOG2E;
+    e = cpar__with_float_type(a->dt, [&](auto zt) {
+        typedef decltype(zt) T;
+        if constexpr (std::is_same<T, float>::value) {
+            return cudaErrorInvalidValue; /* unreachable: a->dt checked above (no fp32 mma instantiation) */
+        } else {
+            return d <= 64 ? cpar__attn_bwd_launch<T, 64>(p, cs) : cpar__attn_bwd_launch<T, 128>(p, cs);
+        }
+    });
+    CPAR__TRY_CUDA(e, "attention_bwd kernel launch (%s, b %lld, hq %lld, hkv %lld, sq %lld, sk %lld, d %lld%s)",
+                   cpar__dtype_name(a->dt), (long long)b, (long long)hq, (long long)hkv, (long long)sq, (long long)sk,
+                   (long long)d, a->causal ? ", causal" : "");
+    return CPAR_OK;
+}
+
+/* ==== 17. Ring attention: the fp32 LSE merge ===============================
+ * One kernel: the _SDPAMerger step of ring attention (cpar.c §19), which
+ * folds one block's fp32 output and log-sum-exp into the running ones. The
+ * block attention itself is section 16's. Host twin: cpar__host_ring_merge
+ * in cpar.c §19. Uses: 2, 4. */
+
+/* The block's weight w = sigmoid(lb - l) and the merged lse
+ * l - logsigmoid(l - lb) of one row, in the overflow-free forms
+ * sigmoid(x) = 1/(1+e^-x) or e^x/(1+e^x), logsigmoid(y) = min(y,0) - log1p(e^-|y|).
+ * An empty side (lse = -inf) takes the other side as it is. Twin of
+ * cpar__ring_merge_coef in cpar.c §19. */
+static __device__ __forceinline__ void cpar__ring_merge_coef(float l, float lb, float *w, float *nl) {
+    if (lb == -INFINITY) {
+        *w = 0.f, *nl = l;
+        return;
+    }
+    if (l == -INFINITY) {
+        *w = 1.f, *nl = lb;
+        return;
+    }
+    const float x = lb - l, e = expf(-fabsf(x));
+    *w = x >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+    *nl = l - (fminf(-x, 0.f) - log1pf(e));
+}
+
+/* out, out_b: nbh slices of rows rows of d floats ((b,h) stride o_bh); lse,
+ * lse_b: the matching [nbh, rows] (stride lse_bh); out and lse updated.
+ * Launch: 1-D grid-stride of 256-thread blocks, one warp per row: lane 0
+ * reads and rewrites the row's lse and broadcasts the weight, the 32 lanes
+ * stride over d (coalesced). Moves 3d + 3 floats per row (fewer for rows the
+ * block does not reach). */
+static __global__ void cpar__ring_merge_kernel(float *out, float *lse, const float *__restrict__ out_b,
+                                               const float *__restrict__ lse_b, int64_t nbh, int64_t rows, int64_t d,
+                                               int64_t o_bh, int64_t lse_bh) {
+    const int lane = (int)(threadIdx.x & 31);
+    const int64_t n = nbh * rows, step = cpar__thread_count() / 32;
+    for (int64_t wi = cpar__thread_id() / 32; wi < n; wi += step) {
+        const int64_t j = wi / rows, i = wi - j * rows;
+        float w = 0.f;
+        if (lane == 0) {
+            float *l = lse + j * lse_bh + i, nl;
+            cpar__ring_merge_coef(*l, lse_b[j * lse_bh + i], &w, &nl);
+            *l = nl;
+        }
+        w = __shfl_sync(0xffffffffu, w, 0);
+        if (w == 0.f) continue; /* the same for the whole warp */
+        float *o = out + j * o_bh + i * d;
+        const float *ob = out_b + j * o_bh + i * d;
+        for (int64_t c = lane; c < d; c += 32) o[c] -= w * (o[c] - ob[c]);
+    }
+}
+
+cpar_status cpar_dev_ring_merge(float *out, float *lse, const float *out_b, const float *lse_b, int64_t nbh,
+                                int64_t rows, int64_t d, int64_t o_bh, int64_t lse_bh, cpar_dev_stream s) {
+    CPAR__CHECK_COUNT(nbh);
+    CPAR__CHECK_COUNT(rows);
+    CPAR__CHECK_COUNT(d);
+    const bool any = nbh > 0 && rows > 0;
+    CPAR__CHECK_PTR(lse, any);
+    CPAR__CHECK_PTR(lse_b, any);
+    CPAR__CHECK_PTR(out, any && d > 0);
+    CPAR__CHECK_PTR(out_b, any && d > 0);
+    if (nbh > 1 && (o_bh < rows * d || lse_bh < rows))
+        return CPAR__INVALID("strides o_bh = %lld, lse_bh = %lld overlap slices of %lld rows of %lld", (long long)o_bh,
+                             (long long)lse_bh, (long long)rows, (long long)d);
+    if (!any) return CPAR_OK;
+    const int64_t n = nbh * rows;
+    CPAR_LAUNCH(cpar__ring_merge_kernel, cpar__grid(n, CPAR__BLOCK / 32), CPAR__BLOCK, 0, cpar__stream(s))(
+        out, lse, out_b, lse_b, nbh, rows, d, o_bh, lse_bh);
+    CPAR__TRY_CUDA(cudaGetLastError(), "ring_merge kernel launch (%lld rows of %lld)", (long long)n, (long long)d);
+    return CPAR_OK;
+}
+
+/* ==== 18. Mamba context parallelism =======================================
+ *
+ * The depthwise causal conv1d of cpar.h §13 on this CP rank's channels,
+ * reading the cp = 1 weight and bias through the row mapping
+ * (cpar_dev_conv_rows), forward and backward, and the B/C replica-gradient
+ * sum of pre_conv_ssm's backward. Activations are sequence first: token
+ * (t, bi) is row t*b + bi of x [s*b, x_pitch] (channel c at column c), of y
+ * and dy [s*b, C]. All math in fp32; K = d_conv in 2..4. Uses: 2, 3, 4. */
+
+static constexpr int CPAR__MCP_KMAX = 4;
+
+/* cp = 1 row of local channel c. */
+static __device__ __forceinline__ int64_t cpar__mcp_row(const cpar_dev_conv_rows &r, int64_t c) {
+    if (c < r.seg_len[0]) return r.seg_row[0] + c;
+    c -= r.seg_len[0];
+    if (c < r.seg_len[1]) return r.seg_row[1] + c;
+    return r.seg_row[2] + c - r.seg_len[1];
+}
+
+/* Pre-activation u[t, bi, c] in the host reference's order (bias, then fmaf
+ * over the taps from the oldest input). */
+template <typename T, typename P>
+static __device__ __forceinline__ float cpar__mcp_u(const T *x, int64_t pitch, const P *w, const P *bias, int64_t row,
+                                                   int64_t t, int64_t bi, int64_t b, int64_t c, int k) {
+    float acc = bias ? cpar__widen(bias[row]) : 0.f;
+    for (int j = 0; j < k; j++) {
+        const int64_t tt = t - (k - 1) + j;
+        if (tt >= 0) acc = fmaf(cpar__widen(w[row * k + j]), cpar__widen(x[(tt * b + bi) * pitch + c]), acc);
+    }
+    return acc;
+}
+
+static __device__ __forceinline__ float cpar__mcp_sigmoid(float u) { return 1.f / (1.f + expf(-u)); }
+
+/* du = dy * silu'(u), silu'(u) = sigmoid(u) (1 + u (1 - sigmoid(u))); dy when !silu. */
+template <typename T, typename P>
+static __device__ __forceinline__ float cpar__mcp_du(const T *x, int64_t pitch, const P *w, const P *bias, int64_t row,
+                                                    int64_t t, int64_t bi, int64_t b, int64_t c, int k, bool silu,
+                                                    const T *dy, int64_t ch) {
+    const float g = cpar__widen(dy[(t * b + bi) * ch + c]);
+    if (!silu) return g;
+    const float u = cpar__mcp_u(x, pitch, w, bias, row, t, bi, b, c, k), sg = cpar__mcp_sigmoid(u);
+    return g * (sg * (1.f + u * (1.f - sg)));
+}
+
+/* y[tok, c] = silu?(u). Launch: cpar__shape_2d over C x tokens (channels
+ * contiguous: coalesced), grid-stride. Reads K x elements per output (cached
+ * across neighbouring tokens), moves about 2 tokens C sizeof(T) bytes. */
+template <typename T, typename P>
+static __global__ void cpar__mcp_conv_fwd_kernel(const T *__restrict__ x, int64_t pitch, const P *__restrict__ w,
+                                                 const P *__restrict__ bias, cpar_dev_conv_rows rows, int64_t s,
+                                                 int64_t b, int64_t ch, int k, bool silu, T *__restrict__ y) {
+    const int64_t c0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = s * b;
+    for (int64_t tok = (int64_t)blockIdx.y * blockDim.y + threadIdx.y; tok < n; tok += (int64_t)gridDim.y * blockDim.y)
+        for (int64_t c = c0; c < ch; c += (int64_t)gridDim.x * blockDim.x) {
+            const int64_t t = tok / b, bi = tok % b;
+            const float u = cpar__mcp_u(x, pitch, w, bias, cpar__mcp_row(rows, c), t, bi, b, c, k);
+            y[tok * ch + c] = cpar__narrow<T>(silu ? u * cpar__mcp_sigmoid(u) : u);
+        }
+}
+
+/* dx[tok, c] = sum_j w[row, j] du[t + K-1-j]: du recomputed per tap (K <= 4,
+ * so at most 16 x reads per element, all cached). Launch as the forward. */
+template <typename T, typename P>
+static __global__ void cpar__mcp_conv_dx_kernel(const T *__restrict__ x, int64_t pitch, const P *__restrict__ w,
+                                                const P *__restrict__ bias, cpar_dev_conv_rows rows, int64_t s,
+                                                int64_t b, int64_t ch, int k, bool silu, const T *__restrict__ dy,
+                                                T *__restrict__ dx) {
+    const int64_t c0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = s * b;
+    for (int64_t tok = (int64_t)blockIdx.y * blockDim.y + threadIdx.y; tok < n; tok += (int64_t)gridDim.y * blockDim.y)
+        for (int64_t c = c0; c < ch; c += (int64_t)gridDim.x * blockDim.x) {
+            const int64_t t = tok / b, bi = tok % b, row = cpar__mcp_row(rows, c);
+            float acc = 0.f;
+            for (int j = 0; j < k; j++) {
+                const int64_t tt = t + (k - 1) - j;
+                if (tt < s)
+                    acc = fmaf(cpar__widen(w[row * k + j]),
+                               cpar__mcp_du(x, pitch, w, bias, row, tt, bi, b, c, k, silu, dy, ch), acc);
+            }
+            dx[tok * pitch + c] = cpar__narrow<T>(acc);
+        }
+}
+
+/* Weight/bias gradient partial sums, deterministic: block (32, 8) covers 32
+ * consecutive channels (coalesced) of split blockIdx.y's token range; thread
+ * row ty walks tokens ty, ty+8, ...; the 8 rows are then added in row order
+ * through shared memory. partial[(p (K+1) + j) C + c]: j < K weight taps,
+ * j == K the bias. Reads each token's x and dy once per tap. */
+static constexpr int CPAR__MCP_TX = 32, CPAR__MCP_TY = 8;
+
+template <typename T, typename P>
+static __global__ void cpar__mcp_conv_dw_kernel(const T *__restrict__ x, int64_t pitch, const P *__restrict__ w,
+                                                const P *__restrict__ bias, cpar_dev_conv_rows rows, int64_t s,
+                                                int64_t b, int64_t ch, int k, bool silu, const T *__restrict__ dy,
+                                                float *__restrict__ partial) {
+    __shared__ float red[CPAR__MCP_KMAX + 1][CPAR__MCP_TY][CPAR__MCP_TX];
+    const int64_t n = s * b, nsplit = gridDim.y, p = blockIdx.y;
+    const int64_t lo = n * p / nsplit, hi = n * (p + 1) / nsplit;
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    for (int64_t c0 = (int64_t)blockIdx.x * CPAR__MCP_TX; c0 < ch; c0 += (int64_t)gridDim.x * CPAR__MCP_TX) {
+        const int64_t c = c0 + tx;
+        float acc[CPAR__MCP_KMAX + 1] = {0.f, 0.f, 0.f, 0.f, 0.f};
+        if (c < ch) {
+            const int64_t row = cpar__mcp_row(rows, c);
+            for (int64_t tok = lo + ty; tok < hi; tok += CPAR__MCP_TY) {
+                const int64_t t = tok / b, bi = tok % b;
+                const float du = cpar__mcp_du(x, pitch, w, bias, row, t, bi, b, c, k, silu, dy, ch);
+                acc[CPAR__MCP_KMAX] += du;
+                for (int j = 0; j < k; j++) {
+                    const int64_t tt = t - (k - 1) + j;
+                    if (tt >= 0) acc[j] = fmaf(du, cpar__widen(x[(tt * b + bi) * pitch + c]), acc[j]);
+                }
+            }
+        }
+        for (int j = 0; j <= CPAR__MCP_KMAX; j++) red[j][ty][tx] = acc[j];
+        __syncthreads();
+        if (ty == 0 && c < ch)
+            for (int j = 0; j <= k; j++) {
+                const int src = j == k ? CPAR__MCP_KMAX : j;
+                float sum = 0.f;
+                for (int q = 0; q < CPAR__MCP_TY; q++) sum += red[src][q][tx];
+                partial[(p * (k + 1) + j) * ch + c] = sum;
+            }
+        __syncthreads(); /* red is rewritten for the next channel tile */
+    }
+}
+
+/* dw[row(c), j] += sum over splits in order (j < K); dbias[row(c)] likewise
+ * (j == K, when dbias). One thread per (j, c), grid-stride. */
+static __global__ void cpar__mcp_conv_dw_finish_kernel(const float *__restrict__ partial, int nsplit, int64_t ch, int k,
+                                                       cpar_dev_conv_rows rows, float *__restrict__ dw,
+                                                       float *__restrict__ dbias) {
+    const int64_t n = (int64_t)(k + 1) * ch;
+    for (int64_t i = cpar__thread_id(); i < n; i += cpar__thread_count()) {
+        const int64_t j = i / ch, c = i % ch, row = cpar__mcp_row(rows, c);
+        if (j == k && !dbias) continue;
+        float sum = 0.f;
+        for (int p = 0; p < nsplit; p++) sum += partial[((int64_t)p * (k + 1) + j) * ch + c];
+        if (j < k) dw[row * k + j] += sum;
+        else dbias[row] += sum;
+    }
+}
+
+static cpar_status cpar__mcp_check_conv(const char *func, const void *x, int64_t pitch, cpar_dtype dt, const void *w,
+                                        cpar_dtype pdt, const cpar_dev_conv_rows &rows, int64_t s, int64_t b,
+                                        int64_t ch, int k) {
+    if (s < 0 || b < 0 || ch < 0)
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: s = %lld, b = %lld, channels = %lld, expected >= 0", func,
+                              (long long)s, (long long)b, (long long)ch);
+    if (k < 2 || k > CPAR__MCP_KMAX) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: k = %d, expected 2..4", func, k);
+    if (pitch < ch) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: x_pitch = %lld, expected >= channels = %lld", func,
+                                          (long long)pitch, (long long)ch);
+    if (rows.seg_len[0] < 0 || rows.seg_len[1] < 0 || rows.seg_len[2] < 0 ||
+        rows.seg_len[0] + rows.seg_len[1] + rows.seg_len[2] != ch)
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: row segments %lld + %lld + %lld, expected to add up to channels = %lld",
+                              func, (long long)rows.seg_len[0], (long long)rows.seg_len[1], (long long)rows.seg_len[2],
+                              (long long)ch);
+    if (!cpar__is_float(dt) || !cpar__is_float(pdt))
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: dtypes %s (activations) and %s (parameters), expected f32, f16 or bf16",
+                              func, cpar__dtype_name(dt), cpar__dtype_name(pdt));
+    const bool nonempty = s > 0 && b > 0 && ch > 0;
+    if (nonempty && (!x || !w)) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: %s is NULL", func, x ? "w" : "x");
+    return CPAR_OK;
+}
+
+cpar_status cpar_dev_mamba_conv1d_forward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
+                                          const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
+                                          int64_t b, int64_t channels, int k, bool silu, void *y,
+                                          cpar_dev_stream st) {
+    cpar_status cs = cpar__mcp_check_conv(__func__, x, x_pitch, dt, w, pdt, rows, s, b, channels, k);
+    if (cs != CPAR_OK) return cs;
+    if (!(s > 0 && b > 0 && channels > 0)) return CPAR_OK;
+    CPAR__CHECK_PTR(y, true);
+    const cpar__shape sh = cpar__shape_2d(channels, s * b);
+    cudaStream_t cst = cpar__stream(st);
+    cudaError_t e = cpar__with_float_type(dt, [&](auto tv) {
+        typedef decltype(tv) T;
+        return cpar__with_float_type(pdt, [&](auto pv) {
+            typedef decltype(pv) P;
+            auto kernel = cpar__mcp_conv_fwd_kernel<T, P>;
+            CPAR_LAUNCH(kernel, sh.grid, sh.block, 0, cst)
+            (static_cast<const T *>(x), x_pitch, static_cast<const P *>(w), static_cast<const P *>(bias), rows, s, b,
+             channels, k, silu, static_cast<T *>(y));
+            return cudaGetLastError();
+        });
+    });
+    CPAR__TRY_CUDA(e, "mamba conv1d forward kernel launch (%s/%s, %lld tokens x %lld channels)", cpar__dtype_name(dt),
+                   cpar__dtype_name(pdt), (long long)(s * b), (long long)channels);
+    return CPAR_OK;
+}
+
+cpar_status cpar_dev_mamba_conv1d_backward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
+                                           const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
+                                           int64_t b, int64_t channels, int k, bool silu, const void *dy, void *dx,
+                                           float *partial, int nsplit, float *dw, float *dbias, cpar_dev_stream st) {
+    cpar_status cs = cpar__mcp_check_conv(__func__, x, x_pitch, dt, w, pdt, rows, s, b, channels, k);
+    if (cs != CPAR_OK) return cs;
+    if (nsplit < 1) return CPAR__INVALID("nsplit = %d, expected >= 1", nsplit);
+    if (!(s > 0 && b > 0 && channels > 0)) return CPAR_OK;
+    CPAR__CHECK_PTR(dy, true);
+    CPAR__CHECK_PTR(dx, true);
+    CPAR__CHECK_PTR(partial, true);
+    CPAR__CHECK_PTR(dw, true);
+    const cpar__shape sh = cpar__shape_2d(channels, s * b);
+    const int64_t tiles = (channels + CPAR__MCP_TX - 1) / CPAR__MCP_TX;
+    const dim3 dw_grid((unsigned)(tiles < CPAR__MAX_GRID ? tiles : CPAR__MAX_GRID), (unsigned)nsplit),
+        dw_block(CPAR__MCP_TX, CPAR__MCP_TY);
+    const unsigned fin_grid = cpar__grid((int64_t)(k + 1) * channels, CPAR__BLOCK);
+    cudaStream_t cst = cpar__stream(st);
+    cudaError_t e = cpar__with_float_type(dt, [&](auto tv) {
+        typedef decltype(tv) T;
+        return cpar__with_float_type(pdt, [&](auto pv) {
+            typedef decltype(pv) P;
+            const T *xt = static_cast<const T *>(x), *dyt = static_cast<const T *>(dy);
+            const P *wp = static_cast<const P *>(w), *bp = static_cast<const P *>(bias);
+            auto kdx = cpar__mcp_conv_dx_kernel<T, P>;
+            CPAR_LAUNCH(kdx, sh.grid, sh.block, 0, cst)(xt, x_pitch, wp, bp, rows, s, b, channels, k, silu, dyt,
+                                                         static_cast<T *>(dx));
+            cudaError_t le = cudaGetLastError();
+            if (le != cudaSuccess) return le;
+            auto kdw = cpar__mcp_conv_dw_kernel<T, P>;
+            CPAR_LAUNCH(kdw, dw_grid, dw_block, 0, cst)(xt, x_pitch, wp, bp, rows, s, b, channels, k, silu, dyt, partial);
+            le = cudaGetLastError();
+            if (le != cudaSuccess) return le;
+            CPAR_LAUNCH(cpar__mcp_conv_dw_finish_kernel, fin_grid, CPAR__BLOCK, 0, cst)(partial, nsplit, channels, k,
+                                                                                        rows, dw, dbias);
+            return cudaGetLastError();
+        });
+    });
+    CPAR__TRY_CUDA(e, "mamba conv1d backward kernel launch (%s/%s, %lld tokens x %lld channels, %d splits)",
+                   cpar__dtype_name(dt), cpar__dtype_name(pdt), (long long)(s * b), (long long)channels, nsplit);
+    return CPAR_OK;
+}
+
+/* dst[g, t, c] = sum over q < reps of src[g, q, t, c] (strides in elements).
+ * Launch: cpar__shape_2d over cols x (groups*rows), grid-stride. Moves
+ * (reps + 1) groups rows cols sizeof(T) bytes. */
+template <typename T>
+static __global__ void cpar__mcp_sum_replicas_kernel(T *__restrict__ dst, int64_t dst_gs, int64_t dst_pitch,
+                                                     const T *__restrict__ src, int64_t src_gs, int64_t rep_stride,
+                                                     int64_t src_pitch, int64_t groups, int64_t reps, int64_t rows,
+                                                     int64_t cols) {
+    const int64_t c0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = groups * rows;
+    for (int64_t gt = (int64_t)blockIdx.y * blockDim.y + threadIdx.y; gt < n; gt += (int64_t)gridDim.y * blockDim.y) {
+        const int64_t g = gt / rows, t = gt % rows;
+        for (int64_t c = c0; c < cols; c += (int64_t)gridDim.x * blockDim.x) {
+            float acc = 0.f;
+            for (int64_t q = 0; q < reps; q++) acc += cpar__widen(src[g * src_gs + q * rep_stride + t * src_pitch + c]);
+            dst[g * dst_gs + t * dst_pitch + c] = cpar__narrow<T>(acc);
+        }
+    }
+}
+
+cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
+                                        int64_t rep_stride, int64_t src_pitch, int64_t groups, int64_t reps,
+                                        int64_t rows, int64_t cols, cpar_dtype dt, cpar_dev_stream st) {
+    CPAR__CHECK_COUNT(groups);
+    CPAR__CHECK_COUNT(reps);
+    CPAR__CHECK_COUNT(rows);
+    CPAR__CHECK_COUNT(cols);
+    const bool nonempty = groups > 0 && rows > 0 && cols > 0;
+    CPAR__CHECK_PTR(dst, nonempty);
+    CPAR__CHECK_PTR(src, nonempty && reps > 0);
+    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
+    if (!nonempty) return CPAR_OK;
+    const cpar__shape sh = cpar__shape_2d(cols, groups * rows);
+    cudaStream_t cst = cpar__stream(st);
+    cudaError_t e = cpar__with_float_type(dt, [&](auto tv) {
+        typedef decltype(tv) T;
+        auto kernel = cpar__mcp_sum_replicas_kernel<T>;
+        CPAR_LAUNCH(kernel, sh.grid, sh.block, 0, cst)
+        (static_cast<T *>(dst), dst_gs, dst_pitch, static_cast<const T *>(src), src_gs, rep_stride, src_pitch, groups,
+         reps, rows, cols);
+        return cudaGetLastError();
+    });
+    CPAR__TRY_CUDA(e, "mamba sum_replicas kernel launch (%s, %lld groups x %lld reps x %lld x %lld)",
+                   cpar__dtype_name(dt), (long long)groups, (long long)reps, (long long)rows, (long long)cols);
     return CPAR_OK;
 }

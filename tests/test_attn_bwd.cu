@@ -1,0 +1,485 @@
+/* test_attn_bwd.cu — the flash-attention backward kernels (cpar_dev_attention_bwd,
+ * cpar_kernels.cu §16) against an fp64 reference.
+ *
+ * Sim build only. Includes cpar_kernels.cu itself (like test_mma.cu) and
+ * links nothing else from cpar. Each case draws random q, k, v, dout, runs an
+ * fp64 forward (materialised softmax) for out and lse, and the fp64 backward
+ * from the same out and lse: P = exp(scale·q kᵀ - lse), D = rowsum(dout∘out),
+ * dS = P∘(dout vᵀ - D), dq = scale·dS k, dk = scale·dSᵀ q, dv = Pᵀ dout. The
+ * kernel gets out and lse rounded to what it takes (out_dt, fp32) and must
+ * add (+=) the gradients onto random nonzero fp32 dq/dk/dv. Inputs are exact
+ * in their dtypes, so the error is the kernel's alone (P, dS and an F32 dout
+ * rounded to 16 bits for the tensor cores, fp32 sums). Covered: d 64, 128, 40,
+ * 8; odd sq, sk (1 ... 130), sq != sk; causal and not; GQA (4/2, 3/1); F16 and
+ * BF16; out_dt F32 and 16-bit; (batch, head) strides longer than the slice
+ * with the slice a sub-range of a longer sequence (ring attention's use),
+ * also strides that misalign rows (scalar loads); a row with lse = -inf;
+ * one attention computed as two key blocks with the full out/lse (the ring's
+ * accumulation). Everything outside the slices, inputs included, holds 0xFF
+ * bytes (NaN): a read there poisons the result, a write there is caught. Each
+ * case runs in the forward and the reverse fiber schedule (some also
+ * shuffled), so a missing barrier shows up as a wrong result.
+ * AB_VERBOSE=1 in the environment prints every case's errors. */
+#include "cpar_kernels.cu"
+
+#include <check.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <vector>
+
+/* ck_assert for inner loops (Check writes every passing assertion to a pipe). */
+#define REQUIRE(cond, ...)                                                                                             \
+    do {                                                                                                               \
+        if (!(cond)) ck_abort_msg(__VA_ARGS__);                                                                        \
+    } while (0)
+
+static double urand(unsigned *s) {
+    *s = *s * 1664525u + 1013904223u;
+    return ((*s >> 8) / 16777216.0) * 2.0 - 1.0;
+}
+
+/* fp32 -> element of dt at p[i] and back (exact for the dtype's values). */
+static void put(void *p, cpar_dtype dt, size_t i, double v) {
+    switch (dt) {
+    case CPAR_F16: static_cast<__half *>(p)[i] = cpar__narrow<__half>((float)v); break;
+    case CPAR_BF16: static_cast<__nv_bfloat16 *>(p)[i] = cpar__narrow<__nv_bfloat16>((float)v); break;
+    default: static_cast<float *>(p)[i] = (float)v; break;
+    }
+}
+static double get(const void *p, cpar_dtype dt, size_t i) {
+    switch (dt) {
+    case CPAR_F16: return cpar__widen(static_cast<const __half *>(p)[i]);
+    case CPAR_BF16: return cpar__widen(static_cast<const __nv_bfloat16 *>(p)[i]);
+    default: return static_cast<const float *>(p)[i];
+    }
+}
+/* A value as the dtype stores it. */
+static double round_to(cpar_dtype dt, double v) {
+    float f;
+    put(&f, dt, 0, v);
+    return get(&f, dt, 0);
+}
+
+/* Device buffer of n elements of dt, all bytes 0xFF (NaN in every float dtype). */
+static void *dalloc(size_t n, cpar_dtype dt) {
+    void *p = NULL;
+    const size_t bytes = n * cpar__dtype_size(dt);
+    ck_assert_int_eq(cudaMalloc(&p, bytes ? bytes : 1), cudaSuccess);
+    memset(p, 0xFF, bytes);
+    return p;
+}
+static bool is_poison(const float *p, size_t i) {
+    uint32_t u;
+    memcpy(&u, &p[i], 4);
+    return u == 0xFFFFFFFFu;
+}
+
+struct Case {
+    const char *name;
+    cpar_dtype dt, out_dt;
+    int b, hq, hkv, sq, sk, d;
+    bool causal;
+    int pad;        /* > 0: slices are sub-ranges of sequences pad rows longer */
+    int misalign;   /* elements added to every (batch, head) stride */
+    int ninf_row;   /* >= 0: this query row (of every head) gets lse = -inf, out = 0 */
+    int split;      /* > 0: two calls, keys [0, split) and [split, sk), with the full out/lse */
+    float scale;    /* 0: 1/sqrt(d) */
+};
+
+/* Per-tensor error: max |got - init - ref| / max |ref|. */
+struct Err {
+    double worst = 0, ref_max = 0;
+    void add(double got, double want) {
+        worst = fmax(worst, fabs(got - want));
+        ref_max = fmax(ref_max, fabs(want));
+    }
+    double rel() const { return worst / (ref_max > 0 ? ref_max : 1); }
+};
+
+static void run_case(const Case &c, unsigned seed) {
+    const int64_t b = c.b, hq = c.hq, hkv = c.hkv, sq = c.sq, sk = c.sk, d = c.d, grp = hq / hkv;
+    const double scale = c.scale > 0 ? c.scale : 1.0 / sqrt((double)d);
+    /* slice geometry: rows [off, off + s) of a sequence of s + pad rows */
+    const int64_t offq = c.pad / 2, offk = (c.pad + 1) / 2;
+    const int64_t q_bh = (sq + c.pad) * d + c.misalign, kv_bh = (sk + c.pad) * d + c.misalign;
+    const int64_t o_bh = q_bh, lse_bh = sq + c.pad + (c.misalign ? 1 : 0), dq_bh = q_bh, dkv_bh = kv_bh;
+
+    void *q = dalloc(b * hq * q_bh, c.dt), *k = dalloc(b * hkv * kv_bh, c.dt), *v = dalloc(b * hkv * kv_bh, c.dt);
+    void *out = dalloc(b * hq * o_bh, c.out_dt), *dout = dalloc(b * hq * o_bh, c.out_dt);
+    float *lse = (float *)dalloc(b * hq * lse_bh, CPAR_F32), *dq = (float *)dalloc(b * hq * dq_bh, CPAR_F32);
+    float *dk = (float *)dalloc(b * hkv * dkv_bh, CPAR_F32), *dv = (float *)dalloc(b * hkv * dkv_bh, CPAR_F32);
+    /* element indices: in the device buffers (qi, ki, li) and in the dense host copies (flat_q, flat_k) */
+    auto qi = [&](int64_t bi, int64_t h, int64_t i, int64_t x) {
+        return (size_t)((bi * hq + h) * q_bh + (offq + i) * d + x);
+    };
+    auto ki = [&](int64_t bi, int64_t h, int64_t j, int64_t x) {
+        return (size_t)((bi * hkv + h) * kv_bh + (offk + j) * d + x);
+    };
+    auto li = [&](int64_t bi, int64_t h, int64_t i) { return (size_t)((bi * hq + h) * lse_bh + offq + i); };
+
+    /* inputs, exact in their dtypes; initial gradients (the += base) */
+    std::vector<double> Q(b * hq * sq * d), K(b * hkv * sk * d), V(K.size()), dO(Q.size());
+    std::vector<double> dq0(Q.size()), dk0(K.size()), dv0(K.size());
+    auto flat_q = [&](int64_t bi, int64_t h, int64_t i, int64_t x) {
+        return (size_t)(((bi * hq + h) * sq + i) * d + x);
+    };
+    auto flat_k = [&](int64_t bi, int64_t h, int64_t j, int64_t x) {
+        return (size_t)(((bi * hkv + h) * sk + j) * d + x);
+    };
+    for (int64_t bi = 0; bi < b; bi++)
+        for (int64_t h = 0; h < hq; h++)
+            for (int64_t i = 0; i < sq; i++)
+                for (int64_t x = 0; x < d; x++) {
+                    const size_t f = flat_q(bi, h, i, x), m = qi(bi, h, i, x);
+                    Q[f] = round_to(c.dt, 1.5 * urand(&seed));
+                    put(q, c.dt, m, Q[f]);
+                    dO[f] = round_to(c.out_dt, urand(&seed));
+                    put(dout, c.out_dt, m, dO[f]);
+                    dq0[f] = urand(&seed);
+                    dq[m] = (float)dq0[f];
+                }
+    for (int64_t bi = 0; bi < b; bi++)
+        for (int64_t h = 0; h < hkv; h++)
+            for (int64_t j = 0; j < sk; j++)
+                for (int64_t x = 0; x < d; x++) {
+                    const size_t f = flat_k(bi, h, j, x), m = ki(bi, h, j, x);
+                    K[f] = round_to(c.dt, 1.5 * urand(&seed));
+                    put(k, c.dt, m, K[f]);
+                    V[f] = round_to(c.dt, urand(&seed));
+                    put(v, c.dt, m, V[f]);
+                    dk0[f] = (float)urand(&seed);
+                    dv0[f] = (float)urand(&seed);
+                    dk[m] = (float)dk0[f];
+                    dv[m] = (float)dv0[f];
+                }
+
+    /* fp64 forward and backward per (batch, q head) */
+    std::vector<double> gq(Q.size(), 0.0), gk(K.size(), 0.0), gv(K.size(), 0.0), S(sk), P(sk), O(d);
+    for (int64_t bi = 0; bi < b; bi++)
+        for (int64_t h = 0; h < hq; h++) {
+            const int64_t hk = h / grp;
+            for (int64_t i = 0; i < sq; i++) {
+                double mx = -INFINITY;
+                for (int64_t j = 0; j < sk; j++) {
+                    double acc = 0;
+                    for (int64_t x = 0; x < d; x++) acc += Q[flat_q(bi, h, i, x)] * K[flat_k(bi, hk, j, x)];
+                    S[j] = (c.causal && j > i) ? -INFINITY : scale * acc;
+                    mx = fmax(mx, S[j]);
+                }
+                double sum = 0;
+                for (int64_t j = 0; j < sk; j++) sum += exp(S[j] - mx);
+                double L = mx + log(sum);
+                for (int64_t x = 0; x < d; x++) O[x] = 0;
+                for (int64_t j = 0; j < sk; j++) {
+                    P[j] = exp(S[j] - L);
+                    for (int64_t x = 0; x < d; x++) O[x] += P[j] * V[flat_k(bi, hk, j, x)];
+                }
+                if (i == c.ninf_row) { /* the row sees no key (as a ring block may): no gradient */
+                    L = -INFINITY;
+                    for (int64_t j = 0; j < sk; j++) P[j] = 0;
+                    for (int64_t x = 0; x < d; x++) O[x] = 0;
+                }
+                lse[li(bi, h, i)] = (float)L;
+                double Dsum = 0;
+                for (int64_t x = 0; x < d; x++) {
+                    put(out, c.out_dt, qi(bi, h, i, x), O[x]);
+                    Dsum += dO[flat_q(bi, h, i, x)] * O[x];
+                }
+                for (int64_t j = 0; j < sk; j++) {
+                    if (P[j] == 0) continue;
+                    double dp = 0;
+                    for (int64_t x = 0; x < d; x++) dp += dO[flat_q(bi, h, i, x)] * V[flat_k(bi, hk, j, x)];
+                    const double ds = P[j] * (dp - Dsum);
+                    for (int64_t x = 0; x < d; x++) {
+                        gq[flat_q(bi, h, i, x)] += scale * ds * K[flat_k(bi, hk, j, x)];
+                        gk[flat_k(bi, hk, j, x)] += scale * ds * Q[flat_q(bi, h, i, x)];
+                        gv[flat_k(bi, hk, j, x)] += P[j] * dO[flat_q(bi, h, i, x)];
+                    }
+                }
+            }
+        }
+
+    /* the kernel, as one call or as two key blocks sharing out/lse */
+    cpar_dev_attn a;
+    a.dt = c.dt;
+    a.b = b;
+    a.hq = hq;
+    a.hkv = hkv;
+    a.sq = sq;
+    a.d = d;
+    a.q_bh = q_bh;
+    a.kv_bh = kv_bh;
+    a.causal = c.causal;
+    a.scale = (float)scale;
+    a.q = static_cast<const char *>(q) + qi(0, 0, 0, 0) * cpar__dtype_size(c.dt);
+    const size_t osz = cpar__dtype_size(c.out_dt);
+    const char *outp = static_cast<const char *>(out) + qi(0, 0, 0, 0) * osz;
+    const char *doutp = static_cast<const char *>(dout) + qi(0, 0, 0, 0) * osz;
+    const int nblk = c.split > 0 ? 2 : 1;
+    for (int blk = 0; blk < nblk; blk++) {
+        const int64_t j0 = blk == 0 ? 0 : c.split, j1 = nblk == 1 || blk == 1 ? sk : c.split;
+        a.sk = j1 - j0;
+        a.k = static_cast<const char *>(k) + ki(0, 0, j0, 0) * cpar__dtype_size(c.dt);
+        a.v = static_cast<const char *>(v) + ki(0, 0, j0, 0) * cpar__dtype_size(c.dt);
+        const size_t scratch_bytes = cpar_dev_attention_bwd_scratch_bytes(&a);
+        ck_assert_uint_eq(scratch_bytes, (size_t)(b * hq * sq) * sizeof(float));
+        void *scratch = dalloc(scratch_bytes, CPAR_U8);
+        const cpar_status st = cpar_dev_attention_bwd(&a, outp, doutp, c.out_dt, o_bh, lse + li(0, 0, 0), lse_bh,
+                                                      dq + qi(0, 0, 0, 0), dq_bh, dk + ki(0, 0, j0, 0),
+                                                      dv + ki(0, 0, j0, 0), dkv_bh, scratch, NULL);
+        ck_assert_msg(st == CPAR_OK, "%s: cpar_dev_attention_bwd -> %d: %s", c.name, (int)st, cpar_dev_last_error());
+        ck_assert_int_eq(cudaDeviceSynchronize(), cudaSuccess);
+        cudaFree(scratch);
+    }
+
+    /* compare; untouched elements keep their poison */
+    const bool bf = c.dt == CPAR_BF16 || c.out_dt == CPAR_BF16;
+    const double tol = bf ? 2e-2 : 2.5e-3; /* about 5 units of roundoff; seen: <= 1.2 */
+    Err eq, ek, ev;
+    for (int64_t bi = 0; bi < b; bi++)
+        for (int64_t h = 0; h < hq; h++)
+            for (int64_t i = 0; i < sq; i++)
+                for (int64_t x = 0; x < d; x++) {
+                    const size_t f = flat_q(bi, h, i, x), m = qi(bi, h, i, x);
+                    eq.add((double)dq[m] - dq0[f], gq[f]);
+                    if (i == c.ninf_row)
+                        REQUIRE(dq[m] == (float)dq0[f], "%s: dq row %lld with lse = -inf changed: %g -> %g", c.name,
+                                (long long)i, dq0[f], (double)dq[m]);
+                }
+    for (int64_t bi = 0; bi < b; bi++)
+        for (int64_t h = 0; h < hkv; h++)
+            for (int64_t j = 0; j < sk; j++)
+                for (int64_t x = 0; x < d; x++) {
+                    const size_t f = flat_k(bi, h, j, x), m = ki(bi, h, j, x);
+                    ek.add((double)dk[m] - dk0[f], gk[f]);
+                    ev.add((double)dv[m] - dv0[f], gv[f]);
+                }
+    const char *sched = cudasim_schedule_name(cudasim_get_schedule(NULL));
+    if (getenv("AB_VERBOSE"))
+        printf("%-40s %-8s dq %.3g dk %.3g dv %.3g (max |ref| %.3g %.3g %.3g)\n", c.name, sched, eq.rel(), ek.rel(),
+               ev.rel(), eq.ref_max, ek.ref_max, ev.ref_max);
+    ck_assert_msg(eq.rel() <= tol && ek.rel() <= tol && ev.rel() <= tol,
+                  "%s (%s): relative max error dq %.3g, dk %.3g, dv %.3g; bound %.3g", c.name, sched, eq.rel(),
+                  ek.rel(), ev.rel(), tol);
+    size_t touched = 0;
+    for (int64_t m = 0; m < b * hq * dq_bh; m++) {
+        const int64_t r = (m % dq_bh) / d;
+        if ((m % dq_bh) >= (sq + c.pad) * d || r < offq || r >= offq + sq) touched += !is_poison(dq, m);
+    }
+    for (int64_t m = 0; m < b * hkv * dkv_bh; m++) {
+        const int64_t r = (m % dkv_bh) / d;
+        if ((m % dkv_bh) >= (sk + c.pad) * d || r < offk || r >= offk + sk)
+            touched += !is_poison(dk, m) + !is_poison(dv, m);
+    }
+    ck_assert_msg(touched == 0, "%s: %zu elements outside the slices were written", c.name, touched);
+    void *bufs[] = {q, k, v, out, dout, lse, dq, dk, dv};
+    for (void *p : bufs) ck_assert_int_eq(cudaFree(p), cudaSuccess);
+    ck_assert_int_eq(cudasim_check_memory(), 0);
+}
+
+static const cpar_dtype F16 = CPAR_F16, BF16 = CPAR_BF16, F32 = CPAR_F32;
+
+/*                 name                    dt    out_dt b hq hkv  sq   sk   d  causal pad mis ninf split scale */
+static const Case SHAPES[] = {
+    {"d64 17x17",                          F16,  F16,  1, 1, 1,   17,  17, 64, false, 0, 0, -1, 0, 0},
+    {"d64 77x130 causal",                  BF16, BF16, 1, 1, 1,   77, 130, 64, true,  0, 0, -1, 0, 0},
+    {"d64 130x77 causal out f32",          F16,  F32,  1, 1, 1,  130,  77, 64, true,  0, 0, -1, 0, 0},
+    {"d40 77x77 out f32",                  BF16, F32,  1, 1, 1,   77,  77, 40, false, 0, 0, -1, 0, 0},
+    {"d8 1x1",                             F16,  F16,  1, 1, 1,    1,   1,  8, false, 0, 0, -1, 0, 0},
+    {"d64 1x130 causal",                   BF16, F32,  1, 1, 1,    1, 130, 64, true,  0, 0, -1, 0, 0},
+    {"d64 130x1 causal",                   F16,  F16,  1, 1, 1,  130,   1, 64, true,  0, 0, -1, 0, 0},
+};
+static const Case WIDE[] = {
+    {"d128 33x17",                         F16,  F16,  1, 1, 1,   33,  17, 128, false, 0, 0, -1, 0, 0},
+    {"d128 130x77 causal out f32",         BF16, F32,  1, 1, 1,  130,  77, 128, true,  0, 0, -1, 0, 0},
+    {"d128 17x77 causal",                  F16,  F16,  1, 1, 1,   17,  77, 128, true,  0, 0, -1, 0, 0},
+    {"gqa 4/2 d128 77x130 causal out f32", F16,  F32,  1, 4, 2,   77, 130, 128, true,  0, 0, -1, 0, 0},
+    {"d72 (tile 128) 40x9",                BF16, BF16, 1, 1, 1,   40,   9, 72, false, 0, 0, -1, 0, 0},
+};
+static const Case GQA[] = {
+    {"gqa 4/2 b2 d64 33x17 causal",        F16,  F32,  2, 4, 2,   33,  17, 64, true,  0, 0, -1, 0, 0},
+    {"gqa 3/1 d128 17x65",                 BF16, BF16, 1, 3, 1,   17,  65, 128, false, 0, 0, -1, 0, 0},
+    {"gqa 3/1 d40 20x31 causal scale .3",  F16,  F16,  1, 3, 1,   20,  31, 40, true,  0, 0, -1, 0, 0.3f},
+};
+static const Case STRIDED[] = {
+    {"strided d64 37x21 causal",           BF16, F32,  2, 2, 2,   37,  21, 64, true,  9, 0, -1, 0, 0},
+    {"strided misaligned d40 23x30",       F16,  F16,  1, 2, 1,   23,  30, 40, false, 5, 4,  -1, 0, 0},
+    {"strided misaligned d64 out f32",     F16,  F32,  1, 3, 1,   19,  26, 64, true,  2, 2,  -1, 0, 0},
+    {"strided misaligned d128 gqa 4/2",    BF16, BF16, 1, 4, 2,   19,  13, 128, true, 3, 4,  -1, 0, 0},
+    {"lse -inf row d64 20x30",             F16,  F32,  1, 2, 1,   20,  30, 64, false, 0, 0,  5, 0, 0},
+    {"lse -inf row d128 causal strided",   BF16, BF16, 1, 1, 1,   21,  21, 128, true, 4, 0, 0, 0, 0},
+    {"two key blocks d64 40x100",          BF16, F32,  1, 2, 1,   40, 100, 64, false, 0, 0, -1, 37, 0},
+    {"two key blocks d40 strided 30x70",   F16,  F16,  1, 1, 1,   30,  70, 40, false, 6, 0,  3, 64, 0},
+};
+
+static const cudasim_schedule schedules[] = {CUDASIM_SCHED_FORWARD, CUDASIM_SCHED_REVERSE, CUDASIM_SCHED_SHUFFLE};
+
+template <size_t N> static void run_all(const Case (&cases)[N], int sched, unsigned seed) {
+    cudasim_set_schedule(schedules[sched], 1000 + seed);
+    for (size_t i = 0; i < N; i++) run_case(cases[i], seed + 17 * (unsigned)i);
+}
+
+START_TEST(shapes) { run_all(SHAPES, _i, 11); }
+END_TEST
+START_TEST(wide) { run_all(WIDE, _i, 23); }
+END_TEST
+START_TEST(gqa) {
+    run_all(GQA, _i, 37);
+    /* a CTA looping over several (batch, head) slices (grid y past CUDA's cap) */
+    cpar__ab_grid_y_cap = 2;
+    run_all(GQA, _i, 38);
+    run_all(STRIDED, _i, 39);
+    cpar__ab_grid_y_cap = 65535;
+}
+END_TEST
+START_TEST(strided) { run_all(STRIDED, _i, 41); }
+END_TEST
+
+/* Results do not depend on the schedule: no atomics, fixed summation order. */
+START_TEST(deterministic) {
+    const Case c = {"det", BF16, F32, 1, 2, 1, 70, 45, 64, true, 0, 0, -1, 0, 0};
+    std::vector<float> first;
+    for (int sched = 0; sched < 3; sched++) {
+        cudasim_set_schedule(schedules[sched], 99);
+        unsigned seed = 5;
+        cpar_dev_attn a = {c.dt, c.b, c.hq, c.hkv, c.sq, c.sk, c.d, NULL, NULL, NULL, c.sq * c.d, c.sk * c.d,
+                           c.causal, 0.125f};
+        const size_t nq = c.b * c.hq * c.sq * c.d, nk = c.b * c.hkv * c.sk * c.d, nl = c.b * c.hq * c.sq;
+        void *q = dalloc(nq, c.dt), *k = dalloc(nk, c.dt), *v = dalloc(nk, c.dt), *out = dalloc(nq, c.out_dt),
+             *dout = dalloc(nq, c.out_dt);
+        float *lse = (float *)dalloc(nl, F32), *g = (float *)dalloc(nq + 2 * nk, F32);
+        void *scratch = dalloc(cpar_dev_attention_bwd_scratch_bytes(&a), CPAR_U8);
+        for (size_t i = 0; i < nq; i++) {
+            put(q, c.dt, i, urand(&seed));
+            put(out, c.out_dt, i, 0.5 * urand(&seed));
+            put(dout, c.out_dt, i, urand(&seed));
+        }
+        for (size_t i = 0; i < nk; i++) {
+            put(k, c.dt, i, urand(&seed));
+            put(v, c.dt, i, urand(&seed));
+        }
+        for (size_t i = 0; i < nl; i++) lse[i] = (float)(2.0 + urand(&seed));
+        memset(g, 0, sizeof(float) * (nq + 2 * nk));
+        a.q = q;
+        a.k = k;
+        a.v = v;
+        ck_assert_int_eq(cpar_dev_attention_bwd(&a, out, dout, c.out_dt, c.sq * c.d, lse, c.sq, g, c.sq * c.d, g + nq,
+                                                g + nq + nk, c.sk * c.d, scratch, NULL),
+                         CPAR_OK);
+        if (sched == 0) first.assign(g, g + nq + 2 * nk);
+        else ck_assert_msg(memcmp(first.data(), g, sizeof(float) * (nq + 2 * nk)) == 0, "results differ by schedule");
+        void *bufs[] = {q, k, v, out, dout, lse, g, scratch};
+        for (void *p : bufs) cudaFree(p);
+    }
+}
+END_TEST
+
+/* Bad arguments: CPAR_ERR_INVALID naming the argument; zero-sized work is a no-op. */
+static void expect_invalid(cpar_status st, const char *what, const char *word) {
+    ck_assert_msg(st == CPAR_ERR_INVALID, "%s -> %d, expected CPAR_ERR_INVALID (%s)", what, (int)st,
+                  cpar_dev_last_error());
+    ck_assert_msg(strstr(cpar_dev_last_error(), "cpar_dev_attention_bwd") != NULL &&
+                      strstr(cpar_dev_last_error(), word) != NULL,
+                  "%s: message \"%s\" does not name \"%s\"", what, cpar_dev_last_error(), word);
+}
+
+START_TEST(bad_args) {
+    const int64_t sq = 5, sk = 7, d = 16;
+    __half *q = (__half *)dalloc(2 * sq * d, F16), *kv = (__half *)dalloc(2 * sk * d, F16);
+    __half *o = (__half *)dalloc(2 * sq * d, F16);
+    float *lse = (float *)dalloc(2 * sq, F32), *g = (float *)dalloc(2 * sq * d + 4 * sk * d, F32);
+    void *scratch = dalloc(2 * sq, F32);
+    const cpar_dev_attn good = {F16, 1, 2, 1, sq, sk, d, q, kv, kv, sq * d, sk * d, false, 0.25f};
+    float *dq = g, *dk = g + 2 * sq * d, *dv = dk + sk * d;
+#define CALL(a, ...) cpar_dev_attention_bwd(a, __VA_ARGS__, NULL)
+#define GOOD_REST o, o, F16, sq * d, lse, sq, dq, sq * d, dk, dv, sk * d, scratch
+    ck_assert_int_eq(CALL(&good, GOOD_REST), CPAR_OK);
+    ck_assert_int_eq(cudaDeviceSynchronize(), cudaSuccess);
+    expect_invalid(CALL(NULL, GOOD_REST), "a NULL", "a is NULL");
+    struct {
+        const char *word;
+        void (*edit)(cpar_dev_attn *);
+    } edits[] = {
+        {"a->dt", [](cpar_dev_attn *a) { a->dt = CPAR_F32; }},
+        {"a->dt", [](cpar_dev_attn *a) { a->dt = CPAR_I32; }},
+        {"b", [](cpar_dev_attn *a) { a->b = -1; }},
+        {"sq", [](cpar_dev_attn *a) { a->sq = -2; }},
+        {"sk", [](cpar_dev_attn *a) { a->sk = -1; }},
+        {"a->hkv", [](cpar_dev_attn *a) { a->hkv = 0; }},
+        {"a->hkv", [](cpar_dev_attn *a) { a->hq = 3; a->hkv = 2; }},
+        {"a->d", [](cpar_dev_attn *a) { a->d = 12; }},
+        {"a->d", [](cpar_dev_attn *a) { a->d = 136; }},
+        {"a->scale", [](cpar_dev_attn *a) { a->scale = 0.f; }},
+        {"a->scale", [](cpar_dev_attn *a) { a->scale = INFINITY; }},
+        {"a->scale", [](cpar_dev_attn *a) { a->scale = NAN; }},
+        {"a->q", [](cpar_dev_attn *a) { a->q = NULL; }},
+        {"a->k", [](cpar_dev_attn *a) { a->k = NULL; }},
+        {"a->v", [](cpar_dev_attn *a) { a->v = NULL; }},
+        {"a->q_bh", [](cpar_dev_attn *a) { a->q_bh = a->sq * a->d - 1; }},
+        {"a->kv_bh", [](cpar_dev_attn *a) { a->kv_bh = 8; }},
+    };
+    for (const auto &ed : edits) {
+        cpar_dev_attn a = good;
+        ed.edit(&a);
+        expect_invalid(CALL(&a, GOOD_REST), ed.word, ed.word);
+    }
+    expect_invalid(CALL(&good, o, o, CPAR_BF16, sq * d, lse, sq, dq, sq * d, dk, dv, sk * d, scratch), "out_dt",
+                   "out_dt");
+    expect_invalid(CALL(&good, NULL, o, F16, sq * d, lse, sq, dq, sq * d, dk, dv, sk * d, scratch), "out",
+                   "out is NULL");
+    expect_invalid(CALL(&good, o, NULL, F16, sq * d, lse, sq, dq, sq * d, dk, dv, sk * d, scratch), "dout", "dout");
+    expect_invalid(CALL(&good, o, o, F16, sq * d, NULL, sq, dq, sq * d, dk, dv, sk * d, scratch), "lse", "lse");
+    expect_invalid(CALL(&good, o, o, F16, sq * d, lse, sq, NULL, sq * d, dk, dv, sk * d, scratch), "dq", "dq");
+    expect_invalid(CALL(&good, o, o, F16, sq * d, lse, sq, dq, sq * d, NULL, dv, sk * d, scratch), "dk", "dk");
+    expect_invalid(CALL(&good, o, o, F16, sq * d, lse, sq, dq, sq * d, dk, NULL, sk * d, scratch), "dv", "dv");
+    expect_invalid(CALL(&good, o, o, F16, sq * d, lse, sq, dq, sq * d, dk, dv, sk * d, NULL), "scratch", "scratch");
+    expect_invalid(CALL(&good, o, o, F16, sq * d, lse, sq, dq, sq * d, dk, dv, sk * d, (char *)scratch + 2),
+                   "scratch misaligned", "scratch");
+    expect_invalid(CALL(&good, o, o, F16, 3, lse, sq, dq, sq * d, dk, dv, sk * d, scratch), "o_bh", "o_bh");
+    expect_invalid(CALL(&good, o, o, F16, sq * d, lse, sq - 1, dq, sq * d, dk, dv, sk * d, scratch), "lse_bh",
+                   "lse_bh");
+    expect_invalid(CALL(&good, o, o, F16, sq * d, lse, sq, dq, 0, dk, dv, sk * d, scratch), "dq_bh", "dq_bh");
+    expect_invalid(CALL(&good, o, o, F16, sq * d, lse, sq, dq, sq * d, dk, dv, sk * d - 8, scratch), "dkv_bh",
+                   "dkv_bh");
+
+    /* zero-sized work: no scratch, no pointers needed, nothing written */
+    for (int z = 0; z < 5; z++) {
+        cpar_dev_attn a = good;
+        a.q = a.k = a.v = NULL;
+        if (z == 0) a.b = 0;
+        if (z == 1) a.sq = 0;
+        if (z == 2) a.sk = 0;
+        if (z == 3) a.hq = 0;
+        if (z == 4) a.d = 0;
+        ck_assert_uint_eq(cpar_dev_attention_bwd_scratch_bytes(&a), 0);
+        ck_assert_msg(CALL(&a, NULL, NULL, F16, 0, NULL, 0, NULL, 0, NULL, NULL, 0, NULL) == CPAR_OK,
+                      "zero-sized case %d: %s", z, cpar_dev_last_error());
+    }
+    ck_assert_uint_eq(cpar_dev_attention_bwd_scratch_bytes(NULL), 0);
+    ck_assert_uint_eq(cpar_dev_attention_bwd_scratch_bytes(&good), 2 * sq * sizeof(float));
+#undef CALL
+#undef GOOD_REST
+    void *bufs[] = {q, kv, o, lse, g, scratch};
+    for (void *p : bufs) cudaFree(p);
+}
+END_TEST
+
+int main(void) {
+    Suite *s = suite_create("attn_bwd: flash-attention backward kernels against an fp64 reference (simulator)");
+    TCase *tc = tcase_create("attn_bwd");
+    tcase_set_timeout(tc, 120);
+    tcase_add_loop_test(tc, shapes, 0, 2);
+    tcase_add_loop_test(tc, wide, 0, 2);
+    tcase_add_loop_test(tc, gqa, 0, 3);
+    tcase_add_loop_test(tc, strided, 0, 3);
+    tcase_add_test(tc, deterministic);
+    tcase_add_test(tc, bad_args);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    const int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}

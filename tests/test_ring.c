@@ -1,0 +1,627 @@
+/* test_ring.c — ring attention and context-parallel sharding (cpar.h §12).
+ *
+ * Sharding: cpar_cp_shard places chunk r (sequential) or chunks r and
+ * 2cp-1-r (load balancing, PyTorch's round-robin order) of any sequence
+ * dimension on rank r, from host or device memory into host or device
+ * memory; cpar_cp_unshard restores the whole tensor bit for bit, moving
+ * exactly one all-gather of the shards. Identity for every cp 1..8 on the
+ * host backend and 1..4 on the backend under test, several dtypes and
+ * sequence dimensions (first, middle, last).
+ *
+ * Ring attention: each case builds the full random q, k, v, dout on the
+ * host, computes the single-rank fp64 reference (forward out and lse,
+ * backward dq, dk, dv, written here), shards with cpar_cp_shard, runs
+ * forward and backward on every rank, unshards out, lse, dq, dk, dv with
+ * cpar_cp_unshard and compares, at cp 1..4: causal with and without load
+ * balancing, non-causal with both shardings, both rotation methods, GQA, a
+ * custom scale, F32 (host), F16 and BF16 (host and sim). Every output is
+ * poisoned first. Communication is asserted exactly per call: all-gather
+ * rotation receives (cp-1)/cp of the global K and V, the ring rotation moves
+ * cp-1 KV blocks, and backward adds cp ring shifts of the fp32 dK/dV
+ * accumulators. Bad input for every argument of the four functions. */
+#include "testutil.h"
+
+#define MAX_CP 8
+
+static cpar_status spawn_on(cpar_backend be, int n, cpar_rank_fn fn, void *arg) {
+    cpar_init_config cfg = {.backend = be, .timeout_ms = TU_TIMEOUT_MS};
+    return cpar_spawn_with(n, &cfg, fn, arg);
+}
+
+/* ---- sharding ------------------------------------------------------------------------- */
+
+typedef struct {
+    cpar_dtype dt;
+    int ndim, seq_dim; /* seq_dim as passed (may be negative) */
+    int64_t shape[4];  /* full shape */
+    bool lb;
+    void *full;        /* host, random */
+} shard_case;
+
+/* Element index in full of element e of rank r's shard (layout [outer, S, inner]). */
+static int64_t shard_source(const shard_case *c, int P, int r, int64_t e) {
+    int sd = c->seq_dim < 0 ? c->seq_dim + c->ndim : c->seq_dim;
+    int64_t inner = 1, S = c->shape[sd], L = S / P;
+    for (int i = sd + 1; i < c->ndim; i++) inner *= c->shape[i];
+    int64_t o = e / (L * inner), j = e / inner % L, in = e % inner, gj;
+    if (c->lb) {
+        int64_t ch = S / (2 * P), slot = j / ch, chunk = slot == 0 ? r : 2 * P - 1 - r;
+        gj = chunk * ch + j % ch;
+    } else {
+        gj = r * L + j;
+    }
+    return (o * S + gj) * inner + in;
+}
+
+static cpar_status rank_shard(cpar_ctx *ctx, void *arg) {
+    const shard_case *c = arg;
+    cpar_group *g = cpar_world_group(ctx);
+    int P = cpar_group_size(g), r = cpar_group_rank(g);
+    int sd = c->seq_dim < 0 ? c->seq_dim + c->ndim : c->seq_dim;
+    int64_t lshape[4];
+    memcpy(lshape, c->shape, sizeof lshape);
+    lshape[sd] /= P;
+    size_t es = cpar_dtype_size(c->dt);
+    cpar_tensor fh = cpar_tensor_make(c->full, c->dt, c->ndim, c->shape, CPAR_HOST);
+    cpar_tensor fd = tu_upload(ctx, c->full, c->dt, c->ndim, c->shape);
+    int64_t nl = 1;
+    for (int i = 0; i < c->ndim; i++) nl *= lshape[i];
+
+    /* host full -> device shard, and device full -> host shard */
+    cpar_tensor ld = tu_alloc_poisoned(ctx, c->dt, c->ndim, lshape);
+    TU_OK(cpar_cp_shard(g, &fh, c->seq_dim, c->lb, &ld));
+    void *lh_mem = malloc((size_t)nl * es + 1);
+    memset(lh_mem, 0xff, (size_t)nl * es);
+    cpar_tensor lh = cpar_tensor_make(lh_mem, c->dt, c->ndim, lshape, CPAR_HOST);
+    TU_OK(cpar_cp_shard(g, &fd, c->seq_dim, c->lb, &lh));
+    void *got = tu_download(ctx, &ld);
+    for (int64_t e = 0; e < nl; e++) {
+        int64_t src = shard_source(c, P, r, e);
+        ck_assert_msg(!memcmp((char *)got + e * es, (char *)c->full + src * es, es),
+                      "cp %d rank %d: shard element %lld is not full element %lld", P, r, (long long)e, (long long)src);
+    }
+    ck_assert_msg(!memcmp(got, lh_mem, (size_t)nl * es), "cp %d rank %d: host and device shards differ", P, r);
+
+    /* unshard: one all-gather of the shards, bit-exact identity */
+    cpar_tensor back = tu_alloc_poisoned(ctx, c->dt, c->ndim, c->shape);
+    TU_OK(cpar_group_stats_reset(g));
+    TU_OK(cpar_cp_unshard(g, &ld, c->seq_dim, c->lb, &back));
+    cpar_comm_stats cs;
+    TU_OK(cpar_group_stats(g, &cs));
+    uint64_t moved = (uint64_t)(P - 1) * (uint64_t)nl * es;
+    ck_assert_uint_eq(cs.kind[CPAR_COLL_ALL_GATHER].calls, 1);
+    ck_assert_uint_eq(cs.kind[CPAR_COLL_ALL_GATHER].bytes_sent, moved);
+    ck_assert_uint_eq(cs.kind[CPAR_COLL_ALL_GATHER].bytes_recv, moved);
+    for (int k = 0; k < CPAR_COLL_KIND_COUNT; k++)
+        if (k != CPAR_COLL_ALL_GATHER) ck_assert_uint_eq(cs.kind[k].calls, 0);
+    void *whole = tu_download(ctx, &back);
+    ck_assert_msg(!memcmp(whole, c->full, cpar_tensor_nbytes(&fh)), "cp %d rank %d: unshard(shard(x)) != x", P, r);
+
+    free(got), free(whole), free(lh_mem);
+    TU_OK(cpar_tensor_free(ctx, &fd));
+    TU_OK(cpar_tensor_free(ctx, &ld));
+    TU_OK(cpar_tensor_free(ctx, &back));
+    return CPAR_OK;
+}
+
+static void run_shard(cpar_backend be, int P, cpar_dtype dt, int ndim, int seq_dim, const int64_t *shape, bool lb,
+                      uint64_t seed) {
+    shard_case c = {.dt = dt, .ndim = ndim, .seq_dim = seq_dim, .lb = lb};
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) c.shape[i] = shape[i], n *= shape[i];
+    c.full = tu_random_host(dt, n, seed);
+    TU_OK(spawn_on(be, P, rank_shard, &c));
+    free(c.full);
+}
+
+/* Shapes with the sequence (length 6 cp, so chunks of 3 with load balancing)
+ * at dim 2 ([b, h, s, d]), dim 0 ([s, b, h]; sequential takes the in-place
+ * gather) and the last dim; both shardings. */
+static void shard_cases(cpar_backend be, int P, uint64_t seed) {
+    const int64_t S = 6 * P;
+    const int64_t attn[4] = {2, 3, S, 5}, first[3] = {S, 2, 3}, last[2] = {3, S};
+    const int64_t odd[3] = {3 * P, 2, 1}; /* sequential chunks of 3 rows */
+    for (int lb = 0; lb < 2; lb++) {
+        run_shard(be, P, CPAR_F32, 4, 2, attn, lb, seed + (uint64_t)lb);
+        run_shard(be, P, CPAR_BF16, 4, -2, attn, lb, seed + 2 + (uint64_t)lb);
+        run_shard(be, P, CPAR_I64, 3, 0, first, lb, seed + 4 + (uint64_t)lb);
+        run_shard(be, P, CPAR_U8, 2, -1, last, lb, seed + 6 + (uint64_t)lb);
+    }
+    run_shard(be, P, CPAR_F16, 3, 0, odd, false, seed + 8);
+}
+
+/* _i = cp - 1: the seed's round-robin order is an identity after unshard for cp 1..8 (host backend) */
+START_TEST(test_shard_roundtrip_host) { shard_cases(CPAR_BACKEND_HOST, _i + 1, 100 + 16 * (uint64_t)_i); }
+END_TEST
+
+/* _i = cp - 1, on the backend under test (the sim backend in the sim build: device shards) */
+START_TEST(test_shard_roundtrip_backend) { shard_cases(tu_backend(), _i + 1, 300 + 16 * (uint64_t)_i); }
+END_TEST
+
+/* ---- ring attention: the fp64 reference ----------------------------------------------------- */
+
+typedef struct {
+    int P;
+    cpar_dtype dt;
+    cpar_ring_attention_config cfg;
+    int64_t b, hq, hkv, s, d; /* s: the global sequence length */
+    double scale;             /* resolved */
+    /* global inputs as dt holds them: host memory of dt, and as doubles */
+    void *hq_, *hk_, *hv_, *hdo_;
+    double *q, *k, *v, *dout;
+    double *out, *lse, *dq, *dk, *dv; /* reference */
+} ring_case;
+
+/* Full-sequence attention in fp64: out, lse, and the gradients for dout. */
+static void ring_reference(ring_case *c) {
+    const int64_t S = c->s, d = c->d, grp = c->hq / c->hkv;
+    double *sc = malloc(sizeof(double) * (size_t)S), *p = malloc(sizeof(double) * (size_t)S);
+    memset(c->dq, 0, sizeof(double) * (size_t)(c->b * c->hq * S * d));
+    memset(c->dk, 0, sizeof(double) * (size_t)(c->b * c->hkv * S * d));
+    memset(c->dv, 0, sizeof(double) * (size_t)(c->b * c->hkv * S * d));
+    for (int64_t bi = 0; bi < c->b; bi++)
+        for (int64_t h = 0; h < c->hq; h++) {
+            const int64_t bh = bi * c->hq + h, kh = bi * c->hkv + h / grp;
+            const double *Q = c->q + bh * S * d, *K = c->k + kh * S * d, *V = c->v + kh * S * d;
+            const double *DO = c->dout + bh * S * d;
+            double *O = c->out + bh * S * d, *DQ = c->dq + bh * S * d, *DK = c->dk + kh * S * d,
+                   *DV = c->dv + kh * S * d;
+            for (int64_t i = 0; i < S; i++) {
+                const int64_t n = c->cfg.causal ? i + 1 : S;
+                double m = -INFINITY, sum = 0.0;
+                for (int64_t j = 0; j < n; j++) {
+                    double t = 0.0;
+                    for (int64_t e = 0; e < d; e++) t += Q[i * d + e] * K[j * d + e];
+                    sc[j] = c->scale * t;
+                    m = fmax(m, sc[j]);
+                }
+                for (int64_t j = 0; j < n; j++) sum += exp(sc[j] - m);
+                const double L = m + log(sum);
+                c->lse[bh * S + i] = L;
+                for (int64_t e = 0; e < d; e++) O[i * d + e] = 0.0;
+                for (int64_t j = 0; j < n; j++) {
+                    p[j] = exp(sc[j] - L);
+                    for (int64_t e = 0; e < d; e++) O[i * d + e] += p[j] * V[j * d + e];
+                }
+                double D = 0.0;
+                for (int64_t e = 0; e < d; e++) D += DO[i * d + e] * O[i * d + e];
+                for (int64_t j = 0; j < n; j++) {
+                    double dp = 0.0;
+                    for (int64_t e = 0; e < d; e++) dp += DO[i * d + e] * V[j * d + e];
+                    const double ds = p[j] * (dp - D) * c->scale;
+                    for (int64_t e = 0; e < d; e++) {
+                        DQ[i * d + e] += ds * K[j * d + e];
+                        DK[j * d + e] += ds * Q[i * d + e];
+                        DV[j * d + e] += p[j] * DO[i * d + e];
+                    }
+                }
+            }
+        }
+    free(sc), free(p);
+}
+
+/* n random values of dt (times amp, rounded to dt) into host memory and doubles. */
+static void random_input(cpar_dtype dt, int64_t n, double amp, uint64_t seed, void **host, double **dbl) {
+    *host = malloc((size_t)n * cpar_dtype_size(dt));
+    *dbl = malloc(sizeof(double) * (size_t)n);
+    uint64_t s = seed * 0x9e3779b97f4a7c15ull + 11;
+    for (int64_t i = 0; i < n; i++) {
+        tu_set(*host, dt, i, amp * tu_uniform(&s));
+        (*dbl)[i] = tu_get(*host, dt, i);
+    }
+}
+
+static void ring_case_init(ring_case *c, int P, cpar_dtype dt, bool causal, bool lb, cpar_rotate_method rot,
+                           int64_t b, int64_t hkv, int64_t s_local, int64_t d, float scale, uint64_t seed) {
+    memset(c, 0, sizeof *c);
+    c->P = P, c->dt = dt;
+    c->cfg = (cpar_ring_attention_config){.causal = causal, .load_balance = lb, .rotate = rot, .scale = scale};
+    c->b = b, c->hq = 2, c->hkv = hkv, c->s = s_local * P, c->d = d;
+    c->scale = scale > 0.f ? (double)scale : 1.0 / sqrt((double)d);
+    const int64_t nq = c->b * c->hq * c->s * d, nkv = c->b * c->hkv * c->s * d;
+    /* q scaled up so the softmax is far from uniform */
+    random_input(dt, nq, 2.0, seed, &c->hq_, &c->q);
+    random_input(dt, nkv, 2.0, seed + 1, &c->hk_, &c->k);
+    random_input(dt, nkv, 1.0, seed + 2, &c->hv_, &c->v);
+    random_input(dt, nq, 1.0, seed + 3, &c->hdo_, &c->dout);
+    c->out = malloc(sizeof(double) * (size_t)nq);
+    c->lse = malloc(sizeof(double) * (size_t)(c->b * c->hq * c->s));
+    c->dq = malloc(sizeof(double) * (size_t)nq);
+    c->dk = malloc(sizeof(double) * (size_t)nkv);
+    c->dv = malloc(sizeof(double) * (size_t)nkv);
+    ring_reference(c);
+}
+
+static void ring_case_free(ring_case *c) {
+    free(c->hq_), free(c->hk_), free(c->hv_), free(c->hdo_);
+    free(c->q), free(c->k), free(c->v), free(c->dout);
+    free(c->out), free(c->lse), free(c->dq), free(c->dk), free(c->dv);
+}
+
+/* Every element within tol of the reference, relative to the tensor's
+ * largest reference magnitude (at least 1); NaN always fails. */
+static void expect_close(const char *what, const ring_case *c, const void *got, cpar_dtype dt, const double *want,
+                         int64_t n, double tol) {
+    double scale = 1.0;
+    for (int64_t i = 0; i < n; i++) scale = fmax(scale, fabs(want[i]));
+    for (int64_t i = 0; i < n; i++) {
+        double g = tu_get(got, dt, i);
+        ck_assert_msg(!isnan(g) && fabs(g - want[i]) <= tol * scale,
+                      "%s, cp %d %s %s%s %s hkv %lld: element %lld is %.9g, expected %.9g (tol %.3g x %.3g)", what,
+                      c->P, cpar_dtype_name(c->dt), c->cfg.causal ? "causal" : "non-causal",
+                      c->cfg.load_balance ? " load-balanced" : "",
+                      c->cfg.rotate == CPAR_ROTATE_ALLGATHER ? "allgather" : "alltoall", (long long)c->hkv,
+                      (long long)i, g, want[i], tol, scale);
+    }
+}
+
+/* Tolerances: fp32 host path; 16-bit outputs are rounded to the dtype and the
+ * device kernels round P and dS to it for the tensor-core products. */
+static double out_tol(cpar_dtype dt) { return dt == CPAR_F32 ? 2e-5 : dt == CPAR_F16 ? 4e-3 : 3e-2; }
+static double lse_tol(cpar_dtype dt) { return dt == CPAR_F32 ? 1e-5 : 1e-4; }
+
+/* The statistics of one call: all-gather (calls, bytes each way) and
+ * send/recv (calls, bytes each way); nothing else. */
+static void expect_stats(cpar_group *g, uint64_t ag_calls, uint64_t ag_bytes, uint64_t sr_calls, uint64_t sr_bytes) {
+    cpar_comm_stats cs;
+    TU_OK(cpar_group_stats(g, &cs));
+    ck_assert_uint_eq(cs.kind[CPAR_COLL_ALL_GATHER].calls, ag_calls);
+    ck_assert_uint_eq(cs.kind[CPAR_COLL_ALL_GATHER].bytes_recv, ag_bytes);
+    ck_assert_uint_eq(cs.kind[CPAR_COLL_ALL_GATHER].bytes_sent, ag_bytes);
+    ck_assert_uint_eq(cs.kind[CPAR_COLL_SEND_RECV].calls, sr_calls);
+    ck_assert_uint_eq(cs.kind[CPAR_COLL_SEND_RECV].bytes_recv, sr_bytes);
+    ck_assert_uint_eq(cs.kind[CPAR_COLL_SEND_RECV].bytes_sent, sr_bytes);
+    for (int k = 0; k < CPAR_COLL_KIND_COUNT; k++)
+        if (k != CPAR_COLL_ALL_GATHER && k != CPAR_COLL_SEND_RECV) ck_assert_uint_eq(cs.kind[k].calls, 0);
+}
+
+/* Unshard a result and compare it with the reference. */
+static void check_result(cpar_ctx *ctx, cpar_group *g, const ring_case *c, const char *what, const cpar_tensor *local,
+                         int ndim, const int64_t *full_shape, const double *want, double tol) {
+    cpar_tensor full = tu_alloc_poisoned(ctx, local->dtype, ndim, full_shape);
+    TU_OK(cpar_cp_unshard(g, local, 2, c->cfg.load_balance, &full));
+    void *h = tu_download(ctx, &full);
+    expect_close(what, c, h, local->dtype, want, cpar_tensor_numel(&full), tol);
+    free(h);
+    TU_OK(cpar_tensor_free(ctx, &full));
+}
+
+static cpar_status rank_ring(cpar_ctx *ctx, void *arg) {
+    const ring_case *c = arg;
+    cpar_group *g = cpar_world_group(ctx);
+    const int P = cpar_group_size(g);
+    const int64_t sl = c->s / P;
+    const int64_t qf[4] = {c->b, c->hq, c->s, c->d}, kf[4] = {c->b, c->hkv, c->s, c->d}, lf[3] = {c->b, c->hq, c->s};
+    const int64_t ql[4] = {c->b, c->hq, sl, c->d}, kl[4] = {c->b, c->hkv, sl, c->d}, ll[3] = {c->b, c->hq, sl};
+    const bool lb = c->cfg.load_balance;
+    cpar_tensor fq = cpar_tensor_make(c->hq_, c->dt, 4, qf, CPAR_HOST), fk = cpar_tensor_make(c->hk_, c->dt, 4, kf, CPAR_HOST);
+    cpar_tensor fv = cpar_tensor_make(c->hv_, c->dt, 4, kf, CPAR_HOST), fdo = cpar_tensor_make(c->hdo_, c->dt, 4, qf, CPAR_HOST);
+    cpar_tensor q = tu_alloc_poisoned(ctx, c->dt, 4, ql), k = tu_alloc_poisoned(ctx, c->dt, 4, kl);
+    cpar_tensor v = tu_alloc_poisoned(ctx, c->dt, 4, kl), dout = tu_alloc_poisoned(ctx, c->dt, 4, ql);
+    TU_OK(cpar_cp_shard(g, &fq, 2, lb, &q));
+    TU_OK(cpar_cp_shard(g, &fk, 2, lb, &k));
+    TU_OK(cpar_cp_shard(g, &fv, 2, lb, &v));
+    TU_OK(cpar_cp_shard(g, &fdo, 2, lb, &dout));
+    cpar_tensor out = tu_alloc_poisoned(ctx, c->dt, 4, ql), lse = tu_alloc_poisoned(ctx, CPAR_F32, 3, ll);
+    cpar_tensor dq = tu_alloc_poisoned(ctx, c->dt, 4, ql), dk = tu_alloc_poisoned(ctx, c->dt, 4, kl);
+    cpar_tensor dv = tu_alloc_poisoned(ctx, c->dt, 4, kl);
+
+    /* one KV block: this rank's k and v */
+    const uint64_t kvb = 2 * (uint64_t)cpar_tensor_nbytes(&k), acc = 2 * (uint64_t)cpar_tensor_numel(&k) * 4;
+    const uint64_t p1 = (uint64_t)(P - 1);
+    const bool ag = c->cfg.rotate == CPAR_ROTATE_ALLGATHER;
+    TU_OK(cpar_group_stats_reset(g));
+    TU_OK(cpar_ring_attention_forward(g, &c->cfg, &q, &k, &v, &out, &lse));
+    if (P == 1) expect_stats(g, 0, 0, 0, 0);
+    else if (ag) expect_stats(g, 2, p1 * kvb, 0, 0); /* (cp-1)/cp of the global K and V */
+    else expect_stats(g, 0, 0, p1, p1 * kvb);        /* cp-1 KV blocks */
+    TU_OK(cpar_group_stats_reset(g));
+    TU_OK(cpar_ring_attention_backward(g, &c->cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv));
+    if (P == 1) expect_stats(g, 0, 0, 0, 0);
+    else if (ag) expect_stats(g, 2, p1 * kvb, (uint64_t)P, (uint64_t)P * acc); /* + cp dK/dV shifts */
+    else expect_stats(g, 0, 0, p1 + (uint64_t)P, p1 * kvb + (uint64_t)P * acc);
+
+    const double to = out_tol(c->dt);
+    check_result(ctx, g, c, "out", &out, 4, qf, c->out, to);
+    check_result(ctx, g, c, "lse", &lse, 3, lf, c->lse, lse_tol(c->dt));
+    check_result(ctx, g, c, "dq", &dq, 4, qf, c->dq, to);
+    check_result(ctx, g, c, "dk", &dk, 4, kf, c->dk, to);
+    check_result(ctx, g, c, "dv", &dv, 4, kf, c->dv, to);
+    cpar_tensor *all[] = {&q, &k, &v, &dout, &out, &lse, &dq, &dk, &dv};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) TU_OK(cpar_tensor_free(ctx, all[i]));
+    return CPAR_OK;
+}
+
+static bool on_sim(void) { return tu_backend() == CPAR_BACKEND_SIM; }
+
+/* Runs one configuration in every dtype the backend takes (F32 only on the
+ * host path): F32 and BF16 with GQA (hkv 1) and two batches, F16 with
+ * hkv = hq and one batch on the sim (its time goes into kernel blocks); d 16
+ * on devices, 5 and 8 on the host. */
+static void run_ring(int P, bool causal, bool lb, cpar_rotate_method rot, float scale, uint64_t seed) {
+    const cpar_dtype dts[3] = {CPAR_F32, CPAR_F16, CPAR_BF16};
+    for (int t = on_sim() ? 1 : 0; t < 3; t++) {
+        ring_case c;
+        const int64_t d = on_sim() ? 16 : t == 0 ? 5 : 8;
+        const int64_t b = t == 1 && on_sim() ? 1 : 2, hkv = t == 1 ? 2 : 1;
+        ring_case_init(&c, P, dts[t], causal, lb, rot, b, hkv, 6, d, scale, seed + 8 * (uint64_t)t);
+        TU_OK(tu_spawn(P, rank_ring, &c));
+        ring_case_free(&c);
+    }
+}
+
+static const cpar_rotate_method rots[2] = {CPAR_ROTATE_ALLGATHER, CPAR_ROTATE_ALLTOALL};
+
+/* _i = (cp - 1) * 2 + rotation */
+START_TEST(test_ring_causal_load_balanced) { run_ring(_i / 2 + 1, true, true, rots[_i % 2], 0.f, 1000 + 64 * (uint64_t)_i); }
+END_TEST
+
+START_TEST(test_ring_causal_sequential) { run_ring(_i / 2 + 1, true, false, rots[_i % 2], 0.f, 2000 + 64 * (uint64_t)_i); }
+END_TEST
+
+/* non-causal with both shardings (the round-robin one is an extension of the
+ * seed, which refuses it) and a custom scale */
+START_TEST(test_ring_non_causal) {
+    run_ring(_i / 2 + 1, false, _i % 2 == 0, rots[(_i / 2) % 2], 0.3f, 3000 + 64 * (uint64_t)_i);
+}
+END_TEST
+
+/* ---- bad arguments -------------------------------------------------------------------------- */
+
+static cpar_status rank_ring_bad(cpar_ctx *ctx, void *arg) {
+    (void)arg;
+    cpar_group *g = cpar_world_group(ctx);
+    const int P = cpar_group_size(g);
+    const bool dev = cpar_device(ctx) != CPAR_HOST;
+    const cpar_dtype dt = dev ? CPAR_BF16 : CPAR_F32;
+    const int64_t D = 8;
+    const int64_t qs[4] = {1, 2, 4, D}, ks[4] = {1, 1, 4, D}, ls[3] = {1, 2, 4};
+    const int64_t k3s[4] = {1, 3, 4, D}, kshort[4] = {1, 1, 3, D}, qodd[4] = {1, 2, 3, D}, ls3[3] = {1, 2, 3};
+    const int64_t q2d[2] = {8, D}, qd[4] = {1, 2, 4, 12}, kd[4] = {1, 1, 4, 12}, bl[3] = {1, 2, 5};
+    cpar_tensor q = tu_alloc_poisoned(ctx, dt, 4, qs), k = tu_alloc_poisoned(ctx, dt, 4, ks);
+    cpar_tensor v = tu_alloc_poisoned(ctx, dt, 4, ks), out = tu_alloc_poisoned(ctx, dt, 4, qs);
+    cpar_tensor lse = tu_alloc_poisoned(ctx, CPAR_F32, 3, ls), dout = tu_alloc_poisoned(ctx, dt, 4, qs);
+    cpar_tensor dq = tu_alloc_poisoned(ctx, dt, 4, qs), dk = tu_alloc_poisoned(ctx, dt, 4, ks);
+    cpar_tensor dv = tu_alloc_poisoned(ctx, dt, 4, ks);
+    cpar_tensor k3 = tu_alloc_poisoned(ctx, dt, 4, k3s), kshrt = tu_alloc_poisoned(ctx, dt, 4, kshort);
+    cpar_tensor qo = tu_alloc_poisoned(ctx, dt, 4, qodd), ko = tu_alloc_poisoned(ctx, dt, 4, qodd);
+    cpar_tensor lo = tu_alloc_poisoned(ctx, CPAR_F32, 3, ls3), q2 = tu_alloc_poisoned(ctx, dt, 2, q2d);
+    cpar_tensor qi = tu_alloc_poisoned(ctx, CPAR_I32, 4, qs), lseh = tu_alloc_poisoned(ctx, CPAR_BF16, 3, ls);
+    cpar_tensor lbad = tu_alloc_poisoned(ctx, CPAR_F32, 3, bl), kf = tu_alloc_poisoned(ctx, CPAR_F16, 4, ks);
+    cpar_tensor q12 = tu_alloc_poisoned(ctx, dt, 4, qd), k12 = tu_alloc_poisoned(ctx, dt, 4, kd);
+    cpar_tensor qnull = q;
+    qnull.data = NULL;
+    /* a tensor on the wrong memory: host memory on a device context, a
+     * device ordinal on the host backend (never dereferenced) */
+    static float fake[64];
+    cpar_tensor qwrong = cpar_tensor_make(fake, dt, 4, qs, dev ? CPAR_HOST : 0);
+    cpar_tensor fwrong = cpar_tensor_make(fake, dt, 4, qs, dev ? 7 : 0); /* shard takes host memory too */
+    cpar_tensor outwrong = cpar_tensor_make(fake, dt, 4, qs, dev ? CPAR_HOST : 0);
+    cpar_tensor outf = tu_alloc_poisoned(ctx, CPAR_F16, 4, qs);
+    cpar_ring_attention_config cfg = {.causal = true, .load_balance = true}, bad = cfg;
+    const char *bwd = "cpar_ring_attention_backward";
+
+    /* forward */
+    TU_FAILS(cpar_ring_attention_forward(NULL, &cfg, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cp is NULL");
+    TU_FAILS(cpar_ring_attention_forward(g, NULL, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg is NULL");
+    bad.rotate = (cpar_rotate_method)7;
+    TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg->rotate is 7");
+    bad = cfg, bad.scale = -1.f;
+    TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg->scale");
+    bad.scale = INFINITY;
+    TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg->scale");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, NULL, &k, &v, &out, &lse), CPAR_ERR_INVALID, "q is NULL");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &qnull, &k, &v, &out, &lse), CPAR_ERR_INVALID, "q has NULL data");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &qwrong, &k, &v, &out, &lse), CPAR_ERR_INVALID, "q is on");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &qi, &k, &v, &out, &lse), CPAR_ERR_INVALID, "q has dtype i32");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q2, &k, &v, &out, &lse), CPAR_ERR_INVALID, "q has shape [8,8]");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, NULL, &v, &out, &lse), CPAR_ERR_INVALID, "k is NULL");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &kf, &v, &out, &lse), CPAR_ERR_INVALID,
+             dev ? "k has dtype f16, expected bf16" : "k has dtype f16, expected f32");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &k3, &k3, &out, &lse), CPAR_ERR_INVALID, "k has 3 heads");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &k12, &k12, &out, &lse), CPAR_ERR_INVALID, "k has shape [1,1,4,12]");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &k, NULL, &out, &lse), CPAR_ERR_INVALID, "v is NULL");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &k, &kshrt, &out, &lse), CPAR_ERR_INVALID, "v has shape [1,1,3,8]");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &kshrt, &kshrt, &out, &lse), CPAR_ERR_INVALID,
+             "k has s_local 3, expected q's 4");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &qo, &ko, &ko, &out, &lse), CPAR_ERR_INVALID,
+             "q has s_local = 3, expected an even length");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, NULL, &lse), CPAR_ERR_INVALID, "out is NULL");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &q2, &q2, &out, &lse), CPAR_ERR_INVALID, "k has shape [8,8]");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &k, &q2, &out, &lse), CPAR_ERR_INVALID, "v has shape [8,8]");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &outf, &lse), CPAR_ERR_INVALID, "out has dtype f16");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &outwrong, &lse), CPAR_ERR_INVALID, "out is on");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &dk, &lse), CPAR_ERR_INVALID, "out has shape [1,1,4,8]");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &out, NULL), CPAR_ERR_INVALID, "lse is NULL");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &out, &lbad), CPAR_ERR_INVALID, "lse has shape [1,2,5]");
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &out, &lseh), CPAR_ERR_INVALID, "lse has dtype bf16");
+    if (dev) {
+        TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q12, &k12, &k12, &out, &lse), CPAR_ERR_INVALID,
+                 "head dim d = 12, expected a multiple of 8");
+        cpar_tensor q32 = tu_alloc_poisoned(ctx, CPAR_F32, 4, qs), k32 = tu_alloc_poisoned(ctx, CPAR_F32, 4, ks);
+        TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q32, &k32, &k32, &out, &lse), CPAR_ERR_UNSUPPORTED,
+                 "device attention takes f16 or bf16");
+        TU_OK(cpar_tensor_free(ctx, &q32));
+        TU_OK(cpar_tensor_free(ctx, &k32));
+    }
+    TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &q, &lse), CPAR_ERR_INVALID, "out overlaps q");
+    /* the non-causal ring takes unequal key shards and odd lengths */
+    cpar_ring_attention_config nc = {.causal = false, .load_balance = true, .rotate = CPAR_ROTATE_ALLTOALL};
+    TU_OK(cpar_ring_attention_forward(g, &nc, &qo, &k, &v, &ko, &lo));
+    TU_OK(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &out, &lse));
+
+    /* backward */
+    TU_FAILS(cpar_ring_attention_backward(NULL, &cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv), CPAR_ERR_INVALID, bwd);
+    TU_FAILS(cpar_ring_attention_backward(g, NULL, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv), CPAR_ERR_INVALID, "cfg is NULL");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, NULL, &k, &v, &out, &dout, &lse, &dq, &dk, &dv), CPAR_ERR_INVALID, "q is NULL");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &q, &k3, &k3, &out, &dout, &lse, &dq, &dk, &dv), CPAR_ERR_INVALID, "k has 3 heads");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, NULL, &dout, &lse, &dq, &dk, &dv), CPAR_ERR_INVALID, "out is NULL");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &outf, &dout, &lse, &dq, &dk, &dv), CPAR_ERR_INVALID, "out has dtype f16");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &out, &dout, &lseh, &dq, &dk, &dv), CPAR_ERR_INVALID, "lse has dtype bf16");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &out, &dout, &lse, &outwrong, &dk, &dv), CPAR_ERR_INVALID, "dq is on");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &out, &dk, &lse, &dq, &dk, &dv), CPAR_ERR_INVALID, "dout has shape");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &out, &dout, &lbad, &dq, &dk, &dv), CPAR_ERR_INVALID, "lse has shape");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &out, &dout, &lse, NULL, &dk, &dv), CPAR_ERR_INVALID, "dq is NULL");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &out, &dout, &lse, &dk, &dk, &dv), CPAR_ERR_INVALID, "dq has shape");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &out, &dout, &lse, &dq, &kf, &dv), CPAR_ERR_INVALID, "dk has dtype f16");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &q), CPAR_ERR_INVALID, "dv has shape");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, NULL), CPAR_ERR_INVALID, "dv is NULL");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dk), CPAR_ERR_INVALID, "dk overlaps dv");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &out, &dout, &lse, &dout, &dk, &dv), CPAR_ERR_INVALID, "dq overlaps dout");
+    TU_FAILS(cpar_ring_attention_backward(g, &cfg, &qo, &ko, &ko, &qo, &qo, &lo, &dq, &dk, &dv), CPAR_ERR_INVALID, "even length");
+    TU_OK(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv));
+
+    /* sharding: lengths 4 (and 4 * P) along dim 2 */
+    const int64_t fs[4] = {1, 2, 4 * P, D}, fodd[4] = {1, 2, 2 * P + 1, D}, l5[4] = {1, 2, 5, D};
+    cpar_tensor full = tu_alloc_poisoned(ctx, dt, 4, fs), fo = tu_alloc_poisoned(ctx, dt, 4, fodd);
+    cpar_tensor l_5 = tu_alloc_poisoned(ctx, dt, 4, l5);
+    const char *unshard = "cpar_cp_unshard";
+    cpar_tensor lview = full; /* a shard-shaped view of full's memory */
+    lview.shape[2] = 4;
+    TU_FAILS(cpar_cp_shard(NULL, &full, 2, true, &q), CPAR_ERR_INVALID, "cp is NULL");
+    TU_FAILS(cpar_cp_shard(g, NULL, 2, true, &q), CPAR_ERR_INVALID, "full is NULL");
+    TU_FAILS(cpar_cp_shard(g, &full, 2, true, NULL), CPAR_ERR_INVALID, "local is NULL");
+    TU_FAILS(cpar_cp_shard(g, &full, 4, true, &q), CPAR_ERR_INVALID, "seq_dim is 4, expected -4..3");
+    TU_FAILS(cpar_cp_shard(g, &full, -5, true, &q), CPAR_ERR_INVALID, "seq_dim is -5");
+    TU_FAILS(cpar_cp_shard(g, &full, 2, true, &kf), CPAR_ERR_INVALID, "local has dtype f16");
+    TU_FAILS(cpar_cp_shard(g, &full, 2, true, &l_5), CPAR_ERR_INVALID, "local has shape [1,2,5,8]");
+    TU_FAILS(cpar_cp_shard(g, &full, 2, true, &lview), CPAR_ERR_INVALID, "local overlaps full");
+    TU_FAILS(cpar_cp_shard(g, &fwrong, 2, true, &q), CPAR_ERR_INVALID, "full is on device");
+    TU_FAILS(cpar_cp_shard(g, &full, 2, true, &fwrong), CPAR_ERR_INVALID, "local is on device");
+    if (P > 1) {
+        char want[96];
+        snprintf(want, sizeof want, "length %d along seq_dim 2, not divisible by %d (2 * cp", 2 * P + 1, 2 * P);
+        TU_FAILS(cpar_cp_shard(g, &fo, 2, true, &q), CPAR_ERR_INVALID, want);
+        snprintf(want, sizeof want, "not divisible by %d (cp chunks with cp = %d)", P, P);
+        TU_FAILS(cpar_cp_shard(g, &fo, -2, false, &q), CPAR_ERR_INVALID, want);
+    } else {
+        TU_FAILS(cpar_cp_shard(g, &fo, 2, true, &qo), CPAR_ERR_INVALID, "length 3 along seq_dim 2, not divisible by 2");
+    }
+    TU_FAILS(cpar_cp_unshard(NULL, &q, 2, true, &full), CPAR_ERR_INVALID, unshard);
+    TU_FAILS(cpar_cp_unshard(g, NULL, 2, true, &full), CPAR_ERR_INVALID, "local is NULL");
+    TU_FAILS(cpar_cp_unshard(g, &q, 2, true, NULL), CPAR_ERR_INVALID, "full is NULL");
+    TU_FAILS(cpar_cp_unshard(g, &q, 9, true, &full), CPAR_ERR_INVALID, "seq_dim is 9");
+    TU_FAILS(cpar_cp_unshard(g, &kf, 2, true, &full), CPAR_ERR_INVALID, "local has dtype f16");
+    TU_FAILS(cpar_cp_unshard(g, &l_5, 2, true, &full), CPAR_ERR_INVALID, "local has shape [1,2,5,8]");
+    TU_FAILS(cpar_cp_unshard(g, &qwrong, 2, true, &full), CPAR_ERR_INVALID, "local is on");
+    if (P > 1) TU_FAILS(cpar_cp_unshard(g, &q, 2, true, &fo), CPAR_ERR_INVALID, "not divisible by");
+    if (dev) { /* unshard is a collective: host memory is refused, unlike in shard */
+        void *hm = malloc(cpar_tensor_nbytes(&full));
+        cpar_tensor fh = cpar_tensor_make(hm, dt, 4, fs, CPAR_HOST);
+        TU_FAILS(cpar_cp_unshard(g, &q, 2, true, &fh), CPAR_ERR_INVALID, "full is on host");
+        TU_OK(cpar_cp_shard(g, &fh, 2, true, &q));
+        free(hm);
+    }
+    TU_OK(cpar_cp_shard(g, &full, 2, true, &q));
+    TU_OK(cpar_cp_unshard(g, &q, 2, true, &full));
+    cpar_tensor *all[] = {&q, &k, &v, &out, &lse, &dout, &dq, &dk, &dv, &k3, &kshrt, &qo, &ko, &lo, &q2, &qi, &lseh,
+                          &lbad, &kf, &q12, &k12, &full, &fo, &l_5, &outf};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) TU_OK(cpar_tensor_free(ctx, all[i]));
+    return CPAR_OK;
+}
+
+/* ---- the merge kernel (cpar_dev_ring_merge) on the sim ------------------------------------------- */
+
+/* fp64 merge of (o, l) with (ob, lb): the softmax-weighted combination. */
+static void merge_ref(double *o, double *l, const double *ob, double lb, int64_t d) {
+    if (lb == -INFINITY) return;
+    if (*l == -INFINITY) {
+        for (int64_t c = 0; c < d; c++) o[c] = ob[c];
+        *l = lb;
+        return;
+    }
+    const double m = fmax(*l, lb), wa = exp(*l - m), wb = exp(lb - m);
+    for (int64_t c = 0; c < d; c++) o[c] = (wa * o[c] + wb * ob[c]) / (wa + wb);
+    *l = m + log(wa + wb);
+}
+
+/* nbh 3 slices of 5 rows of d = 37 (more than a warp's lanes) with padded
+ * strides; lse pairs include -inf on either side, both sides, and far apart
+ * (weights 0 and 1 in fp32). The padding must stay untouched. */
+static cpar_status rank_merge(cpar_ctx *ctx, void *arg) {
+    (void)arg;
+    const int64_t nbh = 3, rows = 5, d = 37, o_bh = rows * d + 7, lse_bh = rows + 2;
+    const int64_t no = nbh * o_bh, nl = nbh * lse_bh;
+    float *o = malloc(sizeof(float) * (size_t)no), *ob = malloc(sizeof(float) * (size_t)no);
+    float *l = malloc(sizeof(float) * (size_t)nl), *lb = malloc(sizeof(float) * (size_t)nl);
+    double *wo = malloc(sizeof(double) * (size_t)no), *wl = malloc(sizeof(double) * (size_t)nl);
+    uint64_t s = 77;
+    for (int64_t i = 0; i < no; i++) o[i] = (float)tu_uniform(&s), ob[i] = (float)tu_uniform(&s), wo[i] = o[i];
+    for (int64_t i = 0; i < nl; i++) {
+        l[i] = (float)(3.0 * tu_uniform(&s)), lb[i] = (float)(3.0 * tu_uniform(&s));
+        switch (i % 7) {
+        case 1: lb[i] = -INFINITY; break;
+        case 2: l[i] = -INFINITY; break;
+        case 3: l[i] = lb[i] = -INFINITY; break;
+        case 4: lb[i] = l[i] + 200.f; break;
+        case 5: lb[i] = l[i] - 200.f; break;
+        default: break;
+        }
+        wl[i] = l[i];
+    }
+    for (int64_t j = 0; j < nbh; j++)
+        for (int64_t i = 0; i < rows; i++) {
+            double ob64[37];
+            for (int64_t c = 0; c < d; c++) ob64[c] = ob[j * o_bh + i * d + c];
+            merge_ref(wo + j * o_bh + i * d, wl + j * lse_bh + i, ob64, lb[j * lse_bh + i], d);
+        }
+    const int64_t so[1] = {no}, sl[1] = {nl};
+    cpar_tensor to = tu_upload(ctx, o, CPAR_F32, 1, so), tob = tu_upload(ctx, ob, CPAR_F32, 1, so);
+    cpar_tensor tl = tu_upload(ctx, l, CPAR_F32, 1, sl), tlb = tu_upload(ctx, lb, CPAR_F32, 1, sl);
+    TU_OK(cpar_dev_ring_merge(to.data, tl.data, tob.data, tlb.data, nbh, rows, d, o_bh, lse_bh, NULL));
+    TU_OK(cpar_sync(ctx));
+    float *go = tu_download(ctx, &to), *gl = tu_download(ctx, &tl);
+    for (int64_t i = 0; i < nl; i++)
+        ck_assert_msg(gl[i] == (float)wl[i] || fabs(gl[i] - wl[i]) <= 1e-6 * (1.0 + fabs(wl[i])),
+                      "lse %lld: got %.9g, expected %.9g", (long long)i, gl[i], wl[i]);
+    for (int64_t i = 0; i < no; i++)
+        ck_assert_msg(fabs(go[i] - wo[i]) <= 1e-6, "out %lld: got %.9g, expected %.9g", (long long)i, go[i], wo[i]);
+    /* bad arguments of the device layer */
+    ck_assert_int_eq(cpar_dev_ring_merge(to.data, tl.data, tob.data, tlb.data, -1, rows, d, o_bh, lse_bh, NULL),
+                     CPAR_ERR_INVALID);
+    ck_assert_ptr_nonnull(strstr(cpar_dev_last_error(), "nbh"));
+    ck_assert_int_eq(cpar_dev_ring_merge(to.data, NULL, tob.data, tlb.data, nbh, rows, d, o_bh, lse_bh, NULL),
+                     CPAR_ERR_INVALID);
+    ck_assert_ptr_nonnull(strstr(cpar_dev_last_error(), "lse is NULL"));
+    ck_assert_int_eq(cpar_dev_ring_merge(to.data, tl.data, tob.data, tlb.data, nbh, rows, d, rows * d - 1, lse_bh,
+                                         NULL), CPAR_ERR_INVALID);
+    ck_assert_ptr_nonnull(strstr(cpar_dev_last_error(), "o_bh"));
+    TU_OK(cpar_dev_ring_merge(NULL, NULL, NULL, NULL, 0, rows, d, 0, 0, NULL)); /* empty: no-op */
+    free(o), free(ob), free(l), free(lb), free(wo), free(wl), free(go), free(gl);
+    cpar_tensor *all[] = {&to, &tob, &tl, &tlb};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) TU_OK(cpar_tensor_free(ctx, all[i]));
+    return CPAR_OK;
+}
+
+/* the host build has no device layer: the merge kernel runs in the sim build only
+ * (its host twin runs in every host-backend ring case) */
+START_TEST(test_ring_merge_kernel) {
+    if (!on_sim()) {
+        ck_assert_int_eq(cpar_dev_ring_merge(NULL, NULL, NULL, NULL, 0, 0, 0, 0, 0, NULL),
+                         cpar_backend_available(CPAR_BACKEND_SIM) ? CPAR_OK : CPAR_ERR_UNSUPPORTED);
+        return;
+    }
+    TU_OK(tu_spawn(1, rank_merge, NULL));
+}
+END_TEST
+
+/* _i = cp - 1 */
+START_TEST(test_ring_bad_args) { TU_OK(tu_spawn(_i + 1, rank_ring_bad, NULL)); }
+END_TEST
+
+static Suite *suite(void) {
+    Suite *s = suite_create("ring: ring attention and context-parallel sharding");
+    const tu_loop loops[] = {
+        {"shard_roundtrip_host", test_shard_roundtrip_host, MAX_CP},
+        {"shard_roundtrip_backend", test_shard_roundtrip_backend, 4},
+        {"ring_causal_load_balanced", test_ring_causal_load_balanced, 8},
+        {"ring_causal_sequential", test_ring_causal_sequential, 8},
+        {"ring_non_causal", test_ring_non_causal, 8},
+        {"ring_merge_kernel", test_ring_merge_kernel, 1},
+        {"ring_bad_args", test_ring_bad_args, 2},
+    };
+    tu_add_loops(s, loops, sizeof loops / sizeof loops[0], 240);
+    return s;
+}
+
+int main(void) { return tu_run_suite(suite()); }
