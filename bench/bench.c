@@ -314,20 +314,21 @@ static cpar_status run_mlp(cpar_ctx *ctx, void *arg) {
 typedef struct {
     int iters;
     int64_t tokens, k, n;
+    cpar_dtype dt; /* F32 (0), F16 or BF16 */
     double flops;
 } gemm_case;
 
 static cpar_status run_gemm(cpar_ctx *ctx, void *arg) {
     gemm_case *c = arg;
     int64_t xs[2] = {c->tokens, c->k}, ys[2] = {c->tokens, c->n};
-    cpar_linear_config cfg = {.input_size = c->k, .output_size = c->n};
+    cpar_linear_config cfg = {.input_size = c->k, .output_size = c->n, .dtype = c->dt};
     cpar_linear *l;
     TRY(cpar_model_parallel_manual_seed(ctx, 1, 0, 0, 0));
     TRY(cpar_column_parallel_linear_create(cpar_world_group(ctx), &cfg, &l));
     TRY(cpar_linear_init_random(l, 0.02f));
     cpar_tensor x, y;
-    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 2, xs, &x));
-    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 2, ys, &y));
+    TRY(cpar_tensor_alloc(ctx, c->dt, 2, xs, &x));
+    TRY(cpar_tensor_alloc(ctx, c->dt, 2, ys, &y));
     TRY(cpar_rng_uniform(ctx, &x, -1.0f, 1.0f));
     double *t = malloc(sizeof(double) * (size_t)c->iters);
     for (int it = -1; it < c->iters; it++) {
@@ -356,6 +357,162 @@ static uint64_t mlp_min_recv(int n, bool sp, int64_t elems) {
     int64_t lo = 0, hi = (elems + n - 1) / n; /* rank 0's even share of the elements */
     uint64_t mine = (uint64_t)(hi - lo) * sizeof(float);
     return 2 * ((bytes - mine) + (uint64_t)(n - 1) * mine);
+}
+
+/* ---- attention ---------------------------------------------------------------
+ * Local attention forward and backward on one rank, then ring attention per
+ * cp size. FLOPs as FlashAttention counts them: forward 4·b·h·sq·sk·d (two
+ * GEMMs), halved when causal; backward 2.5x the forward (five GEMMs, one of
+ * them the recomputed q kᵀ). Ceiling: a GEMM of the same dtype measured in this run. Host
+ * backend: fp32 host reference; GPUs: bf16 flash kernels. */
+typedef struct {
+    int iters;
+    bool causal, load_balance;
+    cpar_rotate_method rotate;
+    int64_t b, h, s, d; /* s: the global sequence */
+    cpar_dtype dt;
+    double fwd, bwd;
+    uint64_t recv_fwd, recv_bwd;
+} attn_case;
+
+static cpar_status run_attn(cpar_ctx *ctx, void *arg) {
+    attn_case *c = arg;
+    cpar_group *g = cpar_world_group(ctx);
+    int n = cpar_group_size(g);
+    int64_t qs[4] = {c->b, c->h, c->s / n, c->d}, ls[3] = {c->b, c->h, c->s / n};
+    cpar_tensor q, k, v, o, lse, dout, dq, dk, dv;
+    cpar_tensor *ts[] = {&q, &k, &v, &o, &dout, &dq, &dk, &dv};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) TRY(cpar_tensor_alloc(ctx, c->dt, 4, qs, ts[i]));
+    TRY(cpar_tensor_alloc(ctx, CPAR_F32, 3, ls, &lse));
+    TRY(cpar_model_parallel_manual_seed(ctx, 99, 0, 0, 0));
+    cpar_tensor *ins[] = {&q, &k, &v, &dout};
+    for (size_t i = 0; i < 4; i++) TRY(cpar_rng_uniform(ctx, ins[i], -1.0f, 1.0f));
+    cpar_ring_attention_config cfg = {.causal = c->causal, .load_balance = c->load_balance, .rotate = c->rotate};
+    double *tf = malloc(sizeof(double) * (size_t)c->iters), *tb = malloc(sizeof(double) * (size_t)c->iters);
+    cpar_comm_stats after_fwd = {0};
+    for (int it = -1; it < c->iters; it++) {
+        TRY(cpar_barrier(g));
+        if (it == 0) TRY(cpar_group_stats_reset(g));
+        double t0 = now_s();
+        if (n == 1) TRY(cpar_attention_forward(ctx, &q, &k, &v, c->causal, 0.0f, &o, &lse));
+        else TRY(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &o, &lse));
+        TRY(cpar_sync(ctx));
+        double t1 = now_s();
+        if (it == 0) TRY(cpar_group_stats(g, &after_fwd));
+        if (n == 1) TRY(cpar_attention_backward(ctx, &q, &k, &v, &o, &dout, &lse, c->causal, 0.0f, &dq, &dk, &dv));
+        else TRY(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &o, &dout, &lse, &dq, &dk, &dv));
+        TRY(cpar_sync(ctx));
+        if (it >= 0) {
+            tf[it] = t1 - t0;
+            tb[it] = now_s() - t1;
+        }
+        if (it == 0 && cpar_rank(ctx) == 0) {
+            cpar_comm_stats st;
+            TRY(cpar_group_stats(g, &st));
+            c->recv_fwd = c->recv_bwd = 0;
+            for (int kind = 0; kind < CPAR_COLL_KIND_COUNT; kind++) {
+                c->recv_fwd += after_fwd.kind[kind].bytes_recv;
+                c->recv_bwd += st.kind[kind].bytes_recv - after_fwd.kind[kind].bytes_recv;
+            }
+        }
+    }
+    if (cpar_rank(ctx) == 0) {
+        qsort(tf, (size_t)c->iters, sizeof *tf, cmp_double);
+        qsort(tb, (size_t)c->iters, sizeof *tb, cmp_double);
+        c->fwd = tf[c->iters / 2];
+        c->bwd = tb[c->iters / 2];
+    }
+    free(tf);
+    free(tb);
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) TRY(cpar_tensor_free(ctx, ts[i]));
+    return cpar_tensor_free(ctx, &lse);
+}
+
+/* ---- Mamba all-to-all context parallelism ----------------------------------------
+ * pre_conv_ssm and post_conv_ssm of one Mamba-2 mixer, forward then
+ * backward, on the backend's float type. The bytes rank 0 must receive are
+ * (n-1)/n of the tensor on the "whole sequence" side of each call (pre: out,
+ * post: in); the forward and the backward each move that once. */
+typedef struct {
+    int iters;
+    int64_t s, b, d_inner, nheads, ngroups, d_state;
+    cpar_dtype dt;
+    double pre_f, pre_b, post_f, post_b;
+    uint64_t recv_pre, recv_post, bytes_pre, bytes_post; /* per call; bytes: the whole-sequence tensor */
+} mamba_case;
+
+static double median_of(double *t, int n) {
+    qsort(t, (size_t)n, sizeof *t, cmp_double);
+    return t[n / 2];
+}
+
+static uint64_t recv_total(cpar_group *g) {
+    cpar_comm_stats st;
+    if (cpar_group_stats(g, &st) != CPAR_OK) return 0;
+    uint64_t r = 0;
+    for (int k = 0; k < CPAR_COLL_KIND_COUNT; k++)
+        if (k != CPAR_COLL_BARRIER) r += st.kind[k].bytes_recv;
+    return r;
+}
+
+static cpar_status run_mamba(cpar_ctx *ctx, void *arg) {
+    mamba_case *c = arg;
+    cpar_group *g = cpar_world_group(ctx);
+    int n = cpar_group_size(g);
+    cpar_mamba_cp_config cfg = {.d_inner_local_tp = c->d_inner, .nheads_local_tp = c->nheads,
+                                .ngroups_local_tp = c->ngroups, .d_state = c->d_state};
+    cpar_mamba_cp *m;
+    cpar_mamba_cp_info info;
+    TRY(cpar_mamba_cp_create(g, &cfg, &m));
+    TRY(cpar_mamba_cp_get_info(m, &info));
+    int64_t in_s[3] = {c->s / n, c->b, info.in_width}, out_s[3] = {c->s, c->b, info.out_width};
+    int64_t y_s[3] = {c->s, c->b, info.d_inner_local_tpcp}, z_s[3] = {c->s / n, c->b, c->d_inner};
+    cpar_tensor in, out, din, dout, y, z, dy, dz;
+    cpar_tensor *ts[] = {&in, &out, &din, &dout, &y, &z, &dy, &dz};
+    const int64_t *shapes[] = {in_s, out_s, in_s, out_s, y_s, z_s, y_s, z_s};
+    for (int i = 0; i < 8; i++) TRY(cpar_tensor_alloc(ctx, c->dt, 3, shapes[i], ts[i]));
+    TRY(cpar_model_parallel_manual_seed(ctx, 7, 0, 0, 0));
+    TRY(cpar_rng_uniform(ctx, &in, -1.0f, 1.0f));
+    TRY(cpar_rng_uniform(ctx, &dout, -1.0f, 1.0f));
+    TRY(cpar_rng_uniform(ctx, &y, -1.0f, 1.0f));
+    TRY(cpar_rng_uniform(ctx, &dz, -1.0f, 1.0f));
+    double *t[4];
+    for (int i = 0; i < 4; i++) t[i] = malloc(sizeof(double) * (size_t)c->iters);
+    uint64_t recv_pre = 0, recv_post = 0;
+    for (int it = -1; it < c->iters; it++) {
+        double t0, t1;
+        /* pre_conv_ssm forward + backward */
+        TRY(cpar_barrier(g));
+        TRY(cpar_group_stats_reset(g));
+        t0 = now_s();
+        TRY(cpar_mamba_cp_pre_conv_ssm(m, &in, &out, CPAR_FWD));
+        TRY(cpar_sync(ctx));
+        t1 = now_s();
+        TRY(cpar_mamba_cp_pre_conv_ssm(m, &dout, &din, CPAR_BWD));
+        TRY(cpar_sync(ctx));
+        if (it >= 0) t[0][it] = t1 - t0, t[1][it] = now_s() - t1;
+        recv_pre = recv_total(g);
+        /* post_conv_ssm forward + backward */
+        TRY(cpar_barrier(g));
+        TRY(cpar_group_stats_reset(g));
+        t0 = now_s();
+        TRY(cpar_mamba_cp_post_conv_ssm(m, &y, &z, CPAR_FWD));
+        TRY(cpar_sync(ctx));
+        t1 = now_s();
+        TRY(cpar_mamba_cp_post_conv_ssm(m, &dz, &dy, CPAR_BWD));
+        TRY(cpar_sync(ctx));
+        if (it >= 0) t[2][it] = t1 - t0, t[3][it] = now_s() - t1;
+        recv_post = recv_total(g);
+    }
+    if (cpar_rank(ctx) == 0) {
+        c->pre_f = median_of(t[0], c->iters), c->pre_b = median_of(t[1], c->iters);
+        c->post_f = median_of(t[2], c->iters), c->post_b = median_of(t[3], c->iters);
+        c->recv_pre = recv_pre / 2, c->recv_post = recv_post / 2; /* forward and backward move the same */
+        c->bytes_pre = cpar_tensor_nbytes(&out), c->bytes_post = cpar_tensor_nbytes(&y);
+    }
+    for (int i = 0; i < 4; i++) free(t[i]);
+    for (int i = 0; i < 8; i++) TRY(cpar_tensor_free(ctx, ts[i]));
+    return cpar_mamba_cp_destroy(m);
 }
 
 int main(void) {
@@ -469,5 +626,66 @@ int main(void) {
                    c.seconds * 1e3, (unsigned long long)c.recv,
                    (unsigned long long)mlp_min_recv(n, sp, ms_len * mb * mh), flops / 1e9, flops / gc.flops);
         }
+
+    /* Attention: per rank FLOP rate against the GEMM ceiling; the ring's
+     * forward must receive at least the other ranks' K and V, (n-1)/n of the
+     * global K+V bytes (the backward: that again plus the dK/dV partial sums
+     * travelling back, in fp32). */
+    int64_t ab = 1, ah = nccl ? 16 : 2, as = nccl ? 8192 : 256, ad = nccl ? 128 : 64;
+    cpar_dtype adt = nccl ? CPAR_BF16 : CPAR_F32;
+    gemm_case ag = {.iters = iters, .tokens = nccl ? 8192 : 256, .k = nccl ? 8192 : 256, .n = nccl ? 8192 : 256,
+                    .dt = adt};
+    if (cpar_spawn(1, backend, run_gemm, &ag) != CPAR_OK) {
+        fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+        return 1;
+    }
+    printf("\nattention [b,h,s,d]=[%lld,%lld,%lld,%lld] %s, causal; ring: round-robin load balancing; GEMM ceiling "
+           "(%s [%lld x %lld] x [%lld x %lld]): %.2f GFLOP/s\n",
+           (long long)ab, (long long)ah, (long long)as, (long long)ad, cpar_dtype_name(adt), cpar_dtype_name(adt),
+           (long long)ag.tokens, (long long)ag.k, (long long)ag.k, (long long)ag.n, ag.flops / 1e9);
+    printf("%-26s %5s %10s %10s %12s %12s %12s %9s %9s\n", "attention", "ranks", "forward", "backward", "recv fwd",
+           "minimum", "recv bwd", "fwd/ceil", "bwd/ceil");
+    for (int n = 1; n <= max_ranks; n *= 2)
+        for (int rot = 0; rot <= (n > 1); rot++) {
+            attn_case c = {.iters = iters, .causal = true, .load_balance = n > 1, .rotate = (cpar_rotate_method)rot,
+                           .b = ab, .h = ah, .s = as, .d = ad, .dt = adt};
+            if (cpar_spawn(n, backend, run_attn, &c) != CPAR_OK) {
+                fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+                return 1;
+            }
+            double fl = 4.0 * (double)(ab * ah * as) * (double)as * (double)ad / 2.0 / n;
+            uint64_t kv = 2 * (uint64_t)(ab * ah * as * ad) * cpar_dtype_size(adt);
+            uint64_t min = kv / (uint64_t)n * (uint64_t)(n - 1);
+            printf("%-26s %5d %7.3f ms %7.3f ms %12llu %12llu %12llu %9.2f %9.2f\n",
+                   n == 1 ? "local (flash)" : rot ? "ring, send/recv" : "ring, all-gather", n, c.fwd * 1e3,
+                   c.bwd * 1e3, (unsigned long long)c.recv_fwd, (unsigned long long)min,
+                   (unsigned long long)c.recv_bwd, fl / c.fwd / ag.flops, 2.5 * fl / c.bwd / ag.flops);
+        }
+    /* Mamba CP: busbw = the minimum bytes over the time, against the copy ceiling. */
+    mamba_case mc0 = {.iters = iters, .s = nccl ? 8192 : 1024, .b = nccl ? 2 : 1, .d_inner = nccl ? 4096 : 1024,
+                      .nheads = nccl ? 64 : 16, .ngroups = nccl ? 8 : 2, .d_state = 128, .dt = adt};
+    printf("\nMamba CP %s: s=%lld b=%lld d_inner=%lld nheads=%lld ngroups=%lld d_state=%lld (in-projection width "
+           "%lld)\n",
+           cpar_dtype_name(adt), (long long)mc0.s, (long long)mc0.b, (long long)mc0.d_inner, (long long)mc0.nheads,
+           (long long)mc0.ngroups, (long long)mc0.d_state,
+           (long long)(2 * mc0.d_inner + 2 * mc0.ngroups * mc0.d_state + mc0.nheads));
+    printf("%-26s %5s %10s %10s %12s %12s %9s %8s\n", "mamba cp", "ranks", "forward", "backward", "recv/call",
+           "minimum", "busbw", "busbw/ceil");
+    for (int n = 1; n <= max_ranks; n *= 2) {
+        mamba_case c = mc0;
+        if (cpar_spawn(n, backend, run_mamba, &c) != CPAR_OK) {
+            fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+            return 1;
+        }
+        const char *names[2] = {"pre_conv_ssm", "post_conv_ssm"};
+        double fw[2] = {c.pre_f, c.post_f}, bw[2] = {c.pre_b, c.post_b};
+        uint64_t recv[2] = {c.recv_pre, c.recv_post}, bytes[2] = {c.bytes_pre, c.bytes_post};
+        for (int k = 0; k < 2; k++) {
+            uint64_t min = bytes[k] / (uint64_t)n * (uint64_t)(n - 1);
+            double busbw = (double)min / fw[k] / 1e9;
+            printf("%-26s %5d %7.3f ms %7.3f ms %12llu %12llu %4.2f GB/s %8.2f\n", names[k], n, fw[k] * 1e3,
+                   bw[k] * 1e3, (unsigned long long)recv[k], (unsigned long long)min, busbw, busbw / ceiling.gbps);
+        }
+    }
     return 0;
 }

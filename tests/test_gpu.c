@@ -6,7 +6,8 @@
  * an n-GPU single-process world (n = cpar_dev_count(), at most 8): every
  * collective against a host reference computed in double, and the
  * element-wise ops on device tensors against the same ops on host tensors
- * (cpar's host reference kernels).
+ * (cpar's host reference kernels), and local attention (the flash forward
+ * and backward kernels) against the host reference.
  *
  * CUDA is not fork-safe and Check forks a process per test, so this process
  * never touches CUDA itself: the GPU count comes from a child process, and
@@ -412,6 +413,84 @@ static cpar_status rank_ops(cpar_ctx *ctx, void *unused) {
 START_TEST(test_ops_device_vs_host) { TU_OK(gpu_spawn(1, rank_ops, NULL)); }
 END_TEST
 
+/* ---- local attention: the flash kernels against the host reference -------------------
+ * The same 16-bit q, k, v, dout on the host (cpar.c's fp32 reference: host
+ * tensors on a device context) and on the GPU (the flash forward and backward
+ * kernels); each side's backward uses its own forward's out and lse. */
+
+/* max|gpu - host| <= tol * max|host| (NaN fails; -inf must match). */
+static void attn_check(cpar_ctx *ctx, pair *p, double tol, const char *what, const char *cfg) {
+    const int64_t n = cpar_tensor_numel(&p->h);
+    void *got = tu_download(ctx, &p->d);
+    double ref = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double w = tu_get(p->mem, p->h.dtype, i);
+        if (isfinite(w)) ref = fmax(ref, fabs(w));
+    }
+    if (ref == 0.0) ref = 1.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double g = tu_get(got, p->h.dtype, i), w = tu_get(p->mem, p->h.dtype, i);
+        const bool ok = isinf(w) ? g == w : !isnan(g) && fabs(g - w) <= tol * ref;
+        ck_assert_msg(ok, "attention %s %s: element %lld is %.8g on the GPU, %.8g on the host (tol %.3g x %.4g)", what,
+                      cfg, (long long)i, g, w, tol, ref);
+    }
+    free(got);
+}
+
+static cpar_status rank_attention(cpar_ctx *ctx, void *unused) {
+    (void)unused;
+    static const struct {
+        int64_t b, hq, hkv, sq, sk, d;
+    } shapes[] = {
+        {2, 4, 2, 300, 300, 128}, /* GQA, partial tiles */
+        {1, 6, 2, 257, 513, 64},  /* sq < sk */
+        {2, 3, 1, 129, 77, 40},   /* sq > sk, d an odd multiple of 8 */
+        {1, 2, 2, 1, 200, 128},   /* one query */
+    };
+    static const cpar_dtype dts[] = {CPAR_F16, CPAR_BF16};
+    int seed = 0;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        for (int di = 0; di < 2; di++)
+            for (int causal = 0; causal < 2; causal++, seed++) {
+                const cpar_dtype dt = dts[di];
+                const int64_t qs[4] = {shapes[si].b, shapes[si].hq, shapes[si].sq, shapes[si].d};
+                const int64_t ks[4] = {shapes[si].b, shapes[si].hkv, shapes[si].sk, shapes[si].d};
+                const int64_t nq = qs[0] * qs[1] * qs[2] * qs[3], nk = ks[0] * ks[1] * ks[2] * ks[3];
+                char cfg[128];
+                snprintf(cfg, sizeof cfg, "[b%lld hq%lld hkv%lld sq%lld sk%lld d%lld %s %s]", (long long)qs[0],
+                         (long long)qs[1], (long long)ks[1], (long long)qs[2], (long long)ks[2], (long long)qs[3],
+                         causal ? "causal" : "full", cpar_dtype_name(dt));
+                void *hq = tu_random_host(dt, nq, 700 + seed), *hk = tu_random_host(dt, nk, 800 + seed);
+                void *hv = tu_random_host(dt, nk, 900 + seed), *hdo = tu_random_host(dt, nq, 1000 + seed);
+                pair q = pair_upload(ctx, hq, dt, 4, qs), k = pair_upload(ctx, hk, dt, 4, ks);
+                pair v = pair_upload(ctx, hv, dt, 4, ks), dout = pair_upload(ctx, hdo, dt, 4, qs);
+                pair out = pair_poisoned(ctx, dt, 4, qs), lse = pair_poisoned(ctx, CPAR_F32, 3, qs);
+                pair dq = pair_poisoned(ctx, dt, 4, qs), dk = pair_poisoned(ctx, dt, 4, ks);
+                pair dv = pair_poisoned(ctx, dt, 4, ks);
+                TU_OK(cpar_attention_forward(ctx, &q.h, &k.h, &v.h, causal, 0.f, &out.h, &lse.h));
+                TU_OK(cpar_attention_forward(ctx, &q.d, &k.d, &v.d, causal, 0.f, &out.d, &lse.d));
+                TU_OK(cpar_sync(ctx));
+                attn_check(ctx, &out, dt == CPAR_F16 ? 4e-3 : 2.5e-2, "out", cfg);
+                attn_check(ctx, &lse, 2e-5, "lse", cfg);
+                TU_OK(cpar_attention_backward(ctx, &q.h, &k.h, &v.h, &out.h, &dout.h, &lse.h, causal, 0.f, &dq.h,
+                                              &dk.h, &dv.h));
+                TU_OK(cpar_attention_backward(ctx, &q.d, &k.d, &v.d, &out.d, &dout.d, &lse.d, causal, 0.f, &dq.d,
+                                              &dk.d, &dv.d));
+                TU_OK(cpar_sync(ctx));
+                const double gtol = dt == CPAR_F16 ? 1e-2 : 5e-2;
+                attn_check(ctx, &dq, gtol, "dq", cfg);
+                attn_check(ctx, &dk, gtol, "dk", cfg);
+                attn_check(ctx, &dv, gtol, "dv", cfg);
+                pair *all[] = {&q, &k, &v, &dout, &out, &lse, &dq, &dk, &dv};
+                for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) pair_free(ctx, all[i]);
+                free(hq), free(hk), free(hv), free(hdo);
+            }
+    return CPAR_OK;
+}
+
+START_TEST(test_attention_device_vs_host) { TU_OK(gpu_spawn(1, rank_attention, NULL)); }
+END_TEST
+
 /* cpar_init_from_env in a single process with no launch variables: a
  * 1-rank NCCL world on GPU 0. */
 START_TEST(test_init_from_env_single) {
@@ -453,6 +532,7 @@ Suite *suite(void) {
     tc = tcase_create("ops");
     tcase_add_test(tc, test_ops_device_vs_host);
     tcase_add_test(tc, test_init_from_env_single);
+    tcase_add_test(tc, test_attention_device_vs_host);
     tcase_set_timeout(tc, 300);
     suite_add_tcase(s, tc);
     return s;
