@@ -50,7 +50,7 @@ endif
 
 # Suites that take a backend run on host and sim; the rest are host-only
 # (processes, sockets) or sim-only (the simulator and the device layer).
-BACKEND_SUITES := core coll grid faults ops rng mappings xent linear attn ring mamba
+BACKEND_SUITES := core coll grid faults ops rng mappings xent linear attn ring mamba inference
 HOST_SUITES    := $(BACKEND_SUITES) store cparrun
 SIM_SUITES     := $(BACKEND_SUITES) cudasim devlayer mma attn_bwd
 HOST_TESTS := $(HOST_SUITES:%=$(B)/host/test_%)

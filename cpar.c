@@ -28,6 +28,7 @@
  *   18. Local attention             flash-style attention fwd/bwd, host reference, blocks
  *   19. Ring attention, CP sharding  cp_shard/unshard, ring fwd/bwd, the LSE merge
  *   20. Mamba context parallelism   cp2hp/hp2cp, load balancing, pre/post conv_ssm, conv1d
+ *   21. Inference layers            RMSNorm, inference column/row linear, fused rs+add+norm+ag
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -8054,4 +8055,422 @@ cpar_status cpar_mamba_cp_conv1d_backward(cpar_mamba_cp *m, const cpar_tensor *x
                                                          ch, mi->d_conv, silu, dy->data, dxc, partial, nsplit,
                                                          dweight->data, dbd, ctx->compute));
     return CPAR_OK;
+}
+
+/* ==== 21. Inference layers ================================================
+ * Owns cpar.h §14: RMSNorm (host reference loop here, cpar_dev_rmsnorm on
+ * device tensors) and Megatron's inference linear layers on the NCCL path
+ * of the seed: RMSNorm -> all-gather -> GEMM (column), GEMM ->
+ * reduce-scatter (row), and the fused reduce-scatter + residual add +
+ * RMSNorm + all-gather. A layer wraps a frozen, bias-free cpar_linear
+ * (section 17) for its weight, master-weight slicing and GEMM operand
+ * mapping (cpar__lin_fwd), and owns the norm weight. Scratch: one carve of
+ * the context workspace per call (the collectives never touch it).
+ * Uses: 2 (errors, checks), 3 (tensors), 4 (device dispatch, workspace,
+ * copies), 5 (element load/store), 6 (cpar_fill), 10-11 (groups,
+ * all-gather, reduce-scatter), 17 (cpar_linear and its GEMM wrapper). */
+
+/* ---- host-only build: the device layer of §14 is absent ------------------- */
+#ifndef CPAR_WITH_DEVICE
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#endif
+cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
+                             float eps, void *y, cpar_dev_stream s) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#endif /* !CPAR_WITH_DEVICE */
+
+#define CPAR__NORM_EPS 1e-5f
+
+/* ---- RMSNorm ---------------------------------------------------------------- */
+
+/* The host twin of cpar_dev_rmsnorm: the same rounding points (the residual
+ * sum is rounded to dt before the norm reads it), fp32 math. */
+static void cpar__host_rmsnorm(void *x, const void *add, const void *w, cpar_dtype dt, int64_t rows, int64_t h,
+                               float eps, void *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        float ss = 0.f;
+        for (int64_t j = 0; j < h; j++) {
+            float v = cpar__load_f(x, dt, r * h + j);
+            if (add) {
+                cpar__store_f(x, dt, r * h + j, v + cpar__load_f(add, dt, r * h + j));
+                v = cpar__load_f(x, dt, r * h + j);
+            }
+            ss += v * v;
+        }
+        const float inv = 1.f / sqrtf(ss / (float)h + eps);
+        for (int64_t j = 0; j < h; j++)
+            cpar__store_f(y, dt, r * h + j, cpar__load_f(x, dt, r * h + j) * inv * cpar__load_f(w, dt, j));
+    }
+}
+
+/* x [rows, h] on `device` (host or the context's): y = rmsnorm(x (+= add)). */
+static cpar_status cpar__rmsnorm(cpar_ctx *ctx, const char *fn, int device, void *x, const void *add, const void *w,
+                                 cpar_dtype dt, int64_t rows, int64_t h, float eps, void *y) {
+    if (cpar__on_device(device))
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_rmsnorm(x, add, w, dt, rows, h, eps, y, ctx->compute));
+    else cpar__host_rmsnorm(x, add, w, dt, rows, h, eps, y);
+    return CPAR_OK;
+}
+
+static cpar_status cpar__check_eps(cpar_ctx *ctx, const char *fn, float eps) {
+    if (isfinite(eps) && eps >= 0.f) return CPAR_OK;
+    return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: eps is %g, expected finite and >= 0", fn, (double)eps);
+}
+
+/* weight: [h] of dtype dt on device. */
+static cpar_status cpar__check_norm_weight(cpar_ctx *ctx, const char *fn, const char *name, const cpar_tensor *w,
+                                           int device, cpar_dtype dt, int64_t h) {
+    CPAR_TRY(cpar__check_tensor(ctx, fn, name, w, device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, name, w, dt));
+    return cpar__check_shape(ctx, fn, name, w, &h, 1, "[hidden], the last dim");
+}
+
+cpar_status cpar_rmsnorm_forward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_tensor *weight, float eps,
+                                 cpar_tensor *y) {
+    static const char fn[] = "cpar_rmsnorm_forward";
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "x", x));
+    CPAR_TRY(cpar__check_float(ctx, fn, "x", x));
+    if (x->ndim < 1)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: x has ndim 0, expected [..., hidden]", fn);
+    const int64_t h = x->shape[x->ndim - 1];
+    CPAR_TRY(cpar__check_norm_weight(ctx, fn, "weight", weight, x->device, x->dtype, h));
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "y", y, x->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "y", y, x->dtype));
+    CPAR_TRY(cpar__check_shape(ctx, fn, "y", y, x->shape, x->ndim, "x's shape"));
+    CPAR_TRY(cpar__check_eps(ctx, fn, eps));
+    if (y->data != x->data && cpar__ranges_overlap(x->data, cpar_tensor_nbytes(x), y->data, cpar_tensor_nbytes(y)))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: y overlaps x without being x", fn);
+    const int64_t rows = h ? cpar_tensor_numel(x) / h : 0;
+    /* the norm never writes x without an add, so the const is only shed here */
+    return cpar__rmsnorm(ctx, fn, x->device, (void *)x->data, NULL, weight->data, x->dtype, rows, h, eps, y->data);
+}
+
+/* ---- the fused reduce-scatter + add + RMSNorm + all-gather ------------------ */
+
+/* partial [T, h] (T = tokens of the whole sequence) -> residual [T/n, h] +=
+ * reduce-scatter, out [T, h] = all-gather(rmsnorm(residual)). rs and nl:
+ * [T/n, h] scratch (unused and may be NULL when n == 1: residual += partial
+ * directly). Shapes checked by the caller. */
+static cpar_status cpar__rs_add_norm_ag(cpar_group *tp, const char *fn, const cpar_tensor *partial,
+                                        cpar_tensor *residual, const void *w, float eps, cpar_tensor *out, void *rs,
+                                        void *nl) {
+    cpar_ctx *ctx = tp->ctx;
+    const cpar_dtype dt = residual->dtype;
+    const int64_t h = residual->ndim ? residual->shape[residual->ndim - 1] : 1;
+    const int64_t rows = h ? cpar_tensor_numel(residual) / h : 0;
+    if (tp->size == 1)
+        return cpar__rmsnorm(ctx, fn, ctx->device, residual->data, partial->data, w, dt, rows, h, eps, out->data);
+    cpar_tensor rst = *residual, nlt = *residual;
+    rst.data = rs, nlt.data = nl;
+    CPAR_TRY(cpar_reduce_scatter(tp, partial, &rst, CPAR_SUM, NULL));
+    CPAR_TRY(cpar__rmsnorm(ctx, fn, ctx->device, residual->data, rs, w, dt, rows, h, eps, nl));
+    return cpar_all_gather(tp, &nlt, out, NULL);
+}
+
+/* Checks for partial / residual / out of the fused step: the same dtype as
+ * partial (checked by the caller), on the context's device, out shaped full
+ * [s, ..., h], residual [s/n, ..., h], no two overlapping. */
+static cpar_status cpar__check_rs_add_norm_ag(cpar_ctx *ctx, const char *fn, int n, const char *pname,
+                                              const cpar_tensor *partial, const cpar_tensor *residual,
+                                              const char *oname, const cpar_tensor *out, const int64_t *full) {
+    int64_t want[CPAR_MAX_DIMS];
+    memcpy(want, full, sizeof want);
+    if (full[0] % n)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has %lld rows along dim 0, not divisible by tp=%d", fn,
+                          pname, (long long)full[0], n);
+    want[0] = full[0] / n;
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "residual", residual, ctx->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "residual", residual, partial->dtype));
+    CPAR_TRY(cpar__check_shape(ctx, fn, "residual", residual, want, partial->ndim, "[s/tp, ..., hidden]"));
+    CPAR_TRY(cpar__check_tensor(ctx, fn, oname, out, ctx->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, oname, out, partial->dtype));
+    CPAR_TRY(cpar__check_shape(ctx, fn, oname, out, full, partial->ndim, "[s, ..., hidden]"));
+    const cpar_tensor *ts[3] = {partial, residual, out};
+    const char *names[3] = {pname, "residual", oname};
+    for (int i = 0; i < 3; i++)
+        for (int j = i + 1; j < 3; j++)
+            if (cpar__ranges_overlap(ts[i]->data, cpar_tensor_nbytes(ts[i]), ts[j]->data, cpar_tensor_nbytes(ts[j])))
+                return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s overlaps %s", fn, names[j], names[i]);
+    return CPAR_OK;
+}
+
+cpar_status cpar_inference_rs_add_rmsnorm_ag(cpar_group *tp, const cpar_tensor *partial, cpar_tensor *residual,
+                                             const cpar_tensor *weight, float eps, cpar_tensor *out) {
+    static const char fn[] = "cpar_inference_rs_add_rmsnorm_ag";
+    if (!tp) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: tp is NULL (the tensor-parallel group)", fn);
+    cpar_ctx *ctx = tp->ctx;
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "partial", partial, ctx->device));
+    CPAR_TRY(cpar__check_float(ctx, fn, "partial", partial));
+    if (partial->ndim < 2)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: partial has ndim %d, expected [s, ..., hidden]", fn,
+                          partial->ndim);
+    CPAR_TRY(cpar__check_rs_add_norm_ag(ctx, fn, tp->size, "partial", partial, residual, "out", out, partial->shape));
+    CPAR_TRY(cpar__check_norm_weight(ctx, fn, "weight", weight, ctx->device, partial->dtype,
+                                     partial->shape[partial->ndim - 1]));
+    CPAR_TRY(cpar__check_eps(ctx, fn, eps));
+    void *base = NULL;
+    const size_t half = (cpar_tensor_nbytes(residual) + 255) & ~(size_t)255;
+    if (tp->size > 1) CPAR_TRY(cpar__workspace(ctx, fn, 2 * half, &base));
+    return cpar__rs_add_norm_ag(tp, fn, partial, residual, weight->data, eps, out, base,
+                                base ? (char *)base + half : NULL);
+}
+
+/* ---- the layers --------------------------------------------------------------- */
+
+struct cpar_inference_linear {
+    cpar_linear *lin;     /* frozen, bias-free: the weight and its GEMM */
+    cpar_tensor norm_w;   /* column: [input_size], the layer's dtype; row: none */
+    float eps;
+    bool skip_norm_and_all_gather;
+};
+
+static cpar_status cpar__inf_create(cpar_group *tp, const cpar_inference_linear_config *cfg, bool row,
+                                    cpar_inference_linear **out) {
+    const char *fn = row ? "cpar_inference_row_create" : "cpar_inference_column_create";
+    if (!tp) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: tp is NULL (the tensor-parallel group)", fn);
+    cpar_ctx *ctx = tp->ctx;
+    if (!out) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    *out = NULL;
+    if (!cfg) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg is NULL", fn);
+    if (cfg->input_size <= 0 || cfg->output_size <= 0)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg input_size %lld and output_size %lld must be > 0", fn,
+                          (long long)cfg->input_size, (long long)cfg->output_size);
+    if (!cpar_dtype_is_float(cfg->dtype))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg dtype is %s, expected f32, f16 or bf16", fn,
+                          cpar_dtype_name(cfg->dtype));
+    const int64_t part = row ? cfg->input_size : cfg->output_size;
+    if (part % tp->size)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg %s %lld is not divisible by tp=%d", fn,
+                          row ? "input_size" : "output_size", (long long)part, tp->size);
+    const float eps = cfg->eps == 0.f ? CPAR__NORM_EPS : cfg->eps;
+    CPAR_TRY(cpar__check_eps(ctx, fn, eps));
+    cpar_inference_linear *l = calloc(1, sizeof *l);
+    if (!l) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate %zu bytes", fn, sizeof *l);
+    l->eps = eps;
+    const cpar_linear_config lc = {.input_size = cfg->input_size, .output_size = cfg->output_size,
+                                   .dtype = cfg->dtype, .input_is_parallel = row, .frozen = true};
+    cpar_status st = row ? cpar_row_parallel_linear_create(tp, &lc, &l->lin)
+                         : cpar_column_parallel_linear_create(tp, &lc, &l->lin);
+    if (st == CPAR_OK && !row) {
+        st = cpar_tensor_alloc(ctx, cfg->dtype, 1, &cfg->input_size, &l->norm_w);
+        if (st == CPAR_OK) st = cpar_fill(ctx, &l->norm_w, 1.0);
+    }
+    if (st != CPAR_OK) {
+        cpar_inference_destroy(l);
+        return st;
+    }
+    *out = l;
+    return CPAR_OK;
+}
+
+cpar_status cpar_inference_column_create(cpar_group *tp, const cpar_inference_linear_config *cfg,
+                                         cpar_inference_linear **out) {
+    return cpar__inf_create(tp, cfg, false, out);
+}
+
+cpar_status cpar_inference_row_create(cpar_group *tp, const cpar_inference_linear_config *cfg,
+                                      cpar_inference_linear **out) {
+    return cpar__inf_create(tp, cfg, true, out);
+}
+
+cpar_status cpar_inference_destroy(cpar_inference_linear *l) {
+    if (!l) return CPAR_OK;
+    cpar_status st = CPAR_OK;
+    if (l->norm_w.data) st = cpar_tensor_free(l->lin->ctx, &l->norm_w);
+    cpar_status ls = cpar_linear_destroy(l->lin);
+    free(l);
+    return st != CPAR_OK ? st : ls;
+}
+
+cpar_tensor cpar_inference_weight(const cpar_inference_linear *l) {
+    return l ? cpar_linear_weight(l->lin) : cpar_tensor_make(NULL, CPAR_F32, 0, NULL, CPAR_HOST);
+}
+
+cpar_tensor cpar_inference_norm_weight(const cpar_inference_linear *l) {
+    if (!l || !l->norm_w.data) return cpar_tensor_make(NULL, l ? l->lin->cfg.dtype : CPAR_F32, 0, NULL, CPAR_HOST);
+    return l->norm_w;
+}
+
+cpar_status cpar_inference_set_skip_norm_and_all_gather(cpar_inference_linear *l, bool skip) {
+    static const char fn[] = "cpar_inference_set_skip_norm_and_all_gather";
+    if (!l) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: l is NULL", fn);
+    if (l->lin->row)
+        return cpar__fail(l->lin->ctx, CPAR_ERR_INVALID, "%s: l is a row layer; the flag belongs to column layers",
+                          fn);
+    l->skip_norm_and_all_gather = skip;
+    return CPAR_OK;
+}
+
+cpar_status cpar_inference_init_from_master(cpar_inference_linear *l, const cpar_tensor *master_weight,
+                                            const cpar_tensor *master_norm_weight) {
+    static const char fn[] = "cpar_inference_init_from_master";
+    if (!l) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: l is NULL", fn);
+    cpar_linear *lin = l->lin;
+    cpar_ctx *ctx = lin->ctx;
+    const int64_t wshape[2] = {lin->cfg.output_size, lin->cfg.input_size};
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "master_weight", master_weight, CPAR_HOST));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "master_weight", master_weight, CPAR_F32));
+    CPAR_TRY(cpar__check_shape(ctx, fn, "master_weight", master_weight, wshape, 2, "[output_size, input_size]"));
+    if (master_norm_weight) {
+        if (lin->row)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: master_norm_weight given for a row layer (it has no norm)",
+                              fn);
+        CPAR_TRY(cpar__check_tensor(ctx, fn, "master_norm_weight", master_norm_weight, CPAR_HOST));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, "master_norm_weight", master_norm_weight, CPAR_F32));
+        CPAR_TRY(cpar__check_shape(ctx, fn, "master_norm_weight", master_norm_weight, &wshape[1], 1,
+                                   "[input_size]"));
+    }
+    CPAR_TRY(cpar_linear_init_from_master(lin, master_weight, NULL));
+    if (!master_norm_weight) return CPAR_OK;
+    const int64_t h = wshape[1];
+    const size_t bytes = cpar_tensor_nbytes(&l->norm_w);
+    char *buf = malloc(bytes);
+    if (!buf) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: host allocation of %zu bytes failed", fn, bytes);
+    cpar__host_cast(buf, lin->cfg.dtype, master_norm_weight->data, CPAR_F32, h);
+    cpar_status st = cpar__copy_bytes(ctx, fn, l->norm_w.data, l->norm_w.device, buf, CPAR_HOST, bytes);
+    if (st == CPAR_OK && cpar__on_device(ctx->device)) { /* the copy may still read buf */
+        cpar_status ds = cpar_dev_stream_sync(ctx->compute);
+        if (ds != CPAR_OK) st = cpar__dev_fail(ctx, ds, fn);
+    }
+    free(buf);
+    return st;
+}
+
+/* x's expected shape: want[0..nd) from x's leading dims, dim 0 scaled by
+ * num/den, last dim `last`. */
+static void cpar__inf_shape(const cpar_tensor *x, int64_t num, int64_t den, int64_t last, int64_t *want) {
+    for (int i = 0; i < x->ndim; i++) want[i] = x->shape[i];
+    want[0] = x->shape[0] * num / den;
+    want[x->ndim - 1] = last;
+}
+
+/* x: an activation of the layer's dtype on the context's device, >= 2 dims,
+ * last dim `in` (with `why`); dim 0 divisible by div. */
+static cpar_status cpar__inf_check_x(cpar_inference_linear *l, const char *fn, const cpar_tensor *x, int64_t in,
+                                     const char *why, int div) {
+    cpar_ctx *ctx = l->lin->ctx;
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "x", x, ctx->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "x", x, l->lin->cfg.dtype));
+    if (x->ndim < 2)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: x has ndim %d, expected [s, ..., hidden]", fn, x->ndim);
+    if (x->shape[x->ndim - 1] != in) {
+        int64_t want[CPAR_MAX_DIMS];
+        cpar__inf_shape(x, 1, 1, in, want);
+        return cpar__fail_shape(ctx, fn, "x", x, want, x->ndim, why);
+    }
+    if (x->shape[0] % div)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: x has %lld rows along dim 0, not divisible by tp=%d", fn,
+                          (long long)x->shape[0], div);
+    return CPAR_OK;
+}
+
+static cpar_status cpar__inf_check_y(cpar_inference_linear *l, const char *fn, const char *name,
+                                     const cpar_tensor *y, const int64_t *want, int nd, const char *why,
+                                     const cpar_tensor *x) {
+    cpar_ctx *ctx = l->lin->ctx;
+    CPAR_TRY(cpar__check_tensor(ctx, fn, name, y, ctx->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, name, y, l->lin->cfg.dtype));
+    CPAR_TRY(cpar__check_shape(ctx, fn, name, y, want, nd, why));
+    if (cpar__ranges_overlap(x->data, cpar_tensor_nbytes(x), y->data, cpar_tensor_nbytes(y)))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s overlaps x", fn, name);
+    return CPAR_OK;
+}
+
+/* InferenceLayerNormColumnParallelLinear.forward */
+static cpar_status cpar__inf_column_forward(cpar_inference_linear *l, const char *fn, const cpar_tensor *x,
+                                            cpar_tensor *y) {
+    cpar_linear *lin = l->lin;
+    cpar_ctx *ctx = lin->ctx;
+    const int n = lin->n;
+    const bool skip = l->skip_norm_and_all_gather;
+    const int64_t K = lin->in_l, N = lin->out_l;
+    CPAR_TRY(cpar__inf_check_x(l, fn, x, K, "input_size", 1));
+    int64_t want[CPAR_MAX_DIMS];
+    cpar__inf_shape(x, skip ? 1 : n, 1, N, want);
+    CPAR_TRY(cpar__inf_check_y(l, fn, "y", y, want, x->ndim, "[s, ..., output_size/tp]", x));
+    const int64_t T = cpar_tensor_numel(y) / N;
+    if (skip) return cpar__lin_fwd(lin, fn, x->data, K, T, K, N, y->data, N);
+    /* RMSNorm of this rank's shard, then gather_from_sequence_parallel_region */
+    const size_t es = cpar_dtype_size(lin->cfg.dtype);
+    const size_t nb = (cpar_tensor_nbytes(x) + 255) & ~(size_t)255;
+    void *base;
+    CPAR_TRY(cpar__workspace(ctx, fn, nb + (n > 1 ? (size_t)(T * K) * es : 0), &base));
+    CPAR_TRY(cpar__rmsnorm(ctx, fn, ctx->device, (void *)x->data, NULL, l->norm_w.data, lin->cfg.dtype,
+                           cpar_tensor_numel(x) / K, K, l->eps, base));
+    const void *X = base;
+    if (n > 1) {
+        cpar_tensor xl = *x, xg = *x;
+        xl.data = base;
+        xg.shape[0] *= n;
+        xg.data = (char *)base + nb;
+        CPAR_TRY(cpar_all_gather(lin->tp, &xl, &xg, NULL));
+        X = xg.data;
+    }
+    return cpar__lin_fwd(lin, fn, X, K, T, K, N, y->data, N);
+}
+
+/* InferenceRowParallelLinear.forward: the GEMM into scratch (tp > 1) and a
+ * reduce-scatter into y. */
+static cpar_status cpar__inf_row_forward(cpar_inference_linear *l, const char *fn, const cpar_tensor *x,
+                                         cpar_tensor *y) {
+    cpar_linear *lin = l->lin;
+    const int n = lin->n;
+    const int64_t K = lin->in_l, N = lin->out_l;
+    CPAR_TRY(cpar__inf_check_x(l, fn, x, K, "input_size/tp", n));
+    const int64_t T = cpar_tensor_numel(x) / K;
+    int64_t want[CPAR_MAX_DIMS];
+    cpar__inf_shape(x, 1, n, N, want);
+    CPAR_TRY(cpar__inf_check_y(l, fn, "y", y, want, x->ndim, "[s/tp, ..., output_size]", x));
+    if (n == 1) return cpar__lin_fwd(lin, fn, x->data, K, T, K, N, y->data, N);
+    void *P;
+    CPAR_TRY(cpar__workspace(lin->ctx, fn, (size_t)(T * N) * cpar_dtype_size(lin->cfg.dtype), &P));
+    CPAR_TRY(cpar__lin_fwd(lin, fn, x->data, K, T, K, N, P, N));
+    cpar_tensor part = *x;
+    part.shape[x->ndim - 1] = N;
+    part.data = P;
+    return cpar_reduce_scatter(lin->tp, &part, y, CPAR_SUM, NULL);
+}
+
+cpar_status cpar_inference_forward(cpar_inference_linear *l, const cpar_tensor *x, cpar_tensor *y) {
+    static const char fn[] = "cpar_inference_forward";
+    if (!l) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: l is NULL", fn);
+    return l->lin->row ? cpar__inf_row_forward(l, fn, x, y) : cpar__inf_column_forward(l, fn, x, y);
+}
+
+cpar_status cpar_inference_row_forward_fused(cpar_inference_linear *l, const cpar_tensor *x, cpar_tensor *residual,
+                                             const cpar_tensor *next_norm_weight, float eps, cpar_tensor *normed) {
+    static const char fn[] = "cpar_inference_row_forward_fused";
+    if (!l) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: l is NULL", fn);
+    cpar_linear *lin = l->lin;
+    cpar_ctx *ctx = lin->ctx;
+    if (!lin->row)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: l is a column layer, expected a row layer", fn);
+    const int n = lin->n;
+    const int64_t K = lin->in_l, N = lin->out_l;
+    CPAR_TRY(cpar__inf_check_x(l, fn, x, K, "input_size/tp", n));
+    const int64_t T = cpar_tensor_numel(x) / K;
+    int64_t full[CPAR_MAX_DIMS];
+    cpar__inf_shape(x, 1, 1, N, full);
+    cpar_tensor part = *x; /* the GEMM's output: x's shape with output_size last */
+    part.shape[x->ndim - 1] = N;
+    part.data = NULL;
+    /* x stands in for the partial sums in the shared checks: dtype, rank, no overlap */
+    CPAR_TRY(cpar__check_rs_add_norm_ag(ctx, fn, n, "x", x, residual, "normed", normed, full));
+    CPAR_TRY(cpar__check_norm_weight(ctx, fn, "next_norm_weight", next_norm_weight, ctx->device, lin->cfg.dtype, N));
+    if (eps == 0.f) eps = CPAR__NORM_EPS;
+    CPAR_TRY(cpar__check_eps(ctx, fn, eps));
+    const size_t es = cpar_dtype_size(lin->cfg.dtype);
+    const size_t pb = ((size_t)(T * N) * es + 255) & ~(size_t)255, hb = (cpar_tensor_nbytes(residual) + 255) & ~(size_t)255;
+    void *base;
+    CPAR_TRY(cpar__workspace(ctx, fn, pb + (n > 1 ? 2 * hb : 0), &base));
+    part.data = base;
+    CPAR_TRY(cpar__lin_fwd(lin, fn, x->data, K, T, K, N, base, N));
+    return cpar__rs_add_norm_ag(lin->tp, fn, &part, residual, next_norm_weight->data, eps, normed,
+                                n > 1 ? (char *)base + pb : NULL, n > 1 ? (char *)base + pb + hb : NULL);
 }

@@ -28,6 +28,7 @@
  *  11. Linear layers (column- and row-parallel)
  *  12. Attention and context parallelism (local flash attention, ring attention, sharding)
  *  13. Mamba context parallelism
+ *  14. Inference layers (RMSNorm, inference column/row-parallel linear)
  */
 #ifndef CPAR_H
 #define CPAR_H
@@ -1507,6 +1508,97 @@ cpar_status cpar_dev_mamba_conv1d_backward(const void *x, int64_t x_pitch, cpar_
 cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
                                         int64_t rep_stride, int64_t src_pitch, int64_t groups, int64_t reps,
                                         int64_t rows, int64_t cols, cpar_dtype dt, cpar_dev_stream st);
+
+/* ==== 14. Inference layers ================================================
+ * Megatron's InferenceLayerNormColumnParallelLinear and
+ * InferenceRowParallelLinear (seed 001, inference_layer.py) and the
+ * RMSNorm they run. The seed builds them on TransformerEngine layers and
+ * uses NVLS multimem collectives on symmetric memory when it can (bf16,
+ * Hopper, enough symmetric memory), else TE's NCCL gather / reduce-scatter;
+ * cpar implements the NCCL path with the same results on every backend.
+ * Forward only, no bias (the seed's forward never adds one), sequence
+ * parallel whenever tp > 1 (the seed asserts it):
+ *
+ *   column (InferenceLayerNormColumnParallelLinear), weight [out/tp, in],
+ *     norm weight [in]:
+ *     x [s/tp, b, in] -> RMSNorm -> all-gather along dim 0 -> [s, b, in]
+ *       -> y = x W^T [s, b, out/tp]          (tp = 1: x [s, b, in])
+ *     skip_norm_and_all_gather (the seed's externally toggled flag, set when
+ *     the previous row layer ran the fused reduce-scatter + add + RMSNorm +
+ *     all-gather): x is that already normed, gathered [s, b, in].
+ *   row (InferenceRowParallelLinear), weight [out, in/tp]:
+ *     x [s, b, in/tp] -> x W^T [s, b, out] -> reduce-scatter along dim 0
+ *       -> y [s/tp, b, out]                  (tp = 1: y [s, b, out])
+ *     fused with the next layer's norm (_set_next_layer_norm_weights and
+ *     _set_residual): residual [s/tp, b, out] += reduce-scatter(x W^T),
+ *     normed [s, b, out] = all-gather(RMSNorm(residual, next_norm_weight)).
+ *
+ * Leading dims are free ([s, b, h] or [T, h]); dim 0 is the sequence and
+ * must divide by tp where it is split. Every activation has the layer's
+ * dtype and lives on the context's device. GEMMs in fp32 accumulation
+ * (cuBLAS on devices), RMSNorm in fp32. Temporaries: one workspace carve per
+ * call. Bytes moved (cpar_comm_stats): column, an all-gather of the normed x
+ * ((tp-1)/tp of [s, b, in]); row, a reduce-scatter of [s, b, out]; fused,
+ * that reduce-scatter plus an all-gather of [s, b, out]. */
+
+/* RMSNorm over the last dim (TransformerEngine's rmsnorm_fwd, zero-centered
+ * gamma off): y = x / sqrt(mean(x^2) + eps) * weight, fp32 math. x [..., h]
+ * F32/F16/BF16; weight [h] and y (x's shape) of x's dtype; y may be x (in
+ * place). eps >= 0 and finite. All on the host, or all on the context's
+ * device. */
+cpar_status cpar_rmsnorm_forward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_tensor *weight, float eps,
+                                 cpar_tensor *y);
+
+typedef struct cpar_inference_linear_config {
+    int64_t input_size, output_size; /* global sizes, > 0; column: output_size % tp == 0, row: input_size % tp == 0 */
+    cpar_dtype dtype;                /* weights and activations: F32 (0), F16 or BF16 */
+    float eps;                       /* column: the RMSNorm epsilon (layernorm_epsilon); 0 -> 1e-5 */
+} cpar_inference_linear_config;
+
+typedef struct cpar_inference_linear cpar_inference_linear;
+
+/* Create on tp's context: weight zero, norm weight one (column). Collective-free. */
+cpar_status cpar_inference_column_create(cpar_group *tp, const cpar_inference_linear_config *cfg,
+                                         cpar_inference_linear **out);
+cpar_status cpar_inference_row_create(cpar_group *tp, const cpar_inference_linear_config *cfg,
+                                      cpar_inference_linear **out);
+cpar_status cpar_inference_destroy(cpar_inference_linear *l); /* NULL is fine */
+
+/* master_weight: host F32 [output_size, input_size], the same on every rank;
+ * this rank takes its rows (column) or columns (row), rounded to the dtype.
+ * master_norm_weight (column only; NULL keeps ones, must be NULL for a row
+ * layer): host F32 [input_size]. No communication. */
+cpar_status cpar_inference_init_from_master(cpar_inference_linear *l, const cpar_tensor *master_weight,
+                                            const cpar_tensor *master_norm_weight);
+/* Views on the context's device (norm weight: data NULL for a row layer). */
+cpar_tensor cpar_inference_weight(const cpar_inference_linear *l);
+cpar_tensor cpar_inference_norm_weight(const cpar_inference_linear *l);
+/* The seed's skip_norm_and_all_gather flag (column layers; false at creation). */
+cpar_status cpar_inference_set_skip_norm_and_all_gather(cpar_inference_linear *l, bool skip);
+
+/* The forward of either layer with the shapes of the section comment. y may
+ * not overlap x. */
+cpar_status cpar_inference_forward(cpar_inference_linear *l, const cpar_tensor *x, cpar_tensor *y);
+/* Row layers: the forward fused with the next layer's RMSNorm. residual
+ * [s/tp, b, out] is updated in place; next_norm_weight [out]; normed
+ * [s, b, out] (the next column layer's input with skip_norm_and_all_gather).
+ * eps: 0 -> 1e-5. No two of x, residual, normed may overlap. */
+cpar_status cpar_inference_row_forward_fused(cpar_inference_linear *l, const cpar_tensor *x, cpar_tensor *residual,
+                                             const cpar_tensor *next_norm_weight, float eps, cpar_tensor *normed);
+/* The fused collective on its own (fused_multimem_rs_add_norm_ag's result):
+ * partial [s, b, h] this rank's partial sums; residual [s/tp, b, h] +=
+ * reduce-scatter(partial) along dim 0; out [s, b, h] = all-gather along dim
+ * 0 of RMSNorm(residual, weight [h], eps). Same dtype, the context's device;
+ * no two of partial, residual, out may overlap. */
+cpar_status cpar_inference_rs_add_rmsnorm_ag(cpar_group *tp, const cpar_tensor *partial, cpar_tensor *residual,
+                                             const cpar_tensor *weight, float eps, cpar_tensor *out);
+
+/* ---- device layer (internal; cpar_kernels.cu §19, cpar.h §7 conventions) ---
+ * x, add (NULL: none), weight [h], y: elements of dt (F32/F16/BF16), rows of
+ * h. With add: x += add (rounded to dt, stored back), then the norm of the
+ * sum. y = x * rsqrt(mean(x^2) + eps) * weight; y may be x only without add. */
+cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
+                             float eps, void *y, cpar_dev_stream s);
 
 #ifdef __cplusplus
 }

@@ -39,6 +39,7 @@
  *   16. Local attention: the flash forward and backward kernels
  *   17. Ring attention: the fp32 LSE merge
  *   18. Mamba context parallelism: group-replica sums, depthwise causal conv1d
+ *   19. RMSNorm with an optional fused residual add (inference layers)
  */
 
 /* ==== 1. Includes and launch macros =======================================
@@ -3020,5 +3021,80 @@ cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_p
     });
     CPAR__TRY_CUDA(e, "mamba sum_replicas kernel launch (%s, %lld groups x %lld reps x %lld x %lld)",
                    cpar__dtype_name(dt), (long long)groups, (long long)reps, (long long)rows, (long long)cols);
+    return CPAR_OK;
+}
+
+/* ==== 19. RMSNorm with an optional fused residual add ========================
+ * The device half of cpar.h §14 (host half and reference loop: cpar.c §21):
+ * TransformerEngine's rmsnorm_fwd as Megatron's inference layers call it
+ * (zero_centered_gamma off), and the "add + RMSNorm" step of the fused
+ * reduce-scatter + add + RMSNorm + all-gather.
+ *   x [rows, h], add [rows, h] or NULL, weight [h], y [rows, h]: one dtype T.
+ *   add != NULL: x += add first (rounded to T and stored back: x is the
+ *   residual stream), and the norm reads the rounded sum, as PyTorch does.
+ *   y[r, j] = x[r, j] * rsqrt(mean_j x[r, j]^2 + eps) * weight[j], fp32 math.
+ * One 256-thread block per row (grid-stride over rows): each thread keeps to
+ * its own columns j = tid, tid + 256, ..., so the second pass reads back
+ * exactly what the same thread wrote (y may alias x when add is NULL); the
+ * sum of squares is a warp butterfly, then every thread adds the warp sums
+ * in the same order (deterministic). The warp sums alternate between two
+ * shared slots by row parity, so one barrier per row suffices: a warp can
+ * write slot p again only after the next row's barrier, which every thread
+ * reaches after reading slot p. Moves rows * h * (2 or 4) + h elements.
+ * Uses: 2, 4. */
+
+static constexpr int CPAR__NORM_BLOCK = 256;
+
+template <typename T>
+static __global__ void cpar__rmsnorm_kernel(T *x, const T *__restrict__ add, const T *__restrict__ w, float eps,
+                                           int64_t rows, int64_t h, T *y) {
+    __shared__ float warp_sum[2][CPAR__NORM_BLOCK / 32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    int slot = 0;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x, slot ^= 1) {
+        T *xr = x + r * h;
+        float ss = 0.f;
+        for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+            float v = cpar__widen(xr[j]);
+            if (add) {
+                const T s = cpar__narrow<T>(v + cpar__widen(add[r * h + j]));
+                xr[j] = s;
+                v = cpar__widen(s);
+            }
+            ss += v * v;
+        }
+        for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        if (lane == 0) warp_sum[slot][warp] = ss;
+        __syncthreads();
+        float total = 0.f;
+        for (int i = 0; i < nwarps; i++) total += warp_sum[slot][i];
+        const float inv = rsqrtf(total / (float)h + eps);
+        for (int64_t j = threadIdx.x; j < h; j += blockDim.x)
+            y[r * h + j] = cpar__narrow<T>(cpar__widen(xr[j]) * inv * cpar__widen(w[j]));
+    }
+}
+
+cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
+                             float eps, void *y, cpar_dev_stream s) {
+    CPAR__CHECK_COUNT(rows);
+    CPAR__CHECK_COUNT(h);
+    const bool nonempty = rows > 0 && h > 0;
+    CPAR__CHECK_PTR(x, nonempty);
+    CPAR__CHECK_PTR(weight, nonempty);
+    CPAR__CHECK_PTR(y, nonempty);
+    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
+    if (!(eps >= 0.f)) return CPAR__INVALID("eps = %g, expected >= 0", (double)eps);
+    if (!nonempty) return CPAR_OK;
+    cudaStream_t cs = cpar__stream(s);
+    cudaError_t e = cpar__with_float_type(dt, [&](auto tv) {
+        typedef decltype(tv) T;
+        auto kernel = cpar__rmsnorm_kernel<T>;
+        CPAR_LAUNCH(kernel, cpar__grid(rows, 1), CPAR__NORM_BLOCK, 0, cs)
+        (static_cast<T *>(x), static_cast<const T *>(add), static_cast<const T *>(weight), eps, rows, h,
+         static_cast<T *>(y));
+        return cudaGetLastError();
+    });
+    CPAR__TRY_CUDA(e, "rmsnorm kernel launch (%s, %lld x %lld%s)", cpar__dtype_name(dt), (long long)rows,
+                   (long long)h, add ? ", residual add" : "");
     return CPAR_OK;
 }
