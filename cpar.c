@@ -12,8 +12,8 @@
  *    2. Errors                      status names, last-error lines, argument checks
  *    3. Data types and tensors      dtype table, fp16/bf16 bits, tensor helpers
  *    4. Device dispatch             host-only device layer, workspace, copies
- *    5. Host reference kernels      fill, cast, axpby, reduce, 2-D copy, row reduce
- *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce
+ *    5. Host reference kernels      fill, cast, axpby, reduce, 2-D copy, row reduce, gelu
+ *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
  *    7. Rendezvous store and env    TCP key-value store, launch environment
  *    8. Host backend                shared-memory rendezvous with deadlines
  *    9. NCCL backend                communicators, async-error polling, abort
@@ -26,9 +26,9 @@
  *   16. Embedding, cross entropy    vocab-parallel embedding and loss
  *   17. Linear layers               column/row-parallel linear, init, fwd/bwd
  *   18. Local attention             flash-style attention fwd/bwd, host reference, blocks
- *   19. Ring attention, CP sharding  cp_shard/unshard, ring fwd/bwd, the LSE merge
+ *   19. Ring attention, sharding    cp_shard/unshard, ring fwd/bwd, the LSE merge
  *   20. Mamba context parallelism   cp2hp/hp2cp, load balancing, pre/post conv_ssm, conv1d
- *   21. Inference layers            RMSNorm, inference column/row linear, fused rs+add+norm+ag
+ *   21. Inference layers            RMSNorm fwd/bwd, inference column/row linear, fused rs+add+norm+ag
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -446,6 +446,8 @@ cpar_status cpar_dev_reduce_into(void *acc, const void *src, cpar_dtype src_dt, 
                                  cpar_dev_stream s) CPAR__NODEV()
 cpar_status cpar_dev_row_reduce(float *out, const void *in, cpar_dtype dt, int64_t rows, int64_t cols,
                                 cpar_row_op op, cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_gelu(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n, cpar_dev_stream s)
+    CPAR__NODEV()
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop
 #endif
@@ -722,6 +724,20 @@ static void cpar__host_row_reduce(float *out, const void *in, cpar_dtype dt, int
     }
 }
 
+/* GeLU (tanh approximation) and its gradient: the fp32 formulas of
+ * cpar_kernels.cu §20. dy == NULL: out = gelu(x); else out = dy gelu'(x). */
+static void cpar__host_gelu(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float v = cpar__load_f(x, dt, i), t = tanhf(0.79788456f * v * (1.f + 0.044715f * v * v));
+        if (!dy) {
+            cpar__store_f(out, dt, i, 0.5f * v * (1.f + t));
+            continue;
+        }
+        const float d = 0.5f * v * ((1.f - t * t) * (0.79788456f + 0.1070322243f * v * v)) + 0.5f * (1.f + t);
+        cpar__store_f(out, dt, i, d * cpar__load_f(dy, dt, i));
+    }
+}
+
 /* ==== 6. Element-wise and layout operations ==============================
  * Public ops that run the host reference on host tensors and the device
  * layer's kernels on device tensors. Split and concat reduce to one pitched
@@ -879,6 +895,41 @@ cpar_status cpar_row_reduce(cpar_ctx *ctx, const cpar_tensor *in, cpar_row_op op
     if (!cpar__on_device(in->device)) cpar__host_row_reduce(out->data, in->data, in->dtype, rows, cols, op);
     else CPAR_DEV_TRY(ctx, fn, cpar_dev_row_reduce(out->data, in->data, in->dtype, rows, cols, op, ctx->compute));
     return CPAR_OK;
+}
+
+/* GeLU forward (dy NULL) or backward: in, dy, out of one float dtype and numel, in one place. */
+static cpar_status cpar__gelu(cpar_ctx *ctx, const char *fn, const cpar_tensor *x, const cpar_tensor *dy,
+                              cpar_tensor *out, const char *out_name) {
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "x", x));
+    CPAR_TRY(cpar__check_float(ctx, fn, "x", x));
+    const cpar_tensor *ts[2] = {dy, out};
+    const char *names[2] = {"dy", out_name};
+    for (int i = dy ? 0 : 1; i < 2; i++) {
+        CPAR_TRY(cpar__check_tensor(ctx, fn, names[i], ts[i], x->device));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, names[i], ts[i], x->dtype));
+        CPAR_TRY(cpar__check_same_place(ctx, fn, names[i], ts[i], "x", x));
+    }
+    const int64_t n = cpar_tensor_numel(x);
+    const void *src = dy ? dy->data : x->data; /* what out may alias */
+    if (out->data != src && cpar__ranges_overlap(out->data, cpar_tensor_nbytes(out), src, cpar_tensor_nbytes(x)))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s overlaps %s without being it", fn, out_name, dy ? "dy" : "x");
+    if (dy && out->data != x->data && cpar__ranges_overlap(out->data, cpar_tensor_nbytes(out), x->data, cpar_tensor_nbytes(x)))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s overlaps x", fn, out_name);
+    if (dy && out->data == x->data && x->data != dy->data)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is x (backward may write over dy, not x)", fn, out_name);
+    if (!cpar__on_device(x->device)) cpar__host_gelu(x->data, dy ? dy->data : NULL, out->data, x->dtype, n);
+    else CPAR_DEV_TRY(ctx, fn, cpar_dev_gelu(x->data, dy ? dy->data : NULL, out->data, x->dtype, n, ctx->compute));
+    return CPAR_OK;
+}
+
+cpar_status cpar_gelu_forward(cpar_ctx *ctx, const cpar_tensor *x, cpar_tensor *y) {
+    return cpar__gelu(ctx, "cpar_gelu_forward", x, NULL, y, "y");
+}
+
+cpar_status cpar_gelu_backward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_tensor *dy, cpar_tensor *dx) {
+    static const char fn[] = "cpar_gelu_backward";
+    if (!dy) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dy is NULL", fn);
+    return cpar__gelu(ctx, fn, x, dy, dx, "dx");
 }
 
 /* ==== 7. Rendezvous store and launch environment ==========================
@@ -8058,8 +8109,9 @@ cpar_status cpar_mamba_cp_conv1d_backward(cpar_mamba_cp *m, const cpar_tensor *x
 }
 
 /* ==== 21. Inference layers ================================================
- * Owns cpar.h §14: RMSNorm (host reference loop here, cpar_dev_rmsnorm on
- * device tensors) and Megatron's inference linear layers on the NCCL path
+ * Owns cpar.h §14: RMSNorm forward and backward (host reference loops here,
+ * cpar_dev_rmsnorm / _backward on device tensors) and Megatron's inference
+ * linear layers on the NCCL path
  * of the seed: RMSNorm -> all-gather -> GEMM (column), GEMM ->
  * reduce-scatter (row), and the fused reduce-scatter + residual add +
  * RMSNorm + all-gather. A layer wraps a frozen, bias-free cpar_linear
@@ -8078,6 +8130,11 @@ cpar_status cpar_mamba_cp_conv1d_backward(cpar_mamba_cp *m, const cpar_tensor *x
 #endif
 cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
                              float eps, void *y, cpar_dev_stream s) {
+    return CPAR_ERR_UNSUPPORTED;
+}
+cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
+                                      int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
+                                      cpar_dev_stream s) {
     return CPAR_ERR_UNSUPPORTED;
 }
 #if defined(__GNUC__)
@@ -8149,6 +8206,64 @@ cpar_status cpar_rmsnorm_forward(cpar_ctx *ctx, const cpar_tensor *x, const cpar
     const int64_t rows = h ? cpar_tensor_numel(x) / h : 0;
     /* the norm never writes x without an add, so the const is only shed here */
     return cpar__rmsnorm(ctx, fn, x->device, (void *)x->data, NULL, weight->data, x->dtype, rows, h, eps, y->data);
+}
+
+/* The host twin of cpar_dev_rmsnorm_backward (same formulas, fp32). */
+static void cpar__host_rmsnorm_backward(const void *x, const void *w, const void *dy, cpar_dtype dt, int64_t rows,
+                                        int64_t h, float eps, void *dx, float *dw) {
+    for (int64_t r = 0; r < rows; r++) {
+        float ss = 0.f, c = 0.f;
+        for (int64_t j = 0; j < h; j++) {
+            const float v = cpar__load_f(x, dt, r * h + j);
+            ss += v * v;
+            c += cpar__load_f(dy, dt, r * h + j) * cpar__load_f(w, dt, j) * v;
+        }
+        const float inv = 1.f / sqrtf(ss / (float)h + eps), k = inv * inv * inv * c / (float)h;
+        for (int64_t j = 0; j < h; j++) {
+            const float v = cpar__load_f(x, dt, r * h + j), g = cpar__load_f(dy, dt, r * h + j);
+            if (dw) dw[j] += g * v * inv; /* dx may alias dy: read g first */
+            cpar__store_f(dx, dt, r * h + j, inv * cpar__load_f(w, dt, j) * g - v * k);
+        }
+    }
+}
+
+cpar_status cpar_rmsnorm_backward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_tensor *weight, float eps,
+                                  const cpar_tensor *dy, cpar_tensor *dx, cpar_tensor *dweight) {
+    static const char fn[] = "cpar_rmsnorm_backward";
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "x", x));
+    CPAR_TRY(cpar__check_float(ctx, fn, "x", x));
+    if (x->ndim < 1)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: x has ndim 0, expected [..., hidden]", fn);
+    const int64_t h = x->shape[x->ndim - 1];
+    CPAR_TRY(cpar__check_norm_weight(ctx, fn, "weight", weight, x->device, x->dtype, h));
+    const cpar_tensor *ts[2] = {dy, dx};
+    const char *names[2] = {"dy", "dx"};
+    for (int i = 0; i < 2; i++) {
+        CPAR_TRY(cpar__check_tensor(ctx, fn, names[i], ts[i], x->device));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, names[i], ts[i], x->dtype));
+        CPAR_TRY(cpar__check_shape(ctx, fn, names[i], ts[i], x->shape, x->ndim, "x's shape"));
+    }
+    if (dweight) {
+        CPAR_TRY(cpar__check_tensor(ctx, fn, "dweight", dweight, x->device));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, "dweight", dweight, CPAR_F32));
+        CPAR_TRY(cpar__check_shape(ctx, fn, "dweight", dweight, &h, 1, "[hidden] main grad"));
+    }
+    CPAR_TRY(cpar__check_eps(ctx, fn, eps));
+    if (cpar__ranges_overlap(dx->data, cpar_tensor_nbytes(dx), x->data, cpar_tensor_nbytes(x)))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dx overlaps x", fn);
+    if (dx->data != dy->data && cpar__ranges_overlap(dx->data, cpar_tensor_nbytes(dx), dy->data, cpar_tensor_nbytes(dy)))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dx overlaps dy without being dy", fn);
+    const int64_t rows = h ? cpar_tensor_numel(x) / h : 0;
+    float *dw = dweight ? dweight->data : NULL;
+    if (!cpar__on_device(x->device)) {
+        cpar__host_rmsnorm_backward(x->data, weight->data, dy->data, x->dtype, rows, h, eps, dx->data, dw);
+        return CPAR_OK;
+    }
+    void *stats;
+    CPAR_TRY(cpar__workspace(ctx, fn, (size_t)(rows ? 2 * rows : 1) * sizeof(float), &stats));
+    CPAR_DEV_TRY(ctx, fn, cpar_dev_rmsnorm_backward(x->data, weight->data, dy->data, x->dtype, rows, h, eps, dx->data,
+                                                   dw, stats, ctx->compute));
+    return CPAR_OK;
 }
 
 /* ---- the fused reduce-scatter + add + RMSNorm + all-gather ------------------ */

@@ -28,7 +28,7 @@
  *  11. Linear layers (column- and row-parallel)
  *  12. Attention and context parallelism (local flash attention, ring attention, sharding)
  *  13. Mamba context parallelism
- *  14. Inference layers (RMSNorm, inference column/row-parallel linear)
+ *  14. Inference layers (RMSNorm forward and backward, inference column/row-parallel linear)
  */
 #ifndef CPAR_H
 #define CPAR_H
@@ -380,6 +380,15 @@ typedef enum cpar_row_op { CPAR_ROW_SUM = 0, CPAR_ROW_MAX, CPAR_ROW_LOGSUMEXP } 
  * (numel(out) == numel(in)/c). Accumulates in fp32. */
 cpar_status cpar_row_reduce(cpar_ctx *ctx, const cpar_tensor *in, cpar_row_op op, cpar_tensor *out);
 
+/* GeLU, tanh approximation (Megatron's fused bias_gelu without the bias;
+ * PyTorch's F.gelu(approximate="tanh")), fp32 math:
+ *   y = 0.5 x (1 + tanh(0.79788456 x (1 + 0.044715 x^2))).
+ * x, y: F32/F16/BF16, the same dtype and numel, both on the host or both on
+ * the context's device; y may be x. */
+cpar_status cpar_gelu_forward(cpar_ctx *ctx, const cpar_tensor *x, cpar_tensor *y);
+/* dx = dy * gelu'(x) with forward's x; dy and dx like x; dx may be dy. */
+cpar_status cpar_gelu_backward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_tensor *dy, cpar_tensor *dx);
+
 /* ==== 7. Device layer (internal) ========================================= */
 /* Implemented in cpar_kernels.cu (nvcc for GPUs; g++ with tests/cudasim.h for
  * the sim build). cpar.c reaches the GPU only through these functions, so it
@@ -450,6 +459,8 @@ cpar_status cpar_dev_reduce_into(void *acc, const void *src, cpar_dtype src_dt, 
 /* out[r] = op over the last dimension of in [rows, cols] (float dtype), fp32 out. */
 cpar_status cpar_dev_row_reduce(float *out, const void *in, cpar_dtype dt, int64_t rows, int64_t cols,
                                 cpar_row_op op, cpar_dev_stream s);
+/* dy == NULL: out = gelu(x); else out = dy * gelu'(x). [n] of dt (F32/F16/BF16). */
+cpar_status cpar_dev_gelu(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n, cpar_dev_stream s);
 
 /* ==== 8. Tensor-parallel mappings and utilities ========================== */
 /* Megatron's region mappings (megatron/core/tensor_parallel/mappings.py): one
@@ -1548,6 +1559,14 @@ cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_p
  * device. */
 cpar_status cpar_rmsnorm_forward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_tensor *weight, float eps,
                                  cpar_tensor *y);
+/* Its gradient (for training; the inference layers need none): with forward's
+ * x, weight and eps and dy like x, dx (like x; may be dy) =
+ * inv w dy - x inv^3 sum(dy w x) / h per row, inv = 1/sqrt(mean(x^2) + eps);
+ * dweight F32 [h] += sum over rows of dy x inv (NULL: not wanted; rows are
+ * summed in order, no atomics). Same placement rules as forward; scratch:
+ * two floats per row from the context workspace. */
+cpar_status cpar_rmsnorm_backward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_tensor *weight, float eps,
+                                  const cpar_tensor *dy, cpar_tensor *dx, cpar_tensor *dweight);
 
 typedef struct cpar_inference_linear_config {
     int64_t input_size, output_size; /* global sizes, > 0; column: output_size % tp == 0, row: input_size % tp == 0 */
@@ -1599,6 +1618,12 @@ cpar_status cpar_inference_rs_add_rmsnorm_ag(cpar_group *tp, const cpar_tensor *
  * sum. y = x * rsqrt(mean(x^2) + eps) * weight; y may be x only without add. */
 cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
                              float eps, void *y, cpar_dev_stream s);
+/* dx (may be dy) from x, weight, dy; stats_scratch [2 rows] F32 receives
+ * each row's 1/rms and its dx coefficient; dweight (F32 [h], NULL: skipped)
+ * += column sums of dy x inv, read before dx is written. */
+cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
+                                      int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
+                                      cpar_dev_stream s);
 
 #ifdef __cplusplus
 }

@@ -39,7 +39,8 @@
  *   16. Local attention: the flash forward and backward kernels
  *   17. Ring attention: the fp32 LSE merge
  *   18. Mamba context parallelism: group-replica sums, depthwise causal conv1d
- *   19. RMSNorm with an optional fused residual add (inference layers)
+ *   19. RMSNorm forward (with an optional fused residual add) and backward
+ *   20. GeLU (tanh approximation) forward and backward
  */
 
 /* ==== 1. Includes and launch macros =======================================
@@ -3024,11 +3025,11 @@ cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_p
     return CPAR_OK;
 }
 
-/* ==== 19. RMSNorm with an optional fused residual add ========================
- * The device half of cpar.h §14 (host half and reference loop: cpar.c §21):
+/* ==== 19. RMSNorm: forward with an optional fused residual add, backward =====
+ * The device half of cpar.h §14 (host half and reference loops: cpar.c §21):
  * TransformerEngine's rmsnorm_fwd as Megatron's inference layers call it
- * (zero_centered_gamma off), and the "add + RMSNorm" step of the fused
- * reduce-scatter + add + RMSNorm + all-gather.
+ * (zero_centered_gamma off), the "add + RMSNorm" step of the fused
+ * reduce-scatter + add + RMSNorm + all-gather, and the backward for training.
  *   x [rows, h], add [rows, h] or NULL, weight [h], y [rows, h]: one dtype T.
  *   add != NULL: x += add first (rounded to T and stored back: x is the
  *   residual stream), and the norm reads the rounded sum, as PyTorch does.
@@ -3096,5 +3097,158 @@ cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_
     });
     CPAR__TRY_CUDA(e, "rmsnorm kernel launch (%s, %lld x %lld%s)", cpar__dtype_name(dt), (long long)rows,
                    (long long)h, add ? ", residual add" : "");
+    return CPAR_OK;
+}
+
+/* RMSNorm backward in three passes, so that dx may overwrite dy and dweight
+ * still reads the original dy:
+ *   1. per row (one block, as the forward): inv = rsqrt(mean(x^2) + eps),
+ *      k = inv^3 sum_j(dy_j w_j x_j) / h  -> stats[2r], stats[2r+1];
+ *   2. dw[j] += sum_r dy[r, j] x[r, j] inv[r] (skipped without dweight);
+ *   3. dx = inv w dy - x k, element-wise.
+ * Both row sums of pass 1 share one butterfly and the forward's two parity
+ * slots (one barrier per row). */
+template <typename T>
+static __global__ void cpar__rmsnorm_stats_kernel(const T *__restrict__ x, const T *__restrict__ w,
+                                                 const T *__restrict__ dy, float eps, int64_t rows, int64_t h,
+                                                 float *__restrict__ stats) {
+    __shared__ float warp_sum[2][2][CPAR__NORM_BLOCK / 32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    int slot = 0;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x, slot ^= 1) {
+        float ss = 0.f, c = 0.f;
+        for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+            const float v = cpar__widen(x[r * h + j]);
+            ss += v * v;
+            c += cpar__widen(dy[r * h + j]) * cpar__widen(w[j]) * v;
+        }
+        for (int off = 16; off > 0; off /= 2) {
+            ss += __shfl_xor_sync(0xffffffffu, ss, off);
+            c += __shfl_xor_sync(0xffffffffu, c, off);
+        }
+        if (lane == 0) warp_sum[slot][0][warp] = ss, warp_sum[slot][1][warp] = c;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float tss = 0.f, tc = 0.f;
+            for (int i = 0; i < nwarps; i++) tss += warp_sum[slot][0][i], tc += warp_sum[slot][1][i];
+            const float inv = rsqrtf(tss / (float)h + eps);
+            stats[2 * r] = inv;
+            stats[2 * r + 1] = inv * inv * inv * tc / (float)h;
+        }
+    }
+}
+
+/* Pass 2: one thread per column summing its rows in order (coalesced across
+ * columns, deterministic, no atomics). Launch: 1-D grid-stride over h. */
+template <typename T>
+static __global__ void cpar__rmsnorm_dw_kernel(const T *__restrict__ x, const T *__restrict__ dy,
+                                              const float *__restrict__ stats, int64_t rows, int64_t h,
+                                              float *__restrict__ dw) {
+    for (int64_t j = cpar__thread_id(); j < h; j += cpar__thread_count()) {
+        float acc = 0.f;
+        for (int64_t r = 0; r < rows; r++) acc += cpar__widen(dy[r * h + j]) * cpar__widen(x[r * h + j]) * stats[2 * r];
+        dw[j] += acc;
+    }
+}
+
+/* Pass 3: 1-D grid-stride over rows * h; dx may alias dy (same element, same thread). */
+template <typename T>
+static __global__ void cpar__rmsnorm_dx_kernel(const T *__restrict__ x, const T *__restrict__ w, const T *dy,
+                                              const float *__restrict__ stats, int64_t rows, int64_t h, T *dx) {
+    for (int64_t i = cpar__thread_id(); i < rows * h; i += cpar__thread_count()) {
+        const int64_t r = i / h, j = i - r * h;
+        dx[i] = cpar__narrow<T>(stats[2 * r] * cpar__widen(w[j]) * cpar__widen(dy[i]) -
+                                cpar__widen(x[i]) * stats[2 * r + 1]);
+    }
+}
+
+cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
+                                      int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
+                                      cpar_dev_stream s) {
+    CPAR__CHECK_COUNT(rows);
+    CPAR__CHECK_COUNT(h);
+    const bool nonempty = rows > 0 && h > 0;
+    CPAR__CHECK_PTR(x, nonempty);
+    CPAR__CHECK_PTR(weight, nonempty);
+    CPAR__CHECK_PTR(dy, nonempty);
+    CPAR__CHECK_PTR(dx, nonempty);
+    CPAR__CHECK_PTR(stats_scratch, nonempty);
+    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
+    if (!(eps >= 0.f)) return CPAR__INVALID("eps = %g, expected >= 0", (double)eps);
+    if (!nonempty) return CPAR_OK;
+    cudaStream_t cs = cpar__stream(s);
+    cudaError_t e = cpar__with_float_type(dt, [&](auto tv) {
+        typedef decltype(tv) T;
+        const T *xt = static_cast<const T *>(x), *wt = static_cast<const T *>(weight), *dyt = static_cast<const T *>(dy);
+        auto stats_kernel = cpar__rmsnorm_stats_kernel<T>;
+        CPAR_LAUNCH(stats_kernel, cpar__grid(rows, 1), CPAR__NORM_BLOCK, 0, cs)(xt, wt, dyt, eps, rows, h, stats_scratch);
+        cudaError_t le = cudaGetLastError();
+        if (le != cudaSuccess) return le;
+        if (dweight) {
+            auto dw_kernel = cpar__rmsnorm_dw_kernel<T>;
+            CPAR_LAUNCH(dw_kernel, cpar__grid(h, CPAR__BLOCK), CPAR__BLOCK, 0, cs)(xt, dyt, stats_scratch, rows, h, dweight);
+            if ((le = cudaGetLastError()) != cudaSuccess) return le;
+        }
+        auto dx_kernel = cpar__rmsnorm_dx_kernel<T>;
+        CPAR_LAUNCH(dx_kernel, cpar__grid(rows * h, CPAR__BLOCK), CPAR__BLOCK, 0, cs)
+        (xt, wt, dyt, stats_scratch, rows, h, static_cast<T *>(dx));
+        return cudaGetLastError();
+    });
+    CPAR__TRY_CUDA(e, "rmsnorm backward kernel launch (%s, %lld x %lld)", cpar__dtype_name(dt), (long long)rows,
+                   (long long)h);
+    return CPAR_OK;
+}
+
+/* ==== 20. GeLU (tanh approximation) =========================================
+ * Megatron's fused bias_gelu without the bias (PyTorch's
+ * F.gelu(approximate="tanh")), fp32 math:
+ *   y  = 0.5 x (1 + tanh(0.79788456 x (1 + 0.044715 x^2)))
+ *   dx = dy (0.5 x (1 - t^2)(0.79788456 + 0.1070322243 x^2) + 0.5 (1 + t)),
+ *   t the tanh above. x, y, dy, dx: [n] of one float dtype; y may be x and
+ * dx may be dy (element-wise, same thread). Launch: 1-D grid-stride, 256
+ * threads. Moves 2n (forward) or 3n (backward) elements. Host twin: cpar.c
+ * §5. Uses: 2, 4. */
+
+static __device__ __forceinline__ float cpar__gelu_t(float x) {
+    return tanhf(0.79788456f * x * (1.f + 0.044715f * x * x));
+}
+
+template <typename T> static __global__ void cpar__gelu_fwd_kernel(const T *x, T *y, int64_t n) {
+    for (int64_t i = cpar__thread_id(); i < n; i += cpar__thread_count()) {
+        const float v = cpar__widen(x[i]);
+        y[i] = cpar__narrow<T>(0.5f * v * (1.f + cpar__gelu_t(v)));
+    }
+}
+
+template <typename T> static __global__ void cpar__gelu_bwd_kernel(const T *x, const T *dy, T *dx, int64_t n) {
+    for (int64_t i = cpar__thread_id(); i < n; i += cpar__thread_count()) {
+        const float v = cpar__widen(x[i]), t = cpar__gelu_t(v);
+        const float d = 0.5f * v * ((1.f - t * t) * (0.79788456f + 0.1070322243f * v * v)) + 0.5f * (1.f + t);
+        dx[i] = cpar__narrow<T>(d * cpar__widen(dy[i]));
+    }
+}
+
+cpar_status cpar_dev_gelu(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n, cpar_dev_stream s) {
+    CPAR__CHECK_COUNT(n);
+    CPAR__CHECK_PTR(x, n > 0);
+    CPAR__CHECK_PTR(out, n > 0);
+    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
+    if (n == 0) return CPAR_OK;
+    cudaStream_t cs = cpar__stream(s);
+    cudaError_t e = cpar__with_float_type(dt, [&](auto tv) {
+        typedef decltype(tv) T;
+        if (dy) {
+            auto kernel = cpar__gelu_bwd_kernel<T>;
+            CPAR_LAUNCH(kernel, cpar__grid(n, CPAR__BLOCK), CPAR__BLOCK, 0, cs)
+            (static_cast<const T *>(x), static_cast<const T *>(dy), static_cast<T *>(out), n);
+        } else {
+            auto kernel = cpar__gelu_fwd_kernel<T>;
+            CPAR_LAUNCH(kernel, cpar__grid(n, CPAR__BLOCK), CPAR__BLOCK, 0, cs)
+            (static_cast<const T *>(x), static_cast<T *>(out), n);
+        }
+        return cudaGetLastError();
+    });
+    CPAR__TRY_CUDA(e, "gelu %s kernel launch (%s, n = %lld)", dy ? "backward" : "forward", cpar__dtype_name(dt),
+                   (long long)n);
     return CPAR_OK;
 }

@@ -1,4 +1,4 @@
-/* test_inference.c — inference layers (cpar.h §14): RMSNorm,
+/* test_inference.c — inference layers (cpar.h §14): RMSNorm (and its backward),
  * InferenceLayerNormColumnParallelLinear, InferenceRowParallelLinear and the
  * fused reduce-scatter + add + RMSNorm + all-gather.
  *
@@ -9,6 +9,9 @@
  *    the forward, reverse and a shuffled fiber schedule) and on host tensors,
  *    F32/F16/BF16, hidden sizes below, at and past the 256-thread block and
  *    not multiples of 32, in place and out of place, outputs poisoned;
+ *  - cpar_rmsnorm_backward the same way (dx in place over dy too, dweight
+ *    accumulated over two calls), and against central differences of the
+ *    forward;
  *  - a column -> row -> (fused rs + add + norm + ag) -> column (skip norm
  *    and all-gather) chain at tp 1..4, F32 and BF16: every intermediate
  *    (y1, y2, the updated residual, the normed all-gathered activation, y3)
@@ -166,6 +169,117 @@ START_TEST(test_rmsnorm) {
         TU_OK(tu_spawn(1, rank_norm, &c));
     }
 }
+END_TEST
+
+/* ---- RMSNorm backward ------------------------------------------------------------------ */
+
+/* dx = inv w dy - x inv^3 sum(dy w x)/h; dw = sum_rows dy x inv. */
+static void ref_rmsnorm_backward(const double *x, const double *w, const double *dy, int64_t T, int64_t h, double eps,
+                                 double *dx, double *dw) {
+    for (int64_t j = 0; j < h; j++) dw[j] = 0.0;
+    for (int64_t t = 0; t < T; t++) {
+        double ss = 0.0, c = 0.0;
+        for (int64_t j = 0; j < h; j++) ss += x[t * h + j] * x[t * h + j], c += dy[t * h + j] * w[j] * x[t * h + j];
+        const double inv = 1.0 / sqrt(ss / (double)h + eps);
+        for (int64_t j = 0; j < h; j++) {
+            dx[t * h + j] = inv * w[j] * dy[t * h + j] - x[t * h + j] * inv * inv * inv * c / (double)h;
+            dw[j] += dy[t * h + j] * x[t * h + j] * inv;
+        }
+    }
+}
+
+static cpar_status rank_norm_bwd(cpar_ctx *ctx, void *arg) {
+    const norm_case *c = arg;
+    const cpar_dtype dt = c->dt;
+    const int64_t n = c->rows * c->h, xs[2] = {c->rows, c->h};
+    double *x = random_doubles(n, -3.0, 3.0, c->seed), *w = random_doubles(c->h, 0.5, 1.5, c->seed + 1);
+    double *dy = random_doubles(n, -1.0, 1.0, c->seed + 2), *dw0 = random_doubles(c->h, -1.0, 1.0, c->seed + 3);
+    round_all(x, n, dt), round_all(w, c->h, dt), round_all(dy, n, dt), round_all(dw0, c->h, CPAR_F32);
+    double *wdx = malloc(sizeof(double) * (size_t)n), *wdw = malloc(sizeof(double) * (size_t)c->h);
+    ref_rmsnorm_backward(x, w, dy, c->rows, c->h, c->eps, wdx, wdw);
+    for (int64_t j = 0; j < c->h; j++) wdw[j] = dw0[j] + 2 * wdw[j]; /* two calls accumulate */
+    void *hx = malloc((size_t)n * cpar_dtype_size(dt)), *hw = malloc((size_t)c->h * cpar_dtype_size(dt));
+    void *hdy = malloc((size_t)n * cpar_dtype_size(dt));
+    float *hdw = malloc(sizeof(float) * (size_t)c->h);
+    for (int64_t i = 0; i < n; i++) tu_set(hx, dt, i, x[i]), tu_set(hdy, dt, i, dy[i]);
+    for (int64_t j = 0; j < c->h; j++) tu_set(hw, dt, j, w[j]), hdw[j] = (float)dw0[j];
+    cpar_tensor tx = tu_upload(ctx, hx, dt, 2, xs), tw = tu_upload(ctx, hw, dt, 1, &c->h);
+    cpar_tensor tdy = tu_upload(ctx, hdy, dt, 2, xs), tdw = tu_upload(ctx, hdw, CPAR_F32, 1, &c->h);
+    cpar_tensor tdx = c->in_place ? tdy : tu_alloc_poisoned(ctx, dt, 2, xs);
+    TU_OK(cpar_rmsnorm_backward(ctx, &tx, &tw, c->eps, &tdy, &tdx, &tdw));
+    expect_block(ctx, &tdx, wdx, c->h, 0, c->rows, 0, c->h, 4 * tu_tol(dt), "rmsnorm backward dx");
+    if (c->in_place) { /* dy was overwritten: restore it for the second call */
+        cpar_tensor h = cpar_tensor_make(hdy, dt, 2, xs, CPAR_HOST);
+        TU_OK(cpar_tensor_copy(ctx, &h, &tdy));
+    }
+    TU_OK(cpar_rmsnorm_backward(ctx, &tx, &tw, c->eps, &tdy, &tdx, &tdw));
+    TU_OK(cpar_sync(ctx));
+    expect_block(ctx, &tdw, wdw, c->h, 0, 1, 0, c->h, dt == CPAR_F32 ? 1e-5 * (double)c->rows : 4 * tu_tol(dt),
+                 "rmsnorm backward dweight");
+    cpar_tensor *ts[] = {&tx, &tw, &tdy, &tdw};
+    for (int i = 0; i < 4; i++) TU_OK(cpar_tensor_free(ctx, ts[i]));
+    if (!c->in_place) TU_OK(cpar_tensor_free(ctx, &tdx));
+    free(x), free(w), free(dy), free(dw0), free(wdx), free(wdw), free(hx), free(hw), free(hdy), free(hdw);
+    return CPAR_OK;
+}
+
+/* _i = (shape * 3 + dtype) * 2 + schedule (forward, shuffled); the second schedule writes dx over dy. */
+START_TEST(test_rmsnorm_backward) {
+    static const char *const sched[2] = {"forward", "shuffle:5"};
+    const int sh = _i / 6, d = (_i / 2) % 3, s = _i % 2;
+    setenv("CUDASIM_SCHEDULE", sched[s], 1);
+    norm_case c = {.rows = norm_shapes[sh][0], .h = norm_shapes[sh][1], .dt = fdtypes[d], .eps = 1e-5f,
+                   .in_place = s == 1, .seed = 900 + (uint64_t)_i};
+    if (c.rows > 1000) c.rows = 1000; /* the row count past the grid is the forward's case */
+    TU_OK(tu_spawn(1, rank_norm_bwd, &c));
+}
+END_TEST
+
+/* L = sum(g * rmsnorm(x, w)) with fixed g: dL/dx and dL/dw from the backward
+ * against central differences of the forward (F32, the backend's tensors). */
+static cpar_status rank_norm_fd(cpar_ctx *ctx, void *unused) {
+    (void)unused;
+    enum { R = 3, Hd = 5 };
+    const int64_t xs[2] = {R, Hd}, hs = Hd;
+    float x[R * Hd], w[Hd], g[R * Hd], dw[Hd] = {0};
+    uint64_t s = 42;
+    for (int i = 0; i < R * Hd; i++) x[i] = (float)tu_uniform(&s) * 2.f, g[i] = (float)tu_uniform(&s);
+    for (int j = 0; j < Hd; j++) w[j] = 1.f + 0.5f * (float)tu_uniform(&s);
+    const float eps = 1e-3f, h = 1e-2f;
+    cpar_tensor tx = tu_upload(ctx, x, CPAR_F32, 2, xs), tw = tu_upload(ctx, w, CPAR_F32, 1, &hs);
+    cpar_tensor tg = tu_upload(ctx, g, CPAR_F32, 2, xs), tdx = tu_alloc_poisoned(ctx, CPAR_F32, 2, xs);
+    cpar_tensor tdw = tu_upload(ctx, dw, CPAR_F32, 1, &hs), ty = tu_alloc_poisoned(ctx, CPAR_F32, 2, xs);
+    TU_OK(cpar_rmsnorm_backward(ctx, &tx, &tw, eps, &tg, &tdx, &tdw));
+    float *gx = tu_download(ctx, &tdx), *gw = tu_download(ctx, &tdw);
+    /* L at a perturbed input: forward on the backend, the weighted sum here */
+    for (int which = 0; which < R * Hd + Hd; which++) {
+        double Lpm[2];
+        for (int sign = 0; sign < 2; sign++) {
+            float xp[R * Hd], wp[Hd];
+            memcpy(xp, x, sizeof xp), memcpy(wp, w, sizeof wp);
+            float *p = which < R * Hd ? &xp[which] : &wp[which - R * Hd];
+            *p += sign ? -h : h;
+            cpar_tensor hx = cpar_tensor_make(xp, CPAR_F32, 2, xs, CPAR_HOST), hw = cpar_tensor_make(wp, CPAR_F32, 1, &hs, CPAR_HOST);
+            TU_OK(cpar_tensor_copy(ctx, &hx, &tx));
+            TU_OK(cpar_tensor_copy(ctx, &hw, &tw));
+            TU_OK(cpar_rmsnorm_forward(ctx, &tx, &tw, eps, &ty));
+            float *y = tu_download(ctx, &ty);
+            double L = 0.0;
+            for (int i = 0; i < R * Hd; i++) L += (double)g[i] * (double)y[i];
+            Lpm[sign] = L;
+            free(y);
+        }
+        const double fd = (Lpm[0] - Lpm[1]) / (2.0 * (double)h);
+        const double an = which < R * Hd ? gx[which] : gw[which - R * Hd];
+        ck_assert_msg(fabs(fd - an) < 2e-3 * (1.0 + fabs(fd)), "parameter %d: backward %g, differences %g", which, an, fd);
+    }
+    free(gx), free(gw);
+    cpar_tensor *ts[] = {&tx, &tw, &tg, &tdx, &tdw, &ty};
+    for (int i = 0; i < 6; i++) TU_OK(cpar_tensor_free(ctx, ts[i]));
+    return CPAR_OK;
+}
+
+START_TEST(test_rmsnorm_finite_differences) { TU_OK(tu_spawn(1, rank_norm_fd, NULL)); }
 END_TEST
 
 /* ==== the layers ======================================================================== */
@@ -486,6 +600,23 @@ static cpar_status rank_bad(cpar_ctx *ctx, void *unused) {
     ti.dtype = CPAR_I32;
     TU_FAILS(cpar_rmsnorm_forward(ctx, &ti, &w8, 1e-5f, &y8), CPAR_ERR_INVALID, "x has dtype i32");
     TU_OK(cpar_rmsnorm_forward(ctx, &x, &w8, 1e-5f, &y8));
+    cpar_tensor dw8, dw16;
+    TU_OK(cpar_tensor_alloc(ctx, CPAR_F32, 1, (const int64_t[]){8}, &dw8));
+    TU_OK(cpar_tensor_alloc(ctx, CPAR_F16, 1, (const int64_t[]){8}, &dw16));
+    TU_OK(cpar_fill(ctx, &dw8, 0.0));
+    TU_FAILS(cpar_rmsnorm_backward(NULL, &x, &w8, 1e-5f, &y8, &y8, &dw8), CPAR_ERR_INVALID, "ctx");
+    TU_FAILS(cpar_rmsnorm_backward(ctx, &x, &w8, 1e-5f, NULL, &y8, &dw8), CPAR_ERR_INVALID, "dy");
+    TU_FAILS(cpar_rmsnorm_backward(ctx, &x, &w8, 1e-5f, &y8, NULL, &dw8), CPAR_ERR_INVALID, "dx");
+    TU_FAILS(cpar_rmsnorm_backward(ctx, &x, &w8, 1e-5f, &y, &y8, &dw8), CPAR_ERR_INVALID, "dy has shape [4,1,3]");
+    TU_FAILS(cpar_rmsnorm_backward(ctx, &x, &w8, 1e-5f, &y8, &y8, &dw16), CPAR_ERR_INVALID, "dweight has dtype f16");
+    TU_FAILS(cpar_rmsnorm_backward(ctx, &x, &w8, 1e-5f, &y8, &y8, &nw), CPAR_ERR_INVALID, "dweight has shape [6]");
+    TU_FAILS(cpar_rmsnorm_backward(ctx, &x, &w8, 1e-5f, &y8, &x, &dw8), CPAR_ERR_INVALID, "dx overlaps x");
+    TU_FAILS(cpar_rmsnorm_backward(ctx, &x, &w8, -1.f, &y8, &y8, &dw8), CPAR_ERR_INVALID, "eps");
+    TU_FAILS(cpar_rmsnorm_backward(ctx, &x, &nw, 1e-5f, &y8, &y8, &dw8), CPAR_ERR_INVALID, "weight has shape [6]");
+    TU_OK(cpar_rmsnorm_backward(ctx, &x, &w8, 1e-5f, &y8, &y8, &dw8));
+    TU_OK(cpar_rmsnorm_backward(ctx, &x, &w8, 1e-5f, &y8, &y8, NULL));
+    TU_OK(cpar_tensor_free(ctx, &dw8));
+    TU_OK(cpar_tensor_free(ctx, &dw16));
 
     cpar_tensor *ts[] = {&x, &y, &xr, &yr, &x16, &yodd, &res, &normed, &nw, &nw_bad, &part, &y8};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) TU_OK(cpar_tensor_free(ctx, ts[i]));
@@ -501,6 +632,8 @@ static Suite *suite(void) {
     Suite *s = suite_create("inference: RMSNorm and the inference column/row-parallel layers");
     const tu_loop loops[] = {
         {"rmsnorm", test_rmsnorm, N_NORM_SHAPES * 9},
+        {"rmsnorm_backward", test_rmsnorm_backward, N_NORM_SHAPES * 6},
+        {"rmsnorm_finite_differences", test_rmsnorm_finite_differences, 1},
         {"chain", test_chain, 2 * MAX_TP},
         {"rs_add_rmsnorm_ag", test_rs_add_rmsnorm_ag, 3 * MAX_TP},
         {"bad_args", test_bad_args, 1},

@@ -1,5 +1,6 @@
 /* test_ops.c — element-wise and layout operations (cpar.h §6): cpar_fill,
- * cpar_cast, cpar_axpby, cpar_split, cpar_concat and cpar_row_reduce.
+ * cpar_cast, cpar_axpby, cpar_split, cpar_concat, cpar_row_reduce and
+ * cpar_gelu_forward / _backward (the latter also by finite differences).
  *
  * Each runs on the context's device (host memory on the host backend; the
  * CUDA kernels under the simulator on the sim backend) at odd sizes, and is
@@ -169,6 +170,114 @@ static void axpby_case(cpar_ctx *ctx, int d) {
 }
 
 START_TEST(test_axpby) { run_op(axpby_case, _i); }
+END_TEST
+
+/* ---- GeLU ------------------------------------------------------------------------------ */
+
+static double gelu_ref(double x) { return 0.5 * x * (1.0 + tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x))); }
+static double gelu_grad_ref(double x) {
+    const double t = tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x));
+    return 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x) + 0.5 * (1.0 + t);
+}
+
+/* _i = dtype; every size; out of place (poisoned) and in place; x in [-4, 4). */
+static void gelu_case(cpar_ctx *ctx, int d) {
+    cpar_dtype dt = float_dtypes[d];
+    for (int k = 0; k < N_SIZES; k++)
+        for (int in_place = 0; in_place < 2; in_place++) {
+            int64_t n = sizes[k], shape[] = {n};
+            void *x = tu_random_host(dt, n, 11 + (uint64_t)k), *dy = tu_random_host(dt, n, 110 + (uint64_t)k);
+            for (int64_t i = 0; i < n; i++) tu_set(x, dt, i, 4.0 * tu_get(x, dt, i));
+            double *wy = malloc((size_t)n * sizeof *wy), *wdx = malloc((size_t)n * sizeof *wdx);
+            for (int64_t i = 0; i < n; i++) {
+                wy[i] = gelu_ref(tu_get(x, dt, i));
+                wdx[i] = gelu_grad_ref(tu_get(x, dt, i)) * tu_get(dy, dt, i);
+            }
+            cpar_tensor tx = tu_upload(ctx, x, dt, 1, shape), tdy = tu_upload(ctx, dy, dt, 1, shape);
+            cpar_tensor ty = in_place ? tu_upload(ctx, x, dt, 1, shape) : tu_alloc_poisoned(ctx, dt, 1, shape);
+            cpar_tensor tdx = in_place ? tdy : tu_alloc_poisoned(ctx, dt, 1, shape);
+            TU_OK(cpar_gelu_forward(ctx, in_place ? &ty : &tx, &ty));
+            TU_OK(cpar_gelu_backward(ctx, &tx, &tdy, &tdx));
+            void *gy = tu_download(ctx, &ty), *gdx = tu_download(ctx, &tdx);
+            char msg[256];
+            const double tol = dt == CPAR_F32 ? 1e-6 : 2 * tu_tol(dt);
+            ck_assert_msg(tu_mismatch(gy, dt, wy, n, tol, msg, sizeof msg) < 0, "gelu %s n %lld: %s",
+                          cpar_dtype_name(dt), (long long)n, msg);
+            ck_assert_msg(tu_mismatch(gdx, dt, wdx, n, tol, msg, sizeof msg) < 0, "gelu backward %s n %lld: %s",
+                          cpar_dtype_name(dt), (long long)n, msg);
+            free(x), free(dy), free(wy), free(wdx), free(gy), free(gdx);
+            free_tensor(ctx, &tx), free_tensor(ctx, &tdy), free_tensor(ctx, &ty);
+            if (!in_place) free_tensor(ctx, &tdx);
+        }
+}
+
+START_TEST(test_gelu) { run_op(gelu_case, _i); }
+END_TEST
+
+/* The library's backward against central differences of the library's
+ * forward (F32 on the backend's tensors), and the fp64 reference's gradient
+ * against differences of the fp64 reference. */
+static void gelu_fd_case(cpar_ctx *ctx, int unused) {
+    (void)unused;
+    static const float xs[] = {-3.1f, -1.0f, -0.2f, 0.0f, 0.37f, 1.5f, 2.9f};
+    enum { N = sizeof xs / sizeof xs[0] };
+    const float h = 1e-2f;
+    float plus[N], minus[N], ones[N];
+    for (int i = 0; i < N; i++) plus[i] = xs[i] + h, minus[i] = xs[i] - h, ones[i] = 1.f;
+    const int64_t shape[1] = {N};
+    cpar_tensor tp = tu_upload(ctx, plus, CPAR_F32, 1, shape), tm = tu_upload(ctx, minus, CPAR_F32, 1, shape);
+    cpar_tensor tx = tu_upload(ctx, xs, CPAR_F32, 1, shape), tdy = tu_upload(ctx, ones, CPAR_F32, 1, shape);
+    cpar_tensor tg = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape);
+    TU_OK(cpar_gelu_forward(ctx, &tp, &tp));
+    TU_OK(cpar_gelu_forward(ctx, &tm, &tm));
+    TU_OK(cpar_gelu_backward(ctx, &tx, &tdy, &tg));
+    float *fp = tu_download(ctx, &tp), *fm = tu_download(ctx, &tm), *g = tu_download(ctx, &tg);
+    for (int i = 0; i < N; i++) {
+        const double fd = ((double)fp[i] - (double)fm[i]) / (2.0 * (double)h);
+        ck_assert_msg(fabs(fd - g[i]) < 1e-3, "gelu'(%g): backward %g, differences %g", (double)xs[i], (double)g[i], fd);
+        const double x = xs[i], e = 1e-4, rfd = (gelu_ref(x + e) - gelu_ref(x - e)) / (2 * e);
+        ck_assert_msg(fabs(rfd - gelu_grad_ref(x)) < 1e-7, "reference gelu'(%g): %g vs %g", x, gelu_grad_ref(x), rfd);
+    }
+    free(fp), free(fm), free(g);
+    cpar_tensor *all[] = {&tp, &tm, &tx, &tdy, &tg};
+    for (int i = 0; i < 5; i++) free_tensor(ctx, all[i]);
+}
+
+START_TEST(test_gelu_finite_differences) { run_op(gelu_fd_case, 0); }
+END_TEST
+
+static void gelu_bad_case(cpar_ctx *ctx, int unused) {
+    (void)unused;
+    cpar_tensor x, y, y16, yshort, xi;
+    TU_OK(cpar_tensor_alloc(ctx, CPAR_F32, 1, (const int64_t[]){8}, &x));
+    TU_OK(cpar_tensor_alloc(ctx, CPAR_F32, 1, (const int64_t[]){8}, &y));
+    TU_OK(cpar_tensor_alloc(ctx, CPAR_F16, 1, (const int64_t[]){8}, &y16));
+    TU_OK(cpar_tensor_alloc(ctx, CPAR_F32, 1, (const int64_t[]){7}, &yshort));
+    TU_OK(cpar_tensor_alloc(ctx, CPAR_I32, 1, (const int64_t[]){8}, &xi));
+    TU_OK(cpar_fill(ctx, &x, 0.5));
+    TU_OK(cpar_fill(ctx, &y, 1.0));
+    TU_FAILS(cpar_gelu_forward(NULL, &x, &y), CPAR_ERR_INVALID, "ctx");
+    TU_FAILS(cpar_gelu_forward(ctx, NULL, &y), CPAR_ERR_INVALID, "x");
+    TU_FAILS(cpar_gelu_forward(ctx, &x, NULL), CPAR_ERR_INVALID, "y");
+    TU_FAILS(cpar_gelu_forward(ctx, &xi, &y), CPAR_ERR_INVALID, "x has dtype i32");
+    TU_FAILS(cpar_gelu_forward(ctx, &x, &y16), CPAR_ERR_INVALID, "y has dtype f16");
+    TU_FAILS(cpar_gelu_forward(ctx, &x, &yshort), CPAR_ERR_INVALID, "y has 7 elements");
+    cpar_tensor shifted = x;
+    shifted.data = (char *)x.data + sizeof(float);
+    shifted.shape[0] = 7;
+    cpar_tensor head = x; /* x's first 7 elements: overlaps shifted without being it */
+    head.shape[0] = 7;
+    TU_FAILS(cpar_gelu_forward(ctx, &head, &shifted), CPAR_ERR_INVALID, "overlaps");
+    TU_FAILS(cpar_gelu_backward(ctx, &x, NULL, &y), CPAR_ERR_INVALID, "dy");
+    TU_FAILS(cpar_gelu_backward(ctx, &x, &y, NULL), CPAR_ERR_INVALID, "dx");
+    TU_FAILS(cpar_gelu_backward(ctx, &x, &yshort, &y), CPAR_ERR_INVALID, "dy has 7 elements");
+    TU_FAILS(cpar_gelu_backward(ctx, &x, &y, &x), CPAR_ERR_INVALID, "dx is x");
+    TU_OK(cpar_gelu_backward(ctx, &x, &y, &y));
+    cpar_tensor *all[] = {&x, &y, &y16, &yshort, &xi};
+    for (int i = 0; i < 5; i++) free_tensor(ctx, all[i]);
+}
+
+START_TEST(test_gelu_bad_input) { run_op(gelu_bad_case, 0); }
 END_TEST
 
 /* ---- split and concat ------------------------------------------------------------------- */
@@ -413,13 +522,16 @@ START_TEST(test_bad_input) { run_op(bad_input_case, 0); }
 END_TEST
 
 Suite *suite(void) {
-    Suite *s = suite_create("ops: fill, cast, axpby, split, concat, row_reduce");
+    Suite *s = suite_create("ops: fill, cast, axpby, split, concat, row_reduce, gelu");
     const tu_loop loops[] = {
         {"fill", test_fill, N_ALL},
         {"cast", test_cast, N_CAST_PAIRS},
         {"axpby", test_axpby, N_FLOAT},
         {"split_concat", test_split_concat, N_ALL},
         {"row_reduce", test_row_reduce, N_FLOAT * 3},
+        {"gelu", test_gelu, N_FLOAT},
+        {"gelu_finite_differences", test_gelu_finite_differences, 1},
+        {"gelu_bad_input", test_gelu_bad_input, 1},
         {"bad_input", test_bad_input, 1},
     };
     tu_add_loops(s, loops, sizeof loops / sizeof loops[0], 120);
