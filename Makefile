@@ -2,7 +2,8 @@
 #
 #   make              build/libcpar.a and build/cparrun (CUDA + NCCL when found)
 #   make test         host and sim suites; the GPU suite too when a GPU is present
-#   make demo         the main job (examples/demo.c)
+#   make demo         the main job (examples/demo.c): train a small transformer LM with tp x cp
+#   make collectives  a tour of the raw collectives on a tp x cp grid (examples/collectives.c)
 #   make bench        benchmarks (bench/)
 #   make CPAR_CUDA=0  force a host-only build
 #
@@ -58,7 +59,7 @@ SIM_TESTS  := $(SIM_SUITES:%=$(B)/sim/test_%)
 GPU_TEST   := $(if $(filter 1,$(CPAR_CUDA)),$(B)/cuda/test_gpu)
 TEST_PROGS := $(B)/host/store_prog
 
-.PHONY: all lib test test-host test-sim test-gpu demo bench clean
+.PHONY: all lib test test-host test-sim test-gpu demo collectives bench clean
 all: lib $(B)/cparrun
 lib: $(B)/libcpar.a
 
@@ -106,6 +107,14 @@ $(B)/sim/test_%.o: tests/test_%.c tests/testutil.h $(HDR) | $(B)/sim
 $(B)/sim/test_%: $(B)/sim/test_%.o $(SIM_OBJS)
 	$(CXX) $^ -o $@ $(CHECK_LIBS) $(LIBS)
 
+# The main job linked against the sim build: make test trains it in bf16 with
+# every kernel (flash attention, RMSNorm, GeLU, ...) running on the CPU.
+$(B)/sim/demo.o: examples/demo.c $(HDR) | $(B)/sim
+	$(CC) $(ALL_CFLAGS) -c $< -o $@
+
+$(B)/sim/demo: $(B)/sim/demo.o $(SIM_OBJS)
+	$(CXX) $^ -o $@ $(LIBS)
+
 # Suites written in the CUDA dialect run only on the simulator.
 $(B)/sim/test_cudasim: tests/test_cudasim.cu tests/cudasim.h | $(B)/sim
 	$(CXX) $(SIM_CXXFLAGS) $(CHECK_FLAGS) -x c++ $< -o $@ $(CHECK_LIBS) $(LIBS)
@@ -122,14 +131,14 @@ $(B)/sim/test_mma $(B)/sim/test_attn_bwd: $(B)/sim/test_%: tests/test_%.cu cpar_
 $(B)/cuda/test_gpu: tests/test_gpu.c $(B)/libcpar.a tests/testutil.h | $(B)/cuda
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) $< $(B)/libcpar.a -o $@ $(CHECK_LIBS) $(CUDA_LIBS) $(LIBS) -lstdc++
 
-test: $(HOST_TESTS) $(SIM_TESTS) $(GPU_TEST) $(TEST_PROGS) $(B)/cparrun
-	@B=$(B) HOST_SUITES="$(HOST_SUITES)" SIM_SUITES="$(SIM_SUITES)" GPU_TEST="$(GPU_TEST)" sh tests/run.sh
+test: $(HOST_TESTS) $(SIM_TESTS) $(GPU_TEST) $(TEST_PROGS) $(B)/cparrun $(B)/sim/demo
+	@B=$(B) HOST_SUITES="$(HOST_SUITES)" SIM_SUITES="$(SIM_SUITES)" SIM_DEMO=$(B)/sim/demo GPU_TEST="$(GPU_TEST)" sh tests/run.sh
 
 test-host: $(HOST_TESTS) $(TEST_PROGS) $(B)/cparrun
 	@B=$(B) HOST_SUITES="$(HOST_SUITES)" SIM_SUITES= GPU_TEST= sh tests/run.sh
 
-test-sim: $(SIM_TESTS)
-	@B=$(B) HOST_SUITES= SIM_SUITES="$(SIM_SUITES)" GPU_TEST= sh tests/run.sh
+test-sim: $(SIM_TESTS) $(B)/sim/demo
+	@B=$(B) HOST_SUITES= SIM_SUITES="$(SIM_SUITES)" SIM_DEMO=$(B)/sim/demo GPU_TEST= sh tests/run.sh
 
 test-gpu: $(GPU_TEST)
 	@B=$(B) HOST_SUITES= SIM_SUITES= GPU_TEST="$(GPU_TEST)" sh tests/run.sh
@@ -140,6 +149,12 @@ $(B)/demo: examples/demo.c $(B)/libcpar.a
 
 demo: $(B)/demo
 	./$(B)/demo
+
+$(B)/collectives: examples/collectives.c $(B)/libcpar.a
+	$(CC) $(ALL_CFLAGS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS)
+
+collectives: $(B)/collectives
+	./$(B)/collectives
 
 $(B)/bench: bench/bench.c $(B)/libcpar.a
 	$(CC) $(ALL_CFLAGS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS)
