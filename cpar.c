@@ -8188,15 +8188,21 @@ static cpar_status cpar__check_norm_weight(cpar_ctx *ctx, const char *fn, const 
     return cpar__check_shape(ctx, fn, name, w, &h, 1, "[hidden], the last dim");
 }
 
+/* x [..., h] a float tensor on the host or ctx's device, weight [h] beside it; *h out. */
+static cpar_status cpar__check_norm_input(cpar_ctx *ctx, const char *fn, const cpar_tensor *x,
+                                          const cpar_tensor *weight, int64_t *h) {
+    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "x", x));
+    CPAR_TRY(cpar__check_float(ctx, fn, "x", x));
+    if (x->ndim < 1) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: x has ndim 0, expected [..., hidden]", fn);
+    *h = x->shape[x->ndim - 1];
+    return cpar__check_norm_weight(ctx, fn, "weight", weight, x->device, x->dtype, *h);
+}
+
 cpar_status cpar_rmsnorm_forward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_tensor *weight, float eps,
                                  cpar_tensor *y) {
     static const char fn[] = "cpar_rmsnorm_forward";
-    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "x", x));
-    CPAR_TRY(cpar__check_float(ctx, fn, "x", x));
-    if (x->ndim < 1)
-        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: x has ndim 0, expected [..., hidden]", fn);
-    const int64_t h = x->shape[x->ndim - 1];
-    CPAR_TRY(cpar__check_norm_weight(ctx, fn, "weight", weight, x->device, x->dtype, h));
+    int64_t h;
+    CPAR_TRY(cpar__check_norm_input(ctx, fn, x, weight, &h));
     CPAR_TRY(cpar__check_tensor(ctx, fn, "y", y, x->device));
     CPAR_TRY(cpar__check_dtype(ctx, fn, "y", y, x->dtype));
     CPAR_TRY(cpar__check_shape(ctx, fn, "y", y, x->shape, x->ndim, "x's shape"));
@@ -8230,12 +8236,8 @@ static void cpar__host_rmsnorm_backward(const void *x, const void *w, const void
 cpar_status cpar_rmsnorm_backward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_tensor *weight, float eps,
                                   const cpar_tensor *dy, cpar_tensor *dx, cpar_tensor *dweight) {
     static const char fn[] = "cpar_rmsnorm_backward";
-    CPAR_TRY(cpar__check_op_tensor(ctx, fn, "x", x));
-    CPAR_TRY(cpar__check_float(ctx, fn, "x", x));
-    if (x->ndim < 1)
-        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: x has ndim 0, expected [..., hidden]", fn);
-    const int64_t h = x->shape[x->ndim - 1];
-    CPAR_TRY(cpar__check_norm_weight(ctx, fn, "weight", weight, x->device, x->dtype, h));
+    int64_t h;
+    CPAR_TRY(cpar__check_norm_input(ctx, fn, x, weight, &h));
     const cpar_tensor *ts[2] = {dy, dx};
     const char *names[2] = {"dy", "dx"};
     for (int i = 0; i < 2; i++) {

@@ -6,8 +6,9 @@
  * an n-GPU single-process world (n = cpar_dev_count(), at most 8): every
  * collective against a host reference computed in double, and the
  * element-wise ops on device tensors against the same ops on host tensors
- * (cpar's host reference kernels), and local attention (the flash forward
- * and backward kernels) against the host reference.
+ * (cpar's host reference kernels: fill, cast, axpby, row reduce, gelu,
+ * rmsnorm forward and backward, split, concat), and local attention (the
+ * flash forward and backward kernels) against the host reference.
  *
  * CUDA is not fork-safe and Check forks a process per test, so this process
  * never touches CUDA itself: the GPU count comes from a child process, and
@@ -371,6 +372,35 @@ static cpar_status rank_ops(cpar_ctx *ctx, void *unused) {
                 pair_free(ctx, &out);
             }
             free(rx);
+            /* gelu forward and backward (the GPU's tanhf may differ by an ulp) */
+            pair gx = pair_upload(ctx, x, dt, 1, shape), gdy = pair_upload(ctx, y, dt, 1, shape);
+            pair gy = pair_poisoned(ctx, dt, 1, shape), gdx = pair_poisoned(ctx, dt, 1, shape);
+            TU_OK(cpar_gelu_forward(ctx, &gx.h, &gy.h));
+            TU_OK(cpar_gelu_forward(ctx, &gx.d, &gy.d));
+            TU_OK(cpar_gelu_backward(ctx, &gx.h, &gdy.h, &gdx.h));
+            TU_OK(cpar_gelu_backward(ctx, &gx.d, &gdy.d, &gdx.d));
+            pair_check(ctx, &gy, tu_tol(dt), "gelu");
+            pair_check(ctx, &gdx, tu_tol(dt), "gelu backward");
+            pair_free(ctx, &gx), pair_free(ctx, &gdy), pair_free(ctx, &gy), pair_free(ctx, &gdx);
+            /* rmsnorm forward and backward over rows of n (3 rows), weight x[0..n) */
+            void *nx = tu_random_host(dt, 3 * n, 400 + k), *ndy = tu_random_host(dt, 3 * n, 500 + k);
+            int64_t wshape[] = {n};
+            pair nin = pair_upload(ctx, nx, dt, 2, rshape), nw = pair_upload(ctx, x, dt, 1, wshape);
+            pair ng = pair_upload(ctx, ndy, dt, 2, rshape), nout = pair_poisoned(ctx, dt, 2, rshape);
+            pair ndx = pair_poisoned(ctx, dt, 2, rshape), ndw = pair_poisoned(ctx, CPAR_F32, 1, wshape);
+            TU_OK(cpar_fill(ctx, &ndw.h, 0.0));
+            TU_OK(cpar_fill(ctx, &ndw.d, 0.0));
+            TU_OK(cpar_rmsnorm_forward(ctx, &nin.h, &nw.h, 1e-5f, &nout.h));
+            TU_OK(cpar_rmsnorm_forward(ctx, &nin.d, &nw.d, 1e-5f, &nout.d));
+            TU_OK(cpar_rmsnorm_backward(ctx, &nin.h, &nw.h, 1e-5f, &ng.h, &ndx.h, &ndw.h));
+            TU_OK(cpar_rmsnorm_backward(ctx, &nin.d, &nw.d, 1e-5f, &ng.d, &ndx.d, &ndw.d));
+            pair_check(ctx, &nout, 2 * tu_tol(dt), "rmsnorm");
+            pair_check(ctx, &ndx, 4 * tu_tol(dt), "rmsnorm backward dx");
+            pair_check(ctx, &ndw, 1e-5 * sqrt((double)n) + tu_tol(dt), "rmsnorm backward dweight");
+            pair *np[] = {&nin, &nw, &ng, &nout, &ndx, &ndw};
+            for (size_t i = 0; i < sizeof np / sizeof np[0]; i++) pair_free(ctx, np[i]);
+            free(nx);
+            free(ndy);
             free(x);
             free(y);
         }
