@@ -448,6 +448,61 @@ cpar_status cpar_dev_row_reduce(float *out, const void *in, cpar_dtype dt, int64
                                 cpar_row_op op, cpar_dev_stream s) CPAR__NODEV()
 cpar_status cpar_dev_gelu(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n, cpar_dev_stream s)
     CPAR__NODEV()
+/* the sections' own kernels: RNG and dropout (cpar.h §9) */
+cpar_status cpar_dev_rng_uniform(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float lo,
+                                 float hi, cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_rng_normal(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float mean,
+                                float std, cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_dropout_forward(const void *x, void *y, uint8_t *mask, cpar_dtype dt, int64_t n, float p,
+                                     float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_dropout_backward(const void *dy, void *dx, const uint8_t *mask, cpar_dtype dt, int64_t n,
+                                      float p, float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s)
+    CPAR__NODEV()
+/* cross entropy and embedding (cpar.h §10) */
+cpar_status cpar_dev_xent_local(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows,
+                                int64_t cols, int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part,
+                                cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_xent_rescale(float *part, const float *m_loc, const float *m, int64_t rows, cpar_dev_stream s)
+    CPAR__NODEV()
+cpar_status cpar_dev_xent_finalize(const float *m, const float *part, int64_t rows, int64_t vocab, float s, bool smooth,
+                                   float *loss, float *stats, cpar_dev_stream st) CPAR__NODEV()
+cpar_status cpar_dev_xent_backward(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
+                                   cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows, int64_t cols,
+                                   int64_t first, int64_t vocab, float s, cpar_dev_stream st) CPAR__NODEV()
+cpar_status cpar_dev_embedding_lookup(const void *weight, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
+                                      int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
+                                      void *out, cpar_dev_stream st) CPAR__NODEV()
+cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
+                                    int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
+                                    float *dweight, bool deterministic, cpar_dev_stream st) CPAR__NODEV()
+/* attention and the ring merge (cpar.h §12) */
+cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype out_dt, int64_t o_bh, float *lse,
+                                   int64_t lse_bh, cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, const void *dout, cpar_dtype out_dt,
+                                   int64_t o_bh, const float *lse, int64_t lse_bh, float *dq, int64_t dq_bh,
+                                   float *dk, float *dv, int64_t dkv_bh, void *scratch, cpar_dev_stream s) CPAR__NODEV()
+size_t cpar_dev_attention_bwd_scratch_bytes(const cpar_dev_attn *a) { return 0; }
+cpar_status cpar_dev_ring_merge(float *out, float *lse, const float *out_b, const float *lse_b, int64_t nbh,
+                                int64_t rows, int64_t d, int64_t o_bh, int64_t lse_bh, cpar_dev_stream s) CPAR__NODEV()
+/* Mamba context parallelism (cpar.h §13) */
+cpar_status cpar_dev_mamba_conv1d_forward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
+                                          const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
+                                          int64_t b, int64_t channels, int k, bool silu, void *y,
+                                          cpar_dev_stream st) CPAR__NODEV()
+cpar_status cpar_dev_mamba_conv1d_backward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
+                                           const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
+                                           int64_t b, int64_t channels, int k, bool silu, const void *dy, void *dx,
+                                           float *partial, int nsplit, float *dw, float *dbias, cpar_dev_stream st)
+    CPAR__NODEV()
+cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
+                                        int64_t rep_stride, int64_t src_pitch, int64_t groups, int64_t reps,
+                                        int64_t rows, int64_t cols, cpar_dtype dt, cpar_dev_stream st) CPAR__NODEV()
+/* RMSNorm (cpar.h §14; GeLU, cpar.h §6, is above) */
+cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
+                             float eps, void *y, cpar_dev_stream s) CPAR__NODEV()
+cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
+                                      int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
+                                      cpar_dev_stream s) CPAR__NODEV()
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop
 #endif
@@ -4427,33 +4482,6 @@ done:
  * dispatch, copies, allocation), 5 (element load/store), 6 (op tensor
  * checks), 10-11 (groups, all-gather), 13 (grid rank). */
 
-/* ---- host-only build: the device layer of §9 is absent -------------------- */
-#ifndef CPAR_WITH_DEVICE
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-parameter"
-#endif
-cpar_status cpar_dev_rng_uniform(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float lo,
-                                 float hi, cpar_dev_stream s) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-cpar_status cpar_dev_rng_normal(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float mean,
-                                float std, cpar_dev_stream s) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-cpar_status cpar_dev_dropout_forward(const void *x, void *y, uint8_t *mask, cpar_dtype dt, int64_t n, float p,
-                                     float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-cpar_status cpar_dev_dropout_backward(const void *dy, void *dx, const uint8_t *mask, cpar_dtype dt, int64_t n,
-                                      float p, float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
-#endif /* !CPAR_WITH_DEVICE */
-
 /* ---- Philox4x32-10 and the float transforms (host twin of the device core) --
  * Everything here is exact integer work or single correctly rounded fp32
  * operations (+ - * / sqrt and explicit fmaf), evaluated in a fixed order.
@@ -5123,44 +5151,6 @@ cpar_status cpar_checkpoint_release(cpar_ctx *ctx, cpar_checkpoint *ck) {
  * Uses: 2 (errors, argument checks), 3 (tensors), 4 (device dispatch,
  * workspace), 5 (element load/store), 6 (cpar_fill, cpar_cast), 10-11
  * (groups, all-reduce), 14 (cpar_vocab_range), 15 (RNG fork, normal fills). */
-
-/* ---- host-only build: the device layer of §10 is absent ------------------- */
-#ifndef CPAR_WITH_DEVICE
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-parameter"
-#endif
-cpar_status cpar_dev_xent_local(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows,
-                                int64_t cols, int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part,
-                                cpar_dev_stream s) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-cpar_status cpar_dev_xent_rescale(float *part, const float *m_loc, const float *m, int64_t rows, cpar_dev_stream s) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-cpar_status cpar_dev_xent_finalize(const float *m, const float *part, int64_t rows, int64_t vocab, float s, bool smooth,
-                                   float *loss, float *stats, cpar_dev_stream st) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-cpar_status cpar_dev_xent_backward(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
-                                   cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows, int64_t cols,
-                                   int64_t first, int64_t vocab, float s, cpar_dev_stream st) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-cpar_status cpar_dev_embedding_lookup(const void *weight, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
-                                      int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
-                                      void *out, cpar_dev_stream st) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
-                                    int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
-                                    float *dweight, bool deterministic, cpar_dev_stream st) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
-#endif /* !CPAR_WITH_DEVICE */
 
 /* Workspace scratch of `bytes`; it stays valid across the collectives, which
  * keep their own accumulator. */
@@ -6301,27 +6291,6 @@ static cpar_status cpar__attn_bwd(cpar_ctx *ctx, const char *fn, bool on_device,
  * or host), 256-byte aligned. Zero is a valid answer. */
 static size_t cpar__attn_scratch_bytes(const cpar__attn_io *io, bool backward);
 
-/* ---- host-only build: the device layer of §12 is absent ------------------- */
-#ifndef CPAR_WITH_DEVICE
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-parameter"
-#endif
-cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype out_dt, int64_t o_bh, float *lse,
-                                   int64_t lse_bh, cpar_dev_stream s) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-size_t cpar_dev_attention_bwd_scratch_bytes(const cpar_dev_attn *a) { return 0; }
-cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, const void *dout, cpar_dtype out_dt,
-                                   int64_t o_bh, const float *lse, int64_t lse_bh, float *dq, int64_t dq_bh,
-                                   float *dk, float *dv, int64_t dkv_bh, void *scratch, cpar_dev_stream s) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
-#endif /* !CPAR_WITH_DEVICE */
-
 /* ---- the host reference ------------------------------------------------------ */
 
 #define CPAR__ATTN_ALIGN ((size_t)256)
@@ -6674,21 +6643,6 @@ done:
  * Uses: 2 (errors, checks), 3 (tensors), 4 (device dispatch, workspace,
  * copies), 5 (host cast, reduce), 11 (all-gather, ring shift), 18 (block
  * attention). */
-
-/* ---- host-only build: the device layer of §12 is absent ------------------- */
-#ifndef CPAR_WITH_DEVICE
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-parameter"
-#endif
-cpar_status cpar_dev_ring_merge(float *out, float *lse, const float *out_b, const float *lse_b, int64_t nbh,
-                                int64_t rows, int64_t d, int64_t o_bh, int64_t lse_bh, cpar_dev_stream s) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
-#endif /* !CPAR_WITH_DEVICE */
 
 /* ---- sequence sharding --------------------------------------------------------- */
 
@@ -7356,34 +7310,6 @@ cpar_status cpar_ring_attention_backward(cpar_group *cp, const cpar_ring_attenti
  * device tensors). Scratch comes from the context workspace, carved once per
  * call. Uses: 2 (errors, checks), 3, 4 (copies, workspace), 5 (element
  * load/store, reduce_into), 10-11 (groups, all-to-all), 14 (mapping helpers). */
-
-/* ---- host-only build: the device layer of §13 is absent ------------------- */
-#ifndef CPAR_WITH_DEVICE
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-parameter"
-#endif
-cpar_status cpar_dev_mamba_conv1d_forward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
-                                          const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
-                                          int64_t b, int64_t channels, int k, bool silu, void *y,
-                                          cpar_dev_stream st) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-cpar_status cpar_dev_mamba_conv1d_backward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
-                                           const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
-                                           int64_t b, int64_t channels, int k, bool silu, const void *dy, void *dx,
-                                           float *partial, int nsplit, float *dw, float *dbias, cpar_dev_stream st) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
-                                        int64_t rep_stride, int64_t src_pitch, int64_t groups, int64_t reps,
-                                        int64_t rows, int64_t cols, cpar_dtype dt, cpar_dev_stream st) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
-#endif /* !CPAR_WITH_DEVICE */
 
 struct cpar_mamba_cp {
     cpar_group *cp;
@@ -8121,26 +8047,6 @@ cpar_status cpar_mamba_cp_conv1d_backward(cpar_mamba_cp *m, const cpar_tensor *x
  * Uses: 2 (errors, checks), 3 (tensors), 4 (device dispatch, workspace,
  * copies), 5 (element load/store), 6 (cpar_fill), 10-11 (groups,
  * all-gather, reduce-scatter), 17 (cpar_linear and its GEMM wrapper). */
-
-/* ---- host-only build: the device layer of §14 is absent ------------------- */
-#ifndef CPAR_WITH_DEVICE
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-parameter"
-#endif
-cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
-                             float eps, void *y, cpar_dev_stream s) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
-                                      int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
-                                      cpar_dev_stream s) {
-    return CPAR_ERR_UNSUPPORTED;
-}
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
-#endif /* !CPAR_WITH_DEVICE */
 
 #define CPAR__NORM_EPS 1e-5f
 
