@@ -106,6 +106,7 @@ struct cpar_ctx {
                                   * between cpar__on_comm_stream and cpar__on_compute_stream */
     cpar_dev_blas blas;
     struct cpar__rng *rng; /* RNG tracker (section 15); NULL until first use */
+    cpar_dev_event ring_ev[3]; /* ring attention's stream fork/join (section 19); created on first use */
     bool aborted;
     char err[CPAR_ERR_LEN];
 };
@@ -3483,6 +3484,8 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
     cpar__mem_free(ctx->device, ctx->ws);
     cpar__mem_free(ctx->device, ctx->coll_ws);
     if (ctx->blas) cpar_dev_blas_destroy(ctx->blas);
+    for (int i = 0; i < 3; i++)
+        if (ctx->ring_ev[i]) cpar_dev_event_destroy(ctx->ring_ev[i]);
     if (ctx->compute) cpar_dev_stream_destroy(ctx->compute);
     if (ctx->comm) cpar_dev_stream_destroy(ctx->comm);
     if (ctx->store) cpar_store_destroy(ctx->store);
@@ -6881,17 +6884,25 @@ static void cpar__ring_rot_bind(cpar__ring *R, int a, int b) {
     else R->buf[0] = R->ptr[a], R->buf[1] = R->ptr[b];
 }
 
-/* Events exist only on devices with P > 1 (the per-call cost of creating
- * three events is negligible next to a ring of attention blocks). */
+/* Events exist only on devices with P > 1. The context creates its three on
+ * the first such call and keeps them until cpar_finalize (no allocation per
+ * call); every call records before it waits, so reuse across calls is safe. */
 static cpar_status cpar__ring_events(cpar__ring *R) {
     if (!R->dev || R->P == 1) return CPAR_OK;
-    cpar_dev_event *ev[3] = {&R->ev_cp, &R->ev_kv, &R->ev_dkv};
-    for (int i = 0; i < 3; i++) CPAR_DEV_TRY(R->ctx, R->fn, cpar_dev_event_create(ev[i]));
+    cpar_ctx *ctx = R->ctx;
+    for (int i = 0; i < 3 && !ctx->ring_ev[2]; i++) {
+        cpar_status st = cpar_dev_event_create(&ctx->ring_ev[i]);
+        if (st != CPAR_OK) {
+            for (int j = 0; j < i; j++) cpar_dev_event_destroy(ctx->ring_ev[j]), ctx->ring_ev[j] = NULL;
+            return cpar__dev_fail(ctx, st, R->fn);
+        }
+    }
+    R->ev_cp = ctx->ring_ev[0], R->ev_kv = ctx->ring_ev[1], R->ev_dkv = ctx->ring_ev[2];
     return CPAR_OK;
 }
 
 /* Compute waits for everything queued on comm (also after a failure, so the
- * call leaves both streams ordered), then the events go. */
+ * call leaves both streams ordered). */
 static cpar_status cpar__ring_finish(cpar__ring *R, cpar_status st) {
     cpar__on_compute_stream(R->ctx);
     if (R->forked && R->ev_kv) {
@@ -6899,9 +6910,6 @@ static cpar_status cpar__ring_finish(cpar__ring *R, cpar_status st) {
         if (js == CPAR_OK) js = cpar_dev_stream_wait_event(R->ctx->compute, R->ev_kv);
         if (js != CPAR_OK && st == CPAR_OK) st = cpar__dev_fail(R->ctx, js, R->fn);
     }
-    cpar_dev_event ev[3] = {R->ev_cp, R->ev_kv, R->ev_dkv};
-    for (int i = 0; i < 3; i++)
-        if (ev[i]) cpar_dev_event_destroy(ev[i]);
     return st;
 }
 
