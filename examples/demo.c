@@ -541,10 +541,14 @@ int main(void) {
            "(norm-weight gradients)\n",
            (unsigned long long)(tp_b / (uint64_t)steps), (unsigned long long)(cp_b / (uint64_t)steps),
            (unsigned long long)(w_b / (uint64_t)steps));
-    const bool match = worst <= tol, learned = ref.loss[steps - 1] < 0.7f * ref.loss[0];
+    /* one sequence per step makes single losses noisy: judge the last quarter's mean */
+    const int tail = steps / 4 > 0 ? steps / 4 : 1;
+    double late = 0.0;
+    for (int s = steps - tail; s < steps; s++) late += ref.loss[s] / tail;
+    const bool match = worst <= tol, learned = late < 0.5 * ref.loss[0];
     printf("\nparallel vs single rank: max relative difference %.2e (tolerance %.0e): %s\n", worst, tol,
            match ? "match" : "MISMATCH");
-    printf("loss %.4f -> %.4f: %s\n", (double)ref.loss[0], (double)ref.loss[steps - 1],
+    printf("loss %.4f at the first step, %.4f on average over the last %d: %s\n", (double)ref.loss[0], late, tail,
            learned ? "learned" : "DID NOT LEARN");
     return match && learned ? 0 : 1;
 }

@@ -31,7 +31,7 @@ run() { # name, binary, backend
 for s in $HOST_SUITES; do run "host/$s" "$B/host/test_$s" host; done
 for s in $SIM_SUITES; do run "sim/$s" "$B/sim/test_$s" sim; done
 if [ -n "$SIM_DEMO" ]; then # the main job in bf16, every kernel on the simulator
-    CPAR_DEMO_BACKEND=sim CPAR_DEMO_STEPS=${CPAR_DEMO_STEPS:-12} run "sim/demo" "$SIM_DEMO" sim
+    CPAR_DEMO_BACKEND=sim run "sim/demo" "$SIM_DEMO" sim
 fi
 if [ -n "$GPU_TEST" ]; then
     run "gpu" "$GPU_TEST" nccl
