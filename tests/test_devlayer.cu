@@ -821,6 +821,66 @@ END_TEST
 
 /* ==== 11. Suite ========================================================== */
 
+/* ---- the argument checks of the later sections' entry points ----------------------
+ * Their kernels are tested against host references by the backend suites
+ * (ops: gelu; inference: rmsnorm; mamba: conv1d and replica sums); here each
+ * entry point must refuse bad arguments with a line naming them, and accept
+ * empty work without touching its pointers. */
+START_TEST(test_entry_point_args) {
+    void *p;
+    CK_OK(cpar_dev_malloc(&p, 4096));
+    float *f = (float *)p;
+    EXPECT_FAIL(cpar_dev_gelu(NULL, NULL, p, CPAR_F32, 4, NULL), CPAR_ERR_INVALID, "cpar_dev_gelu", "x is NULL");
+    EXPECT_FAIL(cpar_dev_gelu(p, NULL, NULL, CPAR_F32, 4, NULL), CPAR_ERR_INVALID, "out is NULL");
+    EXPECT_FAIL(cpar_dev_gelu(p, NULL, p, CPAR_I32, 4, NULL), CPAR_ERR_INVALID, "dtype i32");
+    EXPECT_FAIL(cpar_dev_gelu(p, NULL, p, CPAR_F32, -1, NULL), CPAR_ERR_INVALID, "n = -1");
+    CK_OK(cpar_dev_gelu(NULL, NULL, NULL, CPAR_F32, 0, NULL));
+
+    EXPECT_FAIL(cpar_dev_rmsnorm(NULL, NULL, p, CPAR_F32, 2, 4, 1e-5f, p, NULL), CPAR_ERR_INVALID, "cpar_dev_rmsnorm",
+                "x is NULL");
+    EXPECT_FAIL(cpar_dev_rmsnorm(p, NULL, NULL, CPAR_F32, 2, 4, 1e-5f, p, NULL), CPAR_ERR_INVALID, "weight is NULL");
+    EXPECT_FAIL(cpar_dev_rmsnorm(p, NULL, p, CPAR_F32, 2, 4, 1e-5f, NULL, NULL), CPAR_ERR_INVALID, "y is NULL");
+    EXPECT_FAIL(cpar_dev_rmsnorm(p, NULL, p, CPAR_U8, 2, 4, 1e-5f, p, NULL), CPAR_ERR_INVALID, "dtype u8");
+    EXPECT_FAIL(cpar_dev_rmsnorm(p, NULL, p, CPAR_F32, 2, 4, -1.f, p, NULL), CPAR_ERR_INVALID, "eps = -1");
+    EXPECT_FAIL(cpar_dev_rmsnorm(p, NULL, p, CPAR_F32, -2, 4, 1e-5f, p, NULL), CPAR_ERR_INVALID, "rows = -2");
+    CK_OK(cpar_dev_rmsnorm(NULL, NULL, NULL, CPAR_F32, 0, 4, 1e-5f, NULL, NULL));
+
+    EXPECT_FAIL(cpar_dev_rmsnorm_backward(p, p, NULL, CPAR_F32, 2, 4, 1e-5f, p, NULL, f + 512, NULL), CPAR_ERR_INVALID,
+                "cpar_dev_rmsnorm_backward", "dy is NULL");
+    EXPECT_FAIL(cpar_dev_rmsnorm_backward(p, p, p, CPAR_F32, 2, 4, 1e-5f, p, NULL, NULL, NULL), CPAR_ERR_INVALID,
+                "stats_scratch is NULL");
+    EXPECT_FAIL(cpar_dev_rmsnorm_backward(p, p, p, CPAR_I64, 2, 4, 1e-5f, p, NULL, f + 512, NULL), CPAR_ERR_INVALID,
+                "dtype i64");
+    EXPECT_FAIL(cpar_dev_rmsnorm_backward(p, p, p, CPAR_F32, 2, -4, 1e-5f, p, NULL, f + 512, NULL), CPAR_ERR_INVALID,
+                "h = -4");
+    CK_OK(cpar_dev_rmsnorm_backward(NULL, NULL, NULL, CPAR_F32, 3, 0, 1e-5f, NULL, NULL, NULL, NULL));
+
+    const cpar_dev_conv_rows rows = {{4, 0, 0}, {0, 0, 0}}, bad_rows = {{3, 0, 0}, {0, 0, 0}};
+    EXPECT_FAIL(cpar_dev_mamba_conv1d_forward(p, 4, CPAR_F32, p, NULL, CPAR_F32, rows, 2, 1, 4, 5, false, p, NULL),
+                CPAR_ERR_INVALID, "cpar_dev_mamba_conv1d_forward", "k = 5");
+    EXPECT_FAIL(cpar_dev_mamba_conv1d_forward(p, 3, CPAR_F32, p, NULL, CPAR_F32, rows, 2, 1, 4, 3, false, p, NULL),
+                CPAR_ERR_INVALID, "x_pitch = 3");
+    EXPECT_FAIL(cpar_dev_mamba_conv1d_forward(p, 4, CPAR_F32, p, NULL, CPAR_F32, bad_rows, 2, 1, 4, 3, false, p, NULL),
+                CPAR_ERR_INVALID, "row segments");
+    EXPECT_FAIL(cpar_dev_mamba_conv1d_forward(p, 4, CPAR_I32, p, NULL, CPAR_F32, rows, 2, 1, 4, 3, false, p, NULL),
+                CPAR_ERR_INVALID, "i32");
+    EXPECT_FAIL(cpar_dev_mamba_conv1d_forward(NULL, 4, CPAR_F32, p, NULL, CPAR_F32, rows, 2, 1, 4, 3, false, p, NULL),
+                CPAR_ERR_INVALID, "x is NULL");
+    EXPECT_FAIL(cpar_dev_mamba_conv1d_backward(p, 4, CPAR_F32, p, NULL, CPAR_F32, rows, 2, 1, 4, 3, false, p, p, f + 512,
+                                               0, f + 256, NULL, NULL),
+                CPAR_ERR_INVALID, "cpar_dev_mamba_conv1d_backward", "nsplit = 0");
+    CK_OK(cpar_dev_mamba_conv1d_forward(NULL, 0, CPAR_F32, NULL, NULL, CPAR_F32, cpar_dev_conv_rows{}, 0, 1, 0, 3,
+                                        false, NULL, NULL));
+    EXPECT_FAIL(cpar_dev_mamba_sum_replicas(NULL, 1, 1, p, 1, 1, 1, 1, 1, 1, 1, CPAR_F32, NULL), CPAR_ERR_INVALID,
+                "cpar_dev_mamba_sum_replicas", "dst is NULL");
+    EXPECT_FAIL(cpar_dev_mamba_sum_replicas(p, 1, 1, p, 1, 1, 1, -1, 1, 1, 1, CPAR_F32, NULL), CPAR_ERR_INVALID,
+                "groups = -1");
+    EXPECT_FAIL(cpar_dev_mamba_sum_replicas(p, 1, 1, p, 1, 1, 1, 1, 1, 1, 1, CPAR_U8, NULL), CPAR_ERR_INVALID,
+                "dtype u8");
+    CK_OK(cpar_dev_free(p));
+}
+END_TEST
+
 /* Every case runs under each simulator schedule (the order in which fibers
  * and blocks resume): a missing barrier gives a wrong answer under one. The
  * grid-stride case is about trip counts, not interleavings, and costs ~8 s a
@@ -847,7 +907,8 @@ static Suite *devlayer_suite(void) {
                  {"row_reduce", test_row_reduce, true},
                  {"grid_stride", test_grid_stride, false},
                  {"gemm", test_gemm, true},
-                 {"gemm_edges", test_gemm_edges, true}};
+                 {"gemm_edges", test_gemm_edges, true},
+                 {"entry_point_args", test_entry_point_args, false}};
     enum { NSCHED = sizeof schedules / sizeof schedules[0], NCASES = sizeof cases / sizeof cases[0] };
     static char names[NSCHED][NCASES][40];
     Suite *s = suite_create("devlayer");
