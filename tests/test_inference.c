@@ -24,13 +24,6 @@
 
 #define MAX_TP 4
 
-static double *random_doubles(int64_t n, double lo, double hi, uint64_t seed) {
-    double *o = malloc(sizeof(double) * (size_t)(n ? n : 1));
-    uint64_t s = seed * 0x9e3779b97f4a7c15ull + 3;
-    for (int64_t i = 0; i < n; i++) o[i] = lo + (hi - lo) * 0.5 * (tu_uniform(&s) + 1.0);
-    return o;
-}
-
 /* v rounded to dt, in place. */
 static void round_all(double *v, int64_t n, cpar_dtype dt) {
     for (int64_t i = 0; i < n; i++) v[i] = tu_round(dt, v[i]);
@@ -45,12 +38,6 @@ static cpar_tensor upload_block(cpar_ctx *ctx, const double *m, int64_t K, int64
     cpar_tensor t = tu_upload(ctx, h, dt, ndim, shape);
     free(h);
     return t;
-}
-
-static float *to_f32(const double *v, int64_t n) {
-    float *o = malloc(sizeof(float) * (size_t)(n ? n : 1));
-    for (int64_t i = 0; i < n; i++) o[i] = (float)v[i];
-    return o;
 }
 
 /* Compare t with rows [r0, r0 + rows), columns [c0, c0 + nc) of a [*, K] reference. */
@@ -112,7 +99,7 @@ typedef struct {
 static cpar_status rank_norm(cpar_ctx *ctx, void *arg) {
     const norm_case *c = arg;
     const int64_t n = c->rows * c->h, xs[2] = {c->rows, c->h};
-    double *x = random_doubles(n, -3.0, 3.0, c->seed), *w = random_doubles(c->h, 0.5, 1.5, c->seed + 1);
+    double *x = tu_random_doubles(n, -3.0, 3.0, c->seed), *w = tu_random_doubles(c->h, 0.5, 1.5, c->seed + 1);
     round_all(x, n, c->dt), round_all(w, c->h, c->dt);
     double *want = malloc(sizeof(double) * (size_t)(n + 1));
     ref_rmsnorm(x, w, c->rows, c->h, c->eps, want);
@@ -192,8 +179,8 @@ static cpar_status rank_norm_bwd(cpar_ctx *ctx, void *arg) {
     const norm_case *c = arg;
     const cpar_dtype dt = c->dt;
     const int64_t n = c->rows * c->h, xs[2] = {c->rows, c->h};
-    double *x = random_doubles(n, -3.0, 3.0, c->seed), *w = random_doubles(c->h, 0.5, 1.5, c->seed + 1);
-    double *dy = random_doubles(n, -1.0, 1.0, c->seed + 2), *dw0 = random_doubles(c->h, -1.0, 1.0, c->seed + 3);
+    double *x = tu_random_doubles(n, -3.0, 3.0, c->seed), *w = tu_random_doubles(c->h, 0.5, 1.5, c->seed + 1);
+    double *dy = tu_random_doubles(n, -1.0, 1.0, c->seed + 2), *dw0 = tu_random_doubles(c->h, -1.0, 1.0, c->seed + 3);
     round_all(x, n, dt), round_all(w, c->h, dt), round_all(dy, n, dt), round_all(dw0, c->h, CPAR_F32);
     double *wdx = malloc(sizeof(double) * (size_t)n), *wdw = malloc(sizeof(double) * (size_t)c->h);
     ref_rmsnorm_backward(x, w, dy, c->rows, c->h, c->eps, wdx, wdw);
@@ -303,13 +290,13 @@ static void chain_init(chain_case *c, cpar_dtype dt, uint64_t seed) {
     memset(c, 0, sizeof *c);
     c->dt = dt, c->seed = seed;
     const int64_t T = S * B;
-    c->x = random_doubles(T * H, -2.0, 2.0, seed);
-    c->R = random_doubles(T * H, -1.0, 1.0, seed + 1);
-    c->W1 = random_doubles(O * H, -0.3, 0.3, seed + 2);
-    c->W2 = random_doubles(H * O, -0.3, 0.3, seed + 3);
-    c->W3 = random_doubles(P * H, -0.3, 0.3, seed + 4);
-    c->n1 = random_doubles(H, 0.5, 1.5, seed + 5);
-    c->n2 = random_doubles(H, 0.5, 1.5, seed + 6);
+    c->x = tu_random_doubles(T * H, -2.0, 2.0, seed);
+    c->R = tu_random_doubles(T * H, -1.0, 1.0, seed + 1);
+    c->W1 = tu_random_doubles(O * H, -0.3, 0.3, seed + 2);
+    c->W2 = tu_random_doubles(H * O, -0.3, 0.3, seed + 3);
+    c->W3 = tu_random_doubles(P * H, -0.3, 0.3, seed + 4);
+    c->n1 = tu_random_doubles(H, 0.5, 1.5, seed + 5);
+    c->n2 = tu_random_doubles(H, 0.5, 1.5, seed + 6);
     round_all(c->x, T * H, dt), round_all(c->R, T * H, dt), round_all(c->n1, H, dt), round_all(c->n2, H, dt);
     round_all(c->W1, O * H, dt), round_all(c->W2, H * O, dt), round_all(c->W3, P * H, dt);
     c->xn = malloc(sizeof(double) * T * H), c->y1 = malloc(sizeof(double) * T * O);
@@ -333,7 +320,7 @@ static cpar_inference_linear *make_layer(cpar_group *tp, bool row, int64_t in, i
     cpar_inference_linear_config cfg = {.input_size = in, .output_size = out, .dtype = dt};
     cpar_inference_linear *l;
     TU_OK(row ? cpar_inference_row_create(tp, &cfg, &l) : cpar_inference_column_create(tp, &cfg, &l));
-    float *mw = to_f32(W, in * out), *mn = norm ? to_f32(norm, in) : NULL;
+    float *mw = tu_to_f32(W, in * out), *mn = norm ? tu_to_f32(norm, in) : NULL;
     const int64_t ws[2] = {out, in};
     cpar_tensor tw = cpar_tensor_make(mw, CPAR_F32, 2, ws, CPAR_HOST), tn = cpar_tensor_make(mn, CPAR_F32, 1, &in, CPAR_HOST);
     TU_OK(cpar_inference_init_from_master(l, &tw, norm ? &tn : NULL));
@@ -453,9 +440,9 @@ START_TEST(test_rs_add_rmsnorm_ag) {
     const int n = _i / 3 + 1;
     rs_case c = {.dt = fdtypes[_i % 3], .s = 12, .b = 3, .h = 300};
     const int64_t T = c.s * c.b, N = T * c.h;
-    c.partial = random_doubles(n * N, -1.0, 1.0, 500 + (uint64_t)_i);
-    c.R = random_doubles(N, -1.0, 1.0, 600 + (uint64_t)_i);
-    c.w = random_doubles(c.h, 0.5, 1.5, 700 + (uint64_t)_i);
+    c.partial = tu_random_doubles(n * N, -1.0, 1.0, 500 + (uint64_t)_i);
+    c.R = tu_random_doubles(N, -1.0, 1.0, 600 + (uint64_t)_i);
+    c.w = tu_random_doubles(c.h, 0.5, 1.5, 700 + (uint64_t)_i);
     round_all(c.partial, n * N, c.dt), round_all(c.R, N, c.dt), round_all(c.w, c.h, c.dt);
     c.res = malloc(sizeof(double) * (size_t)N), c.out = malloc(sizeof(double) * (size_t)N);
     for (int64_t i = 0; i < N; i++) {

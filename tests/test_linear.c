@@ -40,16 +40,7 @@ static double *rounded(const double *v, int64_t n, cpar_dtype dt) {
 }
 
 static double *random_doubles(int64_t n, double scale, uint64_t seed) {
-    double *o = malloc(sizeof(double) * (size_t)n);
-    uint64_t s = seed * 0x9e3779b97f4a7c15ull + 7;
-    for (int64_t i = 0; i < n; i++) o[i] = tu_uniform(&s) * scale;
-    return o;
-}
-
-static float *to_f32(const double *v, int64_t n) {
-    float *o = malloc(sizeof(float) * (size_t)n);
-    for (int64_t i = 0; i < n; i++) o[i] = (float)v[i];
-    return o;
+    return tu_random_doubles(n, -scale, scale, seed);
 }
 
 /* Upload rows [r0, r0+rows) and columns cols[0..nc) (NULL: all K) of a [*, K] double matrix as dt. */
@@ -199,7 +190,7 @@ static void mlp_setup(cpar_ctx *ctx, mlp_case *c, mlp_state *m) {
                              .sequence_parallel = c->sp};
     TU_OK(cpar_column_parallel_linear_create(g, &cc, &m->col));
     TU_OK(cpar_row_parallel_linear_create(g, &rc, &m->row));
-    float *w1 = to_f32(c->W1, F * H), *w2 = to_f32(c->W2, H * F), *b1 = to_f32(c->b1, F), *b2 = to_f32(c->b2, H);
+    float *w1 = tu_to_f32(c->W1, F * H), *w2 = tu_to_f32(c->W2, H * F), *b1 = tu_to_f32(c->b1, F), *b2 = tu_to_f32(c->b2, H);
     int64_t s1[2] = {F, H}, s2[2] = {H, F};
     cpar_tensor mw1 = cpar_tensor_make(w1, CPAR_F32, 2, s1, CPAR_HOST), mw2 = cpar_tensor_make(w2, CPAR_F32, 2, s2, CPAR_HOST);
     cpar_tensor mb1 = cpar_tensor_make(b1, CPAR_F32, 1, &F, CPAR_HOST), mb2 = cpar_tensor_make(b2, CPAR_F32, 1, &H, CPAR_HOST);
@@ -376,7 +367,7 @@ static cpar_status rank_opt(cpar_ctx *ctx, void *arg) {
     const int64_t s = c->s, b = c->b, K = c->K, N = c->N, T = c->T;
     cpar_linear *l;
     TU_OK(row ? cpar_row_parallel_linear_create(g, &cfg, &l) : cpar_column_parallel_linear_create(g, &cfg, &l));
-    float *mw = to_f32(c->W, N * K), *mb = to_f32(c->bias, N);
+    float *mw = tu_to_f32(c->W, N * K), *mb = tu_to_f32(c->bias, N);
     int64_t ws[2] = {N, K};
     cpar_tensor tw = cpar_tensor_make(mw, CPAR_F32, 2, ws, CPAR_HOST), tb = cpar_tensor_make(mb, CPAR_F32, 1, &N, CPAR_HOST);
     TU_OK(cpar_linear_init_from_master(l, &tw, cfg.bias ? &tb : NULL));
@@ -660,7 +651,7 @@ static cpar_status rank_overlap(cpar_ctx *ctx, void *arg) {
     for (int64_t i = 0; i < N * K; i++) Wd[i] = (float)Wd[i];
     for (int64_t i = 0; i < T * K; i++) xd[i] = (float)xd[i];
     for (int64_t i = 0; i < T * N; i++) dyd[i] = (float)dyd[i];
-    float *Wf = to_f32(Wd, N * K);
+    float *Wf = tu_to_f32(Wd, N * K);
     int64_t ws[2] = {N, K};
     cpar_tensor mw = cpar_tensor_make(Wf, CPAR_F32, 2, ws, CPAR_HOST);
     TU_OK(cpar_linear_init_from_master(l, &mw, NULL));

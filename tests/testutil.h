@@ -185,6 +185,23 @@ static inline void *tu_random_host(cpar_dtype dt, int64_t n, uint64_t seed) {
     return p;
 }
 
+/* n doubles uniform in [lo, hi) (tu_uniform's stream of seed) in new memory. */
+static inline double *tu_random_doubles(int64_t n, double lo, double hi, uint64_t seed) {
+    double *o = malloc(sizeof(double) * (size_t)(n > 0 ? n : 1));
+    ck_assert_ptr_nonnull(o);
+    uint64_t s = seed * 0x9e3779b97f4a7c15ull + 7;
+    for (int64_t i = 0; i < n; i++) o[i] = lo + (hi - lo) * 0.5 * (tu_uniform(&s) + 1.0);
+    return o;
+}
+
+/* n doubles as floats in new memory (host F32 master tensors). */
+static inline float *tu_to_f32(const double *v, int64_t n) {
+    float *o = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    ck_assert_ptr_nonnull(o);
+    for (int64_t i = 0; i < n; i++) o[i] = (float)v[i];
+    return o;
+}
+
 /* v as dtype dt holds it (rounded to nearest even for floats). */
 static inline double tu_round(cpar_dtype dt, double v) {
     uint64_t buf = 0;
