@@ -2359,17 +2359,21 @@ static void cpar__job_destroy(cpar__job *job) {
     free(job);
 }
 
-/* Mark the job failed (first failure wins) and wake every waiter. */
-static void cpar__job_fail(cpar__job *job, int rank, cpar_status st) {
+/* Mark the job failed by rank (first failure wins), with msg saying why when
+ * the rank itself cannot (NULL: its own error says it), and wake every waiter. */
+static void cpar__job_fail_why(cpar__job *job, int rank, cpar_status st, const char *msg) {
     pthread_mutex_lock(&job->mu);
     if (!job->failed) {
         job->failed = true;
         job->failed_rank = rank;
         job->failed_status = st;
+        if (msg) snprintf(job->failed_msg, sizeof job->failed_msg, "%s", msg);
     }
     pthread_cond_broadcast(&job->cv);
     pthread_mutex_unlock(&job->mu);
 }
+
+static void cpar__job_fail(cpar__job *job, int rank, cpar_status st) { cpar__job_fail_why(job, rank, st, NULL); }
 
 static void cpar__job_exit(cpar__job *job, int rank) {
     pthread_mutex_lock(&job->mu);
@@ -2748,8 +2752,10 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
 /* ==== 9. NCCL backend ====================================================
  * One communicator per group, created non-blocking (blocking = 0) and polled
  * with ncclCommGetAsyncError against the context's deadline; on a failure or
- * a timeout the communicator is aborted so no rank hangs in a kernel. In
- * single-process mode a failed peer (cpar__job) also aborts the wait.
+ * a timeout the communicator is aborted (and forgotten: the group then says
+ * it was aborted) so no rank hangs in a kernel. In single-process mode a
+ * failed peer (cpar__job) also aborts the wait. `make test` runs all of this
+ * against the NCCL simulator (tests/ncclsim, the nccl-sim build).
  * Uses: 1-4, 8 (job state). */
 
 #ifdef CPAR_WITH_NCCL
@@ -2766,45 +2772,108 @@ static ncclDataType_t cpar__nccl_dtype(cpar_dtype dt) {
 
 static ncclRedOp_t cpar__nccl_op(cpar_reduce_op op) { return op == CPAR_SUM ? ncclSum : op == CPAR_MAX ? ncclMax : ncclMin; }
 
-static cpar_status cpar__nccl_fail(cpar_ctx *ctx, const char *fn, const char *call, ncclResult_t r, ncclComm_t comm) {
-    const char *detail = comm ? ncclGetLastError(comm) : NULL;
-    return cpar__fail(ctx, r == ncclRemoteError ? CPAR_ERR_PEER : CPAR_ERR_NCCL, "%s: %s failed: %s%s%s", fn, call,
+/* NCCL's result as a cpar status: a peer's failure is CPAR_ERR_PEER, a call
+ * the ranks disagree on (or a bad argument NCCL caught) is CPAR_ERR_INVALID. */
+static cpar_status cpar__nccl_status(ncclResult_t r) {
+    switch (r) {
+    case ncclRemoteError: return CPAR_ERR_PEER;
+    case ncclInvalidArgument:
+    case ncclInvalidUsage: return CPAR_ERR_INVALID;
+    default: return CPAR_ERR_NCCL;
+    }
+}
+
+/* call is the NCCL call as written ("ncclAllReduce(buf, ...)"); messages
+ * name the function alone. */
+static int cpar__nccl_name_len(const char *call) { return (int)strcspn(call, "("); }
+
+static cpar_status cpar__nccl_fail(cpar_ctx *ctx, const char *fn, const char *call, ncclResult_t r) {
+    const char *detail = ncclGetLastError(NULL); /* NCCL ignores its argument */
+    return cpar__fail(ctx, cpar__nccl_status(r), "%s: %.*s failed: %s%s%s", fn, cpar__nccl_name_len(call), call,
                       ncclGetErrorString(r), detail && *detail ? ": " : "", detail ? detail : "");
 }
 
-/* Poll comm until its pending operation settles. */
-static cpar_status cpar__nccl_wait(cpar_ctx *ctx, const char *fn, const char *call, ncclComm_t comm, ncclResult_t r) {
+/* Abort *comm and forget it, so no later call (cpar_finalize included) uses
+ * the freed handle; the group then reports itself aborted. */
+static void cpar__nccl_abort(ncclComm_t *comm) {
+    if (*comm) ncclCommAbort(*comm);
+    *comm = NULL;
+}
+
+/* A member of g (g may be NULL) whose function has returned in this
+ * single-process job, or -1. Asked only once NCCL has failed: a peer that
+ * returned after finishing its part of a collective is no fault. */
+static int cpar__nccl_exited_member(const cpar_ctx *ctx, const cpar_group *g) {
+    if (!ctx->job || !g) return -1;
+    for (int m = 0; m < g->size; m++)
+        if (m != g->rank && ctx->job->exited[g->world_ranks[m]]) return g->world_ranks[m];
+    return -1;
+}
+
+/* Poll *comm until the operation `call` (r: what it returned) settles. On a
+ * failure, a failed peer (single-process jobs) or the deadline, *comm is
+ * aborted so no rank hangs in a kernel. `what` (or NULL) says what was
+ * waited for, e.g. "the send to rank 1": NCCL cannot tell which peer a
+ * collective waits for, but cpar knows for point-to-point. g is the group
+ * the call runs on (NULL while its communicator is being made). */
+static cpar_status cpar__nccl_wait(cpar_ctx *ctx, const cpar_group *g, const char *fn, const char *call,
+                                   const char *what, ncclComm_t *comm, ncclResult_t r) {
     int64_t deadline = cpar__now_ms() + ctx->timeout_ms;
-    while (r == ncclInProgress) {
-        if (ctx->job && ctx->job->failed) {
-            ncclCommAbort(comm);
+    for (;;) {
+        /* In a single-process job a failed rank is the cause, whatever NCCL
+         * reports: its peers' aborts follow from it. */
+        if (r != ncclSuccess && ctx->job && ctx->job->failed) {
+            cpar__nccl_abort(comm);
             return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d failed (%s); NCCL communicator aborted", fn,
                               ctx->job->failed_rank, cpar_status_string(ctx->job->failed_status));
         }
+        if (r != ncclInProgress) break;
         if (cpar__now_ms() > deadline) {
-            ncclCommAbort(comm);
+            cpar__nccl_abort(comm);
             if (ctx->job) cpar__job_fail(ctx->job, ctx->rank, CPAR_ERR_TIMEOUT);
-            return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: %s still in progress after %d ms; communicator aborted", fn,
-                              call, ctx->timeout_ms);
+            return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: %.*s%s%s%s still in progress after %d ms; communicator "
+                              "aborted", fn, cpar__nccl_name_len(call), call, what ? " (" : "", what ? what : "",
+                              what ? ")" : "", ctx->timeout_ms);
         }
         struct timespec ts = {0, 200000};
         nanosleep(&ts, NULL);
-        ncclResult_t q = ncclCommGetAsyncError(comm, &r);
+        ncclResult_t q = ncclCommGetAsyncError(*comm, &r);
         if (q != ncclSuccess) r = q;
     }
-    if (r != ncclSuccess) {
-        cpar_status st = cpar__nccl_fail(ctx, fn, call, r, comm);
-        ncclCommAbort(comm);
-        return st;
+    if (r == ncclSuccess) return CPAR_OK;
+    cpar_status st;
+    int gone = r == ncclRemoteError ? cpar__nccl_exited_member(ctx, g) : -1;
+    if (gone >= 0) { /* as on the host backend: name the rank that left, for every peer */
+        st = cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d returned from its function without joining %s", fn, gone,
+                        what ? what : "the collective");
+        cpar__job_fail_why(ctx->job, gone, CPAR_ERR_PEER, ctx->err);
+    } else {
+        st = cpar__nccl_fail(ctx, fn, call, r);
     }
-    return CPAR_OK;
+    cpar__nccl_abort(comm);
+    return st;
 }
 
-#define CPAR_NCCL_TRY(ctx, fn, comm, call)                                                                   \
+/* Issue `call` on g's communicator *pcomm and wait for it (see above). */
+#define CPAR_NCCL_TRY(g, fn, what, pcomm, call)                                                              \
     do {                                                                                                     \
         ncclResult_t r_ = (call);                                                                            \
-        CPAR_TRY(cpar__nccl_wait((ctx), (fn), #call, (comm), r_));                                           \
+        CPAR_TRY(cpar__nccl_wait((g)->ctx, (g), (fn), #call, (what), (pcomm), r_));                          \
     } while (0)
+
+/* Does g communicate through NCCL? (Its communicator may since have been
+ * aborted: cpar__nccl_comm says so.) */
+static bool cpar__group_is_nccl(const cpar_group *g) { return g->ctx->backend == CPAR_BACKEND_NCCL; }
+
+/* g's communicator, or the reason it has none: an earlier failure or
+ * cpar_abort aborted it. */
+static cpar_status cpar__nccl_comm(cpar_group *g, const char *fn, ncclComm_t **out) {
+    if (!g->nccl)
+        return cpar__fail(g->ctx, CPAR_ERR_PEER, "%s: the group's NCCL communicator was aborted (an earlier failure "
+                          "or cpar_abort); the job cannot continue", fn);
+    *out = &g->nccl;
+    return CPAR_OK;
+}
 
 static ncclConfig_t cpar__nccl_config(void) {
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
@@ -2817,16 +2886,28 @@ static cpar_status cpar__nccl_comm_init(cpar_ctx *ctx, const char *fn, const voi
     memcpy(&id, id128, sizeof id);
     ncclConfig_t cfg = cpar__nccl_config();
     ncclResult_t r = ncclCommInitRankConfig(out, ctx->world, id, ctx->rank, &cfg);
-    if (r != ncclSuccess && r != ncclInProgress) return cpar__nccl_fail(ctx, fn, "ncclCommInitRankConfig", r, NULL);
-    return cpar__nccl_wait(ctx, fn, "ncclCommInitRankConfig", *out, r);
+    if (r != ncclSuccess && r != ncclInProgress) {
+        cpar_status st = cpar__nccl_fail(ctx, fn, "ncclCommInitRankConfig", r);
+        cpar__nccl_abort(out);
+        return st;
+    }
+    return cpar__nccl_wait(ctx, NULL, fn, "ncclCommInitRankConfig", "every rank to join", out, r);
 }
 
+/* NCCL's non-blocking split completes on the parent: *out is filled once
+ * the parent's state leaves ncclInProgress. */
 static cpar_status cpar__nccl_split(cpar_group *parent, const char *fn, int color, int key, ncclComm_t *out) {
     ncclConfig_t cfg = cpar__nccl_config();
+    ncclComm_t *pc = NULL;
     *out = NULL;
-    ncclResult_t r = ncclCommSplit(parent->nccl, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, out, &cfg);
-    if (r != ncclSuccess && r != ncclInProgress) return cpar__nccl_fail(parent->ctx, fn, "ncclCommSplit", r, parent->nccl);
-    return cpar__nccl_wait(parent->ctx, fn, "ncclCommSplit", parent->nccl, r);
+    CPAR_TRY(cpar__nccl_comm(parent, fn, &pc));
+    ncclResult_t r = ncclCommSplit(*pc, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, out, &cfg);
+    if (r != ncclSuccess && r != ncclInProgress) {
+        cpar_status st = cpar__nccl_fail(parent->ctx, fn, "ncclCommSplit", r);
+        cpar__nccl_abort(pc);
+        return st;
+    }
+    return cpar__nccl_wait(parent->ctx, parent, fn, "ncclCommSplit", NULL, pc, r);
 }
 
 static void cpar__nccl_destroy(ncclComm_t comm, bool aborted) {
@@ -2851,49 +2932,51 @@ static void cpar__nccl_destroy(ncclComm_t comm, bool aborted) {
  * stream (cpar__coll_stream: compute unless a caller switched to comm). */
 static cpar_status cpar__nccl_collective(cpar_group *g, const char *fn, const cpar__slot *c) {
     cpar_ctx *ctx = g->ctx;
-    ncclComm_t comm = g->nccl;
+    ncclComm_t *pc = NULL;
+    CPAR_TRY(cpar__nccl_comm(g, fn, &pc));
+    ncclComm_t comm = *pc;
     cudaStream_t s = (cudaStream_t)cpar__coll_stream(ctx);
     ncclDataType_t dt = cpar__nccl_dtype(c->dtype);
     size_t es = cpar_dtype_size(c->dtype), row = (size_t)c->row_elems * es;
     int n = g->size, me = g->rank;
     switch (c->kind) {
     case CPAR_COLL_ALL_REDUCE:
-        CPAR_NCCL_TRY(ctx, fn, comm, ncclAllReduce(c->in, c->out, (size_t)(c->rows * c->row_elems), dt,
+        CPAR_NCCL_TRY(g, fn, NULL, pc, ncclAllReduce(c->in, c->out, (size_t)(c->rows * c->row_elems), dt,
                                                     cpar__nccl_op((cpar_reduce_op)c->op), comm, s));
         return CPAR_OK;
     case CPAR_COLL_BROADCAST:
-        CPAR_NCCL_TRY(ctx, fn, comm, ncclBroadcast(c->in, c->out, (size_t)(c->rows * c->row_elems), dt, c->root, comm, s));
+        CPAR_NCCL_TRY(g, fn, NULL, pc, ncclBroadcast(c->in, c->out, (size_t)(c->rows * c->row_elems), dt, c->root, comm, s));
         return CPAR_OK;
     case CPAR_COLL_ALL_GATHER:
         if (!c->sizes) {
-            CPAR_NCCL_TRY(ctx, fn, comm, ncclAllGather(c->in, c->out, (size_t)(c->rows * c->row_elems), dt, comm, s));
+            CPAR_NCCL_TRY(g, fn, NULL, pc, ncclAllGather(c->in, c->out, (size_t)(c->rows * c->row_elems), dt, comm, s));
             return CPAR_OK;
         }
         /* Uneven: every rank broadcasts its rows into its place, in one group call. */
-        CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupStart());
+        CPAR_NCCL_TRY(g, fn, NULL, pc, ncclGroupStart());
         for (int64_t r = 0, off = 0; r < n; off += c->sizes[r], r++) {
             char *dst = (char *)c->out + (size_t)off * row;
             ncclBroadcast(r == me ? c->in : dst, dst, (size_t)(c->sizes[r] * c->row_elems), dt, (int)r, comm, s);
         }
-        CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupEnd());
+        CPAR_NCCL_TRY(g, fn, NULL, pc, ncclGroupEnd());
         return CPAR_OK;
     case CPAR_COLL_REDUCE_SCATTER:
         if (!c->sizes) {
-            CPAR_NCCL_TRY(ctx, fn, comm, ncclReduceScatter(c->in, c->out, (size_t)(c->rows / n * c->row_elems), dt,
+            CPAR_NCCL_TRY(g, fn, NULL, pc, ncclReduceScatter(c->in, c->out, (size_t)(c->rows / n * c->row_elems), dt,
                                                             cpar__nccl_op((cpar_reduce_op)c->op), comm, s));
             return CPAR_OK;
         }
         /* Uneven: one reduce per rank, rooted at the owner of the rows. */
-        CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupStart());
+        CPAR_NCCL_TRY(g, fn, NULL, pc, ncclGroupStart());
         for (int64_t r = 0, off = 0; r < n; off += c->sizes[r], r++) {
             const char *src = (const char *)c->in + (size_t)off * row;
             ncclReduce(src, r == me ? c->out : (void *)src, (size_t)(c->sizes[r] * c->row_elems), dt,
                        cpar__nccl_op((cpar_reduce_op)c->op), (int)r, comm, s);
         }
-        CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupEnd());
+        CPAR_NCCL_TRY(g, fn, NULL, pc, ncclGroupEnd());
         return CPAR_OK;
     case CPAR_COLL_ALL_TO_ALL: {
-        CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupStart());
+        CPAR_NCCL_TRY(g, fn, NULL, pc, ncclGroupStart());
         size_t soff = 0, roff = 0;
         for (int r = 0; r < n; r++) {
             size_t sb = (size_t)c->in_splits[r] * row, rb = (size_t)c->out_splits[r] * row;
@@ -2902,7 +2985,7 @@ static cpar_status cpar__nccl_collective(cpar_group *g, const char *fn, const cp
             soff += sb;
             roff += rb;
         }
-        CPAR_NCCL_TRY(ctx, fn, comm, ncclGroupEnd());
+        CPAR_NCCL_TRY(g, fn, NULL, pc, ncclGroupEnd());
         return CPAR_OK;
     }
     default: return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: unknown collective kind %d", fn, c->kind);
@@ -2913,10 +2996,18 @@ static cpar_status cpar__nccl_sendrecv(cpar_group *g, const char *fn, const void
                                        void *recv, size_t recv_bytes, int from) {
     cpar_ctx *ctx = g->ctx;
     cudaStream_t s = (cudaStream_t)cpar__coll_stream(ctx);
-    CPAR_NCCL_TRY(ctx, fn, g->nccl, ncclGroupStart());
-    if (to >= 0) ncclSend(send, send_bytes, ncclUint8, to, g->nccl, s);
-    if (from >= 0) ncclRecv(recv, recv_bytes, ncclUint8, from, g->nccl, s);
-    CPAR_NCCL_TRY(ctx, fn, g->nccl, ncclGroupEnd());
+    ncclComm_t *pc = NULL;
+    CPAR_TRY(cpar__nccl_comm(g, fn, &pc));
+    char what[96];
+    int n = 0;
+    if (to >= 0) n += snprintf(what + n, sizeof what - (size_t)n, "the send to rank %d", g->world_ranks[to]);
+    if (from >= 0)
+        snprintf(what + n, sizeof what - (size_t)n, "%sthe receive from rank %d", n ? " and " : "",
+                 g->world_ranks[from]);
+    CPAR_NCCL_TRY(g, fn, what, pc, ncclGroupStart());
+    if (to >= 0) ncclSend(send, send_bytes, ncclUint8, to, *pc, s);
+    if (from >= 0) ncclRecv(recv, recv_bytes, ncclUint8, from, *pc, s);
+    CPAR_NCCL_TRY(g, fn, what, pc, ncclGroupEnd());
     return CPAR_OK;
 }
 
@@ -2925,7 +3016,11 @@ static cpar_status cpar__nccl_check(cpar_ctx *ctx, const char *fn) {
     for (cpar_group *g = ctx->groups; g; g = g->next) {
         ncclResult_t state = ncclSuccess;
         if (!g->nccl || ncclCommGetAsyncError(g->nccl, &state) != ncclSuccess) continue;
-        if (state != ncclSuccess && state != ncclInProgress) return cpar__nccl_fail(ctx, fn, "ncclCommGetAsyncError", state, g->nccl);
+        if (state != ncclSuccess && state != ncclInProgress) {
+            cpar_status st = cpar__nccl_fail(ctx, fn, "ncclCommGetAsyncError", state);
+            cpar__nccl_abort(&g->nccl);
+            return st;
+        }
     }
     return CPAR_OK;
 }
@@ -3005,15 +3100,16 @@ static int cpar__color_key_cmp(const void *a, const void *b) {
 static cpar_status cpar__split_exchange(cpar_group *parent, const char *fn, const cpar__color_key *mine,
                                         cpar__color_key *all) {
 #ifdef CPAR_WITH_NCCL
-    if (parent->nccl) {
+    if (cpar__group_is_nccl(parent)) {
         cpar_ctx *ctx = parent->ctx;
         size_t bytes = sizeof *mine;
-        void *ws;
-        CPAR_TRY(cpar__workspace(ctx, fn, bytes * (size_t)(parent->size + 1), &ws));
-        char *d_all = (char *)ws + bytes;
+        ncclComm_t *pc = NULL;
+        CPAR_TRY(cpar__nccl_comm(parent, fn, &pc));
+        /* Device scratch apart from the workspace, which callers may hold. */
+        CPAR_TRY(cpar__grow_buffer(ctx, fn, &ctx->coll_ws, &ctx->coll_ws_bytes, bytes * (size_t)(parent->size + 1)));
+        char *ws = ctx->coll_ws, *d_all = ws + bytes;
         CPAR_DEV_TRY(ctx, fn, cpar_dev_memcpy(ws, mine, bytes, CPAR_COPY_H2D, ctx->compute));
-        CPAR_NCCL_TRY(ctx, fn, parent->nccl,
-                      ncclAllGather(ws, d_all, bytes, ncclUint8, parent->nccl, (cudaStream_t)ctx->compute));
+        CPAR_NCCL_TRY(parent, fn, NULL, pc, ncclAllGather(ws, d_all, bytes, ncclUint8, *pc, (cudaStream_t)ctx->compute));
         CPAR_DEV_TRY(ctx, fn, cpar_dev_memcpy(all, d_all, bytes * (size_t)parent->size, CPAR_COPY_D2H, ctx->compute));
         CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
         return CPAR_OK;
@@ -3050,7 +3146,7 @@ cpar_status cpar_group_split(cpar_group *parent, int color, int key, cpar_group 
         if (mem[i].parent_rank == parent->rank) rank = i;
     }
 #ifdef CPAR_WITH_NCCL
-    if (parent->nccl) {
+    if (cpar__group_is_nccl(parent)) {
         ncclComm_t comm = NULL;
         CPAR_TRY_GOTO(cpar__nccl_split(parent, fn, color, key, &comm), st, done);
         if (color >= 0) {
@@ -3178,7 +3274,7 @@ static cpar_status cpar__coll_copy(cpar_group *g, const char *fn, void *dst, int
 
 static cpar_status cpar__run_collective(cpar_group *g, const char *fn, const cpar__slot *c) {
 #ifdef CPAR_WITH_NCCL
-    if (g->nccl) return cpar__nccl_collective(g, fn, c);
+    if (cpar__group_is_nccl(g)) return cpar__nccl_collective(g, fn, c);
 #endif
     return cpar__hc_collective(g, fn, c);
 }
@@ -3371,7 +3467,7 @@ static cpar_status cpar__sendrecv(cpar_group *g, const char *fn, const cpar_tens
     cpar__count(g, CPAR_COLL_SEND_RECV, self_send ? 0 : sb, self_recv ? 0 : rb);
     if (self_send) return cpar__coll_copy(g, fn, recv->data, recv->device, send->data, send->device, sb);
 #ifdef CPAR_WITH_NCCL
-    if (g->nccl) return cpar__nccl_sendrecv(g, fn, send ? send->data : NULL, sb, send_to, recv ? recv->data : NULL, rb, recv_from);
+    if (cpar__group_is_nccl(g)) return cpar__nccl_sendrecv(g, fn, send ? send->data : NULL, sb, send_to, recv ? recv->data : NULL, rb, recv_from);
 #endif
     return cpar__hc_sendrecv(g, fn, send ? send->data : NULL, sb, send_to, recv ? recv->data : NULL, rb, recv_from);
 }
@@ -3415,12 +3511,16 @@ cpar_status cpar_barrier(cpar_group *g) {
     cpar__count(g, CPAR_COLL_BARRIER, 0, 0);
     if (g->size == 1) return CPAR_OK;
 #ifdef CPAR_WITH_NCCL
-    if (g->nccl) {
-        /* One-element all-reduce, then wait for it: what torch.distributed does. */
+    if (cpar__group_is_nccl(g)) {
+        /* One-element all-reduce, then wait for it: what torch.distributed
+         * does. Its scratch is the collectives' own, not the workspace a
+         * caller may hold. */
         cpar_ctx *ctx = g->ctx;
-        void *ws;
-        CPAR_TRY(cpar__workspace(ctx, fn, sizeof(float), &ws));
-        CPAR_NCCL_TRY(ctx, fn, g->nccl, ncclAllReduce(ws, ws, 1, ncclFloat32, ncclSum, g->nccl, (cudaStream_t)ctx->compute));
+        ncclComm_t *pc = NULL;
+        CPAR_TRY(cpar__nccl_comm(g, fn, &pc));
+        CPAR_TRY(cpar__grow_buffer(ctx, fn, &ctx->coll_ws, &ctx->coll_ws_bytes, sizeof(float)));
+        CPAR_NCCL_TRY(g, fn, NULL, pc, ncclAllReduce(ctx->coll_ws, ctx->coll_ws, 1, ncclFloat32, ncclSum, *pc,
+                                                       (cudaStream_t)ctx->compute));
         return cpar_sync(ctx);
     }
 #endif
@@ -3552,7 +3652,11 @@ static cpar_status cpar__spawn_rank_run(cpar__spawn_rank *r, cpar_ctx **pctx) {
     free(ranks);
     CPAR_TRY(st);
 #ifdef CPAR_WITH_NCCL
-    if (r->cfg->backend == CPAR_BACKEND_NCCL) return cpar__nccl_comm_init(ctx, fn, r->nccl_id, &ctx->world_group->nccl);
+    if (r->cfg->backend == CPAR_BACKEND_NCCL) {
+        /* Every rank's communicator is ready before any rank's function runs. */
+        CPAR_TRY(cpar__nccl_comm_init(ctx, fn, r->nccl_id, &ctx->world_group->nccl));
+        return r->fn(ctx, r->arg);
+    }
 #endif
     ctx->world_group->hc = r->world_hc;
     atomic_fetch_add(&r->world_hc->refs, 1); /* the job keeps its own reference */
@@ -3704,9 +3808,10 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
             CPAR_TRY_GOTO(cpar_store_set(ctx->store, "cpar/nccl_id/world", id, sizeof id), st, fail);
         }
         CPAR_TRY_GOTO(cpar_store_get(ctx->store, "cpar/nccl_id/world", id, sizeof id, &len), st, fail);
-        CPAR_TRY_GOTO(cpar__nccl_comm_init(ctx, fn, id, &ctx->world_group->nccl), st, fail);
-        /* Rank 0 hosts the store: nobody leaves before everyone has read the id. */
+        /* Everyone has read the id before anyone goes on, and a rank that
+         * never started is named here (NCCL's init could only time out). */
         CPAR_TRY_GOTO(cpar_store_barrier(ctx->store, "cpar/init", env.rank, env.world_size), st, fail);
+        CPAR_TRY_GOTO(cpar__nccl_comm_init(ctx, fn, id, &ctx->world_group->nccl), st, fail);
         *out = ctx;
         return CPAR_OK;
     }
@@ -8061,20 +8166,22 @@ cpar_status cpar_mamba_cp_conv1d_backward(cpar_mamba_cp *m, const cpar_tensor *x
 /* ---- RMSNorm ---------------------------------------------------------------- */
 
 /* The host twin of cpar_dev_rmsnorm: the same rounding points (the residual
- * sum is rounded to dt before the norm reads it), fp32 math. */
+ * sum is rounded to dt before the norm reads it), fp32 math except the row's
+ * sum of squares, which adds in double: a sequential fp32 sum of h terms
+ * drifts by ~sqrt(h) ulps, more than the kernel's tree of partial sums does. */
 static void cpar__host_rmsnorm(void *x, const void *add, const void *w, cpar_dtype dt, int64_t rows, int64_t h,
                                float eps, void *y) {
     for (int64_t r = 0; r < rows; r++) {
-        float ss = 0.f;
+        double ss = 0.0;
         for (int64_t j = 0; j < h; j++) {
             float v = cpar__load_f(x, dt, r * h + j);
             if (add) {
                 cpar__store_f(x, dt, r * h + j, v + cpar__load_f(add, dt, r * h + j));
                 v = cpar__load_f(x, dt, r * h + j);
             }
-            ss += v * v;
+            ss += (double)v * v;
         }
-        const float inv = 1.f / sqrtf(ss / (float)h + eps);
+        const float inv = 1.f / sqrtf((float)(ss / (double)h) + eps);
         for (int64_t j = 0; j < h; j++)
             cpar__store_f(y, dt, r * h + j, cpar__load_f(x, dt, r * h + j) * inv * cpar__load_f(w, dt, j));
     }
@@ -8128,17 +8235,18 @@ cpar_status cpar_rmsnorm_forward(cpar_ctx *ctx, const cpar_tensor *x, const cpar
     return cpar__rmsnorm(ctx, fn, x->device, (void *)x->data, NULL, weight->data, x->dtype, rows, h, eps, y->data);
 }
 
-/* The host twin of cpar_dev_rmsnorm_backward (same formulas, fp32). */
+/* The host twin of cpar_dev_rmsnorm_backward (same formulas, fp32; the two
+ * row sums add in double, as in the forward). */
 static void cpar__host_rmsnorm_backward(const void *x, const void *w, const void *dy, cpar_dtype dt, int64_t rows,
                                         int64_t h, float eps, void *dx, float *dw) {
     for (int64_t r = 0; r < rows; r++) {
-        float ss = 0.f, c = 0.f;
+        double ss = 0.0, c = 0.0;
         for (int64_t j = 0; j < h; j++) {
             const float v = cpar__load_f(x, dt, r * h + j);
-            ss += v * v;
-            c += cpar__load_f(dy, dt, r * h + j) * cpar__load_f(w, dt, j) * v;
+            ss += (double)v * v;
+            c += (double)(cpar__load_f(dy, dt, r * h + j) * cpar__load_f(w, dt, j)) * v;
         }
-        const float inv = 1.f / sqrtf(ss / (float)h + eps), k = inv * inv * inv * c / (float)h;
+        const float inv = 1.f / sqrtf((float)(ss / (double)h) + eps), k = inv * inv * inv * (float)c / (float)h;
         for (int64_t j = 0; j < h; j++) {
             const float v = cpar__load_f(x, dt, r * h + j), g = cpar__load_f(dy, dt, r * h + j);
             if (dw) dw[j] += g * v * inv; /* dx may alias dy: read g first */

@@ -48,12 +48,16 @@ extern "C" {
 
 typedef enum cpar_status {
     CPAR_OK = 0,
-    CPAR_ERR_INVALID,     /* bad argument: NULL, shape, dtype, device, divisibility, group */
+    CPAR_ERR_INVALID,     /* bad argument: NULL, shape, dtype, device, divisibility, group; also
+                           * ranks calling different collectives, and a call NCCL rejects as
+                           * ncclInvalidArgument / ncclInvalidUsage */
     CPAR_ERR_CUDA,        /* a CUDA runtime call failed (or no GPU where one is needed) */
-    CPAR_ERR_NCCL,        /* an NCCL call failed or the communicator reported an async error */
+    CPAR_ERR_NCCL,        /* an NCCL call failed or the communicator reported an async error
+                           * (ncclRemoteError is CPAR_ERR_PEER) */
     CPAR_ERR_CUBLAS,      /* a cuBLAS call failed */
     CPAR_ERR_SYSTEM,      /* socket, thread, process or file failure (errno in the message) */
-    CPAR_ERR_TIMEOUT,     /* a wait passed its deadline; the message names who is missing */
+    CPAR_ERR_TIMEOUT,     /* a wait passed its deadline; the message names who is missing (on
+                           * NCCL: the call still in progress, and the peer of a send/receive) */
     CPAR_ERR_PEER,        /* another rank failed, exited early or called cpar_abort */
     CPAR_ERR_OOM,         /* an allocation failed; the message gives the size */
     CPAR_ERR_UNSUPPORTED, /* valid request this build or backend cannot do */
@@ -148,7 +152,8 @@ typedef struct cpar_init_config {
 typedef cpar_status (*cpar_rank_fn)(cpar_ctx *ctx, void *arg);
 
 /* Single-process mode: run fn(ctx, arg) on nranks threads, each with its own
- * context (rank r of nranks; on NCCL and SIM, device r). Returns CPAR_OK when
+ * context (rank r of nranks; on NCCL and SIM, device r; on NCCL every rank's
+ * communicator is ready before any fn runs). Returns CPAR_OK when
  * every rank returned CPAR_OK, else the status of the rank that failed first
  * in time (the root cause: the peers it released fail with CPAR_ERR_PEER),
  * with "rank N: <its message>" in cpar_thread_last_error() on the caller.
