@@ -1,7 +1,7 @@
 # cpar — build, test, bench, demo.
 #
 #   make              build/libcpar.a and build/cparrun (CUDA + NCCL when found)
-#   make test         host and sim suites; the GPU suite too when a GPU is present
+#   make test         host, sim and nccl-sim suites; the GPU suite too when a GPU is present
 #   make demo         the main job (examples/demo.c): train a small transformer LM with tp x cp
 #   make collectives  a tour of the raw collectives on a tp x cp grid (examples/collectives.c)
 #   make bench        benchmarks (bench/)
@@ -9,7 +9,9 @@
 #
 # Outputs go to build/: build/host (host-only objects and suites), build/sim
 # (the CUDA simulator build: cpar_kernels.cu compiled by g++ with
-# tests/cudasim.h), build/cuda (nvcc + NCCL). Each CUDA object is compiled once.
+# tests/cudasim.h), build/ncclsim (cpar.c compiled exactly as for GPUs, linked
+# with the sim kernels and the NCCL simulator of tests/ncclsim), build/cuda
+# (nvcc + NCCL). Each CUDA object is compiled once.
 
 CC       ?= cc
 CXX      ?= g++
@@ -49,21 +51,26 @@ else
   LIB_LIBS  := $(LIBS)
 endif
 
-# Suites that take a backend run on host and sim; the rest are host-only
-# (processes, sockets) or sim-only (the simulator and the device layer).
+# Suites that take a backend run on host, sim and nccl-sim; the rest are
+# host-only (processes, sockets) or sim-only (the simulator and the device layer).
 BACKEND_SUITES := core coll grid faults ops rng mappings xent linear attn ring mamba inference
 HOST_SUITES    := $(BACKEND_SUITES) store cparrun
 SIM_SUITES     := $(BACKEND_SUITES) cudasim devlayer mma attn_bwd
+# nccl-sim runs every backend suite on CPAR_BACKEND_NCCL, the simulator's own
+# suite, the GPU suite's bodies, and multi-process jobs under cparrun.
+NCCLSIM_SUITES := $(BACKEND_SUITES) ncclsim gpu mp
 HOST_TESTS := $(HOST_SUITES:%=$(B)/host/test_%)
 SIM_TESTS  := $(SIM_SUITES:%=$(B)/sim/test_%)
+NCCLSIM_TESTS := $(NCCLSIM_SUITES:%=$(B)/ncclsim/test_%) $(B)/ncclsim/mp_prog
 GPU_TEST   := $(if $(filter 1,$(CPAR_CUDA)),$(B)/cuda/test_gpu)
 TEST_PROGS := $(B)/host/store_prog
 
-.PHONY: all lib test test-host test-sim test-gpu demo collectives bench clean
+.PHONY: all lib test test-host test-sim test-ncclsim test-gpu demo collectives bench clean
+.SECONDARY: # keep the test objects that several flavours link
 all: lib $(B)/cparrun
 lib: $(B)/libcpar.a
 
-$(B)/host $(B)/sim $(B)/cuda:
+$(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda:
 	@mkdir -p $@
 
 # ---- library -------------------------------------------------------------
@@ -95,13 +102,13 @@ $(B)/sim/cpar_kernels.o: cpar_kernels.cu tests/cudasim.h $(HDR) | $(B)/sim
 SIM_OBJS := $(B)/sim/cpar.o $(B)/sim/cpar_kernels.o
 
 # ---- tests -----------------------------------------------------------------
-$(B)/host/test_%: tests/test_%.c $(B)/host/cpar.o tests/testutil.h | $(B)/host
+$(B)/host/test_%: tests/test_%.c $(B)/host/cpar.o tests/testutil.h tests/proc.h | $(B)/host
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) $< $(B)/host/cpar.o -o $@ $(CHECK_LIBS) $(LIBS)
 
 $(B)/host/store_prog: tests/store_prog.c $(B)/host/cpar.o | $(B)/host
 	$(CC) $(ALL_CFLAGS) $< $(B)/host/cpar.o -o $@ $(LIBS)
 
-$(B)/sim/test_%.o: tests/test_%.c tests/testutil.h $(HDR) | $(B)/sim
+$(B)/sim/test_%.o: tests/test_%.c tests/testutil.h tests/proc.h $(HDR) | $(B)/sim
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) -c $< -o $@
 
 $(B)/sim/test_%: $(B)/sim/test_%.o $(SIM_OBJS)
@@ -128,20 +135,59 @@ $(B)/sim/test_devlayer: tests/test_devlayer.cu $(B)/sim/cpar_kernels.o tests/cud
 $(B)/sim/test_mma $(B)/sim/test_attn_bwd: $(B)/sim/test_%: tests/test_%.cu cpar_kernels.cu tests/cudasim.h $(HDR) | $(B)/sim
 	$(CXX) $(SIM_CXXFLAGS) $(CHECK_FLAGS) -x c++ $< -o $@ $(CHECK_LIBS) $(LIBS)
 
+# ---- nccl-sim build ----------------------------------------------------------
+# cpar.c with the CUDA build's flags; tests/ncclsim/nccl.h comes first on the
+# include path, so <nccl.h> is the simulator's. The kernels are the sim build's.
+NCCLSIM_INC  := -Itests/ncclsim
+NCCLSIM_LIB  := $(B)/ncclsim/ncclsim.o $(B)/ncclsim/ncclsim_cudasim.o
+NCCLSIM_OBJS := $(B)/ncclsim/cpar.o $(B)/sim/cpar_kernels.o $(NCCLSIM_LIB)
+NCCLSIM_HDRS := tests/ncclsim/nccl.h tests/ncclsim/ncclsim_hooks.h
+
+$(B)/ncclsim/cpar.o: cpar.c $(HDR) $(NCCLSIM_HDRS) | $(B)/ncclsim
+	$(CC) $(ALL_CFLAGS) -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL $(NCCLSIM_INC) -c $< -o $@
+
+$(B)/ncclsim/ncclsim.o: tests/ncclsim/ncclsim.c $(NCCLSIM_HDRS) | $(B)/ncclsim
+	$(CC) $(ALL_CFLAGS) $(NCCLSIM_INC) -c $< -o $@
+
+$(B)/ncclsim/ncclsim_cudasim.o: tests/ncclsim/ncclsim_cudasim.cc $(NCCLSIM_HDRS) tests/cudasim.h | $(B)/ncclsim
+	$(CXX) $(SIM_CXXFLAGS) $(NCCLSIM_INC) -x c++ -c $< -o $@
+
+# The same test objects as the sim build, linked with the production path.
+$(B)/ncclsim/test_%: $(B)/sim/test_%.o $(NCCLSIM_OBJS)
+	$(CXX) $^ -o $@ $(CHECK_LIBS) $(LIBS)
+
+$(B)/ncclsim/test_ncclsim: tests/test_ncclsim.cu $(NCCLSIM_LIB) $(NCCLSIM_HDRS) tests/cudasim.h | $(B)/ncclsim
+	$(CXX) $(SIM_CXXFLAGS) $(NCCLSIM_INC) $(CHECK_FLAGS) -x c++ $< -x none $(NCCLSIM_LIB) -o $@ $(CHECK_LIBS) $(LIBS)
+
+$(B)/ncclsim/mp_prog: $(B)/sim/mp_prog.o $(NCCLSIM_OBJS)
+	$(CXX) $^ -o $@ $(LIBS)
+
+$(B)/sim/mp_prog.o: tests/mp_prog.c tests/testutil.h $(HDR) | $(B)/sim
+	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) -c $< -o $@
+
+$(B)/ncclsim/demo: $(B)/sim/demo.o $(NCCLSIM_OBJS)
+	$(CXX) $^ -o $@ $(LIBS)
+
 $(B)/cuda/test_gpu: tests/test_gpu.c $(B)/libcpar.a tests/testutil.h | $(B)/cuda
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) $< $(B)/libcpar.a -o $@ $(CHECK_LIBS) $(CUDA_LIBS) $(LIBS) -lstdc++
 
-test: $(HOST_TESTS) $(SIM_TESTS) $(GPU_TEST) $(TEST_PROGS) $(B)/cparrun $(B)/sim/demo
-	@B=$(B) HOST_SUITES="$(HOST_SUITES)" SIM_SUITES="$(SIM_SUITES)" SIM_DEMO=$(B)/sim/demo GPU_TEST="$(GPU_TEST)" sh tests/run.sh
+RUN_TESTS = B=$(B) HOST_SUITES="$(1)" SIM_SUITES="$(2)" SIM_DEMO=$(3) NCCLSIM_SUITES="$(4)" NCCLSIM_DEMO=$(5) \
+            GPU_TEST="$(6)" sh tests/run.sh
+
+test: $(HOST_TESTS) $(SIM_TESTS) $(NCCLSIM_TESTS) $(GPU_TEST) $(TEST_PROGS) $(B)/cparrun $(B)/sim/demo $(B)/ncclsim/demo
+	@$(call RUN_TESTS,$(HOST_SUITES),$(SIM_SUITES),$(B)/sim/demo,$(NCCLSIM_SUITES),$(B)/ncclsim/demo,$(GPU_TEST))
 
 test-host: $(HOST_TESTS) $(TEST_PROGS) $(B)/cparrun
-	@B=$(B) HOST_SUITES="$(HOST_SUITES)" SIM_SUITES= GPU_TEST= sh tests/run.sh
+	@$(call RUN_TESTS,$(HOST_SUITES),,,,,)
 
 test-sim: $(SIM_TESTS) $(B)/sim/demo
-	@B=$(B) HOST_SUITES= SIM_SUITES="$(SIM_SUITES)" SIM_DEMO=$(B)/sim/demo GPU_TEST= sh tests/run.sh
+	@$(call RUN_TESTS,,$(SIM_SUITES),$(B)/sim/demo,,,)
+
+test-ncclsim: $(NCCLSIM_TESTS) $(B)/ncclsim/demo $(B)/cparrun
+	@$(call RUN_TESTS,,,,$(NCCLSIM_SUITES),$(B)/ncclsim/demo,)
 
 test-gpu: $(GPU_TEST)
-	@B=$(B) HOST_SUITES= SIM_SUITES= GPU_TEST="$(GPU_TEST)" sh tests/run.sh
+	@$(call RUN_TESTS,,,,,,$(GPU_TEST))
 
 # ---- demo and bench ----------------------------------------------------------
 $(B)/demo: examples/demo.c $(B)/libcpar.a

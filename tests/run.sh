@@ -1,8 +1,10 @@
 #!/bin/sh
-# Run cpar's Check suites: host backend, sim backend, then the GPU suite.
+# Run cpar's Check suites: host backend, sim backend, nccl-sim (the NCCL
+# backend over the NCCL simulator), then the GPU suite.
 # Prints each suite's Check summary and a closing "N passed, N failed" line
 # over all tests; exits non-zero when any suite fails.
 B=${B:-build}
+export B
 passed=0
 failed=0
 bad=""
@@ -32,6 +34,14 @@ for s in $HOST_SUITES; do run "host/$s" "$B/host/test_$s" host; done
 for s in $SIM_SUITES; do run "sim/$s" "$B/sim/test_$s" sim; done
 if [ -n "$SIM_DEMO" ]; then # the main job in bf16, every kernel on the simulator
     CPAR_DEMO_BACKEND=sim run "sim/demo" "$SIM_DEMO" sim
+fi
+# nccl-sim: the production path (cpar.c as built for GPUs, NCCL calls) on the
+# CUDA and NCCL simulators. The GPU suite runs here on simulated GPUs.
+export CPAR_GPU_SUITE=quick # the GPU suite's smaller sizes: its kernels run on the CPU here
+for s in $NCCLSIM_SUITES; do run "nccl-sim/$s" "$B/ncclsim/test_$s" nccl; done
+unset CPAR_GPU_SUITE
+if [ -n "$NCCLSIM_DEMO" ]; then
+    CPAR_DEMO_BACKEND=nccl run "nccl-sim/demo" "$NCCLSIM_DEMO" nccl
 fi
 if [ -n "$GPU_TEST" ]; then
     run "gpu" "$GPU_TEST" nccl

@@ -606,13 +606,13 @@ START_TEST(test_default_timeout) {
     env_clear(&s);
     cpar_init_config c = {.backend = tu_backend()}; /* timeout 0: $CPAR_TIMEOUT_MS or 300000 */
     int want = 300000;
-    TU_OK(cpar_spawn_with(2, &c, rank_default_timeout, &want));
+    TU_OK(tu_spawn_with(2, &c, rank_default_timeout, &want));
     setenv("CPAR_TIMEOUT_MS", "4321", 1);
     want = 4321;
-    TU_OK(cpar_spawn_with(2, &c, rank_default_timeout, &want));
+    TU_OK(tu_spawn_with(2, &c, rank_default_timeout, &want));
     c.timeout_ms = 777; /* an explicit deadline wins */
     want = 777;
-    TU_OK(cpar_spawn_with(2, &c, rank_default_timeout, &want));
+    TU_OK(tu_spawn_with(2, &c, rank_default_timeout, &want));
     env_restore(&s);
 }
 END_TEST
@@ -668,11 +668,19 @@ START_TEST(test_init_from_env) {
         single_rank_world(ctx, backends[k]);
         TU_OK(cpar_finalize(ctx));
 
-        /* A multi-rank launch cannot use a backend whose ranks are threads. */
+        /* A multi-rank launch cannot use a backend whose ranks are threads.
+         * On NCCL it is a real job: alone, rank 0 waits for rank 1 until the
+         * deadline, then fails cleanly. */
         setenv("WORLD_SIZE", "2", 1);
         setenv("RANK", "0", 1);
         ctx = (cpar_ctx *)&s;
-        TU_FAILS(cpar_init_from_env(&c, &ctx), CPAR_ERR_UNSUPPORTED, "WORLD_SIZE");
+        if (backends[k] == CPAR_BACKEND_NCCL) {
+            c.timeout_ms = 300;
+            TU_FAILS(cpar_init_from_env(&c, &ctx), CPAR_ERR_TIMEOUT, "rank 1 of 2 missing");
+            c.timeout_ms = TU_TIMEOUT_MS;
+        } else {
+            TU_FAILS(cpar_init_from_env(&c, &ctx), CPAR_ERR_UNSUPPORTED, "WORLD_SIZE");
+        }
         ck_assert_ptr_null(ctx);
         unsetenv("WORLD_SIZE");
         unsetenv("RANK");

@@ -1,5 +1,9 @@
 /* test_gpu.c — the GPU suite: the NCCL backend and the CUDA kernels on real
- * GPUs (built only in CUDA builds, against build/libcpar.a).
+ * GPUs (built in CUDA builds, against build/libcpar.a). `make test` also
+ * runs the same bodies on nccl-sim (build/ncclsim/test_gpu: the same cpar.c
+ * code path on simulated GPUs and the NCCL simulator), so every line here
+ * has run before a GPU sees it. Every spawn counts the ranks whose function
+ * ran (tu_spawn_with) and fails unless all did.
  *
  * With no GPU visible it prints one line saying so and exits 0 without
  * running Check. Otherwise it runs, on CPAR_BACKEND_NCCL, a 1-rank world and
@@ -25,6 +29,14 @@
 
 static int n_gpus; /* set in main from the probe */
 
+/* CPAR_GPU_SUITE=quick (set by tests/run.sh for nccl-sim, where kernels run
+ * on the CPU): every test and every code path, on the smaller problem sizes
+ * only. Real GPUs run everything. */
+static bool quick(void) {
+    const char *v = getenv("CPAR_GPU_SUITE");
+    return v && !strcmp(v, "quick");
+}
+
 /* cpar_dev_count() in a child process, so this one stays CUDA-free; -1 if the probe could not run. */
 static int probe_gpu_count(void) {
     fflush(NULL);
@@ -41,7 +53,7 @@ static int probe_gpu_count(void) {
 
 static cpar_status gpu_spawn(int nranks, cpar_rank_fn fn, void *arg) {
     cpar_init_config c = {.backend = CPAR_BACKEND_NCCL, .timeout_ms = 120000};
-    return cpar_spawn_with(nranks, &c, fn, arg);
+    return tu_spawn_with(nranks, &c, fn, arg);
 }
 
 /* World sizes of the loop tests: one GPU, then all of them. */
@@ -269,6 +281,7 @@ END_TEST
 
 static const cpar_dtype float_dtypes[] = {CPAR_F32, CPAR_F16, CPAR_BF16};
 static const int64_t op_sizes[] = {1, 31, 33, 1000, 4097, 100003};
+#define N_OP_SIZES (quick() ? 4 : (int)(sizeof op_sizes / sizeof op_sizes[0]))
 
 /* The same op on a host copy and on a device copy of the data. */
 typedef struct {
@@ -324,7 +337,7 @@ static void pair_free(cpar_ctx *ctx, pair *p) {
 
 static cpar_status rank_ops(cpar_ctx *ctx, void *unused) {
     (void)unused;
-    for (size_t k = 0; k < sizeof op_sizes / sizeof op_sizes[0]; k++) {
+    for (int k = 0; k < N_OP_SIZES; k++) {
         int64_t n = op_sizes[k], shape[] = {n};
         /* fill, every dtype */
         for (int dt = 0; dt < CPAR_DTYPE_COUNT; dt++) {
@@ -479,7 +492,8 @@ static cpar_status rank_attention(cpar_ctx *ctx, void *unused) {
     };
     static const cpar_dtype dts[] = {CPAR_F16, CPAR_BF16};
     int seed = 0;
-    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+    /* quick: the last two shapes (still GQA, partial tiles, sq != sk, one query) */
+    for (size_t si = quick() ? 2 : 0; si < sizeof shapes / sizeof shapes[0]; si++)
         for (int di = 0; di < 2; di++)
             for (int causal = 0; causal < 2; causal++, seed++) {
                 const cpar_dtype dt = dts[di];

@@ -707,7 +707,7 @@ static cpar_status rank_overlap(cpar_ctx *ctx, void *arg) {
     ck_assert(!memcmp(dx1, dx2, (size_t)(Tx * K) * 4) && !memcmp(dw1, dw2, (size_t)(Nl * K) * 4) &&
               !memcmp(db1, db2, (size_t)Nl * 4));
 
-    if (tu_backend() == CPAR_BACKEND_SIM) {
+    if (tu_on_device()) {
         /* the sequential order, recomputed with the same GEMM on compute-ordered
          * calls: gather x, dgrad, reduce dgrad, wgrad into zeros */
         cpar_dev_blas h;

@@ -1,10 +1,12 @@
 /* testutil.h — helpers shared by cpar's Check suites.
  *
- * Every suite is built twice by `make test`: against the host-only library
- * (backend "host") and against the sim library (backend "sim": tensors in
- * simulated device memory, kernels from cpar_kernels.cu run on the CPU). A
- * test picks its backend with tu_backend() and moves data with tu_upload /
- * tu_download, so the same test body runs on both.
+ * Every suite is built three times by `make test`: against the host-only
+ * library (backend "host"), against the sim library (backend "sim": tensors
+ * in simulated device memory, kernels from cpar_kernels.cu run on the CPU),
+ * and against the nccl-sim library (backend "nccl": cpar.c compiled as for
+ * GPUs, the NCCL backend over tests/ncclsim, kernels on the CPU). A test picks
+ * its backend with tu_backend() and moves data with tu_upload / tu_download,
+ * so the same test body runs on all three.
  *
  * Inside rank functions (threads started by cpar_spawn) ck_assert* may be
  * used: a failure ends the forked test process, which Check reports. */
@@ -41,19 +43,54 @@
                       #call, cpar_thread_last_error(), (needle));                                            \
     } while (0)
 
-/* The backend under test: $CPAR_TEST_BACKEND ("host" or "sim"), else the sim
- * backend in a sim build and the host backend otherwise. */
+/* The backend under test: $CPAR_TEST_BACKEND ("host", "sim" or "nccl"),
+ * else the sim backend in a sim build, the NCCL backend where it is
+ * available (nccl-sim), and the host backend otherwise. */
 static inline cpar_backend tu_backend(void) {
     const char *v = getenv("CPAR_TEST_BACKEND");
     if (v && !strcmp(v, "host")) return CPAR_BACKEND_HOST;
     if (v && !strcmp(v, "sim")) return CPAR_BACKEND_SIM;
-    return cpar_backend_available(CPAR_BACKEND_SIM) ? CPAR_BACKEND_SIM : CPAR_BACKEND_HOST;
+    if (v && !strcmp(v, "nccl")) return CPAR_BACKEND_NCCL;
+    if (cpar_backend_available(CPAR_BACKEND_SIM)) return CPAR_BACKEND_SIM;
+    return cpar_backend_available(CPAR_BACKEND_NCCL) ? CPAR_BACKEND_NCCL : CPAR_BACKEND_HOST;
+}
+
+/* Is the backend under test the NCCL backend (whose messages come partly
+ * from NCCL, and which cannot see which peer a collective waits for)? */
+static inline bool tu_is_nccl(void) { return tu_backend() == CPAR_BACKEND_NCCL; }
+
+/* Do tensors live in (simulated) device memory, with the kernels of
+ * cpar_kernels.cu? True on sim and NCCL, false on host. */
+static inline bool tu_on_device(void) { return tu_backend() != CPAR_BACKEND_HOST; }
+
+/* cpar_spawn_with that proves it ran: it counts the ranks whose function
+ * was called and fails the test unless all nranks were, so no test passes
+ * because a backend silently ran nothing (its checks live in the ranks).
+ * A job that fails may stop some ranks early, but every rank must start. */
+typedef struct tu_counted {
+    cpar_rank_fn fn;
+    void *arg;
+    int ran; /* updated atomically */
+} tu_counted;
+
+static inline cpar_status tu_counted_rank(cpar_ctx *ctx, void *p) {
+    tu_counted *c = (tu_counted *)p;
+    __atomic_add_fetch(&c->ran, 1, __ATOMIC_SEQ_CST);
+    return c->fn(ctx, c->arg);
+}
+
+static inline cpar_status tu_spawn_with(int nranks, const cpar_init_config *cfg, cpar_rank_fn fn, void *arg) {
+    tu_counted c = {fn, arg, 0};
+    cpar_status st = cpar_spawn_with(nranks, cfg, tu_counted_rank, &c);
+    ck_assert_msg(c.ran == nranks, "cpar_spawn (%s backend) returned %s but called %d of %d rank functions",
+                  cpar_backend_name(cfg->backend), cpar_status_string(st), c.ran, nranks);
+    return st;
 }
 
 /* cpar_spawn on the backend under test with the test deadline. */
 static inline cpar_status tu_spawn(int nranks, cpar_rank_fn fn, void *arg) {
     cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
-    return cpar_spawn_with(nranks, &cfg, fn, arg);
+    return tu_spawn_with(nranks, &cfg, fn, arg);
 }
 
 /* splitmix64: a tiny deterministic generator for test data. */

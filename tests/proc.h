@@ -1,0 +1,159 @@
+/* tests/proc.h — child processes with captured output, for the suites that
+ * launch programs (test_cparrun: cparrun and store_prog; test_mp: cparrun and
+ * torchrun-style jobs of mp_prog on nccl-sim). Include once, after check.h. */
+#ifndef CPAR_TESTS_PROC_H
+#define CPAR_TESTS_PROC_H
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+/* $NAME, else $B/default (B: the build directory, as tests/run.sh exports it). */
+static const char *path_from_env(const char *name, const char *dflt, char *buf, size_t n)
+{
+    const char *p = getenv(name), *b = getenv("B");
+    if (p && *p)
+        return p;
+    snprintf(buf, n, "%s/%s", b && *b ? b : "build", dflt);
+    return buf;
+}
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ---- a child process with captured stdout and stderr --------------------- */
+
+typedef struct {
+    pid_t pid;
+    int fd[2];     /* stdout, stderr read ends; -1 at EOF */
+    char *text[2]; /* everything read so far, NUL-terminated */
+    size_t len[2];
+    int status;    /* exit code, or 128+signal */
+    const char *exe;
+    int64_t start, end;
+} proc;
+
+/* Runs exe with args (an argument "PROG" is replaced by prog) and env
+ * ("NAME=value" pairs added to ours). */
+static void proc_start(proc *p, const char *exe, const char *prog, const char *const *args, const char *const *env)
+{
+    int out[2], err[2];
+    memset(p, 0, sizeof *p);
+    p->exe = exe;
+    ck_assert_int_eq(pipe(out), 0);
+    ck_assert_int_eq(pipe(err), 0);
+    p->start = now_ms();
+    p->pid = fork();
+    ck_assert_int_ge(p->pid, 0);
+    if (p->pid == 0) {
+        dup2(out[1], 1);
+        dup2(err[1], 2);
+        close(out[0]), close(out[1]), close(err[0]), close(err[1]);
+        for (; env && *env; env++)
+            putenv((char *)*env);
+        char *argv[32];
+        int n = 0;
+        argv[n++] = (char *)exe;
+        for (; *args && n < 31; args++)
+            argv[n++] = strcmp(*args, "PROG") ? (char *)*args : (char *)prog;
+        argv[n] = NULL;
+        execv(argv[0], argv);
+        _exit(99);
+    }
+    close(out[1]), close(err[1]);
+    p->fd[0] = out[0], p->fd[1] = err[0];
+    for (int k = 0; k < 2; k++) {
+        p->text[k] = calloc(1, 1);
+        fcntl(p->fd[k], F_SETFL, O_NONBLOCK);
+    }
+}
+
+/* Read output for up to ms, or until `until` appears `count` times on stdout. */
+static void proc_read(proc *p, int ms, const char *until, int count)
+{
+    int64_t end = now_ms() + ms;
+    for (;;) {
+        if (until) {
+            int seen = 0;
+            for (const char *s = p->text[0]; (s = strstr(s, until)); s++)
+                seen++;
+            if (seen >= count)
+                return;
+        }
+        struct pollfd pf[2];
+        int np = 0;
+        for (int k = 0; k < 2; k++)
+            if (p->fd[k] >= 0)
+                pf[np++] = (struct pollfd){.fd = p->fd[k], .events = POLLIN};
+        int left = (int)(end - now_ms());
+        if (np == 0 || left <= 0 || poll(pf, (nfds_t)np, left) <= 0)
+            return;
+        for (int k = 0; k < 2; k++) {
+            if (p->fd[k] < 0)
+                continue;
+            char buf[4096];
+            ssize_t r = read(p->fd[k], buf, sizeof buf);
+            if (r == 0) {
+                close(p->fd[k]);
+                p->fd[k] = -1;
+            } else if (r > 0) {
+                p->text[k] = realloc(p->text[k], p->len[k] + (size_t)r + 1);
+                memcpy(p->text[k] + p->len[k], buf, (size_t)r);
+                p->len[k] += (size_t)r;
+                p->text[k][p->len[k]] = '\0';
+            }
+        }
+    }
+}
+
+/* Wait for exit (SIGKILL and fail after ms), collecting all output. */
+static void proc_finish(proc *p, int ms)
+{
+    proc_read(p, ms, NULL, 0);
+    int st;
+    int64_t end = now_ms() + 1000;
+    pid_t r;
+    while ((r = waitpid(p->pid, &st, WNOHANG)) == 0 && now_ms() < end) {
+        struct timespec ts = {0, 5000000};
+        nanosleep(&ts, NULL);
+    }
+    if (r == 0) {
+        kill(p->pid, SIGKILL);
+        waitpid(p->pid, &st, 0);
+        ck_abort_msg("%s did not finish in time; stdout:\n%s\nstderr:\n%s", p->exe, p->text[0], p->text[1]);
+    }
+    p->end = now_ms();
+    p->status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    for (int k = 0; k < 2; k++)
+        if (p->fd[k] >= 0)
+            close(p->fd[k]);
+}
+
+static void proc_free(proc *p)
+{
+    free(p->text[0]);
+    free(p->text[1]);
+}
+
+static void proc_run(proc *p, const char *exe, const char *prog, const char *const *args, const char *const *env,
+                     int ms)
+{
+    proc_start(p, exe, prog, args, env);
+    proc_finish(p, ms);
+}
+
+#define ASSERT_HAS(text, needle)                                                                              \
+    ck_assert_msg(strstr((text), (needle)) != NULL, "\"%s\" not in output:\n%s", (needle), (text))
+
+#endif

@@ -1,0 +1,178 @@
+/* tests/test_mp.c — multi-process jobs on the production path (nccl-sim):
+ * mp_prog ranks go through cpar_init_from_env, the TCP store, the unique id
+ * and NCCL communicator creation, then a tp x cp grid with collectives and a
+ * sequence-parallel MLP against a 1-rank reference (tests/mp_prog.c).
+ *
+ * Launched by cparrun, and by this test with torchrun's variables (RANK,
+ * WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) so the
+ * peers' own exit codes and messages can be read. Faults: a rank killed
+ * mid-collective and a rank that never starts end the job with a clear error
+ * within the deadline, cparrun returns the failing status, and no
+ * shared-memory segment is left behind.
+ *
+ * Paths come from the environment (B: the build directory, exported by
+ * tests/run.sh): CPARRUN [$B/cparrun], MP_PROG [$B/ncclsim/mp_prog]. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <check.h>
+#include <dirent.h>
+
+#include "proc.h"
+
+#define NP 4
+
+static const char *cparrun_path(void) {
+    static char buf[4096];
+    return path_from_env("CPARRUN", "cparrun", buf, sizeof buf);
+}
+
+static const char *prog_path(void) {
+    static char buf[4096];
+    return path_from_env("MP_PROG", "ncclsim/mp_prog", buf, sizeof buf);
+}
+
+/* The NCCL simulator's segments in /dev/shm. */
+static int shm_leftovers(void) {
+    DIR *d = opendir("/dev/shm");
+    if (!d) return 0;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));) n += !strncmp(e->d_name, "ncclsim-", 8);
+    closedir(d);
+    return n;
+}
+
+#define ASSERT_OUT(p, cond)                                                                                  \
+    ck_assert_msg((cond), "%s\nstatus %d\nstdout:\n%s\nstderr:\n%s", #cond, (p)->status, (p)->text[0], (p)->text[1])
+
+/* ---- under cparrun ------------------------------------------------------------ */
+
+START_TEST(test_cparrun_job) {
+    proc p;
+    proc_run(&p, cparrun_path(), prog_path(), (const char *const[]){"-n", "4", "PROG", "ok", NULL}, NULL, 120000);
+    ASSERT_OUT(&p, p.status == 0);
+    char want[32];
+    for (int r = 0; r < NP; r++) {
+        snprintf(want, sizeof want, "[%d] rank %d ok\n", r, r);
+        ASSERT_OUT(&p, strstr(p.text[0], want) != NULL);
+    }
+    proc_free(&p);
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
+START_TEST(test_cparrun_rank_dies) {
+    proc p;
+    proc_run(&p, cparrun_path(), prog_path(), (const char *const[]){"-n", "4", "PROG", "die", "2", NULL},
+             (const char *const[]){"CPAR_TIMEOUT_MS=20000", NULL}, 60000);
+    ASSERT_OUT(&p, p.status == 128 + SIGKILL);
+    ASSERT_OUT(&p, strstr(p.text[1], "rank 2 was killed by signal 9") != NULL);
+    ck_assert_int_lt(p.end - p.start, 10000);
+    proc_free(&p);
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
+START_TEST(test_cparrun_rank_never_starts) {
+    proc p;
+    proc_run(&p, cparrun_path(), prog_path(), (const char *const[]){"-n", "4", "PROG", "nostart", "3", NULL},
+             (const char *const[]){"CPAR_TIMEOUT_MS=1500", NULL}, 60000);
+    ASSERT_OUT(&p, p.status == 1);
+    ASSERT_OUT(&p, strstr(p.text[1], "CPAR_ERR_TIMEOUT") && strstr(p.text[1], "rank 3 of 4 missing"));
+    ck_assert_int_lt(p.end - p.start, 10000);
+    proc_free(&p);
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
+/* ---- launched here with torchrun's variables ------------------------------------ */
+
+/* Starts NP ranks of mp_prog (mode, k) as torchrun would, on a port of our own. */
+static void torchrun_start(proc *ps, const char *mode, const char *k, const char *timeout) {
+    static char vars[NP][8][64];
+    int port = 20000 + (int)(getpid() % 10000) * 2;
+    for (int r = 0; r < NP; r++) {
+        snprintf(vars[r][0], 64, "RANK=%d", r);
+        snprintf(vars[r][1], 64, "LOCAL_RANK=%d", r);
+        snprintf(vars[r][2], 64, "WORLD_SIZE=%d", NP);
+        snprintf(vars[r][3], 64, "LOCAL_WORLD_SIZE=%d", NP);
+        snprintf(vars[r][4], 64, "MASTER_ADDR=127.0.0.1");
+        snprintf(vars[r][5], 64, "MASTER_PORT=%d", port);
+        snprintf(vars[r][6], 64, "CPAR_TIMEOUT_MS=%s", timeout);
+        const char *env[] = {vars[r][0], vars[r][1], vars[r][2], vars[r][3], vars[r][4], vars[r][5], vars[r][6], NULL};
+        proc_start(&ps[r], prog_path(), NULL, (const char *const[]){mode, k, NULL}, env);
+    }
+}
+
+START_TEST(test_torchrun_job) {
+    proc ps[NP];
+    torchrun_start(ps, "ok", "-1", "60000");
+    for (int r = 0; r < NP; r++) proc_finish(&ps[r], 120000);
+    for (int r = 0; r < NP; r++) {
+        ASSERT_OUT(&ps[r], ps[r].status == 0);
+        ASSERT_OUT(&ps[r], strstr(ps[r].text[0], "ok\n") != NULL);
+        proc_free(&ps[r]);
+    }
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
+/* The peers of a killed rank fail fast, naming it, though their deadline is
+ * far away: the failure is detected, not timed out. */
+START_TEST(test_torchrun_rank_dies) {
+    proc ps[NP];
+    torchrun_start(ps, "die", "2", "30000");
+    for (int r = 0; r < NP; r++) proc_finish(&ps[r], 20000);
+    ASSERT_OUT(&ps[2], ps[2].status == 128 + SIGKILL);
+    for (int r = 0; r < NP; r++) {
+        if (r == 2) continue;
+        ASSERT_OUT(&ps[r], ps[r].status == 1);
+        ASSERT_OUT(&ps[r], strstr(ps[r].text[1], "CPAR_ERR_PEER") != NULL);
+        ASSERT_OUT(&ps[r], strstr(ps[r].text[1], "rank 2") && strstr(ps[r].text[1], "died"));
+        ck_assert_int_lt(ps[r].end - ps[r].start, 10000);
+    }
+    for (int r = 0; r < NP; r++) proc_free(&ps[r]);
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
+START_TEST(test_torchrun_rank_never_starts) {
+    proc ps[NP];
+    torchrun_start(ps, "nostart", "1", "1500");
+    for (int r = 0; r < NP; r++) proc_finish(&ps[r], 20000);
+    ASSERT_OUT(&ps[1], ps[1].status == 0);
+    for (int r = 0; r < NP; r++) {
+        if (r == 1) continue;
+        ASSERT_OUT(&ps[r], ps[r].status == 1);
+        ASSERT_OUT(&ps[r], strstr(ps[r].text[1], "CPAR_ERR_TIMEOUT") && strstr(ps[r].text[1], "rank 1"));
+        ck_assert_int_lt(ps[r].end - ps[r].start, 10000);
+    }
+    for (int r = 0; r < NP; r++) proc_free(&ps[r]);
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
+int main(void) {
+    if (access(cparrun_path(), X_OK) != 0 || access(prog_path(), X_OK) != 0) {
+        fprintf(stderr, "test_mp: need CPARRUN (%s) and MP_PROG (%s)\n", cparrun_path(), prog_path());
+        return EXIT_FAILURE;
+    }
+    Suite *s = suite_create("mp: multi-process jobs on the NCCL backend (nccl-sim)");
+    TCase *tc = tcase_create("cparrun");
+    tcase_add_test(tc, test_cparrun_job);
+    tcase_add_test(tc, test_cparrun_rank_dies);
+    tcase_add_test(tc, test_cparrun_rank_never_starts);
+    tcase_set_timeout(tc, 120);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("torchrun");
+    tcase_add_test(tc, test_torchrun_job);
+    tcase_add_test(tc, test_torchrun_rank_dies);
+    tcase_add_test(tc, test_torchrun_rank_never_starts);
+    tcase_set_timeout(tc, 120);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
