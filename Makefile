@@ -27,10 +27,29 @@ endif
 NCCL_LIBDIR := $(dir $(firstword $(wildcard $(CUDA_HOME)/lib64/libnccl.so $(CUDA_HOME)/lib/libnccl.so \
                  /usr/lib/x86_64-linux-gnu/libnccl.so /usr/lib/aarch64-linux-gnu/libnccl.so /usr/local/lib/libnccl.so)))
 
+# A CBLAS for the host GEMM's F32 products: OpenBLAS or BLIS, found like NCCL
+# (CPAR_BLAS=0 turns it off, CPAR_BLAS=1 insists). Netlib's reference CBLAS is
+# slower than cpar's own kernel and is never picked. make bench compares with
+# the CBLAS whenever one is installed.
+TRIPLET  := $(shell $(CC) -dumpmachine 2>/dev/null)
+BLAS_INC := $(firstword $(wildcard /usr/include/$(TRIPLET)/cblas.h /usr/include/cblas.h /usr/include/openblas/cblas.h \
+              /usr/include/blis/cblas.h /usr/local/include/cblas.h))
+BLAS_LIB := $(firstword $(foreach l,openblas blis,$(if $(wildcard /usr/lib/$(TRIPLET)/lib$(l).so /usr/lib64/lib$(l).so \
+              /usr/lib/lib$(l).so /usr/local/lib/lib$(l).so),$(l))))
+BLAS_FOUND := $(if $(and $(BLAS_INC),$(BLAS_LIB)),1,0)
+ifeq ($(origin CPAR_BLAS),undefined)
+  CPAR_BLAS := $(BLAS_FOUND)
+endif
+BLAS_DIR   := $(filter-out /usr/include/ /usr/include/$(TRIPLET)/,$(dir $(BLAS_INC)))
+BLAS_CFLAGS := $(if $(filter 1,$(CPAR_BLAS)),-DCPAR_WITH_CBLAS $(if $(BLAS_DIR),-isystem $(BLAS_DIR)))
+BLAS_LIBS   := $(if $(filter 1,$(CPAR_BLAS)),-l$(BLAS_LIB))
+BENCH_BLAS  := $(if $(filter 1,$(BLAS_FOUND)),-DCPAR_BENCH_CBLAS $(if $(BLAS_DIR),-isystem $(BLAS_DIR)))
+BENCH_BLAS_LIBS := $(if $(filter 1,$(BLAS_FOUND)),-l$(BLAS_LIB))
+
 WARN      := -Wall -Wextra -Wpedantic
 CFLAGS    ?= -O2 -g
 CXXFLAGS  ?= -O1 -g
-ALL_CFLAGS   := -std=c11 $(WARN) $(CFLAGS) -pthread -I.
+ALL_CFLAGS   := -std=c11 $(WARN) $(CFLAGS) -pthread -I. $(BLAS_CFLAGS)
 SIM_CXXFLAGS := -std=c++17 -Wall -Wextra $(CXXFLAGS) -pthread -I. -DCPAR_SIM
 NVCCFLAGS ?= -O3 -std=c++17 $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),code=sm_$(a)) \
              -Xcompiler -Wall,-Wextra -I.
@@ -39,7 +58,7 @@ CHECK_LIBS  := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsub
 comma := ,
 CUDA_LIBS   := -L$(CUDA_HOME)/lib64 $(if $(NCCL_LIBDIR),-L$(NCCL_LIBDIR)) -lnccl -lcublas -lcudart \
                -Wl$(comma)-rpath$(comma)$(CUDA_HOME)/lib64 $(if $(NCCL_LIBDIR),-Wl$(comma)-rpath$(comma)$(NCCL_LIBDIR))
-LIBS        := -pthread -lm
+LIBS        := -pthread -lm $(BLAS_LIBS)
 
 B := build
 
@@ -203,7 +222,7 @@ collectives: $(B)/collectives
 	./$(B)/collectives
 
 $(B)/bench: bench/bench.c $(B)/libcpar.a
-	$(CC) $(ALL_CFLAGS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS)
+	$(CC) $(ALL_CFLAGS) $(BENCH_BLAS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS) $(if $(BLAS_LIBS),,$(BENCH_BLAS_LIBS))
 
 bench: $(B)/bench
 	./$(B)/bench

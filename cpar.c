@@ -62,6 +62,14 @@
 #ifdef CPAR_WITH_NCCL
 #include <nccl.h>
 #endif
+#ifdef CPAR_WITH_CBLAS
+#include <cblas.h>
+#undef I /* OpenBLAS's header pulls in <complex.h>, whose I would shadow cpar's names */
+#endif
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h> /* the host GEMM's AVX2 micro-kernel, chosen at run time */
+#define CPAR__X86_KERNELS 1
+#endif
 
 #define CPAR_ERR_LEN 512
 #define CPAR_ALIGN 64
@@ -101,6 +109,9 @@ struct cpar_ctx {
     size_t ws_bytes;
     void *coll_ws;        /* the host/sim collectives' device accumulator, apart from ws so a */
     size_t coll_ws_bytes; /* caller may keep scratch in ws across a collective */
+    void *gemm_ws;        /* host memory: the host GEMM's packed panels (section 5) */
+    size_t gemm_ws_bytes;
+    bool gemm_builtin;    /* CPAR_HOST_GEMM=builtin: never the CBLAS (section 5) */
     cpar_dev_stream compute, comm;
     cpar_dev_stream coll_stream; /* where the collectives enqueue: NULL = compute; set only
                                   * between cpar__on_comm_stream and cpar__on_compute_stream */
@@ -792,6 +803,343 @@ static void cpar__host_gelu(const void *x, const void *dy, void *out, cpar_dtype
         const float d = 0.5f * v * ((1.f - t * t) * (0.79788456f + 0.1070322243f * v * v)) + 0.5f * (1.f + t);
         cpar__store_f(out, dt, i, d * cpar__load_f(dy, dt, i));
     }
+}
+
+/* ---- GEMM on host memory ---------------------------------------------------
+ * C (m x n, column-major, ldc) = alpha op(A) op(B) + beta C, cuBLAS's argument
+ * semantics (op(A) is m x k: A, or A^T when ta), A and B F32, F16 or BF16, C
+ * F32, F16 or BF16, fp32 accumulation; beta 0 never reads C (it may be NaN).
+ * The BLIS loop order: KC-deep, NC-wide panels of op(B) are packed into
+ * NR-wide slivers, MC-tall panels of op(A) into MR-tall slivers (16-bit
+ * operands widened to fp32 while packing), and an MR x NR register-blocked
+ * micro-kernel runs over them, C += alpha a·b. The micro-kernel is AVX2+FMA
+ * (16 x 6), chosen at run time where the CPU has it, else portable C (8 x 4).
+ * Every element of C adds its k products in order p = 0..k-1 whatever the
+ * blocking, so a result does not depend on m, n or on how a caller splits
+ * them. A 16-bit C is accumulated in an fp32 copy and rounded once. With a
+ * CBLAS (built with CPAR_WITH_CBLAS: OpenBLAS, BLIS), all-F32 products go
+ * to cblas_sgemm. The packed panels live in ctx->gemm_ws (host memory,
+ * grown once). */
+
+enum { CPAR__GEMM_MC = 144, CPAR__GEMM_KC = 256, CPAR__GEMM_NC = 3072, CPAR__GEMM_MAX_TILE = 16 * 6 };
+
+/* c (mr x nr, column-major, ldc) = alpha * sum_p a[p*mr + i] b[p*nr + j]
+ * + beta c; beta 0 never reads c. */
+typedef void (*cpar__gemm_ukernel)(int64_t kc, const float *a, const float *b, float *c, int64_t ldc, float alpha,
+                                   float beta);
+
+typedef struct cpar__gemm_kernel {
+    int mr, nr;
+    cpar__gemm_ukernel run;
+    const char *name;
+} cpar__gemm_kernel;
+
+static void cpar__gemm_ukernel_c(int64_t kc, const float *a, const float *b, float *c, int64_t ldc, float alpha,
+                                 float beta) {
+    float acc[4][8] = {{0}};
+    for (int64_t p = 0; p < kc; p++)
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 8; i++) acc[j][i] += a[8 * p + i] * b[4 * p + j];
+    for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 8; i++)
+            c[i + j * ldc] = alpha * acc[j][i] + (beta == 0.f ? 0.f : beta * c[i + j * ldc]);
+}
+
+#ifdef CPAR__X86_KERNELS
+/* 16 x 6: twelve accumulators, two A loads and six broadcasts per p, all in
+ * the sixteen ymm registers. a is 32-byte aligned (packed panels). */
+__attribute__((target("avx2,fma"))) static void cpar__gemm_ukernel_avx2(int64_t kc, const float *a, const float *b,
+                                                                       float *c, int64_t ldc, float alpha, float beta) {
+    __m256 lo[6], hi[6];
+#pragma GCC unroll 6
+    for (int j = 0; j < 6; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < kc; p++) {
+        const __m256 a0 = _mm256_load_ps(a + 16 * p), a1 = _mm256_load_ps(a + 16 * p + 8);
+#pragma GCC unroll 6
+        for (int j = 0; j < 6; j++) {
+            const __m256 bj = _mm256_broadcast_ss(b + 6 * p + j);
+            lo[j] = _mm256_fmadd_ps(a0, bj, lo[j]);
+            hi[j] = _mm256_fmadd_ps(a1, bj, hi[j]);
+        }
+    }
+    const __m256 al = _mm256_set1_ps(alpha), be = _mm256_set1_ps(beta);
+    if (beta == 0.f) {
+#pragma GCC unroll 6
+        for (int j = 0; j < 6; j++) {
+            _mm256_storeu_ps(c + j * ldc, _mm256_mul_ps(al, lo[j]));
+            _mm256_storeu_ps(c + j * ldc + 8, _mm256_mul_ps(al, hi[j]));
+        }
+        return;
+    }
+#pragma GCC unroll 6
+    for (int j = 0; j < 6; j++) {
+        float *cj = c + j * ldc;
+        _mm256_storeu_ps(cj, _mm256_fmadd_ps(al, lo[j], _mm256_mul_ps(be, _mm256_loadu_ps(cj))));
+        _mm256_storeu_ps(cj + 8, _mm256_fmadd_ps(al, hi[j], _mm256_mul_ps(be, _mm256_loadu_ps(cj + 8))));
+    }
+}
+#endif
+
+#ifdef CPAR__X86_KERNELS
+/* One sliver of an F32 matrix whose rows are contiguous (a row-major tile, or
+ * a transposed operand): h <= w rows r of `cols` floats at src + r*rs go to
+ * dst[c*w + r], rows h..w-1 as zeros; w is 16 or 6 (the AVX2 kernel's mr and
+ * nr). 8 x 8 blocks are transposed in registers: the scalar loop's strided
+ * stores made packing cost as much as the product in attention's tiles. */
+__attribute__((target("avx2,fma"))) static void cpar__gemm_pack_rows_avx2(float *dst, const float *src, int64_t rs,
+                                                                         int64_t h, int64_t cols, int w) {
+    const __m256i six = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
+    int64_t c0 = 0;
+    for (; c0 + 8 <= cols; c0 += 8)
+        for (int half = 0; half < (w == 16 ? 2 : 1); half++) {
+            __m256 r[8], t[8], u[8];
+            for (int i = 0; i < 8; i++) {
+                const int64_t row = half * 8 + i;
+                r[i] = row < h && row < w ? _mm256_loadu_ps(src + row * rs + c0) : _mm256_setzero_ps();
+            }
+            for (int i = 0; i < 8; i += 2) {
+                t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+                t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+            }
+            for (int i = 0; i < 8; i += 4) {
+                u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+                u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+                u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+                u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+            }
+            for (int c = 0; c < 4; c++) { /* column c0 + c and c0 + c + 4: rows half*8 .. half*8 + 7 */
+                const __m256 lo = _mm256_permute2f128_ps(u[c], u[c + 4], 0x20), hi = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
+                float *d0 = dst + (c0 + c) * w + half * 8, *d1 = dst + (c0 + c + 4) * w + half * 8;
+                if (w == 16) {
+                    _mm256_storeu_ps(d0, lo);
+                    _mm256_storeu_ps(d1, hi);
+                } else {
+                    _mm256_maskstore_ps(d0, six, lo);
+                    _mm256_maskstore_ps(d1, six, hi);
+                }
+            }
+        }
+    for (; c0 < cols; c0++) /* the last columns one by one */
+        for (int i = 0; i < w; i++) dst[c0 * w + i] = i < h ? src[i * rs + c0] : 0.f;
+}
+#endif
+
+/* The micro-kernel for this CPU (the same for the life of the process). */
+static cpar__gemm_kernel cpar__gemm_kernel_pick(void) {
+#ifdef CPAR__X86_KERNELS
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return (cpar__gemm_kernel){16, 6, cpar__gemm_ukernel_avx2, "avx2+fma 16x6"};
+#endif
+    return (cpar__gemm_kernel){8, 4, cpar__gemm_ukernel_c, "portable C 8x4"};
+}
+
+/* rows x cols of a matrix whose element (r, c) is at src[r*rs + c*cs], widened
+ * to fp32, into slivers of w rows (zero-padded): dst[s*w*cols + c*w + i] is
+ * element (s*w + i, c). The dtype switch is outside the loops. */
+static void cpar__gemm_pack(float *dst, const void *src, cpar_dtype dt, int64_t rs, int64_t cs, int64_t rows,
+                            int64_t cols, int w) {
+    /* Read along whichever of rows and columns is contiguous in src. */
+    const bool by_row = rs != 1 && cs == 1;
+#ifdef CPAR__X86_KERNELS
+    static int avx2 = -1; /* every thread computes the same answer */
+    if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (avx2 && by_row && dt == CPAR_F32 && (w == 16 || w == 6)) {
+        for (int64_t r0 = 0; r0 < rows; r0 += w)
+            cpar__gemm_pack_rows_avx2(dst + r0 * cols, (const float *)src + r0 * rs, rs, cpar__min64(w, rows - r0), cols, w);
+        return;
+    }
+#endif
+    if (!by_row && rs == 1 && dt == CPAR_F32) { /* contiguous columns: copies of w floats */
+        for (int64_t r0 = 0; r0 < rows; r0 += w) {
+            const int64_t h = cpar__min64(w, rows - r0);
+            float *d = dst + r0 * cols;
+            const float *sp = (const float *)src + r0;
+            for (int64_t c = 0; c < cols; c++, d += w) {
+                if (h == w) memcpy(d, sp + c * cs, sizeof(float) * (size_t)w);
+                else for (int64_t i = 0; i < w; i++) d[i] = i < h ? sp[c * cs + i] : 0.f;
+            }
+        }
+        return;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += w) {
+        const int64_t h = cpar__min64(w, rows - r0);
+        float *d = dst + r0 * cols;
+        for (int64_t a = 0; a < (by_row ? h : cols); a++) {
+            /* by_row: row i = a along every column; else column c = a along h rows */
+            const int64_t base = r0 * rs + (by_row ? a * rs : a * cs), len = by_row ? cols : h;
+            const int64_t step = by_row ? 1 : rs;
+            float *o = by_row ? d + a : d + a * w;
+            const int64_t ostep = by_row ? w : 1;
+            switch (dt) {
+            case CPAR_F32:
+                for (int64_t i = 0; i < len; i++) o[i * ostep] = ((const float *)src)[base + i * step];
+                break;
+            case CPAR_F16:
+                for (int64_t i = 0; i < len; i++) o[i * ostep] = cpar_f16_to_f32(((const uint16_t *)src)[base + i * step]);
+                break;
+            default:
+                for (int64_t i = 0; i < len; i++) o[i * ostep] = cpar_bf16_to_f32(((const uint16_t *)src)[base + i * step]);
+                break;
+            }
+        }
+        if (h < w) /* zero the padding rows of the last sliver */
+            for (int64_t c = 0; c < cols; c++)
+                for (int64_t i = h; i < w; i++) d[c * w + i] = 0.f;
+    }
+}
+
+/* The blocked product into an fp32 C: beta applies in the first KC block. */
+static void cpar__gemm_blocked(const cpar__gemm_kernel *K, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
+                               const void *A, cpar_dtype adt, int64_t lda, const void *B, cpar_dtype bdt, int64_t ldb,
+                               float beta, float *C, int64_t ldc, float *ap, float *bp) {
+    /* op(A)(i, p) = A[i*ars + p*acs]; op(B)(p, j) = B[p*brs + j*bcs]; B is
+     * packed as op(B)^T so that its slivers are nr columns wide. */
+    const int64_t ars = ta ? lda : 1, acs = ta ? 1 : lda, brs = tb ? ldb : 1, bcs = tb ? 1 : ldb;
+    float tile[CPAR__GEMM_MAX_TILE];
+    for (int64_t jc = 0; jc < n; jc += CPAR__GEMM_NC) {
+        const int64_t nc = cpar__min64(CPAR__GEMM_NC, n - jc);
+        for (int64_t pc = 0; pc < k; pc += CPAR__GEMM_KC) {
+            const int64_t kc = cpar__min64(CPAR__GEMM_KC, k - pc);
+            const float b0 = pc == 0 ? beta : 1.f;
+            cpar__gemm_pack(bp, (const char *)B + (size_t)(pc * brs + jc * bcs) * cpar_dtype_size(bdt), bdt, bcs,
+                            brs, nc, kc, K->nr);
+            for (int64_t ic = 0; ic < m; ic += CPAR__GEMM_MC) {
+                const int64_t mc = cpar__min64(CPAR__GEMM_MC, m - ic);
+                cpar__gemm_pack(ap, (const char *)A + (size_t)(ic * ars + pc * acs) * cpar_dtype_size(adt), adt, ars,
+                                acs, mc, kc, K->mr);
+                for (int64_t jr = 0; jr < nc; jr += K->nr)
+                    for (int64_t ir = 0; ir < mc; ir += K->mr) {
+                        const int64_t mm = cpar__min64(K->mr, mc - ir), nn = cpar__min64(K->nr, nc - jr);
+                        float *c = C + (ic + ir) + (jc + jr) * ldc;
+                        if (mm == K->mr && nn == K->nr) {
+                            K->run(kc, ap + ir * kc, bp + jr * kc, c, ldc, alpha, b0);
+                            continue;
+                        }
+                        K->run(kc, ap + ir * kc, bp + jr * kc, tile, K->mr, alpha, 0.f); /* an edge tile */
+                        for (int64_t j = 0; j < nn; j++)
+                            for (int64_t i = 0; i < mm; i++)
+                                c[i + j * ldc] = tile[i + j * K->mr] + (b0 == 0.f ? 0.f : b0 * c[i + j * ldc]);
+                    }
+            }
+        }
+    }
+}
+
+/* At least bytes of host scratch in *buf (grown, never shrunk). */
+static cpar_status cpar__grow_host(cpar_ctx *ctx, const char *fn, void **buf, size_t *have, size_t bytes) {
+    if (bytes <= *have) return CPAR_OK;
+    size_t want = bytes + bytes / 4 + 4096;
+    void *p = cpar__host_alloc(want);
+    if (!p) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate %zu bytes of host GEMM scratch", fn, want);
+    free(*buf);
+    *buf = p;
+    *have = want;
+    return CPAR_OK;
+}
+
+#ifdef CPAR_WITH_CBLAS
+/* cpar's ranks are the parallelism: a multi-threaded OpenBLAS inside each
+ * rank oversubscribes the cores (and spins in sched_yield between small
+ * products). Unless the user chose (OPENBLAS_NUM_THREADS, OMP_NUM_THREADS),
+ * OpenBLAS runs one thread per calling rank. */
+static void cpar__blas_threads_init(void) {
+#ifdef OPENBLAS_VERSION
+    if (!getenv("OPENBLAS_NUM_THREADS") && !getenv("OMP_NUM_THREADS")) openblas_set_num_threads(1);
+#endif
+}
+
+static void cpar__blas_threads_once(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, cpar__blas_threads_init);
+}
+#endif
+
+static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb, int64_t m, int64_t n, int64_t k,
+                                   float alpha, const void *A, cpar_dtype adt, int64_t lda, const void *B,
+                                   cpar_dtype bdt, int64_t ldb, float beta, void *C, cpar_dtype cdt, int64_t ldc) {
+    if (m <= 0 || n <= 0) return CPAR_OK;
+#ifdef CPAR_WITH_CBLAS
+    cpar__blas_threads_once();
+    if (!ctx->gemm_builtin && adt == CPAR_F32 && bdt == CPAR_F32 && cdt == CPAR_F32 && m <= INT_MAX && n <= INT_MAX && k <= INT_MAX &&
+        lda <= INT_MAX && ldb <= INT_MAX && ldc <= INT_MAX) {
+        cblas_sgemm(CblasColMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (int)m, (int)n,
+                    (int)k, alpha, A, (int)lda, B, (int)ldb, beta, C, (int)ldc);
+        return CPAR_OK;
+    }
+#endif
+    static cpar__gemm_kernel K; /* set once; every thread writes the same value */
+    if (!K.run) K = cpar__gemm_kernel_pick();
+    const int64_t mcap = cpar__min64(CPAR__GEMM_MC, (m + K.mr - 1) / K.mr * K.mr);
+    const int64_t ncap = cpar__min64(CPAR__GEMM_NC, (n + K.nr - 1) / K.nr * K.nr), kcap = cpar__min64(CPAR__GEMM_KC, k);
+    const size_t panels = (size_t)((mcap + ncap) * kcap) * sizeof(float) + 64;
+    const bool wide_c = cdt != CPAR_F32; /* a 16-bit C accumulates in an fp32 copy */
+    CPAR_TRY(cpar__grow_host(ctx, fn, &ctx->gemm_ws, &ctx->gemm_ws_bytes,
+                             panels + (wide_c ? (size_t)(m * n) * sizeof(float) : 0)));
+    float *ap = ctx->gemm_ws, *bp = ap + mcap * kcap, *c = (float *)C, *wc = NULL;
+    int64_t ldw = ldc;
+    if (wide_c) {
+        wc = (float *)((char *)ctx->gemm_ws + panels);
+        ldw = m;
+    }
+    float *cf = wide_c ? wc : c;
+    if (wide_c && beta != 0.f) /* beta 0: C is never read (it may hold NaN) */
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t i = 0; i < m; i++) wc[i + j * ldw] = cpar__load_f(C, cdt, i + j * ldc);
+    if (k > 0) {
+        cpar__gemm_blocked(&K, ta, tb, m, n, k, alpha, A, adt, lda, B, bdt, ldb, beta, cf, ldw, ap, bp);
+    } else { /* no product: C = beta C */
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t i = 0; i < m; i++) cf[i + j * ldw] = beta == 0.f ? 0.f : beta * cf[i + j * ldw];
+    }
+    if (wide_c)
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t i = 0; i < m; i++) cpar__store_f(C, cdt, i + j * ldc, wc[i + j * ldw]);
+    return CPAR_OK;
+}
+
+/* ---- exp over a row ---------------------------------------------------------
+ * p[i] = exp(p[i] - sub), returning the sum of the results: the softmax step
+ * of the host attention. sub >= max p, so every argument is <= 0. AVX2+FMA
+ * where the CPU has it (x = n ln2 + r, |r| <= ln2/2, a degree-7 Taylor
+ * polynomial: relative error below 2e-7; arguments below -87.3 give 0),
+ * else libm's expf. */
+#ifdef CPAR__X86_KERNELS
+__attribute__((target("avx2,fma"))) static float cpar__exp_sub_sum_avx2(float *p, int64_t n, float sub) {
+    const __m256 vsub = _mm256_set1_ps(sub), log2e = _mm256_set1_ps(1.44269504f), lo = _mm256_set1_ps(-87.3f);
+    const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+    static const float c[8] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720, 1.f / 5040};
+    __m256 sum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_sub_ps(_mm256_loadu_ps(p + i), vsub);
+        const __m256 dead = _mm256_cmp_ps(x, lo, _CMP_LT_OQ); /* also -inf: masked scores */
+        x = _mm256_max_ps(x, lo);
+        const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 r = _mm256_fnmadd_ps(k, ln2_lo, _mm256_fnmadd_ps(k, ln2_hi, x));
+        __m256 y = _mm256_set1_ps(c[7]);
+        for (int d = 6; d >= 0; d--) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c[d]));
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+        y = _mm256_andnot_ps(dead, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+        _mm256_storeu_ps(p + i, y);
+        sum = _mm256_add_ps(sum, y);
+    }
+    float lanes[8], total = 0.f;
+    _mm256_storeu_ps(lanes, sum);
+    for (int k = 0; k < 8; k++) total += lanes[k];
+    for (; i < n; i++) total += p[i] = expf(p[i] - sub);
+    return total;
+}
+#endif
+
+static float cpar__exp_sub_sum(float *p, int64_t n, float sub) {
+#ifdef CPAR__X86_KERNELS
+    static int avx2 = -1; /* every thread computes the same answer */
+    if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (avx2) return cpar__exp_sub_sum_avx2(p, n, sub);
+#endif
+    float total = 0.f;
+    for (int64_t i = 0; i < n; i++) total += p[i] = expf(p[i] - sub);
+    return total;
 }
 
 /* ==== 6. Element-wise and layout operations ==============================
@@ -3583,6 +3931,7 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
     while (ctx->groups) cpar__group_free(ctx->groups);
     cpar__mem_free(ctx->device, ctx->ws);
     cpar__mem_free(ctx->device, ctx->coll_ws);
+    free(ctx->gemm_ws);
     if (ctx->blas) cpar_dev_blas_destroy(ctx->blas);
     for (int i = 0; i < 3; i++)
         if (ctx->ring_ev[i]) cpar_dev_event_destroy(ctx->ring_ev[i]);
@@ -3604,6 +3953,8 @@ static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg,
     ctx->world = world;
     ctx->backend = cfg->backend;
     ctx->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : cpar__default_timeout_ms();
+    const char *gemm = getenv("CPAR_HOST_GEMM");
+    ctx->gemm_builtin = gemm && !strcmp(gemm, "builtin");
     ctx->device = cfg->backend == CPAR_BACKEND_HOST ? CPAR_HOST : device;
     cpar_status st = CPAR_OK;
     if (cpar__on_device(ctx->device)) {
@@ -5724,8 +6075,8 @@ cpar_status cpar_embedding_layer_backward(cpar_embedding *e, const cpar_tensor *
  * initialisation from a master weight (with partition stride) or under the
  * model-parallel RNG fork, forward, backward and zero_grad.
  * Every product is one column-major GEMM with cuBLAS's argument semantics
- * (cpar__lin_gemm): cpar_dev_gemm on device tensors, a loop reference with
- * fp32 accumulation on host tensors, so both paths use the same operand
+ * (cpar__lin_gemm): cpar_dev_gemm on device tensors, the host GEMM of section
+ * 5 (fp32 accumulation) on host tensors, so both paths use the same operand
  * mapping. Row-major Y[T,N] = X[T,K] W[N,K]^T is column-major
  * Y^T(NxT) = op_T(W as KxN) X^T(KxT); see the cpar__lin_* wrappers.
  * Temporaries: one workspace carve per call; collectives are the raw ones of
@@ -5751,7 +6102,7 @@ struct cpar_linear {
     cpar_dev_event ev_compute, ev_comm;
 };
 
-/* ---- the GEMM: cuBLAS column-major semantics on the device or a host loop ----
+/* ---- the GEMM: cuBLAS column-major semantics on the device or the host ----
  * C(m x n) = op(A) op(B) + beta C, op(A) m x k, op(B) k x n, alpha = 1. */
 static cpar_status cpar__lin_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb, int64_t m, int64_t n, int64_t k,
                                   const void *A, int64_t lda, const void *B, int64_t ldb, cpar_dtype abt, float beta,
@@ -5767,18 +6118,7 @@ static cpar_status cpar__lin_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb,
                                             (int)lda, 0, B, (int)ldb, 0, beta, C, ct, (int)ldc, 0, 1));
         return CPAR_OK;
     }
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t i = 0; i < m; i++) {
-            float acc = 0.f;
-            for (int64_t p = 0; p < k; p++) {
-                float a = cpar__load_f(A, abt, ta ? p + i * lda : i + p * lda);
-                float bv = cpar__load_f(B, abt, tb ? j + p * ldb : p + j * ldb);
-                acc += a * bv;
-            }
-            if (beta != 0.f) acc += beta * cpar__load_f(C, ct, i + j * ldc);
-            cpar__store_f(C, ct, i + j * ldc, acc);
-        }
-    return CPAR_OK;
+    return cpar__host_gemm(ctx, fn, ta, tb, m, n, k, 1.f, A, abt, lda, B, abt, ldb, beta, C, ct, ldc);
 }
 
 /* Y[T,N] (row stride ldy) = X[T,K] (row stride ldx) W[N,K]^T + beta Y. */
@@ -6359,12 +6699,12 @@ cpar_status cpar_linear_backward(cpar_linear *l, const cpar_tensor *dy, cpar_ten
 /* ==== 18. Local attention ==================================================
  * Owns cpar.h §12's local attention: cpar_attention_forward/_backward on one
  * rank, and the block functions below that the ring attention of section 19
- * calls once per KV block. Host tensors run the reference loops of this
- * section (fp32 accumulation, exact two-pass softmax per query row); device
- * tensors run the flash kernels of cpar_kernels.cu §16 through
- * cpar_dev_attention_fwd / _bwd. Scratch: one workspace carve per call.
+ * calls once per KV block. Host tensors run FlashAttention-2's tiled loops on
+ * the host GEMM (fp32 accumulation, online softmax); device tensors run the
+ * flash kernels of cpar_kernels.cu §16 through cpar_dev_attention_fwd / _bwd.
+ * Scratch: one workspace carve per call (the GEMM's panels are its own).
  * Uses: 2 (errors, argument checks), 3 (tensors, fp16/bf16 bits), 4 (device
- * dispatch, workspace), 5 (element load/store, host fill and cast).
+ * dispatch, workspace), 5 (element load/store, host GEMM, exp).
  *
  * Contract shared with section 19 (ring attention) — do not change the
  * signatures without telling the ring attention's author:
@@ -6405,111 +6745,146 @@ static size_t cpar__attn_scratch_bytes(const cpar__attn_io *io, bool backward);
 
 static size_t cpar__attn_round(size_t bytes) { return (bytes + CPAR__ATTN_ALIGN - 1) / CPAR__ATTN_ALIGN * CPAR__ATTN_ALIGN; }
 
-/* Keys query row i sees: top-left causal lets it see j <= i. */
-static int64_t cpar__attn_keys(const cpar__attn_io *io, int64_t i) {
-    return io->causal ? cpar__min64(io->sk, i + 1) : io->sk;
+/* FlashAttention-2's loop order on host memory, every product on the host
+ * GEMM of section 5 (16-bit operands widened while it packs them, fp32
+ * accumulation). Forward, per (b, h) and BQ-row tile of queries: for each
+ * BK-key tile it may see, S = scale Q Kᵀ, the online softmax (running row max
+ * m and sum l; the exponentials by cpar__exp_sub_sum), O = O·corr + P V; then
+ * out = O / l and lse = m + log l. Backward, per (b, h) and key tile, for
+ * each query tile that sees it: P = exp(scale Q Kᵀ − lse) recomputed,
+ * dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − D) with D = rowsum(dO ∘ O), dQ +=
+ * scale dS K, dK += scale dSᵀ Q. Tiles skip what causality hides; the diagonal
+ * tile masks j > i. The S / P and dP tiles stay in cache. */
+enum { CPAR__HATTN_BQ = 128, CPAR__HATTN_BK = 128 };
+
+/* Scratch floats of the host path (see cpar__attn_scratch_bytes). */
+static size_t cpar__host_attn_floats(const cpar__attn_io *io, bool backward) {
+    const size_t tile = (size_t)CPAR__HATTN_BQ * CPAR__HATTN_BK;
+    return backward ? 2 * tile + (size_t)io->sq : tile + (size_t)CPAR__HATTN_BQ * (size_t)(io->d + 2);
 }
 
-/* Row of d elements at element offset off of p (dtype dt) as fp32: F32 rows
- * are read in place, 16-bit rows are widened into buf. */
-static const float *cpar__attn_row(const void *p, cpar_dtype dt, int64_t off, int64_t d, float *buf) {
-    if (dt == CPAR_F32) return (const float *)p + off;
-    const uint16_t *s = (const uint16_t *)p + off;
-    if (dt == CPAR_F16)
-        for (int64_t c = 0; c < d; c++) buf[c] = cpar_f16_to_f32(s[c]);
-    else
-        for (int64_t c = 0; c < d; c++) buf[c] = cpar_bf16_to_f32(s[c]);
-    return buf;
+/* Top-left causal: -inf where key k0 + j lies after query q0 + i. */
+static void cpar__attn_mask_tile(float *S, int64_t bq, int64_t bk, int64_t q0, int64_t k0) {
+    for (int64_t i = 0; i < bq; i++)
+        for (int64_t j = cpar__min64(bk, i + q0 - k0 + 1 > 0 ? i + q0 - k0 + 1 : 0); j < bk; j++) S[i * bk + j] = -INFINITY;
 }
 
-static float cpar__attn_dot(const float *a, const float *b, int64_t d) {
-    float acc = 0.f;
-    for (int64_t c = 0; c < d; c++) acc += a[c] * b[c];
-    return acc;
+/* S [bq, bk] (row-major) = alpha · A[bq rows of d] · B[bk rows of d]ᵀ: the
+ * GEMM's column-major Sᵀ = op_T(B) A. */
+static cpar_status cpar__attn_qkt(cpar_ctx *ctx, const char *fn, float alpha, const void *A, cpar_dtype adt,
+                                  const void *B, cpar_dtype bdt, int64_t bq, int64_t bk, int64_t d, float *S) {
+    return cpar__host_gemm(ctx, fn, 1, 0, bk, bq, d, alpha, B, bdt, d, A, adt, d, 0.f, S, CPAR_F32, bk);
 }
 
-/* scratch (fp32): scores [sk] | q row [d] | k or v row [d] | out accumulator [d]. */
-static void cpar__host_attn_fwd(const cpar__attn_io *io, void *out, cpar_dtype out_dt, int64_t o_bh, float *lse,
-                                int64_t lse_bh, float *scratch) {
+static const void *cpar__attn_at(const void *p, cpar_dtype dt, int64_t off) {
+    return (const char *)p + (size_t)off * cpar_dtype_size(dt);
+}
+
+static cpar_status cpar__host_attn_fwd(cpar_ctx *ctx, const char *fn, const cpar__attn_io *io, void *out,
+                                       cpar_dtype out_dt, int64_t o_bh, float *lse, int64_t lse_bh, float *scratch) {
     const int64_t d = io->d, group = io->hq / io->hkv;
-    float *sc = scratch, *qbuf = sc + io->sk, *kbuf = qbuf + d, *acc = kbuf + d;
+    float *S = scratch, *O = S + CPAR__HATTN_BQ * CPAR__HATTN_BK, *m = O + CPAR__HATTN_BQ * d, *l = m + CPAR__HATTN_BQ;
     for (int64_t bi = 0; bi < io->b; bi++)
         for (int64_t hi = 0; hi < io->hq; hi++) {
             const int64_t bh = bi * io->hq + hi, qbase = bh * io->q_bh, obase = bh * o_bh;
             const int64_t kvbase = (bi * io->hkv + hi / group) * io->kv_bh;
-            for (int64_t i = 0; i < io->sq; i++) {
-                const int64_t n = cpar__attn_keys(io, i);
-                float *lrow = lse + bh * lse_bh + i;
-                if (n == 0) {
-                    *lrow = -INFINITY;
-                    for (int64_t c = 0; c < d; c++) cpar__store_f(out, out_dt, obase + i * d + c, 0.f);
-                    continue;
+            for (int64_t q0 = 0; q0 < io->sq; q0 += CPAR__HATTN_BQ) {
+                const int64_t bq = cpar__min64(CPAR__HATTN_BQ, io->sq - q0);
+                const int64_t kend = io->causal ? cpar__min64(io->sk, q0 + bq) : io->sk; /* the tile's last row sees < kend */
+                for (int64_t i = 0; i < bq; i++) m[i] = -INFINITY, l[i] = 0.f;
+                memset(O, 0, sizeof(float) * (size_t)(bq * d));
+                for (int64_t k0 = 0; k0 < kend; k0 += CPAR__HATTN_BK) {
+                    const int64_t bk = cpar__min64(CPAR__HATTN_BK, kend - k0);
+                    CPAR_TRY(cpar__attn_qkt(ctx, fn, io->scale, cpar__attn_at(io->q, io->dt, qbase + q0 * d), io->dt,
+                                            cpar__attn_at(io->k, io->dt, kvbase + k0 * d), io->dt, bq, bk, d, S));
+                    if (io->causal && k0 + bk - 1 > q0) cpar__attn_mask_tile(S, bq, bk, q0, k0);
+                    for (int64_t i = 0; i < bq; i++) {
+                        float *srow = S + i * bk, mx = m[i];
+                        for (int64_t j = 0; j < bk; j++) mx = srow[j] > mx ? srow[j] : mx; /* no NaN here; fmaxf is a call */
+                        if (mx == -INFINITY) { /* nothing visible yet: P = 0 */
+                            memset(srow, 0, sizeof(float) * (size_t)bk);
+                            continue;
+                        }
+                        const float corr = m[i] == -INFINITY ? 0.f : expf(m[i] - mx);
+                        l[i] = l[i] * corr + cpar__exp_sub_sum(srow, bk, mx);
+                        m[i] = mx;
+                        if (corr != 1.f)
+                            for (int64_t c = 0; c < d; c++) O[i * d + c] *= corr;
+                    }
+                    /* O [bq, d] += P [bq, bk] V [bk, d]: column-major Oᵀ += Vᵀ Pᵀ */
+                    CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 0, d, bq, bk, 1.f, cpar__attn_at(io->v, io->dt, kvbase + k0 * d),
+                                             io->dt, d, S, CPAR_F32, bk, 1.f, O, CPAR_F32, d));
                 }
-                /* pass 1: scores and their max; pass 2: exp, sum and P·V */
-                const float *qr = cpar__attn_row(io->q, io->dt, qbase + i * d, d, qbuf);
-                float m = -INFINITY;
-                for (int64_t j = 0; j < n; j++) {
-                    const float *kr = cpar__attn_row(io->k, io->dt, kvbase + j * d, d, kbuf);
-                    sc[j] = io->scale * cpar__attn_dot(qr, kr, d);
-                    m = fmaxf(m, sc[j]);
+                for (int64_t i = 0; i < bq; i++) {
+                    float *lrow = lse + bh * lse_bh + q0 + i;
+                    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f; /* l = 0: the row saw no key */
+                    *lrow = l[i] > 0.f ? m[i] + logf(l[i]) : -INFINITY;
+                    for (int64_t c = 0; c < d; c++) cpar__store_f(out, out_dt, obase + (q0 + i) * d + c, O[i * d + c] * inv);
                 }
-                float sum = 0.f;
-                for (int64_t c = 0; c < d; c++) acc[c] = 0.f;
-                for (int64_t j = 0; j < n; j++) {
-                    const float p = expf(sc[j] - m);
-                    const float *vr = cpar__attn_row(io->v, io->dt, kvbase + j * d, d, kbuf);
-                    sum += p;
-                    for (int64_t c = 0; c < d; c++) acc[c] += p * vr[c];
-                }
-                const float inv = 1.f / sum; /* sum >= 1: the max term is exp(0) */
-                for (int64_t c = 0; c < d; c++) cpar__store_f(out, out_dt, obase + i * d + c, acc[c] * inv);
-                *lrow = m + logf(sum);
             }
         }
+    return CPAR_OK;
 }
 
-/* scratch (fp32): q row | dout row | out row | k row | v row, [d] each. */
-static void cpar__host_attn_bwd(const cpar__attn_io *io, const void *out, const void *dout, cpar_dtype out_dt,
-                                int64_t o_bh, const float *lse, int64_t lse_bh, float *dq, int64_t dq_bh, float *dk,
-                                float *dv, int64_t dkv_bh, float *scratch) {
+static cpar_status cpar__host_attn_bwd(cpar_ctx *ctx, const char *fn, const cpar__attn_io *io, const void *out,
+                                       const void *dout, cpar_dtype out_dt, int64_t o_bh, const float *lse,
+                                       int64_t lse_bh, float *dq, int64_t dq_bh, float *dk, float *dv, int64_t dkv_bh,
+                                       float *scratch) {
     const int64_t d = io->d, group = io->hq / io->hkv;
-    float *qbuf = scratch, *dobuf = qbuf + d, *obuf = dobuf + d, *kbuf = obuf + d, *vbuf = kbuf + d;
     const float scale = io->scale;
+    float *P = scratch, *dP = P + CPAR__HATTN_BQ * CPAR__HATTN_BK, *D = dP + CPAR__HATTN_BQ * CPAR__HATTN_BK;
     for (int64_t bi = 0; bi < io->b; bi++)
         for (int64_t hi = 0; hi < io->hq; hi++) {
             const int64_t bh = bi * io->hq + hi, hk = bi * io->hkv + hi / group;
             const int64_t qbase = bh * io->q_bh, obase = bh * o_bh, kvbase = hk * io->kv_bh;
-            for (int64_t i = 0; i < io->sq; i++) {
-                const float L = lse[bh * lse_bh + i];
-                const int64_t n = cpar__attn_keys(io, i);
-                if (L == -INFINITY || n == 0) continue; /* the row saw no key: P = 0 */
-                const float *qr = cpar__attn_row(io->q, io->dt, qbase + i * d, d, qbuf);
-                const float *dor = cpar__attn_row(dout, out_dt, obase + i * d, d, dobuf);
-                const float *outr = cpar__attn_row(out, out_dt, obase + i * d, d, obuf);
-                const float D = cpar__attn_dot(dor, outr, d);
-                float *dqr = dq + bh * dq_bh + i * d;
-                for (int64_t j = 0; j < n; j++) {
-                    const float *kr = cpar__attn_row(io->k, io->dt, kvbase + j * d, d, kbuf);
-                    const float *vr = cpar__attn_row(io->v, io->dt, kvbase + j * d, d, vbuf);
-                    const float p = expf(scale * cpar__attn_dot(qr, kr, d) - L);
-                    const float ds = p * (cpar__attn_dot(dor, vr, d) - D), sds = scale * ds;
-                    float *dkr = dk + hk * dkv_bh + j * d, *dvr = dv + hk * dkv_bh + j * d;
-                    for (int64_t c = 0; c < d; c++) {
-                        dqr[c] += sds * kr[c];
-                        dkr[c] += sds * qr[c];
-                        dvr[c] += p * dor[c];
+            const float *L = lse + bh * lse_bh;
+            for (int64_t i = 0; i < io->sq; i++) { /* D_i = dout_i · out_i */
+                double acc = 0.0;
+                for (int64_t c = 0; c < d; c++)
+                    acc += (double)cpar__load_f(dout, out_dt, obase + i * d + c) * cpar__load_f(out, out_dt, obase + i * d + c);
+                D[i] = (float)acc;
+            }
+            for (int64_t k0 = 0; k0 < io->sk; k0 += CPAR__HATTN_BK) {
+                const int64_t bk = cpar__min64(CPAR__HATTN_BK, io->sk - k0);
+                const void *Kt = cpar__attn_at(io->k, io->dt, kvbase + k0 * d), *Vt = cpar__attn_at(io->v, io->dt, kvbase + k0 * d);
+                float *dKt = dk + hk * dkv_bh + k0 * d, *dVt = dv + hk * dkv_bh + k0 * d;
+                /* causal: query rows before k0 see none of these keys */
+                for (int64_t q0 = io->causal ? k0 / CPAR__HATTN_BQ * CPAR__HATTN_BQ : 0; q0 < io->sq; q0 += CPAR__HATTN_BQ) {
+                    const int64_t bq = cpar__min64(CPAR__HATTN_BQ, io->sq - q0);
+                    if (io->causal && q0 + bq - 1 < k0) continue;
+                    const void *Qt = cpar__attn_at(io->q, io->dt, qbase + q0 * d);
+                    const void *dOt = cpar__attn_at(dout, out_dt, obase + q0 * d);
+                    CPAR_TRY(cpar__attn_qkt(ctx, fn, scale, Qt, io->dt, Kt, io->dt, bq, bk, d, P));
+                    if (io->causal && k0 + bk - 1 > q0) cpar__attn_mask_tile(P, bq, bk, q0, k0);
+                    for (int64_t i = 0; i < bq; i++) {
+                        if (L[q0 + i] == -INFINITY) memset(P + i * bk, 0, sizeof(float) * (size_t)bk); /* saw no key */
+                        else cpar__exp_sub_sum(P + i * bk, bk, L[q0 + i]);
                     }
+                    /* dV [bk, d] += Pᵀ dO: column-major dVᵀ += dOᵀ P */
+                    CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 1, d, bk, bq, 1.f, dOt, out_dt, d, P, CPAR_F32, bk, 1.f, dVt,
+                                             CPAR_F32, d));
+                    CPAR_TRY(cpar__attn_qkt(ctx, fn, 1.f, dOt, out_dt, Vt, io->dt, bq, bk, d, dP)); /* dP = dO Vᵀ */
+                    for (int64_t i = 0; i < bq; i++)
+                        for (int64_t j = 0; j < bk; j++) dP[i * bk + j] = P[i * bk + j] * (dP[i * bk + j] - D[q0 + i]);
+                    /* dQ [bq, d] += scale dS K: column-major dQᵀ += Kᵀ dSᵀ */
+                    CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 0, d, bq, bk, scale, Kt, io->dt, d, dP, CPAR_F32, bk, 1.f,
+                                             dq + bh * dq_bh + q0 * d, CPAR_F32, d));
+                    /* dK [bk, d] += scale dSᵀ Q: column-major dKᵀ += Qᵀ dS */
+                    CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 1, d, bk, bq, scale, Qt, io->dt, d, dP, CPAR_F32, bk, 1.f, dKt,
+                                             CPAR_F32, d));
                 }
             }
         }
+    return CPAR_OK;
 }
 
 /* ---- the block functions (contract above) ------------------------------------ */
 
 static size_t cpar__attn_scratch_bytes(const cpar__attn_io *io, bool backward) {
-    /* The host reference needs O(sk + d) floats; the device forward none. The
-     * memory kind is the caller's, so the answer covers both paths. */
-    const size_t host = (size_t)(backward ? 5 * io->d : io->sk + 3 * io->d) * sizeof(float);
+    /* The host path needs its tiles (and the backward D per query row); the
+     * device forward none. The memory kind is the caller's, so the answer
+     * covers both paths. */
+    const size_t host = cpar__host_attn_floats(io, backward) * sizeof(float);
     const size_t dev = backward ? cpar_dev_attention_bwd_scratch_bytes(io) : 0;
     return cpar__attn_round(host > dev ? host : dev);
 }
@@ -6521,7 +6896,7 @@ static cpar_status cpar__attn_fwd(cpar_ctx *ctx, const char *fn, bool on_device,
     if (on_device)
         CPAR_DEV_TRY(ctx, fn, cpar_dev_attention_fwd(io, out, out_dt, o_bh, lse, lse_bh, ctx->compute));
     else
-        cpar__host_attn_fwd(io, out, out_dt, o_bh, lse, lse_bh, scratch);
+        CPAR_TRY(cpar__host_attn_fwd(ctx, fn, io, out, out_dt, o_bh, lse, lse_bh, scratch));
     return CPAR_OK;
 }
 
@@ -6534,7 +6909,8 @@ static cpar_status cpar__attn_bwd(cpar_ctx *ctx, const char *fn, bool on_device,
         CPAR_DEV_TRY(ctx, fn, cpar_dev_attention_bwd(io, out, dout, out_dt, o_bh, lse, lse_bh, dq, dq_bh, dk, dv,
                                                      dkv_bh, scratch, ctx->compute));
     else
-        cpar__host_attn_bwd(io, out, dout, out_dt, o_bh, lse, lse_bh, dq, dq_bh, dk, dv, dkv_bh, scratch);
+        CPAR_TRY(cpar__host_attn_bwd(ctx, fn, io, out, dout, out_dt, o_bh, lse, lse_bh, dq, dq_bh, dk, dv, dkv_bh,
+                                     scratch));
     return CPAR_OK;
 }
 

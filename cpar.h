@@ -13,6 +13,10 @@
  *    preallocated by the caller and checked.
  *  - Device work is stream-ordered: cpar_sync(ctx) waits for it.
  *  - The library never exits, aborts or prints unless CPAR_LOG=info|debug.
+ *  - Products on host tensors (every backend) use cpar's own blocked GEMM
+ *    (AVX2+FMA where the CPU has it), or a CBLAS for F32 when the build found
+ *    one (OpenBLAS or BLIS; `make CPAR_BLAS=0` turns that off, and
+ *    CPAR_HOST_GEMM=builtin at context creation picks cpar's own anyway).
  *
  * Contents
  *   1. Status codes and errors

@@ -7,15 +7,23 @@
  * gathers and scatters) as a fraction of a ceiling measured in the same run:
  * single-thread memcpy on the host backend, device-to-device copy on GPUs.
  *
- * Environment: CPAR_BENCH_ITERS (default 10), CPAR_BENCH_MAX_MIB (default 16).
+ * Environment: CPAR_BENCH_ITERS (default 10), CPAR_BENCH_MAX_MIB (default 16),
+ * CPAR_BENCH_ONLY (comma-separated sections: coll, map, xent, gemm, mlp, attn,
+ * mamba; default all).
  */
 #define _GNU_SOURCE
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "cpar.h"
+
+#ifdef CPAR_BENCH_CBLAS /* make found OpenBLAS or BLIS: the host GEMM's ceiling */
+#include <cblas.h>
+#undef I /* OpenBLAS's header pulls in <complex.h> */
+#endif
 
 #define TRY(call)                                                                                            \
     do {                                                                                                     \
@@ -32,6 +40,16 @@ static double now_s(void) {
 static int env_int(const char *name, int dflt) {
     const char *v = getenv(name);
     return v && atoi(v) > 0 ? atoi(v) : dflt;
+}
+
+/* Is section name selected by CPAR_BENCH_ONLY (unset: every section)? */
+static bool want(const char *name) {
+    const char *only = getenv("CPAR_BENCH_ONLY");
+    if (!only || !*only) return true;
+    size_t n = strlen(name);
+    for (const char *p = only; (p = strstr(p, name)); p += n)
+        if ((p == only || p[-1] == ',') && (p[n] == ',' || p[n] == '\0')) return true;
+    return false;
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -310,7 +328,7 @@ static cpar_status run_mlp(cpar_ctx *ctx, void *arg) {
     return cpar_linear_destroy(l2);
 }
 
-/* The GEMM ceiling: a 1-rank linear forward [tokens, k] x [k, n]. */
+/* A 1-rank linear forward [tokens, k] x [k, n]: cpar's GEMM on the backend. */
 typedef struct {
     int iters;
     int64_t tokens, k, n;
@@ -344,6 +362,102 @@ static cpar_status run_gemm(cpar_ctx *ctx, void *arg) {
     TRY(cpar_tensor_free(ctx, &x));
     TRY(cpar_tensor_free(ctx, &y));
     return cpar_linear_destroy(l);
+}
+
+/* ---- the host GEMM against OpenBLAS ----------------------------------------------
+ * Row-major Y[T,N] = X[T,K] W[N,K]^T (the linear layer's forward; attention's
+ * q kᵀ and p v have the same form). The ceiling a user would accept is a
+ * tuned BLAS: single-threaded OpenBLAS (or BLIS) cblas_sgemm on the same
+ * shape in the same run, when make found one; otherwise cpar's built-in
+ * kernel, which then is its own ceiling (and says so). cpar is measured
+ * through a 1-rank column-parallel linear forward on the host backend, once
+ * with its built-in kernel (CPAR_HOST_GEMM=builtin) and, when libcpar was
+ * built with a CBLAS, once on that path. */
+static double blas_sgemm_flops(int iters, int64_t T, int64_t K, int64_t N) {
+#ifdef CPAR_BENCH_CBLAS
+#ifdef OPENBLAS_VERSION
+    openblas_set_num_threads(1); /* a single-threaded ceiling for a single-threaded rank */
+#endif
+    float *x = malloc(sizeof(float) * (size_t)(T * K)), *w = malloc(sizeof(float) * (size_t)(N * K));
+    float *y = malloc(sizeof(float) * (size_t)(T * N));
+    for (int64_t i = 0; i < T * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
+    for (int64_t i = 0; i < N * K; i++) w[i] = (float)((i * 104729) % 1000) * 1e-3f - 0.5f;
+    double *t = malloc(sizeof(double) * (size_t)iters);
+    for (int it = -1; it < iters; it++) {
+        double t0 = now_s();
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)N, (int)K, 1.f, x, (int)K, w, (int)K, 0.f,
+                    y, (int)N);
+        if (it >= 0) t[it] = now_s() - t0;
+    }
+    qsort(t, (size_t)iters, sizeof *t, cmp_double);
+    double flops = 2.0 * (double)(T * K * N) / t[iters / 2];
+    free(x), free(w), free(y), free(t);
+    return flops;
+#else
+    (void)iters, (void)T, (void)K, (void)N;
+    return 0.0; /* no BLAS to compare with */
+#endif
+}
+
+/* cpar's host GEMM on the shape (host backend, one rank): its built-in kernel,
+ * or the CBLAS path when libcpar has one. 0 when the run failed. */
+static double cpar_gemm_flops(int iters, int64_t T, int64_t K, int64_t N, cpar_dtype dt, bool builtin) {
+    gemm_case c = {.iters = iters, .tokens = T, .k = K, .n = N, .dt = dt};
+    setenv("CPAR_HOST_GEMM", builtin ? "builtin" : "default", 1); /* read when the context is made */
+    cpar_status st = cpar_spawn(1, CPAR_BACKEND_HOST, run_gemm, &c);
+    unsetenv("CPAR_HOST_GEMM");
+    if (st != CPAR_OK) fprintf(stderr, "bench: host GEMM: %s\n", cpar_thread_last_error());
+    return st == CPAR_OK ? c.flops : 0.0;
+}
+
+typedef struct {
+    const char *what;
+    int64_t T, K, N;
+} gemm_shape;
+
+/* The GEMM table: every shape against its ceiling, built-in and CBLAS paths. */
+static void bench_host_gemm(int iters) {
+    static const gemm_shape shapes[] = {
+        {"linear, large", 256, 1024, 4096},
+        {"linear, small", 256, 128, 512},
+        {"attention q k^T", 1024, 64, 1024},
+        {"attention p v", 1024, 1024, 64},
+    };
+#ifdef CPAR_BENCH_CBLAS
+    const char *ceiling = "OpenBLAS/BLIS cblas_sgemm, 1 thread";
+#else
+    const char *ceiling = "cpar's built-in kernel (no CBLAS installed)";
+#endif
+#ifdef CPAR_WITH_CBLAS
+    const bool cblas = true;
+#else
+    const bool cblas = false;
+#endif
+    printf("\nhost GEMM, row-major [T,K] x [N,K]^T, 1 rank; ceiling: %s in this run\n", ceiling);
+    printf("%-18s %18s %12s %12s %7s %12s %7s %12s %7s\n", "shape", "T x K x N", "ceiling", "built-in", "/ceil",
+           "CBLAS path", "/ceil", "built-in bf16", "/ceil");
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        const gemm_shape *g = &shapes[i];
+        double mine = cpar_gemm_flops(iters, g->T, g->K, g->N, CPAR_F32, true);
+        double blas = blas_sgemm_flops(iters, g->T, g->K, g->N);
+        double ceil = blas > 0 ? blas : mine;
+        double via = cblas ? cpar_gemm_flops(iters, g->T, g->K, g->N, CPAR_F32, false) : 0.0;
+        double half = cpar_gemm_flops(iters, g->T, g->K, g->N, CPAR_BF16, true);
+        char shape[40], viab[16] = "-", viar[16] = "-";
+        snprintf(shape, sizeof shape, "%lldx%lldx%lld", (long long)g->T, (long long)g->K, (long long)g->N);
+        if (cblas) {
+            snprintf(viab, sizeof viab, "%.1f GF/s", via / 1e9);
+            snprintf(viar, sizeof viar, "%.2f", via / ceil);
+        }
+        printf("%-18s %18s %7.1f GF/s %7.1f GF/s %7.2f %12s %7s %7.1f GF/s %7.2f\n", g->what, shape, ceil / 1e9,
+               mine / 1e9, mine / ceil, viab, viar, half / 1e9, half / ceil);
+    }
+}
+
+/* The f32 GEMM ceiling of one shape: OpenBLAS when installed, else cpar's own. */
+static double gemm_ceiling(int iters, int64_t T, int64_t K, int64_t N) {
+    double blas = blas_sgemm_flops(iters, T, K, N);
+    return blas > 0 ? blas : cpar_gemm_flops(iters, T, K, N, CPAR_F32, true);
 }
 
 /* What rank 0 must receive at least for one MLP forward + backward: without
@@ -532,7 +646,7 @@ int main(void) {
            ceiling.gbps);
     printf("\n%-15s %5s %9s %11s %12s %12s %9s %9s %8s\n", "collective", "ranks", "size", "time/call", "recv/rank",
            "minimum", "algbw", "busbw", "busbw/ceil");
-    for (int op = 0; op < OP_COUNT; op++)
+    for (int op = 0; op < OP_COUNT && want("coll"); op++)
         for (int n = 2; n <= max_ranks; n *= 2)
             for (int mib = 1; mib <= max_mib; mib *= 4) {
                 coll_case c = {.op = op, .iters = iters, .bytes = (size_t)mib << 20};
@@ -555,7 +669,7 @@ int main(void) {
     int64_t s_len = 1024, b = 2, h = 1024 * (int64_t)max_mib / 8;
     printf("\n%-26s %5s %14s %11s %12s %12s %9s %8s\n", "mapping [s,b,h] fp32", "ranks", "activation", "time/call",
            "recv/rank", "minimum", "busbw", "busbw/ceil");
-    for (int op = 0; op < MAP_COUNT; op++)
+    for (int op = 0; op < MAP_COUNT && want("map"); op++)
         for (int n = 2; n <= max_ranks; n *= 2) {
             map_case c = {.op = op, .iters = iters, .s = s_len, .b = b, .h = h};
             if (cpar_spawn(n, backend, run_map, &c) != CPAR_OK) {
@@ -577,7 +691,7 @@ int main(void) {
     int64_t tokens = backend == CPAR_BACKEND_NCCL ? 8192 : 1024, vocab = backend == CPAR_BACKEND_NCCL ? 131072 : 8192;
     printf("\n%-26s %5s %14s %11s %11s %12s %12s %10s %10s\n", "cross entropy fp32", "ranks", "tokens x V/tp",
            "forward", "backward", "recv/rank", "minimum", "fwd/ceil", "bwd/ceil");
-    for (int n = 1; n <= max_ranks; n *= 2) {
+    for (int n = 1; n <= max_ranks && want("xent"); n *= 2) {
         xent_case c = {.iters = iters, .tokens = tokens, .vocab = vocab};
         if (cpar_spawn(n, backend, run_xent, &c) != CPAR_OK) {
             fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
@@ -598,23 +712,31 @@ int main(void) {
                2 * local / c.bwd / 1e9 / (2 * ceiling.gbps));
     }
 
+    /* The host GEMM (every backend's products on host tensors). */
+    if (want("gemm")) bench_host_gemm(iters);
+
     /* Linear layers: FLOP rate per rank of the MLP forward + backward (6
      * GEMM-equivalents of 2*T*h*4h each, split over n ranks) against the
-     * single-rank GEMM ceiling. */
+     * single-rank GEMM ceiling: cuBLAS through the layer on GPUs; on the host,
+     * OpenBLAS's sgemm when installed (else cpar's built-in kernel). */
     bool nccl = backend == CPAR_BACKEND_NCCL;
-    int64_t ms_len = nccl ? 4096 : 128, mb = 2, mh = nccl ? 4096 : 128;
+    int64_t ms_len = nccl ? 4096 : 128, mb = 2, mh = nccl ? 4096 : 1024;
     gemm_case gc = {.iters = iters, .tokens = ms_len * mb, .k = mh, .n = 4 * mh};
-    if (cpar_spawn(1, backend, run_gemm, &gc) != CPAR_OK) {
-        fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
-        return 1;
+    if (nccl) {
+        if (cpar_spawn(1, backend, run_gemm, &gc) != CPAR_OK) {
+            fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+            return 1;
+        }
+    } else {
+        gc.flops = gemm_ceiling(iters, gc.tokens, gc.k, gc.n);
     }
-    printf("\nMLP [s,b,h]=[%lld,%lld,%lld] fp32, column h->4h then row 4h->h; GEMM ceiling (1-rank layer "
-           "forward [%lld x %lld] x [%lld x %lld]): %.2f GFLOP/s\n",
-           (long long)ms_len, (long long)mb, (long long)mh, (long long)(ms_len * mb), (long long)mh, (long long)mh,
-           (long long)(4 * mh), gc.flops / 1e9);
+    printf("\nMLP [s,b,h]=[%lld,%lld,%lld] fp32, column h->4h then row 4h->h; GEMM ceiling (%s [%lld x %lld] x "
+           "[%lld x %lld]): %.2f GFLOP/s\n",
+           (long long)ms_len, (long long)mb, (long long)mh, nccl ? "1-rank layer forward" : "host sgemm",
+           (long long)(ms_len * mb), (long long)mh, (long long)mh, (long long)(4 * mh), gc.flops / 1e9);
     printf("%-26s %5s %4s %11s %12s %12s %14s %9s\n", "linear fwd+bwd", "ranks", "sp", "time", "recv/rank", "minimum",
            "GFLOP/s/rank", "/ceiling");
-    for (int n = 1; n <= max_ranks; n *= 2)
+    for (int n = 1; n <= max_ranks && want("mlp"); n *= 2)
         for (int sp = 0; sp <= (n > 1); sp++) {
             mlp_case c = {.iters = iters, .sp = sp, .s = ms_len, .b = mb, .h = mh};
             if (cpar_spawn(n, backend, run_mlp, &c) != CPAR_OK) {
@@ -631,36 +753,52 @@ int main(void) {
      * forward must receive at least the other ranks' K and V, (n-1)/n of the
      * global K+V bytes (the backward: that again plus the dK/dV partial sums
      * travelling back, in fp32). */
-    int64_t ab = 1, ah = nccl ? 16 : 2, as = nccl ? 8192 : 256, ad = nccl ? 128 : 64;
+    int64_t ab = 1, ah = nccl ? 16 : 2, as = nccl ? 8192 : 1024, ad = nccl ? 128 : 64;
     cpar_dtype adt = nccl ? CPAR_BF16 : CPAR_F32;
-    gemm_case ag = {.iters = iters, .tokens = nccl ? 8192 : 256, .k = nccl ? 8192 : 256, .n = nccl ? 8192 : 256,
+    gemm_case ag = {.iters = iters, .tokens = nccl ? 8192 : 1024, .k = nccl ? 8192 : 1024, .n = nccl ? 8192 : 1024,
                     .dt = adt};
-    if (cpar_spawn(1, backend, run_gemm, &ag) != CPAR_OK) {
-        fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
-        return 1;
+    if (nccl) {
+        if (cpar_spawn(1, backend, run_gemm, &ag) != CPAR_OK) {
+            fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+            return 1;
+        }
+    } else {
+        ag.flops = gemm_ceiling(iters, ag.tokens, ag.k, ag.n);
     }
     printf("\nattention [b,h,s,d]=[%lld,%lld,%lld,%lld] %s, causal; ring: round-robin load balancing; GEMM ceiling "
            "(%s [%lld x %lld] x [%lld x %lld]): %.2f GFLOP/s\n",
            (long long)ab, (long long)ah, (long long)as, (long long)ad, cpar_dtype_name(adt), cpar_dtype_name(adt),
            (long long)ag.tokens, (long long)ag.k, (long long)ag.k, (long long)ag.n, ag.flops / 1e9);
-    printf("%-26s %5s %10s %10s %12s %12s %12s %9s %9s\n", "attention", "ranks", "forward", "backward", "recv fwd",
-           "minimum", "recv bwd", "fwd/ceil", "bwd/ceil");
-    for (int n = 1; n <= max_ranks; n *= 2)
-        for (int rot = 0; rot <= (n > 1); rot++) {
-            attn_case c = {.iters = iters, .causal = true, .load_balance = n > 1, .rotate = (cpar_rotate_method)rot,
-                           .b = ab, .h = ah, .s = as, .d = ad, .dt = adt};
-            if (cpar_spawn(n, backend, run_attn, &c) != CPAR_OK) {
-                fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
-                return 1;
-            }
-            double fl = 4.0 * (double)(ab * ah * as) * (double)as * (double)ad / 2.0 / n;
-            uint64_t kv = 2 * (uint64_t)(ab * ah * as * ad) * cpar_dtype_size(adt);
-            uint64_t min = kv / (uint64_t)n * (uint64_t)(n - 1);
-            printf("%-26s %5d %7.3f ms %7.3f ms %12llu %12llu %12llu %9.2f %9.2f\n",
-                   n == 1 ? "local (flash)" : rot ? "ring, send/recv" : "ring, all-gather", n, c.fwd * 1e3,
-                   c.bwd * 1e3, (unsigned long long)c.recv_fwd, (unsigned long long)min,
-                   (unsigned long long)c.recv_bwd, fl / c.fwd / ag.flops, 2.5 * fl / c.bwd / ag.flops);
+    printf("%-26s %5s %6s %10s %10s %12s %12s %12s %9s %9s %9s\n", "attention", "ranks", "s", "forward",
+           "backward", "recv fwd", "minimum", "recv bwd", "fwd/ceil", "bwd/ceil", "f+b/ceil");
+    /* one rank at several lengths (the host target: s = 512..2048, d = 64),
+     * then the ring at the headline length */
+    const int64_t local_s[] = {nccl ? as : 512, nccl ? as : 1024, nccl ? as : 2048};
+    for (int row = 0; want("attn") && row < (nccl ? 1 : 3) + 2 * (max_ranks >= 2) + (max_ranks >= 4) * 2; row++) {
+        int n = 1, rot = 0;
+        int64_t s_row = as;
+        if (row < (nccl ? 1 : 3)) s_row = local_s[row];
+        else {
+            int r = row - (nccl ? 1 : 3);
+            n = r < 2 ? 2 : 4;
+            rot = r % 2;
         }
+        if (n > max_ranks) break;
+        attn_case c = {.iters = iters, .causal = true, .load_balance = n > 1, .rotate = (cpar_rotate_method)rot,
+                       .b = ab, .h = ah, .s = s_row, .d = ad, .dt = adt};
+        if (cpar_spawn(n, backend, run_attn, &c) != CPAR_OK) {
+            fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+            return 1;
+        }
+        double fl = 4.0 * (double)(ab * ah * s_row) * (double)s_row * (double)ad / 2.0 / n;
+        uint64_t kv = 2 * (uint64_t)(ab * ah * s_row * ad) * cpar_dtype_size(adt);
+        uint64_t min = kv / (uint64_t)n * (uint64_t)(n - 1);
+        printf("%-26s %5d %6lld %7.3f ms %7.3f ms %12llu %12llu %12llu %9.2f %9.2f %9.2f\n",
+               n == 1 ? "local (flash)" : rot ? "ring, send/recv" : "ring, all-gather", n, (long long)s_row,
+               c.fwd * 1e3, c.bwd * 1e3, (unsigned long long)c.recv_fwd, (unsigned long long)min,
+               (unsigned long long)c.recv_bwd, fl / c.fwd / ag.flops, 2.5 * fl / c.bwd / ag.flops,
+               3.5 * fl / (c.fwd + c.bwd) / ag.flops);
+    }
     /* Mamba CP: busbw = the minimum bytes over the time, against the copy ceiling. */
     mamba_case mc0 = {.iters = iters, .s = nccl ? 8192 : 1024, .b = nccl ? 2 : 1, .d_inner = nccl ? 4096 : 1024,
                       .nheads = nccl ? 64 : 16, .ngroups = nccl ? 8 : 2, .d_state = 128, .dt = adt};
@@ -671,7 +809,7 @@ int main(void) {
            (long long)(2 * mc0.d_inner + 2 * mc0.ngroups * mc0.d_state + mc0.nheads));
     printf("%-26s %5s %10s %10s %12s %12s %9s %8s\n", "mamba cp", "ranks", "forward", "backward", "recv/call",
            "minimum", "busbw", "busbw/ceil");
-    for (int n = 1; n <= max_ranks; n *= 2) {
+    for (int n = 1; n <= max_ranks && want("mamba"); n *= 2) {
         mamba_case c = mc0;
         if (cpar_spawn(n, backend, run_mamba, &c) != CPAR_OK) {
             fprintf(stderr, "bench: %s\n", cpar_thread_last_error());

@@ -22,6 +22,7 @@
  *    the overlap itself (and a missing event wait) is not observable there;
  *    a stale or destroyed event handle is (the sim checks every handle);
  *  - bad arguments. */
+#define _GNU_SOURCE /* setenv */
 #include "testutil.h"
 
 #define MAX_TP 4
@@ -765,6 +766,60 @@ END_TEST
 START_TEST(test_bad_args) { TU_OK(tu_spawn(2, rank_bad, NULL)); }
 END_TEST
 
+/* ==== the GEMM's blocking ======================================================
+ * One rank, shapes that cross every blocking boundary of the host GEMM
+ * (cpar.c §5: MC 144, KC 256, NC 3072, micro-tiles 16 x 6 or 8 x 4) and of
+ * cuBLAS on devices: K = 300 (> KC, not a multiple of anything), N = 37 (edge
+ * micro-tiles), T = 3100 tokens (> NC in the forward; > KC as the wgrad's
+ * depth). Forward, dgrad, wgrad and the bias gradient against fp64. */
+
+static cpar_status rank_blocking(cpar_ctx *ctx, void *arg) {
+    const cpar_dtype dt = *(const cpar_dtype *)arg;
+    enum { K = 300, N = 37, T = 3100 };
+    cpar_linear_config cfg = {.input_size = K, .output_size = N, .dtype = dt, .bias = true};
+    cpar_linear *l;
+    TU_OK(cpar_column_parallel_linear_create(cpar_world_group(ctx), &cfg, &l));
+    double *W = rounded(random_doubles(N * K, 1.0, 71), N * K, dt), *bias = rounded(random_doubles(N, 1.0, 72), N, dt);
+    double *X = rounded(random_doubles(T * K, 1.0, 73), T * K, dt), *dY = rounded(random_doubles(T * N, 1.0, 74), T * N, dt);
+    float *mw = tu_to_f32(W, N * K), *mb = tu_to_f32(bias, N);
+    int64_t ws[2] = {N, K}, nb = N, xs[3] = {T, 1, K}, ys[3] = {T, 1, N};
+    cpar_tensor tw = cpar_tensor_make(mw, CPAR_F32, 2, ws, CPAR_HOST), tb = cpar_tensor_make(mb, CPAR_F32, 1, &nb, CPAR_HOST);
+    TU_OK(cpar_linear_init_from_master(l, &tw, &tb));
+    cpar_tensor x = upload_sub(ctx, X, K, 0, T, NULL, K, dt, 3, xs), dy = upload_sub(ctx, dY, N, 0, T, NULL, N, dt, 3, ys);
+    cpar_tensor y = tu_alloc_poisoned(ctx, dt, 3, ys), dx = tu_alloc_poisoned(ctx, dt, 3, xs);
+    TU_OK(cpar_linear_zero_grad(l));
+    TU_OK(cpar_linear_forward(l, &x, &y, NULL));
+    TU_OK(cpar_linear_backward(l, &dy, &dx));
+    double *yref = malloc(sizeof(double) * T * N), *dxref = malloc(sizeof(double) * T * K);
+    double *dwref = malloc(sizeof(double) * N * K), *dbref = malloc(sizeof(double) * N);
+    ref_fwd(X, W, bias, T, K, N, yref);
+    ref_dgrad(dY, W, T, K, N, NULL, dxref);
+    ref_wgrad(dY, X, T, K, N, dwref, dbref);
+    /* An fp32 sum of `depth` products of values in [-1, 1] drifts by about
+     * eps * depth / 3 in absolute terms (its partial sums grow as sqrt(depth)
+     * and so does the number of roundings); a wrong blocking errs by O(1). */
+    const double y_tol = tu_tol(dt) + 6e-8 * K, dx_tol = tu_tol(dt) + 6e-8 * N, dw_tol = 6e-8 * T;
+    expect_tensor(ctx, &y, yref, y_tol, "blocking: y");
+    expect_tensor(ctx, &dx, dxref, dx_tol, "blocking: dx");
+    cpar_tensor gw = cpar_linear_weight_grad(l), gb = cpar_linear_bias_grad(l);
+    expect_tensor(ctx, &gw, dwref, dw_tol, "blocking: dW (fp32 main grad)");
+    expect_tensor(ctx, &gb, dbref, dw_tol, "blocking: db");
+    cpar_tensor *ts[] = {&x, &dy, &y, &dx};
+    for (int i = 0; i < 4; i++) TU_OK(cpar_tensor_free(ctx, ts[i]));
+    TU_OK(cpar_linear_destroy(l));
+    free(W), free(bias), free(X), free(dY), free(mw), free(mb), free(yref), free(dxref), free(dwref), free(dbref);
+    return CPAR_OK;
+}
+
+START_TEST(test_gemm_blocking) {
+    /* F32 twice: the default path (a CBLAS when the build has one) and cpar's
+     * own kernel (CPAR_HOST_GEMM=builtin, read when the context is made) */
+    static const cpar_dtype dts[] = {CPAR_F32, CPAR_F32, CPAR_BF16, CPAR_F16};
+    if (_i == 1) setenv("CPAR_HOST_GEMM", "builtin", 1); /* this forked test's own environment */
+    TU_OK(tu_spawn(1, rank_blocking, (void *)&dts[_i]));
+}
+END_TEST
+
 static Suite *suite(void) {
     Suite *s = suite_create("linear: column- and row-parallel linear layers");
     struct {
@@ -778,6 +833,7 @@ static Suite *suite(void) {
         {"init_random", test_init_random, 3},
         {"backward_overlap", test_backward_overlap, 2},
         {"bad_args", test_bad_args, 1},
+        {"gemm_blocking", test_gemm_blocking, 4},
     };
     for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
         TCase *tc = tcase_create(loops[i].name);
