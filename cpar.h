@@ -33,6 +33,7 @@
  *  12. Attention and context parallelism (local flash attention, ring attention, sharding)
  *  13. Mamba context parallelism
  *  14. Inference layers (RMSNorm forward and backward, inference column/row-parallel linear)
+ *  15. Training: AdamW, gradient norm and clipping, data-parallel gradient reduction
  */
 #ifndef CPAR_H
 #define CPAR_H
@@ -1633,6 +1634,76 @@ cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_
 cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
                                       int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
                                       cpar_dev_stream s);
+
+/* ==== 15. Training: AdamW, gradient norm and clipping, gradient reduction ====
+ * What every training loop does between the backward and the next forward
+ * (torch.optim.AdamW, torch.nn.utils.clip_grad_norm_, Megatron's
+ * DistributedDataParallel grad buffer and get_grad_norm_fp32), on every
+ * backend: host loops on host tensors, one fused kernel per tensor on
+ * devices. Gradients are the layers' F32 main grads. */
+
+typedef struct cpar_adamw_config {
+    float lr;           /* this step's learning rate (the caller's schedule), >= 0 */
+    float beta1, beta2; /* 0 -> 0.9 and 0.999 (PyTorch's defaults); else in (0, 1) */
+    float eps;          /* 0 -> 1e-8 */
+    float weight_decay; /* decoupled, >= 0: master *= 1 - lr * weight_decay first; 0: none */
+} cpar_adamw_config;
+
+/* One AdamW step on one parameter, in one pass over it (PyTorch's formula):
+ *   g = grad * grad_scale                 (grad_scale: 1, or a clipping factor)
+ *   master *= 1 - lr * weight_decay
+ *   m = beta1 m + (1 - beta1) g,   v = beta2 v + (1 - beta2) g^2
+ *   master -= lr / (1 - beta1^step) * m / (sqrt(v / (1 - beta2^step)) + eps)
+ *   param = master rounded to param's dtype
+ * grad, master, m, v: F32 of one shape; param: that shape in F32, F16 or BF16,
+ * or NULL (the parameter is master itself). step: the 1-based step t of the
+ * bias corrections. All tensors on the context's device, or all on the host;
+ * none may overlap except param == master. Non-finite values are not checked
+ * (cpar_grad_norm reports them). */
+cpar_status cpar_adamw_step(cpar_ctx *ctx, const cpar_adamw_config *cfg, int64_t step, float grad_scale,
+                            const cpar_tensor *grad, cpar_tensor *master, cpar_tensor *m, cpar_tensor *v,
+                            cpar_tensor *param);
+
+/* The global L2 norm of a model's gradients spread over the grid, each
+ * parameter counted exactly once: grads[i] (F32, this rank's piece) is a
+ * shard of a tensor split over tp, summed over tp, unless tp_duplicate[i]
+ * (the tensor is replicated over tp, e.g. a norm weight: counted on tp rank
+ * 0 only, Megatron's param_is_not_tensor_parallel_duplicate). Call it after
+ * the data-parallel reduction (cpar_grads_all_reduce over dp x cp): replicas
+ * over cp and dp then hold the same sums, so nothing is summed over them.
+ * tp_duplicate may be NULL (nothing replicated). Every rank gets the same
+ * *norm (NaN or inf when a gradient is not finite). Sums of squares in fp64
+ * per tensor; one all-reduce of one value over tp. */
+cpar_status cpar_grad_norm(cpar_group *tp, const cpar_tensor *const *grads, const bool *tp_duplicate, int n,
+                           float *norm);
+/* torch.nn.utils.clip_grad_norm_ (Megatron's clip_grad_norm_fp32): *norm as
+ * cpar_grad_norm, then when max_norm / (norm + 1e-6) < 1 every gradient is
+ * multiplied by it; *coef (may be NULL) gets the factor applied (1 when
+ * none). Alternatively pass that factor to cpar_adamw_step as grad_scale
+ * after cpar_grad_norm and skip this pass over the gradients. max_norm > 0. */
+cpar_status cpar_clip_grad_norm(cpar_group *tp, cpar_tensor *const *grads, const bool *tp_duplicate, int n,
+                                float max_norm, float *norm, float *coef);
+
+/* Sum (average: divide by the group size) gradients over g, usually
+ * cpar_grid_group(ctx, CPAR_GROUP_DP_CP), as one flat buffer: the tensors
+ * are packed into the context workspace, all-reduced in a single collective
+ * and unpacked (Megatron's coalesced DDP grad buffer), so the statistics show
+ * one all-reduce of the total bytes, not one per tensor. F32 tensors on the
+ * context's device, none overlapping. A group of size 1 changes nothing but
+ * still averages by 1. */
+cpar_status cpar_grads_all_reduce(cpar_group *g, cpar_tensor *const *grads, int n, bool average);
+
+/* ---- device layer (internal; cpar_kernels.cu §21, cpar.h §7 conventions) ---
+ * cpar_dev_adamw: the formula of cpar_adamw_step over n elements; bc1, bc2
+ * are 1 - beta1^t and 1 - beta2^t; param of pdt or NULL.
+ * cpar_dev_sum_squares: *out (device F32) += sum of x[i]^2, x F32 [n],
+ * deterministic (a fixed tree of block sums, no atomics); scratch holds
+ * cpar_dev_sum_squares_scratch(n) bytes of device memory. */
+cpar_status cpar_dev_adamw(float *master, float *m, float *v, const float *grad, void *param, cpar_dtype pdt, int64_t n,
+                           float lr, float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2,
+                           float grad_scale, cpar_dev_stream s);
+size_t cpar_dev_sum_squares_scratch(int64_t n);
+cpar_status cpar_dev_sum_squares(const float *x, int64_t n, float *out, void *scratch, cpar_dev_stream s);
 
 #ifdef __cplusplus
 }
