@@ -12,6 +12,7 @@
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 #include <time.h>
 
@@ -515,6 +516,238 @@ static cpar_status run_mamba(cpar_ctx *ctx, void *arg) {
     return cpar_mamba_cp_destroy(m);
 }
 
+/* ---- memory-bound kernels on host tensors ------------------------------------
+ * The host backend's element-wise and row kernels on one rank (cp2hp/hp2cp
+ * and pre_conv_ssm on two, so the packing around their all-to-all runs).
+ * Each row: the median time per call, the bytes the kernel must move (every
+ * input read once, every output written once; data that stays in cache, such
+ * as the RMSNorm weight, not counted) and that rate against the single-thread
+ * host memcpy ceiling counted the same way (a copy of N bytes moves 2N).
+ * Cross entropy also against a glibc expf loop over as many elements, timed
+ * here: one exponential per element may bound it below memcpy. */
+enum { MB_FILL, MB_CAST, MB_AXPBY, MB_GELU, MB_NORM, MB_XENT, MB_LB_UNDO, MB_LB_REDO, MB_CP2HP, MB_PRE_SSM };
+
+typedef struct {
+    int kind, ranks;
+    cpar_dtype dt, dt2; /* cast: dt -> dt2 */
+    float beta;         /* axpby */
+    int64_t rows, cols; /* the [rows, cols] operand of rank 0 */
+    const char *name;
+} mb_row;
+
+typedef struct {
+    int iters;
+    const mb_row *row;
+    int64_t rows, cols; /* the row's, or the defaults */
+    int nt;          /* timed phases: 1, or 2 (forward, backward) */
+    double t[2];     /* median seconds per call */
+    double bytes[2]; /* bytes one call must move on rank 0 */
+    double expf_s;   /* xent: the expf loop over rows * cols elements */
+} mb_case;
+
+/* Sum of glibc expf over x[0..n), four independent sums so the adds never bound it; median of 5. */
+static double mb_expf_loop(const float *x, int64_t n) {
+    double t[5];
+    for (int r = 0; r < 5; r++) {
+        double t0 = now_s();
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int64_t i = 0; i + 4 <= n; i += 4)
+            for (int k = 0; k < 4; k++) s[k] += expf(x[i + k]);
+        volatile float sink = s[0] + s[1] + s[2] + s[3];
+        (void)sink;
+        t[r] = now_s() - t0;
+    }
+    return median_of(t, 5);
+}
+
+/* t[*nt] = a new tensor, *out = its address. */
+static cpar_status mb_alloc(cpar_ctx *ctx, cpar_tensor *t, int *nt, cpar_dtype dt, int nd, const int64_t *sh,
+                            cpar_tensor **out) {
+    TRY(cpar_tensor_alloc(ctx, dt, nd, sh, &t[*nt]));
+    *out = &t[(*nt)++];
+    return CPAR_OK;
+}
+
+static cpar_status run_mb(cpar_ctx *ctx, void *arg) {
+    mb_case *c = arg;
+    const mb_row *w = c->row;
+    cpar_group *g = cpar_world_group(ctx);
+    int p = cpar_group_size(g);
+    int64_t rows = c->rows, cols = c->cols, n = rows * cols, shape[2] = {rows, cols}, wshape[1] = {cols};
+    double es = (double)cpar_dtype_size(w->dt), nb = (double)n * es;
+    cpar_tensor t[6];
+    int nt = 0;
+    TRY(cpar_model_parallel_manual_seed(ctx, 5, cpar_group_rank(g), 0, 0));
+#define MB_ALLOC(p_, dt, nd, sh) TRY(mb_alloc(ctx, t, &nt, (dt), (nd), (sh), &(p_)))
+    cpar_tensor *a = NULL, *b = NULL, *d = NULL, *e = NULL, *f = NULL, *h = NULL;
+    if (w->kind != MB_PRE_SSM) {
+        MB_ALLOC(a, w->dt, 2, shape);
+        TRY(cpar_rng_uniform(ctx, a, -4.0f, 4.0f));
+    }
+    cpar_mamba_cp *m = NULL;
+    c->nt = 1;
+    switch (w->kind) {
+    case MB_FILL: c->bytes[0] = nb; break;
+    case MB_CAST:
+        MB_ALLOC(b, w->dt2, 2, shape);
+        c->bytes[0] = nb + (double)n * (double)cpar_dtype_size(w->dt2);
+        break;
+    case MB_AXPBY:
+        MB_ALLOC(b, w->dt, 2, shape);
+        TRY(cpar_rng_uniform(ctx, b, -1.0f, 1.0f));
+        c->bytes[0] = (w->beta != 0.0f ? 3 : 2) * nb;
+        break;
+    case MB_GELU: /* forward x -> b; backward (x, dy = b) -> d */
+        MB_ALLOC(b, w->dt, 2, shape);
+        MB_ALLOC(d, w->dt, 2, shape);
+        c->nt = 2, c->bytes[0] = 2 * nb, c->bytes[1] = 3 * nb;
+        break;
+    case MB_NORM: /* forward x -> b; backward (x, dy = b) -> d, dweight e */
+        MB_ALLOC(b, w->dt, 2, shape);
+        MB_ALLOC(d, w->dt, 2, shape);
+        MB_ALLOC(f, w->dt, 1, wshape);
+        MB_ALLOC(e, CPAR_F32, 1, wshape);
+        TRY(cpar_rng_uniform(ctx, f, 0.5f, 1.5f));
+        TRY(cpar_fill(ctx, e, 0.0));
+        c->nt = 2, c->bytes[0] = 2 * nb, c->bytes[1] = 3 * nb;
+        break;
+    case MB_XENT: { /* logits a; target b, loss d, stats e, dloss f; dlogits h */
+        int64_t sshape[2] = {rows, 2};
+        MB_ALLOC(b, CPAR_I64, 1, &rows);
+        MB_ALLOC(d, CPAR_F32, 1, &rows);
+        MB_ALLOC(e, CPAR_F32, 2, sshape);
+        MB_ALLOC(f, CPAR_F32, 1, &rows);
+        MB_ALLOC(h, w->dt, 2, shape);
+        TRY(cpar_fill(ctx, b, 7.0));
+        TRY(cpar_fill(ctx, f, 1.0));
+        c->nt = 2, c->bytes[0] = nb, c->bytes[1] = 2 * nb;
+        cpar_tensor xf;
+        TRY(cpar_tensor_alloc(ctx, CPAR_F32, 2, shape, &xf));
+        TRY(cpar_rng_uniform(ctx, &xf, -4.0f, 4.0f));
+        c->expf_s = mb_expf_loop(xf.data, n);
+        TRY(cpar_tensor_free(ctx, &xf));
+        break;
+    }
+    case MB_LB_UNDO:
+    case MB_LB_REDO:
+        MB_ALLOC(b, w->dt, 2, shape);
+        c->bytes[0] = 2 * nb;
+        break;
+    case MB_CP2HP: { /* in [rows, 1, cols] -> out [p rows, 1, cols/p]; backward back into d */
+        int64_t is[3] = {rows, 1, cols}, os[3] = {p * rows, 1, cols / p};
+        MB_ALLOC(b, w->dt, 3, os);
+        MB_ALLOC(d, w->dt, 3, is);
+        a->ndim = 3, a->shape[0] = rows, a->shape[1] = 1, a->shape[2] = cols;
+        /* pack (read in, write scratch), all-to-all (read scratch, write out); backward mirrored */
+        c->nt = 2, c->bytes[0] = c->bytes[1] = 4 * nb;
+        break;
+    }
+    case MB_PRE_SSM: { /* rows = s, cols: d_inner; the bench's mixer shape (nheads d_inner/64, 2 groups) */
+        cpar_mamba_cp_config cfg = {.d_inner_local_tp = cols, .nheads_local_tp = cols / 64, .ngroups_local_tp = 2,
+                                    .d_state = 128};
+        cpar_mamba_cp_info info;
+        TRY(cpar_mamba_cp_create(g, &cfg, &m));
+        TRY(cpar_mamba_cp_get_info(m, &info));
+        int64_t is[3] = {rows / p, 1, info.in_width}, os[3] = {rows, 1, info.out_width};
+        MB_ALLOC(a, w->dt, 3, is);
+        MB_ALLOC(b, w->dt, 3, os);
+        MB_ALLOC(d, w->dt, 3, is);
+        TRY(cpar_rng_uniform(ctx, a, -1.0f, 1.0f));
+        double in_b = (double)cpar_tensor_nbytes(a), out_b = (double)cpar_tensor_nbytes(b);
+        /* pack, all-to-all, undo the load balancing: in once, the whole-sequence side twice per step after */
+        c->nt = 2, c->bytes[0] = c->bytes[1] = 2 * in_b + 4 * out_b;
+        break;
+    }
+    }
+#undef MB_ALLOC
+    double *ts[2] = {malloc(sizeof(double) * (size_t)c->iters), malloc(sizeof(double) * (size_t)c->iters)};
+    for (int it = -1; it < c->iters; it++) { /* iteration -1 warms up (workspace, page faults) */
+        for (int ph = 0; ph < c->nt; ph++) {
+            if (p > 1) TRY(cpar_barrier(g));
+            double t0 = now_s();
+            switch (w->kind) {
+            case MB_FILL: TRY(cpar_fill(ctx, a, 0.5)); break;
+            case MB_CAST: TRY(cpar_cast(ctx, a, b)); break;
+            case MB_AXPBY: TRY(cpar_axpby(ctx, 1.5f, a, w->beta, b)); break;
+            case MB_GELU: TRY(ph ? cpar_gelu_backward(ctx, a, b, d) : cpar_gelu_forward(ctx, a, b)); break;
+            case MB_NORM: TRY(ph ? cpar_rmsnorm_backward(ctx, a, f, 1e-5f, b, d, e) : cpar_rmsnorm_forward(ctx, a, f, 1e-5f, b)); break;
+            case MB_XENT:
+                if (ph) TRY(cpar_vocab_parallel_cross_entropy_backward(g, a, b, 0.0f, e, f, h));
+                else TRY(cpar_vocab_parallel_cross_entropy_forward(g, a, b, 0.0f, d, e));
+                break;
+            case MB_LB_UNDO: TRY(cpar_undo_attention_load_balancing(ctx, 2, a, b)); break;
+            case MB_LB_REDO: TRY(cpar_redo_attention_load_balancing(ctx, 2, a, b)); break;
+            case MB_CP2HP: TRY(cpar_all_to_all_cp2hp(g, ph ? b : a, ph ? d : b, ph ? CPAR_BWD : CPAR_FWD)); break;
+            default: TRY(cpar_mamba_cp_pre_conv_ssm(m, ph ? b : a, ph ? d : b, ph ? CPAR_BWD : CPAR_FWD)); break;
+            }
+            TRY(cpar_sync(ctx));
+            if (it >= 0) ts[ph][it] = now_s() - t0;
+        }
+    }
+    for (int ph = 0; ph < c->nt; ph++) c->t[ph] = median_of(ts[ph], c->iters);
+    free(ts[0]);
+    free(ts[1]);
+    if (m) TRY(cpar_mamba_cp_destroy(m));
+    for (int i = 0; i < nt; i++) TRY(cpar_tensor_free(ctx, &t[i]));
+    return CPAR_OK;
+}
+
+/* The rows, then one table; ceiling: GB/s of a host memcpy (bytes copied). */
+static int bench_memory_bound(int iters, int max_mib) {
+    copy_case cc = {.bytes = (size_t)max_mib << 20};
+    if (cpar_spawn(1, CPAR_BACKEND_HOST, run_copy, &cc) != CPAR_OK) {
+        fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+        return 1;
+    }
+    const int64_t R = 1024, H = (int64_t)max_mib * 256; /* [R, H] fp32 = max_mib MiB */
+    static const mb_row rows[] = {
+        {MB_FILL, 1, CPAR_F32, 0, 0, 0, 0, "fill"},
+        {MB_FILL, 1, CPAR_BF16, 0, 0, 0, 0, "fill"},
+        {MB_CAST, 1, CPAR_F32, CPAR_BF16, 0, 0, 0, "cast"},
+        {MB_CAST, 1, CPAR_BF16, CPAR_F32, 0, 0, 0, "cast"},
+        {MB_CAST, 1, CPAR_F32, CPAR_F16, 0, 0, 0, "cast"},
+        {MB_CAST, 1, CPAR_F16, CPAR_F32, 0, 0, 0, "cast"},
+        {MB_AXPBY, 1, CPAR_F32, 0, -0.5f, 0, 0, "axpby beta != 0"},
+        {MB_AXPBY, 1, CPAR_F32, 0, 0.0f, 0, 0, "axpby beta = 0"},
+        {MB_AXPBY, 1, CPAR_BF16, 0, -0.5f, 0, 0, "axpby beta != 0"},
+        {MB_GELU, 1, CPAR_F32, 0, 0, 0, 0, "gelu"},
+        {MB_GELU, 1, CPAR_BF16, 0, 0, 0, 0, "gelu"},
+        {MB_NORM, 1, CPAR_F32, 0, 0, 0, 0, "rmsnorm"},
+        {MB_NORM, 1, CPAR_BF16, 0, 0, 0, 0, "rmsnorm"},
+        {MB_XENT, 1, CPAR_F32, 0, 0, 1024, 8192, "vocab_parallel_xent"},
+        {MB_XENT, 1, CPAR_BF16, 0, 0, 1024, 8192, "vocab_parallel_xent"},
+        {MB_LB_UNDO, 1, CPAR_F32, 0, 0, 0, 0, "undo_load_balancing cp=2"},
+        {MB_LB_REDO, 1, CPAR_F32, 0, 0, 0, 0, "redo_load_balancing cp=2"},
+        {MB_CP2HP, 2, CPAR_F32, 0, 0, 0, 0, "cp2hp / hp2cp"},
+        {MB_PRE_SSM, 2, CPAR_F32, 0, 0, 4096, 1024, "mamba pre_conv_ssm"},
+    };
+    printf("\nmemory-bound kernels on host tensors; ceiling: host memcpy of %d MiB, %.2f GB/s copied = %.2f GB/s "
+           "moved (read + write)\n",
+           max_mib, cc.gbps, 2 * cc.gbps);
+    printf("%-26s %5s %-10s %12s %5s %10s %12s %10s %8s %9s\n", "kernel", "ranks", "dtype", "[rows,cols]", "dir",
+           "time", "bytes moved", "GB/s", "/memcpy", "/expf");
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        const mb_row *w = &rows[i];
+        mb_case c = {.iters = iters, .row = w, .rows = w->rows ? w->rows : R, .cols = w->rows ? w->cols : H};
+        if (cpar_spawn(w->ranks, CPAR_BACKEND_HOST, run_mb, &c) != CPAR_OK) {
+            fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+            return 1;
+        }
+        char dts[24];
+        if (w->kind == MB_CAST) snprintf(dts, sizeof dts, "%s->%s", cpar_dtype_name(w->dt), cpar_dtype_name(w->dt2));
+        else snprintf(dts, sizeof dts, "%s", cpar_dtype_name(w->dt));
+        for (int ph = 0; ph < c.nt; ph++) {
+            double gbs = c.bytes[ph] / c.t[ph] / 1e9;
+            char ex[16] = "";
+            if (w->kind == MB_XENT) snprintf(ex, sizeof ex, "%9.2f", c.expf_s / c.t[ph]);
+            printf("%-26s %5d %-10s %5lldx%-6lld %5s %7.3f ms %12.0f %5.2f GB/s %8.2f %9s\n", w->name, w->ranks, dts,
+                   (long long)c.rows, (long long)c.cols, c.nt == 1 ? "" : ph ? "bwd" : "fwd", c.t[ph] * 1e3,
+                   c.bytes[ph], gbs, gbs / (2 * cc.gbps), ex);
+        }
+    }
+    return 0;
+}
+
 int main(void) {
     int iters = env_int("CPAR_BENCH_ITERS", 10), max_mib = env_int("CPAR_BENCH_MAX_MIB", 16);
     cpar_backend backend = cpar_backend_available(CPAR_BACKEND_NCCL) ? CPAR_BACKEND_NCCL : CPAR_BACKEND_HOST;
@@ -687,5 +920,5 @@ int main(void) {
                    bw[k] * 1e3, (unsigned long long)recv[k], (unsigned long long)min, busbw, busbw / ceiling.gbps);
         }
     }
-    return 0;
+    return bench_memory_bound(iters, max_mib);
 }
