@@ -251,52 +251,68 @@ size_t cpar_dtype_size(cpar_dtype dt) { return cpar__dtype_valid(dt) ? cpar__dty
 const char *cpar_dtype_name(cpar_dtype dt) { return cpar__dtype_valid(dt) ? cpar__dtypes[dt].name : "?"; }
 bool cpar_dtype_is_float(cpar_dtype dt) { return dt == CPAR_F32 || dt == CPAR_F16 || dt == CPAR_BF16; }
 
-static uint32_t cpar__f32_bits(float f) {
+/* Hot helpers that must inline into the vector loops of section 5 (and into
+ * their AVX2 twins there, which a plain static inline may not). */
+#if defined(__GNUC__)
+#define CPAR__INLINE static inline __attribute__((always_inline))
+#else
+#define CPAR__INLINE static inline
+#endif
+
+CPAR__INLINE uint32_t cpar__f32_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
     return u;
 }
-static float cpar__bits_f32(uint32_t u) {
+CPAR__INLINE float cpar__bits_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
 
-float cpar_bf16_to_f32(uint16_t b) { return cpar__bits_f32((uint32_t)b << 16); }
+/* c ? a : b as a bit mask. gcc does not if-convert a ?: whose arm holds
+ * fp arithmetic (it might trap), so the conversions below, which must
+ * vectorise, compute every case and pick with masks; the public functions
+ * below are these. */
+CPAR__INLINE uint32_t cpar__pick(bool c, uint32_t a, uint32_t b) {
+    uint32_t m = 0u - (uint32_t)c;
+    return (a & m) | (b & ~m);
+}
+CPAR__INLINE float cpar__bf16_value(uint16_t b) { return cpar__bits_f32((uint32_t)b << 16); }
 
-uint16_t cpar_f32_to_bf16(float f) {
+CPAR__INLINE uint16_t cpar__bf16_bits(float f) {
     uint32_t u = cpar__f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN, sign kept */
-    u += 0x7fffu + ((u >> 16) & 1u);                                           /* round to nearest even */
-    return (uint16_t)(u >> 16);
+    uint32_t nan = (u >> 16) | 0x40u;                   /* quiet NaN, sign kept */
+    uint32_t rne = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* round to nearest even */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rne);
 }
 
-float cpar_f16_to_f32(uint16_t h) {
+CPAR__INLINE float cpar__f16_value(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0x1f) return cpar__bits_f32(sign | 0x7f800000u | (man << 13)); /* inf / NaN */
-    if (exp == 0) {                                                           /* zero / subnormal */
-        float v = (float)man * 5.9604644775390625e-08f;                       /* man * 2^-24 */
-        return sign ? -v : v;
-    }
-    return cpar__bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+    uint32_t special = sign | 0x7f800000u | (man << 13);                                   /* inf / NaN */
+    uint32_t sub = sign | cpar__f32_bits((float)(int32_t)man * 5.9604644775390625e-08f); /* man * 2^-24 */
+    uint32_t normal = sign | ((exp + 112u) << 23) | (man << 13);
+    return cpar__bits_f32(cpar__pick(exp == 0x1fu, special, cpar__pick(exp == 0, sub, normal)));
 }
 
-uint16_t cpar_f32_to_f16(float f) {
-    uint32_t u = cpar__f32_bits(f);
-    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-    uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); /* NaN stays NaN */
-    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);                          /* rounds to inf */
-    if (a < 0x38800000u) {                                                            /* half subnormal */
-        /* value * 2^24 rounded to nearest even is the subnormal mantissa; fp32
-         * addition of 0.5 (magic) does exactly that rounding. */
-        float mag = cpar__bits_f32(a) + 0.5f;
-        return (uint16_t)(sign | (uint16_t)(cpar__f32_bits(mag) - cpar__f32_bits(0.5f)));
-    }
-    uint32_t mant_odd = (a >> 13) & 1u;
-    a += 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round to nearest even */
-    return (uint16_t)(sign | (a >> 13));
+CPAR__INLINE uint16_t cpar__f16_bits(float f) {
+    uint32_t u = cpar__f32_bits(f), a = u & 0x7fffffffu;
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu); /* NaN stays NaN */
+    /* half subnormal: value * 2^24 rounded to nearest even is the mantissa;
+     * fp32 addition of 0.5 (magic) does exactly that rounding */
+    uint32_t sub = cpar__f32_bits(cpar__bits_f32(a) + 0.5f) - cpar__f32_bits(0.5f);
+    /* rebias the exponent (-112 << 23) and round to nearest even */
+    uint32_t normal = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;
+    uint32_t r = cpar__pick(a < 0x38800000u, sub, normal);
+    r = cpar__pick(a >= 0x477ff000u, 0x7c00u, r); /* rounds to inf */
+    return (uint16_t)(sign | cpar__pick(a > 0x7f800000u, nan, r));
 }
+
+float cpar_bf16_to_f32(uint16_t b) { return cpar__bf16_value(b); }
+uint16_t cpar_f32_to_bf16(float f) { return cpar__bf16_bits(f); }
+float cpar_f16_to_f32(uint16_t h) { return cpar__f16_value(h); }
+uint16_t cpar_f32_to_f16(float f) { return cpar__f16_bits(f); }
 
 cpar_tensor cpar_tensor_make(void *data, cpar_dtype dtype, int ndim, const int64_t *shape, int device) {
     cpar_tensor t;
