@@ -686,16 +686,23 @@ cpar_status cpar_tensor_copy(cpar_ctx *ctx, const cpar_tensor *src, cpar_tensor 
 }
 
 /* ==== 5. Host reference kernels ==========================================
- * Plain loops that define what each CUDA kernel must compute; they run the
+ * The loops that define what each CUDA kernel must compute; they run the
  * host backend and are the references of the sim tests. Float math in fp32
  * (row reductions accumulate in fp64 here: the reference must be at least as
- * accurate as the kernel). Uses: 3. */
+ * accurate as the kernel). The memory-bound ones (fill, cast, axpby, gelu;
+ * sections 16 and 21 reuse the machinery) make one pass over memory at
+ * machine speed: CPAR__BLOCKS cuts the data into L1-sized blocks, a 16-bit
+ * block is widened into an fp32 stack buffer once per block (no per-element
+ * dtype switch), the math runs in fixed-count loops that gcc -O2 vectorises,
+ * and results are narrowed on the way out. On x86-64 the kernels that gain
+ * from it (exp, fmaf) also come in an AVX2+FMA twin chosen at run time
+ * (CPAR__VARIANTS); it computes the same bits. Uses: 3. */
 
 static float cpar__load_f(const void *p, cpar_dtype dt, int64_t i) {
     switch (dt) {
     case CPAR_F32: return ((const float *)p)[i];
-    case CPAR_F16: return cpar_f16_to_f32(((const uint16_t *)p)[i]);
-    case CPAR_BF16: return cpar_bf16_to_f32(((const uint16_t *)p)[i]);
+    case CPAR_F16: return cpar__f16_value(((const uint16_t *)p)[i]);
+    case CPAR_BF16: return cpar__bf16_value(((const uint16_t *)p)[i]);
     case CPAR_I32: return (float)((const int32_t *)p)[i];
     case CPAR_I64: return (float)((const int64_t *)p)[i];
     default: return (float)((const uint8_t *)p)[i];
@@ -705,36 +712,243 @@ static float cpar__load_f(const void *p, cpar_dtype dt, int64_t i) {
 static void cpar__store_f(void *p, cpar_dtype dt, int64_t i, float v) {
     switch (dt) {
     case CPAR_F32: ((float *)p)[i] = v; break;
-    case CPAR_F16: ((uint16_t *)p)[i] = cpar_f32_to_f16(v); break;
-    case CPAR_BF16: ((uint16_t *)p)[i] = cpar_f32_to_bf16(v); break;
+    case CPAR_F16: ((uint16_t *)p)[i] = cpar__f16_bits(v); break;
+    case CPAR_BF16: ((uint16_t *)p)[i] = cpar__bf16_bits(v); break;
     case CPAR_I32: ((int32_t *)p)[i] = (int32_t)v; break;
     case CPAR_I64: ((int64_t *)p)[i] = (int64_t)v; break;
     default: ((uint8_t *)p)[i] = (uint8_t)v; break;
     }
 }
 
-static void cpar__host_fill(void *p, cpar_dtype dt, int64_t n, double value) {
-    switch (dt) {
-    case CPAR_I32: for (int64_t i = 0; i < n; i++) ((int32_t *)p)[i] = (int32_t)value; break;
-    case CPAR_I64: for (int64_t i = 0; i < n; i++) ((int64_t *)p)[i] = (int64_t)value; break;
-    case CPAR_U8: memset(p, (uint8_t)value, (size_t)n); break;
-    default: for (int64_t i = 0; i < n; i++) cpar__store_f(p, dt, i, (float)value); break;
+/* ---- vector building blocks ----------------------------------------------------
+ * gcc -O2 vectorises a loop only when the vector width divides its trip
+ * count (the "very cheap" cost model) and it needs no run-time alias check.
+ * So the kernels run over blocks of CPAR__BLK elements: CPAR__BLOCKS
+ * expands its body twice, once with the block length a constant (full
+ * blocks: vectorised), once for the short tail. An F32 operand is used in
+ * place (a copy into a buffer costs as much as the kernel); a 16-bit one
+ * is widened into an fp32 stack buffer of 2 KiB (a few stay in L1) and an
+ * output narrowed from one. The math loops carry CPAR__IVDEP: their inputs
+ * and output are the same memory (in place) or disjoint, which the public
+ * functions' overlap checks ensure, so no iteration feeds another. Sums run
+ * in a fixed order (cpar__blk_sum): the same bits on every ISA. */
+#define CPAR__BLK 512
+#define CPAR__LANES 16
+
+#if defined(__clang__)
+#define CPAR__IVDEP _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define CPAR__IVDEP _Pragma("GCC ivdep")
+#else
+#define CPAR__IVDEP
+#endif
+
+/* Run the statements over [0, total) in blocks: i0 the block's first
+ * element, n its length (CPAR__BLK, a constant, except in the last one). */
+#define CPAR__BLOCKS(total, i0, n, ...)                                                                      \
+    for (int64_t i0 = 0; i0 < (total); i0 += CPAR__BLK) {                                                    \
+        if ((total) - i0 >= CPAR__BLK) {                                                                     \
+            const int n = CPAR__BLK;                                                                         \
+            __VA_ARGS__                                                                                      \
+        } else {                                                                                             \
+            const int n = (int)((total) - i0);                                                               \
+            __VA_ARGS__                                                                                      \
+        }                                                                                                    \
+    }
+
+/* d[0..n) = elements [i0, i0 + n) of the 16-bit tensor p (F16 or BF16) as fp32. */
+CPAR__INLINE void cpar__blk_widen(float *d, const void *p, cpar_dtype dt, int64_t i0, int n) {
+    const uint16_t *s = (const uint16_t *)p + i0;
+    if (dt == CPAR_BF16)
+        for (int k = 0; k < n; k++) d[k] = cpar__bf16_value(s[k]);
+    else
+        for (int k = 0; k < n; k++) d[k] = cpar__f16_value(s[k]);
+}
+
+/* Elements [i0, i0 + n) of the 16-bit tensor p (F16 or BF16) = s[0..n), rounded to nearest even. */
+CPAR__INLINE void cpar__blk_narrow(void *p, cpar_dtype dt, int64_t i0, const float *s, int n) {
+    uint16_t *d = (uint16_t *)p + i0;
+    if (dt == CPAR_BF16)
+        for (int k = 0; k < n; k++) d[k] = cpar__bf16_bits(s[k]);
+    else
+        for (int k = 0; k < n; k++) d[k] = cpar__f16_bits(s[k]);
+}
+
+/* Elements [i0, i0 + n) of p (F32, F16 or BF16) as fp32: p's own memory
+ * for F32, else buf after widening. */
+CPAR__INLINE const float *cpar__blk_in(float *buf, const void *p, cpar_dtype dt, int64_t i0, int n) {
+    if (dt == CPAR_F32) return (const float *)p + i0;
+    cpar__blk_widen(buf, p, dt, i0, n);
+    return buf;
+}
+
+/* Where a kernel writes elements [i0, ...) of p: p's own memory for F32,
+ * else buf, which cpar__blk_out then narrows into p. */
+CPAR__INLINE float *cpar__blk_dst(float *buf, void *p, cpar_dtype dt, int64_t i0) {
+    return dt == CPAR_F32 ? (float *)p + i0 : buf;
+}
+CPAR__INLINE void cpar__blk_out(void *p, cpar_dtype dt, int64_t i0, const float *buf, int n) {
+    if (dt != CPAR_F32) cpar__blk_narrow(p, dt, i0, buf, n);
+}
+
+/* t[0..w) += t[w..2w). */
+CPAR__INLINE void cpar__fold(double *t, int w) {
+    for (int k = 0; k < w; k++) t[k] += t[k + w];
+}
+
+/* acc[0..CPAR__LANES) += the fp64 sum of a[k] * b[k] (b NULL: of a[k]), k <
+ * n, in a fixed order: a full block's terms folded in halves down to
+ * CPAR__LANES partial sums (loops with constant counts, which vectorise; a
+ * running vector of sums would live in memory), a short block's into lane
+ * k mod CPAR__LANES. The terms are read in order, as the prefetcher likes
+ * (a first fold straight from a[k] and a[k + 256] halves the read rate
+ * from memory). The product of two floats is exact in fp64. */
+CPAR__INLINE void cpar__blk_sum(double *acc, const float *a, const float *b, int n) {
+    if (n == CPAR__BLK) {
+        double t[CPAR__BLK];
+        if (b)
+            for (int k = 0; k < CPAR__BLK; k++) t[k] = (double)a[k] * (double)b[k];
+        else
+            for (int k = 0; k < CPAR__BLK; k++) t[k] = (double)a[k];
+        cpar__fold(t, CPAR__BLK / 2); /* constant widths, so each fold vectorises */
+        cpar__fold(t, CPAR__BLK / 4);
+        cpar__fold(t, CPAR__BLK / 8);
+        cpar__fold(t, CPAR__BLK / 16);
+        cpar__fold(t, CPAR__BLK / 32); /* CPAR__LANES = 16 sums left */
+        for (int l = 0; l < CPAR__LANES; l++) acc[l] += t[l];
+        return;
+    }
+    for (int k = 0; k < n; k++) acc[k % CPAR__LANES] += b ? (double)a[k] * (double)b[k] : (double)a[k];
+}
+
+CPAR__INLINE double cpar__lanes_sum(const double *acc) {
+    double s = 0.0;
+    for (int l = 0; l < CPAR__LANES; l++) s += acc[l];
+    return s;
+}
+
+/* A kernel `name` from the always-inline `name##_body`: on x86-64 gcc/clang
+ * also compiled for AVX2+FMA and picked per call from the CPU's features
+ * (build with -DCPAR_PORTABLE for the baseline alone). The twin gives the
+ * same bits: -std=c11 keeps floating-point contraction off, so FMA appears
+ * only where the code calls fmaf. params and args: parenthesised lists. */
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(CPAR_PORTABLE)
+#define CPAR__VARIANTS(name, params, args)                                                                   \
+    static void name##_base params { name##_body args; }                                                     \
+    __attribute__((target("avx2,fma"))) static void name##_avx2 params { name##_body args; }                \
+    static void name params {                                                                                \
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) name##_avx2 args;              \
+        else name##_base args;                                                                               \
+    }
+#else
+#define CPAR__VARIANTS(name, params, args) static void name params { name##_body args; }
+#endif
+
+/* e^x in fp32 for the vector loops (glibc's expf does not vectorise at -O2):
+ * x = n ln2 + r with |r| <= ln2/2 (Cody-Waite, ln2 in two parts), Cephes'
+ * degree-6 polynomial for e^r, then 2^n as two exact power-of-two factors,
+ * so overflow (x > 88.72: +inf) and underflow (x < -87.34: subnormal, then
+ * 0) happen in the last multiply as for expf. Max relative error 8.2e-8
+ * wherever the result is normal, measured against exp over every float.
+ * x is first clamped to [-110, 89] as integers (the float's bits ordered
+ * as signed for positives, unsigned for negatives: two min operations; a
+ * float ?: stays a branch, since a compare may trap, and the loop would
+ * not vectorise), which would turn NaN into a number, so NaN in gives an
+ * all-ones NaN out. */
+CPAR__INLINE float cpar__expf(float x) {
+    const float magic = 0x1.8p23f;
+    const uint32_t u = cpar__f32_bits(x), lo = 0xc2dc0000u /* -110 */, hi = 0x42b20000u /* 89 */;
+    const int32_t c1 = (int32_t)u < (int32_t)hi ? (int32_t)u : (int32_t)hi; /* positives */
+    const float xc = cpar__bits_f32((uint32_t)c1 < lo ? (uint32_t)c1 : lo);  /* negatives */
+    const float fn = xc * 1.44269504088896341f + magic; /* round(x / ln2) in the low mantissa bits */
+    const int32_t n = (int32_t)(cpar__f32_bits(fn) - cpar__f32_bits(magic));
+    const float nf = fn - magic;
+    const float r = (xc - nf * 0.693359375f) - nf * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * (r * r) + r + 1.0f;
+    const int32_t n1 = n >> 1; /* n in [-159, 128]: both factors are normal floats */
+    const float e = y * cpar__bits_f32((uint32_t)(n1 + 127) << 23) * cpar__bits_f32((uint32_t)(n - n1 + 127) << 23);
+    return cpar__bits_f32(cpar__f32_bits(e) | (0u - (uint32_t)((u & 0x7fffffffu) > 0x7f800000u)));
+}
+
+/* tanh(u) = (1 - e)/(1 + e) with e = e^-2|u|, the sign of u put back in
+ * its bit: absolute error below 9e-8 (near 0 the cancellation in 1 - e
+ * costs relative accuracy; GeLU multiplies t by v, so its own relative
+ * error stays at a few ulp). */
+CPAR__INLINE float cpar__tanhf(float u) {
+    const float e = cpar__expf(-2.0f * fabsf(u)), t = (1.0f - e) / (1.0f + e);
+    return cpar__bits_f32(cpar__f32_bits(t) | (cpar__f32_bits(u) & 0x80000000u));
+}
+
+/* p[0..n) = v for 1-, 2-, 4- or 8-byte elements (a uniform byte: memset). */
+static void cpar__fill_bits(void *p, size_t es, int64_t n, uint64_t v) {
+    uint64_t b = v & 0xff;
+    if (v == b * (es == 1 ? 1u : es == 2 ? 0x0101u : es == 4 ? 0x01010101u : 0x0101010101010101u)) {
+        memset(p, (int)b, (size_t)n * es);
+        return;
+    }
+    switch (es) {
+    case 2: { uint16_t *q = p; CPAR__BLOCKS(n, i0, m, for (int k = 0; k < m; k++) q[i0 + k] = (uint16_t)v;) break; }
+    case 4: { uint32_t *q = p; CPAR__BLOCKS(n, i0, m, for (int k = 0; k < m; k++) q[i0 + k] = (uint32_t)v;) break; }
+    default: { uint64_t *q = p; CPAR__BLOCKS(n, i0, m, for (int k = 0; k < m; k++) q[i0 + k] = v;) break; }
     }
 }
+
+static void cpar__host_fill(void *p, cpar_dtype dt, int64_t n, double value) {
+    switch (dt) {
+    case CPAR_F32: cpar__fill_bits(p, 4, n, cpar__f32_bits((float)value)); break;
+    case CPAR_F16: cpar__fill_bits(p, 2, n, cpar__f16_bits((float)value)); break;
+    case CPAR_BF16: cpar__fill_bits(p, 2, n, cpar__bf16_bits((float)value)); break;
+    case CPAR_I32: cpar__fill_bits(p, 4, n, (uint32_t)(int32_t)value); break;
+    case CPAR_I64: cpar__fill_bits(p, 8, n, (uint64_t)(int64_t)value); break;
+    default: memset(p, (uint8_t)value, (size_t)n); break;
+    }
+}
+
+/* Float to float of different dtypes: one loop from F32 or into F32, else
+ * through an fp32 block. */
+CPAR__INLINE void cpar__host_cast_fp_body(void *dst, cpar_dtype dd, const void *src, cpar_dtype sd, int64_t n) {
+    float buf[CPAR__BLK];
+    if (sd == CPAR_F32) {
+        CPAR__BLOCKS(n, i0, m, cpar__blk_narrow(dst, dd, i0, (const float *)src + i0, m);)
+    } else if (dd == CPAR_F32) {
+        CPAR__BLOCKS(n, i0, m, cpar__blk_widen((float *)dst + i0, src, sd, i0, m);)
+    } else {
+        CPAR__BLOCKS(n, i0, m, cpar__blk_widen(buf, src, sd, i0, m); cpar__blk_narrow(dst, dd, i0, buf, m);)
+    }
+}
+CPAR__VARIANTS(cpar__host_cast_fp, (void *dst, cpar_dtype dd, const void *src, cpar_dtype sd, int64_t n),
+               (dst, dd, src, sd, n))
 
 static void cpar__host_cast(void *dst, cpar_dtype dd, const void *src, cpar_dtype sd, int64_t n) {
     if (dd == sd) memmove(dst, src, (size_t)n * cpar_dtype_size(sd));
+    else if (cpar_dtype_is_float(dd) && cpar_dtype_is_float(sd)) cpar__host_cast_fp(dst, dd, src, sd, n);
     else for (int64_t i = 0; i < n; i++) cpar__store_f(dst, dd, i, cpar__load_f(src, sd, i));
 }
 
-static void cpar__host_axpby(float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        /* fmaf as the kernel does, so host and device agree bit for bit;
-         * beta 0 never reads y (it may hold NaN). */
-        float ax = alpha * cpar__load_f(x, dt, i);
-        cpar__store_f(y, dt, i, beta != 0.0f ? fmaf(beta, cpar__load_f(y, dt, i), ax) : ax);
+/* fmaf as the kernel does, so host and device agree bit for bit (the AVX2
+ * twin makes it one instruction); beta 0 never reads y (it may hold NaN).
+ * x may be y. */
+CPAR__INLINE void cpar__host_axpby_body(float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n) {
+    float xb[CPAR__BLK], yb[CPAR__BLK], ob[CPAR__BLK];
+    if (beta != 0.0f) {
+        CPAR__BLOCKS(n, i0, m, const float *xp = cpar__blk_in(xb, x, dt, i0, m), *yp = cpar__blk_in(yb, y, dt, i0, m);
+                     float *o = cpar__blk_dst(ob, y, dt, i0);
+                     CPAR__IVDEP for (int k = 0; k < m; k++) o[k] = fmaf(beta, yp[k], alpha * xp[k]);
+                     cpar__blk_out(y, dt, i0, o, m);)
+    } else {
+        CPAR__BLOCKS(n, i0, m, const float *xp = cpar__blk_in(xb, x, dt, i0, m); float *o = cpar__blk_dst(ob, y, dt, i0);
+                     CPAR__IVDEP for (int k = 0; k < m; k++) o[k] = alpha * xp[k];
+                     cpar__blk_out(y, dt, i0, o, m);)
     }
 }
+CPAR__VARIANTS(cpar__host_axpby, (float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n),
+               (alpha, x, beta, y, dt, n))
 
 /* fmaxf/fminf semantics (a NaN operand loses), as the kernels use. */
 static float cpar__reduce_f(float a, float b, cpar_reduce_op op) {
@@ -797,18 +1011,30 @@ static void cpar__host_row_reduce(float *out, const void *in, cpar_dtype dt, int
 }
 
 /* GeLU (tanh approximation) and its gradient: the fp32 formulas of
- * cpar_kernels.cu §20. dy == NULL: out = gelu(x); else out = dy gelu'(x). */
-static void cpar__host_gelu(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const float v = cpar__load_f(x, dt, i), t = tanhf(0.79788456f * v * (1.f + 0.044715f * v * v));
-        if (!dy) {
-            cpar__store_f(out, dt, i, 0.5f * v * (1.f + t));
-            continue;
-        }
-        const float d = 0.5f * v * ((1.f - t * t) * (0.79788456f + 0.1070322243f * v * v)) + 0.5f * (1.f + t);
-        cpar__store_f(out, dt, i, d * cpar__load_f(dy, dt, i));
+ * cpar_kernels.cu §20 with tanh from cpar__tanhf. dy == NULL: out =
+ * gelu(x); else out = dy gelu'(x). out may be x (forward) or dy (backward). */
+CPAR__INLINE void cpar__host_gelu_body(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n) {
+    float xb[CPAR__BLK], gb[CPAR__BLK], ob[CPAR__BLK];
+    if (!dy) {
+        CPAR__BLOCKS(n, i0, m, const float *xp = cpar__blk_in(xb, x, dt, i0, m); float *o = cpar__blk_dst(ob, out, dt, i0);
+                     CPAR__IVDEP for (int k = 0; k < m; k++) {
+                         const float v = xp[k], t = cpar__tanhf(0.79788456f * v * (1.f + 0.044715f * v * v));
+                         o[k] = 0.5f * v * (1.f + t);
+                     }
+                     cpar__blk_out(out, dt, i0, o, m);)
+        return;
     }
+    CPAR__BLOCKS(n, i0, m, const float *xp = cpar__blk_in(xb, x, dt, i0, m), *gp = cpar__blk_in(gb, dy, dt, i0, m);
+                 float *o = cpar__blk_dst(ob, out, dt, i0);
+                 CPAR__IVDEP for (int k = 0; k < m; k++) {
+                     const float v = xp[k], t = cpar__tanhf(0.79788456f * v * (1.f + 0.044715f * v * v));
+                     const float d = 0.5f * v * ((1.f - t * t) * (0.79788456f + 0.1070322243f * v * v)) + 0.5f * (1.f + t);
+                     o[k] = d * gp[k];
+                 }
+                 cpar__blk_out(out, dt, i0, o, m);)
 }
+CPAR__VARIANTS(cpar__host_gelu, (const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n),
+               (x, dy, out, dt, n))
 
 /* ==== 6. Element-wise and layout operations ==============================
  * Public ops that run the host reference on host tensors and the device
