@@ -5554,25 +5554,53 @@ static cpar_status cpar__xent_check(cpar_group *tp, const char *fn, const cpar_t
     return CPAR_OK;
 }
 
-/* Host reference of cpar_dev_xent_local (fp64 sums, stored as fp32). */
-static void cpar__host_xent_local(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows,
-                                  int64_t cols, int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part) {
+/* Host reference of cpar_dev_xent_local, one pass over the logits: each
+ * L1-sized block of a row gives its max, the running max m moves up to it
+ * (the sum so far rescaled by e^(m_old - m) in fp64), then the block adds
+ * e^(z - m) (cpar__expf; a logit equal to m adds exactly 1, also when m is
+ * infinite) into fp64 lanes, and z into the label-smoothing sum. NaN logits
+ * never become the max (fmaxf's rule) and make the sum NaN. */
+CPAR__INLINE void cpar__host_xent_local_body(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt,
+                                             int64_t rows, int64_t cols, int64_t first, int64_t vocab, bool smooth,
+                                             float *m_loc, float *part) {
+    float zb[CPAR__BLK], eb[CPAR__BLK];
     for (int64_t r = 0; r < rows; r++) {
         int64_t base = r * cols, t = cpar__xent_target_at(target, tdt, r);
         float m = -INFINITY;
-        double sum = 0.0, zsum = 0.0;
-        for (int64_t j = 0; j < cols; j++) m = fmaxf(m, cpar__load_f(logits, dt, base + j));
-        for (int64_t j = 0; j < cols; j++) {
-            double z = cpar__load_f(logits, dt, base + j);
-            sum += z == m ? 1.0 : exp(z - m);
-            zsum += z;
-        }
+        double sum[CPAR__LANES] = {0}, zsum[CPAR__LANES] = {0};
+        CPAR__BLOCKS(cols, j0, n, const float *z = cpar__blk_in(zb, logits, dt, base + j0, n);
+                     float mx[CPAR__LANES];
+                     for (int l = 0; l < CPAR__LANES; l++) mx[l] = -INFINITY;
+                     int k = 0;
+                     for (; k + CPAR__LANES <= n; k += CPAR__LANES)
+                         for (int l = 0; l < CPAR__LANES; l++) mx[l] = z[k + l] > mx[l] ? z[k + l] : mx[l];
+                     for (; k < n; k++) mx[0] = z[k] > mx[0] ? z[k] : mx[0];
+                     float bm = m;
+                     for (int l = 0; l < CPAR__LANES; l++) bm = mx[l] > bm ? mx[l] : bm;
+                     if (bm > m) {
+                         const double f = exp((double)m - (double)bm);
+                         for (int l = 0; l < CPAR__LANES; l++) sum[l] *= f;
+                         m = bm;
+                     }
+                     if (isfinite(m))
+                         for (int j = 0; j < n; j++) eb[j] = cpar__expf(z[j] - m);
+                     else /* z - m is NaN where z == m = inf; the select as a mask: see cpar__pick */
+                         for (int j = 0; j < n; j++) {
+                             const float e = cpar__expf(z[j] - m);
+                             eb[j] = cpar__bits_f32(cpar__pick(z[j] == m, cpar__f32_bits(1.0f), cpar__f32_bits(e)));
+                         }
+                     cpar__blk_sum(sum, eb, NULL, n);
+                     if (smooth) cpar__blk_sum(zsum, z, NULL, n);)
         m_loc[r] = m;
-        part[r] = (float)sum;
+        part[r] = (float)cpar__lanes_sum(sum);
         part[rows + r] = t < 0 || t >= vocab ? NAN : t >= first && t < first + cols ? cpar__load_f(logits, dt, base + t - first) : 0.f;
-        if (smooth) part[2 * rows + r] = (float)zsum;
+        if (smooth) part[2 * rows + r] = (float)cpar__lanes_sum(zsum);
     }
 }
+CPAR__VARIANTS(cpar__host_xent_local,
+               (const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows, int64_t cols,
+                int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part),
+               (logits, dt, target, tdt, rows, cols, first, vocab, smooth, m_loc, part))
 
 static void cpar__host_xent_finalize(const float *m, const float *part, int64_t rows, int64_t vocab, float s,
                                      bool smooth, float *loss, float *stats) {
@@ -5640,19 +5668,33 @@ cpar_status cpar_vocab_parallel_cross_entropy_forward(cpar_group *tp, const cpar
     return CPAR_OK;
 }
 
-static void cpar__host_xent_backward(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
-                                     cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows, int64_t cols,
-                                     int64_t first, int64_t vocab, float s) {
+/* One read and one write of the logits: dz = (e^(z - lse) - s/V) dl in fp32
+ * (cpar__expf), except the target's entry, which subtracts 1 - s in fp64
+ * from its logit read before the row is written (dlogits may be logits). */
+CPAR__INLINE void cpar__host_xent_backward_body(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
+                                                cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows,
+                                                int64_t cols, int64_t first, int64_t vocab, float s) {
     const double uniform = (double)s / (double)vocab, hit = 1.0 - (double)s;
+    const float uf = (float)uniform;
+    float zb[CPAR__BLK], ob[CPAR__BLK];
     for (int64_t r = 0; r < rows; r++) {
-        int64_t t = cpar__xent_target_at(target, tdt, r) - first;
-        double lse = stats[2 * r + 1], dl = dloss[r];
-        for (int64_t j = 0; j < cols; j++) {
-            double p = exp((double)cpar__load_f(logits, dt, r * cols + j) - lse);
-            cpar__store_f(dlogits, dt, r * cols + j, (float)((p - uniform - (j == t ? hit : 0.0)) * dl));
-        }
+        const int64_t t = cpar__xent_target_at(target, tdt, r) - first, base = r * cols;
+        const float lse = stats[2 * r + 1], dl = dloss[r];
+        const bool mine = t >= 0 && t < cols;
+        double dt_hit = 0.0;
+        if (mine) dt_hit = (exp((double)cpar__load_f(logits, dt, base + t) - (double)lse) - uniform - hit) * (double)dl;
+        CPAR__BLOCKS(cols, j0, n, const float *z = cpar__blk_in(zb, logits, dt, base + j0, n);
+                     float *o = cpar__blk_dst(ob, dlogits, dt, base + j0);
+                     CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = (cpar__expf(z[k] - lse) - uf) * dl;
+                     cpar__blk_out(dlogits, dt, base + j0, o, n);)
+        if (mine) cpar__store_f(dlogits, dt, base + t, (float)dt_hit);
     }
 }
+CPAR__VARIANTS(cpar__host_xent_backward,
+               (const void *logits, void *dlogits, cpar_dtype dt, const void *target, cpar_dtype tdt,
+                const float *stats, const float *dloss, int64_t rows, int64_t cols, int64_t first, int64_t vocab,
+                float s),
+               (logits, dlogits, dt, target, tdt, stats, dloss, rows, cols, first, vocab, s))
 
 cpar_status cpar_vocab_parallel_cross_entropy_backward(cpar_group *tp, const cpar_tensor *logits,
                                                        const cpar_tensor *target, float label_smoothing,
