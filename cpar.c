@@ -791,34 +791,49 @@ CPAR__INLINE void cpar__blk_out(void *p, cpar_dtype dt, int64_t i0, const float 
     if (dt != CPAR_F32) cpar__blk_narrow(p, dt, i0, buf, n);
 }
 
-/* t[0..w) += t[w..2w). */
-CPAR__INLINE void cpar__fold(double *t, int w) {
-    for (int k = 0; k < w; k++) t[k] += t[k + w];
-}
-
 /* acc[0..CPAR__LANES) += the fp64 sum of a[k] * b[k] (b NULL: of a[k]), k <
- * n, in a fixed order: a full block's terms folded in halves down to
- * CPAR__LANES partial sums (loops with constant counts, which vectorise; a
- * running vector of sums would live in memory), a short block's into lane
- * k mod CPAR__LANES. The terms are read in order, as the prefetcher likes
- * (a first fold straight from a[k] and a[k + 256] halves the read rate
- * from memory). The product of two floats is exact in fp64. */
+ * n, term k into lane k mod CPAR__LANES, in order: a fixed order that
+ * vectorises. A full block sums in two local 8-lane halves, which gcc keeps
+ * in registers (one 16-lane array stays in memory, its adds chained through
+ * stores). The product of two floats is exact in fp64. */
 CPAR__INLINE void cpar__blk_sum(double *acc, const float *a, const float *b, int n) {
     if (n == CPAR__BLK) {
-        double t[CPAR__BLK];
+        double l0[8] = {0}, l1[8] = {0};
         if (b)
-            for (int k = 0; k < CPAR__BLK; k++) t[k] = (double)a[k] * (double)b[k];
+            for (int k = 0; k < CPAR__BLK; k += 16) {
+                for (int j = 0; j < 8; j++) l0[j] += (double)a[k + j] * (double)b[k + j];
+                for (int j = 0; j < 8; j++) l1[j] += (double)a[k + 8 + j] * (double)b[k + 8 + j];
+            }
         else
-            for (int k = 0; k < CPAR__BLK; k++) t[k] = (double)a[k];
-        cpar__fold(t, CPAR__BLK / 2); /* constant widths, so each fold vectorises */
-        cpar__fold(t, CPAR__BLK / 4);
-        cpar__fold(t, CPAR__BLK / 8);
-        cpar__fold(t, CPAR__BLK / 16);
-        cpar__fold(t, CPAR__BLK / 32); /* CPAR__LANES = 16 sums left */
-        for (int l = 0; l < CPAR__LANES; l++) acc[l] += t[l];
+            for (int k = 0; k < CPAR__BLK; k += 16) {
+                for (int j = 0; j < 8; j++) l0[j] += (double)a[k + j];
+                for (int j = 0; j < 8; j++) l1[j] += (double)a[k + 8 + j];
+            }
+        for (int j = 0; j < 8; j++) acc[j] += l0[j], acc[8 + j] += l1[j];
         return;
     }
     for (int k = 0; k < n; k++) acc[k % CPAR__LANES] += b ? (double)a[k] * (double)b[k] : (double)a[k];
+}
+
+/* cpar__blk_sum(s, a, a, n) and cpar__blk_sum(c, b, a, n) in one pass (a widened once). */
+CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *b, int n) {
+    if (n == CPAR__BLK) {
+        double s0[8] = {0}, s1[8] = {0}, c0[8] = {0}, c1[8] = {0};
+        for (int k = 0; k < CPAR__BLK; k += 16) {
+            for (int j = 0; j < 8; j++) {
+                const double v = a[k + j];
+                s0[j] += v * v, c0[j] += (double)b[k + j] * v;
+            }
+            for (int j = 0; j < 8; j++) {
+                const double v = a[k + 8 + j];
+                s1[j] += v * v, c1[j] += (double)b[k + 8 + j] * v;
+            }
+        }
+        for (int j = 0; j < 8; j++) s[j] += s0[j], s[8 + j] += s1[j], c[j] += c0[j], c[8 + j] += c1[j];
+        return;
+    }
+    cpar__blk_sum(s, a, a, n);
+    cpar__blk_sum(c, b, a, n);
 }
 
 CPAR__INLINE double cpar__lanes_sum(const double *acc) {
@@ -885,10 +900,10 @@ CPAR__INLINE float cpar__tanhf(float u) {
     return cpar__bits_f32(cpar__f32_bits(t) | (cpar__f32_bits(u) & 0x80000000u));
 }
 
-/* p[0..n) = v for 1-, 2-, 4- or 8-byte elements (a uniform byte: memset). */
+/* p[0..n) = v for 2-, 4- or 8-byte elements (a repeated byte, 0 say: memset). */
 static void cpar__fill_bits(void *p, size_t es, int64_t n, uint64_t v) {
     uint64_t b = v & 0xff;
-    if (v == b * (es == 1 ? 1u : es == 2 ? 0x0101u : es == 4 ? 0x01010101u : 0x0101010101010101u)) {
+    if (v == b * (es == 2 ? 0x0101u : es == 4 ? 0x01010101u : 0x0101010101010101u)) {
         memset(p, (int)b, (size_t)n * es);
         return;
     }
@@ -932,8 +947,8 @@ static void cpar__host_cast(void *dst, cpar_dtype dd, const void *src, cpar_dtyp
 }
 
 /* fmaf as the kernel does, so host and device agree bit for bit (the AVX2
- * twin makes it one instruction); beta 0 never reads y (it may hold NaN).
- * x may be y. */
+ * twin makes it one instruction; the baseline calls libm's); beta 0 never
+ * reads y (it may hold NaN). x may be y. */
 CPAR__INLINE void cpar__host_axpby_body(float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n) {
     float xb[CPAR__BLK], yb[CPAR__BLK], ob[CPAR__BLK];
     if (beta != 0.0f) {
