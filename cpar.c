@@ -8468,40 +8468,27 @@ cpar_status cpar_mamba_cp_conv1d_backward(cpar_mamba_cp *m, const cpar_tensor *x
  * sum is rounded to dt before the norm reads it), fp32 math except the row's
  * sum of squares, which adds in double (cpar__blk_sum): a sequential fp32
  * sum of h terms drifts by ~sqrt(h) ulps, more than the kernel's tree of
- * partial sums does. A row takes two passes, the second from cache; row
- * r + 1's first runs in the same block loop as row r's second, so the read
- * stream of x and the write stream of y overlap (one core reads alone at
- * about half the rate it copies). */
+ * partial sums does. Two passes over a row, the second from cache. */
 CPAR__INLINE void cpar__host_rmsnorm_body(void *x, const void *add, const void *w, cpar_dtype dt, int64_t rows,
                                           int64_t h, float eps, void *y) {
-    float xb[CPAR__BLK], ab[CPAR__BLK], x2[CPAR__BLK], wb[CPAR__BLK], ob[CPAR__BLK];
-    double ss[2][CPAR__LANES]; /* rows r and r + 1 */
-    float inv = 0.f;
-    for (int64_t r = -1; r < rows; r++) {
-        const bool first = r + 1 < rows, second = r >= 0; /* row r + 1's first pass, row r's second */
-        double *sn = ss[(r + 1) & 1];
-        if (first)
-            for (int l = 0; l < CPAR__LANES; l++) sn[l] = 0.0;
-        const int64_t f0 = (r + 1) * h, s0 = r * h;
-        CPAR__BLOCKS(h, j0, n,
-                     if (first) {
-                         const float *xp = cpar__blk_in(xb, x, dt, f0 + j0, n);
-                         if (add) { /* x += add, then read back what dt holds */
-                             const float *ap = cpar__blk_in(ab, add, dt, f0 + j0, n);
-                             float *o = cpar__blk_dst(ob, x, dt, f0 + j0);
-                             CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = xp[k] + ap[k];
-                             cpar__blk_out(x, dt, f0 + j0, o, n);
-                             xp = cpar__blk_in(xb, x, dt, f0 + j0, n);
-                         }
-                         cpar__blk_sum(sn, xp, xp, n);
+    float xb[CPAR__BLK], ab[CPAR__BLK], wb[CPAR__BLK], ob[CPAR__BLK];
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t r0 = r * h;
+        double ss[CPAR__LANES] = {0};
+        CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(xb, x, dt, r0 + j0, n);
+                     if (add) { /* x += add, then read back what dt holds */
+                         const float *ap = cpar__blk_in(ab, add, dt, r0 + j0, n);
+                         float *o = cpar__blk_dst(ob, x, dt, r0 + j0);
+                         CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = xp[k] + ap[k];
+                         cpar__blk_out(x, dt, r0 + j0, o, n);
+                         xp = cpar__blk_in(xb, x, dt, r0 + j0, n);
                      }
-                     if (second) {
-                         const float *xp = cpar__blk_in(x2, x, dt, s0 + j0, n), *wp = cpar__blk_in(wb, w, dt, j0, n);
-                         float *o = cpar__blk_dst(ob, y, dt, s0 + j0);
-                         CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = xp[k] * inv * wp[k];
-                         cpar__blk_out(y, dt, s0 + j0, o, n);
-                     })
-        if (first) inv = 1.f / sqrtf((float)(cpar__lanes_sum(sn) / (double)h) + eps);
+                     cpar__blk_sum(ss, xp, xp, n);)
+        const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
+        CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(xb, x, dt, r0 + j0, n), *wp = cpar__blk_in(wb, w, dt, j0, n);
+                     float *o = cpar__blk_dst(ob, y, dt, r0 + j0);
+                     CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = xp[k] * inv * wp[k];
+                     cpar__blk_out(y, dt, r0 + j0, o, n);)
     }
 }
 CPAR__VARIANTS(cpar__host_rmsnorm,
@@ -8558,39 +8545,25 @@ cpar_status cpar_rmsnorm_forward(cpar_ctx *ctx, const cpar_tensor *x, const cpar
 
 /* The host twin of cpar_dev_rmsnorm_backward (same formulas, fp32; the two
  * row sums add in double, as in the forward). A row's first pass makes the
- * sums, its second dx and dweight; as in the forward, row r + 1's first
- * pass shares the block loop with row r's second. */
+ * sums, its second (from cache) dx and dweight. */
 CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w, const void *dy, cpar_dtype dt,
                                                    int64_t rows, int64_t h, float eps, void *dx, float *dw) {
     float xb[CPAR__BLK], gb[CPAR__BLK], wb[CPAR__BLK], gw[CPAR__BLK], ob[CPAR__BLK];
-    double ss[2][CPAR__LANES], c[2][CPAR__LANES]; /* rows r and r + 1 */
-    float inv = 0.f, kk = 0.f;
-    for (int64_t r = -1; r < rows; r++) {
-        const bool first = r + 1 < rows, second = r >= 0;
-        double *sn = ss[(r + 1) & 1], *cn = c[(r + 1) & 1];
-        if (first)
-            for (int l = 0; l < CPAR__LANES; l++) sn[l] = cn[l] = 0.0;
-        const int64_t f0 = (r + 1) * h, s0 = r * h;
-        CPAR__BLOCKS(h, j0, n,
-                     if (first) {
-                         const float *xp = cpar__blk_in(xb, x, dt, f0 + j0, n), *gp = cpar__blk_in(gb, dy, dt, f0 + j0, n);
-                         const float *wp = cpar__blk_in(wb, w, dt, j0, n);
-                         for (int k = 0; k < n; k++) gw[k] = gp[k] * wp[k];
-                         cpar__blk_sum(sn, xp, xp, n);
-                         cpar__blk_sum(cn, gw, xp, n);
-                     }
-                     if (second) { /* dx may be dy: row r's values are read before they are written */
-                         const float *xp = cpar__blk_in(xb, x, dt, s0 + j0, n), *gp = cpar__blk_in(gb, dy, dt, s0 + j0, n);
-                         const float *wp = cpar__blk_in(wb, w, dt, j0, n);
-                         float *o = cpar__blk_dst(ob, dx, dt, s0 + j0);
-                         if (dw) CPAR__IVDEP for (int k = 0; k < n; k++) dw[j0 + k] += gp[k] * xp[k] * inv;
-                         CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = inv * wp[k] * gp[k] - xp[k] * kk;
-                         cpar__blk_out(dx, dt, s0 + j0, o, n);
-                     })
-        if (first) {
-            inv = 1.f / sqrtf((float)(cpar__lanes_sum(sn) / (double)h) + eps);
-            kk = inv * inv * inv * (float)cpar__lanes_sum(cn) / (float)h;
-        }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t r0 = r * h;
+        double ss[CPAR__LANES] = {0}, c[CPAR__LANES] = {0};
+        CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(xb, x, dt, r0 + j0, n), *gp = cpar__blk_in(gb, dy, dt, r0 + j0, n);
+                     const float *wp = cpar__blk_in(wb, w, dt, j0, n);
+                     for (int k = 0; k < n; k++) gw[k] = gp[k] * wp[k];
+                     cpar__blk_sum2(ss, c, xp, gw, n);)
+        const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
+        const float kk = inv * inv * inv * (float)cpar__lanes_sum(c) / (float)h;
+        CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(xb, x, dt, r0 + j0, n), *gp = cpar__blk_in(gb, dy, dt, r0 + j0, n);
+                     const float *wp = cpar__blk_in(wb, w, dt, j0, n);
+                     float *o = cpar__blk_dst(ob, dx, dt, r0 + j0); /* dx may be dy: each element read before written */
+                     if (dw) CPAR__IVDEP for (int k = 0; k < n; k++) dw[j0 + k] += gp[k] * xp[k] * inv;
+                     CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = inv * wp[k] * gp[k] - xp[k] * kk;
+                     cpar__blk_out(dx, dt, r0 + j0, o, n);)
     }
 }
 CPAR__VARIANTS(cpar__host_rmsnorm_backward,
