@@ -735,6 +735,12 @@ static void cpar__store_f(void *p, cpar_dtype dt, int64_t i, float v) {
 #define CPAR__BLK 512
 #define CPAR__LANES 16
 
+/* Keep a * b + c two roundings in every kernel twin: gcc's -std=c11 never
+ * contracts it into an FMA; clang does unless told. */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#endif
+
 #if defined(__clang__)
 #define CPAR__IVDEP _Pragma("clang loop vectorize(assume_safety)")
 #elif defined(__GNUC__)
@@ -845,8 +851,8 @@ CPAR__INLINE double cpar__lanes_sum(const double *acc) {
 /* A kernel `name` from the always-inline `name##_body`: on x86-64 gcc/clang
  * also compiled for AVX2+FMA and picked per call from the CPU's features
  * (build with -DCPAR_PORTABLE for the baseline alone). The twin gives the
- * same bits: -std=c11 keeps floating-point contraction off, so FMA appears
- * only where the code calls fmaf. params and args: parenthesised lists. */
+ * same bits: floating-point contraction is off (above), so FMA appears only
+ * where the code calls fmaf. params and args: parenthesised lists. */
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(CPAR_PORTABLE)
 #define CPAR__VARIANTS(name, params, args)                                                                   \
     static void name##_base params { name##_body args; }                                                     \
@@ -8561,7 +8567,9 @@ CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w,
         CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(xb, x, dt, r0 + j0, n), *gp = cpar__blk_in(gb, dy, dt, r0 + j0, n);
                      const float *wp = cpar__blk_in(wb, w, dt, j0, n);
                      float *o = cpar__blk_dst(ob, dx, dt, r0 + j0); /* dx may be dy: each element read before written */
-                     if (dw) CPAR__IVDEP for (int k = 0; k < n; k++) dw[j0 + k] += gp[k] * xp[k] * inv;
+                     if (dw) {
+                         CPAR__IVDEP for (int k = 0; k < n; k++) dw[j0 + k] += gp[k] * xp[k] * inv;
+                     }
                      CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = inv * wp[k] * gp[k] - xp[k] * kk;
                      cpar__blk_out(dx, dt, r0 + j0, o, n);)
     }
