@@ -7717,7 +7717,8 @@ cpar_status cpar_ring_attention_backward(cpar_group *cp, const cpar_ring_attenti
  * functions cp2hp / hp2cp reuse section 14's sp2hp machinery (they are the
  * same all-to-all on a 3-D view); undo / redo of the load balancing are 2P
  * chunk copies. pre_conv_ssm packs z, x, B, C (group-repeated) and dt for
- * every destination into one workspace buffer with pitched 2-D copies, runs a
+ * every destination into one workspace buffer (pitched 2-D copies on device
+ * tensors; row by row on host ones, one ordered pass over in), runs a
  * single equal all-to-all (the seed runs five; the bytes are the same), then
  * undoes the load balancing into out; its backward runs the same steps in
  * reverse and sums the B/C replica gradients (cpar_dev_mamba_sum_replicas).
@@ -7960,6 +7961,26 @@ static void cpar__mcp_host_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_p
             }
 }
 
+/* Host tensors: packed [P, t, w] <-> whole [t, in_width] (pack: whole to
+ * packed) row by row, every (destination, piece) slab of a row in turn, so
+ * the whole side is walked once in order; one 2-D copy per slab instead
+ * would sweep it 5P times with strides (most of the call's time). skip_bc:
+ * leave B and C to the replica sum. */
+static void cpar__mcp_host_pack(const cpar_mamba_cp_info *mi, const int64_t start[5], const int64_t width[5],
+                                const int64_t off[5], char *packed, void *whole, int64_t t, int64_t w, size_t es,
+                                bool pack, bool skip_bc) {
+    int64_t hin = mi->in_width;
+    for (int64_t r = 0; r < t; r++)
+        for (int j = 0; j < mi->cp_size; j++)
+            for (int q = 0; q < CPAR__MCP_PIECES; q++) {
+                if (skip_bc && (q == 2 || q == 3)) continue;
+                char *a = packed + (size_t)(((int64_t)j * t + r) * w + off[q]) * es;
+                char *b = (char *)whole + (size_t)(r * hin + cpar__mcp_src_col(mi, start, width, q, j)) * es;
+                if (pack) memcpy(a, b, (size_t)width[q] * es);
+                else memcpy(b, a, (size_t)width[q] * es);
+            }
+}
+
 /* "in has s/cp = 5 rows ..." when the global sequence does not cut into 2P chunks. */
 static cpar_status cpar__mcp_check_seq(cpar_mamba_cp *m, const char *fn, const char *name, int64_t rows, bool local) {
     int p = m->info.cp_size;
@@ -8027,11 +8048,14 @@ cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, 
     cpar_tensor a = cpar__view2(send, in->dtype, (int64_t)p * t, w, dev);
     cpar_tensor r = cpar__view2(recv, in->dtype, (int64_t)p * t, w, dev);
     if (fwd) {
-        for (int j = 0; j < p; j++)
-            for (int q = 0; q < CPAR__MCP_PIECES; q++)
-                CPAR_TRY(cpar__copy_2d(ctx, fn, send + (size_t)((int64_t)j * t * w + off[q]) * es, (size_t)w * es, dev,
-                                       (const char *)in->data + (size_t)cpar__mcp_src_col(mi, start, width, q, j) * es,
-                                       (size_t)hin * es, dev, (size_t)width[q] * es, (size_t)t));
+        if (!cpar__on_device(dev))
+            cpar__mcp_host_pack(mi, start, width, off, send, in->data, t, w, es, true, false);
+        else
+            for (int j = 0; j < p; j++)
+                for (int q = 0; q < CPAR__MCP_PIECES; q++)
+                    CPAR_TRY(cpar__copy_2d(ctx, fn, send + (size_t)((int64_t)j * t * w + off[q]) * es, (size_t)w * es,
+                                           dev, (const char *)in->data + (size_t)cpar__mcp_src_col(mi, start, width, q, j) * es,
+                                           (size_t)hin * es, dev, (size_t)width[q] * es, (size_t)t));
         CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
         return cpar__mcp_lb(ctx, fn, out->data, dev, recv, dev, chunk, p, true);
     }
@@ -8039,6 +8063,7 @@ cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, 
     CPAR_TRY(cpar__mcp_lb(ctx, fn, send, dev, in->data, dev, chunk, p, false));
     CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
     int64_t rep = mi->group_repeat_count, tw = t * w;
+    if (!cpar__on_device(dev)) cpar__mcp_host_pack(mi, start, width, off, recv, out->data, t, w, es, false, rep > 1);
     for (int q = 0; q < CPAR__MCP_PIECES; q++) {
         if ((q == 2 || q == 3) && rep > 1) { /* ng_tpcp = 1: block j holds a replica of group j / R */
             int64_t ds = mi->d_state, ng = mi->ngroups_local_tp;
@@ -8051,10 +8076,11 @@ cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, 
                                                                   in->dtype, ctx->compute));
             continue;
         }
-        for (int j = 0; j < p; j++)
-            CPAR_TRY(cpar__copy_2d(ctx, fn, (char *)out->data + (size_t)cpar__mcp_src_col(mi, start, width, q, j) * es,
-                                   (size_t)hin * es, dev, recv + (size_t)((int64_t)j * tw + off[q]) * es, (size_t)w * es,
-                                   dev, (size_t)width[q] * es, (size_t)t));
+        if (cpar__on_device(dev))
+            for (int j = 0; j < p; j++)
+                CPAR_TRY(cpar__copy_2d(ctx, fn, (char *)out->data + (size_t)cpar__mcp_src_col(mi, start, width, q, j) * es,
+                                       (size_t)hin * es, dev, recv + (size_t)((int64_t)j * tw + off[q]) * es,
+                                       (size_t)w * es, dev, (size_t)width[q] * es, (size_t)t));
     }
     return CPAR_OK;
 }
