@@ -12,7 +12,7 @@
  *    2. Errors                      status names, last-error lines, argument checks
  *    3. Data types and tensors      dtype table, fp16/bf16 bits, tensor helpers
  *    4. Device dispatch             host-only device layer, workspace, copies
- *    5. Host reference kernels      fill, cast, axpby, reduce, 2-D copy, row reduce, gelu
+ *    5. Host reference kernels      vector blocks, expf; fill, cast, axpby, reduce, row reduce, gelu
  *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
  *    7. Rendezvous store and env    TCP key-value store, launch environment
  *    8. Host backend                shared-memory rendezvous with deadlines
