@@ -12,7 +12,7 @@
  *    2. Errors                      status names, last-error lines, argument checks
  *    3. Data types and tensors      dtype table, fp16/bf16 bits, tensor helpers
  *    4. Device dispatch             host-only device layer, workspace, copies
- *    5. Host reference kernels      fill, cast, axpby, reduce, 2-D copy, row reduce, gelu
+ *    5. Host reference kernels      vector blocks, expf; fill, cast, axpby, reduce, row reduce, gelu
  *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
  *    7. Rendezvous store and env    TCP key-value store, launch environment
  *    8. Host backend                shared-memory rendezvous with deadlines
@@ -262,52 +262,68 @@ size_t cpar_dtype_size(cpar_dtype dt) { return cpar__dtype_valid(dt) ? cpar__dty
 const char *cpar_dtype_name(cpar_dtype dt) { return cpar__dtype_valid(dt) ? cpar__dtypes[dt].name : "?"; }
 bool cpar_dtype_is_float(cpar_dtype dt) { return dt == CPAR_F32 || dt == CPAR_F16 || dt == CPAR_BF16; }
 
-static uint32_t cpar__f32_bits(float f) {
+/* Hot helpers that must inline into the vector loops of section 5 (and into
+ * their AVX2 twins there, which a plain static inline may not). */
+#if defined(__GNUC__)
+#define CPAR__INLINE static inline __attribute__((always_inline))
+#else
+#define CPAR__INLINE static inline
+#endif
+
+CPAR__INLINE uint32_t cpar__f32_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
     return u;
 }
-static float cpar__bits_f32(uint32_t u) {
+CPAR__INLINE float cpar__bits_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
 
-float cpar_bf16_to_f32(uint16_t b) { return cpar__bits_f32((uint32_t)b << 16); }
+/* c ? a : b as a bit mask. gcc does not if-convert a ?: whose arm holds
+ * fp arithmetic (it might trap), so the conversions below, which must
+ * vectorise, compute every case and pick with masks; the public functions
+ * below are these. */
+CPAR__INLINE uint32_t cpar__pick(bool c, uint32_t a, uint32_t b) {
+    uint32_t m = 0u - (uint32_t)c;
+    return (a & m) | (b & ~m);
+}
+CPAR__INLINE float cpar__bf16_value(uint16_t b) { return cpar__bits_f32((uint32_t)b << 16); }
 
-uint16_t cpar_f32_to_bf16(float f) {
+CPAR__INLINE uint16_t cpar__bf16_bits(float f) {
     uint32_t u = cpar__f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN, sign kept */
-    u += 0x7fffu + ((u >> 16) & 1u);                                           /* round to nearest even */
-    return (uint16_t)(u >> 16);
+    uint32_t nan = (u >> 16) | 0x40u;                   /* quiet NaN, sign kept */
+    uint32_t rne = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* round to nearest even */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rne);
 }
 
-float cpar_f16_to_f32(uint16_t h) {
+CPAR__INLINE float cpar__f16_value(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0x1f) return cpar__bits_f32(sign | 0x7f800000u | (man << 13)); /* inf / NaN */
-    if (exp == 0) {                                                           /* zero / subnormal */
-        float v = (float)man * 5.9604644775390625e-08f;                       /* man * 2^-24 */
-        return sign ? -v : v;
-    }
-    return cpar__bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+    uint32_t special = sign | 0x7f800000u | (man << 13);                                   /* inf / NaN */
+    uint32_t sub = sign | cpar__f32_bits((float)(int32_t)man * 5.9604644775390625e-08f); /* man * 2^-24 */
+    uint32_t normal = sign | ((exp + 112u) << 23) | (man << 13);
+    return cpar__bits_f32(cpar__pick(exp == 0x1fu, special, cpar__pick(exp == 0, sub, normal)));
 }
 
-uint16_t cpar_f32_to_f16(float f) {
-    uint32_t u = cpar__f32_bits(f);
-    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-    uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); /* NaN stays NaN */
-    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);                          /* rounds to inf */
-    if (a < 0x38800000u) {                                                            /* half subnormal */
-        /* value * 2^24 rounded to nearest even is the subnormal mantissa; fp32
-         * addition of 0.5 (magic) does exactly that rounding. */
-        float mag = cpar__bits_f32(a) + 0.5f;
-        return (uint16_t)(sign | (uint16_t)(cpar__f32_bits(mag) - cpar__f32_bits(0.5f)));
-    }
-    uint32_t mant_odd = (a >> 13) & 1u;
-    a += 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round to nearest even */
-    return (uint16_t)(sign | (a >> 13));
+CPAR__INLINE uint16_t cpar__f16_bits(float f) {
+    uint32_t u = cpar__f32_bits(f), a = u & 0x7fffffffu;
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu); /* NaN stays NaN */
+    /* half subnormal: value * 2^24 rounded to nearest even is the mantissa;
+     * fp32 addition of 0.5 (magic) does exactly that rounding */
+    uint32_t sub = cpar__f32_bits(cpar__bits_f32(a) + 0.5f) - cpar__f32_bits(0.5f);
+    /* rebias the exponent (-112 << 23) and round to nearest even */
+    uint32_t normal = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;
+    uint32_t r = cpar__pick(a < 0x38800000u, sub, normal);
+    r = cpar__pick(a >= 0x477ff000u, 0x7c00u, r); /* rounds to inf */
+    return (uint16_t)(sign | cpar__pick(a > 0x7f800000u, nan, r));
 }
+
+float cpar_bf16_to_f32(uint16_t b) { return cpar__bf16_value(b); }
+uint16_t cpar_f32_to_bf16(float f) { return cpar__bf16_bits(f); }
+float cpar_f16_to_f32(uint16_t h) { return cpar__f16_value(h); }
+uint16_t cpar_f32_to_f16(float f) { return cpar__f16_bits(f); }
 
 cpar_tensor cpar_tensor_make(void *data, cpar_dtype dtype, int ndim, const int64_t *shape, int device) {
     cpar_tensor t;
@@ -681,16 +697,23 @@ cpar_status cpar_tensor_copy(cpar_ctx *ctx, const cpar_tensor *src, cpar_tensor 
 }
 
 /* ==== 5. Host reference kernels ==========================================
- * Plain loops that define what each CUDA kernel must compute; they run the
+ * The loops that define what each CUDA kernel must compute; they run the
  * host backend and are the references of the sim tests. Float math in fp32
  * (row reductions accumulate in fp64 here: the reference must be at least as
- * accurate as the kernel). Uses: 3. */
+ * accurate as the kernel). The memory-bound ones (fill, cast, axpby, gelu;
+ * sections 16 and 21 reuse the machinery) make one pass over memory at
+ * machine speed: CPAR__BLOCKS cuts the data into L1-sized blocks, a 16-bit
+ * block is widened into an fp32 stack buffer once per block (no per-element
+ * dtype switch), the math runs in fixed-count loops that gcc -O2 vectorises,
+ * and results are narrowed on the way out. On x86-64 the kernels that gain
+ * from it (exp, fmaf) also come in an AVX2+FMA twin chosen at run time
+ * (CPAR__VARIANTS); it computes the same bits. Uses: 3. */
 
 static float cpar__load_f(const void *p, cpar_dtype dt, int64_t i) {
     switch (dt) {
     case CPAR_F32: return ((const float *)p)[i];
-    case CPAR_F16: return cpar_f16_to_f32(((const uint16_t *)p)[i]);
-    case CPAR_BF16: return cpar_bf16_to_f32(((const uint16_t *)p)[i]);
+    case CPAR_F16: return cpar__f16_value(((const uint16_t *)p)[i]);
+    case CPAR_BF16: return cpar__bf16_value(((const uint16_t *)p)[i]);
     case CPAR_I32: return (float)((const int32_t *)p)[i];
     case CPAR_I64: return (float)((const int64_t *)p)[i];
     default: return (float)((const uint8_t *)p)[i];
@@ -700,36 +723,264 @@ static float cpar__load_f(const void *p, cpar_dtype dt, int64_t i) {
 static void cpar__store_f(void *p, cpar_dtype dt, int64_t i, float v) {
     switch (dt) {
     case CPAR_F32: ((float *)p)[i] = v; break;
-    case CPAR_F16: ((uint16_t *)p)[i] = cpar_f32_to_f16(v); break;
-    case CPAR_BF16: ((uint16_t *)p)[i] = cpar_f32_to_bf16(v); break;
+    case CPAR_F16: ((uint16_t *)p)[i] = cpar__f16_bits(v); break;
+    case CPAR_BF16: ((uint16_t *)p)[i] = cpar__bf16_bits(v); break;
     case CPAR_I32: ((int32_t *)p)[i] = (int32_t)v; break;
     case CPAR_I64: ((int64_t *)p)[i] = (int64_t)v; break;
     default: ((uint8_t *)p)[i] = (uint8_t)v; break;
     }
 }
 
-static void cpar__host_fill(void *p, cpar_dtype dt, int64_t n, double value) {
-    switch (dt) {
-    case CPAR_I32: for (int64_t i = 0; i < n; i++) ((int32_t *)p)[i] = (int32_t)value; break;
-    case CPAR_I64: for (int64_t i = 0; i < n; i++) ((int64_t *)p)[i] = (int64_t)value; break;
-    case CPAR_U8: memset(p, (uint8_t)value, (size_t)n); break;
-    default: for (int64_t i = 0; i < n; i++) cpar__store_f(p, dt, i, (float)value); break;
+/* ---- vector building blocks ----------------------------------------------------
+ * gcc -O2 vectorises a loop only when the vector width divides its trip
+ * count (the "very cheap" cost model) and it needs no run-time alias check.
+ * So the kernels run over blocks of CPAR__BLK elements: CPAR__BLOCKS
+ * expands its body twice, once with the block length a constant (full
+ * blocks: vectorised), once for the short tail. An F32 operand is used in
+ * place (a copy into a buffer costs as much as the kernel); a 16-bit one
+ * is widened into an fp32 stack buffer of 2 KiB (a few stay in L1) and an
+ * output narrowed from one. The math loops carry CPAR__IVDEP: their inputs
+ * and output are the same memory (in place) or disjoint, which the public
+ * functions' overlap checks ensure, so no iteration feeds another. Sums run
+ * in a fixed order (cpar__blk_sum): the same bits on every ISA. */
+#define CPAR__BLK 512
+#define CPAR__LANES 16
+
+/* Keep a * b + c two roundings in every kernel twin: gcc's -std=c11 never
+ * contracts it into an FMA; clang does unless told. */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#endif
+
+#if defined(__clang__)
+#define CPAR__IVDEP _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define CPAR__IVDEP _Pragma("GCC ivdep")
+#else
+#define CPAR__IVDEP
+#endif
+
+/* Run the statements over [0, total) in blocks: i0 the block's first
+ * element, n its length (CPAR__BLK, a constant, except in the last one). */
+#define CPAR__BLOCKS(total, i0, n, ...)                                                                      \
+    for (int64_t i0 = 0; i0 < (total); i0 += CPAR__BLK) {                                                    \
+        if ((total) - i0 >= CPAR__BLK) {                                                                     \
+            const int n = CPAR__BLK;                                                                         \
+            __VA_ARGS__                                                                                      \
+        } else {                                                                                             \
+            const int n = (int)((total) - i0);                                                               \
+            __VA_ARGS__                                                                                      \
+        }                                                                                                    \
+    }
+
+/* d[0..n) = elements [i0, i0 + n) of the 16-bit tensor p (F16 or BF16) as fp32. */
+CPAR__INLINE void cpar__blk_widen(float *d, const void *p, cpar_dtype dt, int64_t i0, int n) {
+    const uint16_t *s = (const uint16_t *)p + i0;
+    if (dt == CPAR_BF16)
+        for (int k = 0; k < n; k++) d[k] = cpar__bf16_value(s[k]);
+    else
+        for (int k = 0; k < n; k++) d[k] = cpar__f16_value(s[k]);
+}
+
+/* Elements [i0, i0 + n) of the 16-bit tensor p (F16 or BF16) = s[0..n), rounded to nearest even. */
+CPAR__INLINE void cpar__blk_narrow(void *p, cpar_dtype dt, int64_t i0, const float *s, int n) {
+    uint16_t *d = (uint16_t *)p + i0;
+    if (dt == CPAR_BF16)
+        for (int k = 0; k < n; k++) d[k] = cpar__bf16_bits(s[k]);
+    else
+        for (int k = 0; k < n; k++) d[k] = cpar__f16_bits(s[k]);
+}
+
+/* Elements [i0, i0 + n) of p (F32, F16 or BF16) as fp32: p's own memory
+ * for F32, else buf after widening. */
+CPAR__INLINE const float *cpar__blk_in(float *buf, const void *p, cpar_dtype dt, int64_t i0, int n) {
+    if (dt == CPAR_F32) return (const float *)p + i0;
+    cpar__blk_widen(buf, p, dt, i0, n);
+    return buf;
+}
+
+/* Where a kernel writes elements [i0, ...) of p: p's own memory for F32,
+ * else buf, which cpar__blk_out then narrows into p. */
+CPAR__INLINE float *cpar__blk_dst(float *buf, void *p, cpar_dtype dt, int64_t i0) {
+    return dt == CPAR_F32 ? (float *)p + i0 : buf;
+}
+CPAR__INLINE void cpar__blk_out(void *p, cpar_dtype dt, int64_t i0, const float *buf, int n) {
+    if (dt != CPAR_F32) cpar__blk_narrow(p, dt, i0, buf, n);
+}
+
+/* acc[0..CPAR__LANES) += the fp64 sum of a[k] * b[k] (b NULL: of a[k]), k <
+ * n, term k into lane k mod CPAR__LANES, in order: a fixed order that
+ * vectorises. A full block sums in two local 8-lane halves, which gcc keeps
+ * in registers (one 16-lane array stays in memory, its adds chained through
+ * stores). The product of two floats is exact in fp64. */
+CPAR__INLINE void cpar__blk_sum(double *acc, const float *a, const float *b, int n) {
+    if (n == CPAR__BLK) {
+        double l0[8] = {0}, l1[8] = {0};
+        if (b)
+            for (int k = 0; k < CPAR__BLK; k += 16) {
+                for (int j = 0; j < 8; j++) l0[j] += (double)a[k + j] * (double)b[k + j];
+                for (int j = 0; j < 8; j++) l1[j] += (double)a[k + 8 + j] * (double)b[k + 8 + j];
+            }
+        else
+            for (int k = 0; k < CPAR__BLK; k += 16) {
+                for (int j = 0; j < 8; j++) l0[j] += (double)a[k + j];
+                for (int j = 0; j < 8; j++) l1[j] += (double)a[k + 8 + j];
+            }
+        for (int j = 0; j < 8; j++) acc[j] += l0[j], acc[8 + j] += l1[j];
+        return;
+    }
+    for (int k = 0; k < n; k++) acc[k % CPAR__LANES] += b ? (double)a[k] * (double)b[k] : (double)a[k];
+}
+
+/* cpar__blk_sum(s, a, a, n) and cpar__blk_sum(c, b, a, n) in one pass (a widened once). */
+CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *b, int n) {
+    if (n == CPAR__BLK) {
+        double s0[8] = {0}, s1[8] = {0}, c0[8] = {0}, c1[8] = {0};
+        for (int k = 0; k < CPAR__BLK; k += 16) {
+            for (int j = 0; j < 8; j++) {
+                const double v = a[k + j];
+                s0[j] += v * v, c0[j] += (double)b[k + j] * v;
+            }
+            for (int j = 0; j < 8; j++) {
+                const double v = a[k + 8 + j];
+                s1[j] += v * v, c1[j] += (double)b[k + 8 + j] * v;
+            }
+        }
+        for (int j = 0; j < 8; j++) s[j] += s0[j], s[8 + j] += s1[j], c[j] += c0[j], c[8 + j] += c1[j];
+        return;
+    }
+    cpar__blk_sum(s, a, a, n);
+    cpar__blk_sum(c, b, a, n);
+}
+
+CPAR__INLINE double cpar__lanes_sum(const double *acc) {
+    double s = 0.0;
+    for (int l = 0; l < CPAR__LANES; l++) s += acc[l];
+    return s;
+}
+
+/* A kernel `name` from the always-inline `name##_body`: on x86-64 gcc/clang
+ * also compiled for AVX2+FMA and picked per call from the CPU's features
+ * (build with -DCPAR_PORTABLE for the baseline alone). The twin gives the
+ * same bits: floating-point contraction is off (above), so FMA appears only
+ * where the code calls fmaf. params and args: parenthesised lists. */
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(CPAR_PORTABLE)
+#define CPAR__VARIANTS(name, params, args)                                                                   \
+    static void name##_base params { name##_body args; }                                                     \
+    __attribute__((target("avx2,fma"))) static void name##_avx2 params { name##_body args; }                \
+    static void name params {                                                                                \
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) name##_avx2 args;              \
+        else name##_base args;                                                                               \
+    }
+#else
+#define CPAR__VARIANTS(name, params, args) static void name params { name##_body args; }
+#endif
+
+/* e^x in fp32 for the vector loops (glibc's expf does not vectorise at -O2):
+ * x = n ln2 + r with |r| <= ln2/2 (Cody-Waite, ln2 in two parts), Cephes'
+ * degree-6 polynomial for e^r, then 2^n as two exact power-of-two factors,
+ * so overflow (x > 88.72: +inf) and underflow (x < -87.34: subnormal, then
+ * 0) happen in the last multiply as for expf. Max relative error 8.2e-8
+ * wherever the result is normal, measured against exp over every float.
+ * x is first clamped to [-110, 89] as integers (the float's bits ordered
+ * as signed for positives, unsigned for negatives: two min operations; a
+ * float ?: stays a branch, since a compare may trap, and the loop would
+ * not vectorise), which would turn NaN into a number, so NaN in gives an
+ * all-ones NaN out. */
+CPAR__INLINE float cpar__expf(float x) {
+    const float magic = 0x1.8p23f;
+    const uint32_t u = cpar__f32_bits(x), lo = 0xc2dc0000u /* -110 */, hi = 0x42b20000u /* 89 */;
+    const int32_t c1 = (int32_t)u < (int32_t)hi ? (int32_t)u : (int32_t)hi; /* positives */
+    const float xc = cpar__bits_f32((uint32_t)c1 < lo ? (uint32_t)c1 : lo);  /* negatives */
+    const float fn = xc * 1.44269504088896341f + magic; /* round(x / ln2) in the low mantissa bits */
+    const int32_t n = (int32_t)(cpar__f32_bits(fn) - cpar__f32_bits(magic));
+    const float nf = fn - magic;
+    const float r = (xc - nf * 0.693359375f) - nf * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * (r * r) + r + 1.0f;
+    const int32_t n1 = n >> 1; /* n in [-159, 128]: both factors are normal floats */
+    const float e = y * cpar__bits_f32((uint32_t)(n1 + 127) << 23) * cpar__bits_f32((uint32_t)(n - n1 + 127) << 23);
+    return cpar__bits_f32(cpar__f32_bits(e) | (0u - (uint32_t)((u & 0x7fffffffu) > 0x7f800000u)));
+}
+
+/* tanh(u) = (1 - e)/(1 + e) with e = e^-2|u|, the sign of u put back in
+ * its bit: absolute error below 9e-8 (near 0 the cancellation in 1 - e
+ * costs relative accuracy; GeLU multiplies t by v, so its own relative
+ * error stays at a few ulp). */
+CPAR__INLINE float cpar__tanhf(float u) {
+    const float e = cpar__expf(-2.0f * fabsf(u)), t = (1.0f - e) / (1.0f + e);
+    return cpar__bits_f32(cpar__f32_bits(t) | (cpar__f32_bits(u) & 0x80000000u));
+}
+
+/* p[0..n) = v for 2-, 4- or 8-byte elements (a repeated byte, 0 say: memset). */
+static void cpar__fill_bits(void *p, size_t es, int64_t n, uint64_t v) {
+    uint64_t b = v & 0xff;
+    if (v == b * (es == 2 ? 0x0101u : es == 4 ? 0x01010101u : 0x0101010101010101u)) {
+        memset(p, (int)b, (size_t)n * es);
+        return;
+    }
+    switch (es) {
+    case 2: { uint16_t *q = p; CPAR__BLOCKS(n, i0, m, for (int k = 0; k < m; k++) q[i0 + k] = (uint16_t)v;) break; }
+    case 4: { uint32_t *q = p; CPAR__BLOCKS(n, i0, m, for (int k = 0; k < m; k++) q[i0 + k] = (uint32_t)v;) break; }
+    default: { uint64_t *q = p; CPAR__BLOCKS(n, i0, m, for (int k = 0; k < m; k++) q[i0 + k] = v;) break; }
     }
 }
+
+static void cpar__host_fill(void *p, cpar_dtype dt, int64_t n, double value) {
+    switch (dt) {
+    case CPAR_F32: cpar__fill_bits(p, 4, n, cpar__f32_bits((float)value)); break;
+    case CPAR_F16: cpar__fill_bits(p, 2, n, cpar__f16_bits((float)value)); break;
+    case CPAR_BF16: cpar__fill_bits(p, 2, n, cpar__bf16_bits((float)value)); break;
+    case CPAR_I32: cpar__fill_bits(p, 4, n, (uint32_t)(int32_t)value); break;
+    case CPAR_I64: cpar__fill_bits(p, 8, n, (uint64_t)(int64_t)value); break;
+    default: memset(p, (uint8_t)value, (size_t)n); break;
+    }
+}
+
+/* Float to float of different dtypes: one loop from F32 or into F32, else
+ * through an fp32 block. */
+CPAR__INLINE void cpar__host_cast_fp_body(void *dst, cpar_dtype dd, const void *src, cpar_dtype sd, int64_t n) {
+    float buf[CPAR__BLK];
+    if (sd == CPAR_F32) {
+        CPAR__BLOCKS(n, i0, m, cpar__blk_narrow(dst, dd, i0, (const float *)src + i0, m);)
+    } else if (dd == CPAR_F32) {
+        CPAR__BLOCKS(n, i0, m, cpar__blk_widen((float *)dst + i0, src, sd, i0, m);)
+    } else {
+        CPAR__BLOCKS(n, i0, m, cpar__blk_widen(buf, src, sd, i0, m); cpar__blk_narrow(dst, dd, i0, buf, m);)
+    }
+}
+CPAR__VARIANTS(cpar__host_cast_fp, (void *dst, cpar_dtype dd, const void *src, cpar_dtype sd, int64_t n),
+               (dst, dd, src, sd, n))
 
 static void cpar__host_cast(void *dst, cpar_dtype dd, const void *src, cpar_dtype sd, int64_t n) {
     if (dd == sd) memmove(dst, src, (size_t)n * cpar_dtype_size(sd));
+    else if (cpar_dtype_is_float(dd) && cpar_dtype_is_float(sd)) cpar__host_cast_fp(dst, dd, src, sd, n);
     else for (int64_t i = 0; i < n; i++) cpar__store_f(dst, dd, i, cpar__load_f(src, sd, i));
 }
 
-static void cpar__host_axpby(float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        /* fmaf as the kernel does, so host and device agree bit for bit;
-         * beta 0 never reads y (it may hold NaN). */
-        float ax = alpha * cpar__load_f(x, dt, i);
-        cpar__store_f(y, dt, i, beta != 0.0f ? fmaf(beta, cpar__load_f(y, dt, i), ax) : ax);
+/* fmaf as the kernel does, so host and device agree bit for bit (the AVX2
+ * twin makes it one instruction; the baseline calls libm's); beta 0 never
+ * reads y (it may hold NaN). x may be y. */
+CPAR__INLINE void cpar__host_axpby_body(float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n) {
+    float xb[CPAR__BLK], yb[CPAR__BLK], ob[CPAR__BLK];
+    if (beta != 0.0f) {
+        CPAR__BLOCKS(n, i0, m, const float *xp = cpar__blk_in(xb, x, dt, i0, m), *yp = cpar__blk_in(yb, y, dt, i0, m);
+                     float *o = cpar__blk_dst(ob, y, dt, i0);
+                     CPAR__IVDEP for (int k = 0; k < m; k++) o[k] = fmaf(beta, yp[k], alpha * xp[k]);
+                     cpar__blk_out(y, dt, i0, o, m);)
+    } else {
+        CPAR__BLOCKS(n, i0, m, const float *xp = cpar__blk_in(xb, x, dt, i0, m); float *o = cpar__blk_dst(ob, y, dt, i0);
+                     CPAR__IVDEP for (int k = 0; k < m; k++) o[k] = alpha * xp[k];
+                     cpar__blk_out(y, dt, i0, o, m);)
     }
 }
+CPAR__VARIANTS(cpar__host_axpby, (float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n),
+               (alpha, x, beta, y, dt, n))
 
 /* fmaxf/fminf semantics (a NaN operand loses), as the kernels use. */
 static float cpar__reduce_f(float a, float b, cpar_reduce_op op) {
@@ -792,18 +1043,30 @@ static void cpar__host_row_reduce(float *out, const void *in, cpar_dtype dt, int
 }
 
 /* GeLU (tanh approximation) and its gradient: the fp32 formulas of
- * cpar_kernels.cu §20. dy == NULL: out = gelu(x); else out = dy gelu'(x). */
-static void cpar__host_gelu(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const float v = cpar__load_f(x, dt, i), t = tanhf(0.79788456f * v * (1.f + 0.044715f * v * v));
-        if (!dy) {
-            cpar__store_f(out, dt, i, 0.5f * v * (1.f + t));
-            continue;
-        }
-        const float d = 0.5f * v * ((1.f - t * t) * (0.79788456f + 0.1070322243f * v * v)) + 0.5f * (1.f + t);
-        cpar__store_f(out, dt, i, d * cpar__load_f(dy, dt, i));
+ * cpar_kernels.cu §20 with tanh from cpar__tanhf. dy == NULL: out =
+ * gelu(x); else out = dy gelu'(x). out may be x (forward) or dy (backward). */
+CPAR__INLINE void cpar__host_gelu_body(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n) {
+    float xb[CPAR__BLK], gb[CPAR__BLK], ob[CPAR__BLK];
+    if (!dy) {
+        CPAR__BLOCKS(n, i0, m, const float *xp = cpar__blk_in(xb, x, dt, i0, m); float *o = cpar__blk_dst(ob, out, dt, i0);
+                     CPAR__IVDEP for (int k = 0; k < m; k++) {
+                         const float v = xp[k], t = cpar__tanhf(0.79788456f * v * (1.f + 0.044715f * v * v));
+                         o[k] = 0.5f * v * (1.f + t);
+                     }
+                     cpar__blk_out(out, dt, i0, o, m);)
+        return;
     }
+    CPAR__BLOCKS(n, i0, m, const float *xp = cpar__blk_in(xb, x, dt, i0, m), *gp = cpar__blk_in(gb, dy, dt, i0, m);
+                 float *o = cpar__blk_dst(ob, out, dt, i0);
+                 CPAR__IVDEP for (int k = 0; k < m; k++) {
+                     const float v = xp[k], t = cpar__tanhf(0.79788456f * v * (1.f + 0.044715f * v * v));
+                     const float d = 0.5f * v * ((1.f - t * t) * (0.79788456f + 0.1070322243f * v * v)) + 0.5f * (1.f + t);
+                     o[k] = d * gp[k];
+                 }
+                 cpar__blk_out(out, dt, i0, o, m);)
 }
+CPAR__VARIANTS(cpar__host_gelu, (const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n),
+               (x, dy, out, dt, n))
 
 /* ---- GEMM on host memory ---------------------------------------------------
  * C (m x n, column-major, ldc) = alpha op(A) op(B) + beta C, cuBLAS's argument
@@ -5663,25 +5926,53 @@ static cpar_status cpar__xent_check(cpar_group *tp, const char *fn, const cpar_t
     return CPAR_OK;
 }
 
-/* Host reference of cpar_dev_xent_local (fp64 sums, stored as fp32). */
-static void cpar__host_xent_local(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows,
-                                  int64_t cols, int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part) {
+/* Host reference of cpar_dev_xent_local, one pass over the logits: each
+ * L1-sized block of a row gives its max, the running max m moves up to it
+ * (the sum so far rescaled by e^(m_old - m) in fp64), then the block adds
+ * e^(z - m) (cpar__expf; a logit equal to m adds exactly 1, also when m is
+ * infinite) into fp64 lanes, and z into the label-smoothing sum. NaN logits
+ * never become the max (fmaxf's rule) and make the sum NaN. */
+CPAR__INLINE void cpar__host_xent_local_body(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt,
+                                             int64_t rows, int64_t cols, int64_t first, int64_t vocab, bool smooth,
+                                             float *m_loc, float *part) {
+    float zb[CPAR__BLK], eb[CPAR__BLK];
     for (int64_t r = 0; r < rows; r++) {
         int64_t base = r * cols, t = cpar__xent_target_at(target, tdt, r);
         float m = -INFINITY;
-        double sum = 0.0, zsum = 0.0;
-        for (int64_t j = 0; j < cols; j++) m = fmaxf(m, cpar__load_f(logits, dt, base + j));
-        for (int64_t j = 0; j < cols; j++) {
-            double z = cpar__load_f(logits, dt, base + j);
-            sum += z == m ? 1.0 : exp(z - m);
-            zsum += z;
-        }
+        double sum[CPAR__LANES] = {0}, zsum[CPAR__LANES] = {0};
+        CPAR__BLOCKS(cols, j0, n, const float *z = cpar__blk_in(zb, logits, dt, base + j0, n);
+                     float mx[CPAR__LANES];
+                     for (int l = 0; l < CPAR__LANES; l++) mx[l] = -INFINITY;
+                     int k = 0;
+                     for (; k + CPAR__LANES <= n; k += CPAR__LANES)
+                         for (int l = 0; l < CPAR__LANES; l++) mx[l] = z[k + l] > mx[l] ? z[k + l] : mx[l];
+                     for (; k < n; k++) mx[0] = z[k] > mx[0] ? z[k] : mx[0];
+                     float bm = m;
+                     for (int l = 0; l < CPAR__LANES; l++) bm = mx[l] > bm ? mx[l] : bm;
+                     if (bm > m) {
+                         const double f = exp((double)m - (double)bm);
+                         for (int l = 0; l < CPAR__LANES; l++) sum[l] *= f;
+                         m = bm;
+                     }
+                     if (isfinite(m))
+                         for (int j = 0; j < n; j++) eb[j] = cpar__expf(z[j] - m);
+                     else /* z - m is NaN where z == m = inf; the select as a mask: see cpar__pick */
+                         for (int j = 0; j < n; j++) {
+                             const float e = cpar__expf(z[j] - m);
+                             eb[j] = cpar__bits_f32(cpar__pick(z[j] == m, cpar__f32_bits(1.0f), cpar__f32_bits(e)));
+                         }
+                     cpar__blk_sum(sum, eb, NULL, n);
+                     if (smooth) cpar__blk_sum(zsum, z, NULL, n);)
         m_loc[r] = m;
-        part[r] = (float)sum;
+        part[r] = (float)cpar__lanes_sum(sum);
         part[rows + r] = t < 0 || t >= vocab ? NAN : t >= first && t < first + cols ? cpar__load_f(logits, dt, base + t - first) : 0.f;
-        if (smooth) part[2 * rows + r] = (float)zsum;
+        if (smooth) part[2 * rows + r] = (float)cpar__lanes_sum(zsum);
     }
 }
+CPAR__VARIANTS(cpar__host_xent_local,
+               (const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows, int64_t cols,
+                int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part),
+               (logits, dt, target, tdt, rows, cols, first, vocab, smooth, m_loc, part))
 
 static void cpar__host_xent_finalize(const float *m, const float *part, int64_t rows, int64_t vocab, float s,
                                      bool smooth, float *loss, float *stats) {
@@ -5749,19 +6040,33 @@ cpar_status cpar_vocab_parallel_cross_entropy_forward(cpar_group *tp, const cpar
     return CPAR_OK;
 }
 
-static void cpar__host_xent_backward(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
-                                     cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows, int64_t cols,
-                                     int64_t first, int64_t vocab, float s) {
+/* One read and one write of the logits: dz = (e^(z - lse) - s/V) dl in fp32
+ * (cpar__expf), except the target's entry, which subtracts 1 - s in fp64
+ * from its logit read before the row is written (dlogits may be logits). */
+CPAR__INLINE void cpar__host_xent_backward_body(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
+                                                cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows,
+                                                int64_t cols, int64_t first, int64_t vocab, float s) {
     const double uniform = (double)s / (double)vocab, hit = 1.0 - (double)s;
+    const float uf = (float)uniform;
+    float zb[CPAR__BLK], ob[CPAR__BLK];
     for (int64_t r = 0; r < rows; r++) {
-        int64_t t = cpar__xent_target_at(target, tdt, r) - first;
-        double lse = stats[2 * r + 1], dl = dloss[r];
-        for (int64_t j = 0; j < cols; j++) {
-            double p = exp((double)cpar__load_f(logits, dt, r * cols + j) - lse);
-            cpar__store_f(dlogits, dt, r * cols + j, (float)((p - uniform - (j == t ? hit : 0.0)) * dl));
-        }
+        const int64_t t = cpar__xent_target_at(target, tdt, r) - first, base = r * cols;
+        const float lse = stats[2 * r + 1], dl = dloss[r];
+        const bool mine = t >= 0 && t < cols;
+        double dt_hit = 0.0;
+        if (mine) dt_hit = (exp((double)cpar__load_f(logits, dt, base + t) - (double)lse) - uniform - hit) * (double)dl;
+        CPAR__BLOCKS(cols, j0, n, const float *z = cpar__blk_in(zb, logits, dt, base + j0, n);
+                     float *o = cpar__blk_dst(ob, dlogits, dt, base + j0);
+                     CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = (cpar__expf(z[k] - lse) - uf) * dl;
+                     cpar__blk_out(dlogits, dt, base + j0, o, n);)
+        if (mine) cpar__store_f(dlogits, dt, base + t, (float)dt_hit);
     }
 }
+CPAR__VARIANTS(cpar__host_xent_backward,
+               (const void *logits, void *dlogits, cpar_dtype dt, const void *target, cpar_dtype tdt,
+                const float *stats, const float *dloss, int64_t rows, int64_t cols, int64_t first, int64_t vocab,
+                float s),
+               (logits, dlogits, dt, target, tdt, stats, dloss, rows, cols, first, vocab, s))
 
 cpar_status cpar_vocab_parallel_cross_entropy_backward(cpar_group *tp, const cpar_tensor *logits,
                                                        const cpar_tensor *target, float label_smoothing,
@@ -7788,7 +8093,8 @@ cpar_status cpar_ring_attention_backward(cpar_group *cp, const cpar_ring_attenti
  * functions cp2hp / hp2cp reuse section 14's sp2hp machinery (they are the
  * same all-to-all on a 3-D view); undo / redo of the load balancing are 2P
  * chunk copies. pre_conv_ssm packs z, x, B, C (group-repeated) and dt for
- * every destination into one workspace buffer with pitched 2-D copies, runs a
+ * every destination into one workspace buffer (pitched 2-D copies on device
+ * tensors; row by row on host ones, one ordered pass over in), runs a
  * single equal all-to-all (the seed runs five; the bytes are the same), then
  * undoes the load balancing into out; its backward runs the same steps in
  * reverse and sums the B/C replica gradients (cpar_dev_mamba_sum_replicas).
@@ -8031,6 +8337,26 @@ static void cpar__mcp_host_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_p
             }
 }
 
+/* Host tensors: packed [P, t, w] <-> whole [t, in_width] (pack: whole to
+ * packed) row by row, every (destination, piece) slab of a row in turn, so
+ * the whole side is walked once in order; one 2-D copy per slab instead
+ * would sweep it 5P times with strides (most of the call's time). skip_bc:
+ * leave B and C to the replica sum. */
+static void cpar__mcp_host_pack(const cpar_mamba_cp_info *mi, const int64_t start[5], const int64_t width[5],
+                                const int64_t off[5], char *packed, void *whole, int64_t t, int64_t w, size_t es,
+                                bool pack, bool skip_bc) {
+    int64_t hin = mi->in_width;
+    for (int64_t r = 0; r < t; r++)
+        for (int j = 0; j < mi->cp_size; j++)
+            for (int q = 0; q < CPAR__MCP_PIECES; q++) {
+                if (skip_bc && (q == 2 || q == 3)) continue;
+                char *a = packed + (size_t)(((int64_t)j * t + r) * w + off[q]) * es;
+                char *b = (char *)whole + (size_t)(r * hin + cpar__mcp_src_col(mi, start, width, q, j)) * es;
+                if (pack) memcpy(a, b, (size_t)width[q] * es);
+                else memcpy(b, a, (size_t)width[q] * es);
+            }
+}
+
 /* "in has s/cp = 5 rows ..." when the global sequence does not cut into 2P chunks. */
 static cpar_status cpar__mcp_check_seq(cpar_mamba_cp *m, const char *fn, const char *name, int64_t rows, bool local) {
     int p = m->info.cp_size;
@@ -8098,11 +8424,14 @@ cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, 
     cpar_tensor a = cpar__view2(send, in->dtype, (int64_t)p * t, w, dev);
     cpar_tensor r = cpar__view2(recv, in->dtype, (int64_t)p * t, w, dev);
     if (fwd) {
-        for (int j = 0; j < p; j++)
-            for (int q = 0; q < CPAR__MCP_PIECES; q++)
-                CPAR_TRY(cpar__copy_2d(ctx, fn, send + (size_t)((int64_t)j * t * w + off[q]) * es, (size_t)w * es, dev,
-                                       (const char *)in->data + (size_t)cpar__mcp_src_col(mi, start, width, q, j) * es,
-                                       (size_t)hin * es, dev, (size_t)width[q] * es, (size_t)t));
+        if (!cpar__on_device(dev))
+            cpar__mcp_host_pack(mi, start, width, off, send, in->data, t, w, es, true, false);
+        else
+            for (int j = 0; j < p; j++)
+                for (int q = 0; q < CPAR__MCP_PIECES; q++)
+                    CPAR_TRY(cpar__copy_2d(ctx, fn, send + (size_t)((int64_t)j * t * w + off[q]) * es, (size_t)w * es,
+                                           dev, (const char *)in->data + (size_t)cpar__mcp_src_col(mi, start, width, q, j) * es,
+                                           (size_t)hin * es, dev, (size_t)width[q] * es, (size_t)t));
         CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
         return cpar__mcp_lb(ctx, fn, out->data, dev, recv, dev, chunk, p, true);
     }
@@ -8110,6 +8439,7 @@ cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, 
     CPAR_TRY(cpar__mcp_lb(ctx, fn, send, dev, in->data, dev, chunk, p, false));
     CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
     int64_t rep = mi->group_repeat_count, tw = t * w;
+    if (!cpar__on_device(dev)) cpar__mcp_host_pack(mi, start, width, off, recv, out->data, t, w, es, false, rep > 1);
     for (int q = 0; q < CPAR__MCP_PIECES; q++) {
         if ((q == 2 || q == 3) && rep > 1) { /* ng_tpcp = 1: block j holds a replica of group j / R */
             int64_t ds = mi->d_state, ng = mi->ngroups_local_tp;
@@ -8122,10 +8452,11 @@ cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, 
                                                                   in->dtype, ctx->compute));
             continue;
         }
-        for (int j = 0; j < p; j++)
-            CPAR_TRY(cpar__copy_2d(ctx, fn, (char *)out->data + (size_t)cpar__mcp_src_col(mi, start, width, q, j) * es,
-                                   (size_t)hin * es, dev, recv + (size_t)((int64_t)j * tw + off[q]) * es, (size_t)w * es,
-                                   dev, (size_t)width[q] * es, (size_t)t));
+        if (cpar__on_device(dev))
+            for (int j = 0; j < p; j++)
+                CPAR_TRY(cpar__copy_2d(ctx, fn, (char *)out->data + (size_t)cpar__mcp_src_col(mi, start, width, q, j) * es,
+                                       (size_t)hin * es, dev, recv + (size_t)((int64_t)j * tw + off[q]) * es,
+                                       (size_t)w * es, dev, (size_t)width[q] * es, (size_t)t));
     }
     return CPAR_OK;
 }
@@ -8543,25 +8874,34 @@ cpar_status cpar_mamba_cp_conv1d_backward(cpar_mamba_cp *m, const cpar_tensor *x
 
 /* The host twin of cpar_dev_rmsnorm: the same rounding points (the residual
  * sum is rounded to dt before the norm reads it), fp32 math except the row's
- * sum of squares, which adds in double: a sequential fp32 sum of h terms
- * drifts by ~sqrt(h) ulps, more than the kernel's tree of partial sums does. */
-static void cpar__host_rmsnorm(void *x, const void *add, const void *w, cpar_dtype dt, int64_t rows, int64_t h,
-                               float eps, void *y) {
+ * sum of squares, which adds in double (cpar__blk_sum): a sequential fp32
+ * sum of h terms drifts by ~sqrt(h) ulps, more than the kernel's tree of
+ * partial sums does. Two passes over a row, the second from cache. */
+CPAR__INLINE void cpar__host_rmsnorm_body(void *x, const void *add, const void *w, cpar_dtype dt, int64_t rows,
+                                          int64_t h, float eps, void *y) {
+    float xb[CPAR__BLK], ab[CPAR__BLK], wb[CPAR__BLK], ob[CPAR__BLK];
     for (int64_t r = 0; r < rows; r++) {
-        double ss = 0.0;
-        for (int64_t j = 0; j < h; j++) {
-            float v = cpar__load_f(x, dt, r * h + j);
-            if (add) {
-                cpar__store_f(x, dt, r * h + j, v + cpar__load_f(add, dt, r * h + j));
-                v = cpar__load_f(x, dt, r * h + j);
-            }
-            ss += (double)v * v;
-        }
-        const float inv = 1.f / sqrtf((float)(ss / (double)h) + eps);
-        for (int64_t j = 0; j < h; j++)
-            cpar__store_f(y, dt, r * h + j, cpar__load_f(x, dt, r * h + j) * inv * cpar__load_f(w, dt, j));
+        const int64_t r0 = r * h;
+        double ss[CPAR__LANES] = {0};
+        CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(xb, x, dt, r0 + j0, n);
+                     if (add) { /* x += add, then read back what dt holds */
+                         const float *ap = cpar__blk_in(ab, add, dt, r0 + j0, n);
+                         float *o = cpar__blk_dst(ob, x, dt, r0 + j0);
+                         CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = xp[k] + ap[k];
+                         cpar__blk_out(x, dt, r0 + j0, o, n);
+                         xp = cpar__blk_in(xb, x, dt, r0 + j0, n);
+                     }
+                     cpar__blk_sum(ss, xp, xp, n);)
+        const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
+        CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(xb, x, dt, r0 + j0, n), *wp = cpar__blk_in(wb, w, dt, j0, n);
+                     float *o = cpar__blk_dst(ob, y, dt, r0 + j0);
+                     CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = xp[k] * inv * wp[k];
+                     cpar__blk_out(y, dt, r0 + j0, o, n);)
     }
 }
+CPAR__VARIANTS(cpar__host_rmsnorm,
+               (void *x, const void *add, const void *w, cpar_dtype dt, int64_t rows, int64_t h, float eps, void *y),
+               (x, add, w, dt, rows, h, eps, y))
 
 /* x [rows, h] on `device` (host or the context's): y = rmsnorm(x (+= add)). */
 static cpar_status cpar__rmsnorm(cpar_ctx *ctx, const char *fn, int device, void *x, const void *add, const void *w,
@@ -8612,24 +8952,34 @@ cpar_status cpar_rmsnorm_forward(cpar_ctx *ctx, const cpar_tensor *x, const cpar
 }
 
 /* The host twin of cpar_dev_rmsnorm_backward (same formulas, fp32; the two
- * row sums add in double, as in the forward). */
-static void cpar__host_rmsnorm_backward(const void *x, const void *w, const void *dy, cpar_dtype dt, int64_t rows,
-                                        int64_t h, float eps, void *dx, float *dw) {
+ * row sums add in double, as in the forward). A row's first pass makes the
+ * sums, its second (from cache) dx and dweight. */
+CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w, const void *dy, cpar_dtype dt,
+                                                   int64_t rows, int64_t h, float eps, void *dx, float *dw) {
+    float xb[CPAR__BLK], gb[CPAR__BLK], wb[CPAR__BLK], gw[CPAR__BLK], ob[CPAR__BLK];
     for (int64_t r = 0; r < rows; r++) {
-        double ss = 0.0, c = 0.0;
-        for (int64_t j = 0; j < h; j++) {
-            const float v = cpar__load_f(x, dt, r * h + j);
-            ss += (double)v * v;
-            c += (double)(cpar__load_f(dy, dt, r * h + j) * cpar__load_f(w, dt, j)) * v;
-        }
-        const float inv = 1.f / sqrtf((float)(ss / (double)h) + eps), k = inv * inv * inv * (float)c / (float)h;
-        for (int64_t j = 0; j < h; j++) {
-            const float v = cpar__load_f(x, dt, r * h + j), g = cpar__load_f(dy, dt, r * h + j);
-            if (dw) dw[j] += g * v * inv; /* dx may alias dy: read g first */
-            cpar__store_f(dx, dt, r * h + j, inv * cpar__load_f(w, dt, j) * g - v * k);
-        }
+        const int64_t r0 = r * h;
+        double ss[CPAR__LANES] = {0}, c[CPAR__LANES] = {0};
+        CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(xb, x, dt, r0 + j0, n), *gp = cpar__blk_in(gb, dy, dt, r0 + j0, n);
+                     const float *wp = cpar__blk_in(wb, w, dt, j0, n);
+                     for (int k = 0; k < n; k++) gw[k] = gp[k] * wp[k];
+                     cpar__blk_sum2(ss, c, xp, gw, n);)
+        const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
+        const float kk = inv * inv * inv * (float)cpar__lanes_sum(c) / (float)h;
+        CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(xb, x, dt, r0 + j0, n), *gp = cpar__blk_in(gb, dy, dt, r0 + j0, n);
+                     const float *wp = cpar__blk_in(wb, w, dt, j0, n);
+                     float *o = cpar__blk_dst(ob, dx, dt, r0 + j0); /* dx may be dy: each element read before written */
+                     if (dw) {
+                         CPAR__IVDEP for (int k = 0; k < n; k++) dw[j0 + k] += gp[k] * xp[k] * inv;
+                     }
+                     CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = inv * wp[k] * gp[k] - xp[k] * kk;
+                     cpar__blk_out(dx, dt, r0 + j0, o, n);)
     }
 }
+CPAR__VARIANTS(cpar__host_rmsnorm_backward,
+               (const void *x, const void *w, const void *dy, cpar_dtype dt, int64_t rows, int64_t h, float eps,
+                void *dx, float *dw),
+               (x, w, dy, dt, rows, h, eps, dx, dw))
 
 cpar_status cpar_rmsnorm_backward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_tensor *weight, float eps,
                                   const cpar_tensor *dy, cpar_tensor *dx, cpar_tensor *dweight) {

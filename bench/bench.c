@@ -15,6 +15,7 @@
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 #include <time.h>
 
@@ -629,6 +630,257 @@ static cpar_status run_mamba(cpar_ctx *ctx, void *arg) {
     return cpar_mamba_cp_destroy(m);
 }
 
+/* ---- memory-bound kernels on host tensors ------------------------------------
+ * The host backend's element-wise and row kernels on one rank (cp2hp/hp2cp
+ * and pre_conv_ssm on two, so the packing around their all-to-all runs).
+ * Each row: the median time per call, the bytes the kernel must move (every
+ * input read once, every output written once; data that stays in cache, such
+ * as the RMSNorm weight, not counted) and that rate against the single-thread
+ * host memcpy ceiling counted the same way (a copy of N bytes moves 2N). The
+ * machine's memory bandwidth drifts (other jobs share it), so every
+ * iteration also times a memcpy of CPAR_BENCH_MAX_MIB on rank 0 right
+ * before the kernel, and a row's ratio uses the median of those. Cross
+ * entropy and GeLU also against a glibc loop over as many elements (expf;
+ * tanhf), timed here: one transcendental per element may bound them below
+ * memcpy. */
+enum { MB_FILL, MB_CAST, MB_AXPBY, MB_GELU, MB_NORM, MB_XENT, MB_LB_UNDO, MB_LB_REDO, MB_CP2HP, MB_PRE_SSM };
+
+typedef struct {
+    int kind, ranks;
+    cpar_dtype dt, dt2; /* cast: dt -> dt2 */
+    float beta;         /* axpby */
+    int64_t rows, cols; /* the [rows, cols] operand of rank 0; 0: the default */
+    const char *name;
+} mb_row;
+
+typedef struct {
+    int iters;
+    const mb_row *row;
+    int64_t rows, cols;  /* the row's, or the defaults */
+    size_t copy_bytes;   /* the ceiling's memcpy */
+    int nt;              /* timed phases: 1, or 2 (forward, backward) */
+    double t[2];         /* median seconds per call */
+    double bytes[2];     /* bytes one call must move on rank 0 */
+    double copy_gbps;    /* the interleaved memcpy, GB/s copied (median) */
+    double libm_s;       /* xent, gelu: the glibc loop over rows * cols elements */
+} mb_case;
+
+/* A glibc expf (tanh: tanhf) over x[0..n), four independent sums so the adds never bound it; median of 5. */
+static double mb_libm_loop(const float *x, int64_t n, bool tanh_) {
+    double t[5];
+    for (int r = 0; r < 5; r++) {
+        double t0 = now_s();
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int64_t i = 0; i + 4 <= n; i += 4)
+            for (int k = 0; k < 4; k++) s[k] += tanh_ ? tanhf(x[i + k]) : expf(x[i + k]);
+        volatile float sink = s[0] + s[1] + s[2] + s[3];
+        (void)sink;
+        t[r] = now_s() - t0;
+    }
+    return median_of(t, 5);
+}
+
+/* t[*nt] = a new tensor, *out = its address. */
+static cpar_status mb_alloc(cpar_ctx *ctx, cpar_tensor *t, int *nt, cpar_dtype dt, int nd, const int64_t *sh,
+                            cpar_tensor **out) {
+    TRY(cpar_tensor_alloc(ctx, dt, nd, sh, &t[*nt]));
+    *out = &t[(*nt)++];
+    return CPAR_OK;
+}
+
+static cpar_status run_mb(cpar_ctx *ctx, void *arg) {
+    mb_case *c = arg;
+    const mb_row *w = c->row;
+    cpar_group *g = cpar_world_group(ctx);
+    int p = cpar_group_size(g);
+    bool r0 = cpar_rank(ctx) == 0;
+    int64_t rows = c->rows, cols = c->cols, n = rows * cols, shape[2] = {rows, cols}, wshape[1] = {cols};
+    int64_t cshape[1] = {(int64_t)(c->copy_bytes / sizeof(float))};
+    double es = (double)cpar_dtype_size(w->dt), nb = (double)n * es;
+    cpar_tensor t[10];
+    int nt = 0;
+    TRY(cpar_model_parallel_manual_seed(ctx, 5, cpar_group_rank(g), 0, 0));
+#define MB_ALLOC(p_, dt, nd, sh) TRY(mb_alloc(ctx, t, &nt, (dt), (nd), (sh), &(p_)))
+    cpar_tensor *a = NULL, *b = NULL, *d = NULL, *e = NULL, *f = NULL, *h = NULL, *ca = NULL, *cb = NULL;
+    MB_ALLOC(ca, CPAR_F32, 1, cshape); /* the ceiling's memcpy */
+    MB_ALLOC(cb, CPAR_F32, 1, cshape);
+    TRY(cpar_fill(ctx, ca, 1.0));
+    TRY(cpar_fill(ctx, cb, 2.0));
+    if (w->kind != MB_PRE_SSM) {
+        MB_ALLOC(a, w->dt, 2, shape);
+        TRY(cpar_rng_uniform(ctx, a, -4.0f, 4.0f));
+    }
+    cpar_mamba_cp *m = NULL;
+    c->nt = 1;
+    switch (w->kind) {
+    case MB_FILL: c->bytes[0] = nb; break;
+    case MB_CAST:
+        MB_ALLOC(b, w->dt2, 2, shape);
+        c->bytes[0] = nb + (double)n * (double)cpar_dtype_size(w->dt2);
+        break;
+    case MB_AXPBY:
+        MB_ALLOC(b, w->dt, 2, shape);
+        TRY(cpar_rng_uniform(ctx, b, -1.0f, 1.0f));
+        c->bytes[0] = (w->beta != 0.0f ? 3 : 2) * nb;
+        break;
+    case MB_GELU: /* forward x -> b; backward (x, dy = b) -> d */
+        MB_ALLOC(b, w->dt, 2, shape);
+        MB_ALLOC(d, w->dt, 2, shape);
+        c->nt = 2, c->bytes[0] = 2 * nb, c->bytes[1] = 3 * nb;
+        break;
+    case MB_NORM: /* forward x -> b; backward (x, dy = b) -> d, dweight e */
+        MB_ALLOC(b, w->dt, 2, shape);
+        MB_ALLOC(d, w->dt, 2, shape);
+        MB_ALLOC(f, w->dt, 1, wshape);
+        MB_ALLOC(e, CPAR_F32, 1, wshape);
+        TRY(cpar_rng_uniform(ctx, f, 0.5f, 1.5f));
+        TRY(cpar_fill(ctx, e, 0.0));
+        c->nt = 2, c->bytes[0] = 2 * nb, c->bytes[1] = 3 * nb;
+        break;
+    case MB_XENT: { /* logits a; target b, loss d, stats e, dloss f; dlogits h */
+        int64_t sshape[2] = {rows, 2};
+        MB_ALLOC(b, CPAR_I64, 1, &rows);
+        MB_ALLOC(d, CPAR_F32, 1, &rows);
+        MB_ALLOC(e, CPAR_F32, 2, sshape);
+        MB_ALLOC(f, CPAR_F32, 1, &rows);
+        MB_ALLOC(h, w->dt, 2, shape);
+        TRY(cpar_fill(ctx, b, 7.0));
+        TRY(cpar_fill(ctx, f, 1.0));
+        c->nt = 2, c->bytes[0] = nb, c->bytes[1] = 2 * nb;
+        break;
+    }
+    case MB_LB_UNDO:
+    case MB_LB_REDO:
+        MB_ALLOC(b, w->dt, 2, shape);
+        c->bytes[0] = 2 * nb;
+        break;
+    case MB_CP2HP: { /* a viewed as in [rows, 1, cols] -> out [p rows, 1, cols/p]; backward back into d */
+        int64_t is[3] = {rows, 1, cols}, os[3] = {p * rows, 1, cols / p};
+        MB_ALLOC(b, w->dt, 3, os);
+        MB_ALLOC(d, w->dt, 3, is);
+        a->ndim = 3, a->shape[0] = rows, a->shape[1] = 1, a->shape[2] = cols;
+        /* pack (read in, write scratch), all-to-all (read scratch, write out); backward mirrored */
+        c->nt = 2, c->bytes[0] = c->bytes[1] = 4 * nb;
+        break;
+    }
+    case MB_PRE_SSM: { /* rows = s, cols = d_inner; nheads d_inner/64, 2 groups, d_state 128 */
+        cpar_mamba_cp_config cfg = {.d_inner_local_tp = cols, .nheads_local_tp = cols / 64, .ngroups_local_tp = 2,
+                                    .d_state = 128};
+        cpar_mamba_cp_info info;
+        TRY(cpar_mamba_cp_create(g, &cfg, &m));
+        TRY(cpar_mamba_cp_get_info(m, &info));
+        int64_t is[3] = {rows / p, 1, info.in_width}, os[3] = {rows, 1, info.out_width};
+        MB_ALLOC(a, w->dt, 3, is);
+        MB_ALLOC(b, w->dt, 3, os);
+        MB_ALLOC(d, w->dt, 3, is);
+        TRY(cpar_rng_uniform(ctx, a, -1.0f, 1.0f));
+        double in_b = (double)cpar_tensor_nbytes(a), out_b = (double)cpar_tensor_nbytes(b);
+        /* pack (in once, out's bytes written), all-to-all, undo the load balancing: 2 in + 4 out */
+        c->nt = 2, c->bytes[0] = c->bytes[1] = 2 * in_b + 4 * out_b;
+        break;
+    }
+    }
+#undef MB_ALLOC
+    if (r0 && (w->kind == MB_XENT || w->kind == MB_GELU)) {
+        cpar_tensor xf; /* the libm loop's input: as the kernel's, in fp32 */
+        TRY(cpar_tensor_alloc(ctx, CPAR_F32, 2, shape, &xf));
+        TRY(cpar_rng_uniform(ctx, &xf, -4.0f, 4.0f));
+        c->libm_s = mb_libm_loop(xf.data, n, w->kind == MB_GELU);
+        TRY(cpar_tensor_free(ctx, &xf));
+    }
+    double *ts[3];
+    for (int i = 0; i < 3; i++) ts[i] = malloc(sizeof(double) * (size_t)c->iters);
+    for (int it = -1; it < c->iters; it++) { /* iteration -1 warms up (workspace, page faults) */
+        if (p > 1) TRY(cpar_barrier(g));
+        if (r0) {
+            double t0 = now_s();
+            TRY(cpar_tensor_copy(ctx, ca, cb));
+            if (it >= 0) ts[2][it] = now_s() - t0;
+        }
+        for (int ph = 0; ph < c->nt; ph++) {
+            if (p > 1) TRY(cpar_barrier(g));
+            double t0 = now_s();
+            switch (w->kind) {
+            case MB_FILL: TRY(cpar_fill(ctx, a, 0.5)); break;
+            case MB_CAST: TRY(cpar_cast(ctx, a, b)); break;
+            case MB_AXPBY: TRY(cpar_axpby(ctx, 1.5f, a, w->beta, b)); break;
+            case MB_GELU: TRY(ph ? cpar_gelu_backward(ctx, a, b, d) : cpar_gelu_forward(ctx, a, b)); break;
+            case MB_NORM:
+                TRY(ph ? cpar_rmsnorm_backward(ctx, a, f, 1e-5f, b, d, e) : cpar_rmsnorm_forward(ctx, a, f, 1e-5f, b));
+                break;
+            case MB_XENT:
+                if (ph) TRY(cpar_vocab_parallel_cross_entropy_backward(g, a, b, 0.0f, e, f, h));
+                else TRY(cpar_vocab_parallel_cross_entropy_forward(g, a, b, 0.0f, d, e));
+                break;
+            case MB_LB_UNDO: TRY(cpar_undo_attention_load_balancing(ctx, 2, a, b)); break;
+            case MB_LB_REDO: TRY(cpar_redo_attention_load_balancing(ctx, 2, a, b)); break;
+            case MB_CP2HP: TRY(cpar_all_to_all_cp2hp(g, ph ? b : a, ph ? d : b, ph ? CPAR_BWD : CPAR_FWD)); break;
+            default: TRY(cpar_mamba_cp_pre_conv_ssm(m, ph ? b : a, ph ? d : b, ph ? CPAR_BWD : CPAR_FWD)); break;
+            }
+            TRY(cpar_sync(ctx));
+            if (it >= 0) ts[ph][it] = now_s() - t0;
+        }
+    }
+    for (int ph = 0; ph < c->nt; ph++) c->t[ph] = median_of(ts[ph], c->iters);
+    if (r0) c->copy_gbps = (double)c->copy_bytes / median_of(ts[2], c->iters) / 1e9;
+    for (int i = 0; i < 3; i++) free(ts[i]);
+    if (m) TRY(cpar_mamba_cp_destroy(m));
+    for (int i = 0; i < nt; i++) TRY(cpar_tensor_free(ctx, &t[i]));
+    return CPAR_OK;
+}
+
+/* The rows, then one table. */
+static int bench_memory_bound(int iters, int max_mib) {
+    const int64_t R = 1024, H = (int64_t)max_mib * 256; /* [R, H] fp32 = max_mib MiB */
+    static const mb_row rows[] = {
+        {MB_FILL, 1, CPAR_F32, 0, 0, 0, 0, "fill"},
+        {MB_FILL, 1, CPAR_BF16, 0, 0, 0, 0, "fill"},
+        {MB_CAST, 1, CPAR_F32, CPAR_BF16, 0, 0, 0, "cast"},
+        {MB_CAST, 1, CPAR_BF16, CPAR_F32, 0, 0, 0, "cast"},
+        {MB_CAST, 1, CPAR_F32, CPAR_F16, 0, 0, 0, "cast"},
+        {MB_CAST, 1, CPAR_F16, CPAR_F32, 0, 0, 0, "cast"},
+        {MB_AXPBY, 1, CPAR_F32, 0, -0.5f, 0, 0, "axpby beta != 0"},
+        {MB_AXPBY, 1, CPAR_F32, 0, 0.0f, 0, 0, "axpby beta = 0"},
+        {MB_AXPBY, 1, CPAR_BF16, 0, -0.5f, 0, 0, "axpby beta != 0"},
+        {MB_GELU, 1, CPAR_F32, 0, 0, 0, 0, "gelu"},
+        {MB_GELU, 1, CPAR_BF16, 0, 0, 0, 0, "gelu"},
+        {MB_NORM, 1, CPAR_F32, 0, 0, 0, 0, "rmsnorm"},
+        {MB_NORM, 1, CPAR_BF16, 0, 0, 0, 0, "rmsnorm"},
+        {MB_XENT, 1, CPAR_F32, 0, 0, 1024, 8192, "vocab_parallel_xent"},
+        {MB_XENT, 1, CPAR_BF16, 0, 0, 1024, 8192, "vocab_parallel_xent"},
+        {MB_LB_UNDO, 1, CPAR_F32, 0, 0, 0, 0, "undo_load_balancing cp=2"},
+        {MB_LB_REDO, 1, CPAR_F32, 0, 0, 0, 0, "redo_load_balancing cp=2"},
+        {MB_CP2HP, 2, CPAR_F32, 0, 0, 0, 0, "cp2hp / hp2cp"},
+        {MB_PRE_SSM, 2, CPAR_F32, 0, 0, 4096, 1024, "mamba pre_conv_ssm"},
+    };
+    printf("\nmemory-bound kernels on host tensors; ceiling: a host memcpy of %d MiB timed before every call "
+           "(GB/s copied; it moves twice that)\n",
+           max_mib);
+    printf("%-26s %5s %-10s %12s %5s %10s %12s %10s %10s %8s %6s\n", "kernel", "ranks", "dtype", "[rows,cols]", "dir",
+           "time", "bytes moved", "GB/s", "memcpy", "/memcpy", "/libm");
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        const mb_row *w = &rows[i];
+        mb_case c = {.iters = iters, .row = w, .rows = w->rows ? w->rows : R, .cols = w->rows ? w->cols : H,
+                     .copy_bytes = (size_t)max_mib << 20};
+        if (cpar_spawn(w->ranks, CPAR_BACKEND_HOST, run_mb, &c) != CPAR_OK) {
+            fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+            return 1;
+        }
+        char dts[24];
+        if (w->kind == MB_CAST) snprintf(dts, sizeof dts, "%s->%s", cpar_dtype_name(w->dt), cpar_dtype_name(w->dt2));
+        else snprintf(dts, sizeof dts, "%s", cpar_dtype_name(w->dt));
+        for (int ph = 0; ph < c.nt; ph++) {
+            double gbs = c.bytes[ph] / c.t[ph] / 1e9;
+            char lm[16] = "";
+            if (c.libm_s > 0) snprintf(lm, sizeof lm, "%6.2f", c.libm_s / c.t[ph]);
+            printf("%-26s %5d %-10s %5lldx%-6lld %5s %7.3f ms %12.0f %5.2f GB/s %5.2f GB/s %8.2f %6s\n", w->name,
+                   w->ranks, dts, (long long)c.rows, (long long)c.cols, c.nt == 1 ? "" : ph ? "bwd" : "fwd",
+                   c.t[ph] * 1e3, c.bytes[ph], gbs, c.copy_gbps, gbs / (2 * c.copy_gbps), lm);
+        }
+    }
+    return 0;
+}
+
 int main(void) {
     int iters = env_int("CPAR_BENCH_ITERS", 10), max_mib = env_int("CPAR_BENCH_MAX_MIB", 16);
     cpar_backend backend = cpar_backend_available(CPAR_BACKEND_NCCL) ? CPAR_BACKEND_NCCL : CPAR_BACKEND_HOST;
@@ -825,5 +1077,5 @@ int main(void) {
                    bw[k] * 1e3, (unsigned long long)recv[k], (unsigned long long)min, busbw, busbw / ceiling.gbps);
         }
     }
-    return 0;
+    return bench_memory_bound(iters, max_mib);
 }
