@@ -29,6 +29,7 @@
  *   19. Ring attention, sharding    cp_shard/unshard, ring fwd/bwd, the LSE merge
  *   20. Mamba context parallelism   cp2hp/hp2cp, load balancing, pre/post conv_ssm, conv1d
  *   21. Inference layers            RMSNorm fwd/bwd, inference column/row linear, fused rs+add+norm+ag
+ *   22. Training                    AdamW step, gradient norm and clipping, coalesced gradient all-reduce
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -531,6 +532,12 @@ cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_
 cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
                                       int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
                                       cpar_dev_stream s) CPAR__NODEV()
+/* Training (cpar.h §15) */
+cpar_status cpar_dev_adamw(float *master, float *m, float *v, const float *grad, void *param, cpar_dtype pdt, int64_t n,
+                           float lr, float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2,
+                           float grad_scale, cpar_dev_stream s) CPAR__NODEV()
+size_t cpar_dev_sum_squares_scratch(int64_t n) { return (void)n, 0; }
+cpar_status cpar_dev_sum_squares(const float *x, int64_t n, float *out, void *scratch, cpar_dev_stream s) CPAR__NODEV()
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop
 #endif
@@ -9338,4 +9345,195 @@ cpar_status cpar_inference_row_forward_fused(cpar_inference_linear *l, const cpa
     CPAR_TRY(cpar__lin_fwd(lin, fn, x->data, K, T, K, N, base, N));
     return cpar__rs_add_norm_ag(lin->tp, fn, &part, residual, next_norm_weight->data, eps, normed,
                                 n > 1 ? (char *)base + pb : NULL, n > 1 ? (char *)base + pb + hb : NULL);
+}
+
+/* ==== 22. Training ==========================================================
+ * Owns cpar.h §15: the AdamW step, the global gradient norm and its
+ * clipping, and the coalesced gradient all-reduce. Host tensors run the
+ * loops here (the twins of cpar_kernels.cu §21); device tensors the fused
+ * AdamW kernel and the deterministic sum of squares. Scratch: the context
+ * workspace. Uses: 2-4 (errors, tensors, device dispatch, workspace), 6
+ * (cpar_axpby), 10-11 (groups, all-reduce). */
+
+/* grad, master, m, v (and param) of cpar_adamw_step: F32 (param: a float
+ * dtype) with grad's shape, all on grad's memory (host, or the context's
+ * device), none overlapping except param == master. */
+static cpar_status cpar__check_adamw_tensors(cpar_ctx *ctx, const char *fn, const cpar_tensor *const *ts,
+                                             const char *const *names, int n) {
+    const cpar_tensor *grad = ts[0];
+    for (int i = 0; i < n; i++) {
+        if (!ts[i]) {
+            if (i == n - 1) continue; /* param may be NULL */
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is NULL", fn, names[i]);
+        }
+        CPAR_TRY(cpar__check_tensor(ctx, fn, names[i], ts[i], -2));
+        if (i < n - 1) CPAR_TRY(cpar__check_dtype(ctx, fn, names[i], ts[i], CPAR_F32));
+        else CPAR_TRY(cpar__check_float(ctx, fn, names[i], ts[i]));
+        if (ts[i]->device != CPAR_HOST && ts[i]->device != ctx->device) {
+            char got[32];
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is on %s, expected host memory or the context's device %d",
+                              fn, names[i], cpar__device_str(ts[i]->device, got, sizeof got), ctx->device);
+        }
+        if (ts[i]->device != grad->device) {
+            char got[32], want[32];
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is on %s, expected %s (as grad)", fn, names[i],
+                              cpar__device_str(ts[i]->device, got, sizeof got),
+                              cpar__device_str(grad->device, want, sizeof want));
+        }
+        if (i) CPAR_TRY(cpar__check_shape(ctx, fn, names[i], ts[i], grad->shape, grad->ndim, "grad's shape"));
+        for (int j = 0; j < i; j++) {
+            if (!ts[j] || (i == n - 1 && j == 1 && ts[i]->data == ts[j]->data && ts[i]->dtype == CPAR_F32)) continue;
+            if (cpar__ranges_overlap(ts[i]->data, cpar_tensor_nbytes(ts[i]), ts[j]->data, cpar_tensor_nbytes(ts[j])))
+                return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s overlaps %s", fn, names[i], names[j]);
+        }
+    }
+    return CPAR_OK;
+}
+
+cpar_status cpar_adamw_step(cpar_ctx *ctx, const cpar_adamw_config *cfg, int64_t step, float grad_scale,
+                            const cpar_tensor *grad, cpar_tensor *master, cpar_tensor *m, cpar_tensor *v,
+                            cpar_tensor *param) {
+    static const char fn[] = "cpar_adamw_step";
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    if (!cfg) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg is NULL", fn);
+    const float b1 = cfg->beta1 != 0.f ? cfg->beta1 : 0.9f, b2 = cfg->beta2 != 0.f ? cfg->beta2 : 0.999f;
+    const float eps = cfg->eps != 0.f ? cfg->eps : 1e-8f, lr = cfg->lr, wd = cfg->weight_decay;
+    if (step < 1) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: step is %lld, expected >= 1 (1-based)", fn, (long long)step);
+    if (!(lr >= 0.f) || !isfinite(lr)) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg.lr is %g, expected >= 0", fn, (double)lr);
+    if (!(b1 > 0.f && b1 < 1.f)) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg.beta1 is %g, expected in (0, 1)", fn, (double)b1);
+    if (!(b2 > 0.f && b2 < 1.f)) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg.beta2 is %g, expected in (0, 1)", fn, (double)b2);
+    if (!(eps > 0.f) || !isfinite(eps)) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg.eps is %g, expected > 0", fn, (double)eps);
+    if (!(wd >= 0.f) || !isfinite(wd))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg.weight_decay is %g, expected >= 0", fn, (double)wd);
+    if (!isfinite(grad_scale)) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: grad_scale is %g, expected a finite number", fn, (double)grad_scale);
+    const cpar_tensor *ts[5] = {grad, master, m, v, param};
+    static const char *const names[5] = {"grad", "master", "m", "v", "param"};
+    CPAR_TRY(cpar__check_adamw_tensors(ctx, fn, ts, names, 5));
+    if (param && param->data == master->data) param = NULL; /* the parameter is the master itself */
+    /* PyTorch's order: bias corrections in double, the element math in fp32 */
+    const float bc1 = (float)(1.0 - pow((double)b1, (double)step)), bc2 = (float)(1.0 - pow((double)b2, (double)step));
+    const int64_t n = cpar_tensor_numel(grad);
+    if (cpar__on_device(grad->device)) {
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_adamw(master->data, m->data, v->data, grad->data, param ? param->data : NULL,
+                                             param ? param->dtype : CPAR_F32, n, lr, b1, b2, eps, wd, bc1, bc2,
+                                             grad_scale, ctx->compute));
+        return CPAR_OK;
+    }
+    const float decay = 1.f - lr * wd, step_size = lr / bc1, sqrt_bc2 = sqrtf(bc2);
+    float *w = master->data, *mm = m->data, *vv = v->data;
+    const float *g = grad->data;
+    for (int64_t i = 0; i < n; i++) {
+        const float gi = g[i] * grad_scale;
+        const float mi = b1 * mm[i] + (1.f - b1) * gi, vi = b2 * vv[i] + (1.f - b2) * gi * gi;
+        mm[i] = mi, vv[i] = vi;
+        w[i] = w[i] * decay - step_size * (mi / (sqrtf(vi) / sqrt_bc2 + eps));
+    }
+    if (param) cpar__host_cast(param->data, param->dtype, w, CPAR_F32, n);
+    return CPAR_OK;
+}
+
+/* grads[i] of a gradient list: F32 on the context's device. */
+static cpar_status cpar__check_grads(cpar_ctx *ctx, const char *fn, const cpar_tensor *const *grads, int n) {
+    if (n < 0) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: n is %d, expected >= 0", fn, n);
+    if (n > 0 && !grads) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: grads is NULL with n = %d", fn, n);
+    for (int i = 0; i < n; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "grads[%d]", i);
+        CPAR_TRY(cpar__check_tensor(ctx, fn, name, grads[i], ctx->device));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, name, grads[i], CPAR_F32));
+    }
+    return CPAR_OK;
+}
+
+/* The norm under the name of the public function fn. */
+static cpar_status cpar__grad_norm(cpar_group *tp, const char *fn, const cpar_tensor *const *grads,
+                                   const bool *tp_duplicate, int n, float *norm) {
+    CPAR_TRY(cpar__check_group(tp, fn));
+    cpar_ctx *ctx = tp->ctx;
+    if (!norm) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: norm is NULL", fn);
+    CPAR_TRY(cpar__check_grads(ctx, fn, grads, n));
+    /* The running sum lives in the workspace (the all-reduce never touches
+     * it), followed by the device kernel's partial sums. */
+    size_t scratch = 0;
+    for (int i = 0; i < n; i++) {
+        const size_t b = cpar_dev_sum_squares_scratch(cpar_tensor_numel(grads[i]));
+        scratch = b > scratch ? b : scratch;
+    }
+    void *ws;
+    CPAR_TRY(cpar__workspace(ctx, fn, 256 + scratch, &ws));
+    const int64_t one = 1;
+    cpar_tensor total = cpar_tensor_make(ws, CPAR_F32, 1, &one, ctx->device);
+    double host_sum = 0.0;
+    if (cpar__on_device(ctx->device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_fill(ws, CPAR_F32, 1, 0.0, ctx->compute));
+    for (int i = 0; i < n; i++) {
+        if (tp_duplicate && tp_duplicate[i] && tp->rank != 0) continue; /* counted on tp rank 0 */
+        const int64_t k = cpar_tensor_numel(grads[i]);
+        if (cpar__on_device(ctx->device)) {
+            CPAR_DEV_TRY(ctx, fn, cpar_dev_sum_squares(grads[i]->data, k, ws, (char *)ws + 256, ctx->compute));
+            continue;
+        }
+        const float *g = grads[i]->data;
+        for (int64_t j = 0; j < k; j++) host_sum += (double)g[j] * g[j];
+    }
+    if (!cpar__on_device(ctx->device)) *(float *)ws = (float)host_sum;
+    CPAR_TRY(cpar_all_reduce(tp, &total, &total, CPAR_SUM));
+    float sum;
+    CPAR_TRY(cpar__copy_bytes(ctx, fn, &sum, CPAR_HOST, ws, ctx->device, sizeof sum));
+    if (cpar__on_device(ctx->device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+    *norm = sqrtf(sum);
+    return CPAR_OK;
+}
+
+cpar_status cpar_grad_norm(cpar_group *tp, const cpar_tensor *const *grads, const bool *tp_duplicate, int n,
+                           float *norm) {
+    return cpar__grad_norm(tp, "cpar_grad_norm", grads, tp_duplicate, n, norm);
+}
+
+cpar_status cpar_clip_grad_norm(cpar_group *tp, cpar_tensor *const *grads, const bool *tp_duplicate, int n,
+                                float max_norm, float *norm, float *coef) {
+    static const char fn[] = "cpar_clip_grad_norm";
+    CPAR_TRY(cpar__check_group(tp, fn));
+    if (!(max_norm > 0.f) || !isfinite(max_norm))
+        return cpar__fail(tp->ctx, CPAR_ERR_INVALID, "%s: max_norm is %g, expected > 0", fn, (double)max_norm);
+    CPAR_TRY(cpar__grad_norm(tp, fn, (const cpar_tensor *const *)grads, tp_duplicate, n, norm));
+    /* Megatron's coefficient; a non-finite norm scales nothing (the caller sees it) */
+    const float c = max_norm / (*norm + 1e-6f);
+    const bool clip = isfinite(*norm) && c < 1.f;
+    for (int i = 0; clip && i < n; i++) CPAR_TRY(cpar_axpby(tp->ctx, c, grads[i], 0.f, grads[i]));
+    if (coef) *coef = clip ? c : 1.f;
+    return CPAR_OK;
+}
+
+cpar_status cpar_grads_all_reduce(cpar_group *g, cpar_tensor *const *grads, int n, bool average) {
+    static const char fn[] = "cpar_grads_all_reduce";
+    CPAR_TRY(cpar__check_group(g, fn));
+    cpar_ctx *ctx = g->ctx;
+    CPAR_TRY(cpar__check_grads(ctx, fn, (const cpar_tensor *const *)grads, n));
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        for (int j = 0; j < i; j++)
+            if (cpar__ranges_overlap(grads[i]->data, cpar_tensor_nbytes(grads[i]), grads[j]->data,
+                                     cpar_tensor_nbytes(grads[j])))
+                return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: grads[%d] overlaps grads[%d]", fn, i, j);
+        total += cpar_tensor_numel(grads[i]);
+    }
+    /* One flat buffer: pack, one all-reduce, unpack (the statistics show one call of all the bytes). */
+    void *ws;
+    CPAR_TRY(cpar__workspace(ctx, fn, (size_t)total * sizeof(float), &ws));
+    cpar_tensor flat = cpar_tensor_make(ws, CPAR_F32, 1, &total, ctx->device);
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        const size_t b = cpar_tensor_nbytes(grads[i]);
+        CPAR_TRY(cpar__copy_bytes(ctx, fn, (char *)ws + off, ctx->device, grads[i]->data, ctx->device, b));
+        off += b;
+    }
+    CPAR_TRY(cpar_all_reduce(g, &flat, &flat, CPAR_SUM));
+    if (average && g->size > 1) CPAR_TRY(cpar_axpby(ctx, 1.f / (float)g->size, &flat, 0.f, &flat));
+    off = 0;
+    for (int i = 0; i < n; i++) {
+        const size_t b = cpar_tensor_nbytes(grads[i]);
+        CPAR_TRY(cpar__copy_bytes(ctx, fn, grads[i]->data, ctx->device, (char *)ws + off, ctx->device, b));
+        off += b;
+    }
+    return CPAR_OK;
 }

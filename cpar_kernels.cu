@@ -41,6 +41,7 @@
  *   18. Mamba context parallelism: group-replica sums, depthwise causal conv1d
  *   19. RMSNorm forward (with an optional fused residual add) and backward
  *   20. GeLU (tanh approximation) forward and backward
+ *   21. Training: the fused AdamW step and a deterministic sum of squares
  */
 
 /* ==== 1. Includes and launch macros =======================================
@@ -3250,5 +3251,107 @@ cpar_status cpar_dev_gelu(const void *x, const void *dy, void *out, cpar_dtype d
     });
     CPAR__TRY_CUDA(e, "gelu %s kernel launch (%s, n = %lld)", dy ? "backward" : "forward", cpar__dtype_name(dt),
                    (long long)n);
+    return CPAR_OK;
+}
+
+/* ==== 21. Training: AdamW and the sum of squares =================================
+ * cpar_dev_adamw: PyTorch's AdamW over n elements in one pass (cpar.h §15),
+ *   master, m, v, grad F32 [n]; param [n] of pdt (F32/F16/BF16) or NULL.
+ *   Per element: g = grad * scale; w = master * (1 - lr wd); m = b1 m +
+ *   (1 - b1) g; v = b2 v + (1 - b2) g^2; w -= step_size m / (sqrt(v) /
+ *   sqrt_bc2 + eps) with step_size = lr / bc1; param = w rounded. 1-D
+ *   grid-stride, 256 threads; reads 4n and writes 3n (+ n of param) words.
+ * cpar_dev_sum_squares: *out += sum x[i]^2 over F32 [n], deterministic: a
+ *   fixed grid of at most 256 blocks writes one fp32 partial each (each
+ *   thread a grid-stride sum, then a shared-memory tree), and one block adds
+ *   the partials in order (per-thread strided sums, then the same tree).
+ *   Reads n words. Host twins: cpar.c §22. Uses: 2, 4. */
+
+template <typename P>
+static __global__ void cpar__adamw_kernel(float *master, float *m, float *v, const float *grad, P *param, int64_t n,
+                                          float decay, float b1, float b2, float eps, float step_size, float sqrt_bc2,
+                                          float scale) {
+    for (int64_t i = cpar__thread_id(); i < n; i += cpar__thread_count()) {
+        const float g = grad[i] * scale;
+        const float mi = b1 * m[i] + (1.f - b1) * g, vi = b2 * v[i] + (1.f - b2) * g * g;
+        const float w = master[i] * decay - step_size * (mi / (sqrtf(vi) / sqrt_bc2 + eps));
+        m[i] = mi, v[i] = vi, master[i] = w;
+        if (param) param[i] = cpar__narrow<P>(w);
+    }
+}
+
+cpar_status cpar_dev_adamw(float *master, float *m, float *v, const float *grad, void *param, cpar_dtype pdt, int64_t n,
+                           float lr, float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2,
+                           float grad_scale, cpar_dev_stream s) {
+    CPAR__CHECK_COUNT(n);
+    CPAR__CHECK_PTR(master, n > 0);
+    CPAR__CHECK_PTR(m, n > 0);
+    CPAR__CHECK_PTR(v, n > 0);
+    CPAR__CHECK_PTR(grad, n > 0);
+    if (param && !cpar__is_float(pdt))
+        return CPAR__INVALID("param dtype %s, expected f32, f16 or bf16", cpar__dtype_name(pdt));
+    if (!(bc1 > 0.f && bc2 > 0.f)) return CPAR__INVALID("bias corrections %g and %g, expected > 0", (double)bc1, (double)bc2);
+    if (n == 0) return CPAR_OK;
+    cudaStream_t cs = cpar__stream(s);
+    const float decay = 1.f - lr * weight_decay, step_size = lr / bc1, sqrt_bc2 = sqrtf(bc2);
+    cudaError_t e = cpar__with_float_type(param ? pdt : CPAR_F32, [&](auto tv) {
+        typedef decltype(tv) P;
+        auto kernel = cpar__adamw_kernel<P>;
+        CPAR_LAUNCH(kernel, cpar__grid(n, CPAR__BLOCK), CPAR__BLOCK, 0, cs)
+        (master, m, v, grad, static_cast<P *>(param), n, decay, beta1, beta2, eps, step_size, sqrt_bc2, grad_scale);
+        return cudaGetLastError();
+    });
+    CPAR__TRY_CUDA(e, "adamw kernel launch (param %s, n = %lld)", param ? cpar__dtype_name(pdt) : "none", (long long)n);
+    return CPAR_OK;
+}
+
+static constexpr int CPAR__SUMSQ_BLOCKS = 256;
+
+/* Blocks of the partial pass: a fixed function of n (so is the sum's order). */
+static unsigned cpar__sumsq_blocks(int64_t n) {
+    const unsigned g = cpar__grid(n, 4 * CPAR__BLOCK);
+    return g < CPAR__SUMSQ_BLOCKS ? g : CPAR__SUMSQ_BLOCKS;
+}
+
+/* The block's threads' values added by a fixed tree; thread 0 gets the sum. */
+static __device__ float cpar__block_sum(float t) {
+    __shared__ float part[CPAR__BLOCK];
+    part[threadIdx.x] = t;
+    __syncthreads();
+    for (int w = CPAR__BLOCK / 2; w > 0; w /= 2) {
+        if ((int)threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+        __syncthreads();
+    }
+    return part[0];
+}
+
+static __global__ void cpar__sumsq_partial_kernel(const float *x, int64_t n, float *partial) {
+    float t = 0.f;
+    for (int64_t i = cpar__thread_id(); i < n; i += cpar__thread_count()) t += x[i] * x[i];
+    const float sum = cpar__block_sum(t);
+    if (threadIdx.x == 0) partial[blockIdx.x] = sum;
+}
+
+static __global__ void cpar__sumsq_final_kernel(const float *partial, int nb, float *out) {
+    float t = 0.f;
+    for (int i = threadIdx.x; i < nb; i += CPAR__BLOCK) t += partial[i];
+    const float sum = cpar__block_sum(t);
+    if (threadIdx.x == 0) *out += sum;
+}
+
+size_t cpar_dev_sum_squares_scratch(int64_t n) { return n > 0 ? (size_t)cpar__sumsq_blocks(n) * sizeof(float) : 0; }
+
+cpar_status cpar_dev_sum_squares(const float *x, int64_t n, float *out, void *scratch, cpar_dev_stream s) {
+    CPAR__CHECK_COUNT(n);
+    CPAR__CHECK_PTR(x, n > 0);
+    CPAR__CHECK_PTR(out, true);
+    CPAR__CHECK_PTR(scratch, n > 0);
+    if (n == 0) return CPAR_OK;
+    cudaStream_t cs = cpar__stream(s);
+    const unsigned nb = cpar__sumsq_blocks(n);
+    CPAR_LAUNCH(cpar__sumsq_partial_kernel, nb, CPAR__BLOCK, 0, cs)(x, n, static_cast<float *>(scratch));
+    CPAR__TRY_CUDA(cudaGetLastError(), "sum of squares kernel launch (n = %lld)", (long long)n);
+    CPAR_LAUNCH(cpar__sumsq_final_kernel, 1, CPAR__BLOCK, 0, cs)(static_cast<const float *>(scratch), (int)nb, out);
+    CPAR__TRY_CUDA(cudaGetLastError(), "sum of squares final kernel launch (n = %lld)", (long long)n);
     return CPAR_OK;
 }

@@ -855,6 +855,25 @@ START_TEST(test_entry_point_args) {
                 "h = -4");
     CK_OK(cpar_dev_rmsnorm_backward(NULL, NULL, NULL, CPAR_F32, 3, 0, 1e-5f, NULL, NULL, NULL, NULL));
 
+    float *q = (float *)p;
+    EXPECT_FAIL(cpar_dev_adamw(NULL, q, q, q, NULL, CPAR_F32, 4, 1e-3f, 0.9f, 0.99f, 1e-8f, 0.f, 0.1f, 0.01f, 1.f, NULL),
+                CPAR_ERR_INVALID, "cpar_dev_adamw", "master is NULL");
+    EXPECT_FAIL(cpar_dev_adamw(q, q, q, NULL, NULL, CPAR_F32, 4, 1e-3f, 0.9f, 0.99f, 1e-8f, 0.f, 0.1f, 0.01f, 1.f, NULL),
+                CPAR_ERR_INVALID, "grad is NULL");
+    EXPECT_FAIL(cpar_dev_adamw(q, q, q, q, p, CPAR_I32, 4, 1e-3f, 0.9f, 0.99f, 1e-8f, 0.f, 0.1f, 0.01f, 1.f, NULL),
+                CPAR_ERR_INVALID, "param dtype i32");
+    EXPECT_FAIL(cpar_dev_adamw(q, q, q, q, NULL, CPAR_F32, -1, 1e-3f, 0.9f, 0.99f, 1e-8f, 0.f, 0.1f, 0.01f, 1.f, NULL),
+                CPAR_ERR_INVALID, "n = -1");
+    EXPECT_FAIL(cpar_dev_adamw(q, q, q, q, NULL, CPAR_F32, 4, 1e-3f, 0.9f, 0.99f, 1e-8f, 0.f, 0.f, 0.01f, 1.f, NULL),
+                CPAR_ERR_INVALID, "bias corrections");
+    CK_OK(cpar_dev_adamw(NULL, NULL, NULL, NULL, NULL, CPAR_F32, 0, 1e-3f, 0.9f, 0.99f, 1e-8f, 0.f, 0.1f, 0.01f, 1.f, NULL));
+    EXPECT_FAIL(cpar_dev_sum_squares(NULL, 4, q, q + 64, NULL), CPAR_ERR_INVALID, "cpar_dev_sum_squares", "x is NULL");
+    EXPECT_FAIL(cpar_dev_sum_squares(q, 4, NULL, q + 64, NULL), CPAR_ERR_INVALID, "out is NULL");
+    EXPECT_FAIL(cpar_dev_sum_squares(q, 4, q + 8, NULL, NULL), CPAR_ERR_INVALID, "scratch is NULL");
+    EXPECT_FAIL(cpar_dev_sum_squares(q, -4, q + 8, q + 64, NULL), CPAR_ERR_INVALID, "n = -4");
+    ck_assert_uint_eq(cpar_dev_sum_squares_scratch(0), 0);
+    ck_assert_uint_ge(cpar_dev_sum_squares_scratch(1000000), sizeof(float));
+
     const cpar_dev_conv_rows rows = {{4, 0, 0}, {0, 0, 0}}, bad_rows = {{3, 0, 0}, {0, 0, 0}};
     EXPECT_FAIL(cpar_dev_mamba_conv1d_forward(p, 4, CPAR_F32, p, NULL, CPAR_F32, rows, 2, 1, 4, 5, false, p, NULL),
                 CPAR_ERR_INVALID, "cpar_dev_mamba_conv1d_forward", "k = 5");

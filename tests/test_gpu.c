@@ -11,7 +11,8 @@
  * collective against a host reference computed in double, and the
  * element-wise ops on device tensors against the same ops on host tensors
  * (cpar's host reference kernels: fill, cast, axpby, row reduce, gelu,
- * rmsnorm forward and backward, split, concat), and local attention (the
+ * rmsnorm forward and backward, split, concat, AdamW and the gradient norm),
+ * and local attention (the
  * flash forward and backward kernels) against the host reference.
  *
  * CUDA is not fork-safe and Check forks a process per test, so this process
@@ -449,6 +450,37 @@ static cpar_status rank_ops(cpar_ctx *ctx, void *unused) {
         }
         pair_free(ctx, &whole);
         free(x);
+    }
+    /* training: two AdamW steps (bf16 parameter) and the gradient norm, device against host */
+    for (int k = 0; k < N_OP_SIZES; k++) {
+        int64_t n = op_sizes[k], shape[] = {n};
+        void *w0 = tu_random_host(CPAR_F32, n, 600 + k), *g0 = tu_random_host(CPAR_F32, n, 610 + k);
+        void *m0 = tu_random_host(CPAR_F32, n, 620 + k);
+        for (int64_t i = 0; i < n; i++) ((float *)m0)[i] *= 0.1f;
+        pair w = pair_upload(ctx, w0, CPAR_F32, 1, shape), g = pair_upload(ctx, g0, CPAR_F32, 1, shape);
+        pair m = pair_upload(ctx, m0, CPAR_F32, 1, shape), v = pair_upload(ctx, m0, CPAR_F32, 1, shape);
+        pair p = pair_poisoned(ctx, CPAR_BF16, 1, shape);
+        TU_OK(cpar_axpby(ctx, 0.f, &v.h, 0.f, &v.h)); /* v >= 0: start from zero */
+        TU_OK(cpar_axpby(ctx, 0.f, &v.d, 0.f, &v.d));
+        const cpar_adamw_config cfg = {.lr = 1e-2f, .weight_decay = 0.1f};
+        for (int step = 1; step <= 2; step++) {
+            TU_OK(cpar_adamw_step(ctx, &cfg, step, 0.75f, &g.h, &w.h, &m.h, &v.h, &p.h));
+            TU_OK(cpar_adamw_step(ctx, &cfg, step, 0.75f, &g.d, &w.d, &m.d, &v.d, &p.d));
+        }
+        pair_check(ctx, &w, 1e-6, "adamw master");
+        pair_check(ctx, &m, 1e-6, "adamw m");
+        pair_check(ctx, &v, 1e-6, "adamw v");
+        pair_check(ctx, &p, tu_tol(CPAR_BF16), "adamw param");
+        const cpar_tensor *gd = &g.d;
+        float norm_d, norm_h = 0.f;
+        TU_OK(cpar_grad_norm(cpar_world_group(ctx), &gd, NULL, 1, &norm_d));
+        for (int64_t i = 0; i < n; i++) norm_h += ((float *)g0)[i] * ((float *)g0)[i];
+        norm_h = sqrtf(norm_h);
+        ck_assert_msg(fabsf(norm_d - norm_h) <= 1e-5f * norm_h, "grad norm %.8g on the GPU, %.8g on the host (n %lld)",
+                      norm_d, norm_h, (long long)n);
+        pair *all[] = {&w, &g, &m, &v, &p};
+        for (int i = 0; i < 5; i++) pair_free(ctx, all[i]);
+        free(w0), free(g0), free(m0);
     }
     return CPAR_OK;
 }
