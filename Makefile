@@ -2,7 +2,7 @@
 #
 #   make              build/libcpar.a and build/cparrun (CUDA + NCCL when found)
 #   make test         host, sim and nccl-sim suites; the GPU suite too when a GPU is present
-#   make demo         the main job (examples/demo.c): train a small transformer LM with tp x cp
+#   make demo         the main job (examples/train.c): train a byte-level GPT with tp x cp (x dp)
 #   make collectives  a tour of the raw collectives on a tp x cp grid (examples/collectives.c)
 #   make bench        benchmarks (bench/)
 #   make CPAR_CUDA=0  force a host-only build
@@ -72,12 +72,12 @@ endif
 
 # Suites that take a backend run on host, sim and nccl-sim; the rest are
 # host-only (processes, sockets) or sim-only (the simulator and the device layer).
-BACKEND_SUITES := core coll grid faults ops rng mappings xent linear attn ring mamba inference
-HOST_SUITES    := $(BACKEND_SUITES) store cparrun
-SIM_SUITES     := $(BACKEND_SUITES) cudasim devlayer mma attn_bwd
+BACKEND_SUITES := core coll grid faults ops rng mappings xent linear attn ring mamba inference train
+HOST_SUITES    := $(BACKEND_SUITES) store cparrun trainjob
+SIM_SUITES     := $(BACKEND_SUITES) cudasim devlayer mma attn_bwd trainjob
 # nccl-sim runs every backend suite on CPAR_BACKEND_NCCL, the simulator's own
 # suite, the GPU suite's bodies, and multi-process jobs under cparrun.
-NCCLSIM_SUITES := $(BACKEND_SUITES) ncclsim gpu mp
+NCCLSIM_SUITES := $(BACKEND_SUITES) ncclsim gpu mp trainjob
 HOST_TESTS := $(HOST_SUITES:%=$(B)/host/test_%)
 SIM_TESTS  := $(SIM_SUITES:%=$(B)/sim/test_%)
 NCCLSIM_TESTS := $(NCCLSIM_SUITES:%=$(B)/ncclsim/test_%) $(B)/ncclsim/mp_prog
@@ -86,7 +86,7 @@ TEST_PROGS := $(B)/host/store_prog
 
 .PHONY: all lib test test-host test-sim test-ncclsim test-gpu demo collectives bench clean
 .SECONDARY: # keep the test objects that several flavours link
-all: lib $(B)/cparrun
+all: lib $(B)/cparrun $(B)/train
 lib: $(B)/libcpar.a
 
 $(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda:
@@ -133,13 +133,21 @@ $(B)/sim/test_%.o: tests/test_%.c tests/testutil.h tests/proc.h $(HDR) | $(B)/si
 $(B)/sim/test_%: $(B)/sim/test_%.o $(SIM_OBJS)
 	$(CXX) $^ -o $@ $(CHECK_LIBS) $(LIBS)
 
-# The main job linked against the sim build: make test trains it in bf16 with
-# every kernel (flash attention, RMSNorm, GeLU, ...) running on the CPU.
-$(B)/sim/demo.o: examples/demo.c $(HDR) | $(B)/sim
+# Programs linked against the sim build: make test runs them with every
+# kernel (flash attention, RMSNorm, GeLU, ...) on the CPU. lm_check trains a
+# small LM on a synthetic language and checks tp x cp against 1 rank; train
+# is the main job (examples/train.c).
+$(B)/sim/lm_check.o: tests/lm_check.c $(HDR) | $(B)/sim
 	$(CC) $(ALL_CFLAGS) -c $< -o $@
 
-$(B)/sim/demo: $(B)/sim/demo.o $(SIM_OBJS)
+$(B)/sim/train.o: examples/train.c $(HDR) | $(B)/sim
+	$(CC) $(ALL_CFLAGS) -c $< -o $@
+
+$(B)/sim/lm_check $(B)/sim/train: $(B)/sim/%: $(B)/sim/%.o $(SIM_OBJS)
 	$(CXX) $^ -o $@ $(LIBS)
+
+$(B)/host/lm_check: tests/lm_check.c $(B)/host/cpar.o | $(B)/host
+	$(CC) $(ALL_CFLAGS) $< $(B)/host/cpar.o -o $@ $(LIBS)
 
 # Suites written in the CUDA dialect run only on the simulator.
 $(B)/sim/test_cudasim: tests/test_cudasim.cu tests/cudasim.h | $(B)/sim
@@ -184,36 +192,42 @@ $(B)/ncclsim/mp_prog: $(B)/sim/mp_prog.o $(NCCLSIM_OBJS)
 $(B)/sim/mp_prog.o: tests/mp_prog.c tests/testutil.h $(HDR) | $(B)/sim
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) -c $< -o $@
 
-$(B)/ncclsim/demo: $(B)/sim/demo.o $(NCCLSIM_OBJS)
+$(B)/ncclsim/lm_check $(B)/ncclsim/train: $(B)/ncclsim/%: $(B)/sim/%.o $(NCCLSIM_OBJS)
 	$(CXX) $^ -o $@ $(LIBS)
 
 $(B)/cuda/test_gpu: tests/test_gpu.c $(B)/libcpar.a tests/testutil.h | $(B)/cuda
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) $< $(B)/libcpar.a -o $@ $(CHECK_LIBS) $(CUDA_LIBS) $(LIBS) -lstdc++
 
-RUN_TESTS = B=$(B) HOST_SUITES="$(1)" SIM_SUITES="$(2)" SIM_DEMO=$(3) NCCLSIM_SUITES="$(4)" NCCLSIM_DEMO=$(5) \
-            GPU_TEST="$(6)" sh tests/run.sh
+# The programs each flavour's suites need besides the test binaries.
+HOST_PROGS    := $(TEST_PROGS) $(B)/cparrun $(B)/host/lm_check $(B)/train
+SIM_PROGS     := $(B)/sim/lm_check $(B)/sim/train
+NCCLSIM_PROGS := $(B)/cparrun $(B)/ncclsim/lm_check $(B)/ncclsim/train
 
-test: $(HOST_TESTS) $(SIM_TESTS) $(NCCLSIM_TESTS) $(GPU_TEST) $(TEST_PROGS) $(B)/cparrun $(B)/sim/demo $(B)/ncclsim/demo
-	@$(call RUN_TESTS,$(HOST_SUITES),$(SIM_SUITES),$(B)/sim/demo,$(NCCLSIM_SUITES),$(B)/ncclsim/demo,$(GPU_TEST))
+RUN_TESTS = B=$(B) HOST_SUITES="$(1)" SIM_SUITES="$(2)" NCCLSIM_SUITES="$(3)" GPU_TEST="$(4)" sh tests/run.sh
 
-test-host: $(HOST_TESTS) $(TEST_PROGS) $(B)/cparrun
-	@$(call RUN_TESTS,$(HOST_SUITES),,,,,)
+test: $(HOST_TESTS) $(SIM_TESTS) $(NCCLSIM_TESTS) $(GPU_TEST) $(HOST_PROGS) $(SIM_PROGS) $(NCCLSIM_PROGS)
+	@$(call RUN_TESTS,$(HOST_SUITES),$(SIM_SUITES),$(NCCLSIM_SUITES),$(GPU_TEST))
 
-test-sim: $(SIM_TESTS) $(B)/sim/demo
-	@$(call RUN_TESTS,,$(SIM_SUITES),$(B)/sim/demo,,,)
+test-host: $(HOST_TESTS) $(HOST_PROGS)
+	@$(call RUN_TESTS,$(HOST_SUITES),,,)
 
-test-ncclsim: $(NCCLSIM_TESTS) $(B)/ncclsim/demo $(B)/cparrun
-	@$(call RUN_TESTS,,,,$(NCCLSIM_SUITES),$(B)/ncclsim/demo,)
+test-sim: $(SIM_TESTS) $(SIM_PROGS)
+	@$(call RUN_TESTS,,$(SIM_SUITES),,)
+
+test-ncclsim: $(NCCLSIM_TESTS) $(NCCLSIM_PROGS)
+	@$(call RUN_TESTS,,,$(NCCLSIM_SUITES),)
 
 test-gpu: $(GPU_TEST)
-	@$(call RUN_TESTS,,,,,,$(GPU_TEST))
+	@$(call RUN_TESTS,,,,$(GPU_TEST))
 
 # ---- demo and bench ----------------------------------------------------------
-$(B)/demo: examples/demo.c $(B)/libcpar.a
+$(B)/train: examples/train.c $(B)/libcpar.a
 	$(CC) $(ALL_CFLAGS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS)
 
-demo: $(B)/demo
-	./$(B)/demo
+# The main job with its defaults (run from the repository's root: it trains
+# on README.md, cpar.h and cpar.c). build/train --help lists the flags.
+demo: $(B)/train
+	./$(B)/train
 
 $(B)/collectives: examples/collectives.c $(B)/libcpar.a
 	$(CC) $(ALL_CFLAGS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS)

@@ -53,6 +53,9 @@ static void proc_start(proc *p, const char *exe, const char *prog, const char *c
     p->exe = exe;
     ck_assert_int_eq(pipe(out), 0);
     ck_assert_int_eq(pipe(err), 0);
+    int nargs = 0;
+    while (args[nargs]) nargs++;
+    ck_assert_msg(nargs < 63, "proc_start: %d arguments, at most 62", nargs); /* the child's argv below */
     p->start = now_ms();
     p->pid = fork();
     ck_assert_int_ge(p->pid, 0);
@@ -62,10 +65,10 @@ static void proc_start(proc *p, const char *exe, const char *prog, const char *c
         close(out[0]), close(out[1]), close(err[0]), close(err[1]);
         for (; env && *env; env++)
             putenv((char *)*env);
-        char *argv[32];
+        char *argv[64];
         int n = 0;
         argv[n++] = (char *)exe;
-        for (; *args && n < 31; args++)
+        for (; *args && n < 63; args++)
             argv[n++] = strcmp(*args, "PROG") ? (char *)*args : (char *)prog;
         argv[n] = NULL;
         execv(argv[0], argv);

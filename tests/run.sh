@@ -58,19 +58,18 @@ HOST_SUITES=$(without_faults $HOST_SUITES)
 SIM_SUITES=$(without_faults $SIM_SUITES)
 NCCLSIM_SUITES=$(without_faults $NCCLSIM_SUITES)
 
+# lm_check: a small LM on a synthetic language, tp x cp against 1 rank (one
+# result per flavour; bf16 on the simulated devices, every kernel on the CPU).
 for s in $HOST_SUITES; do run "host/$s" "$B/host/test_$s" host; done
+[ -z "$HOST_SUITES" ] || CPAR_LM_BACKEND=host run "host/lm_check" "$B/host/lm_check" host
 for s in $SIM_SUITES; do run "sim/$s" "$B/sim/test_$s" sim; done
-if [ -n "$SIM_DEMO" ]; then # the main job in bf16, every kernel on the simulator
-    CPAR_DEMO_BACKEND=sim run "sim/demo" "$SIM_DEMO" sim
-fi
+[ -z "$SIM_SUITES" ] || CPAR_LM_BACKEND=sim run "sim/lm_check" "$B/sim/lm_check" sim
 # nccl-sim: the production path (cpar.c as built for GPUs, NCCL calls) on the
 # CUDA and NCCL simulators. The GPU suite runs here on simulated GPUs.
 export CPAR_GPU_SUITE=quick # the GPU suite's smaller sizes: its kernels run on the CPU here
 for s in $NCCLSIM_SUITES; do run "nccl-sim/$s" "$B/ncclsim/test_$s" nccl; done
 unset CPAR_GPU_SUITE
-if [ -n "$NCCLSIM_DEMO" ]; then
-    CPAR_DEMO_BACKEND=nccl run "nccl-sim/demo" "$NCCLSIM_DEMO" nccl
-fi
+[ -z "$NCCLSIM_SUITES" ] || CPAR_LM_BACKEND=nccl run "nccl-sim/lm_check" "$B/ncclsim/lm_check" nccl
 if [ -n "$GPU_TEST" ]; then
     run "gpu" "$GPU_TEST" nccl
 fi

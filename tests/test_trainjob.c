@@ -1,0 +1,218 @@
+/* tests/test_trainjob.c — the main job (examples/train.c) end to end, as a
+ * user runs it: build/train on the host backend, build/sim/train (every
+ * kernel on the CPU) and build/ncclsim/train (the NCCL path, also as one
+ * process per rank under cparrun). The flavour comes from CPAR_TEST_BACKEND
+ * (host, sim or nccl) as for the other suites.
+ *
+ * Host: the grid computes the losses of one rank (tp, cp and dp, so the
+ * loader's sharding too); a seed gives the same run twice; a run stopped and
+ * resumed from its checkpoint continues bit for bit; a checkpoint saved on
+ * tp 2 x cp 2 resumes on tp 4 and on one rank; bad flags are refused. Sim
+ * and nccl-sim: a short bf16 training whose loss falls, checked against one
+ * rank; on nccl-sim the same under cparrun -n 4.
+ *
+ * Paths from the environment (B: the build directory): CPARRUN [$B/cparrun],
+ * TRAIN [$B/train, $B/sim/train or $B/ncclsim/train]. Runs from the
+ * repository's root (the job's default data). */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <check.h>
+
+#include "proc.h"
+
+static const char *flavour(void) {
+    const char *v = getenv("CPAR_TEST_BACKEND");
+    return v && *v ? v : "host";
+}
+
+static const char *train_path(void) {
+    static char buf[4096];
+    const char *f = flavour();
+    return path_from_env("TRAIN", !strcmp(f, "sim") ? "sim/train" : !strcmp(f, "nccl") ? "ncclsim/train" : "train",
+                         buf, sizeof buf);
+}
+
+static const char *cparrun_path(void) {
+    static char buf[4096];
+    return path_from_env("CPARRUN", "cparrun", buf, sizeof buf);
+}
+
+#define ASSERT_RUN(p, cond)                                                                                  \
+    ck_assert_msg((cond), "%s\nstatus %d\nstdout:\n%s\nstderr:\n%s", #cond, (p)->status, (p)->text[0], (p)->text[1])
+
+/* The small model every test trains (seconds on the host). */
+#define SMALL "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "32", "--batch", "2", "--eval-every", "0", \
+              "--sample", "0"
+
+static void run_train(proc *p, const char *const *args) {
+    proc_run(p, train_path(), NULL, args, NULL, 300000);
+}
+
+/* The losses printed on "step N/M | loss X" lines, in order; returns how many. */
+static int losses(const char *out, double *l, int cap) {
+    int n = 0;
+    for (const char *s = out; (s = strstr(s, "step ")) && n < cap; s++) {
+        long long step, total;
+        double loss;
+        if (sscanf(s, "step %lld/%lld | loss %lf", &step, &total, &loss) == 3) l[n++] = loss;
+    }
+    return n;
+}
+
+static double final_value(const char *out, const char *key) {
+    const char *s = strstr(out, key);
+    return s ? atof(s + strlen(key)) : NAN;
+}
+
+/* ---- host ---------------------------------------------------------------------- */
+
+START_TEST(test_grid_matches_one_rank) {
+    /* tp x cp x dp against one rank on the same global batch (the job's own --verify) */
+    static const char *const grids[][6] = {
+        {"--tp", "2", "--cp", "2", "--dp", "1"},
+        {"--tp", "1", "--cp", "1", "--dp", "2"},
+        {"--tp", "2", "--cp", "1", "--dp", "2"},
+        {"--tp", "1", "--cp", "4", "--dp", "1"},
+    };
+    const char *const *g = grids[_i];
+    proc p;
+    run_train(&p, (const char *const[]){g[0], g[1], g[2], g[3], g[4], g[5], SMALL, "--steps", "4", "--verify", "4",
+                                        NULL});
+    ASSERT_RUN(&p, p.status == 0);
+    ASSERT_RUN(&p, strstr(p.text[0], "match (") != NULL);
+    proc_free(&p);
+}
+END_TEST
+
+START_TEST(test_seed_repeats) {
+    proc a, b, c;
+    const char *const args[] = {SMALL, "--steps", "5", "--verify", "0", "--seed", "7", NULL};
+    run_train(&a, args);
+    run_train(&b, args);
+    run_train(&c, (const char *const[]){SMALL, "--steps", "5", "--verify", "0", "--seed", "8", NULL});
+    double la[8], lb[8], lc[8];
+    ASSERT_RUN(&a, a.status == 0 && losses(a.text[0], la, 8) == 5);
+    ASSERT_RUN(&b, b.status == 0 && losses(b.text[0], lb, 8) == 5);
+    ASSERT_RUN(&c, c.status == 0 && losses(c.text[0], lc, 8) == 5);
+    for (int i = 0; i < 5; i++) ck_assert_msg(la[i] == lb[i], "step %d: %.6f then %.6f with the same seed", i, la[i], lb[i]);
+    ck_assert_msg(la[4] != lc[4], "seeds 7 and 8 gave the same loss");
+    proc_free(&a), proc_free(&b), proc_free(&c);
+}
+END_TEST
+
+/* Run 8 steps saving at 4; resume from step 4 on the same grid (bit for bit)
+ * and on other grids (the same losses within fp32 rounding). */
+START_TEST(test_resume) {
+    char dir[] = "/tmp/cpar_trainjob_XXXXXX", ck[256];
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(ck, sizeof ck, "%s/step_000004", dir);
+    proc full;
+    run_train(&full, (const char *const[]){SMALL, "--steps", "8", "--verify", "0", "--save", dir, "--save-every", "4",
+                                           NULL});
+    double lf[16];
+    ASSERT_RUN(&full, full.status == 0 && losses(full.text[0], lf, 16) == 8);
+    ASSERT_RUN(&full, strstr(full.text[0], "saved") && access(ck, F_OK) == 0);
+    static const char *const grids[][4] = {{"--tp", "2", "--cp", "2"}, {"--tp", "4", "--cp", "1"}, {"--tp", "1", "--cp", "1"}};
+    for (int g = 0; g < 3; g++) {
+        proc r;
+        run_train(&r, (const char *const[]){grids[g][0], grids[g][1], grids[g][2], grids[g][3], SMALL, "--steps", "8",
+                                            "--verify", "0", "--resume", ck, NULL});
+        double lr[16];
+        ASSERT_RUN(&r, r.status == 0 && losses(r.text[0], lr, 16) == 4);
+        ASSERT_RUN(&r, strstr(r.text[0], "resumed from") != NULL);
+        for (int i = 0; i < 4; i++) {
+            const double want = lf[4 + i], tol = g == 0 ? 0.0 : 2e-5 * fabs(want);
+            ck_assert_msg(fabs(lr[i] - want) <= tol, "%s %s %s %s: resumed step %d has loss %.7f, the full run %.7f",
+                          grids[g][0], grids[g][1], grids[g][2], grids[g][3], 5 + i, lr[i], want);
+        }
+        proc_free(&r);
+    }
+    /* a checkpoint of another model shape is refused with the reason */
+    proc bad;
+    run_train(&bad, (const char *const[]){"--layers", "3", "--hidden", "32", "--heads", "4", "--seq", "32", "--batch",
+                                          "2", "--steps", "6", "--verify", "0", "--resume", ck, NULL});
+    ASSERT_RUN(&bad, bad.status != 0 && strstr(bad.text[1], "layers 2, this run has 3"));
+    proc_free(&bad), proc_free(&full);
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    ck_assert_int_eq(system(cmd), 0);
+}
+END_TEST
+
+START_TEST(test_bad_flags) {
+    static const char *const cases[][3] = {
+        {"--tp", "3", "--heads 4 is not divisible by --tp 3"},
+        {"--seq", "30", "not divisible by 2*cp*tp"},
+        {"--dtype", "f64", "--dtype expects f32, bf16 or f16"},
+        {"--lr", "abc", "--lr expects a number"},
+        {"--frobnicate", "1", "unknown flag"},
+        {"--data", "/nonexistent/file", "cannot open /nonexistent/file"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        proc p;
+        run_train(&p, (const char *const[]){cases[i][0], cases[i][1], NULL});
+        ASSERT_RUN(&p, p.status != 0 && strstr(p.text[1], cases[i][2]) != NULL);
+        proc_free(&p);
+    }
+    proc h;
+    run_train(&h, (const char *const[]){"--help", NULL});
+    ASSERT_RUN(&h, h.status == 0 && strstr(h.text[0], "--resume DIR"));
+    proc_free(&h);
+}
+END_TEST
+
+/* ---- sim and nccl-sim -------------------------------------------------------------- */
+
+/* A short bf16 run on simulated GPUs: the grid against one rank, and the loss falls. */
+START_TEST(test_device_training) {
+    const char *be = !strcmp(flavour(), "nccl") ? "nccl" : "sim";
+    proc p;
+    run_train(&p, (const char *const[]){"--backend", be, "--dtype", "bf16", SMALL, "--steps", "12", "--lr", "1e-2",
+                                        "--warmup", "2", "--verify", "2", NULL});
+    ASSERT_RUN(&p, p.status == 0 && strstr(p.text[0], "match ("));
+    double l[16];
+    ASSERT_RUN(&p, losses(p.text[0], l, 16) == 12);
+    ASSERT_RUN(&p, l[11] < l[0] - 0.5);
+    ASSERT_RUN(&p, final_value(p.text[0], "validation loss ") < 5.3);
+    proc_free(&p);
+}
+END_TEST
+
+/* One process per rank: cparrun -> cpar_init_from_env -> store -> NCCL. */
+START_TEST(test_cparrun_training) {
+    proc p;
+    proc_run(&p, cparrun_path(), train_path(),
+             (const char *const[]){"-n", "4", "PROG", "--backend", "nccl", "--dtype", "bf16", "--tp", "2", "--cp", "2",
+                                   SMALL, "--steps", "6", "--lr", "1e-2", "--warmup", "2", NULL},
+             NULL, 300000);
+    ASSERT_RUN(&p, p.status == 0);
+    ASSERT_RUN(&p, strstr(p.text[0], "[0] done: 6 steps") != NULL);
+    proc_free(&p);
+}
+END_TEST
+
+int main(void) {
+    if (access(train_path(), X_OK) != 0) {
+        fprintf(stderr, "test_trainjob: need TRAIN (%s)\n", train_path());
+        return EXIT_FAILURE;
+    }
+    Suite *s = suite_create("trainjob: the main job end to end");
+    TCase *tc = tcase_create(flavour());
+    if (!strcmp(flavour(), "host")) {
+        tcase_add_loop_test(tc, test_grid_matches_one_rank, 0, 4);
+        tcase_add_test(tc, test_seed_repeats);
+        tcase_add_test(tc, test_resume);
+        tcase_add_test(tc, test_bad_flags);
+    } else {
+        tcase_add_test(tc, test_device_training);
+        if (!strcmp(flavour(), "nccl")) tcase_add_test(tc, test_cparrun_training);
+    }
+    tcase_set_timeout(tc, 600);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
