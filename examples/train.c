@@ -102,7 +102,7 @@ static void usage(FILE *f) {
             "  --heads N            attention heads, divisible by tp (default 4; 8 on GPUs)\n"
             "  --seq N              sequence length, divisible by 2*cp*tp (default 128; 512 on GPUs)\n"
             "  --batch N            sequences per dp rank and step (default 8)\n"
-            "  --steps N            training steps in all (default 600)\n"
+            "  --steps N            training steps in all (default 1000)\n"
             "  --lr X --warmup N    peak learning rate and warm-up steps (default 3e-3, 20; cosine to lr/10)\n"
             "  --weight-decay X     AdamW's decoupled weight decay on matrices (default 0.1)\n"
             "  --clip X             clip the global gradient norm to X; 0: off (default 1.0)\n"
@@ -145,7 +145,7 @@ static float parse_float(const char *flag, const char *v, float lo, float hi, bo
 /* 0: run; 1: printed help; 2: bad flags (already reported). */
 static int parse_options(int argc, char **argv, options *o) {
     bool bad = false, gpu = false, grid_given = false;
-    *o = (options){.tp = 2, .cp = 2, .dp = 1, .batch = 8, .steps = 600, .warmup = 20, .eval_every = 100,
+    *o = (options){.tp = 2, .cp = 2, .dp = 1, .batch = 8, .steps = 1000, .warmup = 20, .eval_every = 100,
                    .eval_batches = 8, .sample = 200, .verify = 5, .top_k = 40, .lr = 3e-3f, .weight_decay = 0.1f,
                    .clip = 1.0f, .temperature = 0.8f, .seed = 1337, .prompt = "cpar_", .dtype = (cpar_dtype)-1,
                    .backend = (cpar_backend)-1};
