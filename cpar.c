@@ -127,12 +127,13 @@ struct cpar_ctx {
  * Monotonic time, the CPAR_LOG switch and aligned host allocation.
  * Uses: nothing. */
 
-
-static int64_t cpar__now_ms(void) {
+static int64_t cpar__now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
+
+static int64_t cpar__now_ms(void) { return cpar__now_ns() / 1000000; }
 
 /* Absolute CLOCK_REALTIME deadline for pthread_cond_timedwait. */
 static struct timespec cpar__abs_deadline(int64_t ms_from_now) {
@@ -968,6 +969,42 @@ static void cpar__host_cast(void *dst, cpar_dtype dd, const void *src, cpar_dtyp
     if (dd == sd) memmove(dst, src, (size_t)n * cpar_dtype_size(sd));
     else if (cpar_dtype_is_float(dd) && cpar_dtype_is_float(sd)) cpar__host_cast_fp(dst, dd, src, sd, n);
     else for (int64_t i = 0; i < n; i++) cpar__store_f(dst, dd, i, cpar__load_f(src, sd, i));
+}
+
+/* Copy with non-temporal stores, for destinations nobody reads before they
+ * would have left the cache anyway (large collective outputs): the stores
+ * skip the read-for-ownership of every destination line and leave the cache
+ * to the working set, which makes out-of-cache copies about twice memcpy's
+ * rate here. The stores are weakly ordered: call cpar__host_stream_fence
+ * before another thread may read dst. SSE2 is part of x86-64, so there is no
+ * run-time dispatch; elsewhere this is memcpy. dst and src do not overlap. */
+static void cpar__host_stream_copy(void *dst, const void *src, size_t bytes) {
+#ifdef CPAR__X86_KERNELS
+    char *d = dst;
+    const char *s = src;
+    size_t head = (size_t)(-(uintptr_t)d & 15); /* to 16-byte alignment, as _mm_stream_si128 needs */
+    if (head > bytes) head = bytes;
+    memcpy(d, s, head);
+    d += head, s += head, bytes -= head;
+    size_t body = bytes & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i)), b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32)), e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    memcpy(d + body, s + body, bytes - body);
+#else
+    memcpy(dst, src, bytes);
+#endif
+}
+
+static void cpar__host_stream_fence(void) {
+#ifdef CPAR__X86_KERNELS
+    _mm_sfence();
+#endif
 }
 
 /* fmaf as the kernel does, so host and device agree bit for bit (the AVX2
@@ -3100,6 +3137,33 @@ static cpar_status cpar__wait_locked(cpar_group *g, const char *fn, const cpar__
     }
 }
 
+/* Processors this process may run on (cached; 1 when unknown). */
+static int cpar__online_cpus(void) {
+    static atomic_int cpus;
+    int n = atomic_load_explicit(&cpus, memory_order_relaxed);
+    if (!n) {
+        long c = sysconf(_SC_NPROCESSORS_ONLN);
+        n = c > 0 && c < INT_MAX ? (int)c : 1;
+        atomic_store_explicit(&cpus, n, memory_order_relaxed);
+    }
+    return n;
+}
+
+/* Wait for rendezvous generation target by polling, for at most ~50 us: when
+ * every member has its own core, the last one usually arrives within that,
+ * and a sleeping waiter would pay a futex wake-up (~20 us here) per meeting.
+ * The caller then waits on the condition variable as usual (which also
+ * notices failures and deadlines). */
+static void cpar__hc_spin(const cpar__hcomm *hc, uint64_t target) {
+    int64_t until = cpar__now_ns() + 50000;
+    for (unsigned i = 1; __atomic_load_n(&hc->gen, __ATOMIC_ACQUIRE) < target; i++) {
+#ifdef CPAR__X86_KERNELS
+        _mm_pause();
+#endif
+        if (!(i & 63) && cpar__now_ns() > until) return;
+    }
+}
+
 /* Meet every member of g. */
 static cpar_status cpar__hc_rendezvous(cpar_group *g, const char *fn) {
     cpar__hcomm *hc = g->hc;
@@ -3115,9 +3179,14 @@ static cpar_status cpar__hc_rendezvous(cpar_group *g, const char *fn) {
         cpar__wait w = {CPAR__WAIT_RENDEZVOUS, -1, hc->gen + 1};
         if (++hc->count == hc->n) {
             hc->count = 0;
-            hc->gen++;
+            __atomic_store_n(&hc->gen, hc->gen + 1, __ATOMIC_RELEASE);
             pthread_cond_broadcast(&job->cv);
         } else {
+            if (hc->n <= cpar__online_cpus()) { /* everyone has a core: the others are about to arrive */
+                pthread_mutex_unlock(&job->mu);
+                cpar__hc_spin(hc, w.target);
+                pthread_mutex_lock(&job->mu);
+            }
             st = cpar__wait_locked(g, fn, &w, deadline);
         }
     }
@@ -3149,6 +3218,22 @@ static void cpar__even_share(int64_t n, int size, int r, int64_t *lo, int64_t *h
     *hi = *lo + q + (r < rem);
 }
 
+/* acc = ins[0] + ins[1] + ... (f32, in rank order) over one block of m
+ * elements from off: the all-reduce's common case, vectorised. */
+CPAR__INLINE void cpar__blk_sum_f32(float *restrict acc, const void *const *ins, int nin, int64_t off, int m) {
+    const float *restrict x = (const float *)ins[0] + off;
+    if (nin == 1) {
+        memcpy(acc, x, (size_t)m * sizeof *acc);
+        return;
+    }
+    const float *restrict y = (const float *)ins[1] + off;
+    CPAR__IVDEP for (int k = 0; k < m; k++) acc[k] = x[k] + y[k];
+    for (int j = 2; j < nin; j++) {
+        const float *restrict z = (const float *)ins[j] + off;
+        CPAR__IVDEP for (int k = 0; k < m; k++) acc[k] += z[k];
+    }
+}
+
 /* outs[k][out_off + i] = op over j of ins[j][in_off + i], i < count, in rank
  * order with fp32 accumulation of float types. On host memory it works in
  * blocks through a stack accumulator; on device memory through an fp32 (or
@@ -3156,23 +3241,35 @@ static void cpar__even_share(int64_t n, int size, int r, int64_t *lo, int64_t *h
  * stream the collective runs on (cpar__coll_stream). */
 static cpar_status cpar__reduce_rows(cpar_ctx *ctx, const char *fn, cpar_dtype dt, cpar_reduce_op op, int device,
                                      const void *const *ins, int nin, int64_t in_off, void *const *outs, int nout,
-                                     int64_t out_off, int64_t count) {
+                                     int64_t out_off, int64_t count, bool stream) {
     if (count <= 0) return CPAR_OK;
     size_t es = cpar_dtype_size(dt);
     bool isf = cpar_dtype_is_float(dt);
     cpar_dtype acc_dt = isf ? CPAR_F32 : dt;
     size_t acc_es = cpar_dtype_size(acc_dt);
     if (!cpar__on_device(device)) {
-        enum { B = 1024 };
-        int64_t acc[B]; /* 8 KiB, aligned for every accumulator type */
-        for (int64_t b = 0; b < count; b += B) {
-            int64_t len = cpar__min64(B, count - b);
-            cpar__host_cast(acc, acc_dt, (const char *)ins[0] + (size_t)(in_off + b) * es, dt, len);
-            for (int j = 1; j < nin; j++)
-                cpar__host_reduce_into(acc, (const char *)ins[j] + (size_t)(in_off + b) * es, dt, len, op);
-            for (int k = 0; k < nout; k++)
-                cpar__host_cast((char *)outs[k] + (size_t)(out_off + b) * es, dt, acc, acc_dt, len);
-        }
+        int64_t acc[CPAR__BLK]; /* one block's accumulator, aligned for every accumulator type */
+        uint16_t nar[CPAR__BLK]; /* the block narrowed back to a 16-bit dtype, to stream out */
+        bool f32_sum = dt == CPAR_F32 && op == CPAR_SUM;
+        CPAR__BLOCKS(count, b, len,
+            if (f32_sum) {
+                cpar__blk_sum_f32((float *)acc, ins, nin, in_off + b, len);
+            } else {
+                cpar__host_cast(acc, acc_dt, (const char *)ins[0] + (size_t)(in_off + b) * es, dt, len);
+                for (int j = 1; j < nin; j++)
+                    cpar__host_reduce_into(acc, (const char *)ins[j] + (size_t)(in_off + b) * es, dt, len, op);
+            }
+            const void *blk = acc;
+            if (stream && dt != acc_dt) {
+                cpar__host_cast(nar, dt, acc, acc_dt, len);
+                blk = nar;
+            }
+            for (int k = 0; k < nout; k++) {
+                void *dst = (char *)outs[k] + (size_t)(out_off + b) * es;
+                if (stream) cpar__host_stream_copy(dst, blk, (size_t)len * es);
+                else cpar__host_cast(dst, dt, acc, acc_dt, len);
+            })
+        if (stream) cpar__host_stream_fence();
         return CPAR_OK;
     }
     CPAR_TRY(cpar__grow_buffer(ctx, fn, &ctx->coll_ws, &ctx->coll_ws_bytes, (size_t)count * acc_es));
@@ -3233,7 +3330,30 @@ static cpar_status cpar__hc_validate(cpar_group *g, const char *fn) {
     return CPAR_OK;
 }
 
-/* Post, meet, check agreement, move this member's share, meet again. */
+/* Collectives whose members together write at least this many bytes stream
+ * their host stores past the cache (cpar__host_stream_copy): half of a 32 MiB
+ * last-level cache, beyond which the outputs would not stay cached anyway.
+ * Below it the outputs stay in cache for their next reader. */
+#ifndef CPAR__HC_STREAM_BYTES
+#define CPAR__HC_STREAM_BYTES ((size_t)16 << 20)
+#endif
+
+/* One piece of a collective's data movement into host or device memory. */
+static cpar_status cpar__hc_copy(cpar_ctx *ctx, const char *fn, void *dst, const void *src, size_t bytes,
+                                 bool stream) {
+    if (!cpar__on_device(ctx->device) && stream && dst != src) {
+        cpar__host_stream_copy(dst, src, bytes);
+        return CPAR_OK;
+    }
+    int dev = ctx->device;
+    return cpar__copy_bytes_on(ctx, fn, cpar__coll_stream(ctx), dst, dev, src, dev, bytes);
+}
+
+/* Post, meet, check agreement, move this member's share, meet again. Every
+ * member moves its own part in parallel with the others: all-reduce and
+ * reduce-scatter reduce a 1/n share each (in rank order, so every member and
+ * every run sums the same way), all-gather, all-to-all and broadcast pull
+ * what the member receives. */
 static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar__slot *mine) {
     cpar_ctx *ctx = g->ctx;
     cpar__hcomm *hc = g->hc;
@@ -3254,6 +3374,15 @@ static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar
         ins[m] = sl[m].in;
         outs[m] = sl[m].out;
     }
+    /* Bytes the whole group writes, which decides whether stores stream. */
+    size_t total = (size_t)mine->rows * row * (size_t)n;
+    if (mine->kind == CPAR_COLL_REDUCE_SCATTER) total = (size_t)mine->rows * row;
+    if (mine->kind == CPAR_COLL_ALL_GATHER || mine->kind == CPAR_COLL_ALL_TO_ALL) {
+        total = 0; /* every member gathers all inputs; all-to-all moves each input once */
+        for (int m = 0; m < n; m++) total += (size_t)sl[m].rows * row;
+        if (mine->kind == CPAR_COLL_ALL_GATHER) total *= (size_t)n;
+    }
+    bool stream = total >= CPAR__HC_STREAM_BYTES;
     if (st == CPAR_OK) switch (mine->kind) {
     case CPAR_COLL_ALL_REDUCE: {
         /* Member me reduces its even share of the elements and writes it into
@@ -3261,7 +3390,11 @@ static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar
          * in-place (out == in) is safe without a scratch copy. */
         int64_t lo, hi;
         cpar__even_share(mine->rows * mine->row_elems, n, me, &lo, &hi);
-        st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, lo, outs, n, lo, hi - lo);
+        /* In place, the stores hit lines the loads just brought in: keep them cached. */
+        bool in_place = false;
+        for (int m = 0; m < n; m++) in_place |= sl[m].in == sl[m].out;
+        st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, lo, outs, n, lo, hi - lo,
+                               stream && !in_place);
         break;
     }
     case CPAR_COLL_REDUCE_SCATTER: {
@@ -3269,14 +3402,14 @@ static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar
         for (int m = 0; m < me; m++) off += mine->sizes ? mine->sizes[m] : sl[m].rows / n;
         int64_t rows = mine->sizes ? mine->sizes[me] : mine->rows / n;
         st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, off * mine->row_elems,
-                               &mine->out, 1, 0, rows * mine->row_elems);
+                               &mine->out, 1, 0, rows * mine->row_elems, stream);
         break;
     }
     case CPAR_COLL_ALL_GATHER: {
         size_t off = 0;
         for (int m = 0; m < n && st == CPAR_OK; m++) {
             size_t bytes = (size_t)sl[m].rows * row;
-            st = cpar__copy_bytes_on(ctx, fn, cs, (char *)mine->out + off, dev, sl[m].in, dev, bytes);
+            st = cpar__hc_copy(ctx, fn, (char *)mine->out + off, sl[m].in, bytes, stream);
             off += bytes;
         }
         break;
@@ -3287,18 +3420,19 @@ static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar
             int64_t src_row = 0;
             for (int j = 0; j < me; j++) src_row += sl[m].in_splits[j];
             size_t bytes = (size_t)mine->out_splits[m] * row;
-            st = cpar__copy_bytes_on(ctx, fn, cs, (char *)mine->out + off, dev,
-                                     (const char *)sl[m].in + (size_t)src_row * row, dev, bytes);
+            st = cpar__hc_copy(ctx, fn, (char *)mine->out + off, (const char *)sl[m].in + (size_t)src_row * row,
+                               bytes, stream);
             off += bytes;
         }
         break;
     }
     case CPAR_COLL_BROADCAST:
         if (me != mine->root)
-            st = cpar__copy_bytes_on(ctx, fn, cs, mine->out, dev, sl[mine->root].in, dev, (size_t)mine->rows * row);
+            st = cpar__hc_copy(ctx, fn, mine->out, sl[mine->root].in, (size_t)mine->rows * row, stream);
         break;
     default: break;
     }
+    if (stream && !cpar__on_device(dev)) cpar__host_stream_fence();
     /* Device work reads peers' buffers: finish it before releasing them. */
     if (st == CPAR_OK && cpar__on_device(dev)) {
         cpar_status ds = cpar_dev_stream_sync(cs);

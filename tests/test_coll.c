@@ -392,6 +392,119 @@ static cpar_status rank_broadcast(cpar_ctx *ctx, void *p) {
 START_TEST(test_broadcast) { TU_OK(tu_spawn(group_sizes[_i], rank_broadcast, NULL)); }
 END_TEST
 
+/* ---- large collectives ---------------------------------------------------------------- */
+
+/* Collectives whose group writes 16 MiB or more take the host backend's
+ * streaming stores (cpar.c section 8): all of them again at that size, with
+ * element counts that leave unaligned heads and tails (bf16 rows of odd
+ * length). Ranks share their inputs through the job's argument instead of
+ * regenerating each other's 16 MiB. */
+#define BIG_BYTES ((int64_t)16 << 20)
+typedef struct {
+    void *x[MAX_RANKS];
+} big_arg;
+
+static void share_input(cpar_group *g, big_arg *a, void *mine) {
+    a->x[cpar_group_rank(g)] = mine;
+    TU_OK(cpar_barrier(g));
+}
+
+static cpar_status rank_large(cpar_ctx *ctx, void *p) {
+    big_arg *a = p;
+    cpar_group *g = cpar_world_group(ctx);
+    int n = cpar_group_size(g), me = cpar_group_rank(g);
+    const cpar_dtype dts[] = {CPAR_F32, CPAR_BF16};
+    for (int d = 0; d < 2; d++) {
+        cpar_dtype dt = dts[d];
+        size_t es = cpar_dtype_size(dt);
+        /* 16 MiB + 37 elements, divisible by n for reduce-scatter: every kind streams */
+        int64_t numel = (BIG_BYTES / (int64_t)es + 37) / n * n, part = numel / n;
+        share_input(g, a, tu_random_host(dt, numel, seed_of(500 + d, me)));
+        char msg[256];
+        double *want = malloc((size_t)numel * sizeof *want);
+        ref_reduce(dt, CPAR_SUM, a->x, n, 0, numel, want);
+        /* all-reduce, out of place (streamed) and in place (cached) */
+        for (int in_place = 0; in_place < 2; in_place++) {
+            cpar_tensor in = tu_upload(ctx, a->x[me], dt, 1, &numel), out = in;
+            if (!in_place) out = tu_alloc_poisoned(ctx, dt, 1, &numel);
+            TU_OK(cpar_all_reduce(g, &in, &out, CPAR_SUM));
+            void *got = tu_download(ctx, &out);
+            ck_assert_msg(reduce_mismatch(got, dt, CPAR_SUM, n, want, numel, msg, sizeof msg) < 0,
+                          "large all_reduce %s%s, rank %d of %d: %s", cpar_dtype_name(dt),
+                          in_place ? " in place" : "", me, n, msg);
+            free(got);
+            free_tensor(ctx, &in);
+            if (!in_place) free_tensor(ctx, &out);
+        }
+        /* reduce-scatter */
+        {
+            cpar_tensor in = tu_upload(ctx, a->x[me], dt, 1, &numel), out = tu_alloc_poisoned(ctx, dt, 1, &part);
+            TU_OK(cpar_reduce_scatter(g, &in, &out, CPAR_SUM, NULL));
+            void *got = tu_download(ctx, &out);
+            ck_assert_msg(reduce_mismatch(got, dt, CPAR_SUM, n, want + me * part, part, msg, sizeof msg) < 0,
+                          "large reduce_scatter %s, rank %d of %d: %s", cpar_dtype_name(dt), me, n, msg);
+            free(got);
+            free_tensor(ctx, &in);
+            free_tensor(ctx, &out);
+        }
+        free(want);
+        /* all-gather of each rank's first part + 3r elements (odd, uneven sizes) */
+        {
+            int64_t rows[MAX_RANKS], total = 0;
+            for (int r = 0; r < n; r++) total += rows[r] = part + 3 * r;
+            cpar_tensor in = tu_upload(ctx, a->x[me], dt, 1, &rows[me]), out = tu_alloc_poisoned(ctx, dt, 1, &total);
+            TU_OK(cpar_all_gather(g, &in, &out, rows));
+            char *want = malloc((size_t)total * es), *at = want;
+            for (int r = 0; r < n; r++) {
+                memcpy(at, a->x[r], (size_t)rows[r] * es);
+                at += rows[r] * (int64_t)es;
+            }
+            void *got = tu_download(ctx, &out);
+            expect_same(got, want, dt, total, "large all_gather", g);
+            free(got);
+            free(want);
+            free_tensor(ctx, &in);
+            free_tensor(ctx, &out);
+        }
+        /* all-to-all, equal splits */
+        {
+            cpar_tensor in = tu_upload(ctx, a->x[me], dt, 1, &numel), out = tu_alloc_poisoned(ctx, dt, 1, &numel);
+            TU_OK(cpar_all_to_all_single(g, &in, &out, NULL, NULL));
+            char *want = malloc((size_t)numel * es);
+            for (int r = 0; r < n; r++)
+                memcpy(want + (size_t)(r * part) * es, (char *)a->x[r] + (size_t)(me * part) * es, (size_t)part * es);
+            void *got = tu_download(ctx, &out);
+            expect_same(got, want, dt, numel, "large all_to_all", g);
+            free(got);
+            free(want);
+            free_tensor(ctx, &in);
+            free_tensor(ctx, &out);
+        }
+        /* broadcast from the last rank */
+        {
+            cpar_tensor buf = tu_upload(ctx, a->x[me], dt, 1, &numel);
+            TU_OK(cpar_broadcast(g, &buf, n - 1));
+            void *got = tu_download(ctx, &buf);
+            expect_same(got, a->x[n - 1], dt, numel, "large broadcast", g);
+            free(got);
+            free_tensor(ctx, &buf);
+        }
+        TU_OK(cpar_barrier(g)); /* every rank is done reading the shared inputs */
+        free(a->x[me]);
+    }
+    return CPAR_OK;
+}
+
+START_TEST(test_large) {
+    int n = group_sizes[_i];
+    /* Group sizes 2-4 on the host backend, whose streaming path this is (one
+     * rank moves nothing; 8 ranks would take long). */
+    if (n < 2 || n > 4 || tu_on_device()) return;
+    big_arg a = {{NULL}};
+    TU_OK(tu_spawn(n, rank_large, &a));
+}
+END_TEST
+
 /* ---- point to point -------------------------------------------------------------------- */
 
 enum { P2P_SENDRECV, P2P_SEND_THEN_RECV, P2P_RING_SHIFT, P2P_MODES };
@@ -817,7 +930,7 @@ Suite *suite(void) {
     } loops[] = {
         {"all_reduce", test_all_reduce}, {"all_gather", test_all_gather}, {"reduce_scatter", test_reduce_scatter},
         {"all_to_all", test_all_to_all}, {"broadcast", test_broadcast},   {"p2p", test_p2p},
-        {"barrier", test_barrier},       {"split", test_split},
+        {"barrier", test_barrier},       {"split", test_split},             {"large", test_large},
     };
     for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
         TCase *tc = tcase_create(loops[i].name);
