@@ -4,7 +4,7 @@
  * library on NCCL and cuBLAS: no MPI, no Python. Copy cpar.h, cpar.c and
  * cpar_kernels.cu into a project (or link libcpar.a).
  *
- * Conventions (see README.md and DESIGN.md):
+ * Conventions (see README.md and docs/DESIGN.md):
  *  - Every function returns cpar_status; on failure cpar_last_error() gives one
  *    line naming the function, the argument and what was expected.
  *  - Configuration structs are passed by pointer; a zero field means the

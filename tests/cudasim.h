@@ -1,4 +1,4 @@
-/* tests/cudasim.h — a CUDA simulator for the cpar sim build (DESIGN.md §2).
+/* tests/cudasim.h — a CUDA simulator for the cpar sim build (docs/DESIGN.md §2).
  *
  * Lets the real cpar_kernels.cu compile with a plain C++17 compiler and run
  * every kernel, runtime call and cuBLAS GEMM on the CPU:

@@ -1,4 +1,4 @@
-/* test_faults.c — a job never hangs (cpar.h §3, DESIGN.md §4): a rank that
+/* test_faults.c — a job never hangs (cpar.h §3, docs/DESIGN.md §5): a rank that
  * aborts, fails, leaves early, sleeps past the deadline, calls a different
  * collective, or sends to nobody makes its peers return an error within the
  * deadline, and the process can run a new job afterwards.

@@ -1,5 +1,5 @@
 /* test_grid.c — Megatron's parallel grid: cpar_grid_init and the tp, cp,
- * dp, pp, tp-cp and dp-cp groups (cpar.h §4, DESIGN.md §4).
+ * dp, pp, tp-cp and dp-cp groups (cpar.h §4, docs/DESIGN.md §3).
  *
  * For each rank and group kind the expected members are computed here from
  * Megatron's rank order, rank = tp_rank + tp*(cp_rank + cp*(dp_rank +
