@@ -337,22 +337,76 @@ cpar_tensor cpar_tensor_make(void *data, cpar_dtype dtype, int ndim, const int64
     return t;
 }
 
+/* Checked int64 arithmetic for every size computed from user input: false
+ * (and *out unspecified) when the exact result does not fit, so no signed
+ * overflow is reachable from the public API. */
+static bool cpar__mul64(int64_t a, int64_t b, int64_t *out) {
+#if defined(__GNUC__) || defined(__clang__)
+    return !__builtin_mul_overflow(a, b, out);
+#else
+    if (a > 0 ? (b > 0 ? a > INT64_MAX / b : b < INT64_MIN / a)
+              : (b > 0 ? a < INT64_MIN / b : a != 0 && b < INT64_MAX / a))
+        return false;
+    *out = a * b;
+    return true;
+#endif
+}
+
+static bool cpar__add64(int64_t a, int64_t b, int64_t *out) {
+#if defined(__GNUC__) || defined(__clang__)
+    return !__builtin_add_overflow(a, b, out);
+#else
+    if (b > 0 ? a > INT64_MAX - b : a < INT64_MIN - b) return false;
+    *out = a + b;
+    return true;
+#endif
+}
+
+/* The largest byte count a tensor may have: it must fit int64 (offsets are
+ * int64) and a size_t with room to spare for pointer differences. */
+#define CPAR__MAX_BYTES ((int64_t)((uint64_t)PTRDIFF_MAX < (uint64_t)INT64_MAX ? (uint64_t)PTRDIFF_MAX : (uint64_t)INT64_MAX))
+
+typedef enum { CPAR__SHAPE_OK, CPAR__SHAPE_NDIM, CPAR__SHAPE_NEG, CPAR__SHAPE_OVERFLOW } cpar__shape_verdict;
+
+/* Validate a shape before any loop over it: ndim in 0..CPAR_MAX_DIMS, no
+ * negative dim, and the dims multiplied together with zeros counted as 1,
+ * times es bytes, within CPAR__MAX_BYTES. Counting zeros as 1 makes every
+ * partial product of the dims (the row sizes later sections compute) and
+ * its byte size fit as well. *numel gets the element count; *bad_dim the
+ * negative dim. */
+static cpar__shape_verdict cpar__shape_check(int ndim, const int64_t *shape, size_t es, int64_t *numel, int *bad_dim) {
+    if (ndim < 0 || ndim > CPAR_MAX_DIMS) return CPAR__SHAPE_NDIM;
+    int64_t n = 1, extent = es ? (int64_t)es : 1;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0) {
+            if (bad_dim) *bad_dim = i;
+            return CPAR__SHAPE_NEG;
+        }
+        if (shape[i] == 0) n = 0;
+        else if (!cpar__mul64(extent, shape[i], &extent) || extent > CPAR__MAX_BYTES) return CPAR__SHAPE_OVERFLOW;
+        else n *= shape[i]; /* no overflow: |n| <= extent */
+    }
+    if (numel) *numel = n;
+    return CPAR__SHAPE_OK;
+}
+
 int64_t cpar_tensor_numel(const cpar_tensor *t) {
     if (!t) return 0;
-    int64_t n = 1;
-    for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
-    return n;
+    int64_t n;
+    return cpar__shape_check(t->ndim, t->shape, cpar_dtype_size(t->dtype), &n, NULL) == CPAR__SHAPE_OK ? n : -1;
 }
 
 size_t cpar_tensor_nbytes(const cpar_tensor *t) {
-    return t ? (size_t)cpar_tensor_numel(t) * cpar_dtype_size(t->dtype) : 0;
+    int64_t n = cpar_tensor_numel(t);
+    return n > 0 ? (size_t)n * cpar_dtype_size(t->dtype) : 0; /* fits: checked against CPAR__MAX_BYTES */
 }
 
 /* "[8,2,16]" into buf. */
 static const char *cpar__shape_str(const cpar_tensor *t, char *buf, size_t cap) {
     size_t n = 0;
     n += (size_t)snprintf(buf + n, cap - n, "[");
-    for (int i = 0; i < t->ndim && n < cap; i++)
+    int nd = t->ndim < 0 ? 0 : t->ndim > CPAR_MAX_DIMS ? CPAR_MAX_DIMS : t->ndim;
+    for (int i = 0; i < nd && n < cap; i++)
         n += (size_t)snprintf(buf + n, cap - n, "%s%lld", i ? "," : "", (long long)t->shape[i]);
     if (n < cap) snprintf(buf + n, cap - n, "]");
     return buf;
@@ -372,16 +426,26 @@ static cpar_status cpar__check_tensor(cpar_ctx *ctx, const char *fn, const char 
     if (!t) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is NULL", fn, name);
     if (!cpar__dtype_valid(t->dtype))
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has invalid dtype %d", fn, name, (int)t->dtype);
-    if (t->ndim < 0 || t->ndim > CPAR_MAX_DIMS)
+    int64_t numel = 0;
+    int bad = 0;
+    switch (cpar__shape_check(t->ndim, t->shape, cpar_dtype_size(t->dtype), &numel, &bad)) {
+    case CPAR__SHAPE_NDIM:
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has ndim %d, expected 0..%d", fn, name, t->ndim,
                           CPAR_MAX_DIMS);
-    for (int i = 0; i < t->ndim; i++)
-        if (t->shape[i] < 0)
-            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has negative dim %d (%lld)", fn, name, i,
-                              (long long)t->shape[i]);
-    if (!t->data && cpar_tensor_numel(t) > 0)
+    case CPAR__SHAPE_NEG:
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has negative dim %d (%lld)", fn, name, bad,
+                          (long long)t->shape[bad]);
+    case CPAR__SHAPE_OVERFLOW: {
+        char got[160];
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has shape %s of %s, whose size overflows (expected at "
+                          "most %lld bytes)", fn, name, cpar__shape_str(t, got, sizeof got), cpar_dtype_name(t->dtype),
+                          (long long)CPAR__MAX_BYTES);
+    }
+    default: break;
+    }
+    if (!t->data && numel > 0)
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has NULL data and %lld elements", fn, name,
-                          (long long)cpar_tensor_numel(t));
+                          (long long)numel);
     if (expect_device >= CPAR_HOST && t->device != expect_device) {
         char got[32], want[32];
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is on %s, expected %s (the context's device)", fn, name,
@@ -667,9 +731,18 @@ cpar_status cpar_tensor_alloc(cpar_ctx *ctx, cpar_dtype dtype, int ndim, const i
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ndim is %d, expected 0..%d", fn, ndim, CPAR_MAX_DIMS);
     if (ndim > 0 && !shape) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: shape is NULL with ndim %d", fn, ndim);
     if (!cpar__dtype_valid(dtype)) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dtype is %d, not a cpar_dtype", fn, (int)dtype);
-    for (int i = 0; i < ndim; i++)
-        if (shape[i] < 0)
-            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: shape[%d] is %lld, expected >= 0", fn, i, (long long)shape[i]);
+    int bad = 0;
+    switch (cpar__shape_check(ndim, shape, cpar_dtype_size(dtype), NULL, &bad)) {
+    case CPAR__SHAPE_NEG:
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: shape[%d] is %lld, expected >= 0", fn, bad, (long long)shape[bad]);
+    case CPAR__SHAPE_OVERFLOW: {
+        char got[160];
+        cpar_tensor t = cpar_tensor_make(NULL, dtype, ndim, shape, ctx->device);
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: shape %s of %s overflows (expected at most %lld bytes)", fn,
+                          cpar__shape_str(&t, got, sizeof got), cpar_dtype_name(dtype), (long long)CPAR__MAX_BYTES);
+    }
+    default: break;
+    }
     *out = cpar_tensor_make(NULL, dtype, ndim, shape, ctx->device);
     return cpar__mem_alloc(ctx, fn, ctx->device, cpar_tensor_nbytes(out), &out->data);
 }
@@ -3878,7 +3951,8 @@ static cpar_status cpar__check_sizes(cpar_group *g, const char *fn, const char *
         if (sizes[r] < 0)
             return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: %s[%d] is %lld, expected >= 0", fn, name, r,
                               (long long)sizes[r]);
-        *total += sizes[r];
+        if (!cpar__add64(*total, sizes[r], total))
+            return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: %s add up past INT64_MAX", fn, name);
     }
     return CPAR_OK;
 }
@@ -3933,7 +4007,10 @@ cpar_status cpar_all_gather(cpar_group *g, const cpar_tensor *in, cpar_tensor *o
     CPAR_TRY(cpar__coll_tensor(g, fn, "out", out, in));
     CPAR_TRY(cpar__check_dim0(g, fn, "in", in));
     int n = g->size;
-    int64_t total = in->shape[0] * n, want[CPAR_MAX_DIMS];
+    int64_t total = 0, want[CPAR_MAX_DIMS];
+    if (!sizes && !cpar__mul64(in->shape[0], n, &total))
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: in has %lld rows; %d ranks' rows overflow int64", fn,
+                          (long long)in->shape[0], n);
     if (sizes) {
         CPAR_TRY(cpar__check_sizes(g, fn, "sizes", sizes, &total));
         if (in->shape[0] != sizes[g->rank])
@@ -4994,6 +5071,9 @@ cpar_status cpar_divide(int64_t num, int64_t den, int64_t *out) {
     static const char fn[] = "cpar_divide";
     if (!out) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: out is NULL", fn);
     if (den == 0) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: den is 0, expected a non-zero denominator", fn);
+    /* The one quotient of two int64 that is not an int64 (and traps on x86). */
+    if (num == INT64_MIN && den == -1)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: %lld / -1 overflows int64", fn, (long long)num);
     if (num % den)
         return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: %lld is not divisible by %lld", fn, (long long)num,
                           (long long)den);

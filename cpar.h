@@ -117,6 +117,11 @@ typedef struct cpar_tensor {
 
 /* A view of caller-owned memory. ndim in [0, CPAR_MAX_DIMS]; ndim 0 is a scalar. */
 cpar_tensor cpar_tensor_make(void *data, cpar_dtype dtype, int ndim, const int64_t *shape, int device);
+/* Element count and byte size. Every size is checked: a tensor whose ndim is
+ * outside 0..CPAR_MAX_DIMS, that has a negative dim, or whose dims (zeros
+ * counted as 1) times the dtype size exceed PTRDIFF_MAX bytes is invalid;
+ * numel returns -1 for it and nbytes 0 (both return 0 for NULL), and every
+ * function given one returns CPAR_ERR_INVALID naming the argument. */
 int64_t cpar_tensor_numel(const cpar_tensor *t);
 size_t cpar_tensor_nbytes(const cpar_tensor *t);
 
@@ -583,7 +588,8 @@ cpar_status cpar_all_to_all_hp2sp(cpar_group *g, const cpar_tensor *in, cpar_ten
 /* ---- Utilities (megatron/core/tensor_parallel/utils.py, megatron.core.utils) ---- */
 
 /* *out = num / den; CPAR_ERR_INVALID unless den divides num
- * ("cpar_divide: 10 is not divisible by 4"). Megatron's divide(). */
+ * ("cpar_divide: 10 is not divisible by 4"), for den == 0, and for
+ * INT64_MIN / -1 (not an int64). Defined for every pair. Megatron's divide(). */
 cpar_status cpar_divide(int64_t num, int64_t den, int64_t *out);
 
 /* VocabUtility.vocab_range_from_global_vocab_size: rank's half-open slice
