@@ -1012,6 +1012,7 @@ static void cpar__fill_bits(void *p, size_t es, int64_t n, uint64_t v) {
 }
 
 static void cpar__host_fill(void *p, cpar_dtype dt, int64_t n, double value) {
+    if (n <= 0) return; /* an empty tensor may have NULL data */
     switch (dt) {
     case CPAR_F32: cpar__fill_bits(p, 4, n, cpar__f32_bits((float)value)); break;
     case CPAR_F16: cpar__fill_bits(p, 2, n, cpar__f16_bits((float)value)); break;
@@ -1038,6 +1039,7 @@ CPAR__VARIANTS(cpar__host_cast_fp, (void *dst, cpar_dtype dd, const void *src, c
                (dst, dd, src, sd, n))
 
 static void cpar__host_cast(void *dst, cpar_dtype dd, const void *src, cpar_dtype sd, int64_t n) {
+    if (n <= 0) return; /* an empty tensor may have NULL data, which memmove must not see */
     if (dd == sd) memmove(dst, src, (size_t)n * cpar_dtype_size(sd));
     else if (cpar_dtype_is_float(dd) && cpar_dtype_is_float(sd)) cpar__host_cast_fp(dst, dd, src, sd, n);
     else for (int64_t i = 0; i < n; i++) cpar__store_f(dst, dd, i, cpar__load_f(src, sd, i));
@@ -8231,13 +8233,15 @@ static cpar_status cpar__mcp_lb_public(cpar_ctx *ctx, const char *fn, int cp_siz
     if (out->device != in->device)
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is on device %d, expected device %d (as in)", fn, out->device,
                           in->device);
-    if (in->shape[0] % (2 * (int64_t)cp_size))
+    int64_t chunks = 2 * (int64_t)cp_size; /* int64: cp_size may be INT_MAX */
+    if (in->shape[0] % chunks)
         return cpar__fail(ctx, CPAR_ERR_INVALID,
-                          "%s: in has %lld rows (dim 0, the sequence), not divisible by 2*cp_size = %d", fn,
-                          (long long)in->shape[0], 2 * cp_size);
+                          "%s: in has %lld rows (dim 0, the sequence), not divisible by 2*cp_size = %lld", fn,
+                          (long long)in->shape[0], (long long)chunks);
     if (cpar__ranges_overlap(in->data, cpar_tensor_nbytes(in), out->data, cpar_tensor_nbytes(out)))
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out overlaps in", fn);
-    size_t chunk = cpar_tensor_nbytes(in) / (size_t)(2 * cp_size);
+    size_t chunk = cpar_tensor_nbytes(in) / (size_t)chunks;
+    if (!chunk) return CPAR_OK; /* empty: no 2*cp_size copies of nothing */
     return cpar__mcp_lb(ctx, fn, out->data, out->device, in->data, in->device, chunk, cp_size, undo);
 }
 
