@@ -3017,6 +3017,11 @@ typedef struct cpar__slot {    /* one member's description of the current collec
 typedef struct cpar__mailbox {
     const void *ptr;
     size_t bytes;
+    cpar_dtype dtype;           /* what the sender sends, checked by the receiver before it reads */
+    int64_t numel;
+    bool rejected;              /* the receiver refused the last message: it wanted want_numel of want_dtype */
+    cpar_dtype want_dtype;
+    int64_t want_numel;
     uint64_t posted, taken;
 } cpar__mailbox;
 
@@ -3207,14 +3212,21 @@ static void cpar__hc_post(cpar_group *g, const cpar__slot *s) {
     pthread_mutex_unlock(&g->hc->job->mu);
 }
 
+static cpar_status cpar__hc_validate(cpar_group *g, const char *fn);
+
 /* Every member contributes bytes of host memory; all[] gets them in group
- * rank order (used by group split). */
+ * rank order (used by group split). No peer's buffer is read before every
+ * member's descriptor is checked: a peer in another collective (or one
+ * exchanging another size) posted a buffer of another size. */
 static cpar_status cpar__hc_exchange(cpar_group *g, const char *fn, const void *mine, size_t bytes, void *all) {
-    cpar__slot s = {.kind = CPAR__KIND_EXCHANGE, .rows = (int64_t)bytes, .in = mine};
+    cpar__slot s = {.kind = CPAR__KIND_EXCHANGE, .dtype = CPAR_U8, .rows = (int64_t)bytes, .row_elems = 1, .in = mine};
     cpar__hc_post(g, &s);
     CPAR_TRY(cpar__hc_rendezvous(g, fn));
-    for (int m = 0; m < g->size; m++) memcpy((char *)all + (size_t)m * bytes, g->hc->slot[m].in, bytes);
-    return cpar__hc_rendezvous(g, fn);
+    cpar_status st = cpar__hc_validate(g, fn);
+    for (int m = 0; m < g->size && st == CPAR_OK; m++)
+        memcpy((char *)all + (size_t)m * bytes, g->hc->slot[m].in, bytes);
+    cpar_status st2 = cpar__hc_rendezvous(g, fn); /* as every member: the peers meet here either way */
+    return st != CPAR_OK ? st : st2;
 }
 
 /* Even share [lo, hi) of n items for member r of size members. */
@@ -3263,7 +3275,7 @@ static cpar_status cpar__reduce_rows(cpar_ctx *ctx, const char *fn, cpar_dtype d
 
 /* Describe a slot for mismatch messages: "all_gather(f16, 24 rows x 3)". */
 static const char *cpar__slot_str(const cpar__slot *s, char *buf, size_t cap) {
-    if (s->kind == CPAR__KIND_EXCHANGE) snprintf(buf, cap, "group split");
+    if (s->kind == CPAR__KIND_EXCHANGE) snprintf(buf, cap, "group split (%lld bytes)", (long long)s->rows);
     else {
         static const char *const ops[CPAR_REDUCE_OP_COUNT] = {"sum", "max", "min"};
         bool reduces = s->kind == CPAR_COLL_ALL_REDUCE || s->kind == CPAR_COLL_REDUCE_SCATTER;
@@ -3291,8 +3303,12 @@ static cpar_status cpar__hc_validate(cpar_group *g, const char *fn) {
         for (int r = 0; same && a->sizes && r < n; r++) same = a->sizes[r] == b->sizes[r];
         if (!same) {
             char sa[128], sb[128];
+            const char *field = a->kind != b->kind ? "the collective" : a->dtype != b->dtype ? "the dtype"
+                                : a->op != b->op ? "the op" : a->root != b->root ? "the root"
+                                : (a->sizes == NULL) != (b->sizes == NULL) ? "whether sizes are given"
+                                : a->sizes && a->row_elems == b->row_elems ? "the sizes" : "the count";
             return cpar__fail(g->ctx, CPAR_ERR_INVALID,
-                              "%s: group members disagree: rank %d called %s, rank %d called %s", fn,
+                              "%s: group members disagree on %s: rank %d called %s, rank %d called %s", fn, field,
                               g->world_ranks[0], cpar__slot_str(a, sa, sizeof sa), g->world_ranks[m],
                               cpar__slot_str(b, sb, sizeof sb));
         }
@@ -3384,9 +3400,15 @@ static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar
 }
 
 /* Pairwise exchange through the mailboxes: post the send, take the receive,
- * then wait until the receiver took ours (our buffer stays valid until then). */
-static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *send, size_t send_bytes, int to,
-                                     void *recv, size_t recv_bytes, int from) {
+ * then wait until the receiver took ours (our buffer stays valid until then).
+ * The mailbox carries the send's dtype and element count; a receiver that
+ * expects others refuses the message without reading it and says so in the
+ * mailbox, so both sides fail with CPAR_ERR_INVALID. */
+static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *send, cpar_dtype send_dt,
+                                     int64_t send_numel, int to, void *recv, cpar_dtype recv_dt, int64_t recv_numel,
+                                     int from) {
+    size_t send_bytes = (size_t)send_numel * cpar_dtype_size(send_dt);
+    size_t recv_bytes = (size_t)recv_numel * cpar_dtype_size(recv_dt);
     cpar__hcomm *hc = g->hc;
     cpar__job *job = hc->job;
     cpar_ctx *ctx = g->ctx;
@@ -3409,6 +3431,9 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
         cpar__mailbox *b = &hc->box[(size_t)me * (size_t)n + (size_t)to];
         b->ptr = send;
         b->bytes = send_bytes;
+        b->dtype = send_dt;
+        b->numel = send_numel;
+        b->rejected = false;
         sent_no = ++b->posted;
         pthread_cond_broadcast(&job->cv);
     }
@@ -3419,10 +3444,20 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
         if (st == CPAR_OK) {
             const void *src = b->ptr;
             size_t bytes = b->bytes;
+            bool refuse = b->dtype != recv_dt || b->numel != recv_numel || bytes != recv_bytes;
+            if (refuse) {
+                b->rejected = true;
+                b->want_dtype = recv_dt;
+                b->want_numel = recv_numel;
+            }
+            cpar_dtype sdt = b->dtype;
+            int64_t sn = b->numel;
             pthread_mutex_unlock(&job->mu);
-            if (bytes != recv_bytes)
-                st = cpar__fail(ctx, CPAR_ERR_INVALID, "%s: rank %d sent %zu bytes, the receive buffer has %zu", fn,
-                                hc->world_ranks[from], bytes, recv_bytes);
+            if (refuse)
+                st = cpar__fail(ctx, CPAR_ERR_INVALID, "%s: rank %d sent %lld elements of %s, the receive buffer "
+                                "has %lld elements of %s", fn, hc->world_ranks[from], (long long)sn,
+                                cpar_dtype_name(sdt), (long long)recv_numel,
+                                cpar_dtype_name(recv_dt));
             else
                 st = cpar__copy_bytes_on(ctx, fn, cs, recv, ctx->device, src, ctx->device, bytes);
             if (st == CPAR_OK && cpar__on_device(ctx->device)) {
@@ -3437,6 +3472,11 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
     if (st == CPAR_OK && to >= 0) {
         cpar__wait w = {CPAR__WAIT_TAKEN, to, sent_no};
         st = cpar__wait_locked(g, fn, &w, deadline);
+        const cpar__mailbox *b = &hc->box[(size_t)me * (size_t)n + (size_t)to];
+        if (st == CPAR_OK && b->rejected)
+            st = cpar__fail(ctx, CPAR_ERR_INVALID, "%s: rank %d expected %lld elements of %s, this rank sent it %lld "
+                            "elements of %s", fn, hc->world_ranks[to], (long long)b->want_numel,
+                            cpar_dtype_name(b->want_dtype), (long long)send_numel, cpar_dtype_name(send_dt));
     }
     pthread_mutex_unlock(&job->mu);
     return st;
@@ -3685,8 +3725,12 @@ static cpar_status cpar__nccl_collective(cpar_group *g, const char *fn, const cp
     }
 }
 
-static cpar_status cpar__nccl_sendrecv(cpar_group *g, const char *fn, const void *send, size_t send_bytes, int to,
-                                       void *recv, size_t recv_bytes, int from) {
+/* Typed: NCCL is given the dtype and element count (not bytes), so where
+ * NCCL checks a pair (the NCCL simulator does; NCCL itself checks neither)
+ * a dtype or count mismatch fails on both sides. */
+static cpar_status cpar__nccl_sendrecv(cpar_group *g, const char *fn, const void *send, cpar_dtype send_dt,
+                                       int64_t send_numel, int to, void *recv, cpar_dtype recv_dt, int64_t recv_numel,
+                                       int from) {
     cpar_ctx *ctx = g->ctx;
     cudaStream_t s = (cudaStream_t)cpar__coll_stream(ctx);
     ncclComm_t *pc = NULL;
@@ -3698,8 +3742,8 @@ static cpar_status cpar__nccl_sendrecv(cpar_group *g, const char *fn, const void
         snprintf(what + n, sizeof what - (size_t)n, "%sthe receive from rank %d", n ? " and " : "",
                  g->world_ranks[from]);
     CPAR_NCCL_TRY(g, fn, what, pc, ncclGroupStart());
-    if (to >= 0) ncclSend(send, send_bytes, ncclUint8, to, *pc, s);
-    if (from >= 0) ncclRecv(recv, recv_bytes, ncclUint8, from, *pc, s);
+    if (to >= 0) ncclSend(send, (size_t)send_numel, cpar__nccl_dtype(send_dt), to, *pc, s);
+    if (from >= 0) ncclRecv(recv, (size_t)recv_numel, cpar__nccl_dtype(recv_dt), from, *pc, s);
     CPAR_NCCL_TRY(g, fn, what, pc, ncclGroupEnd());
     return CPAR_OK;
 }
@@ -4157,16 +4201,21 @@ static cpar_status cpar__sendrecv(cpar_group *g, const char *fn, const cpar_tens
         return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: recv overlaps send", fn);
     size_t sb = send ? cpar_tensor_nbytes(send) : 0, rb = recv ? cpar_tensor_nbytes(recv) : 0;
     bool self_send = send_to == g->rank, self_recv = recv_from == g->rank;
-    if (self_send != self_recv || (self_send && sb != rb))
-        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: a send to oneself needs a matching receive of the same size", fn);
+    if (self_send != self_recv || (self_send && (sb != rb || send->dtype != recv->dtype)))
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: a send to oneself needs a matching receive of the same dtype "
+                          "and size", fn);
     if (send && recv && send->data == recv->data && !self_send)
         return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: send and recv are the same buffer", fn);
     cpar__count(g, CPAR_COLL_SEND_RECV, self_send ? 0 : sb, self_recv ? 0 : rb);
     if (self_send) return cpar__coll_copy(g, fn, recv->data, recv->device, send->data, send->device, sb);
+    const void *sp = send ? send->data : NULL;
+    void *rp = recv ? recv->data : NULL;
+    cpar_dtype sdt = send ? send->dtype : CPAR_U8, rdt = recv ? recv->dtype : CPAR_U8;
+    int64_t sn = send ? cpar_tensor_numel(send) : 0, rn = recv ? cpar_tensor_numel(recv) : 0;
 #ifdef CPAR_WITH_NCCL
-    if (cpar__group_is_nccl(g)) return cpar__nccl_sendrecv(g, fn, send ? send->data : NULL, sb, send_to, recv ? recv->data : NULL, rb, recv_from);
+    if (cpar__group_is_nccl(g)) return cpar__nccl_sendrecv(g, fn, sp, sdt, sn, send_to, rp, rdt, rn, recv_from);
 #endif
-    return cpar__hc_sendrecv(g, fn, send ? send->data : NULL, sb, send_to, recv ? recv->data : NULL, rb, recv_from);
+    return cpar__hc_sendrecv(g, fn, sp, sdt, sn, send_to, rp, rdt, rn, recv_from);
 }
 
 cpar_status cpar_sendrecv(cpar_group *g, const cpar_tensor *send, int send_to, cpar_tensor *recv, int recv_from) {

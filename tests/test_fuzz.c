@@ -411,7 +411,7 @@ static void fz_local(fz *f) {
 static cpar_status rank_local(cpar_ctx *ctx, void *arg) {
     fz *f = arg;
     f->ctx = ctx;
-    for (int i = 0; i < 160; i++) fz_local(f);
+    for (int i = 0; i < 300; i++) fz_local(f);
     return CPAR_OK;
 }
 
@@ -512,7 +512,7 @@ static cpar_status rank_coll(cpar_ctx *ctx, void *arg) {
     }
     case 4: {
         name = "cpar_broadcast";
-        int root = fz_p(f, 90) ? (int)fz_u(f, (uint64_t)n) : fz_p(f, 50) ? -1 : n + (int)fz_u(f, 3);
+        int root = fz_p(f, 90) || mism ? (int)fz_u(f, (uint64_t)n) : fz_p(f, 50) ? -1 : n + (int)fz_u(f, 3);
         if (mism && me) root = (root + 1) % n;
         extra_bad = root < 0 || root >= n;
         cpar_tensor *buf = fz_valid(f, dt, nd, shape);
@@ -732,8 +732,8 @@ static void fz_batch(fz_family fam, uint64_t seed, fz_counts *c) {
         ck_assert_int_eq(cpar_spawn_with(1, &cfg, rank_local, &f), CPAR_OK);
         break;
     }
-    case FZ_COLL: fz_collectives(c, seed, 60, false); break;
-    default: fz_collectives(c, seed, 25, true); break;
+    case FZ_COLL: fz_collectives(c, seed, 120, false); break;
+    default: fz_collectives(c, seed, 40, true); break;
     }
 }
 
