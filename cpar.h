@@ -296,7 +296,19 @@ int cpar_grid_rank(const cpar_ctx *ctx, cpar_group_kind kind);    /* -1 before c
  * cpar_device(ctx)) and have the same dtype. Float reductions of F16/BF16
  * accumulate in fp32. Host and sim backends reduce in rank order, so results
  * are bitwise reproducible. Every call is collective over the group: each
- * member must make the same calls in the same order. */
+ * member must make the same calls in the same order.
+ *
+ * What is checked where. Every backend checks each rank's own arguments.
+ * Host and sim backends also compare the members' calls before any peer's
+ * buffer is read: kind (group split included), dtype, element count or
+ * split sizes, op and root; a disagreement is CPAR_ERR_INVALID on every
+ * member, naming two ranks and the field. Send/receive carry the dtype and
+ * element count: a receiver expecting others refuses without reading, and
+ * both sides return CPAR_ERR_INVALID. On NCCL, cpar passes typed counts;
+ * NCCL does not compare calls across ranks (the nccl-sim test build does),
+ * and cpar adds no round trip to do it, so a disagreement there is
+ * undefined as in NCCL. Ranks calling on different groups are not detected
+ * by any backend: they wait until the deadline (CPAR_ERR_TIMEOUT). */
 
 typedef enum cpar_reduce_op { CPAR_SUM = 0, CPAR_MAX, CPAR_MIN, CPAR_REDUCE_OP_COUNT } cpar_reduce_op;
 

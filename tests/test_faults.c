@@ -270,8 +270,8 @@ END_TEST
 
 /* ---- ranks disagree on the collective ---------------------------------------- */
 
-typedef enum { MIS_KIND, MIS_DTYPE, MIS_SIZE, MIS_OP, MIS_ROOT, MIS_COUNT } mismatch;
-static const char *const mismatch_names[] = {"kind", "dtype", "size", "op", "root"};
+typedef enum { MIS_KIND, MIS_DTYPE, MIS_SIZE, MIS_OP, MIS_ROOT, MIS_SPLIT, MIS_P2P_DTYPE, MIS_COUNT } mismatch;
+static const char *const mismatch_names[] = {"kind", "dtype", "size", "op", "root", "split", "p2p dtype"};
 
 typedef struct {
     mismatch what;
@@ -297,9 +297,24 @@ static cpar_status rank_mismatch(cpar_ctx *ctx, void *p) {
         break;
     case MIS_OP: a->st[r] = cpar_all_reduce(w, &in, &out, odd ? CPAR_MAX : CPAR_SUM); break;
     case MIS_ROOT: a->st[r] = cpar_broadcast(w, &in, odd ? 1 : 0); break;
+    case MIS_SPLIT: { /* issue 13: the split must not read the all-reduce's buffer as its descriptor */
+        cpar_group *sub = NULL;
+        a->st[r] = odd ? cpar_group_split(w, 0, r, &sub) : cpar_all_reduce(w, &in, &out, CPAR_SUM);
+        if (sub) TU_OK(cpar_group_destroy(sub));
+        break;
+    }
+    case MIS_P2P_DTYPE: { /* a ring of sends: rank 1's buffers are i32, the others' f32 of the same size */
+        cpar_tensor is = tu_alloc_poisoned(ctx, odd ? CPAR_I32 : CPAR_F32, 1, n4);
+        cpar_tensor ir = tu_alloc_poisoned(ctx, odd ? CPAR_I32 : CPAR_F32, 1, n4);
+        a->st[r] = cpar_ring_shift(w, &is, &ir, 1);
+        snprintf(a->msg[r], sizeof a->msg[r], "%s", cpar_last_error(ctx));
+        TU_OK(cpar_tensor_free(ctx, &is));
+        TU_OK(cpar_tensor_free(ctx, &ir));
+        break;
+    }
     default: a->st[r] = cpar_all_reduce(w, &in, &out, CPAR_SUM); break;
     }
-    snprintf(a->msg[r], sizeof a->msg[r], "%s", cpar_last_error(ctx));
+    if (a->what != MIS_P2P_DTYPE) snprintf(a->msg[r], sizeof a->msg[r], "%s", cpar_last_error(ctx));
     TU_OK(cpar_tensor_free(ctx, &in));
     TU_OK(cpar_tensor_free(ctx, &out));
     TU_OK(cpar_tensor_free(ctx, &gout));
@@ -312,10 +327,11 @@ START_TEST(test_mismatch) {
      * the host backend, NCCL's (from the communicator's error) on NCCL. */
     static const char *const cpar_needles[MIS_COUNT][2] = {
         {"all_gather", "all_reduce"}, {"f16", "f32"}, {"5", "4"}, {"max", "sum"}, {"root", "1"},
+        {"group split", "all_reduce"}, {"i32", "f32"},
     };
     static const char *const nccl_needles[MIS_COUNT][2] = {
         {"ncclAllGather", "ncclAllReduce"}, {"ncclFloat16", "ncclFloat32"}, {"count 5", "count 4"},
-        {"ncclMax", "ncclSum"}, {"root 1", "root 0"},
+        {"ncclMax", "ncclSum"}, {"root 1", "root 0"}, {"ncclAllGather", "ncclAllReduce"}, {"ncclSend", "ncclRecv"},
     };
     const char *const(*needles)[2] = tu_is_nccl() ? nccl_needles : cpar_needles;
     mismatch_arg a = {.what = (mismatch)_i};
