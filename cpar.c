@@ -235,6 +235,14 @@ static cpar_status cpar__wrap(cpar_ctx *ctx, cpar_status st, const char *fn, con
     return cpar__fail(ctx, st, "%s: %s", fn, detail && *detail ? detail : cpar_status_string(st));
 }
 
+/* The status of a public function called from inside another one (call it
+ * as cpar__as(ctx, fn, cpar_all_gather(...))): on failure the message names
+ * the function the user called, with the inner function's line after it
+ * ("cpar_cp_unshard: cpar_all_gather: ..."). */
+static cpar_status cpar__as(cpar_ctx *ctx, const char *fn, cpar_status st) {
+    return cpar__wrap(ctx, st, fn, cpar_thread_last_error());
+}
+
 #define CPAR_TRY(call)                                                                                       \
     do {                                                                                                     \
         cpar_status st_ = (call);                                                                            \
@@ -4666,7 +4674,7 @@ cpar_status cpar_grid_init(cpar_ctx *ctx, const cpar_grid_config *cfg) {
     };
     ctx->grid[CPAR_GROUP_WORLD] = ctx->world_group;
     for (int k = 1; k < CPAR_GROUP_KIND_COUNT; k++)
-        CPAR_TRY(cpar_group_split(ctx->world_group, color[k], r, &ctx->grid[k]));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_group_split(ctx->world_group, color[k], r, &ctx->grid[k])));
     for (int k = 0; k < CPAR_GROUP_KIND_COUNT; k++) {
         ctx->grid_size[k] = ctx->grid[k]->size;
         ctx->grid_rank[k] = ctx->grid[k]->rank;
@@ -5878,7 +5886,10 @@ cpar_status cpar_gather_1d_chunks(cpar_group *g, const cpar_tensor *chunk, cpar_
     CPAR_TRY(cpar__check_tensor(ctx, fn, "chunk", chunk, ctx->device));
     CPAR_TRY(cpar__check_tensor(ctx, fn, "out", out, ctx->device));
     CPAR_TRY(cpar__check_dtype(ctx, fn, "out", out, chunk->dtype));
-    int64_t m = cpar_tensor_numel(chunk), total = m * g->size;
+    int64_t m = cpar_tensor_numel(chunk), total = 0;
+    if (!cpar__mul64(m, g->size, &total))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: chunk has %lld elements; %d ranks' chunks overflow int64", fn,
+                          (long long)m, g->size);
     if (cpar_tensor_numel(out) != total)
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out has %lld elements, expected %lld (group size %d x %lld)", fn,
                           (long long)cpar_tensor_numel(out), (long long)total, g->size, (long long)m);
@@ -5886,7 +5897,7 @@ cpar_status cpar_gather_1d_chunks(cpar_group *g, const cpar_tensor *chunk, cpar_
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out overlaps chunk", fn);
     cpar_tensor in1 = cpar_tensor_make(chunk->data, chunk->dtype, 1, &m, chunk->device);
     cpar_tensor out1 = cpar_tensor_make(out->data, out->dtype, 1, &total, out->device);
-    return cpar_all_gather(g, &in1, &out1, NULL);
+    return cpar__as(ctx, fn, cpar_all_gather(g, &in1, &out1, NULL));
 }
 
 /* ---- activation checkpointing ---------------------------------------------------- */
@@ -6163,14 +6174,14 @@ cpar_status cpar_vocab_parallel_cross_entropy_forward(cpar_group *tp, const cpar
     cpar_tensor t_m = cpar_tensor_make(m, CPAR_F32, 1, &rows, ctx->device);
     int64_t pshape[2] = {k, rows};
     cpar_tensor t_part = cpar_tensor_make(part, CPAR_F32, 2, pshape, ctx->device);
-    CPAR_TRY(cpar_all_reduce(tp, &t_mloc, &t_m, CPAR_MAX));
+    CPAR_TRY(cpar__as(ctx, fn, cpar_all_reduce(tp, &t_mloc, &t_m, CPAR_MAX)));
     if (dev) {
         CPAR_DEV_TRY(ctx, fn, cpar_dev_xent_rescale(part, m_loc, m, rows, ctx->compute));
     } else {
         for (int64_t r = 0; r < rows; r++)
             if (m_loc[r] != m[r]) part[r] = (float)((double)part[r] * exp((double)m_loc[r] - (double)m[r]));
     }
-    CPAR_TRY(cpar_all_reduce(tp, &t_part, &t_part, CPAR_SUM));
+    CPAR_TRY(cpar__as(ctx, fn, cpar_all_reduce(tp, &t_part, &t_part, CPAR_SUM)));
     if (dev)
         CPAR_DEV_TRY(ctx, fn, cpar_dev_xent_finalize(m, part, rows, vocab, s, smooth, loss->data, stats->data, ctx->compute));
     else
@@ -6338,10 +6349,10 @@ static cpar_status cpar__emb_forward(cpar_group *tp, const char *fn, const cpar_
     else
         cpar__host_embedding_lookup(weight->data, weight->dtype, ids->data, ids->dtype, b, s, H, first, vl, rs,
                                     partial);
-    if (!rs) return cpar_all_reduce(tp, out, out, CPAR_SUM);
+    if (!rs) return cpar__as(ctx, fn, cpar_all_reduce(tp, out, out, CPAR_SUM));
     int64_t pshape[3] = {s, b, H};
     cpar_tensor t_partial = cpar_tensor_make(partial, weight->dtype, 3, pshape, ctx->device);
-    return cpar_reduce_scatter(tp, &t_partial, out, CPAR_SUM, NULL);
+    return cpar__as(ctx, fn, cpar_reduce_scatter(tp, &t_partial, out, CPAR_SUM, NULL));
 }
 
 cpar_status cpar_embedding_forward(cpar_group *tp, const cpar_tensor *weight, const cpar_tensor *ids, cpar_tensor *out,
@@ -6377,7 +6388,7 @@ static cpar_status cpar__emb_backward(cpar_group *tp, const char *fn, const cpar
         CPAR_TRY(cpar__xent_scratch(ctx, fn, (size_t)(s * b * H) * cpar_dtype_size(dout->dtype), &gathered));
         int64_t gshape[3] = {s, b, H};
         cpar_tensor t_g = cpar_tensor_make(gathered, dout->dtype, 3, gshape, ctx->device);
-        CPAR_TRY(cpar_all_gather(tp, dout, &t_g, NULL));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(tp, dout, &t_g, NULL)));
         full = gathered;
     }
     if (dev)
@@ -6872,7 +6883,7 @@ static cpar_status cpar__lin_column_forward(cpar_linear *l, const char *fn, cons
         cpar_tensor xg = *x;
         xg.shape[0] *= n;
         xg.data = w.ptr[s_xg];
-        CPAR_TRY(cpar_all_gather(l->tp, x, &xg, NULL));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(l->tp, x, &xg, NULL)));
         X = xg.data;
     }
     void *Y = go ? w.ptr[s_yl] : y->data;
@@ -6884,7 +6895,7 @@ static cpar_status cpar__lin_column_forward(cpar_linear *l, const char *fn, cons
     if (go) { /* gather_from_tensor_model_parallel_region: along dim 0, then interleave */
         int64_t ls[2] = {T, N}, gs[2] = {T * n, N};
         cpar_tensor yl = cpar_tensor_make(Y, dt, 2, ls, ctx->device), st = cpar_tensor_make(w.ptr[s_st], dt, 2, gs, ctx->device);
-        CPAR_TRY(cpar_all_gather(l->tp, &yl, &st, NULL));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(l->tp, &yl, &st, NULL)));
         for (int j = 0; j < n; j++)
             CPAR_TRY(cpar__copy_2d(ctx, fn, (char *)y->data + (size_t)(j * N) * es, (size_t)(N * n) * es, ctx->device,
                                    (const char *)st.data + (size_t)(j * T * N) * es, (size_t)N * es, ctx->device,
@@ -6914,9 +6925,9 @@ static cpar_status cpar__lin_row_forward(cpar_linear *l, const char *fn, const c
         cpar_tensor part = *x;
         part.shape[x->ndim - 1] = N;
         part.data = P;
-        CPAR_TRY(cpar_reduce_scatter(l->tp, &part, y, CPAR_SUM, NULL));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_reduce_scatter(l->tp, &part, y, CPAR_SUM, NULL)));
     } else if (n > 1) { /* reduce_from_tensor_model_parallel_region */
-        CPAR_TRY(cpar_all_reduce(l->tp, y, y, CPAR_SUM));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_all_reduce(l->tp, y, y, CPAR_SUM)));
     }
     if (add_bias) {
         CPAR_TRY(cpar__lin_ones(l, fn, w.ptr[s_one], Ty));
@@ -7017,7 +7028,7 @@ static cpar_status cpar__lin_column_backward(cpar_linear *l, const char *fn, con
         xg.shape[0] *= n;
         xg.data = w.ptr[s_xg];
         if (overlap) cpar__on_comm_stream(ctx);
-        st = cpar_all_gather(l->tp, x, &xg, NULL);
+        st = cpar__as(ctx, fn, cpar_all_gather(l->tp, x, &xg, NULL));
         cpar__on_compute_stream(ctx);
         if (st != CPAR_OK) goto join;
         X = xg.data;
@@ -7038,9 +7049,9 @@ static cpar_status cpar__lin_column_backward(cpar_linear *l, const char *fn, con
                 cpar_tensor full = *x;
                 full.shape[0] *= n;
                 full.data = dX;
-                st = cpar_reduce_scatter(l->tp, &full, dx, CPAR_SUM, NULL);
+                st = cpar__as(ctx, fn, cpar_reduce_scatter(l->tp, &full, dx, CPAR_SUM, NULL));
             } else {
-                st = cpar_all_reduce(l->tp, dx, dx, CPAR_SUM);
+                st = cpar__as(ctx, fn, cpar_all_reduce(l->tp, dx, dx, CPAR_SUM));
             }
             cpar__on_compute_stream(ctx);
             if (st != CPAR_OK) goto join;
@@ -7090,7 +7101,7 @@ static cpar_status cpar__lin_row_backward(cpar_linear *l, const char *fn, const 
         cpar_tensor g = *dy;
         g.shape[0] *= n;
         g.data = w.ptr[s_dy];
-        CPAR_TRY(cpar_all_gather(l->tp, dy, &g, NULL));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(l->tp, dy, &g, NULL)));
         dY = g.data;
     }
     const void *X = iip ? x->data : (const char *)x->data + (size_t)(l->r * K) * es;
@@ -7102,7 +7113,7 @@ static cpar_status cpar__lin_row_backward(cpar_linear *l, const char *fn, const 
             int64_t ls[2] = {T, K}, gs[2] = {T * n, K};
             cpar_tensor xl = cpar_tensor_make(dX, dt, 2, ls, ctx->device);
             cpar_tensor st = cpar_tensor_make(w.ptr[s_st], dt, 2, gs, ctx->device);
-            CPAR_TRY(cpar_all_gather(l->tp, &xl, &st, NULL));
+            CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(l->tp, &xl, &st, NULL)));
             for (int j = 0; j < n; j++)
                 CPAR_TRY(cpar__copy_2d(ctx, fn, (char *)dx->data + (size_t)(j * K) * es, (size_t)(K * n) * es,
                                        ctx->device, (const char *)st.data + (size_t)(j * T * K) * es, (size_t)K * es,
@@ -7672,12 +7683,12 @@ cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_di
      * the rank-ordered gather: gather straight into full */
     if (!load_balance && outer == 1) {
         cpar_tensor out = cpar_tensor_make(full->data, full->dtype, 2, out_shape, full->device);
-        return cpar_all_gather(cp, &in, &out, NULL);
+        return cpar__as(ctx, fn, cpar_all_gather(cp, &in, &out, NULL));
     }
     void *ws;
     CPAR_TRY(cpar__workspace(ctx, fn, cpar_tensor_nbytes(full) ? cpar_tensor_nbytes(full) : 1, &ws));
     cpar_tensor gathered = cpar_tensor_make(ws, local->dtype, 2, out_shape, ctx->device);
-    CPAR_TRY(cpar_all_gather(cp, &in, &gathered, NULL));
+    CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(cp, &in, &gathered, NULL)));
     const size_t es = cpar_dtype_size(full->dtype);
     for (int j = 0; j < P; j++)
         CPAR_TRY(cpar__cp_copy(ctx, fn, full->data, full->device, (char *)ws + (size_t)(j * n) * es, ctx->device,
@@ -7876,8 +7887,8 @@ static cpar_status cpar__ring_start(cpar__ring *R) {
     cpar_tensor kout = cpar_tensor_make(R->kg, R->io.dt, 2, out_shape, ctx->device);
     cpar_tensor vout = cpar_tensor_make(R->vg, R->io.dt, 2, out_shape, ctx->device);
     CPAR_TRY(cpar__ring_fork(R));
-    cpar_status st = cpar_all_gather(R->g, &kin, &kout, NULL);
-    if (st == CPAR_OK) st = cpar_all_gather(R->g, &vin, &vout, NULL);
+    cpar_status st = cpar__as(R->ctx, R->fn, cpar_all_gather(R->g, &kin, &kout, NULL));
+    if (st == CPAR_OK) st = cpar__as(R->ctx, R->fn, cpar_all_gather(R->g, &vin, &vout, NULL));
     cpar_status us = cpar__ring_unfork(R, R->ev_kv);
     return st != CPAR_OK ? st : us;
 }
@@ -7908,7 +7919,7 @@ static cpar_status cpar__ring_next(cpar__ring *R, int i, const void **kp, const 
         cpar_tensor send = cpar_tensor_make(R->buf[i % 2], R->io.dt, 1, shape, R->ctx->device);
         cpar_tensor recv = cpar_tensor_make(R->buf[(i + 1) % 2], R->io.dt, 1, shape, R->ctx->device);
         CPAR_TRY(cpar__ring_fork(R));
-        cpar_status st = cpar_ring_shift(R->g, &send, &recv, 1);
+        cpar_status st = cpar__as(R->ctx, R->fn, cpar_ring_shift(R->g, &send, &recv, 1));
         cpar_status us = cpar__ring_unfork(R, R->ev_kv);
         if (st != CPAR_OK) return st;
         CPAR_TRY(us);
@@ -8165,7 +8176,7 @@ static cpar_status cpar__ring_backward_steps(cpar__ring *R, const void *out, con
         cpar_tensor send = cpar_tensor_make(a, CPAR_F32, 1, shape, R->ctx->device);
         cpar_tensor recv = cpar_tensor_make(acc[(i + 1) % 2], CPAR_F32, 1, shape, R->ctx->device);
         CPAR_TRY(cpar__ring_fork(R));
-        cpar_status st = cpar_ring_shift(R->g, &send, &recv, 1);
+        cpar_status st = cpar__as(R->ctx, R->fn, cpar_ring_shift(R->g, &send, &recv, 1));
         cpar_status us = cpar__ring_unfork(R, R->ev_dkv);
         if (st != CPAR_OK) return st;
         CPAR_TRY(us);
@@ -9173,9 +9184,9 @@ static cpar_status cpar__rs_add_norm_ag(cpar_group *tp, const char *fn, const cp
         return cpar__rmsnorm(ctx, fn, ctx->device, residual->data, partial->data, w, dt, rows, h, eps, out->data);
     cpar_tensor rst = *residual, nlt = *residual;
     rst.data = rs, nlt.data = nl;
-    CPAR_TRY(cpar_reduce_scatter(tp, partial, &rst, CPAR_SUM, NULL));
+    CPAR_TRY(cpar__as(ctx, fn, cpar_reduce_scatter(tp, partial, &rst, CPAR_SUM, NULL)));
     CPAR_TRY(cpar__rmsnorm(ctx, fn, ctx->device, residual->data, rs, w, dt, rows, h, eps, nl));
-    return cpar_all_gather(tp, &nlt, out, NULL);
+    return cpar__as(ctx, fn, cpar_all_gather(tp, &nlt, out, NULL));
 }
 
 /* Checks for partial / residual / out of the fused step: the same dtype as
@@ -9414,7 +9425,7 @@ static cpar_status cpar__inf_column_forward(cpar_inference_linear *l, const char
         xl.data = base;
         xg.shape[0] *= n;
         xg.data = (char *)base + nb;
-        CPAR_TRY(cpar_all_gather(lin->tp, &xl, &xg, NULL));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(lin->tp, &xl, &xg, NULL)));
         X = xg.data;
     }
     return cpar__lin_fwd(lin, fn, X, K, T, K, N, y->data, N);
@@ -9439,7 +9450,7 @@ static cpar_status cpar__inf_row_forward(cpar_inference_linear *l, const char *f
     cpar_tensor part = *x;
     part.shape[x->ndim - 1] = N;
     part.data = P;
-    return cpar_reduce_scatter(lin->tp, &part, y, CPAR_SUM, NULL);
+    return cpar__as(lin->ctx, fn, cpar_reduce_scatter(lin->tp, &part, y, CPAR_SUM, NULL));
 }
 
 cpar_status cpar_inference_forward(cpar_inference_linear *l, const cpar_tensor *x, cpar_tensor *y) {
@@ -9609,7 +9620,7 @@ static cpar_status cpar__grad_norm(cpar_group *tp, const char *fn, const cpar_te
         for (int64_t j = 0; j < k; j++) host_sum += (double)g[j] * g[j];
     }
     if (!cpar__on_device(ctx->device)) *(float *)ws = (float)host_sum;
-    CPAR_TRY(cpar_all_reduce(tp, &total, &total, CPAR_SUM));
+    CPAR_TRY(cpar__as(ctx, fn, cpar_all_reduce(tp, &total, &total, CPAR_SUM)));
     float sum;
     CPAR_TRY(cpar__copy_bytes(ctx, fn, &sum, CPAR_HOST, ws, ctx->device, sizeof sum));
     if (cpar__on_device(ctx->device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
@@ -9632,7 +9643,7 @@ cpar_status cpar_clip_grad_norm(cpar_group *tp, cpar_tensor *const *grads, const
     /* Megatron's coefficient; a non-finite norm scales nothing (the caller sees it) */
     const float c = max_norm / (*norm + 1e-6f);
     const bool clip = isfinite(*norm) && c < 1.f;
-    for (int i = 0; clip && i < n; i++) CPAR_TRY(cpar_axpby(tp->ctx, c, grads[i], 0.f, grads[i]));
+    for (int i = 0; clip && i < n; i++) CPAR_TRY(cpar__as(tp->ctx, fn, cpar_axpby(tp->ctx, c, grads[i], 0.f, grads[i])));
     if (coef) *coef = clip ? c : 1.f;
     return CPAR_OK;
 }
@@ -9660,8 +9671,8 @@ cpar_status cpar_grads_all_reduce(cpar_group *g, cpar_tensor *const *grads, int 
         CPAR_TRY(cpar__copy_bytes(ctx, fn, (char *)ws + off, ctx->device, grads[i]->data, ctx->device, b));
         off += b;
     }
-    CPAR_TRY(cpar_all_reduce(g, &flat, &flat, CPAR_SUM));
-    if (average && g->size > 1) CPAR_TRY(cpar_axpby(ctx, 1.f / (float)g->size, &flat, 0.f, &flat));
+    CPAR_TRY(cpar__as(ctx, fn, cpar_all_reduce(g, &flat, &flat, CPAR_SUM)));
+    if (average && g->size > 1) CPAR_TRY(cpar__as(ctx, fn, cpar_axpby(ctx, 1.f / (float)g->size, &flat, 0.f, &flat)));
     off = 0;
     for (int i = 0; i < n; i++) {
         const size_t b = cpar_tensor_nbytes(grads[i]);
