@@ -2,6 +2,7 @@
 #
 #   make              build/libcpar.a and build/cparrun (CUDA + NCCL when found)
 #   make test         host, sim and nccl-sim suites; the GPU suite too when a GPU is present
+#   make test-sanitize  the host suites under ASan + UBSan (build/asan)
 #   make demo         the main job (examples/train.c): train a byte-level GPT with tp x cp (x dp)
 #   make collectives  a tour of the raw collectives on a tp x cp grid (examples/collectives.c)
 #   make bench        benchmarks (bench/)
@@ -73,7 +74,7 @@ endif
 # Suites that take a backend run on host, sim and nccl-sim; the rest are
 # host-only (processes, sockets) or sim-only (the simulator and the device layer).
 BACKEND_SUITES := core coll grid faults ops rng mappings xent linear attn ring mamba inference train
-HOST_SUITES    := $(BACKEND_SUITES) store cparrun trainjob
+HOST_SUITES    := $(BACKEND_SUITES) store cparrun trainjob fuzz
 SIM_SUITES     := $(BACKEND_SUITES) cudasim devlayer mma attn_bwd trainjob
 # nccl-sim runs every backend suite on CPAR_BACKEND_NCCL, the simulator's own
 # suite, the GPU suite's bodies, and multi-process jobs under cparrun.
@@ -84,12 +85,12 @@ NCCLSIM_TESTS := $(NCCLSIM_SUITES:%=$(B)/ncclsim/test_%) $(B)/ncclsim/mp_prog
 GPU_TEST   := $(if $(filter 1,$(CPAR_CUDA)),$(B)/cuda/test_gpu)
 TEST_PROGS := $(B)/host/store_prog
 
-.PHONY: all lib test test-host test-sim test-ncclsim test-gpu demo collectives bench clean
+.PHONY: all lib test test-host test-sim test-ncclsim test-gpu test-sanitize demo collectives bench clean
 .SECONDARY: # keep the test objects that several flavours link
 all: lib $(B)/cparrun $(B)/train
 lib: $(B)/libcpar.a
 
-$(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda:
+$(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda $(B)/asan:
 	@mkdir -p $@
 
 # ---- library -------------------------------------------------------------
@@ -219,6 +220,26 @@ test-ncclsim: $(NCCLSIM_TESTS) $(NCCLSIM_PROGS)
 
 test-gpu: $(GPU_TEST)
 	@$(call RUN_TESTS,,,,$(GPU_TEST))
+
+# ---- sanitizers --------------------------------------------------------------
+# The host flavour under AddressSanitizer and UndefinedBehaviorSanitizer, in
+# its own build directory; the first report ends the test (no recovery), so a
+# suite passes only when it is clean. The fuzzer's batches run in forked
+# processes and count such an ending as a crash.
+SAN_FLAGS  := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+SAN_SUITES := core coll grid ops rng mappings xent linear attn ring mamba inference train fuzz
+SAN_TESTS  := $(SAN_SUITES:%=$(B)/asan/test_%)
+SAN_ENV    := ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1:abort_on_error=0 \
+              UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+
+$(B)/asan/cpar.o: cpar.c $(HDR) | $(B)/asan
+	$(CC) $(ALL_CFLAGS) $(SAN_FLAGS) -c $< -o $@
+
+$(B)/asan/test_%: tests/test_%.c $(B)/asan/cpar.o tests/testutil.h tests/proc.h | $(B)/asan
+	$(CC) $(ALL_CFLAGS) $(SAN_FLAGS) $(CHECK_FLAGS) $< $(B)/asan/cpar.o -o $@ $(CHECK_LIBS) $(LIBS)
+
+test-sanitize: $(SAN_TESTS)
+	@$(SAN_ENV) HOST_FLAVOUR=asan $(call RUN_TESTS,$(SAN_SUITES),,,)
 
 # ---- demo and bench ----------------------------------------------------------
 $(B)/train: examples/train.c $(B)/libcpar.a

@@ -236,6 +236,14 @@ static cpar_status cpar__wrap(cpar_ctx *ctx, cpar_status st, const char *fn, con
     return cpar__fail(ctx, st, "%s: %s", fn, detail && *detail ? detail : cpar_status_string(st));
 }
 
+/* The status of a public function called from inside another one (call it
+ * as cpar__as(ctx, fn, cpar_all_gather(...))): on failure the message names
+ * the function the user called, with the inner function's line after it
+ * ("cpar_cp_unshard: cpar_all_gather: ..."). */
+static cpar_status cpar__as(cpar_ctx *ctx, const char *fn, cpar_status st) {
+    return cpar__wrap(ctx, st, fn, cpar_thread_last_error());
+}
+
 #define CPAR_TRY(call)                                                                                       \
     do {                                                                                                     \
         cpar_status st_ = (call);                                                                            \
@@ -338,22 +346,76 @@ cpar_tensor cpar_tensor_make(void *data, cpar_dtype dtype, int ndim, const int64
     return t;
 }
 
+/* Checked int64 arithmetic for every size computed from user input: false
+ * (and *out unspecified) when the exact result does not fit, so no signed
+ * overflow is reachable from the public API. */
+static bool cpar__mul64(int64_t a, int64_t b, int64_t *out) {
+#if defined(__GNUC__) || defined(__clang__)
+    return !__builtin_mul_overflow(a, b, out);
+#else
+    if (a > 0 ? (b > 0 ? a > INT64_MAX / b : b < INT64_MIN / a)
+              : (b > 0 ? a < INT64_MIN / b : a != 0 && b < INT64_MAX / a))
+        return false;
+    *out = a * b;
+    return true;
+#endif
+}
+
+static bool cpar__add64(int64_t a, int64_t b, int64_t *out) {
+#if defined(__GNUC__) || defined(__clang__)
+    return !__builtin_add_overflow(a, b, out);
+#else
+    if (b > 0 ? a > INT64_MAX - b : a < INT64_MIN - b) return false;
+    *out = a + b;
+    return true;
+#endif
+}
+
+/* The largest byte count a tensor may have: it must fit int64 (offsets are
+ * int64) and a size_t with room to spare for pointer differences. */
+#define CPAR__MAX_BYTES ((int64_t)((uint64_t)PTRDIFF_MAX < (uint64_t)INT64_MAX ? (uint64_t)PTRDIFF_MAX : (uint64_t)INT64_MAX))
+
+typedef enum { CPAR__SHAPE_OK, CPAR__SHAPE_NDIM, CPAR__SHAPE_NEG, CPAR__SHAPE_OVERFLOW } cpar__shape_verdict;
+
+/* Validate a shape before any loop over it: ndim in 0..CPAR_MAX_DIMS, no
+ * negative dim, and the dims multiplied together with zeros counted as 1,
+ * times es bytes, within CPAR__MAX_BYTES. Counting zeros as 1 makes every
+ * partial product of the dims (the row sizes later sections compute) and
+ * its byte size fit as well. *numel gets the element count; *bad_dim the
+ * negative dim. */
+static cpar__shape_verdict cpar__shape_check(int ndim, const int64_t *shape, size_t es, int64_t *numel, int *bad_dim) {
+    if (ndim < 0 || ndim > CPAR_MAX_DIMS) return CPAR__SHAPE_NDIM;
+    int64_t n = 1, extent = es ? (int64_t)es : 1;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0) {
+            if (bad_dim) *bad_dim = i;
+            return CPAR__SHAPE_NEG;
+        }
+        if (shape[i] == 0) n = 0;
+        else if (!cpar__mul64(extent, shape[i], &extent) || extent > CPAR__MAX_BYTES) return CPAR__SHAPE_OVERFLOW;
+        else n *= shape[i]; /* no overflow: |n| <= extent */
+    }
+    if (numel) *numel = n;
+    return CPAR__SHAPE_OK;
+}
+
 int64_t cpar_tensor_numel(const cpar_tensor *t) {
     if (!t) return 0;
-    int64_t n = 1;
-    for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
-    return n;
+    int64_t n;
+    return cpar__shape_check(t->ndim, t->shape, cpar_dtype_size(t->dtype), &n, NULL) == CPAR__SHAPE_OK ? n : -1;
 }
 
 size_t cpar_tensor_nbytes(const cpar_tensor *t) {
-    return t ? (size_t)cpar_tensor_numel(t) * cpar_dtype_size(t->dtype) : 0;
+    int64_t n = cpar_tensor_numel(t);
+    return n > 0 ? (size_t)n * cpar_dtype_size(t->dtype) : 0; /* fits: checked against CPAR__MAX_BYTES */
 }
 
 /* "[8,2,16]" into buf. */
 static const char *cpar__shape_str(const cpar_tensor *t, char *buf, size_t cap) {
     size_t n = 0;
     n += (size_t)snprintf(buf + n, cap - n, "[");
-    for (int i = 0; i < t->ndim && n < cap; i++)
+    int nd = t->ndim < 0 ? 0 : t->ndim > CPAR_MAX_DIMS ? CPAR_MAX_DIMS : t->ndim;
+    for (int i = 0; i < nd && n < cap; i++)
         n += (size_t)snprintf(buf + n, cap - n, "%s%lld", i ? "," : "", (long long)t->shape[i]);
     if (n < cap) snprintf(buf + n, cap - n, "]");
     return buf;
@@ -373,16 +435,26 @@ static cpar_status cpar__check_tensor(cpar_ctx *ctx, const char *fn, const char 
     if (!t) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is NULL", fn, name);
     if (!cpar__dtype_valid(t->dtype))
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has invalid dtype %d", fn, name, (int)t->dtype);
-    if (t->ndim < 0 || t->ndim > CPAR_MAX_DIMS)
+    int64_t numel = 0;
+    int bad = 0;
+    switch (cpar__shape_check(t->ndim, t->shape, cpar_dtype_size(t->dtype), &numel, &bad)) {
+    case CPAR__SHAPE_NDIM:
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has ndim %d, expected 0..%d", fn, name, t->ndim,
                           CPAR_MAX_DIMS);
-    for (int i = 0; i < t->ndim; i++)
-        if (t->shape[i] < 0)
-            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has negative dim %d (%lld)", fn, name, i,
-                              (long long)t->shape[i]);
-    if (!t->data && cpar_tensor_numel(t) > 0)
+    case CPAR__SHAPE_NEG:
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has negative dim %d (%lld)", fn, name, bad,
+                          (long long)t->shape[bad]);
+    case CPAR__SHAPE_OVERFLOW: {
+        char got[160];
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has shape %s of %s, whose size overflows (expected at "
+                          "most %lld bytes)", fn, name, cpar__shape_str(t, got, sizeof got), cpar_dtype_name(t->dtype),
+                          (long long)CPAR__MAX_BYTES);
+    }
+    default: break;
+    }
+    if (!t->data && numel > 0)
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has NULL data and %lld elements", fn, name,
-                          (long long)cpar_tensor_numel(t));
+                          (long long)numel);
     if (expect_device >= CPAR_HOST && t->device != expect_device) {
         char got[32], want[32];
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is on %s, expected %s (the context's device)", fn, name,
@@ -668,9 +740,18 @@ cpar_status cpar_tensor_alloc(cpar_ctx *ctx, cpar_dtype dtype, int ndim, const i
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ndim is %d, expected 0..%d", fn, ndim, CPAR_MAX_DIMS);
     if (ndim > 0 && !shape) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: shape is NULL with ndim %d", fn, ndim);
     if (!cpar__dtype_valid(dtype)) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dtype is %d, not a cpar_dtype", fn, (int)dtype);
-    for (int i = 0; i < ndim; i++)
-        if (shape[i] < 0)
-            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: shape[%d] is %lld, expected >= 0", fn, i, (long long)shape[i]);
+    int bad = 0;
+    switch (cpar__shape_check(ndim, shape, cpar_dtype_size(dtype), NULL, &bad)) {
+    case CPAR__SHAPE_NEG:
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: shape[%d] is %lld, expected >= 0", fn, bad, (long long)shape[bad]);
+    case CPAR__SHAPE_OVERFLOW: {
+        char got[160];
+        cpar_tensor t = cpar_tensor_make(NULL, dtype, ndim, shape, ctx->device);
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: shape %s of %s overflows (expected at most %lld bytes)", fn,
+                          cpar__shape_str(&t, got, sizeof got), cpar_dtype_name(dtype), (long long)CPAR__MAX_BYTES);
+    }
+    default: break;
+    }
     *out = cpar_tensor_make(NULL, dtype, ndim, shape, ctx->device);
     return cpar__mem_alloc(ctx, fn, ctx->device, cpar_tensor_nbytes(out), &out->data);
 }
@@ -940,6 +1021,7 @@ static void cpar__fill_bits(void *p, size_t es, int64_t n, uint64_t v) {
 }
 
 static void cpar__host_fill(void *p, cpar_dtype dt, int64_t n, double value) {
+    if (n <= 0) return; /* an empty tensor may have NULL data */
     switch (dt) {
     case CPAR_F32: cpar__fill_bits(p, 4, n, cpar__f32_bits((float)value)); break;
     case CPAR_F16: cpar__fill_bits(p, 2, n, cpar__f16_bits((float)value)); break;
@@ -966,6 +1048,7 @@ CPAR__VARIANTS(cpar__host_cast_fp, (void *dst, cpar_dtype dd, const void *src, c
                (dst, dd, src, sd, n))
 
 static void cpar__host_cast(void *dst, cpar_dtype dd, const void *src, cpar_dtype sd, int64_t n) {
+    if (n <= 0) return; /* an empty tensor may have NULL data, which memmove must not see */
     if (dd == sd) memmove(dst, src, (size_t)n * cpar_dtype_size(sd));
     else if (cpar_dtype_is_float(dd) && cpar_dtype_is_float(sd)) cpar__host_cast_fp(dst, dd, src, sd, n);
     else for (int64_t i = 0; i < n; i++) cpar__store_f(dst, dd, i, cpar__load_f(src, sd, i));
@@ -2979,6 +3062,11 @@ typedef struct cpar__slot {    /* one member's description of the current collec
 typedef struct cpar__mailbox {
     const void *ptr;
     size_t bytes;
+    cpar_dtype dtype;           /* what the sender sends, checked by the receiver before it reads */
+    int64_t numel;
+    bool rejected;              /* the receiver refused the last message: it wanted want_numel of want_dtype */
+    cpar_dtype want_dtype;
+    int64_t want_numel;
     uint64_t posted, taken;
 } cpar__mailbox;
 
@@ -3201,14 +3289,21 @@ static void cpar__hc_post(cpar_group *g, const cpar__slot *s) {
     pthread_mutex_unlock(&g->hc->job->mu);
 }
 
+static cpar_status cpar__hc_validate(cpar_group *g, const char *fn);
+
 /* Every member contributes bytes of host memory; all[] gets them in group
- * rank order (used by group split). */
+ * rank order (used by group split). No peer's buffer is read before every
+ * member's descriptor is checked: a peer in another collective (or one
+ * exchanging another size) posted a buffer of another size. */
 static cpar_status cpar__hc_exchange(cpar_group *g, const char *fn, const void *mine, size_t bytes, void *all) {
-    cpar__slot s = {.kind = CPAR__KIND_EXCHANGE, .rows = (int64_t)bytes, .in = mine};
+    cpar__slot s = {.kind = CPAR__KIND_EXCHANGE, .dtype = CPAR_U8, .rows = (int64_t)bytes, .row_elems = 1, .in = mine};
     cpar__hc_post(g, &s);
     CPAR_TRY(cpar__hc_rendezvous(g, fn));
-    for (int m = 0; m < g->size; m++) memcpy((char *)all + (size_t)m * bytes, g->hc->slot[m].in, bytes);
-    return cpar__hc_rendezvous(g, fn);
+    cpar_status st = cpar__hc_validate(g, fn);
+    for (int m = 0; m < g->size && st == CPAR_OK; m++)
+        memcpy((char *)all + (size_t)m * bytes, g->hc->slot[m].in, bytes);
+    cpar_status st2 = cpar__hc_rendezvous(g, fn); /* as every member: the peers meet here either way */
+    return st != CPAR_OK ? st : st2;
 }
 
 /* Even share [lo, hi) of n items for member r of size members. */
@@ -3285,7 +3380,7 @@ static cpar_status cpar__reduce_rows(cpar_ctx *ctx, const char *fn, cpar_dtype d
 
 /* Describe a slot for mismatch messages: "all_gather(f16, 24 rows x 3)". */
 static const char *cpar__slot_str(const cpar__slot *s, char *buf, size_t cap) {
-    if (s->kind == CPAR__KIND_EXCHANGE) snprintf(buf, cap, "group split");
+    if (s->kind == CPAR__KIND_EXCHANGE) snprintf(buf, cap, "group split (%lld bytes)", (long long)s->rows);
     else {
         static const char *const ops[CPAR_REDUCE_OP_COUNT] = {"sum", "max", "min"};
         bool reduces = s->kind == CPAR_COLL_ALL_REDUCE || s->kind == CPAR_COLL_REDUCE_SCATTER;
@@ -3313,8 +3408,12 @@ static cpar_status cpar__hc_validate(cpar_group *g, const char *fn) {
         for (int r = 0; same && a->sizes && r < n; r++) same = a->sizes[r] == b->sizes[r];
         if (!same) {
             char sa[128], sb[128];
+            const char *field = a->kind != b->kind ? "the collective" : a->dtype != b->dtype ? "the dtype"
+                                : a->op != b->op ? "the op" : a->root != b->root ? "the root"
+                                : (a->sizes == NULL) != (b->sizes == NULL) ? "whether sizes are given"
+                                : a->sizes && a->row_elems == b->row_elems ? "the sizes" : "the count";
             return cpar__fail(g->ctx, CPAR_ERR_INVALID,
-                              "%s: group members disagree: rank %d called %s, rank %d called %s", fn,
+                              "%s: group members disagree on %s: rank %d called %s, rank %d called %s", fn, field,
                               g->world_ranks[0], cpar__slot_str(a, sa, sizeof sa), g->world_ranks[m],
                               cpar__slot_str(b, sb, sizeof sb));
         }
@@ -3443,9 +3542,15 @@ static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar
 }
 
 /* Pairwise exchange through the mailboxes: post the send, take the receive,
- * then wait until the receiver took ours (our buffer stays valid until then). */
-static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *send, size_t send_bytes, int to,
-                                     void *recv, size_t recv_bytes, int from) {
+ * then wait until the receiver took ours (our buffer stays valid until then).
+ * The mailbox carries the send's dtype and element count; a receiver that
+ * expects others refuses the message without reading it and says so in the
+ * mailbox, so both sides fail with CPAR_ERR_INVALID. */
+static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *send, cpar_dtype send_dt,
+                                     int64_t send_numel, int to, void *recv, cpar_dtype recv_dt, int64_t recv_numel,
+                                     int from) {
+    size_t send_bytes = (size_t)send_numel * cpar_dtype_size(send_dt);
+    size_t recv_bytes = (size_t)recv_numel * cpar_dtype_size(recv_dt);
     cpar__hcomm *hc = g->hc;
     cpar__job *job = hc->job;
     cpar_ctx *ctx = g->ctx;
@@ -3468,6 +3573,9 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
         cpar__mailbox *b = &hc->box[(size_t)me * (size_t)n + (size_t)to];
         b->ptr = send;
         b->bytes = send_bytes;
+        b->dtype = send_dt;
+        b->numel = send_numel;
+        b->rejected = false;
         sent_no = ++b->posted;
         pthread_cond_broadcast(&job->cv);
     }
@@ -3478,10 +3586,20 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
         if (st == CPAR_OK) {
             const void *src = b->ptr;
             size_t bytes = b->bytes;
+            bool refuse = b->dtype != recv_dt || b->numel != recv_numel || bytes != recv_bytes;
+            if (refuse) {
+                b->rejected = true;
+                b->want_dtype = recv_dt;
+                b->want_numel = recv_numel;
+            }
+            cpar_dtype sdt = b->dtype;
+            int64_t sn = b->numel;
             pthread_mutex_unlock(&job->mu);
-            if (bytes != recv_bytes)
-                st = cpar__fail(ctx, CPAR_ERR_INVALID, "%s: rank %d sent %zu bytes, the receive buffer has %zu", fn,
-                                hc->world_ranks[from], bytes, recv_bytes);
+            if (refuse)
+                st = cpar__fail(ctx, CPAR_ERR_INVALID, "%s: rank %d sent %lld elements of %s, the receive buffer "
+                                "has %lld elements of %s", fn, hc->world_ranks[from], (long long)sn,
+                                cpar_dtype_name(sdt), (long long)recv_numel,
+                                cpar_dtype_name(recv_dt));
             else
                 st = cpar__copy_bytes_on(ctx, fn, cs, recv, ctx->device, src, ctx->device, bytes);
             if (st == CPAR_OK && cpar__on_device(ctx->device)) {
@@ -3496,6 +3614,11 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
     if (st == CPAR_OK && to >= 0) {
         cpar__wait w = {CPAR__WAIT_TAKEN, to, sent_no};
         st = cpar__wait_locked(g, fn, &w, deadline);
+        const cpar__mailbox *b = &hc->box[(size_t)me * (size_t)n + (size_t)to];
+        if (st == CPAR_OK && b->rejected)
+            st = cpar__fail(ctx, CPAR_ERR_INVALID, "%s: rank %d expected %lld elements of %s, this rank sent it %lld "
+                            "elements of %s", fn, hc->world_ranks[to], (long long)b->want_numel,
+                            cpar_dtype_name(b->want_dtype), (long long)send_numel, cpar_dtype_name(send_dt));
     }
     pthread_mutex_unlock(&job->mu);
     return st;
@@ -3744,8 +3867,12 @@ static cpar_status cpar__nccl_collective(cpar_group *g, const char *fn, const cp
     }
 }
 
-static cpar_status cpar__nccl_sendrecv(cpar_group *g, const char *fn, const void *send, size_t send_bytes, int to,
-                                       void *recv, size_t recv_bytes, int from) {
+/* Typed: NCCL is given the dtype and element count (not bytes), so where
+ * NCCL checks a pair (the NCCL simulator does; NCCL itself checks neither)
+ * a dtype or count mismatch fails on both sides. */
+static cpar_status cpar__nccl_sendrecv(cpar_group *g, const char *fn, const void *send, cpar_dtype send_dt,
+                                       int64_t send_numel, int to, void *recv, cpar_dtype recv_dt, int64_t recv_numel,
+                                       int from) {
     cpar_ctx *ctx = g->ctx;
     cudaStream_t s = (cudaStream_t)cpar__coll_stream(ctx);
     ncclComm_t *pc = NULL;
@@ -3757,8 +3884,8 @@ static cpar_status cpar__nccl_sendrecv(cpar_group *g, const char *fn, const void
         snprintf(what + n, sizeof what - (size_t)n, "%sthe receive from rank %d", n ? " and " : "",
                  g->world_ranks[from]);
     CPAR_NCCL_TRY(g, fn, what, pc, ncclGroupStart());
-    if (to >= 0) ncclSend(send, send_bytes, ncclUint8, to, *pc, s);
-    if (from >= 0) ncclRecv(recv, recv_bytes, ncclUint8, from, *pc, s);
+    if (to >= 0) ncclSend(send, (size_t)send_numel, cpar__nccl_dtype(send_dt), to, *pc, s);
+    if (from >= 0) ncclRecv(recv, (size_t)recv_numel, cpar__nccl_dtype(recv_dt), from, *pc, s);
     CPAR_NCCL_TRY(g, fn, what, pc, ncclGroupEnd());
     return CPAR_OK;
 }
@@ -4012,7 +4139,8 @@ static cpar_status cpar__check_sizes(cpar_group *g, const char *fn, const char *
         if (sizes[r] < 0)
             return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: %s[%d] is %lld, expected >= 0", fn, name, r,
                               (long long)sizes[r]);
-        *total += sizes[r];
+        if (!cpar__add64(*total, sizes[r], total))
+            return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: %s add up past INT64_MAX", fn, name);
     }
     return CPAR_OK;
 }
@@ -4067,7 +4195,10 @@ cpar_status cpar_all_gather(cpar_group *g, const cpar_tensor *in, cpar_tensor *o
     CPAR_TRY(cpar__coll_tensor(g, fn, "out", out, in));
     CPAR_TRY(cpar__check_dim0(g, fn, "in", in));
     int n = g->size;
-    int64_t total = in->shape[0] * n, want[CPAR_MAX_DIMS];
+    int64_t total = 0, want[CPAR_MAX_DIMS];
+    if (!sizes && !cpar__mul64(in->shape[0], n, &total))
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: in has %lld rows; %d ranks' rows overflow int64", fn,
+                          (long long)in->shape[0], n);
     if (sizes) {
         CPAR_TRY(cpar__check_sizes(g, fn, "sizes", sizes, &total));
         if (in->shape[0] != sizes[g->rank])
@@ -4212,16 +4343,21 @@ static cpar_status cpar__sendrecv(cpar_group *g, const char *fn, const cpar_tens
         return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: recv overlaps send", fn);
     size_t sb = send ? cpar_tensor_nbytes(send) : 0, rb = recv ? cpar_tensor_nbytes(recv) : 0;
     bool self_send = send_to == g->rank, self_recv = recv_from == g->rank;
-    if (self_send != self_recv || (self_send && sb != rb))
-        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: a send to oneself needs a matching receive of the same size", fn);
+    if (self_send != self_recv || (self_send && (sb != rb || send->dtype != recv->dtype)))
+        return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: a send to oneself needs a matching receive of the same dtype "
+                          "and size", fn);
     if (send && recv && send->data == recv->data && !self_send)
         return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: send and recv are the same buffer", fn);
     cpar__count(g, CPAR_COLL_SEND_RECV, self_send ? 0 : sb, self_recv ? 0 : rb);
     if (self_send) return cpar__coll_copy(g, fn, recv->data, recv->device, send->data, send->device, sb);
+    const void *sp = send ? send->data : NULL;
+    void *rp = recv ? recv->data : NULL;
+    cpar_dtype sdt = send ? send->dtype : CPAR_U8, rdt = recv ? recv->dtype : CPAR_U8;
+    int64_t sn = send ? cpar_tensor_numel(send) : 0, rn = recv ? cpar_tensor_numel(recv) : 0;
 #ifdef CPAR_WITH_NCCL
-    if (cpar__group_is_nccl(g)) return cpar__nccl_sendrecv(g, fn, send ? send->data : NULL, sb, send_to, recv ? recv->data : NULL, rb, recv_from);
+    if (cpar__group_is_nccl(g)) return cpar__nccl_sendrecv(g, fn, sp, sdt, sn, send_to, rp, rdt, rn, recv_from);
 #endif
-    return cpar__hc_sendrecv(g, fn, send ? send->data : NULL, sb, send_to, recv ? recv->data : NULL, rb, recv_from);
+    return cpar__hc_sendrecv(g, fn, sp, sdt, sn, send_to, rp, rdt, rn, recv_from);
 }
 
 cpar_status cpar_sendrecv(cpar_group *g, const cpar_tensor *send, int send_to, cpar_tensor *recv, int recv_from) {
@@ -4672,7 +4808,7 @@ cpar_status cpar_grid_init(cpar_ctx *ctx, const cpar_grid_config *cfg) {
     };
     ctx->grid[CPAR_GROUP_WORLD] = ctx->world_group;
     for (int k = 1; k < CPAR_GROUP_KIND_COUNT; k++)
-        CPAR_TRY(cpar_group_split(ctx->world_group, color[k], r, &ctx->grid[k]));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_group_split(ctx->world_group, color[k], r, &ctx->grid[k])));
     for (int k = 0; k < CPAR_GROUP_KIND_COUNT; k++) {
         ctx->grid_size[k] = ctx->grid[k]->size;
         ctx->grid_rank[k] = ctx->grid[k]->rank;
@@ -5128,6 +5264,9 @@ cpar_status cpar_divide(int64_t num, int64_t den, int64_t *out) {
     static const char fn[] = "cpar_divide";
     if (!out) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: out is NULL", fn);
     if (den == 0) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: den is 0, expected a non-zero denominator", fn);
+    /* The one quotient of two int64 that is not an int64 (and traps on x86). */
+    if (num == INT64_MIN && den == -1)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: %lld / -1 overflows int64", fn, (long long)num);
     if (num % den)
         return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: %lld is not divisible by %lld", fn, (long long)num,
                           (long long)den);
@@ -5881,7 +6020,10 @@ cpar_status cpar_gather_1d_chunks(cpar_group *g, const cpar_tensor *chunk, cpar_
     CPAR_TRY(cpar__check_tensor(ctx, fn, "chunk", chunk, ctx->device));
     CPAR_TRY(cpar__check_tensor(ctx, fn, "out", out, ctx->device));
     CPAR_TRY(cpar__check_dtype(ctx, fn, "out", out, chunk->dtype));
-    int64_t m = cpar_tensor_numel(chunk), total = m * g->size;
+    int64_t m = cpar_tensor_numel(chunk), total = 0;
+    if (!cpar__mul64(m, g->size, &total))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: chunk has %lld elements; %d ranks' chunks overflow int64", fn,
+                          (long long)m, g->size);
     if (cpar_tensor_numel(out) != total)
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out has %lld elements, expected %lld (group size %d x %lld)", fn,
                           (long long)cpar_tensor_numel(out), (long long)total, g->size, (long long)m);
@@ -5889,7 +6031,7 @@ cpar_status cpar_gather_1d_chunks(cpar_group *g, const cpar_tensor *chunk, cpar_
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out overlaps chunk", fn);
     cpar_tensor in1 = cpar_tensor_make(chunk->data, chunk->dtype, 1, &m, chunk->device);
     cpar_tensor out1 = cpar_tensor_make(out->data, out->dtype, 1, &total, out->device);
-    return cpar_all_gather(g, &in1, &out1, NULL);
+    return cpar__as(ctx, fn, cpar_all_gather(g, &in1, &out1, NULL));
 }
 
 /* ---- activation checkpointing ---------------------------------------------------- */
@@ -6166,14 +6308,14 @@ cpar_status cpar_vocab_parallel_cross_entropy_forward(cpar_group *tp, const cpar
     cpar_tensor t_m = cpar_tensor_make(m, CPAR_F32, 1, &rows, ctx->device);
     int64_t pshape[2] = {k, rows};
     cpar_tensor t_part = cpar_tensor_make(part, CPAR_F32, 2, pshape, ctx->device);
-    CPAR_TRY(cpar_all_reduce(tp, &t_mloc, &t_m, CPAR_MAX));
+    CPAR_TRY(cpar__as(ctx, fn, cpar_all_reduce(tp, &t_mloc, &t_m, CPAR_MAX)));
     if (dev) {
         CPAR_DEV_TRY(ctx, fn, cpar_dev_xent_rescale(part, m_loc, m, rows, ctx->compute));
     } else {
         for (int64_t r = 0; r < rows; r++)
             if (m_loc[r] != m[r]) part[r] = (float)((double)part[r] * exp((double)m_loc[r] - (double)m[r]));
     }
-    CPAR_TRY(cpar_all_reduce(tp, &t_part, &t_part, CPAR_SUM));
+    CPAR_TRY(cpar__as(ctx, fn, cpar_all_reduce(tp, &t_part, &t_part, CPAR_SUM)));
     if (dev)
         CPAR_DEV_TRY(ctx, fn, cpar_dev_xent_finalize(m, part, rows, vocab, s, smooth, loss->data, stats->data, ctx->compute));
     else
@@ -6341,10 +6483,10 @@ static cpar_status cpar__emb_forward(cpar_group *tp, const char *fn, const cpar_
     else
         cpar__host_embedding_lookup(weight->data, weight->dtype, ids->data, ids->dtype, b, s, H, first, vl, rs,
                                     partial);
-    if (!rs) return cpar_all_reduce(tp, out, out, CPAR_SUM);
+    if (!rs) return cpar__as(ctx, fn, cpar_all_reduce(tp, out, out, CPAR_SUM));
     int64_t pshape[3] = {s, b, H};
     cpar_tensor t_partial = cpar_tensor_make(partial, weight->dtype, 3, pshape, ctx->device);
-    return cpar_reduce_scatter(tp, &t_partial, out, CPAR_SUM, NULL);
+    return cpar__as(ctx, fn, cpar_reduce_scatter(tp, &t_partial, out, CPAR_SUM, NULL));
 }
 
 cpar_status cpar_embedding_forward(cpar_group *tp, const cpar_tensor *weight, const cpar_tensor *ids, cpar_tensor *out,
@@ -6380,7 +6522,7 @@ static cpar_status cpar__emb_backward(cpar_group *tp, const char *fn, const cpar
         CPAR_TRY(cpar__xent_scratch(ctx, fn, (size_t)(s * b * H) * cpar_dtype_size(dout->dtype), &gathered));
         int64_t gshape[3] = {s, b, H};
         cpar_tensor t_g = cpar_tensor_make(gathered, dout->dtype, 3, gshape, ctx->device);
-        CPAR_TRY(cpar_all_gather(tp, dout, &t_g, NULL));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(tp, dout, &t_g, NULL)));
         full = gathered;
     }
     if (dev)
@@ -6875,7 +7017,7 @@ static cpar_status cpar__lin_column_forward(cpar_linear *l, const char *fn, cons
         cpar_tensor xg = *x;
         xg.shape[0] *= n;
         xg.data = w.ptr[s_xg];
-        CPAR_TRY(cpar_all_gather(l->tp, x, &xg, NULL));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(l->tp, x, &xg, NULL)));
         X = xg.data;
     }
     void *Y = go ? w.ptr[s_yl] : y->data;
@@ -6887,7 +7029,7 @@ static cpar_status cpar__lin_column_forward(cpar_linear *l, const char *fn, cons
     if (go) { /* gather_from_tensor_model_parallel_region: along dim 0, then interleave */
         int64_t ls[2] = {T, N}, gs[2] = {T * n, N};
         cpar_tensor yl = cpar_tensor_make(Y, dt, 2, ls, ctx->device), st = cpar_tensor_make(w.ptr[s_st], dt, 2, gs, ctx->device);
-        CPAR_TRY(cpar_all_gather(l->tp, &yl, &st, NULL));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(l->tp, &yl, &st, NULL)));
         for (int j = 0; j < n; j++)
             CPAR_TRY(cpar__copy_2d(ctx, fn, (char *)y->data + (size_t)(j * N) * es, (size_t)(N * n) * es, ctx->device,
                                    (const char *)st.data + (size_t)(j * T * N) * es, (size_t)N * es, ctx->device,
@@ -6917,9 +7059,9 @@ static cpar_status cpar__lin_row_forward(cpar_linear *l, const char *fn, const c
         cpar_tensor part = *x;
         part.shape[x->ndim - 1] = N;
         part.data = P;
-        CPAR_TRY(cpar_reduce_scatter(l->tp, &part, y, CPAR_SUM, NULL));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_reduce_scatter(l->tp, &part, y, CPAR_SUM, NULL)));
     } else if (n > 1) { /* reduce_from_tensor_model_parallel_region */
-        CPAR_TRY(cpar_all_reduce(l->tp, y, y, CPAR_SUM));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_all_reduce(l->tp, y, y, CPAR_SUM)));
     }
     if (add_bias) {
         CPAR_TRY(cpar__lin_ones(l, fn, w.ptr[s_one], Ty));
@@ -7020,7 +7162,7 @@ static cpar_status cpar__lin_column_backward(cpar_linear *l, const char *fn, con
         xg.shape[0] *= n;
         xg.data = w.ptr[s_xg];
         if (overlap) cpar__on_comm_stream(ctx);
-        st = cpar_all_gather(l->tp, x, &xg, NULL);
+        st = cpar__as(ctx, fn, cpar_all_gather(l->tp, x, &xg, NULL));
         cpar__on_compute_stream(ctx);
         if (st != CPAR_OK) goto join;
         X = xg.data;
@@ -7041,9 +7183,9 @@ static cpar_status cpar__lin_column_backward(cpar_linear *l, const char *fn, con
                 cpar_tensor full = *x;
                 full.shape[0] *= n;
                 full.data = dX;
-                st = cpar_reduce_scatter(l->tp, &full, dx, CPAR_SUM, NULL);
+                st = cpar__as(ctx, fn, cpar_reduce_scatter(l->tp, &full, dx, CPAR_SUM, NULL));
             } else {
-                st = cpar_all_reduce(l->tp, dx, dx, CPAR_SUM);
+                st = cpar__as(ctx, fn, cpar_all_reduce(l->tp, dx, dx, CPAR_SUM));
             }
             cpar__on_compute_stream(ctx);
             if (st != CPAR_OK) goto join;
@@ -7093,7 +7235,7 @@ static cpar_status cpar__lin_row_backward(cpar_linear *l, const char *fn, const 
         cpar_tensor g = *dy;
         g.shape[0] *= n;
         g.data = w.ptr[s_dy];
-        CPAR_TRY(cpar_all_gather(l->tp, dy, &g, NULL));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(l->tp, dy, &g, NULL)));
         dY = g.data;
     }
     const void *X = iip ? x->data : (const char *)x->data + (size_t)(l->r * K) * es;
@@ -7105,7 +7247,7 @@ static cpar_status cpar__lin_row_backward(cpar_linear *l, const char *fn, const 
             int64_t ls[2] = {T, K}, gs[2] = {T * n, K};
             cpar_tensor xl = cpar_tensor_make(dX, dt, 2, ls, ctx->device);
             cpar_tensor st = cpar_tensor_make(w.ptr[s_st], dt, 2, gs, ctx->device);
-            CPAR_TRY(cpar_all_gather(l->tp, &xl, &st, NULL));
+            CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(l->tp, &xl, &st, NULL)));
             for (int j = 0; j < n; j++)
                 CPAR_TRY(cpar__copy_2d(ctx, fn, (char *)dx->data + (size_t)(j * K) * es, (size_t)(K * n) * es,
                                        ctx->device, (const char *)st.data + (size_t)(j * T * K) * es, (size_t)K * es,
@@ -7675,12 +7817,12 @@ cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_di
      * the rank-ordered gather: gather straight into full */
     if (!load_balance && outer == 1) {
         cpar_tensor out = cpar_tensor_make(full->data, full->dtype, 2, out_shape, full->device);
-        return cpar_all_gather(cp, &in, &out, NULL);
+        return cpar__as(ctx, fn, cpar_all_gather(cp, &in, &out, NULL));
     }
     void *ws;
     CPAR_TRY(cpar__workspace(ctx, fn, cpar_tensor_nbytes(full) ? cpar_tensor_nbytes(full) : 1, &ws));
     cpar_tensor gathered = cpar_tensor_make(ws, local->dtype, 2, out_shape, ctx->device);
-    CPAR_TRY(cpar_all_gather(cp, &in, &gathered, NULL));
+    CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(cp, &in, &gathered, NULL)));
     const size_t es = cpar_dtype_size(full->dtype);
     for (int j = 0; j < P; j++)
         CPAR_TRY(cpar__cp_copy(ctx, fn, full->data, full->device, (char *)ws + (size_t)(j * n) * es, ctx->device,
@@ -7879,8 +8021,8 @@ static cpar_status cpar__ring_start(cpar__ring *R) {
     cpar_tensor kout = cpar_tensor_make(R->kg, R->io.dt, 2, out_shape, ctx->device);
     cpar_tensor vout = cpar_tensor_make(R->vg, R->io.dt, 2, out_shape, ctx->device);
     CPAR_TRY(cpar__ring_fork(R));
-    cpar_status st = cpar_all_gather(R->g, &kin, &kout, NULL);
-    if (st == CPAR_OK) st = cpar_all_gather(R->g, &vin, &vout, NULL);
+    cpar_status st = cpar__as(R->ctx, R->fn, cpar_all_gather(R->g, &kin, &kout, NULL));
+    if (st == CPAR_OK) st = cpar__as(R->ctx, R->fn, cpar_all_gather(R->g, &vin, &vout, NULL));
     cpar_status us = cpar__ring_unfork(R, R->ev_kv);
     return st != CPAR_OK ? st : us;
 }
@@ -7911,7 +8053,7 @@ static cpar_status cpar__ring_next(cpar__ring *R, int i, const void **kp, const 
         cpar_tensor send = cpar_tensor_make(R->buf[i % 2], R->io.dt, 1, shape, R->ctx->device);
         cpar_tensor recv = cpar_tensor_make(R->buf[(i + 1) % 2], R->io.dt, 1, shape, R->ctx->device);
         CPAR_TRY(cpar__ring_fork(R));
-        cpar_status st = cpar_ring_shift(R->g, &send, &recv, 1);
+        cpar_status st = cpar__as(R->ctx, R->fn, cpar_ring_shift(R->g, &send, &recv, 1));
         cpar_status us = cpar__ring_unfork(R, R->ev_kv);
         if (st != CPAR_OK) return st;
         CPAR_TRY(us);
@@ -8168,7 +8310,7 @@ static cpar_status cpar__ring_backward_steps(cpar__ring *R, const void *out, con
         cpar_tensor send = cpar_tensor_make(a, CPAR_F32, 1, shape, R->ctx->device);
         cpar_tensor recv = cpar_tensor_make(acc[(i + 1) % 2], CPAR_F32, 1, shape, R->ctx->device);
         CPAR_TRY(cpar__ring_fork(R));
-        cpar_status st = cpar_ring_shift(R->g, &send, &recv, 1);
+        cpar_status st = cpar__as(R->ctx, R->fn, cpar_ring_shift(R->g, &send, &recv, 1));
         cpar_status us = cpar__ring_unfork(R, R->ev_dkv);
         if (st != CPAR_OK) return st;
         CPAR_TRY(us);
@@ -8285,13 +8427,15 @@ static cpar_status cpar__mcp_lb_public(cpar_ctx *ctx, const char *fn, int cp_siz
     if (out->device != in->device)
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is on device %d, expected device %d (as in)", fn, out->device,
                           in->device);
-    if (in->shape[0] % (2 * (int64_t)cp_size))
+    int64_t chunks = 2 * (int64_t)cp_size; /* int64: cp_size may be INT_MAX */
+    if (in->shape[0] % chunks)
         return cpar__fail(ctx, CPAR_ERR_INVALID,
-                          "%s: in has %lld rows (dim 0, the sequence), not divisible by 2*cp_size = %d", fn,
-                          (long long)in->shape[0], 2 * cp_size);
+                          "%s: in has %lld rows (dim 0, the sequence), not divisible by 2*cp_size = %lld", fn,
+                          (long long)in->shape[0], (long long)chunks);
     if (cpar__ranges_overlap(in->data, cpar_tensor_nbytes(in), out->data, cpar_tensor_nbytes(out)))
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out overlaps in", fn);
-    size_t chunk = cpar_tensor_nbytes(in) / (size_t)(2 * cp_size);
+    size_t chunk = cpar_tensor_nbytes(in) / (size_t)chunks;
+    if (!chunk) return CPAR_OK; /* empty: no 2*cp_size copies of nothing */
     return cpar__mcp_lb(ctx, fn, out->data, out->device, in->data, in->device, chunk, cp_size, undo);
 }
 
@@ -9174,9 +9318,9 @@ static cpar_status cpar__rs_add_norm_ag(cpar_group *tp, const char *fn, const cp
         return cpar__rmsnorm(ctx, fn, ctx->device, residual->data, partial->data, w, dt, rows, h, eps, out->data);
     cpar_tensor rst = *residual, nlt = *residual;
     rst.data = rs, nlt.data = nl;
-    CPAR_TRY(cpar_reduce_scatter(tp, partial, &rst, CPAR_SUM, NULL));
+    CPAR_TRY(cpar__as(ctx, fn, cpar_reduce_scatter(tp, partial, &rst, CPAR_SUM, NULL)));
     CPAR_TRY(cpar__rmsnorm(ctx, fn, ctx->device, residual->data, rs, w, dt, rows, h, eps, nl));
-    return cpar_all_gather(tp, &nlt, out, NULL);
+    return cpar__as(ctx, fn, cpar_all_gather(tp, &nlt, out, NULL));
 }
 
 /* Checks for partial / residual / out of the fused step: the same dtype as
@@ -9415,7 +9559,7 @@ static cpar_status cpar__inf_column_forward(cpar_inference_linear *l, const char
         xl.data = base;
         xg.shape[0] *= n;
         xg.data = (char *)base + nb;
-        CPAR_TRY(cpar_all_gather(lin->tp, &xl, &xg, NULL));
+        CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(lin->tp, &xl, &xg, NULL)));
         X = xg.data;
     }
     return cpar__lin_fwd(lin, fn, X, K, T, K, N, y->data, N);
@@ -9440,7 +9584,7 @@ static cpar_status cpar__inf_row_forward(cpar_inference_linear *l, const char *f
     cpar_tensor part = *x;
     part.shape[x->ndim - 1] = N;
     part.data = P;
-    return cpar_reduce_scatter(lin->tp, &part, y, CPAR_SUM, NULL);
+    return cpar__as(lin->ctx, fn, cpar_reduce_scatter(lin->tp, &part, y, CPAR_SUM, NULL));
 }
 
 cpar_status cpar_inference_forward(cpar_inference_linear *l, const cpar_tensor *x, cpar_tensor *y) {
@@ -9610,7 +9754,7 @@ static cpar_status cpar__grad_norm(cpar_group *tp, const char *fn, const cpar_te
         for (int64_t j = 0; j < k; j++) host_sum += (double)g[j] * g[j];
     }
     if (!cpar__on_device(ctx->device)) *(float *)ws = (float)host_sum;
-    CPAR_TRY(cpar_all_reduce(tp, &total, &total, CPAR_SUM));
+    CPAR_TRY(cpar__as(ctx, fn, cpar_all_reduce(tp, &total, &total, CPAR_SUM)));
     float sum;
     CPAR_TRY(cpar__copy_bytes(ctx, fn, &sum, CPAR_HOST, ws, ctx->device, sizeof sum));
     if (cpar__on_device(ctx->device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
@@ -9633,7 +9777,7 @@ cpar_status cpar_clip_grad_norm(cpar_group *tp, cpar_tensor *const *grads, const
     /* Megatron's coefficient; a non-finite norm scales nothing (the caller sees it) */
     const float c = max_norm / (*norm + 1e-6f);
     const bool clip = isfinite(*norm) && c < 1.f;
-    for (int i = 0; clip && i < n; i++) CPAR_TRY(cpar_axpby(tp->ctx, c, grads[i], 0.f, grads[i]));
+    for (int i = 0; clip && i < n; i++) CPAR_TRY(cpar__as(tp->ctx, fn, cpar_axpby(tp->ctx, c, grads[i], 0.f, grads[i])));
     if (coef) *coef = clip ? c : 1.f;
     return CPAR_OK;
 }
@@ -9661,8 +9805,8 @@ cpar_status cpar_grads_all_reduce(cpar_group *g, cpar_tensor *const *grads, int 
         CPAR_TRY(cpar__copy_bytes(ctx, fn, (char *)ws + off, ctx->device, grads[i]->data, ctx->device, b));
         off += b;
     }
-    CPAR_TRY(cpar_all_reduce(g, &flat, &flat, CPAR_SUM));
-    if (average && g->size > 1) CPAR_TRY(cpar_axpby(ctx, 1.f / (float)g->size, &flat, 0.f, &flat));
+    CPAR_TRY(cpar__as(ctx, fn, cpar_all_reduce(g, &flat, &flat, CPAR_SUM)));
+    if (average && g->size > 1) CPAR_TRY(cpar__as(ctx, fn, cpar_axpby(ctx, 1.f / (float)g->size, &flat, 0.f, &flat)));
     off = 0;
     for (int i = 0; i < n; i++) {
         const size_t b = cpar_tensor_nbytes(grads[i]);

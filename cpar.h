@@ -117,6 +117,11 @@ typedef struct cpar_tensor {
 
 /* A view of caller-owned memory. ndim in [0, CPAR_MAX_DIMS]; ndim 0 is a scalar. */
 cpar_tensor cpar_tensor_make(void *data, cpar_dtype dtype, int ndim, const int64_t *shape, int device);
+/* Element count and byte size. Every size is checked: a tensor whose ndim is
+ * outside 0..CPAR_MAX_DIMS, that has a negative dim, or whose dims (zeros
+ * counted as 1) times the dtype size exceed PTRDIFF_MAX bytes is invalid;
+ * numel returns -1 for it and nbytes 0 (both return 0 for NULL), and every
+ * function given one returns CPAR_ERR_INVALID naming the argument. */
 int64_t cpar_tensor_numel(const cpar_tensor *t);
 size_t cpar_tensor_nbytes(const cpar_tensor *t);
 
@@ -291,7 +296,19 @@ int cpar_grid_rank(const cpar_ctx *ctx, cpar_group_kind kind);    /* -1 before c
  * cpar_device(ctx)) and have the same dtype. Float reductions of F16/BF16
  * accumulate in fp32. Host and sim backends reduce in rank order, so results
  * are bitwise reproducible. Every call is collective over the group: each
- * member must make the same calls in the same order. */
+ * member must make the same calls in the same order.
+ *
+ * What is checked where. Every backend checks each rank's own arguments.
+ * Host and sim backends also compare the members' calls before any peer's
+ * buffer is read: kind (group split included), dtype, element count or
+ * split sizes, op and root; a disagreement is CPAR_ERR_INVALID on every
+ * member, naming two ranks and the field. Send/receive carry the dtype and
+ * element count: a receiver expecting others refuses without reading, and
+ * both sides return CPAR_ERR_INVALID. On NCCL, cpar passes typed counts;
+ * NCCL does not compare calls across ranks (the nccl-sim test build does),
+ * and cpar adds no round trip to do it, so a disagreement there is
+ * undefined as in NCCL. Ranks calling on different groups are not detected
+ * by any backend: they wait until the deadline (CPAR_ERR_TIMEOUT). */
 
 typedef enum cpar_reduce_op { CPAR_SUM = 0, CPAR_MAX, CPAR_MIN, CPAR_REDUCE_OP_COUNT } cpar_reduce_op;
 
@@ -583,7 +600,8 @@ cpar_status cpar_all_to_all_hp2sp(cpar_group *g, const cpar_tensor *in, cpar_ten
 /* ---- Utilities (megatron/core/tensor_parallel/utils.py, megatron.core.utils) ---- */
 
 /* *out = num / den; CPAR_ERR_INVALID unless den divides num
- * ("cpar_divide: 10 is not divisible by 4"). Megatron's divide(). */
+ * ("cpar_divide: 10 is not divisible by 4"), for den == 0, and for
+ * INT64_MIN / -1 (not an int64). Defined for every pair. Megatron's divide(). */
 cpar_status cpar_divide(int64_t num, int64_t den, int64_t *out);
 
 /* VocabUtility.vocab_range_from_global_vocab_size: rank's half-open slice

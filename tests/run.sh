@@ -5,6 +5,8 @@
 # over all tests; exits non-zero when any suite fails.
 B=${B:-build}
 export B
+# HOST_FLAVOUR=asan: the host suites from build/asan (make test-sanitize).
+HOST_FLAVOUR=${HOST_FLAVOUR:-host}
 passed=0
 failed=0
 bad=""
@@ -41,16 +43,16 @@ trap 'rm -rf "$tmp"' EXIT
 waiting=""
 for flavour in host sim ncclsim; do
     case $flavour in
-    host) list=$HOST_SUITES be=host ;; sim) list=$SIM_SUITES be=sim ;; *) list=$NCCLSIM_SUITES be=nccl ;;
+    host) list=$HOST_SUITES be=host dir=$HOST_FLAVOUR ;; sim) list=$SIM_SUITES be=sim dir=sim ;; *) list=$NCCLSIM_SUITES be=nccl dir=ncclsim ;;
     esac
     case " $list " in *" faults "*)
-        (CPAR_TEST_BACKEND=$be "$B/$flavour/test_faults" > "$tmp/$flavour.out" 2>&1; echo $? > "$tmp/$flavour.rc") &
+        (CPAR_TEST_BACKEND=$be "$B/$dir/test_faults" > "$tmp/$flavour.out" 2>&1; echo $? > "$tmp/$flavour.rc") &
         waiting="$waiting $flavour" ;;
     esac
 done
 wait
 for flavour in $waiting; do
-    name=$([ $flavour = ncclsim ] && echo nccl-sim || echo $flavour)/faults
+    name=$([ $flavour = ncclsim ] && echo nccl-sim || { [ $flavour = host ] && echo $HOST_FLAVOUR; } || echo $flavour)/faults
     report "$name" "$(cat "$tmp/$flavour.out")" "$(cat "$tmp/$flavour.rc")"
 done
 without_faults() { for s in "$@"; do [ "$s" = faults ] || printf '%s ' "$s"; done; }
@@ -60,8 +62,8 @@ NCCLSIM_SUITES=$(without_faults $NCCLSIM_SUITES)
 
 # lm_check: a small LM on a synthetic language, tp x cp against 1 rank (one
 # result per flavour; bf16 on the simulated devices, every kernel on the CPU).
-for s in $HOST_SUITES; do run "host/$s" "$B/host/test_$s" host; done
-[ -z "$HOST_SUITES" ] || CPAR_LM_BACKEND=host run "host/lm_check" "$B/host/lm_check" host
+for s in $HOST_SUITES; do run "$HOST_FLAVOUR/$s" "$B/$HOST_FLAVOUR/test_$s" host; done
+[ -z "$HOST_SUITES" ] || [ "$HOST_FLAVOUR" != host ] || CPAR_LM_BACKEND=host run "host/lm_check" "$B/host/lm_check" host
 for s in $SIM_SUITES; do run "sim/$s" "$B/sim/test_$s" sim; done
 [ -z "$SIM_SUITES" ] || CPAR_LM_BACKEND=sim run "sim/lm_check" "$B/sim/lm_check" sim
 # nccl-sim: the production path (cpar.c as built for GPUs, NCCL calls) on the

@@ -200,7 +200,7 @@ static cpar_status rank_all_reduce(cpar_ctx *ctx, void *p) {
                 if (!in_place) free_tensor(ctx, &out);
             }
         }
-    a->ncalls = call;
+    if (me == 0) a->ncalls = call; /* every rank makes the same calls; one writes the count */
     return CPAR_OK;
 }
 

@@ -270,8 +270,8 @@ END_TEST
 
 /* ---- ranks disagree on the collective ---------------------------------------- */
 
-typedef enum { MIS_KIND, MIS_DTYPE, MIS_SIZE, MIS_OP, MIS_ROOT, MIS_COUNT } mismatch;
-static const char *const mismatch_names[] = {"kind", "dtype", "size", "op", "root"};
+typedef enum { MIS_KIND, MIS_DTYPE, MIS_SIZE, MIS_OP, MIS_ROOT, MIS_SPLIT, MIS_P2P_DTYPE, MIS_COUNT } mismatch;
+static const char *const mismatch_names[] = {"kind", "dtype", "size", "op", "root", "split", "p2p dtype"};
 
 typedef struct {
     mismatch what;
@@ -297,9 +297,24 @@ static cpar_status rank_mismatch(cpar_ctx *ctx, void *p) {
         break;
     case MIS_OP: a->st[r] = cpar_all_reduce(w, &in, &out, odd ? CPAR_MAX : CPAR_SUM); break;
     case MIS_ROOT: a->st[r] = cpar_broadcast(w, &in, odd ? 1 : 0); break;
+    case MIS_SPLIT: { /* issue 13: the split must not read the all-reduce's buffer as its descriptor */
+        cpar_group *sub = NULL;
+        a->st[r] = odd ? cpar_group_split(w, 0, r, &sub) : cpar_all_reduce(w, &in, &out, CPAR_SUM);
+        if (sub) TU_OK(cpar_group_destroy(sub));
+        break;
+    }
+    case MIS_P2P_DTYPE: { /* a ring of sends: rank 1's buffers are i32, the others' f32 of the same size */
+        cpar_tensor is = tu_alloc_poisoned(ctx, odd ? CPAR_I32 : CPAR_F32, 1, n4);
+        cpar_tensor ir = tu_alloc_poisoned(ctx, odd ? CPAR_I32 : CPAR_F32, 1, n4);
+        a->st[r] = cpar_ring_shift(w, &is, &ir, 1);
+        snprintf(a->msg[r], sizeof a->msg[r], "%s", cpar_last_error(ctx));
+        TU_OK(cpar_tensor_free(ctx, &is));
+        TU_OK(cpar_tensor_free(ctx, &ir));
+        break;
+    }
     default: a->st[r] = cpar_all_reduce(w, &in, &out, CPAR_SUM); break;
     }
-    snprintf(a->msg[r], sizeof a->msg[r], "%s", cpar_last_error(ctx));
+    if (a->what != MIS_P2P_DTYPE) snprintf(a->msg[r], sizeof a->msg[r], "%s", cpar_last_error(ctx));
     TU_OK(cpar_tensor_free(ctx, &in));
     TU_OK(cpar_tensor_free(ctx, &out));
     TU_OK(cpar_tensor_free(ctx, &gout));
@@ -312,12 +327,16 @@ START_TEST(test_mismatch) {
      * the host backend, NCCL's (from the communicator's error) on NCCL. */
     static const char *const cpar_needles[MIS_COUNT][2] = {
         {"all_gather", "all_reduce"}, {"f16", "f32"}, {"5", "4"}, {"max", "sum"}, {"root", "1"},
+        {"group split", "all_reduce"}, {"i32", "f32"},
     };
     static const char *const nccl_needles[MIS_COUNT][2] = {
         {"ncclAllGather", "ncclAllReduce"}, {"ncclFloat16", "ncclFloat32"}, {"count 5", "count 4"},
-        {"ncclMax", "ncclSum"}, {"root 1", "root 0"},
+        {"ncclMax", "ncclSum"}, {"root 1", "root 0"}, {"ncclAllGather", "ncclAllReduce"}, {"ncclSend", "ncclRecv"},
     };
     const char *const(*needles)[2] = tu_is_nccl() ? nccl_needles : cpar_needles;
+    /* On NCCL cpar promises nothing about a send/recv dtype mismatch
+     * (cpar.h: NCCL compares nothing across ranks); the host backends do. */
+    if (_i == MIS_P2P_DTYPE && tu_is_nccl()) return;
     mismatch_arg a = {.what = (mismatch)_i};
     cpar_init_config c = {.backend = tu_backend(), .timeout_ms = DEADLINE_MS};
     int64_t t0 = now_ms();
@@ -384,6 +403,80 @@ START_TEST(test_p2p_no_partner) {
 }
 END_TEST
 
+/* ---- messages name the function the user called ---------------------------------
+ * Functions built on a collective report its failure under their own name,
+ * the inner collective's line after it (issue 13). Rank 1 returns without
+ * joining, so rank 0's inner collective fails. */
+
+typedef enum { CALLER_UNSHARD, CALLER_EMBEDDING, CALLER_GATHER_1D, CALLER_GRADS, CALLER_XENT, CALLER_COUNT } caller;
+static const char *const caller_names[CALLER_COUNT][2] = {
+    {"cpar_cp_unshard: ", "all_gather"},         {"cpar_embedding_forward: ", "all_reduce"},
+    {"cpar_gather_1d_chunks: ", "all_gather"},   {"cpar_grads_all_reduce: ", "all_reduce"},
+    {"cpar_vocab_parallel_cross_entropy_forward: ", "all_reduce"},
+};
+
+typedef struct {
+    caller which;
+    cpar_status st;
+    char msg[512];
+} caller_arg;
+
+static cpar_status rank_caller(cpar_ctx *ctx, void *p) {
+    caller_arg *a = p;
+    if (cpar_rank(ctx) == 1) return CPAR_OK;
+    cpar_group *w = cpar_world_group(ctx);
+    int64_t s3[] = {3}, s6[] = {6}, s23[] = {2, 3}, s43[] = {4, 3}, s12[] = {1, 2}, s123[] = {1, 2, 3};
+    int64_t s214[] = {2, 1, 4}, s21[] = {2, 1}, s212[] = {2, 1, 2};
+    int32_t ids[2] = {1, 6};
+    cpar_tensor t[5];
+    int nt = 0;
+    switch (a->which) {
+    case CALLER_UNSHARD:
+        t[nt++] = tu_alloc_poisoned(ctx, CPAR_F32, 2, s23), t[nt++] = tu_alloc_poisoned(ctx, CPAR_F32, 2, s43);
+        a->st = cpar_cp_unshard(w, &t[0], 0, false, &t[1]);
+        break;
+    case CALLER_EMBEDDING:
+        t[nt++] = tu_alloc_poisoned(ctx, CPAR_F32, 2, s43), t[nt++] = tu_upload(ctx, ids, CPAR_I32, 2, s12);
+        t[nt++] = tu_alloc_poisoned(ctx, CPAR_F32, 3, s123);
+        TU_OK(cpar_fill(ctx, &t[0], 0.5));
+        a->st = cpar_embedding_forward(w, &t[0], &t[1], &t[2], false);
+        break;
+    case CALLER_GATHER_1D:
+        t[nt++] = tu_alloc_poisoned(ctx, CPAR_F32, 1, s3), t[nt++] = tu_alloc_poisoned(ctx, CPAR_F32, 1, s6);
+        a->st = cpar_gather_1d_chunks(w, &t[0], &t[1]);
+        break;
+    case CALLER_GRADS: {
+        t[nt++] = tu_alloc_poisoned(ctx, CPAR_F32, 1, s3);
+        TU_OK(cpar_fill(ctx, &t[0], 1.0));
+        cpar_tensor *gr[1] = {&t[0]};
+        a->st = cpar_grads_all_reduce(w, gr, 1, true);
+        break;
+    }
+    default:
+        t[nt++] = tu_alloc_poisoned(ctx, CPAR_F32, 3, s214), t[nt++] = tu_upload(ctx, ids, CPAR_I32, 2, s21);
+        t[nt++] = tu_alloc_poisoned(ctx, CPAR_F32, 2, s21), t[nt++] = tu_alloc_poisoned(ctx, CPAR_F32, 3, s212);
+        TU_OK(cpar_fill(ctx, &t[0], 0.25));
+        a->st = cpar_vocab_parallel_cross_entropy_forward(w, &t[0], &t[1], 0.f, &t[2], &t[3]);
+        break;
+    }
+    snprintf(a->msg, sizeof a->msg, "%s", cpar_last_error(ctx));
+    for (int i = 0; i < nt; i++) TU_OK(cpar_tensor_free(ctx, &t[i]));
+    return CPAR_OK;
+}
+
+START_TEST(test_message_names_caller) {
+    caller_arg a = {.which = (caller)_i};
+    cpar_init_config c = {.backend = tu_backend(), .timeout_ms = DEADLINE_MS};
+    tu_spawn_with(2, &c, rank_caller, &a);
+    ck_assert_msg(a.st != CPAR_OK, "%s succeeded without its peer", caller_names[_i][0]);
+    ck_assert_msg(!strncmp(a.msg, caller_names[_i][0], strlen(caller_names[_i][0])),
+                  "\"%s\" should begin with \"%s\"", a.msg, caller_names[_i][0]);
+    ck_assert_msg(strstr(a.msg, caller_names[_i][1]) || tu_is_nccl(), "\"%s\" should name the inner %s", a.msg,
+                  caller_names[_i][1]);
+    expect_healthy();
+}
+END_TEST
+
 Suite *suite(void) {
     Suite *s = suite_create("faults: aborts, failures, deadlines, disagreement");
     TCase *tc = tcase_create("peers");
@@ -396,6 +489,7 @@ Suite *suite(void) {
     tc = tcase_create("disagreement");
     tcase_add_loop_test(tc, test_mismatch, 0, MIS_COUNT);
     tcase_add_loop_test(tc, test_p2p_no_partner, 0, P2P_COUNT);
+    tcase_add_loop_test(tc, test_message_names_caller, 0, CALLER_COUNT);
     tcase_set_timeout(tc, 60);
     suite_add_tcase(s, tc);
     return s;

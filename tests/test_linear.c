@@ -44,6 +44,13 @@ static double *random_doubles(int64_t n, double scale, uint64_t seed) {
     return tu_random_doubles(n, -scale, scale, seed);
 }
 
+/* random_doubles rounded to dt, without keeping (leaking) the unrounded copy. */
+static double *random_rounded(int64_t n, double scale, uint64_t seed, cpar_dtype dt) {
+    double *v = random_doubles(n, scale, seed), *o = rounded(v, n, dt);
+    free(v);
+    return o;
+}
+
 /* Upload rows [r0, r0+rows) and columns cols[0..nc) (NULL: all K) of a [*, K] double matrix as dt. */
 static cpar_tensor upload_sub(cpar_ctx *ctx, const double *m, int64_t K, int64_t r0, int64_t rows, const int64_t *cols,
                               int64_t nc, cpar_dtype dt, int ndim, const int64_t *shape) {
@@ -779,8 +786,8 @@ static cpar_status rank_blocking(cpar_ctx *ctx, void *arg) {
     cpar_linear_config cfg = {.input_size = K, .output_size = N, .dtype = dt, .bias = true};
     cpar_linear *l;
     TU_OK(cpar_column_parallel_linear_create(cpar_world_group(ctx), &cfg, &l));
-    double *W = rounded(random_doubles(N * K, 1.0, 71), N * K, dt), *bias = rounded(random_doubles(N, 1.0, 72), N, dt);
-    double *X = rounded(random_doubles(T * K, 1.0, 73), T * K, dt), *dY = rounded(random_doubles(T * N, 1.0, 74), T * N, dt);
+    double *W = random_rounded(N * K, 1.0, 71, dt), *bias = random_rounded(N, 1.0, 72, dt);
+    double *X = random_rounded(T * K, 1.0, 73, dt), *dY = random_rounded(T * N, 1.0, 74, dt);
     float *mw = tu_to_f32(W, N * K), *mb = tu_to_f32(bias, N);
     int64_t ws[2] = {N, K}, nb = N, xs[3] = {T, 1, K}, ys[3] = {T, 1, N};
     cpar_tensor tw = cpar_tensor_make(mw, CPAR_F32, 2, ws, CPAR_HOST), tb = cpar_tensor_make(mb, CPAR_F32, 1, &nb, CPAR_HOST);

@@ -488,7 +488,10 @@ typedef struct {
     float master[LE_V * LE_H]; /* [V, H] */
     int64_t ids[LE_B * LE_S];  /* [b, s] */
     double dout[LE_B * LE_S * LE_H]; /* global dout in dt: [b, s, H], or [s, b, H] when rs */
-    double out[LE_B * LE_S * LE_H];  /* global forward output (as dout's layout), filled by the ranks */
+    /* global forward output (as dout's layout), one copy per rank so no two
+     * ranks write the same element: rank r fills all of out[r] (its rows of
+     * it when rs) */
+    double out[4][LE_B * LE_S * LE_H];
     double dw[LE_V * LE_H];          /* gathered main grad after one backward */
 } le_case;
 
@@ -525,7 +528,7 @@ static cpar_status rank_layer(cpar_ctx *ctx, void *arg) {
     cpar_tensor out = tu_alloc_poisoned(ctx, c->dt, 3, oshape);
     TU_OK(cpar_embedding_layer_forward(e, &ids, &out));
     void *ho = tu_download(ctx, &out);
-    for (int64_t i = 0; i < on; i++) c->out[off + i] = tu_get(ho, c->dt, i);
+    for (int64_t i = 0; i < on; i++) c->out[r][off + i] = tu_get(ho, c->dt, i);
     void *hg = malloc((size_t)on * cpar_dtype_size(c->dt));
     for (int64_t i = 0; i < on; i++) tu_set(hg, c->dt, i, c->dout[off + i]);
     cpar_tensor dout = tu_upload(ctx, hg, c->dt, 3, oshape);
@@ -568,9 +571,11 @@ START_TEST(test_embedding_layer_matches_tp1) {
         c = ref;
         TU_OK(tu_spawn(1, rank_layer, &ref));
         TU_OK(tu_spawn(tp, rank_layer, &c));
-        for (int64_t i = 0; i < LE_B * LE_S * LE_H; i++) /* one non-zero term per element: exact */
-            ck_assert_msg(c.out[i] == ref.out[i], "tp %d mode %d: out[%lld] %g, tp=1 %g", tp, m, (long long)i,
-                          c.out[i], ref.out[i]);
+        const int64_t N = LE_B * LE_S * LE_H;
+        for (int r = 0; r < tp; r++) /* one non-zero term per element: exact */
+            for (int64_t i = ref.rs ? r * (N / tp) : 0; i < (ref.rs ? (r + 1) * (N / tp) : N); i++)
+                ck_assert_msg(c.out[r][i] == ref.out[0][i], "tp %d mode %d: rank %d's out[%lld] %g, tp=1 %g", tp, m,
+                              r, (long long)i, c.out[r][i], ref.out[0][i]);
         for (int64_t i = 0; i < LE_V * LE_H; i++)
             ck_assert_msg(fabs(c.dw[i] - ref.dw[i]) <= 1e-5 * (1.0 + fabs(ref.dw[i])),
                           "tp %d mode %d: dw[%lld] %g, tp=1 %g", tp, m, (long long)i, c.dw[i], ref.dw[i]);
@@ -579,7 +584,7 @@ START_TEST(test_embedding_layer_matches_tp1) {
             for (int64_t j = 0; j < LE_S; j++) {
                 int64_t row = ref.rs ? j * LE_B + i : i * LE_S + j, id = ref.ids[i * LE_S + j];
                 for (int64_t h = 0; h < LE_H; h++)
-                    ck_assert(ref.out[row * LE_H + h] == tu_round(ref.dt, ref.master[id * LE_H + h]));
+                    ck_assert(ref.out[0][row * LE_H + h] == tu_round(ref.dt, ref.master[id * LE_H + h]));
             }
     }
 }
