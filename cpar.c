@@ -3342,7 +3342,7 @@ static cpar_status cpar__join_get(cpar_store *s, int r, cpar__join_rec *rec)
  * function the user called). A rank that finds a conflict publishes it and
  * never arrives at the barrier, so the ranks waiting there see the failure
  * instead of a full count. */
-static cpar_status cpar__store_join(cpar_store *s, const char *fn, int rank, int world, int local)
+static cpar_status cpar__store_join_once(cpar_store *s, const char *fn, int rank, int world, int local)
 {
     cpar__join_rec me = {.world = world, .local = local, .pid = (long)getpid()};
     if (gethostname(me.host, sizeof me.host - 1) != 0 || !me.host[0])
@@ -3374,6 +3374,29 @@ static cpar_status cpar__store_join(cpar_store *s, const char *fn, int rank, int
         }
     }
     return cpar__store_barrier(s, fn, "cpar/join", rank, world, true);
+}
+
+static cpar_status cpar__store_join(cpar_store *s, const char *fn, int rank, int world, int local)
+{
+    cpar_status st = cpar__store_join_once(s, fn, rank, world, local);
+    int64_t failed = 0, told = 0;
+    if (st == CPAR_OK || cpar__store_add(s, fn, CPAR__JOIN_FAILED, 0, &failed) != CPAR_OK || failed == 0)
+        return st;
+    /* The job cannot start. Count the ranks that know why; the host of the
+     * store keeps it up a little while for those still on their way, so they
+     * get the reason rather than "rank 0 exited". */
+    char msg[CPAR_ERR_LEN];
+    snprintf(msg, sizeof msg, "%s", cpar__tls_err);
+    if (cpar__store_add(s, fn, "cpar/join/told", 1, &told) == CPAR_OK && s->server) {
+        int64_t deadline = cpar__now_ms() + (s->timeout_ms < 5000 ? s->timeout_ms : 5000);
+        while (told < world && cpar__now_ms() < deadline) {
+            cpar__store_sleep_ms(20);
+            if (cpar__store_add(s, fn, "cpar/join/told", 0, &told) != CPAR_OK)
+                break;
+        }
+    }
+    cpar__set_error(NULL, msg);
+    return st;
 }
 
 cpar_status cpar_store_join(cpar_store *s, const cpar_env *env)
