@@ -14,7 +14,7 @@
  *    4. Device dispatch             host-only device layer, workspace, copies
  *    5. Host reference kernels      vector blocks, expf; fill, cast, axpby, reduce, row reduce, gelu
  *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
- *    7. Rendezvous store and env    TCP key-value store, launch environment
+ *    7. Rendezvous store and env    launch environment, TCP key-value store (job token, limits), join
  *    8. Host backend                shared-memory rendezvous with deadlines
  *    9. NCCL backend                communicators, async-error polling, abort
  *   10. Groups                      world group, split, destroy, statistics
@@ -1612,8 +1612,9 @@ cpar_status cpar_gelu_backward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_t
 }
 
 /* ==== 7. Rendezvous store and launch environment ==========================
- * Defines cpar_env_read (torchrun, SLURM or single-rank variables) and the TCP
- * key-value store cpar_store_* that rank 0 hosts for rendezvous.
+ * Defines cpar_env_read (torchrun, SLURM or single-rank variables, the job
+ * token, where the store listens), the TCP key-value store cpar_store_* that
+ * rank 0 hosts for rendezvous, and cpar_store_join, the checked start.
  *
  * Server: one background thread that owns the table and runs a poll() loop
  * over the listening socket, every client and a self-pipe (shutdown). Its
