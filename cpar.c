@@ -2010,7 +2010,7 @@ cpar_status cpar_env_read(cpar_env *out)
  * handful per barrier name; bytes: 64 full 1 MiB values. */
 #define CPAR__STORE_MAX_KEYS 65536
 #define CPAR__STORE_MAX_BYTES ((size_t)64 << 20)
-#define CPAR__STORE_MAX_IDLE 64
+#define CPAR__STORE_MAX_IDLE 256
 
 enum { CPAR__STORE_HELLO = 1, CPAR__STORE_SET, CPAR__STORE_GET, CPAR__STORE_ADD };
 enum {
@@ -2395,6 +2395,8 @@ static bool cpar__store_conn_read(cpar__store_server *srv, cpar__store_conn *c, 
             size_t klen, vlen;
             if (!cpar__store_hdr_valid(c->in, &klen, &vlen))
                 return false;
+            if (!c->authed && c->in[5] != CPAR__STORE_HELLO)
+                return false; /* before the token, nothing else: not even a buffer for its body */
             c->in_need = CPAR__STORE_HDR + klen + vlen;
             if (c->in_need > c->in_cap) {
                 unsigned char *p = realloc(c->in, c->in_need);

@@ -253,7 +253,7 @@ typedef struct cpar_store_config {
     size_t max_value_bytes;      /* largest value; 0 -> 1 MiB (also the most allowed) */
     int max_keys_per_client;     /* keys one connection may create; 0 -> 65536 */
     size_t max_bytes_per_client; /* value bytes one connection may add; 0 -> 64 MiB */
-    int max_idle_conns;          /* connections held before their handshake; 0 -> 64 */
+    int max_idle_conns;          /* connections held before their handshake; 0 -> 256 */
 } cpar_store_config;
 cpar_status cpar_store_create(const cpar_store_config *cfg, cpar_store **out);
 /* Server: keeps serving until the other clients disconnect, at most

@@ -220,7 +220,7 @@ START_TEST(test_two_nodes)
     start(&n1, (const char *const[]){"-n", "2", "--nnodes", "2", "--node-rank", "1", "--master", master,
                                           "PROG", NULL}, NULL); /* node 1 first: clients wait for the store */
     start(&n0, (const char *const[]){"-n", "2", "--nnodes=2", "--node-rank=0", "--master", master, "PROG",
-                                          NULL}, NULL);
+                                          NULL}, (const char *const[]){"CPAR_LOG=warn", NULL});
     proc_finish(&n0, 30000);
     proc_finish(&n1, 30000);
     ck_assert_msg(n0.status == 0, "node 0: %d\n%s", n0.status, n0.text[1]);
@@ -228,6 +228,10 @@ START_TEST(test_two_nodes)
     ASSERT_HAS(n0.text[0], "[1] rank 1 of 4 (torchrun), local 1 of 2");
     ASSERT_HAS(n1.text[0], "[2] rank 2 of 4 (torchrun), local 0 of 2");
     ASSERT_HAS(n1.text[0], "[3] rank 3 ok");
+    /* Several nodes and no CPAR_JOB_TOKEN: the default token, and a warning at CPAR_LOG=warn. */
+    ASSERT_HAS(n0.text[0], "[0] rank 0 token from default");
+    ASSERT_HAS(n0.text[1], "are not isolated from each other");
+    ck_assert_msg(!strstr(n1.text[1], "not isolated"), "warned without CPAR_LOG=warn:\n%s", n1.text[1]);
     assert_prefixed(n1.text[0], 4);
     proc_free(&n0);
     proc_free(&n1);
