@@ -14,7 +14,7 @@
  *    4. Device dispatch             host-only device layer, workspace, copies
  *    5. Host reference kernels      vector blocks, expf; fill, cast, axpby, reduce, row reduce, gelu
  *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
- *    7. Rendezvous store and env    TCP key-value store, launch environment
+ *    7. Rendezvous store and env    launch environment, TCP key-value store (job token, limits), join
  *    8. Host backend                shared-memory rendezvous with deadlines
  *    9. NCCL backend                communicators, async-error polling, abort
  *   10. Groups                      world group, split, destroy, statistics
@@ -157,13 +157,18 @@ static int cpar__default_timeout_ms(void) {
     return cpar__getenv_positive("CPAR_TIMEOUT_MS", CPAR_DEFAULT_TIMEOUT_MS);
 }
 
-/* 0 = quiet (default), 1 = info, 2 = debug; read once. */
+/* CPAR_LOG: quiet (default), warn, info, debug; read once. */
+enum { CPAR__LOG_WARN = 1, CPAR__LOG_INFO = 2, CPAR__LOG_DEBUG = 3 };
 static int cpar__log_level(void) {
     static atomic_int level = -1;
     int l = atomic_load(&level);
     if (l < 0) {
         const char *v = getenv("CPAR_LOG");
-        l = !v ? 0 : !strcmp(v, "debug") ? 2 : !strcmp(v, "info") ? 1 : 0;
+        l = !v                     ? 0
+            : !strcmp(v, "debug")  ? CPAR__LOG_DEBUG
+            : !strcmp(v, "info")   ? CPAR__LOG_INFO
+            : !strcmp(v, "warn")   ? CPAR__LOG_WARN
+                                   : 0;
         atomic_store(&level, l);
     }
     return l;
@@ -225,7 +230,7 @@ static cpar_status cpar__fail(cpar_ctx *ctx, cpar_status st, const char *fmt, ..
     vsnprintf(line, sizeof line, fmt, ap);
     va_end(ap);
     cpar__set_error(ctx, line);
-    cpar__log(2, -1, "%s: %s", cpar_status_string(st), line);
+    cpar__log(CPAR__LOG_DEBUG, -1, "%s: %s", cpar_status_string(st), line);
     return st;
 }
 
@@ -718,7 +723,7 @@ static cpar_status cpar__grow_buffer(cpar_ctx *ctx, const char *fn, void **buf, 
         *have = 0;
         CPAR_TRY(cpar__mem_alloc(ctx, fn, ctx->device, want, buf));
         *have = want;
-        cpar__log(2, ctx->rank, "%s: buffer grown to %zu bytes", fn, want);
+        cpar__log(CPAR__LOG_DEBUG, ctx->rank, "%s: buffer grown to %zu bytes", fn, want);
     }
     return CPAR_OK;
 }
@@ -1727,8 +1732,9 @@ cpar_status cpar_gelu_backward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_t
 }
 
 /* ==== 7. Rendezvous store and launch environment ==========================
- * Defines cpar_env_read (torchrun, SLURM or single-rank variables) and the TCP
- * key-value store cpar_store_* that rank 0 hosts for rendezvous.
+ * Defines cpar_env_read (torchrun, SLURM or single-rank variables, the job
+ * token, where the store listens), the TCP key-value store cpar_store_* that
+ * rank 0 hosts for rendezvous, and cpar_store_join, the checked start.
  *
  * Server: one background thread that owns the table and runs a poll() loop
  * over the listening socket, every client and a self-pipe (shutdown). Its
@@ -1745,11 +1751,19 @@ cpar_status cpar_gelu_backward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_t
  * header, then the key bytes, then the value bytes:
  *     u32 magic "CPST" | u8 version | u8 op (reply: 0x80 | status) |
  *     u16 key length (reply: 0) | u32 value length
- *   PING  -          -> OK                  handshake: "is this a cpar store?"
- *   SET   key value  -> OK | NOMEM
- *   GET   key        -> OK value | MISSING  never waits; clients poll
- *   ADD   key i64    -> OK i64 | BADVALUE | NOMEM
- * ADD keeps its counter as decimal text, so GET on a counter reads "3".
+ *   HELLO -   token  -> OK | DENIED           handshake: "is this a cpar store of my job?"
+ *   SET   key value  -> OK | NOMEM | TOOBIG, KEYLIMIT, BYTELIMIT (value: the u64 limit)
+ *   GET   key        -> OK value | MISSING    never waits; clients poll
+ *   ADD   key i64    -> OK i64 | BADVALUE | NOMEM | KEYLIMIT, BYTELIMIT
+ * A connection must open with a HELLO carrying the server's job token; any
+ * other first frame closes it, and DENIED is followed by the close, so no key
+ * is ever read or written by a connection of another job. ADD keeps its
+ * counter as decimal text, so GET on a counter reads "3".
+ *
+ * Join (cpar_store_join) uses keys under "cpar/join/": "claim/<r>" counts
+ * the ranks claiming rank r, "who/<r>" holds the first claimant's
+ * "world local pid host", "failed" and "why" carry the first failure to the
+ * ranks waiting at the barrier "cpar/join".
  * Uses: 1, 2.                                                              */
 
 /* ---- launch environment ------------------------------------------------ */
@@ -1844,6 +1858,151 @@ static cpar_status cpar__env_slurm_local_world(int *out, bool *set)
     return CPAR_OK;
 }
 
+/* First host of a SLURM host list, validating the whole list: "node[01-04,07]"
+ * gives "node01", "a1,b[2-3]" gives "a1", "r[1-2]-n[08-09]" gives "r1-n08".
+ * Zero padding is kept as written. false: malformed, or too long for out. */
+static bool cpar__env_slurm_first_host(const char *s, char *out, size_t n)
+{
+    size_t used = 0;
+    bool first = true;
+    for (;;) { /* one host expression per iteration, up to a ',' outside brackets */
+        bool any = false;
+        while (*s && *s != ',') {
+            if (*s == '[') {
+                s++;
+                for (bool first_range = true;; first_range = false) {
+                    const char *a = s;
+                    while (*s >= '0' && *s <= '9')
+                        s++;
+                    size_t alen = (size_t)(s - a);
+                    if (alen == 0 || alen > 18) /* 18 digits: the bounds compare in 64 bits */
+                        return false;
+                    if (*s == '-') {
+                        const char *b = ++s;
+                        while (*s >= '0' && *s <= '9')
+                            s++;
+                        if (s == b || s - b > 18 || strtoull(a, NULL, 10) > strtoull(b, NULL, 10))
+                            return false;
+                    }
+                    if (first && first_range) {
+                        if (used + alen >= n)
+                            return false;
+                        memcpy(out + used, a, alen);
+                        used += alen;
+                    }
+                    if (*s == ']')
+                        break;
+                    if (*s++ != ',')
+                        return false;
+                }
+                s++;
+            } else {
+                char c = *s++;
+                bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+                          c == '.' || c == '_';
+                if (!ok)
+                    return false;
+                if (first) {
+                    if (used + 1 >= n)
+                        return false;
+                    out[used++] = c;
+                }
+            }
+            any = true;
+        }
+        if (!any)
+            return false;
+        first = false;
+        if (*s == '\0')
+            break;
+        s++; /* ',' */
+    }
+    out[used] = '\0';
+    return true;
+}
+
+/* On a SLURM step over several nodes without MASTER_ADDR: rank 0's host is the
+ * first of the step's node list (SLURM's block and cyclic distributions put
+ * task 0 there). Anything else fails now, saying what to set: waiting for a
+ * store on 127.0.0.1 would only time out. */
+static cpar_status cpar__env_slurm_master(const cpar_env *e, char *out, size_t n)
+{
+    static const char *const vars[] = {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"};
+    static const char hint[] = "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)";
+    for (size_t i = 0; i < sizeof vars / sizeof *vars; i++) {
+        const char *list = getenv(vars[i]);
+        if (!list)
+            continue;
+        if (!cpar__env_slurm_first_host(list, out, n))
+            return cpar__fail(NULL, CPAR_ERR_INVALID,
+                              "cpar_env_read: %s=\"%.96s\" is not a node list like \"node[01-04,07]\" and "
+                              "MASTER_ADDR is not set: %s", vars[i], list, hint);
+        return CPAR_OK;
+    }
+    return cpar__fail(NULL, CPAR_ERR_INVALID,
+                      "cpar_env_read: a SLURM step of %d tasks with %d on this node spans several nodes, but neither "
+                      "MASTER_ADDR nor SLURM_JOB_NODELIST is set: %s", e->world_size, e->local_world_size, hint);
+}
+
+/* Every address host resolves to is a loopback one (127/8, ::1, or 127/8
+ * mapped into IPv6). false also when it does not resolve. */
+static bool cpar__env_host_is_loopback(const char *host)
+{
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
+    if (getaddrinfo(host, NULL, &hints, &res) != 0)
+        return false;
+    bool all = res != NULL;
+    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+        if (ai->ai_family == AF_INET) {
+            const struct sockaddr_in *a = (const void *)ai->ai_addr;
+            all = all && (ntohl(a->sin_addr.s_addr) >> 24) == 127;
+        } else if (ai->ai_family == AF_INET6) {
+            const struct in6_addr *a = &((const struct sockaddr_in6 *)(const void *)ai->ai_addr)->sin6_addr;
+            all = all && (IN6_IS_ADDR_LOOPBACK(a) || (IN6_IS_ADDR_V4MAPPED(a) && a->s6_addr[12] == 127));
+        } else {
+            all = false;
+        }
+    }
+    freeaddrinfo(res);
+    return all;
+}
+
+#define CPAR__STORE_TOKEN_MAX 255
+#define CPAR__DEFAULT_JOB_TOKEN "cpar-default-job-token"
+
+/* The job token: see cpar_env.job_token for the order. The launchers' ids are
+ * the same on every rank of one job and differ between jobs (SLURM's step id
+ * separates two srun steps of one allocation). */
+static cpar_status cpar__env_job_token(const char *fn, char *out, size_t n, const char **source)
+{
+    const char *tok = getenv("CPAR_JOB_TOKEN"), *v;
+    int w;
+    if (tok) {
+        size_t len = strlen(tok);
+        if (len == 0 || len > CPAR__STORE_TOKEN_MAX || len >= n)
+            return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: CPAR_JOB_TOKEN is %zu bytes, expected 1..%d", fn, len,
+                              CPAR__STORE_TOKEN_MAX);
+        memcpy(out, tok, len + 1);
+        *source = "CPAR_JOB_TOKEN";
+        return CPAR_OK;
+    }
+    if ((v = getenv("TORCHELASTIC_RUN_ID")) && *v && strcmp(v, "none") != 0) {
+        w = snprintf(out, n, "torchelastic:%s", v);
+        *source = "torchelastic";
+    } else if ((v = getenv("SLURM_JOB_ID")) && *v) {
+        const char *step = getenv("SLURM_STEP_ID");
+        w = snprintf(out, n, "slurm:%s.%s", v, step ? step : "");
+        *source = "slurm";
+    } else {
+        w = snprintf(out, n, "%s", CPAR__DEFAULT_JOB_TOKEN);
+        *source = "default";
+    }
+    if (w < 0 || (size_t)w >= n || w > CPAR__STORE_TOKEN_MAX)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: the %s job id is longer than %d bytes: set CPAR_JOB_TOKEN",
+                          fn, *source, CPAR__STORE_TOKEN_MAX - 16);
+    return CPAR_OK;
+}
+
 cpar_status cpar_env_read(cpar_env *out)
 {
     if (!out)
@@ -1916,7 +2075,32 @@ cpar_status cpar_env_read(cpar_env *out)
                               "cpar_env_read: MASTER_ADDR is %zu characters, expected at most %zu", n,
                               sizeof e.master_addr - 1);
         memcpy(e.master_addr, addr, n + 1);
+    } else if (slurm) {
+        /* Several nodes: the step's node count when srun says it, else fewer tasks here than in all. */
+        int nnodes = 1;
+        bool has_nnodes;
+        if ((st = cpar__env_int("SLURM_STEP_NUM_NODES", 1, INT_MAX, &nnodes, &has_nnodes)) != CPAR_OK)
+            return st;
+        if (has_nnodes ? nnodes > 1 : e.local_world_size < e.world_size)
+            CPAR_TRY(cpar__env_slurm_master(&e, e.master_addr, sizeof e.master_addr));
     }
+
+    const char *bind = getenv("CPAR_STORE_BIND");
+    if (bind) {
+        size_t n = strlen(bind);
+        if (n == 0 || n >= sizeof e.store_bind)
+            return cpar__fail(NULL, CPAR_ERR_INVALID,
+                              "cpar_env_read: CPAR_STORE_BIND is %zu characters, expected 1..%zu (\"*\" for every "
+                              "interface, or an address of this host)", n, sizeof e.store_bind - 1);
+        memcpy(e.store_bind, bind, n + 1);
+    } else if (e.rank == 0 && e.local_world_size < e.world_size && cpar__env_host_is_loopback(e.master_addr)) {
+        /* Several nodes, yet MASTER_ADDR is loopback here (e.g. the hostname's
+         * 127.0.1.1 in /etc/hosts): a loopback store would be unreachable. */
+        snprintf(e.store_bind, sizeof e.store_bind, "*");
+    } else {
+        memcpy(e.store_bind, e.master_addr, sizeof e.store_bind);
+    }
+    CPAR_TRY(cpar__env_job_token("cpar_env_read", e.job_token, sizeof e.job_token, &e.job_token_source));
     bool has_mport, has_sport;
     if ((st = cpar__env_int("MASTER_PORT", 1, 65535, &e.master_port, &has_mport)) != CPAR_OK ||
         (st = cpar__env_int("CPAR_STORE_PORT", 1, 65535, &e.store_port, &has_sport)) != CPAR_OK)
@@ -1935,15 +2119,24 @@ cpar_status cpar_env_read(cpar_env *out)
 /* ---- store: protocol ---------------------------------------------------- */
 
 #define CPAR__STORE_MAGIC 0x43505354u /* "CPST" */
-#define CPAR__STORE_VERSION 1
+#define CPAR__STORE_VERSION 2         /* 2: HELLO with the job token replaced PING */
 #define CPAR__STORE_HDR 12
 #define CPAR__STORE_KEY_MAX 255
 #define CPAR__STORE_VALUE_MAX ((size_t)1 << 20)
 #define CPAR__STORE_LINGER_MS 2000 /* destroy: longest wait for clients to leave */
 #define CPAR__STORE_BUF_KEEP ((size_t)64 << 10) /* larger per-connection buffers are freed after use */
+#define CPAR__STORE_HELLO_MS 10000 /* longest a connection may take to show its token */
+/* Defaults of the per-connection limits (cpar_store_config). Keys: a rank uses a
+ * handful per barrier name; bytes: 64 full 1 MiB values. */
+#define CPAR__STORE_MAX_KEYS 65536
+#define CPAR__STORE_MAX_BYTES ((size_t)64 << 20)
+#define CPAR__STORE_MAX_IDLE 256
 
-enum { CPAR__STORE_PING = 1, CPAR__STORE_SET, CPAR__STORE_GET, CPAR__STORE_ADD };
-enum { CPAR__STORE_OK = 0, CPAR__STORE_MISSING, CPAR__STORE_BADVALUE, CPAR__STORE_NOMEM };
+enum { CPAR__STORE_HELLO = 1, CPAR__STORE_SET, CPAR__STORE_GET, CPAR__STORE_ADD };
+enum {
+    CPAR__STORE_OK = 0, CPAR__STORE_MISSING, CPAR__STORE_BADVALUE, CPAR__STORE_NOMEM,
+    CPAR__STORE_DENIED, CPAR__STORE_TOOBIG, CPAR__STORE_KEYLIMIT, CPAR__STORE_BYTELIMIT
+};
 #define CPAR__STORE_REPLY 0x80 /* set in a reply's op byte: an echo of a request is never a reply */
 
 #ifdef MSG_NOSIGNAL
@@ -1988,7 +2181,7 @@ static bool cpar__store_hdr_valid(const unsigned char *p, size_t *klen, size_t *
     *klen = (size_t)p[6] << 8 | p[7];
     *vlen = cpar__store_get32(p + 8);
     switch (p[5]) {
-    case CPAR__STORE_PING: return *klen == 0 && *vlen == 0;
+    case CPAR__STORE_HELLO: return *klen == 0 && *vlen >= 1 && *vlen <= CPAR__STORE_TOKEN_MAX;
     case CPAR__STORE_SET: return *klen >= 1 && *klen <= CPAR__STORE_KEY_MAX && *vlen <= CPAR__STORE_VALUE_MAX;
     case CPAR__STORE_GET: return *klen >= 1 && *klen <= CPAR__STORE_KEY_MAX && *vlen == 0;
     case CPAR__STORE_ADD: return *klen >= 1 && *klen <= CPAR__STORE_KEY_MAX && *vlen == 8;
@@ -2039,9 +2232,19 @@ static void cpar__store_addr_str(char *buf, size_t n, const char *host, int port
     snprintf(buf, n, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port);
 }
 
+/* A server host meaning "every interface"; only ever asked for explicitly. */
 static bool cpar__store_host_is_any(const char *host)
 {
-    return !host || !*host || !strcmp(host, "0.0.0.0") || !strcmp(host, "::");
+    return host && (!strcmp(host, "*") || !strcmp(host, "0.0.0.0") || !strcmp(host, "::"));
+}
+
+/* Equal tokens, in a time that does not depend on where they differ. */
+static bool cpar__store_token_eq(const unsigned char *a, size_t alen, const unsigned char *b, size_t blen)
+{
+    unsigned diff = alen != blen;
+    for (size_t i = 0; i < CPAR__STORE_TOKEN_MAX; i++)
+        diff |= (unsigned)((i < alen ? a[i] : 0) ^ (i < blen ? b[i] : 0));
+    return diff == 0;
 }
 
 /* ---- store: server ------------------------------------------------------ */
@@ -2062,6 +2265,10 @@ typedef struct cpar__store_conn {
     unsigned char *out; /* the reply not yet sent */
     size_t out_off, out_len, out_cap;
     int64_t last_progress; /* for dropping clients that stall mid-frame */
+    int64_t opened;        /* accept time: the handshake must complete within hello_ms */
+    bool authed;           /* showed the job token: may use the key space */
+    bool closing;          /* refused: close once the reply is sent */
+    int64_t keys, bytes;   /* keys this connection created, value bytes it added (net) */
 } cpar__store_conn;
 
 typedef struct cpar__store_server {
@@ -2075,6 +2282,12 @@ typedef struct cpar__store_server {
     size_t nconns, cap_conns;
     struct pollfd *pfds; /* room for cap_conns + 2 */
     int64_t accept_paused_until; /* after EMFILE: stop spinning on the listener */
+    unsigned char token[CPAR__STORE_TOKEN_MAX];
+    size_t token_len;
+    size_t max_value, max_bytes; /* limits, cpar_store_config's defaults applied */
+    int64_t max_keys;
+    size_t max_idle, nidle;      /* nidle: connections that have not shown the token yet */
+    int hello_ms;
 } cpar__store_server;
 
 static uint32_t cpar__store_hash(const char *key, size_t n)
@@ -2152,6 +2365,37 @@ static bool cpar__store_reply(cpar__store_conn *c, unsigned status, const void *
     return true;
 }
 
+/* Refuse a request over a limit; the reply carries the limit. */
+static bool cpar__store_reply_limit(cpar__store_conn *c, unsigned status, uint64_t limit)
+{
+    unsigned char be[8];
+    cpar__store_put64(be, (int64_t)limit);
+    return cpar__store_reply(c, status, be, sizeof be);
+}
+
+/* Would storing vlen bytes under a key (e: its entry, NULL when new) break
+ * c's limits? Returns the refusing status, or OK. */
+static unsigned cpar__store_over_limit(cpar__store_server *srv, cpar__store_conn *c, cpar__store_entry *e,
+                                       size_t vlen, uint64_t *limit)
+{
+    int64_t grow = (int64_t)vlen - (e ? (int64_t)e->vlen : 0);
+    if (!e && c->keys >= srv->max_keys) {
+        *limit = (uint64_t)srv->max_keys;
+        return CPAR__STORE_KEYLIMIT;
+    }
+    if (grow > 0 && c->bytes + grow > (int64_t)srv->max_bytes) {
+        *limit = srv->max_bytes;
+        return CPAR__STORE_BYTELIMIT;
+    }
+    return CPAR__STORE_OK;
+}
+
+static void cpar__store_charge(cpar__store_conn *c, cpar__store_entry *e, size_t vlen)
+{
+    c->keys += e == NULL;
+    c->bytes += (int64_t)vlen - (e ? (int64_t)e->vlen : 0);
+}
+
 /* Execute the complete, validated frame in c->in and queue its reply. */
 static bool cpar__store_execute(cpar__store_server *srv, cpar__store_conn *c)
 {
@@ -2159,12 +2403,33 @@ static bool cpar__store_execute(cpar__store_server *srv, cpar__store_conn *c)
     size_t klen = (size_t)p[6] << 8 | p[7], vlen = cpar__store_get32(p + 8);
     const char *key = (const char *)p + CPAR__STORE_HDR;
     const unsigned char *val = p + CPAR__STORE_HDR + klen;
+    if (p[5] == CPAR__STORE_HELLO) {
+        bool ok = cpar__store_token_eq(val, vlen, srv->token, srv->token_len);
+        c->authed = c->authed || ok; /* the server recounts its idle connections after each round */
+        c->closing = !ok;
+        if (!ok)
+            cpar__log(CPAR__LOG_INFO, -1, "cpar store: refused a client with another job token");
+        return cpar__store_reply(c, ok ? CPAR__STORE_OK : CPAR__STORE_DENIED, NULL, 0);
+    }
+    if (!c->authed)
+        return false; /* the key space is for token holders only: drop it */
+    uint64_t limit = 0;
+    unsigned refuse;
     switch (p[5]) {
-    case CPAR__STORE_PING:
+    case CPAR__STORE_SET: {
+        if (vlen > srv->max_value)
+            return cpar__store_reply_limit(c, CPAR__STORE_TOOBIG, srv->max_value);
+        cpar__store_entry *e = cpar__store_find(srv, key, klen, cpar__store_hash(key, klen));
+        if ((refuse = cpar__store_over_limit(srv, c, e, vlen, &limit)) != CPAR__STORE_OK)
+            return cpar__store_reply_limit(c, refuse, limit);
+        int64_t keys = c->keys, bytes = c->bytes;
+        cpar__store_charge(c, e, vlen);
+        if (!cpar__store_put(srv, key, klen, val, vlen)) {
+            c->keys = keys, c->bytes = bytes;
+            return cpar__store_reply(c, CPAR__STORE_NOMEM, NULL, 0);
+        }
         return cpar__store_reply(c, CPAR__STORE_OK, NULL, 0);
-    case CPAR__STORE_SET:
-        return cpar__store_reply(c, cpar__store_put(srv, key, klen, val, vlen) ? CPAR__STORE_OK : CPAR__STORE_NOMEM,
-                                 NULL, 0);
+    }
     case CPAR__STORE_GET: {
         cpar__store_entry *e = cpar__store_find(srv, key, klen, cpar__store_hash(key, klen));
         return e ? cpar__store_reply(c, CPAR__STORE_OK, e->val, e->vlen)
@@ -2193,8 +2458,14 @@ static bool cpar__store_execute(cpar__store_server *srv, cpar__store_conn *c)
         int n = snprintf(text, sizeof text, "%" PRId64, sum);
         unsigned char be[8];
         cpar__store_put64(be, sum);
-        if (!cpar__store_put(srv, key, klen, text, (size_t)n))
+        if ((refuse = cpar__store_over_limit(srv, c, e, (size_t)n, &limit)) != CPAR__STORE_OK)
+            return cpar__store_reply_limit(c, refuse, limit);
+        int64_t keys = c->keys, bytes = c->bytes;
+        cpar__store_charge(c, e, (size_t)n);
+        if (!cpar__store_put(srv, key, klen, text, (size_t)n)) {
+            c->keys = keys, c->bytes = bytes;
             return cpar__store_reply(c, CPAR__STORE_NOMEM, NULL, 0);
+        }
         return cpar__store_reply(c, CPAR__STORE_OK, be, sizeof be);
     }
     default:
@@ -2228,7 +2499,7 @@ static bool cpar__store_conn_flush(cpar__store_conn *c, int64_t now)
  * pipelining past an unsent reply), or a fairness bound. false: drop c. */
 static bool cpar__store_conn_read(cpar__store_server *srv, cpar__store_conn *c, int64_t now)
 {
-    for (int frames = 0; frames < 16 && c->out_off == c->out_len;) {
+    for (int frames = 0; frames < 16 && c->out_off == c->out_len && !c->closing;) {
         ssize_t n = recv(c->fd, c->in + c->in_have, c->in_need - c->in_have, 0);
         if (n == 0)
             return false; /* peer closed; mid-frame or not, the connection is done */
@@ -2244,6 +2515,8 @@ static bool cpar__store_conn_read(cpar__store_server *srv, cpar__store_conn *c, 
             size_t klen, vlen;
             if (!cpar__store_hdr_valid(c->in, &klen, &vlen))
                 return false;
+            if (!c->authed && c->in[5] != CPAR__STORE_HELLO)
+                return false; /* before the token, nothing else: not even a buffer for its body */
             c->in_need = CPAR__STORE_HDR + klen + vlen;
             if (c->in_need > c->in_cap) {
                 unsigned char *p = realloc(c->in, c->in_need);
@@ -2263,6 +2536,8 @@ static bool cpar__store_conn_read(cpar__store_server *srv, cpar__store_conn *c, 
         }
         if (!ok || !cpar__store_conn_flush(c, now))
             return false;
+        if (c->closing && c->out_off == c->out_len)
+            return false; /* refused, and the refusal is sent */
         frames++;
     }
     return true;
@@ -2278,7 +2553,9 @@ static void cpar__store_conn_close(cpar__store_conn *c)
 
 static void cpar__store_accept(cpar__store_server *srv, int64_t now)
 {
-    for (int i = 0; i < 64; i++) { /* bounded: clients already connected get served too */
+    /* Bounded: clients already connected get served too. Past max_idle
+     * connections without a token, the rest wait in the kernel's backlog. */
+    for (int i = 0; i < 64 && srv->nidle < srv->max_idle; i++) {
         int fd = accept(srv->listen_fd, NULL, NULL);
         if (fd < 0) {
             if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO)
@@ -2310,7 +2587,8 @@ static void cpar__store_accept(cpar__store_server *srv, int64_t now)
         }
         srv->conns[srv->nconns++] = (cpar__store_conn){
             .fd = fd, .in = in, .in_need = CPAR__STORE_HDR, .in_cap = CPAR__STORE_HDR + CPAR__STORE_KEY_MAX,
-            .last_progress = now};
+            .last_progress = now, .opened = now};
+        srv->nidle++;
     }
 }
 
@@ -2329,7 +2607,7 @@ static void *cpar__store_serve(void *arg)
         struct pollfd *pf = srv->pfds;
         size_t np = 0;
         pf[np++] = (struct pollfd){.fd = srv->wake[0], .events = POLLIN};
-        bool listening = now >= srv->accept_paused_until;
+        bool listening = now >= srv->accept_paused_until && srv->nidle < srv->max_idle;
         pf[np++] = (struct pollfd){.fd = listening ? srv->listen_fd : -1, .events = POLLIN};
         int64_t wake_at = stopping ? stop_at : listening ? INT64_MAX : srv->accept_paused_until;
         for (size_t i = 0; i < srv->nconns; i++) {
@@ -2338,6 +2616,8 @@ static void *cpar__store_serve(void *arg)
             pf[np++] = (struct pollfd){.fd = c->fd, .events = sending ? POLLOUT : POLLIN};
             if ((sending || c->in_have > 0) && c->last_progress + srv->stall_ms < wake_at)
                 wake_at = c->last_progress + srv->stall_ms;
+            if (!c->authed && c->opened + srv->hello_ms < wake_at)
+                wake_at = c->opened + srv->hello_ms;
         }
         int timeout = wake_at == INT64_MAX ? -1 : cpar__store_ms_left(wake_at);
         int r = poll(pf, np, timeout);
@@ -2364,13 +2644,23 @@ static void *cpar__store_serve(void *arg)
                 keep = cpar__store_conn_read(srv, c, now);
             if (keep && (c->in_have > 0 || c->out_off < c->out_len) && now - c->last_progress >= srv->stall_ms)
                 keep = false; /* half a frame (or an unread reply) for a whole timeout: give up on it */
+            if (keep && c->closing && c->out_off == c->out_len)
+                keep = false; /* refused at the handshake, and told so */
+            if (keep && !c->authed && now - c->opened >= srv->hello_ms) {
+                keep = false; /* an idle connection must not hold a slot for ever */
+                cpar__log(CPAR__LOG_INFO, -1, "cpar store: dropped a client that sent no job token within %d ms",
+                          srv->hello_ms);
+            }
             if (!keep)
                 cpar__store_conn_close(c);
         }
         size_t live = 0;
+        srv->nidle = 0;
         for (size_t i = 0; i < srv->nconns; i++)
-            if (srv->conns[i].fd >= 0)
+            if (srv->conns[i].fd >= 0) {
+                srv->nidle += !srv->conns[i].authed;
                 srv->conns[live++] = srv->conns[i];
+            }
         srv->nconns = live;
         if (pf[1].revents) /* last: accepting may grow conns and pfds */
             cpar__store_accept(srv, now);
@@ -2464,6 +2754,7 @@ struct cpar_store {
     pthread_mutex_t mu;     /* one request in flight per handle */
     char addr[300];         /* "host:port" for messages */
     cpar__store_server *server; /* non-NULL on the process hosting the server */
+    char token[CPAR__STORE_TOKEN_MAX + 1]; /* the job token this handle shows */
 };
 
 /* I/O results of the client helpers. */
@@ -2584,15 +2875,31 @@ static cpar_status cpar__store_call(cpar_store *s, const char *fn, unsigned op, 
         return cpar__fail(NULL, CPAR_ERR_SYSTEM, "%s: %s sent a reply that is not a cpar store's (version %d)", fn,
                           s->addr, CPAR__STORE_VERSION);
     }
-    io = cpar__store_recv_all(s->fd, n <= cap ? buf : NULL, n, deadline);
+    *rstatus = head[5] & ~CPAR__STORE_REPLY;
+    bool limited = *rstatus == CPAR__STORE_TOOBIG || *rstatus == CPAR__STORE_KEYLIMIT ||
+                   *rstatus == CPAR__STORE_BYTELIMIT;
+    unsigned char lim[8];
+    io = cpar__store_recv_all(s->fd, limited && n == sizeof lim ? lim : n <= cap ? buf : NULL, n, deadline);
     if (io != CPAR__STORE_IO_OK)
         return cpar__store_io_fail(s, fn, io);
-    *rstatus = head[5] & ~CPAR__STORE_REPLY;
     if (rlen)
         *rlen = n;
     if (*rstatus == CPAR__STORE_NOMEM)
         return cpar__fail(NULL, CPAR_ERR_OOM, "%s: store at %s is out of memory (key \"%s\", %zu bytes)", fn, s->addr,
                           key ? key : "", vlen);
+    if (limited) {
+        int64_t limit = n == sizeof lim ? cpar__store_get64(lim) : -1;
+        if (*rstatus == CPAR__STORE_TOOBIG)
+            return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: value of key \"%s\" is %zu bytes, more than the limit of "
+                              "the store at %s (max_value_bytes=%" PRId64 ")", fn, key ? key : "", vlen, s->addr, limit);
+        if (*rstatus == CPAR__STORE_KEYLIMIT)
+            return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cannot create key \"%s\": this client has created "
+                              "max_keys_per_client=%" PRId64 " keys in the store at %s", fn, key ? key : "", limit,
+                              s->addr);
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cannot store %zu bytes under key \"%s\": this client would "
+                          "hold more than max_bytes_per_client=%" PRId64 " value bytes in the store at %s", fn, vlen,
+                          key ? key : "", limit, s->addr);
+    }
     return CPAR_OK;
 }
 
@@ -2619,7 +2926,10 @@ static bool cpar__store_self_connected(int fd)
 }
 
 /* Connect to host:port, retrying until the deadline: ECONNREFUSED is normal
- * while rank 0 is still starting. Then a PING checks it is a cpar store. */
+ * while rank 0 is still starting. Then a HELLO checks that it is a cpar store
+ * and shows the job token. A store of another job is an error at once, not a
+ * retry: it will not change hands before our deadline, and its own job must
+ * not be disturbed. */
 static cpar_status cpar__store_connect(cpar_store *s, const char *host, int port, int64_t deadline)
 {
     const char *fn = "cpar_store_create";
@@ -2680,11 +2990,17 @@ static cpar_status cpar__store_connect(cpar_store *s, const char *host, int port
         backoff = backoff * 2 > 500 ? 500 : backoff * 2;
     }
     unsigned rstatus;
-    cpar_status st = cpar__store_call(s, fn, CPAR__STORE_PING, NULL, NULL, 0, &rstatus, NULL, 0, NULL);
+    cpar_status st = cpar__store_call(s, fn, CPAR__STORE_HELLO, NULL, s->token, strlen(s->token), &rstatus, NULL, 0,
+                                      NULL);
     if (st == CPAR_ERR_PEER)
         return cpar__fail(NULL, CPAR_ERR_SYSTEM,
                           "%s: %s closed the connection at the handshake: not a cpar store of version %d "
                           "(torchrun's store on MASTER_PORT? see CPAR_STORE_PORT)", fn, s->addr, CPAR__STORE_VERSION);
+    if (st == CPAR_OK && rstatus == CPAR__STORE_DENIED)
+        return cpar__fail(NULL, CPAR_ERR_SYSTEM,
+                          "%s: the store at %s belongs to another job: its job token differs from this rank's "
+                          "(every rank of a job needs the same CPAR_JOB_TOKEN; two jobs need different store ports)",
+                          fn, s->addr);
     if (st == CPAR_OK && rstatus != CPAR__STORE_OK)
         return cpar__fail(NULL, CPAR_ERR_SYSTEM, "%s: %s refused the handshake (status %u)", fn, s->addr, rstatus);
     return st;
@@ -2733,9 +3049,12 @@ cpar_status cpar_store_destroy(cpar_store *s)
     return CPAR_OK;
 }
 
-cpar_status cpar_store_create(const cpar_store_config *cfg, cpar_store **out)
+/* cpar_store_create; *listen_err (may be NULL) gets the errno of a failed
+ * listen, so cpar_init_from_env can tell a port in use from other failures. */
+static cpar_status cpar__store_create(const char *fn, const cpar_store_config *cfg, cpar_store **out, int *listen_err)
 {
-    const char *fn = "cpar_store_create";
+    if (listen_err)
+        *listen_err = 0;
     if (!out)
         return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: out is NULL", fn);
     *out = NULL;
@@ -2748,24 +3067,53 @@ cpar_status cpar_store_create(const cpar_store_config *cfg, cpar_store **out)
                           cfg->timeout_ms);
     if (cfg->host && strnlen(cfg->host, 256) > 255)
         return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cfg->host is longer than 255 characters", fn);
+    if (cfg->token && (!*cfg->token || strnlen(cfg->token, CPAR__STORE_TOKEN_MAX + 1) > CPAR__STORE_TOKEN_MAX))
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cfg->token is %zu bytes, expected 1..%d (NULL: from the "
+                          "environment)", fn, strlen(cfg->token), CPAR__STORE_TOKEN_MAX);
+    if (cfg->max_value_bytes > CPAR__STORE_VALUE_MAX)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cfg->max_value_bytes is %zu, expected at most %zu (1 MiB; 0: "
+                          "default)", fn, cfg->max_value_bytes, CPAR__STORE_VALUE_MAX);
+    if (cfg->max_keys_per_client < 0)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cfg->max_keys_per_client is %d, expected >= 0 (0: default)",
+                          fn, cfg->max_keys_per_client);
+    if (cfg->max_idle_conns < 0)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cfg->max_idle_conns is %d, expected >= 0 (0: default)", fn,
+                          cfg->max_idle_conns);
 
     cpar_store *s = calloc(1, sizeof *s);
     if (!s)
         return cpar__fail(NULL, CPAR_ERR_OOM, "%s: cannot allocate %zu bytes", fn, sizeof *s);
     s->fd = -1;
     s->timeout_ms = cfg->timeout_ms ? cfg->timeout_ms : cpar__default_timeout_ms();
+    const char *token_source = "cfg->token";
+    cpar_status st = CPAR_OK;
+    if (cfg->token)
+        snprintf(s->token, sizeof s->token, "%s", cfg->token);
+    else
+        st = cpar__env_job_token(fn, s->token, sizeof s->token, &token_source);
+    if (st != CPAR_OK) {
+        free(s);
+        return st;
+    }
+    if (!strcmp(token_source, "default")) {
+        static atomic_bool warned;
+        if (!atomic_exchange(&warned, true))
+            cpar__log(CPAR__LOG_WARN, -1, "%s: no job token (CPAR_JOB_TOKEN, TORCHELASTIC_RUN_ID or SLURM_JOB_ID): "
+                      "jobs that share store port %d are not isolated from each other", fn, cfg->port);
+    }
     if (pthread_mutex_init(&s->mu, NULL) != 0) {
         free(s);
         return cpar__fail(NULL, CPAR_ERR_SYSTEM, "%s: cannot create a mutex", fn);
     }
     int64_t deadline = cpar__now_ms() + s->timeout_ms;
     char eb[128];
-    cpar_status st;
 
-    /* The hosting process reaches its server over loopback when bound to all interfaces. */
+    /* A server listens on loopback unless told otherwise, and reaches itself
+     * over loopback when it listens on every interface. */
     const char *host = cfg->host && *cfg->host ? cfg->host : "127.0.0.1";
-    if (cfg->is_server && cpar__store_host_is_any(cfg->host))
-        host = (cfg->host && !strcmp(cfg->host, "::")) ? "::1" : "127.0.0.1";
+    bool any = cfg->is_server && cpar__store_host_is_any(host);
+    if (any)
+        host = !strcmp(host, "::") ? "::1" : "127.0.0.1";
     cpar__store_addr_str(s->addr, sizeof s->addr, host, cfg->port);
 
     if (cfg->is_server) {
@@ -2776,6 +3124,13 @@ cpar_status cpar_store_create(const cpar_store_config *cfg, cpar_store **out)
         }
         srv->listen_fd = srv->wake[0] = srv->wake[1] = -1;
         srv->stall_ms = s->timeout_ms;
+        srv->hello_ms = s->timeout_ms < CPAR__STORE_HELLO_MS ? s->timeout_ms : CPAR__STORE_HELLO_MS;
+        srv->token_len = strlen(s->token);
+        memcpy(srv->token, s->token, srv->token_len);
+        srv->max_value = cfg->max_value_bytes ? cfg->max_value_bytes : CPAR__STORE_VALUE_MAX;
+        srv->max_keys = cfg->max_keys_per_client ? cfg->max_keys_per_client : CPAR__STORE_MAX_KEYS;
+        srv->max_bytes = cfg->max_bytes_per_client ? cfg->max_bytes_per_client : CPAR__STORE_MAX_BYTES;
+        srv->max_idle = cfg->max_idle_conns ? (size_t)cfg->max_idle_conns : CPAR__STORE_MAX_IDLE;
         srv->nbuckets = 64;
         srv->buckets = calloc(srv->nbuckets, sizeof *srv->buckets);
         srv->pfds = calloc(2, sizeof *srv->pfds);
@@ -2785,15 +3140,19 @@ cpar_status cpar_store_create(const cpar_store_config *cfg, cpar_store **out)
             goto fail;
         }
         int err = 0;
-        srv->listen_fd = cpar__store_listen(cpar__store_host_is_any(cfg->host) ? NULL : cfg->host, cfg->port, &err);
+        srv->listen_fd = cpar__store_listen(any ? NULL : host, cfg->port, &err);
         if (srv->listen_fd < 0) {
             char where[300];
-            cpar__store_addr_str(where, sizeof where, cpar__store_host_is_any(cfg->host) ? "0.0.0.0" : cfg->host,
-                                 cfg->port);
+            cpar__store_addr_str(where, sizeof where, any ? "*" : host, cfg->port);
             cpar__store_server_free(srv);
+            if (listen_err)
+                *listen_err = err;
             st = cpar__fail(NULL, CPAR_ERR_SYSTEM, "%s: cannot listen on %s: %s%s", fn, where,
                             cpar__store_errstr(err, eb, sizeof eb),
-                            err == EADDRINUSE ? " (another job? set CPAR_STORE_PORT)" : "");
+                            err == EADDRINUSE      ? " (another job? set CPAR_STORE_PORT)"
+                            : err == EADDRNOTAVAIL ? " (not an address of this host? CPAR_STORE_BIND=* listens on "
+                                                     "every interface)"
+                                                   : "");
             goto fail;
         }
         if (pipe(srv->wake) != 0 || cpar__store_fd_setup(srv->wake[0]) != 0 ||
@@ -2832,6 +3191,11 @@ fail:
     pthread_mutex_destroy(&s->mu);
     free(s);
     return st;
+}
+
+cpar_status cpar_store_create(const cpar_store_config *cfg, cpar_store **out)
+{
+    return cpar__store_create("cpar_store_create", cfg, out, NULL);
 }
 
 cpar_status cpar_store_set(cpar_store *s, const char *key, const void *value, size_t len)
@@ -2931,10 +3295,9 @@ cpar_status cpar_store_add(cpar_store *s, const char *key, int64_t delta, int64_
 /* After a barrier timed out: name the ranks whose arrival key for this
  * generation is missing. Stops once it has found all `missing` of them (the
  * counter says how many), so the common case of one absent rank is cheap. */
-static cpar_status cpar__store_barrier_report(cpar_store *s, const char *name, int nranks, int64_t gen,
-                                              int64_t missing)
+static cpar_status cpar__store_barrier_report(cpar_store *s, const char *fn, const char *name, int nranks,
+                                              int64_t gen, int64_t missing)
 {
-    const char *fn = "cpar_store_barrier";
     char list[160] = "", key[CPAR__STORE_KEY_MAX + 1];
     size_t used = 0;
     int64_t named = 0, found = 0;
@@ -2974,28 +3337,34 @@ static cpar_status cpar__store_barrier_report(cpar_store *s, const char *name, i
                       fn, name, s->timeout_ms, found == 1 ? "" : "s", list, more, nranks);
 }
 
+/* A failure published by a rank of the job at the join (see cpar_store_join):
+ * once "cpar/join/failed" is non-zero, every rank waiting there fails with
+ * the message in "cpar/join/why". */
+#define CPAR__JOIN_FAILED "cpar/join/failed"
+#define CPAR__JOIN_WHY "cpar/join/why"
+
+/* The failure some rank published, as this rank's error. */
+static cpar_status cpar__store_join_failed(cpar_store *s, const char *fn)
+{
+    char why[CPAR_ERR_LEN];
+    size_t n = 0;
+    cpar_status st = cpar_store_get(s, CPAR__JOIN_WHY, why, sizeof why - 1, &n); /* set right after the count */
+    if (st != CPAR_OK)
+        return st;
+    why[n < sizeof why ? n : sizeof why - 1] = '\0';
+    return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: %s", fn, why);
+}
+
 /* Arrival: add 1 to "<name>/count"; the result n puts this call in
  * generation g = (n-1)/nranks, so a name can be reused for successive
  * barriers; record "<name>/<rank>" = g for the timeout report, then poll the
  * counter until it reaches (g+1)*nranks. No rank can enter generation g+1
- * before generation g is full, so the counts never mix. */
-cpar_status cpar_store_barrier(cpar_store *s, const char *name, int rank, int nranks)
+ * before generation g is full, so the counts never mix. With watch_join, each
+ * poll also looks for a failure published at the join. */
+static cpar_status cpar__store_barrier(cpar_store *s, const char *fn, const char *name, int rank, int nranks,
+                                       bool watch_join)
 {
-    const char *fn = "cpar_store_barrier";
     char key[CPAR__STORE_KEY_MAX + 1], count_key[CPAR__STORE_KEY_MAX + 1], text[24];
-    if (!s)
-        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: s is NULL", fn);
-    if (!name || !*name)
-        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: name is %s", fn, name ? "empty" : "NULL");
-    size_t nlen = strnlen(name, CPAR__STORE_KEY_MAX + 1);
-    if (nlen > CPAR__STORE_KEY_MAX - 11) /* room for "/count" and "/<rank>" */
-        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: name is %zu bytes, expected at most %d", fn, strlen(name),
-                          CPAR__STORE_KEY_MAX - 11);
-    if (nranks < 1)
-        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: nranks is %d, expected >= 1", fn, nranks);
-    if (rank < 0 || rank >= nranks)
-        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: rank is %d, expected 0..%d (nranks=%d)", fn, rank, nranks - 1,
-                          nranks);
     int64_t deadline = cpar__now_ms() + s->timeout_ms;
     snprintf(count_key, sizeof count_key, "%s/count", name);
     snprintf(key, sizeof key, "%s/%d", name, rank);
@@ -3016,13 +3385,158 @@ cpar_status cpar_store_barrier(cpar_store *s, const char *name, int rank, int nr
     while (n < target) {
         int64_t now = cpar__now_ms();
         if (now >= deadline)
-            return cpar__store_barrier_report(s, name, nranks, gen, target - n);
+            return cpar__store_barrier_report(s, fn, name, nranks, gen, target - n);
         cpar__store_sleep_ms(backoff < deadline - now ? backoff : deadline - now);
         backoff = backoff * 2 > 50 ? 50 : backoff * 2;
         if ((st = cpar__store_add(s, fn, count_key, 0, &n)) != CPAR_OK)
             return st;
+        int64_t failed = 0;
+        if (watch_join && (st = cpar__store_add(s, fn, CPAR__JOIN_FAILED, 0, &failed)) != CPAR_OK)
+            return st;
+        if (failed > 0)
+            return cpar__store_join_failed(s, fn);
     }
     return CPAR_OK;
+}
+
+cpar_status cpar_store_barrier(cpar_store *s, const char *name, int rank, int nranks)
+{
+    const char *fn = "cpar_store_barrier";
+    if (!s)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: s is NULL", fn);
+    if (!name || !*name)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: name is %s", fn, name ? "empty" : "NULL");
+    size_t nlen = strnlen(name, CPAR__STORE_KEY_MAX + 1);
+    if (nlen > CPAR__STORE_KEY_MAX - 11) /* room for "/count" and "/<rank>" */
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: name is %zu bytes, expected at most %d", fn, strlen(name),
+                          CPAR__STORE_KEY_MAX - 11);
+    if (nranks < 1)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: nranks is %d, expected >= 1", fn, nranks);
+    if (rank < 0 || rank >= nranks)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: rank is %d, expected 0..%d (nranks=%d)", fn, rank, nranks - 1,
+                          nranks);
+    return cpar__store_barrier(s, fn, name, rank, nranks, false);
+}
+
+/* ---- store: join -------------------------------------------------------- */
+
+/* A rank as the join records it: "world local pid host". */
+typedef struct {
+    int world, local;
+    long pid;
+    char host[72];
+} cpar__join_rec;
+
+static bool cpar__join_parse(const char *text, cpar__join_rec *r)
+{
+    int used = 0;
+    return sscanf(text, "%d %d %ld %n", &r->world, &r->local, &r->pid, &used) == 3 && used > 0 &&
+           snprintf(r->host, sizeof r->host, "%s", text + used) >= 0;
+}
+
+/* Publish why the job cannot start (the first failure wins), and fail. */
+static cpar_status cpar__join_fail(cpar_store *s, const char *fn, const char *why)
+{
+    int64_t n = 0;
+    cpar_status st = cpar__store_add(s, fn, CPAR__JOIN_FAILED, 1, &n);
+    if (st == CPAR_OK && n == 1)
+        st = cpar_store_set(s, CPAR__JOIN_WHY, why, strlen(why));
+    if (st != CPAR_OK)
+        return st;
+    return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: %s", fn, why);
+}
+
+/* Read the record of rank r's first claimant into *rec (it writes it right
+ * after its claim, so this waits at most a moment). */
+static cpar_status cpar__join_get(cpar_store *s, int r, cpar__join_rec *rec)
+{
+    char key[64], text[128];
+    size_t n = 0;
+    snprintf(key, sizeof key, "cpar/join/who/%d", r);
+    CPAR_TRY(cpar_store_get(s, key, text, sizeof text - 1, &n));
+    text[n] = '\0';
+    if (!cpar__join_parse(text, rec))
+        return cpar__fail(NULL, CPAR_ERR_SYSTEM, "cpar_store_join: key \"%s\" holds \"%.64s\", not a join record", key,
+                          text);
+    return CPAR_OK;
+}
+
+/* The registration and the start barrier of cpar_store_join (fn: the public
+ * function the user called). A rank that finds a conflict publishes it and
+ * never arrives at the barrier, so the ranks waiting there see the failure
+ * instead of a full count. */
+static cpar_status cpar__store_join_once(cpar_store *s, const char *fn, int rank, int world, int local)
+{
+    cpar__join_rec me = {.world = world, .local = local, .pid = (long)getpid()};
+    if (gethostname(me.host, sizeof me.host - 1) != 0 || !me.host[0])
+        snprintf(me.host, sizeof me.host, "?");
+    me.host[sizeof me.host - 1] = '\0';
+    char key[64], text[128], why[CPAR_ERR_LEN - 64];
+    snprintf(key, sizeof key, "cpar/join/claim/%d", rank);
+    int64_t claims = 0;
+    CPAR_TRY(cpar__store_add(s, fn, key, 1, &claims));
+    if (claims == 1) {
+        snprintf(key, sizeof key, "cpar/join/who/%d", rank);
+        int n = snprintf(text, sizeof text, "%d %d %ld %s", me.world, me.local, me.pid, me.host);
+        CPAR_TRY(cpar_store_set(s, key, text, (size_t)n));
+    } else {
+        cpar__join_rec first;
+        CPAR_TRY(cpar__join_get(s, rank, &first));
+        snprintf(why, sizeof why, "rank %d (pid %ld on host %s) and rank %d (pid %ld on host %s) both claim rank %d",
+                 rank, first.pid, first.host, rank, me.pid, me.host, rank);
+        return cpar__join_fail(s, fn, why);
+    }
+    if (rank != 0) {
+        /* Rank 0 hosts the store, so it registers first; its world size is the job's. */
+        cpar__join_rec zero;
+        CPAR_TRY(cpar__join_get(s, 0, &zero));
+        if (zero.world != world) {
+            snprintf(why, sizeof why, "rank 0 (pid %ld on host %s) has world size %d but rank %d (pid %ld on host %s) "
+                     "has world size %d", zero.pid, zero.host, zero.world, rank, me.pid, me.host, world);
+            return cpar__join_fail(s, fn, why);
+        }
+    }
+    return cpar__store_barrier(s, fn, "cpar/join", rank, world, true);
+}
+
+static cpar_status cpar__store_join(cpar_store *s, const char *fn, int rank, int world, int local)
+{
+    cpar_status st = cpar__store_join_once(s, fn, rank, world, local);
+    int64_t failed = 0, told = 0;
+    if (st == CPAR_OK || cpar__store_add(s, fn, CPAR__JOIN_FAILED, 0, &failed) != CPAR_OK || failed == 0)
+        return st;
+    /* The job cannot start. Count the ranks that know why; the host of the
+     * store keeps it up a little while for those still on their way, so they
+     * get the reason rather than "rank 0 exited". */
+    char msg[CPAR_ERR_LEN];
+    snprintf(msg, sizeof msg, "%s", cpar__tls_err);
+    if (cpar__store_add(s, fn, "cpar/join/told", 1, &told) == CPAR_OK && s->server) {
+        int64_t deadline = cpar__now_ms() + (s->timeout_ms < 5000 ? s->timeout_ms : 5000);
+        while (told < world && cpar__now_ms() < deadline) {
+            cpar__store_sleep_ms(20);
+            if (cpar__store_add(s, fn, "cpar/join/told", 0, &told) != CPAR_OK)
+                break;
+        }
+    }
+    cpar__set_error(NULL, msg);
+    return st;
+}
+
+cpar_status cpar_store_join(cpar_store *s, const cpar_env *env)
+{
+    const char *fn = "cpar_store_join";
+    if (!s)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: s is NULL", fn);
+    if (!env)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: env is NULL", fn);
+    if (env->world_size < 1)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: env->world_size is %d, expected >= 1", fn, env->world_size);
+    if (env->rank < 0 || env->rank >= env->world_size)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: env->rank is %d, expected 0..%d (world_size=%d)", fn, env->rank,
+                          env->world_size - 1, env->world_size);
+    if (env->local_rank < 0)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: env->local_rank is %d, expected >= 0", fn, env->local_rank);
+    return cpar__store_join(s, fn, env->rank, env->world_size, env->local_rank);
 }
 
 /* ==== 8. Host backend ====================================================
@@ -4681,13 +5195,39 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
     }
 #ifdef CPAR_WITH_NCCL
     {
-        /* Rank 0 binds every interface: MASTER_ADDR may name this host by an
-         * address (e.g. 127.0.1.1 from /etc/hosts) that other nodes cannot reach. */
-        cpar_store_config sc = {.host = env.rank == 0 ? NULL : env.master_addr, .port = env.store_port,
+        /* Rank 0 listens where env.store_bind says (loopback for one node);
+         * the job token is the environment's (cpar_store_create's default). */
+        cpar_store_config sc = {.host = env.rank == 0 ? env.store_bind : env.master_addr, .port = env.store_port,
                                 .is_server = env.rank == 0, .timeout_ms = ctx->timeout_ms};
         unsigned char id[CPAR__NCCL_ID_BYTES];
         size_t len = 0;
-        CPAR_TRY_GOTO(cpar_store_create(&sc, &ctx->store), st, fail);
+        int listen_err = 0;
+        st = cpar__store_create("cpar_store_create", &sc, &ctx->store, &listen_err);
+        if (st != CPAR_OK && listen_err == EADDRINUSE && env.world_size > 1) {
+            /* Two processes that both claim rank 0 on one host: the second
+             * finds the port taken. If the store there is this job's, join it
+             * so that both parties are named to every rank; else (another
+             * job's, or none) report the port in use. */
+            char msg[CPAR_ERR_LEN];
+            snprintf(msg, sizeof msg, "%s", cpar__tls_err);
+            cpar_store_config cc = {.host = env.master_addr, .port = env.store_port,
+                                    .timeout_ms = ctx->timeout_ms < 2000 ? ctx->timeout_ms : 2000};
+            if (cpar_store_create(&cc, &ctx->store) == CPAR_OK) {
+                ctx->store->timeout_ms = ctx->timeout_ms;
+                st = cpar__store_join(ctx->store, fn, env.rank, env.world_size, env.local_rank);
+                if (st == CPAR_OK) /* unreachable: rank 0 is claimed already */
+                    st = cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s", msg);
+            } else {
+                st = cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s", msg);
+            }
+            goto fail;
+        }
+        if (st != CPAR_OK)
+            goto fail;
+        /* Everyone registers and passes the start barrier before the unique id
+         * is published: a mismatched launch never reaches NCCL, and a rank
+         * that never started is named here (NCCL's init could only time out). */
+        CPAR_TRY_GOTO(cpar__store_join(ctx->store, fn, env.rank, env.world_size, env.local_rank), st, fail);
         if (env.rank == 0) {
             ncclUniqueId uid;
             ncclResult_t r = ncclGetUniqueId(&uid);
@@ -4699,9 +5239,6 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
             CPAR_TRY_GOTO(cpar_store_set(ctx->store, "cpar/nccl_id/world", id, sizeof id), st, fail);
         }
         CPAR_TRY_GOTO(cpar_store_get(ctx->store, "cpar/nccl_id/world", id, sizeof id, &len), st, fail);
-        /* Everyone has read the id before anyone goes on, and a rank that
-         * never started is named here (NCCL's init could only time out). */
-        CPAR_TRY_GOTO(cpar_store_barrier(ctx->store, "cpar/init", env.rank, env.world_size), st, fail);
         CPAR_TRY_GOTO(cpar__nccl_comm_init(ctx, fn, id, &ctx->world_group->nccl), st, fail);
         *out = ctx;
         return CPAR_OK;

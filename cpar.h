@@ -12,7 +12,7 @@
  *  - Tensors are contiguous, row-major, and owned by the caller; outputs are
  *    preallocated by the caller and checked.
  *  - Device work is stream-ordered: cpar_sync(ctx) waits for it.
- *  - The library never exits, aborts or prints unless CPAR_LOG=info|debug.
+ *  - The library never exits, aborts or prints unless CPAR_LOG=warn|info|debug.
  *  - Products on host tensors (every backend) use cpar's own blocked GEMM
  *    (AVX2+FMA where the CPU has it), or a CBLAS for F32 when the build found
  *    one (OpenBLAS or BLIS; `make CPAR_BLAS=0` turns that off, and
@@ -175,23 +175,46 @@ cpar_status cpar_spawn_with(int nranks, const cpar_init_config *cfg, cpar_rank_f
 /* Multi-process mode (one process per GPU, started by cparrun, torchrun or
  * SLURM). Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
  * the store port (falls back to SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
- * SLURM_NTASKS_PER_NODE; MASTER_ADDR defaults to 127.0.0.1). The rendezvous
+ * SLURM_NTASKS_PER_NODE; MASTER_ADDR defaults to 127.0.0.1, or on a SLURM
+ * step over several nodes to the first host of its node list). The rendezvous
  * store listens on CPAR_STORE_PORT when set, else on MASTER_PORT + 1 (torchrun
- * already holds MASTER_PORT with its own store). Rank 0 hosts the store. */
+ * already holds MASTER_PORT with its own store). Rank 0 hosts the store, bound
+ * to cpar_env.store_bind (loopback for a single-node job). Every rank then
+ * joins it with cpar_store_join, which proves the job token and names a
+ * world-size mismatch or a duplicate rank, before the NCCL unique id is shared. */
 cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out);
 
 /* The launch environment as cpar_init_from_env reads it. */
 typedef struct cpar_env {
     int rank, world_size;             /* RANK, WORLD_SIZE (or SLURM_PROCID, SLURM_NTASKS) */
     int local_rank, local_world_size; /* LOCAL_RANK, LOCAL_WORLD_SIZE (or SLURM_LOCALID, ...) */
-    char master_addr[256];            /* MASTER_ADDR; default "127.0.0.1" */
+    char master_addr[256];            /* MASTER_ADDR; default "127.0.0.1"; under SLURM on several
+                                       * nodes the first host of SLURM_STEP_NODELIST (or
+                                       * SLURM_JOB_NODELIST), e.g. "node01" of "node[01-04,07]" */
     int master_port;                  /* MASTER_PORT; default 29500 */
     int store_port;                   /* CPAR_STORE_PORT, else master_port + 1 */
     const char *source;               /* "torchrun", "slurm" or "default" (a single rank) */
+    /* Where rank 0's store listens: CPAR_STORE_BIND ("*" = every interface, or
+     * an address of this host), else master_addr: loopback when it resolves to
+     * loopback, else the interface that owns that address. Exception: on
+     * several nodes, a master_addr that resolves to loopback on rank 0 (the
+     * 127.0.1.1 hostname entry of Debian's /etc/hosts) gives "*", since the
+     * other nodes could not reach a loopback store. */
+    char store_bind[256];
+    /* The job token every rank proves to the store (see cpar_store_config):
+     * CPAR_JOB_TOKEN (cparrun draws a random one per job), else torchrun's
+     * TORCHELASTIC_RUN_ID unless it is "none", else SLURM_JOB_ID and
+     * SLURM_STEP_ID, else a fixed default (jobs sharing a port are then not
+     * isolated; CPAR_LOG=warn says so). */
+    char job_token[256];
+    const char *job_token_source;     /* "CPAR_JOB_TOKEN", "torchelastic", "slurm" or "default" */
 } cpar_env;
 /* Fill *out from the environment. Missing variables give a single-rank
  * world; inconsistent or malformed values are CPAR_ERR_INVALID naming the
- * variable (e.g. "RANK=5 is not below WORLD_SIZE=4"). */
+ * variable (e.g. "RANK=5 is not below WORLD_SIZE=4"). A SLURM step over
+ * several nodes without MASTER_ADDR and without a usable node list fails here
+ * at once, saying what to set, rather than waiting out the timeout on
+ * 127.0.0.1. */
 cpar_status cpar_env_read(cpar_env *out);
 
 /* Rendezvous key-value store over TCP (what cpar_init_from_env uses to share
@@ -199,17 +222,43 @@ cpar_status cpar_env_read(cpar_env *out);
  * handle), the others connect. Keys are strings of at most 255 bytes, values
  * blobs of at most 1 MiB. Clients retry connecting until the deadline, then
  * check with a handshake that the peer is a cpar store (torchrun's store on
- * MASTER_PORT is refused clearly). The server runs on its own thread, rejects
- * malformed, unknown or oversized frames by closing that connection, drops a
- * client that stalls mid-frame past the deadline, and keeps serving the
- * others. A server that goes away gives its clients CPAR_ERR_PEER. */
+ * MASTER_PORT is refused clearly) of the same job. The server runs on its own
+ * thread, rejects malformed, unknown or oversized frames by closing that
+ * connection, drops a client that stalls mid-frame past the deadline, and
+ * keeps serving the others. A server that goes away gives its clients
+ * CPAR_ERR_PEER.
+ *
+ * Job token. The server admits a connection to the key space only after it
+ * has shown the server's token (compared in constant time); another token is
+ * refused at the handshake ("the store at H:P belongs to another job") and
+ * never reads or writes a key, so two jobs that meet on one port cannot
+ * exchange a key, and the NCCL unique id is only served to the job's ranks.
+ * The token separates jobs; it is not a secret against someone who can read
+ * a rank's environment or the traffic: it travels in clear text, and nothing
+ * is encrypted.
+ *
+ * Limits (each violation is CPAR_ERR_INVALID naming the limit; the connection
+ * stays usable): a value of at most max_value_bytes; a connection may create
+ * at most max_keys_per_client keys and grow the table by at most
+ * max_bytes_per_client value bytes (overwrites count the difference). At most
+ * max_idle_conns connections that have not completed the handshake are held
+ * at once (more wait in the kernel's backlog), and each has min(timeout, 10 s)
+ * to complete it before it is dropped. */
 typedef struct cpar_store cpar_store;
 typedef struct cpar_store_config {
-    const char *host; /* server: address to bind (NULL or "" -> all); client: address to reach
-                       * (NULL or "" -> 127.0.0.1) */
+    const char *host; /* server: address to bind: NULL or "" -> 127.0.0.1 (loopback only);
+                       * "*", "0.0.0.0" or "::" -> every interface; else a name or address of
+                       * this host. Client: address to reach (NULL or "" -> 127.0.0.1) */
     int port;         /* required (1..65535) */
     bool is_server;
     int timeout_ms;   /* connect and wait deadline; 0 -> $CPAR_TIMEOUT_MS or 300000 */
+    const char *token; /* the job token (1..255 bytes): the server's, or the one a client
+                        * shows; NULL -> cpar_env_read's job_token (CPAR_JOB_TOKEN, ...) */
+    /* Server only; 0 -> the default. */
+    size_t max_value_bytes;      /* largest value; 0 -> 1 MiB (also the most allowed) */
+    int max_keys_per_client;     /* keys one connection may create; 0 -> 65536 */
+    size_t max_bytes_per_client; /* value bytes one connection may add; 0 -> 64 MiB */
+    int max_idle_conns;          /* connections held before their handshake; 0 -> 256 */
 } cpar_store_config;
 cpar_status cpar_store_create(const cpar_store_config *cfg, cpar_store **out);
 /* Server: keeps serving until the other clients disconnect, at most
@@ -228,6 +277,17 @@ cpar_status cpar_store_add(cpar_store *s, const char *key, int64_t delta, int64_
  * did not ("ranks 2,3 of 4 missing"). Uses the keys "<name>/count" and
  * "<name>/<rank>". */
 cpar_status cpar_store_barrier(cpar_store *s, const char *name, int rank, int nranks);
+/* The start of a job: every rank calls it once with its launch environment
+ * (env->rank, world_size, local_rank; cpar_init_from_env does). It registers
+ * (rank, world size, local rank, host, pid) and waits until all world_size
+ * ranks have registered. Two ranks claiming one rank, or a world size that
+ * differs from rank 0's, fail every rank waiting here with CPAR_ERR_INVALID
+ * naming both parties ("rank 2 (pid 123 on host h) and rank 2 (pid 456 on
+ * host h) both claim rank 2"); a rank that never comes is named at the
+ * deadline ("rank 3 of 4 missing"). A process that arrives after the others
+ * have all passed still fails itself with such a message. Uses keys under
+ * "cpar/join/". */
+cpar_status cpar_store_join(cpar_store *s, const cpar_env *env);
 
 /* Release everything the context owns (groups, workspace, streams, comms).
  * Contexts made by cpar_spawn are finalised by cpar_spawn itself. */

@@ -4,7 +4,7 @@
  *
  * For each local rank it forks and execs prog with the rendezvous environment
  * (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
- * GROUP_RANK, NODE_RANK and, when given, CPAR_STORE_PORT), prefixes every line
+ * GROUP_RANK, NODE_RANK, CPAR_JOB_TOKEN and, when given, CPAR_STORE_PORT), prefixes every line
  * a rank writes with "[rank] ", forwards SIGINT/SIGTERM/SIGHUP, and when one
  * rank fails it stops the others (SIGTERM, then SIGKILL after a grace period)
  * and exits with the failing rank's status. Standalone POSIX C11: it does not
@@ -29,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -47,7 +48,9 @@ static const char usage_text[] =
     "\n"
     "Start N local ranks of prog with the environment cpar_init_from_env reads:\n"
     "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,\n"
-    "GROUP_RANK and NODE_RANK (and CPAR_STORE_PORT with --store-port).\n"
+    "GROUP_RANK and NODE_RANK (and CPAR_STORE_PORT with --store-port), and\n"
+    "CPAR_JOB_TOKEN: kept when set, else on one node a random token for this job\n"
+    "(on several nodes export the same CPAR_JOB_TOKEN on every node).\n"
     "\n"
     "options:\n"
     "  -n, --nproc-per-node N  ranks on this node (required)\n"
@@ -167,6 +170,41 @@ static int pick_free_port_pair(void)
             return port;
     }
     return 0;
+}
+
+/* A random 128-bit job token in hex: the store admits only this job's ranks.
+ * false when the kernel has no randomness to give. */
+static bool draw_job_token(char *hex, size_t n)
+{
+    unsigned char b[16];
+    size_t got = 0;
+    while (got < sizeof b) {
+        ssize_t r = getrandom(b + got, sizeof b - got, 0);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        got += (size_t)r;
+    }
+    if (got < sizeof b) { /* no getrandom (old kernel): the same source through the device */
+        int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+        got = 0;
+        while (fd >= 0 && got < sizeof b) {
+            ssize_t r = read(fd, b + got, sizeof b - got);
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r <= 0)
+                break;
+            got += (size_t)r;
+        }
+        if (fd >= 0)
+            close(fd);
+    }
+    if (got < sizeof b || n < 2 * sizeof b + 1)
+        return false;
+    for (size_t i = 0; i < sizeof b; i++)
+        snprintf(hex + 2 * i, 3, "%02x", b[i]);
+    return true;
 }
 
 /* ---- signals: the handler only writes the signal number to a pipe --------- */
@@ -381,6 +419,17 @@ int main(int argc, char **argv)
     }
     snprintf(port_str, sizeof port_str, "%ld", master_port);
 
+    /* The job token: the user's when exported (the same on every node), else
+     * on one node a fresh random one, so two jobs never share a store. The
+     * nodes of a multi-node job cannot agree on a random one: the ranks fall back
+     * to the launcher's job id or cpar's default (see bootstrap/README.md). */
+    char token[64] = "";
+    const char *user_token = getenv("CPAR_JOB_TOKEN");
+    if (!(user_token && *user_token) && nnodes == 1 && !draw_job_token(token, sizeof token)) {
+        fprintf(stderr, "cparrun: cannot draw a random job token: %s; export CPAR_JOB_TOKEN\n", strerror(errno));
+        return 1;
+    }
+
     int64_t grace_ms = 5000;
     const char *g = getenv("CPARRUN_GRACE_MS");
     if (g && *g)
@@ -438,11 +487,16 @@ int main(int argc, char **argv)
         snprintf(lworld_s, sizeof lworld_s, "%ld", nproc);
         snprintf(node_s, sizeof node_s, "%ld", node_rank);
         snprintf(store_s, sizeof store_s, "%ld", store_port);
-        /* Name/value pairs; the optional pair comes last (a NULL name ends the list). */
-        const char *env[] = {"RANK", rank_s, "WORLD_SIZE", world_s, "LOCAL_RANK", lrank_s,
-                             "LOCAL_WORLD_SIZE", lworld_s, "GROUP_RANK", node_s, "NODE_RANK", node_s,
-                             "MASTER_ADDR", master_addr, "MASTER_PORT", port_str,
-                             store_port ? "CPAR_STORE_PORT" : NULL, store_s, NULL};
+        /* Name/value pairs; the optional pairs come last (a NULL name ends the list). */
+        const char *env[24] = {"RANK", rank_s, "WORLD_SIZE", world_s, "LOCAL_RANK", lrank_s,
+                               "LOCAL_WORLD_SIZE", lworld_s, "GROUP_RANK", node_s, "NODE_RANK", node_s,
+                               "MASTER_ADDR", master_addr, "MASTER_PORT", port_str};
+        int ne = 16;
+        if (store_port)
+            env[ne++] = "CPAR_STORE_PORT", env[ne++] = store_s;
+        if (token[0])
+            env[ne++] = "CPAR_JOB_TOKEN", env[ne++] = token;
+        env[ne] = NULL;
         pid_t parent = getpid();
         fflush(NULL);
         pid_t pid = fork();

@@ -1,7 +1,9 @@
 /* tests/store_prog.c — one rank of a multi-process store test, run under
  * cparrun (see tests/test_cparrun.c):
  *
- *   store_prog [ok]        rendezvous: 128-byte blobs all-to-all, barriers, a counter
+ *   store_prog [ok]        rendezvous: cpar_store_join, 128-byte blobs all-to-all, barriers, a counter
+ *   store_prog wait-go     as ok, but after the join every rank says "joined" and waits for
+ *                          the key "go" (set by the test, which holds the job token)
  *   store_prog nojoin K    rank K exits 0 at once; the others must time out naming it
  *   store_prog fail K      rank K exits 3; the others sleep (cparrun must kill them)
  *   store_prog signal K    rank K dies by SIGUSR1; the others sleep
@@ -89,12 +91,22 @@ int main(int argc, char **argv)
 
     printf("rank %d of %d (%s), local %d of %d, store %s:%d\n", rank, env.world_size, env.source, env.local_rank,
            env.local_world_size, env.master_addr, env.store_port);
-    cpar_store_config cfg = {.host = env.master_addr, .port = env.store_port, .is_server = rank == 0};
+    printf("rank %d token from %s (%zu bytes), store bound to %s\n", rank, env.job_token_source,
+           strlen(env.job_token), env.store_bind);
+    /* As cpar_init_from_env does it: rank 0 listens on store_bind, the token is the environment's. */
+    cpar_store_config cfg = {.host = rank == 0 ? env.store_bind : env.master_addr, .port = env.store_port,
+                             .is_server = rank == 0};
     cpar_store *s = NULL;
     if ((st = cpar_store_create(&cfg, &s)) != CPAR_OK)
         return fail("cpar_store_create", st);
-    if ((st = cpar_store_barrier(s, "start", rank, env.world_size)) != CPAR_OK)
-        return fail("cpar_store_barrier", st);
+    if ((st = cpar_store_join(s, &env)) != CPAR_OK)
+        return fail("cpar_store_join", st);
+    if (!strcmp(mode, "wait-go")) {
+        printf("rank %d joined\n", rank);
+        char go[8];
+        if ((st = cpar_store_get(s, "go", go, sizeof go, NULL)) != CPAR_OK)
+            return fail("cpar_store_get", st);
+    }
 
     unsigned char mine[BLOB], theirs[BLOB], want[BLOB];
     char key[64];

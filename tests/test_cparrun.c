@@ -26,6 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cpar.h"
 #include "proc.h"
 
 static const char *cparrun_path(void)
@@ -73,7 +74,7 @@ START_TEST(test_success)
     ck_assert_msg(p.status == 0, "status %d\nstdout:\n%s\nstderr:\n%s", p.status, p.text[0], p.text[1]);
     assert_prefixed(p.text[0], 4);
     assert_prefixed(p.text[1], 4);
-    char want[64];
+    char want[128];
     for (int r = 0; r < 4; r++) {
         snprintf(want, sizeof want, "[%d] rank %d ok\n", r, r);
         ASSERT_HAS(p.text[0], want);
@@ -82,6 +83,10 @@ START_TEST(test_success)
         snprintf(want, sizeof want, "[%d] rank %d stderr line\n", r, r);
         ASSERT_HAS(p.text[1], want);
         snprintf(want, sizeof want, "[%d] rank %d of 4 (torchrun), local %d of 4", r, r, r);
+        ASSERT_HAS(p.text[0], want);
+        /* cparrun's random 128-bit token, in hex; a single-node store on loopback */
+        snprintf(want, sizeof want, "[%d] rank %d token from CPAR_JOB_TOKEN (32 bytes), store bound to 127.0.0.1\n", r,
+                 r);
         ASSERT_HAS(p.text[0], want);
     }
     proc_free(&p);
@@ -95,7 +100,7 @@ START_TEST(test_rank_never_joins)
         (const char *const[]){"CPAR_TIMEOUT_MS=2000", NULL}, 30000);
     ck_assert_msg(p.status == 1, "status %d\nstderr:\n%s", p.status, p.text[1]);
     ASSERT_HAS(p.text[1], "CPAR_ERR_TIMEOUT");
-    ASSERT_HAS(p.text[1], "barrier \"start\" timed out after 2000 ms: rank 2 of 4 missing");
+    ASSERT_HAS(p.text[1], "cpar_store_join: barrier \"cpar/join\" timed out after 2000 ms: rank 2 of 4 missing");
     ck_assert_int_lt(p.end - p.start, 10000);
     proc_free(&p);
 }
@@ -215,7 +220,7 @@ START_TEST(test_two_nodes)
     start(&n1, (const char *const[]){"-n", "2", "--nnodes", "2", "--node-rank", "1", "--master", master,
                                           "PROG", NULL}, NULL); /* node 1 first: clients wait for the store */
     start(&n0, (const char *const[]){"-n", "2", "--nnodes=2", "--node-rank=0", "--master", master, "PROG",
-                                          NULL}, NULL);
+                                          NULL}, (const char *const[]){"CPAR_LOG=warn", NULL});
     proc_finish(&n0, 30000);
     proc_finish(&n1, 30000);
     ck_assert_msg(n0.status == 0, "node 0: %d\n%s", n0.status, n0.text[1]);
@@ -223,6 +228,10 @@ START_TEST(test_two_nodes)
     ASSERT_HAS(n0.text[0], "[1] rank 1 of 4 (torchrun), local 1 of 2");
     ASSERT_HAS(n1.text[0], "[2] rank 2 of 4 (torchrun), local 0 of 2");
     ASSERT_HAS(n1.text[0], "[3] rank 3 ok");
+    /* Several nodes and no CPAR_JOB_TOKEN: the default token, and a warning at CPAR_LOG=warn. */
+    ASSERT_HAS(n0.text[0], "[0] rank 0 token from default");
+    ASSERT_HAS(n0.text[1], "are not isolated from each other");
+    ck_assert_msg(!strstr(n1.text[1], "not isolated"), "warned without CPAR_LOG=warn:\n%s", n1.text[1]);
     assert_prefixed(n1.text[0], 4);
     proc_free(&n0);
     proc_free(&n1);
@@ -240,6 +249,127 @@ START_TEST(test_store_port)
     ck_assert_msg(p.status == 0, "status %d\n%s", p.status, p.text[1]);
     ASSERT_HAS(p.text[0], want);
     proc_free(&p);
+}
+END_TEST
+
+/* The local addresses (hex, as /proc/net/tcp{,6} write them) listening on port. */
+static void listening_on(int port, char *out, size_t n)
+{
+    out[0] = '\0';
+    const char *files[] = {"/proc/net/tcp", "/proc/net/tcp6"};
+    for (int f = 0; f < 2; f++) {
+        FILE *fp = fopen(files[f], "r");
+        if (!fp)
+            continue;
+        char line[512], addr[64];
+        unsigned p, state;
+        while (fgets(line, sizeof line, fp))
+            if (sscanf(line, " %*d: %63[0-9A-Fa-f]:%x %*[0-9A-Fa-f]:%*x %x", addr, &p, &state) == 3 &&
+                (int)p == port && state == 0x0A /* LISTEN */) {
+                size_t used = strlen(out);
+                snprintf(out + used, n - used, "%s%s", used ? " " : "", addr);
+            }
+        fclose(fp);
+    }
+}
+
+/* Two jobs on one store port: job 1 (token chosen here) joins and waits; job 2
+ * (cparrun's own random token) fails fast and cleanly; job 1 then finishes
+ * untouched. Job 1's store listens on 127.0.0.1 only. */
+START_TEST(test_two_jobs_one_port)
+{
+    int port = free_port_pair();
+    char ps[16];
+    snprintf(ps, sizeof ps, "%d", port);
+    proc j1, j2;
+    start(&j1, (const char *const[]){"-n", "2", "--store-port", ps, "PROG", "wait-go", NULL},
+          (const char *const[]){"CPAR_JOB_TOKEN=first-job-token", NULL});
+    proc_read(&j1, 20000, "joined", 2);
+    ASSERT_HAS(j1.text[0], "[1] rank 1 joined");
+
+    char where[256];
+    listening_on(port, where, sizeof where);
+    if (access("/proc/net/tcp", R_OK) == 0)
+        ck_assert_msg(!strcmp(where, "0100007F"), "job 1's store listens on \"%s\", expected 127.0.0.1 only", where);
+
+    proc_run(&j2, cparrun_path(), prog_path(), (const char *const[]){"-n", "2", "--store-port", ps, "PROG", NULL},
+             (const char *const[]){"CPAR_TIMEOUT_MS=20000", NULL}, 30000);
+    ck_assert_msg(j2.status == 1, "job 2: status %d\n%s", j2.status, j2.text[1]);
+    ck_assert_msg(j2.end - j2.start < 5000, "job 2 took %lld ms to fail", (long long)(j2.end - j2.start));
+    /* Its rank 0 finds the port taken, its rank 1 finds another job's store;
+     * whichever fails first, cparrun stops the other before it may speak. */
+    ck_assert_msg(strstr(j2.text[1], "Address already in use") || strstr(j2.text[1], "belongs to another job"),
+                  "job 2:\n%s", j2.text[1]);
+    /* Ranks of another job whose rank 0 is elsewhere (node 1 of a two-node
+     * job): refused at the handshake, at once. */
+    proc j3;
+    char master[64];
+    snprintf(master, sizeof master, "127.0.0.1:%d", port - 1);
+    proc_run(&j3, cparrun_path(), prog_path(),
+             (const char *const[]){"-n", "2", "--nnodes", "2", "--node-rank", "1", "--master", master, "PROG", NULL},
+             (const char *const[]){"CPAR_TIMEOUT_MS=20000", "CPAR_JOB_TOKEN=third-job-token", NULL}, 30000);
+    ck_assert_msg(j3.status == 1, "job 3: status %d\n%s", j3.status, j3.text[1]);
+    ck_assert_msg(j3.end - j3.start < 5000, "job 3 took %lld ms to fail", (long long)(j3.end - j3.start));
+    char want[128];
+    snprintf(want, sizeof want, "the store at 127.0.0.1:%d belongs to another job", port);
+    ASSERT_HAS(j3.text[1], want);
+    proc_free(&j3);
+
+    /* Job 1 is unaffected: the test, holding its token, lets it go on. */
+    cpar_store_config cfg = {.host = "127.0.0.1", .port = port, .timeout_ms = 5000, .token = "first-job-token"};
+    cpar_store *s = NULL;
+    ck_assert_msg(cpar_store_create(&cfg, &s) == CPAR_OK, "%s", cpar_thread_last_error());
+    ck_assert_int_eq(cpar_store_set(s, "go", "1", 1), CPAR_OK);
+    cpar_store_destroy(s);
+    proc_finish(&j1, 30000);
+    ck_assert_msg(j1.status == 0, "job 1: status %d\n%s", j1.status, j1.text[1]);
+    ASSERT_HAS(j1.text[0], "[0] rank 0 ok");
+    ASSERT_HAS(j1.text[0], "[1] rank 1 ok");
+    proc_free(&j1);
+    proc_free(&j2);
+}
+END_TEST
+
+/* Ranks started by hand with torchrun's variables (ranks[i], worlds[i]); every
+ * one must fail within a second or two (the deadline is 20 s) with expect. */
+static void run_mislaunched(int n, const int *ranks, const int *worlds, const char *expect)
+{
+    static char vars[8][6][64];
+    proc ps[8];
+    int port = free_port_pair();
+    for (int i = 0; i < n; i++) {
+        snprintf(vars[i][0], 64, "RANK=%d", ranks[i]);
+        snprintf(vars[i][1], 64, "WORLD_SIZE=%d", worlds[i]);
+        snprintf(vars[i][2], 64, "MASTER_ADDR=127.0.0.1");
+        snprintf(vars[i][3], 64, "MASTER_PORT=%d", port);
+        snprintf(vars[i][4], 64, "CPAR_TIMEOUT_MS=20000");
+        snprintf(vars[i][5], 64, "CPAR_JOB_TOKEN=mislaunched");
+        const char *env[] = {vars[i][0], vars[i][1], vars[i][2], vars[i][3], vars[i][4], vars[i][5], NULL};
+        proc_start(&ps[i], prog_path(), NULL, (const char *const[]){"ok", NULL}, env);
+        if (i == 0) /* rank 0 first: a duplicate rank 0 would find the port taken, not a store */
+            proc_read(&ps[0], 5000, "store bound", 1);
+    }
+    for (int i = 0; i < n; i++) {
+        proc_finish(&ps[i], 15000);
+        ck_assert_msg(ps[i].status == 1, "member %d: status %d\n%s", i, ps[i].status, ps[i].text[1]);
+        ck_assert_msg(ps[i].end - ps[i].start < 8000, "member %d took %lld ms", i,
+                      (long long)(ps[i].end - ps[i].start));
+        ASSERT_HAS(ps[i].text[1], "cpar_store_join: ");
+        ASSERT_HAS(ps[i].text[1], expect);
+    }
+    for (int i = 0; i < n; i++)
+        proc_free(&ps[i]);
+}
+
+START_TEST(test_duplicate_rank)
+{
+    run_mislaunched(4, (const int[]){0, 1, 1, 2}, (const int[]){4, 4, 4, 4}, ") both claim rank 1");
+}
+END_TEST
+
+START_TEST(test_world_size_mismatch)
+{
+    run_mislaunched(3, (const int[]){0, 1, 2}, (const int[]){3, 4, 3}, "has world size 3 but rank 1 (pid ");
 }
 END_TEST
 
@@ -290,6 +420,8 @@ int main(void)
         return EXIT_FAILURE;
     }
     unsetenv("CPAR_STORE_PORT"); /* the tests choose ports themselves */
+    unsetenv("CPAR_JOB_TOKEN");  /* cparrun draws one per job */
+    unsetenv("CPAR_STORE_BIND");
     unsetenv("CPARRUN_GRACE_MS");
     unsetenv("CPAR_TIMEOUT_MS");
     Suite *s = suite_create("cparrun");
@@ -305,6 +437,9 @@ int main(void)
     tcase_add_test(tc, test_sigkill_after_grace);
     tcase_add_test(tc, test_two_nodes);
     tcase_add_test(tc, test_store_port);
+    tcase_add_test(tc, test_two_jobs_one_port);
+    tcase_add_test(tc, test_duplicate_rank);
+    tcase_add_test(tc, test_world_size_mismatch);
     tcase_add_test(tc, test_exec_failure);
     tcase_add_test(tc, test_usage_errors);
     suite_add_tcase(s, tc);

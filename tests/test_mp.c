@@ -152,6 +152,37 @@ START_TEST(test_torchrun_rank_never_starts) {
 }
 END_TEST
 
+/* Two processes claim rank 0 on one host: the second finds the store port
+ * taken, joins the first's store as a client, and every rank fails at once
+ * naming both (not "address in use" on one and a timeout on the others). */
+START_TEST(test_torchrun_duplicate_rank0) {
+    static char vars[3][7][64];
+    static const int ranks[3] = {0, 0, 1};
+    proc ps[3];
+    int port = 20000 + (int)(getpid() % 10000) * 2;
+    for (int i = 0; i < 3; i++) {
+        snprintf(vars[i][0], 64, "RANK=%d", ranks[i]);
+        snprintf(vars[i][1], 64, "LOCAL_RANK=%d", i);
+        snprintf(vars[i][2], 64, "WORLD_SIZE=3");
+        snprintf(vars[i][3], 64, "MASTER_ADDR=127.0.0.1");
+        snprintf(vars[i][4], 64, "MASTER_PORT=%d", port);
+        snprintf(vars[i][5], 64, "CPAR_TIMEOUT_MS=30000");
+        snprintf(vars[i][6], 64, "CPAR_JOB_TOKEN=dup0-%d", (int)getpid());
+        const char *env[] = {vars[i][0], vars[i][1], vars[i][2], vars[i][3], vars[i][4], vars[i][5], vars[i][6], NULL};
+        proc_start(&ps[i], prog_path(), NULL, (const char *const[]){"ok", "-1", NULL}, env);
+    }
+    for (int i = 0; i < 3; i++) proc_finish(&ps[i], 40000);
+    for (int i = 0; i < 3; i++) {
+        ASSERT_OUT(&ps[i], ps[i].status == 1);
+        ASSERT_OUT(&ps[i], strstr(ps[i].text[1], "cpar_init_from_env: rank 0 (pid ") != NULL);
+        ASSERT_OUT(&ps[i], strstr(ps[i].text[1], "both claim rank 0") != NULL);
+        ck_assert_int_lt(ps[i].end - ps[i].start, 15000);
+        proc_free(&ps[i]);
+    }
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
 int main(void) {
     if (access(cparrun_path(), X_OK) != 0 || access(prog_path(), X_OK) != 0) {
         fprintf(stderr, "test_mp: need CPARRUN (%s) and MP_PROG (%s)\n", cparrun_path(), prog_path());
@@ -168,6 +199,7 @@ int main(void) {
     tcase_add_test(tc, test_torchrun_job);
     tcase_add_test(tc, test_torchrun_rank_dies);
     tcase_add_test(tc, test_torchrun_rank_never_starts);
+    tcase_add_test(tc, test_torchrun_duplicate_rank0);
     tcase_set_timeout(tc, 120);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);

@@ -11,7 +11,9 @@
 
 #include <arpa/inet.h>
 #include <check.h>
+#include <dirent.h>
 #include <errno.h>
+#include <ifaddrs.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -123,7 +125,47 @@ static void put_hdr(unsigned char *p, uint32_t magic, unsigned version, unsigned
     p[10] = (unsigned char)(vlen >> 8), p[11] = (unsigned char)vlen;
 }
 #define MAGIC 0x43505354u
-enum { OP_PING = 1, OP_SET, OP_GET, OP_ADD };
+#define VERSION 2
+#define TOKEN "test-job" /* main() exports it as CPAR_JOB_TOKEN: the configs without a token use it */
+enum { OP_HELLO = 1, OP_SET, OP_GET, OP_ADD };
+enum { ST_OK = 0, ST_DENIED = 4 };
+
+/* Receive exactly n bytes within ms; false on EOF, error or timeout. */
+static bool recv_exact(int fd, void *buf, size_t n, int ms)
+{
+    int64_t end = now_ms() + ms;
+    size_t got = 0;
+    while (got < n) {
+        int left = (int)(end - now_ms());
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (left <= 0 || poll(&p, 1, left) <= 0)
+            return false;
+        ssize_t r = recv(fd, (char *)buf + got, n - got, 0);
+        if (r <= 0)
+            return false;
+        got += (size_t)r;
+    }
+    return true;
+}
+
+/* Send a HELLO with token on fd; returns the reply's status, or -1 when none came. */
+static int raw_hello(int fd, const char *token)
+{
+    unsigned char h[12 + 256], r[12];
+    size_t n = strlen(token);
+    put_hdr(h, MAGIC, VERSION, OP_HELLO, 0, (uint32_t)n);
+    memcpy(h + 12, token, n);
+    raw_send(fd, h, 12 + n);
+    return recv_exact(fd, r, 12, 2000) ? (r[5] & 0x7f) : -1;
+}
+
+/* A raw connection that has shown the job token. */
+static int raw_connect_hello(int port)
+{
+    int fd = raw_connect(port);
+    ck_assert_int_eq(raw_hello(fd, TOKEN), ST_OK);
+    return fd;
+}
 
 /* The server still answers a well-behaved client. */
 static void check_store_works(int port, const char *tag)
@@ -432,57 +474,68 @@ START_TEST(test_garbage_frames)
     check_store_works(port, "after-garbage");
 
     fd = raw_connect(port); /* right magic, wrong version */
-    put_hdr(h, MAGIC, 99, OP_PING, 0, 0);
+    put_hdr(h, MAGIC, 99, OP_HELLO, 0, 0);
     raw_send(fd, h, 12);
     ck_assert(closed_within(fd, 2000));
     close(fd);
 
-    fd = raw_connect(port); /* unknown opcode */
-    put_hdr(h, MAGIC, 1, 77, 1, 0);
+    fd = raw_connect_hello(port); /* unknown opcode */
+    put_hdr(h, MAGIC, VERSION, 77, 1, 0);
     raw_send(fd, h, 12);
     ck_assert(closed_within(fd, 2000));
     close(fd);
 
-    fd = raw_connect(port); /* value length field of 2 GiB: refused at the header */
-    put_hdr(h, MAGIC, 1, OP_SET, 3, 0x80000000u);
+    fd = raw_connect_hello(port); /* value length field of 2 GiB: refused at the header */
+    put_hdr(h, MAGIC, VERSION, OP_SET, 3, 0x80000000u);
     raw_send(fd, h, 12);
     ck_assert(closed_within(fd, 2000));
     close(fd);
 
-    fd = raw_connect(port); /* 1 MiB + 1 */
-    put_hdr(h, MAGIC, 1, OP_SET, 3, (1u << 20) + 1);
+    fd = raw_connect_hello(port); /* 1 MiB + 1 */
+    put_hdr(h, MAGIC, VERSION, OP_SET, 3, (1u << 20) + 1);
     raw_send(fd, h, 12);
     ck_assert(closed_within(fd, 2000));
     close(fd);
 
-    fd = raw_connect(port); /* key length 256 and 0 */
-    put_hdr(h, MAGIC, 1, OP_GET, 256, 0);
+    fd = raw_connect_hello(port); /* key length 256 and 0 */
+    put_hdr(h, MAGIC, VERSION, OP_GET, 256, 0);
     raw_send(fd, h, 12);
     ck_assert(closed_within(fd, 2000));
     close(fd);
-    fd = raw_connect(port);
-    put_hdr(h, MAGIC, 1, OP_GET, 0, 0);
+    fd = raw_connect_hello(port);
+    put_hdr(h, MAGIC, VERSION, OP_GET, 0, 0);
     raw_send(fd, h, 12);
     ck_assert(closed_within(fd, 2000));
     close(fd);
 
-    fd = raw_connect(port); /* ADD whose operand is not 8 bytes */
-    put_hdr(h, MAGIC, 1, OP_ADD, 1, 4);
+    fd = raw_connect_hello(port); /* ADD whose operand is not 8 bytes */
+    put_hdr(h, MAGIC, VERSION, OP_ADD, 1, 4);
     memcpy(h + 12, "k1234", 5);
     raw_send(fd, h, 17);
     ck_assert(closed_within(fd, 2000));
     close(fd);
 
-    fd = raw_connect(port); /* a truncated frame, then the peer closes */
-    put_hdr(h, MAGIC, 1, OP_SET, 5, 100);
+    fd = raw_connect_hello(port); /* a truncated frame, then the peer closes */
+    put_hdr(h, MAGIC, VERSION, OP_SET, 5, 100);
     memcpy(h + 12, "trunc", 5);
     raw_send(fd, h, 12 + 5 + 10);
     close(fd);
     check_store_works(port, "after-truncated");
 
-    /* A valid raw SET is accepted: the test's idea of the format is the server's. */
+    fd = raw_connect(port); /* a HELLO whose token is too long (256 bytes) or empty */
+    put_hdr(h, MAGIC, VERSION, OP_HELLO, 0, 256);
+    raw_send(fd, h, 12);
+    ck_assert(closed_within(fd, 2000));
+    close(fd);
     fd = raw_connect(port);
-    put_hdr(h, MAGIC, 1, OP_SET, 3, 2);
+    put_hdr(h, MAGIC, VERSION, OP_HELLO, 0, 0);
+    raw_send(fd, h, 12);
+    ck_assert(closed_within(fd, 2000));
+    close(fd);
+
+    /* A valid raw SET is accepted: the test's idea of the format is the server's. */
+    fd = raw_connect_hello(port);
+    put_hdr(h, MAGIC, VERSION, OP_SET, 3, 2);
     memcpy(h + 12, "rawok", 5);
     raw_send(fd, h, 17);
     ck_assert(!closed_within(fd, 200));
@@ -502,10 +555,10 @@ START_TEST(test_stalled_client)
     int port;
     cpar_store *srv = start_server(&port, 600); /* the stall limit is the store's timeout */
     unsigned char h[256] = {0};
-    int stalled = raw_connect(port);
-    put_hdr(h, MAGIC, 1, OP_SET, 5, 1000);
+    int stalled = raw_connect_hello(port);
+    put_hdr(h, MAGIC, VERSION, OP_SET, 5, 1000);
     raw_send(stalled, h, 7); /* half a header, then nothing */
-    int stalled_body = raw_connect(port);
+    int stalled_body = raw_connect_hello(port);
     memcpy(h + 12, "stall", 5);
     raw_send(stalled_body, h, 12 + 5 + 100); /* a header and part of its value */
 
@@ -515,8 +568,8 @@ START_TEST(test_stalled_client)
     cpar_store *c = connect_client(port, 2000);
     ck_assert_int_eq(cpar_store_set(c, "big", big, mib), CPAR_OK);
     free(big);
-    int deaf = raw_connect(port);
-    put_hdr(h, MAGIC, 1, OP_GET, 3, 0);
+    int deaf = raw_connect_hello(port);
+    put_hdr(h, MAGIC, VERSION, OP_GET, 3, 0);
     memcpy(h + 12, "big", 3);
     raw_send(deaf, h, 15);
 
@@ -819,7 +872,9 @@ END_TEST
 static const char *const env_vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                        "MASTER_PORT", "CPAR_STORE_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                                        "SLURM_NPROCS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
-                                       "SLURM_TASKS_PER_NODE", "SLURM_NODEID"};
+                                       "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_STEP_NUM_NODES",
+                                       "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
+                                       "SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "CPAR_STORE_BIND"};
 
 static void env_clear(void)
 {
@@ -884,12 +939,15 @@ START_TEST(test_env_slurm)
 {
     cpar_env e;
     env_set((const char *const[]){"SLURM_PROCID=6", "SLURM_NTASKS=8", "SLURM_LOCALID=2",
-                                  "SLURM_NTASKS_PER_NODE=4(x2)", NULL});
+                                  "SLURM_NTASKS_PER_NODE=4(x2)", "SLURM_JOB_NODELIST=gpu[07-08]", NULL});
     ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
     ck_assert_str_eq(e.source, "slurm");
     ck_assert(e.rank == 6 && e.world_size == 8 && e.local_rank == 2 && e.local_world_size == 4);
-    ck_assert_str_eq(e.master_addr, "127.0.0.1");
+    ck_assert_str_eq(e.master_addr, "gpu07"); /* two nodes, no MASTER_ADDR: the node list's first */
     ck_assert_int_eq(e.store_port, 29501);
+    env_set((const char *const[]){"SLURM_PROCID=1", "SLURM_NTASKS=4", "SLURM_NTASKS_PER_NODE=4", NULL});
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.master_addr, "127.0.0.1"); /* one node: loopback */
 
     /* Uneven nodes: srun's SLURM_TASKS_PER_NODE, entry SLURM_NODEID. */
     env_set((const char *const[]){"SLURM_PROCID=6", "SLURM_NTASKS=7", "SLURM_LOCALID=0", "SLURM_NODEID=3",
@@ -937,10 +995,16 @@ START_TEST(test_env_malformed)
         {{"SLURM_PROCID=0", "SLURM_NTASKS=4", "SLURM_LOCALID=x"}, "SLURM_LOCALID=\"x\" is not an integer"},
         {{"SLURM_PROCID=0", "SLURM_NTASKS=8", "SLURM_NTASKS_PER_NODE=4(x"},
          "SLURM_NTASKS_PER_NODE=\"4(x\" is not a task list"},
-        {{"SLURM_PROCID=0", "SLURM_NTASKS=8", "SLURM_TASKS_PER_NODE=4(x2)", "SLURM_NODEID=2"},
+        {{"SLURM_PROCID=0", "SLURM_NTASKS=8", "SLURM_NTASKS_PER_NODE=4"},
+         "spans several nodes, but neither MASTER_ADDR nor SLURM_JOB_NODELIST is set: export MASTER_ADDR="},
+        {{"SLURM_PROCID=0", "SLURM_NTASKS=2", "SLURM_STEP_NUM_NODES=2"}, "neither MASTER_ADDR nor"},
+        {{"SLURM_PROCID=0", "SLURM_NTASKS=8", "SLURM_NTASKS_PER_NODE=4", "SLURM_JOB_NODELIST=node[04-01]"},
+         "SLURM_JOB_NODELIST=\"node[04-01]\" is not a node list like \"node[01-04,07]\" and MASTER_ADDR is not set"},
+        {{"CPAR_STORE_BIND="}, "CPAR_STORE_BIND is 0 characters"},
+        {{"SLURM_PROCID=0", "SLURM_NTASKS=8", "SLURM_TASKS_PER_NODE=4(x2)", "SLURM_NODEID=2", "MASTER_ADDR=h"},
          "SLURM_TASKS_PER_NODE=\"4(x2)\" is not a task list like \"4(x2),3\" with an entry for node 2"},
         {{"SLURM_PROCID=0", "SLURM_NTASKS=8", "SLURM_TASKS_PER_NODE=4,,4"}, "is not a task list"},
-        {{"SLURM_PROCID=0", "SLURM_NTASKS=8", "SLURM_LOCALID=3", "SLURM_NTASKS_PER_NODE=2"},
+        {{"SLURM_PROCID=0", "SLURM_NTASKS=8", "SLURM_LOCALID=3", "SLURM_NTASKS_PER_NODE=2", "MASTER_ADDR=h"},
          "SLURM_LOCALID=3 is not below SLURM_NTASKS_PER_NODE=2"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
@@ -955,6 +1019,558 @@ START_TEST(test_env_malformed)
         ck_assert_msg(strncmp(cpar_thread_last_error(), "cpar_env_read: ", 15) == 0, "%s", cpar_thread_last_error());
         ck_assert_int_eq(e.rank, 42); /* *out untouched on failure */
     }
+}
+END_TEST
+
+/* ---- job token ---------------------------------------------------------- */
+
+static cpar_store *start_server_token(int *port, int timeout_ms, const char *token)
+{
+    for (int attempt = 0; attempt < 20; attempt++) {
+        *port = free_port();
+        cpar_store_config cfg = {.port = *port, .is_server = true, .timeout_ms = timeout_ms, .token = token};
+        cpar_store *s = NULL;
+        if (cpar_store_create(&cfg, &s) == CPAR_OK)
+            return s;
+        ck_assert_msg(strstr(cpar_thread_last_error(), "in use") != NULL, "server: %s", cpar_thread_last_error());
+    }
+    ck_abort_msg("no free port after 20 attempts");
+    return NULL;
+}
+
+START_TEST(test_token_mismatch)
+{
+    int port;
+    cpar_store *srv = start_server_token(&port, 5000, "job-A");
+    ck_assert_int_eq(cpar_store_set(srv, "cpar/nccl_id/world", "secret", 6), CPAR_OK);
+
+    /* Another job's client: refused at once (not after its 5 s deadline), clearly. */
+    cpar_store_config other = {.host = "127.0.0.1", .port = port, .timeout_ms = 5000, .token = "job-B"};
+    cpar_store *c = NULL;
+    int64_t t0 = now_ms();
+    ck_assert_int_eq(cpar_store_create(&other, &c), CPAR_ERR_SYSTEM);
+    ck_assert_int_lt(now_ms() - t0, 1000);
+    ck_assert_ptr_null(c);
+    char want[128];
+    snprintf(want, sizeof want, "cpar_store_create: the store at 127.0.0.1:%d belongs to another job", port);
+    ASSERT_MSG_HAS(want);
+    other.token = "job-A-"; /* a prefix or an extension is another token too */
+    ck_assert_int_eq(cpar_store_create(&other, &c), CPAR_ERR_SYSTEM);
+    other.token = "job-";
+    ck_assert_int_eq(cpar_store_create(&other, &c), CPAR_ERR_SYSTEM);
+    ASSERT_MSG_HAS("belongs to another job");
+
+    /* Raw: a wrong token pipelined with a SET is denied and closed, the SET never runs. */
+    unsigned char h[512], r[64];
+    int fd = raw_connect(port);
+    put_hdr(h, MAGIC, VERSION, OP_HELLO, 0, 5);
+    memcpy(h + 12, "job-B", 5);
+    put_hdr(h + 17, MAGIC, VERSION, OP_SET, 4, 1);
+    memcpy(h + 29, "evilx", 5);
+    raw_send(fd, h, 34);
+    ck_assert(recv_exact(fd, r, 12, 2000));
+    ck_assert_int_eq(r[5], 0x80 | ST_DENIED);
+    ck_assert(closed_within(fd, 2000));
+    close(fd);
+    /* No HELLO at all: a GET of the NCCL id is dropped without a reply. */
+    fd = raw_connect(port);
+    put_hdr(h, MAGIC, VERSION, OP_GET, 18, 0);
+    memcpy(h + 12, "cpar/nccl_id/world", 18);
+    raw_send(fd, h, 30);
+    ck_assert(!recv_exact(fd, r, 12, 2000)); /* EOF, no header */
+    close(fd);
+    fd = raw_connect(port); /* nor a SET */
+    put_hdr(h, MAGIC, VERSION, OP_SET, 4, 1);
+    memcpy(h + 12, "evily", 5);
+    raw_send(fd, h, 17);
+    ck_assert(closed_within(fd, 2000));
+    close(fd);
+
+    /* The owner's job is unaffected, and saw none of those keys. */
+    cpar_store_config mine = {.host = "127.0.0.1", .port = port, .timeout_ms = 300, .token = "job-A"};
+    ck_assert_int_eq(cpar_store_create(&mine, &c), CPAR_OK);
+    char buf[16];
+    size_t len = 0;
+    ck_assert_int_eq(cpar_store_get(c, "cpar/nccl_id/world", buf, sizeof buf, &len), CPAR_OK);
+    ck_assert(len == 6 && !memcmp(buf, "secret", 6));
+    ck_assert_int_eq(cpar_store_get(c, "evil", buf, sizeof buf, NULL), CPAR_ERR_TIMEOUT);
+    cpar_store_destroy(c);
+    cpar_store_destroy(srv);
+}
+END_TEST
+
+START_TEST(test_token_from_env)
+{
+    cpar_env e;
+    env_clear();
+    unsetenv("CPAR_JOB_TOKEN");
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.job_token_source, "default");
+    setenv("SLURM_JOB_ID", "4711", 1);
+    setenv("SLURM_STEP_ID", "2", 1);
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.job_token_source, "slurm");
+    ck_assert_str_eq(e.job_token, "slurm:4711.2");
+    setenv("SLURM_STEP_ID", "3", 1); /* another step of the allocation: another job */
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.job_token, "slurm:4711.3");
+    setenv("TORCHELASTIC_RUN_ID", "none", 1); /* torchrun's default id says nothing */
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.job_token_source, "slurm");
+    setenv("TORCHELASTIC_RUN_ID", "run-9", 1);
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.job_token, "torchelastic:run-9");
+    setenv("CPAR_JOB_TOKEN", "0123abcd", 1);
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.job_token_source, "CPAR_JOB_TOKEN");
+    ck_assert_str_eq(e.job_token, "0123abcd");
+    setenv("CPAR_JOB_TOKEN", "", 1);
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_ERR_INVALID);
+    ASSERT_MSG_HAS("cpar_env_read: CPAR_JOB_TOKEN is 0 bytes, expected 1..255");
+
+    /* A store's token defaults to the environment's, on both sides. */
+    setenv("CPAR_JOB_TOKEN", "env-token", 1);
+    int port;
+    cpar_store *srv = start_server(&port, 2000); /* cfg.token NULL */
+    cpar_store_config cfg = {.host = "127.0.0.1", .port = port, .timeout_ms = 2000, .token = "env-token"};
+    cpar_store *c = NULL;
+    ck_assert_int_eq(cpar_store_create(&cfg, &c), CPAR_OK);
+    cpar_store_destroy(c);
+    setenv("CPAR_JOB_TOKEN", "other-env-token", 1);
+    cfg.token = NULL;
+    ck_assert_int_eq(cpar_store_create(&cfg, &c), CPAR_ERR_SYSTEM);
+    ASSERT_MSG_HAS("belongs to another job");
+    cpar_store_destroy(srv);
+}
+END_TEST
+
+/* Two jobs meet on one port: the second's server cannot bind, its clients are
+ * refused, and the first job goes on as if nothing happened. */
+START_TEST(test_two_jobs_one_port)
+{
+    int port;
+    cpar_store *a0 = start_server_token(&port, 5000, "job-A");
+    cpar_store_config ca = {.host = "127.0.0.1", .port = port, .timeout_ms = 5000, .token = "job-A"};
+    cpar_store *a1 = NULL;
+    ck_assert_int_eq(cpar_store_create(&ca, &a1), CPAR_OK);
+    ck_assert_int_eq(cpar_store_add(a1, "count", 1, NULL), CPAR_OK);
+
+    cpar_store_config sb = {.port = port, .is_server = true, .timeout_ms = 5000, .token = "job-B"};
+    cpar_store *b0 = NULL, *b1 = NULL;
+    ck_assert_int_eq(cpar_store_create(&sb, &b0), CPAR_ERR_SYSTEM);
+    ASSERT_MSG_HAS("in use");
+    cpar_store_config cb = {.host = "127.0.0.1", .port = port, .timeout_ms = 5000, .token = "job-B"};
+    int64_t t0 = now_ms();
+    ck_assert_int_eq(cpar_store_create(&cb, &b1), CPAR_ERR_SYSTEM);
+    ck_assert_int_lt(now_ms() - t0, 1000);
+    ASSERT_MSG_HAS("belongs to another job");
+
+    int64_t n = 0;
+    ck_assert_int_eq(cpar_store_add(a0, "count", 1, &n), CPAR_OK);
+    ck_assert_int_eq(n, 2); /* only job A's two adds */
+    cpar_store_destroy(a1);
+    cpar_store_destroy(a0);
+}
+END_TEST
+
+/* ---- where the server listens -------------------------------------------- */
+
+/* The local addresses (hex as in /proc/net/tcp, e.g. "0100007F") of sockets
+ * listening on port, IPv4 and IPv6 together, separated by spaces. */
+static void listening_on(int port, char *out, size_t n)
+{
+    out[0] = '\0';
+    const char *files[] = {"/proc/net/tcp", "/proc/net/tcp6"};
+    for (int f = 0; f < 2; f++) {
+        FILE *fp = fopen(files[f], "r");
+        if (!fp)
+            continue;
+        char line[512], addr[64];
+        unsigned p, state;
+        while (fgets(line, sizeof line, fp))
+            if (sscanf(line, " %*d: %63[0-9A-Fa-f]:%x %*[0-9A-Fa-f]:%*x %x", addr, &p, &state) == 3 &&
+                (int)p == port && state == 0x0A /* LISTEN */) {
+                size_t used = strlen(out);
+                snprintf(out + used, n - used, "%s%s", used ? " " : "", addr);
+            }
+        fclose(fp);
+    }
+}
+
+/* An IPv4 address of this host that is not loopback, or false. */
+static bool non_loopback_ipv4(struct in_addr *out)
+{
+    struct ifaddrs *ifs = NULL;
+    bool found = false;
+    if (getifaddrs(&ifs) != 0)
+        return false;
+    for (struct ifaddrs *i = ifs; i && !found; i = i->ifa_next)
+        if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET) {
+            struct in_addr a = ((struct sockaddr_in *)(void *)i->ifa_addr)->sin_addr;
+            if ((ntohl(a.s_addr) >> 24) != 127) {
+                *out = a;
+                found = true;
+            }
+        }
+    freeifaddrs(ifs);
+    return found;
+}
+
+/* 1 connected, 0 refused (or unreachable), to addr:port. */
+static int try_connect(struct in_addr addr, int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port), .sin_addr = addr};
+    int ok = connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
+    close(fd);
+    return ok;
+}
+
+START_TEST(test_bind_address)
+{
+    if (access("/proc/net/tcp", R_OK) != 0)
+        return; /* not Linux: the connect checks below need an address, the listing needs /proc */
+    struct in_addr ext;
+    bool has_ext = non_loopback_ipv4(&ext);
+    char where[256];
+
+    /* Default (host NULL), as for a single-node job: 127.0.0.1 only. */
+    int port;
+    cpar_store *srv = start_server_token(&port, 2000, TOKEN);
+    listening_on(port, where, sizeof where);
+    ck_assert_msg(!strcmp(where, "0100007F"), "port %d listens on \"%s\", expected 127.0.0.1 only", port, where);
+    if (has_ext)
+        ck_assert_msg(!try_connect(ext, port), "the loopback store answered on %s", inet_ntoa(ext));
+    cpar_store_destroy(srv);
+
+    /* "*": every interface, when asked. */
+    for (int attempt = 0; attempt < 20; attempt++) {
+        port = free_port();
+        cpar_store_config cfg = {.host = "*", .port = port, .is_server = true, .timeout_ms = 2000};
+        if (cpar_store_create(&cfg, &srv) == CPAR_OK)
+            break;
+        srv = NULL;
+    }
+    ck_assert_ptr_nonnull(srv);
+    listening_on(port, where, sizeof where);
+    ck_assert_msg(!strcmp(where, "00000000") || !strcmp(where, "00000000000000000000000000000000"),
+                  "\"*\" listens on \"%s\"", where);
+    if (has_ext)
+        ck_assert(try_connect(ext, port));
+    cpar_store_destroy(srv);
+
+    /* An address of another host cannot be bound: a clear error, at once. */
+    cpar_store_config bad = {.host = "192.0.2.1", .port = free_port(), .is_server = true, .timeout_ms = 2000};
+    ck_assert_int_eq(cpar_store_create(&bad, &srv), CPAR_ERR_SYSTEM);
+    ASSERT_MSG_HAS("cannot listen on 192.0.2.1:");
+    ASSERT_MSG_HAS("CPAR_STORE_BIND=*");
+}
+END_TEST
+
+START_TEST(test_env_store_bind)
+{
+    cpar_env e;
+    env_clear();
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.store_bind, "127.0.0.1"); /* single node: loopback */
+    env_set((const char *const[]){"RANK=0", "WORLD_SIZE=8", "LOCAL_WORLD_SIZE=4", "MASTER_ADDR=10.1.2.3", NULL});
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.store_bind, "10.1.2.3"); /* the interface of MASTER_ADDR */
+    env_set((const char *const[]){"RANK=0", "WORLD_SIZE=8", "LOCAL_WORLD_SIZE=4", "MASTER_ADDR=127.0.1.1", NULL});
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.store_bind, "*"); /* several nodes, loopback name: others could not reach it */
+    env_set((const char *const[]){"RANK=0", "WORLD_SIZE=4", "MASTER_ADDR=localhost", NULL});
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.store_bind, "localhost"); /* one node: stays loopback */
+    env_set((const char *const[]){"RANK=0", "WORLD_SIZE=4", "CPAR_STORE_BIND=*", NULL});
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.store_bind, "*");
+    env_set((const char *const[]){"RANK=0", "WORLD_SIZE=8", "LOCAL_WORLD_SIZE=4", "MASTER_ADDR=127.0.1.1",
+                                  "CPAR_STORE_BIND=127.0.0.1", NULL});
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.store_bind, "127.0.0.1"); /* asked for: obeyed */
+}
+END_TEST
+
+/* ---- per-connection limits ------------------------------------------------ */
+
+START_TEST(test_limits)
+{
+    int port = 0;
+    cpar_store *srv = NULL;
+    for (int attempt = 0; attempt < 20 && !srv; attempt++) {
+        port = free_port();
+        cpar_store_config cfg = {.port = port, .is_server = true, .timeout_ms = 5000, .max_value_bytes = 1000,
+                                 .max_keys_per_client = 5, .max_bytes_per_client = 2500};
+        if (cpar_store_create(&cfg, &srv) != CPAR_OK)
+            srv = NULL;
+    }
+    ck_assert_ptr_nonnull(srv);
+    cpar_store *c = connect_client(port, 5000), *d = connect_client(port, 5000);
+    char val[1001], buf[1001], key[16];
+    memset(val, 'v', sizeof val);
+    size_t len = 0;
+
+    ck_assert_int_eq(cpar_store_set(c, "big", val, 1001), CPAR_ERR_INVALID);
+    ASSERT_MSG_HAS("cpar_store_set: value of key \"big\" is 1001 bytes, more than the limit");
+    ASSERT_MSG_HAS("max_value_bytes=1000");
+    ck_assert_int_eq(cpar_store_set(c, "k0", val, 1000), CPAR_OK); /* still usable; exactly the limit is fine */
+    ck_assert_int_eq(cpar_store_set(c, "k1", val, 1000), CPAR_OK);
+    ck_assert_int_eq(cpar_store_set(c, "k2", val, 600), CPAR_ERR_INVALID); /* 2600 > 2500 */
+    ASSERT_MSG_HAS("max_bytes_per_client=2500");
+    ck_assert_int_eq(cpar_store_set(c, "k1", val, 100), CPAR_OK); /* shrinking gives room back */
+    ck_assert_int_eq(cpar_store_set(c, "k2", val, 600), CPAR_OK);
+    ck_assert_int_eq(cpar_store_set(c, "k0", val, 1000), CPAR_OK); /* an overwrite of the same size: no growth */
+    for (int i = 3; i < 5; i++) {
+        snprintf(key, sizeof key, "k%d", i);
+        ck_assert_int_eq(cpar_store_set(c, key, "x", 1), CPAR_OK);
+    }
+    ck_assert_int_eq(cpar_store_set(c, "k5", "x", 1), CPAR_ERR_INVALID); /* a sixth key */
+    ASSERT_MSG_HAS("cannot create key \"k5\"");
+    ASSERT_MSG_HAS("max_keys_per_client=5");
+    ck_assert_int_eq(cpar_store_add(c, "ctr", 1, NULL), CPAR_ERR_INVALID); /* ADD creates keys too */
+    ASSERT_MSG_HAS("max_keys_per_client=5");
+    ck_assert_int_eq(cpar_store_set(c, "k4", "yy", 2), CPAR_OK); /* existing keys stay writable */
+    ck_assert_int_eq(cpar_store_get(c, "k0", buf, sizeof buf, &len), CPAR_OK);
+    ck_assert_uint_eq(len, 1000);
+    cpar_store *e = connect_client(port, 200);
+    ck_assert_int_eq(cpar_store_get(e, "k5", buf, 0, NULL), CPAR_ERR_TIMEOUT); /* never created */
+    cpar_store_destroy(e);
+    /* Another client has its own budget. */
+    ck_assert_int_eq(cpar_store_set(d, "d0", val, 1000), CPAR_OK);
+    ck_assert_int_eq(cpar_store_add(d, "ctr", 1, NULL), CPAR_OK);
+    cpar_store_destroy(d);
+    cpar_store_destroy(c);
+    cpar_store_destroy(srv);
+}
+END_TEST
+
+static int open_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    int n = 0;
+    if (!d)
+        return -1;
+    while (readdir(d))
+        n++;
+    closedir(d);
+    return n;
+}
+
+/* Idle connections (no token shown) are held only max_idle_conns at a time
+ * and dropped after the handshake deadline; a real client still gets in. */
+START_TEST(test_idle_conns)
+{
+    enum { IDLE = 24, MAX_IDLE = 4 };
+    if (open_fds() < 0)
+        return;
+    int port = 0;
+    cpar_store *srv = NULL;
+    for (int attempt = 0; attempt < 20 && !srv; attempt++) {
+        port = free_port();
+        cpar_store_config cfg = {.port = port, .is_server = true, .timeout_ms = 300, .max_idle_conns = MAX_IDLE};
+        if (cpar_store_create(&cfg, &srv) != CPAR_OK)
+            srv = NULL;
+    }
+    ck_assert_ptr_nonnull(srv);
+    int before = open_fds(), fds[IDLE];
+    for (int i = 0; i < IDLE; i++)
+        fds[i] = raw_connect(port);
+    sleep_ms(100);
+    int held = open_fds() - before - IDLE; /* the server's side of our idle connections */
+    ck_assert_msg(held <= MAX_IDLE, "the server holds %d idle connections, at most %d expected", held, MAX_IDLE);
+    cpar_store *c = connect_client(port, 10000); /* waits its turn behind the idle ones */
+    ck_assert_int_eq(cpar_store_set(c, "k", "v", 1), CPAR_OK);
+    for (int i = 0; i < IDLE; i++) {
+        ck_assert_msg(closed_within(fds[i], 8000), "idle connection %d was not dropped", i);
+        close(fds[i]);
+    }
+    ck_assert_int_eq(cpar_store_set(c, "k", "w", 1), CPAR_OK); /* a client that showed its token stays */
+    cpar_store_destroy(c);
+    cpar_store_destroy(srv);
+}
+END_TEST
+
+/* ---- join: registration and the start barrier ------------------------------ */
+
+typedef struct {
+    int port, rank, world, timeout_ms;
+    cpar_status st;
+    char err[512];
+} join_arg;
+
+static void *join_worker(void *p)
+{
+    join_arg *a = p;
+    cpar_store_config cfg = {.host = "127.0.0.1", .port = a->port, .timeout_ms = a->timeout_ms};
+    cpar_store *c = NULL;
+    a->st = cpar_store_create(&cfg, &c);
+    if (a->st == CPAR_OK) {
+        cpar_env env = {.rank = a->rank, .world_size = a->world, .local_rank = a->rank};
+        a->st = cpar_store_join(c, &env);
+    }
+    if (a->st != CPAR_OK)
+        snprintf(a->err, sizeof a->err, "%s", cpar_thread_last_error());
+    cpar_store_destroy(c);
+    return NULL;
+}
+
+/* Ranks ranks[i] with world sizes worlds[i] join one store; every one must
+ * end with want (and, when failing, a message containing expect). Rank 0
+ * starts first, as the host of the store does. */
+static void run_join(int n, const int *ranks, const int *worlds, cpar_status want, const char *expect)
+{
+    int port;
+    cpar_store *srv = start_server(&port, 10000);
+    join_arg a[8];
+    pthread_t t[8];
+    int64_t t0 = now_ms();
+    for (int i = 0; i < n; i++) {
+        a[i] = (join_arg){.port = port, .rank = ranks[i], .world = worlds[i], .timeout_ms = 8000};
+        pthread_create(&t[i], NULL, join_worker, &a[i]);
+        if (i == 0)
+            sleep_ms(50);
+    }
+    for (int i = 0; i < n; i++) {
+        pthread_join(t[i], NULL);
+        ck_assert_msg(a[i].st == want, "member %d (rank %d): status %d, %s", i, ranks[i], a[i].st, a[i].err);
+        if (expect)
+            ck_assert_msg(strstr(a[i].err, expect) != NULL, "member %d: \"%s\" lacks \"%s\"", i, a[i].err, expect);
+    }
+    ck_assert_int_lt(now_ms() - t0, 4000); /* well before the 8 s deadline */
+    cpar_store_destroy(srv);
+}
+
+START_TEST(test_join)
+{
+    run_join(4, (const int[]){0, 1, 2, 3}, (const int[]){4, 4, 4, 4}, CPAR_OK, NULL);
+}
+END_TEST
+
+START_TEST(test_join_duplicate_rank)
+{
+    char expect[160];
+    snprintf(expect, sizeof expect, "cpar_store_join: rank 2 (pid %ld on host ", (long)getpid());
+    run_join(4, (const int[]){0, 1, 2, 2}, (const int[]){4, 4, 4, 4}, CPAR_ERR_INVALID, expect);
+    run_join(4, (const int[]){0, 1, 2, 2}, (const int[]){4, 4, 4, 4}, CPAR_ERR_INVALID, ") both claim rank 2");
+    run_join(3, (const int[]){0, 0, 1}, (const int[]){3, 3, 3}, CPAR_ERR_INVALID, "both claim rank 0");
+}
+END_TEST
+
+START_TEST(test_join_world_mismatch)
+{
+    /* One rank says 4, the others 3 (and 3 ranks came): every one fails, naming both. */
+    run_join(3, (const int[]){0, 1, 2}, (const int[]){3, 3, 4}, CPAR_ERR_INVALID,
+             "has world size 3 but rank 2 (pid ");
+    /* Rank 0 is the odd one. */
+    run_join(3, (const int[]){0, 1, 2}, (const int[]){4, 3, 3}, CPAR_ERR_INVALID, "rank 0 (pid ");
+    run_join(3, (const int[]){0, 1, 2}, (const int[]){4, 3, 3}, CPAR_ERR_INVALID, "has world size 4 but rank ");
+}
+END_TEST
+
+START_TEST(test_join_missing_rank)
+{
+    int port;
+    cpar_store *srv = start_server(&port, 10000);
+    join_arg a[2];
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++) {
+        a[i] = (join_arg){.port = port, .rank = i, .world = 3, .timeout_ms = 500};
+        pthread_create(&t[i], NULL, join_worker, &a[i]);
+    }
+    for (int i = 0; i < 2; i++) {
+        pthread_join(t[i], NULL);
+        ck_assert_int_eq(a[i].st, CPAR_ERR_TIMEOUT);
+        ck_assert_msg(strstr(a[i].err, "cpar_store_join: barrier \"cpar/join\" timed out after 500 ms: rank 2 of 3 "
+                                       "missing"), "%s", a[i].err);
+    }
+    cpar_env env = {.rank = 0, .world_size = 1};
+    ck_assert_int_eq(cpar_store_join(NULL, &env), CPAR_ERR_INVALID);
+    ASSERT_MSG_HAS("cpar_store_join: s is NULL");
+    ck_assert_int_eq(cpar_store_join(srv, NULL), CPAR_ERR_INVALID);
+    ASSERT_MSG_HAS("cpar_store_join: env is NULL");
+    env.rank = 1;
+    ck_assert_int_eq(cpar_store_join(srv, &env), CPAR_ERR_INVALID);
+    ASSERT_MSG_HAS("cpar_store_join: env->rank is 1, expected 0..0 (world_size=1)");
+    env.rank = 0, env.world_size = 0;
+    ck_assert_int_eq(cpar_store_join(srv, &env), CPAR_ERR_INVALID);
+    ASSERT_MSG_HAS("env->world_size is 0");
+    env.world_size = 1, env.local_rank = -1;
+    ck_assert_int_eq(cpar_store_join(srv, &env), CPAR_ERR_INVALID);
+    ASSERT_MSG_HAS("env->local_rank is -1");
+    cpar_store_destroy(srv);
+}
+END_TEST
+
+/* ---- SLURM node lists ------------------------------------------------------ */
+
+START_TEST(test_env_slurm_nodelist)
+{
+    static const struct {
+        const char *list, *first; /* first NULL: malformed */
+    } cases[] = {
+        {"node01", "node01"},
+        {"node[01-04,07]", "node01"},
+        {"node[07,01-04]", "node07"},
+        {"a1,b[2-3]", "a1"},
+        {"b[2-3],a1", "b2"},
+        {"gpu[001-128]", "gpu001"},
+        {"rack[1-2]-node[08-09]", "rack1-node08"},
+        {"n[5]", "n5"},
+        {"login.cluster-x_1", "login.cluster-x_1"},
+        {"", NULL},
+        {"node[", NULL},
+        {"node[1-", NULL},
+        {"node[]", NULL},
+        {"node[3-1]", NULL},
+        {"node[1,]", NULL},
+        {"node1]", NULL},
+        {"a,,b", NULL},
+        {"a,", NULL},
+        {",a", NULL},
+        {"node 1", NULL},
+        {"node[1-2]x[", NULL},
+        {"n[a-b]", NULL},
+        {"n[1-9999999999999999999]", NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char var[300];
+        snprintf(var, sizeof var, "SLURM_JOB_NODELIST=%s", cases[i].list);
+        env_set((const char *const[]){"SLURM_PROCID=3", "SLURM_NTASKS=8", "SLURM_NTASKS_PER_NODE=4", var, NULL});
+        cpar_env e;
+        cpar_status st = cpar_env_read(&e);
+        if (cases[i].first) {
+            ck_assert_msg(st == CPAR_OK, "\"%s\": %s", cases[i].list, cpar_thread_last_error());
+            ck_assert_msg(!strcmp(e.master_addr, cases[i].first), "\"%s\" gave \"%s\", expected \"%s\"",
+                          cases[i].list, e.master_addr, cases[i].first);
+        } else {
+            ck_assert_msg(st == CPAR_ERR_INVALID, "\"%s\" was accepted (\"%s\")", cases[i].list, e.master_addr);
+            ASSERT_MSG_HAS("is not a node list like");
+            ASSERT_MSG_HAS("export MASTER_ADDR=");
+        }
+    }
+    /* The step's own list wins over the job's; MASTER_ADDR wins over both;
+     * one node needs no list; SLURM_STEP_NUM_NODES decides when present. */
+    env_set((const char *const[]){"SLURM_PROCID=0", "SLURM_NTASKS=8", "SLURM_NTASKS_PER_NODE=4",
+                                  "SLURM_JOB_NODELIST=a[1-4]", "SLURM_STEP_NODELIST=a[3-4]", NULL});
+    cpar_env e;
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.master_addr, "a3");
+    setenv("MASTER_ADDR", "10.0.0.9", 1);
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.master_addr, "10.0.0.9");
+    env_set((const char *const[]){"SLURM_PROCID=0", "SLURM_NTASKS=2", "SLURM_JOB_NODELIST=a[1-4]", NULL});
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.master_addr, "127.0.0.1");
+    env_set((const char *const[]){"SLURM_PROCID=0", "SLURM_NTASKS=2", "SLURM_STEP_NUM_NODES=2",
+                                  "SLURM_NODELIST=z[9-10]", NULL});
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.master_addr, "z9");
+    char longlist[400];
+    memset(longlist, 'n', sizeof longlist - 1);
+    longlist[sizeof longlist - 1] = '\0';
+    setenv("SLURM_NODELIST", longlist, 1); /* a host name longer than master_addr holds */
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_ERR_INVALID);
 }
 END_TEST
 
@@ -990,18 +1606,37 @@ static Suite *store_suite(void)
     tcase_add_test(faults, test_server_gone);
     suite_add_tcase(s, faults);
 
+    TCase *job = tcase_create("job");
+    tcase_set_timeout(job, 30);
+    tcase_add_test(job, test_token_mismatch);
+    tcase_add_test(job, test_token_from_env);
+    tcase_add_test(job, test_two_jobs_one_port);
+    tcase_add_test(job, test_bind_address);
+    tcase_add_test(job, test_limits);
+    tcase_add_test(job, test_idle_conns);
+    tcase_add_test(job, test_join);
+    tcase_add_test(job, test_join_duplicate_rank);
+    tcase_add_test(job, test_join_world_mismatch);
+    tcase_add_test(job, test_join_missing_rank);
+    suite_add_tcase(s, job);
+
     TCase *env = tcase_create("env");
     tcase_set_timeout(env, 10);
     tcase_add_test(env, test_env_default);
     tcase_add_test(env, test_env_torchrun);
     tcase_add_test(env, test_env_slurm);
     tcase_add_test(env, test_env_malformed);
+    tcase_add_test(env, test_env_store_bind);
+    tcase_add_test(env, test_env_slurm_nodelist);
     suite_add_tcase(s, env);
     return s;
 }
 
 int main(void)
 {
+    /* One job token for every store of this suite unless a test says otherwise. */
+    setenv("CPAR_JOB_TOKEN", TOKEN, 1);
+    unsetenv("CPAR_STORE_BIND");
     SRunner *sr = srunner_create(store_suite());
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);
