@@ -6296,6 +6296,13 @@ cpar_status cpar_rng_fork(cpar_ctx *ctx, const char *name) {
     if (rng->depth == CPAR_RNG_MAX_FORK_DEPTH)
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cannot fork \"%s\": %d forks are open (the limit)", fn, name,
                           CPAR_RNG_MAX_FORK_DEPTH);
+    /* Megatron HEAD (test_double_fork_cuda_rng_states_tracker): the open
+     * fork's state is saved before switching, so re-forking its name inside
+     * continues the in-flight sequence instead of repeating draws. */
+    if (rng->depth > 0) {
+        int open = cpar__rng_find(&rng->s, rng->forks[rng->depth - 1].name);
+        if (open >= 0) rng->s.states[open] = rng->s.current;
+    }
     cpar__rng_fork *f = &rng->forks[rng->depth++];
     snprintf(f->name, sizeof f->name, "%s", name);
     f->outer = rng->s.current;
@@ -6320,6 +6327,10 @@ cpar_status cpar_rng_unfork(cpar_ctx *ctx) {
     rng->s.current = f->outer;
     rng->depth--;
     memset(f, 0, sizeof *f);
+    if (rng->depth > 0) { /* back into the open fork, which inner forks of its name may have advanced */
+        int open = cpar__rng_find(&rng->s, rng->forks[rng->depth - 1].name);
+        if (open >= 0) rng->s.current = rng->s.states[open];
+    }
     return CPAR_OK;
 }
 
@@ -6585,6 +6596,8 @@ cpar_status cpar_checkpoint_forward(cpar_ctx *ctx, cpar_checkpoint *ck, cpar_che
     CPAR_TRY(cpar__ckpt_args(ctx, name, ck, &rng));
     if (!fn) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: fn is NULL", name);
     ck->rng = rng->s;
+    ck->fork_depth = rng->depth; /* the recomputation runs inside the same forks */
+    for (int i = 0; i < rng->depth; i++) memcpy(ck->forks[i], rng->forks[i].name, CPAR_RNG_NAME_MAX);
     ck->recorded = true;
     ck->distributed = false; /* a new step: a chunk left from the last one is stale */
     return fn(ctx, arg);
@@ -6602,8 +6615,18 @@ cpar_status cpar_checkpoint_recompute(cpar_ctx *ctx, cpar_checkpoint *ck, cpar_c
         return cpar__fail(ctx, CPAR_ERR_INVALID,
                           "%s: ck's activation is still distributed (run cpar_checkpoint_gather first)", name);
     CPAR_TRY(cpar__rng_check_snapshot(ctx, name, "ck->rng", &ck->rng));
+    if (ck->fork_depth < 0 || ck->fork_depth > CPAR_RNG_MAX_FORK_DEPTH)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ck->fork_depth is %d, expected 0..%d (ck was not recorded "
+                          "by cpar_checkpoint_forward)", name, ck->fork_depth, CPAR_RNG_MAX_FORK_DEPTH);
     struct cpar__rng saved = *rng; /* _fork_rng: every state and the open forks */
     cpar__rng_put(rng, &ck->rng);
+    /* The forks open at the forward are open again (a nested fork inside fn
+     * saves and resumes them by name, as it did then). */
+    rng->depth = ck->fork_depth;
+    for (int i = 0; i < ck->fork_depth; i++) {
+        snprintf(rng->forks[i].name, CPAR_RNG_NAME_MAX, "%.*s", CPAR_RNG_NAME_MAX - 1, ck->forks[i]);
+        rng->forks[i].outer = ck->rng.current;
+    }
     cpar_status st = fn(ctx, arg);
     *rng = saved;
     return st;

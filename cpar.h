@@ -793,8 +793,11 @@ cpar_status cpar_rng_add(cpar_ctx *ctx, const char *name, uint64_t seed);
  * as the seed's dictionary assignment does) and pops the pushed state back
  * into current. Forks nest up to CPAR_RNG_MAX_FORK_DEPTH. Forking an unknown
  * name, forking too deep and unforking with no fork open are errors.
- * As in the seed, forking a name that is already forked starts from its
- * stored (not its in-flight) state. */
+ * Nested forks follow Megatron HEAD rather than the seed: forking saves the
+ * open fork's in-flight state under its name first, and unforking back into
+ * it resumes from that name's state, so fork(a) { fork(b) { fork(a) } }
+ * draws one continuous sequence from a (the seed restarts the inner fork of
+ * a from a's stored state and repeats its draws). */
 cpar_status cpar_rng_fork(cpar_ctx *ctx, const char *name);
 cpar_status cpar_rng_unfork(cpar_ctx *ctx);
 /* Read or replace one state: name NULL means the current state. */
@@ -878,6 +881,8 @@ typedef cpar_status (*cpar_checkpoint_fn)(cpar_ctx *ctx, void *arg);
 typedef struct cpar_checkpoint {
     /* Private: read through the functions below; zero-initialise. */
     cpar_rng_snapshot rng;   /* states recorded by cpar_checkpoint_forward */
+    int fork_depth;          /* forks open at cpar_checkpoint_forward, innermost last */
+    char forks[CPAR_RNG_MAX_FORK_DEPTH][CPAR_RNG_NAME_MAX];
     bool recorded;           /* cpar_checkpoint_forward ran */
     bool distributed;        /* the input lives only as chunks until cpar_checkpoint_gather */
     void *chunk;             /* this rank's chunk, on chunk_device (owned) */

@@ -537,6 +537,36 @@ static void fork_case(cpar_ctx *ctx, int unused) {
     TU_OK(cpar_rng_unfork(ctx));
     ASSERT_STATE(cur_state(ctx), 42, 1);
     ASSERT_STATE(named_state(ctx, CPAR_RNG_MODEL_PARALLEL), mp, 8);
+    /* Megatron HEAD's double fork: a -> b -> a draws one sequence from a and
+     * one from b, as single forks of each would. */
+    {
+        cpar_rng_state m0 = named_state(ctx, CPAR_RNG_MODEL_PARALLEL), d0 = named_state(ctx, CPAR_RNG_DATA_PARALLEL);
+        float *x[3], *y[2];
+        TU_OK(cpar_rng_fork(ctx, CPAR_RNG_MODEL_PARALLEL));
+        x[0] = draw(ctx, FILL_UNIFORM, CPAR_F32, n, false, 0.f, 1.f);
+        TU_OK(cpar_rng_fork(ctx, CPAR_RNG_DATA_PARALLEL));
+        y[0] = draw(ctx, FILL_UNIFORM, CPAR_F32, n, false, 0.f, 1.f);
+        TU_OK(cpar_rng_fork(ctx, CPAR_RNG_MODEL_PARALLEL));
+        x[1] = draw(ctx, FILL_UNIFORM, CPAR_F32, n, false, 0.f, 1.f);
+        TU_OK(cpar_rng_unfork(ctx));
+        y[1] = draw(ctx, FILL_UNIFORM, CPAR_F32, n, false, 0.f, 1.f);
+        TU_OK(cpar_rng_unfork(ctx));
+        x[2] = draw(ctx, FILL_UNIFORM, CPAR_F32, n, false, 0.f, 1.f);
+        TU_OK(cpar_rng_unfork(ctx));
+        ASSERT_STATE(cur_state(ctx), 42, 1);
+        for (int k = 0; k < 3; k++)
+            for (int64_t i = 0; i < n; i++)
+                ck_assert_msg(x[k][i] == u01(word(mp, m0.offset + 3 * (uint64_t)k, i)), "model draw %d, element %lld", k,
+                              (long long)i);
+        for (int k = 0; k < 2; k++)
+            for (int64_t i = 0; i < n; i++)
+                ck_assert_msg(y[k][i] == u01(word(d0.seed, d0.offset + 3 * (uint64_t)k, i)), "data draw %d, element %lld", k,
+                              (long long)i);
+        ASSERT_STATE(named_state(ctx, CPAR_RNG_MODEL_PARALLEL), mp, m0.offset + 9);
+        ASSERT_STATE(named_state(ctx, CPAR_RNG_DATA_PARALLEL), d0.seed, d0.offset + 6);
+        for (int k = 0; k < 3; k++) free(x[k]);
+        for (int k = 0; k < 2; k++) free(y[k]);
+    }
     /* Depth limit, unbalanced unfork, unknown name. */
     for (int i = 0; i < CPAR_RNG_MAX_FORK_DEPTH; i++) TU_OK(cpar_rng_fork(ctx, CPAR_RNG_EXPERT_PARALLEL));
     TU_FAILS(cpar_rng_fork(ctx, CPAR_RNG_EXPERT_PARALLEL), CPAR_ERR_INVALID, "8 forks are open");
@@ -550,7 +580,7 @@ static void fork_case(cpar_ctx *ctx, int unused) {
     TU_OK(cpar_rng_reset(ctx));
     skip_block(ctx);
     TU_OK(cpar_rng_unfork(ctx));
-    ASSERT_STATE(named_state(ctx, CPAR_RNG_DATA_PARALLEL), 42, 3);
+    ASSERT_STATE(named_state(ctx, CPAR_RNG_DATA_PARALLEL), 42, 9); /* 2, 6 more in the double fork, 1 here */
     ASSERT_STATE(cur_state(ctx), 42, 1);
     /* get_state/set_state of a named state. */
     cpar_rng_state s = {7, 70};
@@ -695,6 +725,46 @@ static void checkpoint_case(cpar_ctx *ctx, int d) {
 }
 
 START_TEST(test_checkpoint) { run_ranks(1, checkpoint_case, _i); }
+END_TEST
+
+/* A block run inside an open model-parallel fork that draws, then forks the
+ * same name again: the recomputation must see that fork open too, or the
+ * inner fork would restart from the stored state and draw differently. */
+typedef struct {
+    float *draws[2];
+} refork_arg;
+
+static cpar_status refork_fn(cpar_ctx *ctx, void *p) {
+    refork_arg *a = p;
+    for (int k = 0; k < 2; k++) free(a->draws[k]);
+    a->draws[0] = draw(ctx, FILL_UNIFORM, CPAR_F32, 12, false, 0.f, 1.f);
+    TU_OK(cpar_rng_fork(ctx, CPAR_RNG_MODEL_PARALLEL));
+    a->draws[1] = draw(ctx, FILL_UNIFORM, CPAR_F32, 12, false, 0.f, 1.f);
+    return cpar_rng_unfork(ctx);
+}
+
+static void checkpoint_refork_case(cpar_ctx *ctx, int unused) {
+    (void)unused;
+    TU_OK(cpar_model_parallel_manual_seed(ctx, 5, 0, 0, 0));
+    refork_arg a = {{NULL, NULL}};
+    cpar_checkpoint ck = {0};
+    TU_OK(cpar_rng_fork(ctx, CPAR_RNG_MODEL_PARALLEL));
+    TU_OK(cpar_checkpoint_forward(ctx, &ck, refork_fn, &a));
+    float *first[2] = {a.draws[0], a.draws[1]};
+    a.draws[0] = a.draws[1] = NULL;
+    for (int64_t i = 0; i < 12; i++) ck_assert(first[1][i] != first[0][i]); /* one sequence, not a restart */
+    TU_OK(cpar_rng_unfork(ctx));
+    TU_OK(cpar_checkpoint_recompute(ctx, &ck, refork_fn, &a));
+    for (int k = 0; k < 2; k++) {
+        for (int64_t i = 0; i < 12; i++) ck_assert_msg(a.draws[k][i] == first[k][i], "draw %d element %lld", k, (long long)i);
+        free(a.draws[k]);
+        free(first[k]);
+    }
+    TU_FAILS(cpar_rng_unfork(ctx), CPAR_ERR_INVALID, "no fork is open"); /* the recorded fork closed again */
+    TU_OK(cpar_checkpoint_release(ctx, &ck));
+}
+
+START_TEST(test_checkpoint_refork) { run_ranks(1, checkpoint_refork_case, 0); }
 END_TEST
 
 /* ---- 1-D chunks and distributed activations at group sizes 1..4 ------------------------------ */
@@ -890,6 +960,7 @@ Suite *suite(void) {
         {"fork", test_fork, 1},
         {"snapshot", test_snapshot, 1},
         {"checkpoint", test_checkpoint, N_FLOAT},
+        {"checkpoint_refork", test_checkpoint_refork, 1},
         {"chunks", test_chunks, N_GROUPS},
         {"bad_input", test_bad_input, 1},
     };
