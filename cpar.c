@@ -9070,12 +9070,9 @@ cpar_status cpar_mamba_cp_create(cpar_group *cp, const cpar_mamba_cp_config *cfg
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg->d_conv is %d, expected 2..4 (0 -> 4)", fn, cfg->d_conv);
     int64_t di = cfg->d_inner_local_tp, nh = cfg->nheads_local_tp, ng = cfg->ngroups_local_tp, ds = cfg->d_state;
     int p = cp->size;
-    if (di % nh)
-        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: d_inner_local_tp %lld is not divisible by nheads_local_tp %lld "
-                          "(d_inner = nheads * headdim)", fn, (long long)di, (long long)nh);
-    if (nh % ng)
-        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: nheads_local_tp %lld is not divisible by ngroups_local_tp %lld "
-                          "(every group owns whole heads)", fn, (long long)nh, (long long)ng);
+    /* The seed's checks, in its order (none at cp_size 1), then the one rule
+     * cpar adds: d_inner divisible by cp_size, which the seed gets from
+     * d_inner = nheads * headdim and cpar's all-to-all needs explicitly. */
     int64_t rep = 1, ngc = ng;
     if (p > 1) {
         if (nh % p)
@@ -9093,6 +9090,9 @@ cpar_status cpar_mamba_cp_create(cpar_group *cp, const cpar_mamba_cp_config *cfg
                                   "(ngroups must be evenly divisible by tp_size * cp_size)", fn, (long long)ng, p);
             ngc = ng / p;
         }
+        if (di % p)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: d_inner_local_tp %lld is not divisible by cp_size %d (x and z "
+                              "are split over cp by channels)", fn, (long long)di, p);
     }
     cpar_mamba_cp *m = calloc(1, sizeof *m);
     if (!m) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: allocation of %zu bytes failed", fn, sizeof *m);

@@ -1395,10 +1395,12 @@ cpar_status cpar_dev_ring_merge(float *out, float *lse, const float *out_b, cons
  *
  * Sizes are those of one TP rank ("_local_tp"), as the seed takes them:
  *   dI = d_inner_local_tp, nh = nheads_local_tp, ng = ngroups_local_tp,
- *   ds = d_state, K = d_conv. With P > 1 (the seed's checks, plus the two
- *   Mamba-2 invariants the seed relies on: dI % nh == 0, nh % ng == 0):
+ *   ds = d_state, K = d_conv. With P > 1 the seed's checks in its order,
+ *   then dI % P == 0, which the seed gets from dI = nh * headdim and cpar's
+ *   all-to-all needs (nothing asks nh % ng == 0: 16 groups over 4 heads at
+ *   P = 4 is accepted, as the seed accepts it):
  *     nheads_local_tpcp  = nh / P              (nh % P == 0)
- *     d_inner_local_tpcp = dI / P
+ *     d_inner_local_tpcp = dI / P              (dI % P == 0)
  *     ng < P: group_repeat_count R = P / ng (P % ng == 0), ngroups_local_tpcp = 1
  *     else:   R = 1, ngroups_local_tpcp = ng / P             (ng % P == 0)
  *     conv1d_channels    = d_inner_local_tpcp + 2 ngroups_local_tpcp ds
@@ -1493,8 +1495,8 @@ cpar_status cpar_redo_attention_load_balancing(cpar_ctx *ctx, int cp_size, const
 
 typedef struct cpar_mamba_cp_config {
     int64_t d_inner_local_tp; /* > 0 */
-    int64_t nheads_local_tp;  /* > 0, divides d_inner_local_tp (headdim) */
-    int64_t ngroups_local_tp; /* > 0, divides nheads_local_tp */
+    int64_t nheads_local_tp;  /* > 0 (d_inner_local_tp / headdim in Mamba-2) */
+    int64_t ngroups_local_tp; /* > 0 */
     int64_t d_state;          /* > 0 */
     int d_conv;               /* conv1d kernel size: 0 -> 4; 2..4 */
     bool D_has_hdim;          /* D is [d_inner] (per channel) rather than [nheads] */

@@ -158,15 +158,18 @@ typedef struct {
 } mcfg;
 
 /* A: ng 2 (cp 2: R 1; cp 4: R 2); B: ng 1 (cp 2: R 2; cp 3: R 3), D with
- * head dim, no SiLU; C: ng 4 (cp 2: 2 groups per rank; cp 4: 1), no bias. */
+ * head dim, no SiLU; C: ng 4 (cp 2: 2 groups per rank; cp 4: 1), no bias;
+ * D: more groups than heads (16 over 4, the peer's test_forward (16, 4)):
+ * cp 4 leaves 1 head and 4 groups per rank. */
 static const mcfg cfgs[] = {
     {24, 12, 2, 3, 4, true, true, false},
     {18, 6, 1, 2, 3, false, true, true},
     {16, 8, 4, 2, 2, true, false, false},
+    {8, 4, 16, 2, 4, true, true, false},
 };
 static const struct {
     int cfg, p;
-} combos[] = {{0, 1}, {0, 2}, {0, 4}, {1, 1}, {1, 2}, {1, 3}, {2, 1}, {2, 2}, {2, 4}};
+} combos[] = {{0, 1}, {0, 2}, {0, 4}, {1, 1}, {1, 2}, {1, 3}, {2, 1}, {2, 2}, {2, 4}, {3, 2}, {3, 4}};
 #define NCOMBOS ((int)(sizeof combos / sizeof combos[0]))
 
 /* The derived sizes, computed here independently of the library. */
@@ -546,12 +549,30 @@ static cpar_status rank_create(cpar_ctx *ctx, void *arg) {
                  "ngroups_local_tp 3 is not divisible by cp_size 2");
         TU_MSG_HAS("ngroups must be evenly divisible by tp_size * cp_size");
     }
-    cpar_mamba_cp_config hd = {.d_inner_local_tp = 10, .nheads_local_tp = 4, .ngroups_local_tp = 1, .d_state = 2};
-    TU_FAILS(cpar_mamba_cp_create(g, &hd, &m), CPAR_ERR_INVALID,
-             "d_inner_local_tp 10 is not divisible by nheads_local_tp 4");
-    hd.d_inner_local_tp = 12, hd.nheads_local_tp = 6, hd.ngroups_local_tp = 4;
-    TU_FAILS(cpar_mamba_cp_create(g, &hd, &m), CPAR_ERR_INVALID,
-             "nheads_local_tp 6 is not divisible by ngroups_local_tp 4");
+    /* The seed's order: with 3 heads and 2 groups at cp 2 the heads are named first. */
+    cpar_mamba_cp_config order = {.d_inner_local_tp = 6, .nheads_local_tp = 3, .ngroups_local_tp = 2, .d_state = 2};
+    if (p == 2) {
+        TU_FAILS(cpar_mamba_cp_create(g, &order, &m), CPAR_ERR_INVALID, "nheads_local_tp 3 is not divisible by cp_size 2");
+        TU_MSG_HAS("nheads must be evenly divisible by tp_size * cp_size");
+    }
+    /* More groups than heads (the peer's test_forward (16, 4)): accepted, 4 groups and 1 head per rank at cp 4. */
+    cpar_mamba_cp_config many = {.d_inner_local_tp = 8, .nheads_local_tp = 4, .ngroups_local_tp = 16, .d_state = 2};
+    if (p == 1 || p == 2 || p == 4) {
+        TU_OK(cpar_mamba_cp_create(g, &many, &m));
+        TU_OK(cpar_mamba_cp_get_info(m, &in));
+        ck_assert_int_eq(in.nheads_local_tpcp, 4 / p);
+        ck_assert_int_eq(in.ngroups_local_tpcp, 16 / p);
+        ck_assert_int_eq(in.group_repeat_count, 1);
+        TU_OK(cpar_mamba_cp_destroy(m));
+    }
+    /* cpar's own rule, after the seed's: x and z are split over cp by channels. */
+    cpar_mamba_cp_config odd = {.d_inner_local_tp = 14, .nheads_local_tp = 4, .ngroups_local_tp = 4, .d_state = 2};
+    if (p == 4) {
+        TU_FAILS(cpar_mamba_cp_create(g, &odd, &m), CPAR_ERR_INVALID, "d_inner_local_tp 14 is not divisible by cp_size 4");
+    } else if (p != 3) { /* 14 channels split over 1 or 2 ranks */
+        TU_OK(cpar_mamba_cp_create(g, &odd, &m));
+        TU_OK(cpar_mamba_cp_destroy(m));
+    }
     return CPAR_OK;
 }
 
