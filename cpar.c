@@ -8470,8 +8470,10 @@ typedef struct cpar__ring {
     size_t off[CPAR__RING_SLOTS], total;
     int nslots;
     void *ptr[CPAR__RING_SLOTS];
-    /* rotation: ALLGATHER: kg, vg [P][nkv]; ALLTOALL: buf[2] = [k | v] blocks */
-    void *kg, *vg, *buf[2];
+    /* rotation: ALLGATHER: kvg [P][k | v] gathered from the local [k | v]
+     * packed in buf[0] (one collective, as PyTorch's _AllGatherRotater);
+     * ALLTOALL: buf[2] = [k | v] blocks */
+    void *kvg, *buf[2];
     cpar_dev_event ev_cp, ev_kv, ev_dkv;
     bool forked; /* comm holds work compute has not waited for */
 } cpar__ring;
@@ -8492,15 +8494,15 @@ static cpar_status cpar__ring_carve(cpar__ring *R) {
     return CPAR_OK;
 }
 
-/* The rotation's slots: ALLGATHER every rank's k and v; ALLTOALL two [k | v]
- * blocks. None for P = 1. */
+/* The rotation's slots: ALLGATHER every rank's [k | v] and the local one;
+ * ALLTOALL two [k | v] blocks. None for P = 1. */
 static void cpar__ring_rot_slots(cpar__ring *R, int *a, int *b) {
     const size_t blk = (size_t)R->nkv * R->es;
     *a = *b = -1;
     if (R->P == 1) return;
     if (R->cfg->rotate == CPAR_ROTATE_ALLGATHER) {
-        *a = cpar__ring_slot(R, blk * (size_t)R->P);
-        *b = cpar__ring_slot(R, blk * (size_t)R->P);
+        *a = cpar__ring_slot(R, 2 * blk * (size_t)R->P);
+        *b = cpar__ring_slot(R, 2 * blk);
     } else {
         *a = cpar__ring_slot(R, 2 * blk);
         *b = cpar__ring_slot(R, 2 * blk);
@@ -8509,7 +8511,7 @@ static void cpar__ring_rot_slots(cpar__ring *R, int *a, int *b) {
 
 static void cpar__ring_rot_bind(cpar__ring *R, int a, int b) {
     if (a < 0) return;
-    if (R->cfg->rotate == CPAR_ROTATE_ALLGATHER) R->kg = R->ptr[a], R->vg = R->ptr[b];
+    if (R->cfg->rotate == CPAR_ROTATE_ALLGATHER) R->kvg = R->ptr[a], R->buf[0] = R->ptr[b];
     else R->buf[0] = R->ptr[a], R->buf[1] = R->ptr[b];
 }
 
@@ -8564,25 +8566,22 @@ static cpar_status cpar__ring_wait(cpar__ring *R, cpar_dev_event ev) {
     return CPAR_OK;
 }
 
-/* Start the KV rotation: ALLGATHER gathers every rank's k and v on comm
- * (overlapped with step 0, which uses the local shard); ALLTOALL packs the
- * local [k | v] into buf[0], the block the first ring shift sends. */
+/* Start the KV rotation: pack the local [k | v] into buf[0]; ALLGATHER then
+ * gathers every rank's [k | v] on comm in one collective (overlapped with
+ * step 0, which uses the local shard); for ALLTOALL buf[0] is the block the
+ * first ring shift sends. */
 static cpar_status cpar__ring_start(cpar__ring *R) {
     if (R->P == 1) return CPAR_OK;
     cpar_ctx *ctx = R->ctx;
     const size_t blk = (size_t)R->nkv * R->es;
-    if (R->cfg->rotate == CPAR_ROTATE_ALLTOALL) {
-        CPAR_TRY(cpar__copy_bytes(ctx, R->fn, R->buf[0], ctx->device, R->io.k, ctx->device, blk));
-        return cpar__copy_bytes(ctx, R->fn, (char *)R->buf[0] + blk, ctx->device, R->io.v, ctx->device, blk);
-    }
-    const int64_t in_shape[2] = {1, R->nkv}, out_shape[2] = {R->P, R->nkv};
-    cpar_tensor kin = cpar_tensor_make((void *)R->io.k, R->io.dt, 2, in_shape, ctx->device);
-    cpar_tensor vin = cpar_tensor_make((void *)R->io.v, R->io.dt, 2, in_shape, ctx->device);
-    cpar_tensor kout = cpar_tensor_make(R->kg, R->io.dt, 2, out_shape, ctx->device);
-    cpar_tensor vout = cpar_tensor_make(R->vg, R->io.dt, 2, out_shape, ctx->device);
+    CPAR_TRY(cpar__copy_bytes(ctx, R->fn, R->buf[0], ctx->device, R->io.k, ctx->device, blk));
+    CPAR_TRY(cpar__copy_bytes(ctx, R->fn, (char *)R->buf[0] + blk, ctx->device, R->io.v, ctx->device, blk));
+    if (R->cfg->rotate == CPAR_ROTATE_ALLTOALL) return CPAR_OK;
+    const int64_t in_shape[2] = {1, 2 * R->nkv}, out_shape[2] = {R->P, 2 * R->nkv};
+    cpar_tensor in = cpar_tensor_make(R->buf[0], R->io.dt, 2, in_shape, ctx->device);
+    cpar_tensor out = cpar_tensor_make(R->kvg, R->io.dt, 2, out_shape, ctx->device);
     CPAR_TRY(cpar__ring_fork(R));
-    cpar_status st = cpar__as(R->ctx, R->fn, cpar_all_gather(R->g, &kin, &kout, NULL));
-    if (st == CPAR_OK) st = cpar__as(R->ctx, R->fn, cpar_all_gather(R->g, &vin, &vout, NULL));
+    cpar_status st = cpar__as(R->ctx, R->fn, cpar_all_gather(R->g, &in, &out, NULL));
     cpar_status us = cpar__ring_unfork(R, R->ev_kv);
     return st != CPAR_OK ? st : us;
 }
@@ -8599,7 +8598,7 @@ static cpar_status cpar__ring_next(cpar__ring *R, int i, const void **kp, const 
         if (i == 1) CPAR_TRY(cpar__ring_wait(R, R->ev_kv));
         if (i > 0) {
             const size_t src = (size_t)((R->r - i + R->P) % R->P);
-            *kp = (const char *)R->kg + src * blk, *vp = (const char *)R->vg + src * blk;
+            *kp = (const char *)R->kvg + 2 * src * blk, *vp = (const char *)R->kvg + (2 * src + 1) * blk;
         }
         return CPAR_OK;
     }

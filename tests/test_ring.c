@@ -313,12 +313,12 @@ static cpar_status rank_ring(cpar_ctx *ctx, void *arg) {
     TU_OK(cpar_group_stats_reset(g));
     TU_OK(cpar_ring_attention_forward(g, &c->cfg, &q, &k, &v, &out, &lse));
     if (P == 1) expect_stats(g, 0, 0, 0, 0);
-    else if (ag) expect_stats(g, 2, p1 * kvb, 0, 0); /* (cp-1)/cp of the global K and V */
+    else if (ag) expect_stats(g, 1, p1 * kvb, 0, 0); /* (cp-1)/cp of the global K and V, in one all-gather */
     else expect_stats(g, 0, 0, p1, p1 * kvb);        /* cp-1 KV blocks */
     TU_OK(cpar_group_stats_reset(g));
     TU_OK(cpar_ring_attention_backward(g, &c->cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv));
     if (P == 1) expect_stats(g, 0, 0, 0, 0);
-    else if (ag) expect_stats(g, 2, p1 * kvb, (uint64_t)P, (uint64_t)P * acc); /* + cp dK/dV shifts */
+    else if (ag) expect_stats(g, 1, p1 * kvb, (uint64_t)P, (uint64_t)P * acc); /* + cp dK/dV shifts */
     else expect_stats(g, 0, 0, p1 + (uint64_t)P, p1 * kvb + (uint64_t)P * acc);
 
     const double to = out_tol(c->dt);
