@@ -7347,9 +7347,6 @@ static cpar_status cpar__lin_create(cpar_group *tp, const cpar_linear_config *cf
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg dtype is %s, expected f32, f16 or bf16", fn,
                           cpar_dtype_name(c.dtype));
     if (c.stride < 1) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg stride is %d, expected >= 1", fn, c.stride);
-    if (!row && c.sequence_parallel && c.gather_output)
-        return cpar__fail(ctx, CPAR_ERR_INVALID,
-                          "%s: cfg sequence_parallel and gather_output cannot be enabled together", fn);
     if (row && c.sequence_parallel && !c.input_is_parallel)
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg sequence_parallel requires input_is_parallel", fn);
     const int n = tp->size;
@@ -7368,7 +7365,8 @@ static cpar_status cpar__lin_create(cpar_group *tp, const cpar_linear_config *cf
     CPAR_TRY_GOTO(cpar_fill(ctx, &l->w, 0.0), st, fail);
     if (c.bias) {
         CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, c.dtype, 1, bshape, &l->b), st, fail);
-        CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, CPAR_F32, 1, bshape, &l->db), st, fail);
+        /* LinearWithFrozenWeight's backward returns no bias gradient either */
+        if (!c.frozen) CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, CPAR_F32, 1, bshape, &l->db), st, fail);
     }
     if (!c.frozen) CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, CPAR_F32, 2, wshape, &l->dw), st, fail);
     if (!row && cpar__on_device(ctx->device)) {
@@ -7545,8 +7543,10 @@ static void cpar__lin_y_shape(const cpar_linear *l, const cpar_tensor *x, int64_
     if (!l->row) {
         if (sp) shape[0] *= l->n;
         shape[last] = l->cfg.gather_output ? l->cfg.output_size : l->out_l;
-        *why = sp ? "[s*tp, ..., output_size/tp]: sequence_parallel"
-                  : l->cfg.gather_output ? "[s, ..., output_size]: gather_output" : "[s, ..., output_size/tp]";
+        *why = sp && l->cfg.gather_output ? "[s*tp, ..., output_size]: sequence_parallel, gather_output"
+               : sp                       ? "[s*tp, ..., output_size/tp]: sequence_parallel"
+               : l->cfg.gather_output     ? "[s, ..., output_size]: gather_output"
+                                          : "[s, ..., output_size/tp]";
     } else {
         if (sp) shape[0] /= l->n;
         shape[last] = l->cfg.output_size;

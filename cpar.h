@@ -1147,8 +1147,8 @@ cpar_status cpar_embedding_zero_grad(cpar_embedding *e);
  * buffers owned by the layer (Megatron's gradient_accumulation_fusion,
  * always on: the wgrad GEMM has beta = 1 into the F32 buffer; the bias grad is
  * a GEMM of dy with a ones vector, beta = 1). cpar_linear_zero_grad clears
- * them. frozen: no weight gradient (LinearWithFrozenWeight; no main grad is
- * allocated), the bias gradient is still accumulated. skip_bias_add: the
+ * them. frozen: no weight and no bias gradient (LinearWithFrozenWeight's
+ * backward returns only dx; no main grads are allocated). skip_bias_add: the
  * caller adds the bias it receives to y, so d(bias) = sum over tokens of dy
  * and backward accumulates it all the same. Row + sequence_parallel: the bias
  * gradient is summed over the all-gathered dy, so it is the full gradient on
@@ -1186,9 +1186,9 @@ typedef struct cpar_linear_config {
     bool gather_output;              /* column: all-gather y along the last dim */
     bool input_is_parallel;          /* row: x already split along the last dim */
     bool skip_bias_add;              /* forward returns the bias in bias_out instead of adding it */
-    bool sequence_parallel;          /* see above; column: not with gather_output; row: needs input_is_parallel */
+    bool sequence_parallel;          /* see above; column: with gather_output too (y [s*tp, ..., output_size]); row: needs input_is_parallel */
     bool disable_grad_reduce;        /* column: no all-reduce of dx (ignored with sequence_parallel) */
-    bool frozen;                     /* no weight gradient (LinearWithFrozenWeight) */
+    bool frozen;                     /* no weight or bias gradient (LinearWithFrozenWeight) */
     int stride;                      /* 0 -> 1: partition stride of the master weight (init_from_master) */
 } cpar_linear_config;
 
@@ -1203,7 +1203,7 @@ cpar_status cpar_row_parallel_linear_create(cpar_group *tp, const cpar_linear_co
 cpar_status cpar_linear_destroy(cpar_linear *l);
 
 /* Views of the layer's tensors on the context's device (data NULL when the
- * layer has none: no bias, or frozen for the weight grad). The caller may
+ * layer has none: no bias, or frozen for both grads). The caller may
  * read and write through them (e.g. an optimizer step). */
 cpar_tensor cpar_linear_weight(const cpar_linear *l);      /* [out/tp, in] or [out, in/tp], cfg dtype */
 cpar_tensor cpar_linear_bias(const cpar_linear *l);        /* [out/tp] or [out], cfg dtype */
