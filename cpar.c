@@ -1,6 +1,6 @@
 /* cpar.c — the amalgamated host implementation of cpar (pure C11).
  *
- * Device work goes through the cpar_dev_* layer (cpar.h §7, cpar_kernels.cu);
+ * Device work goes through the cpar_dev_* layer (cpar.h §16, cpar_kernels.cu);
  * this file never includes a CUDA header. NCCL calls live behind
  * CPAR_WITH_NCCL. Build flags:
  *   (none)                          host-only build: host backend
@@ -34,6 +34,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#define CPAR_INTERNAL /* the device layer's declarations (cpar.h §16) */
 #include "cpar.h"
 
 #include <errno.h>
@@ -555,7 +556,7 @@ cpar_status cpar_dev_row_reduce(float *out, const void *in, cpar_dtype dt, int64
                                 cpar_row_op op, cpar_dev_stream s) CPAR__NODEV()
 cpar_status cpar_dev_gelu(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n, cpar_dev_stream s)
     CPAR__NODEV()
-/* the sections' own kernels: RNG and dropout (cpar.h §9) */
+/* the sections' own kernels (cpar.h §16): RNG and dropout (for §9) */
 cpar_status cpar_dev_rng_uniform(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float lo,
                                  float hi, cpar_dev_stream s) CPAR__NODEV()
 cpar_status cpar_dev_rng_normal(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float mean,
@@ -621,6 +622,10 @@ cpar_status cpar_dev_sum_squares(const float *x, int64_t n, float *out, void *sc
 #endif
 #undef CPAR__NODEV
 #endif /* !CPAR_WITH_DEVICE */
+
+/* The public face of cpar_dev_count (cpar.h §7): programs size their NCCL
+ * jobs with it without reaching into the internal device layer. */
+int cpar_device_count(void) { return cpar_dev_count(); }
 
 /* A device-layer failure seen from public function fn. */
 static cpar_status cpar__dev_fail(cpar_ctx *ctx, cpar_status st, const char *fn) {

@@ -884,7 +884,7 @@ static int bench_memory_bound(int iters, int max_mib) {
 int main(void) {
     int iters = env_int("CPAR_BENCH_ITERS", 10), max_mib = env_int("CPAR_BENCH_MAX_MIB", 16);
     cpar_backend backend = cpar_backend_available(CPAR_BACKEND_NCCL) ? CPAR_BACKEND_NCCL : CPAR_BACKEND_HOST;
-    int max_ranks = backend == CPAR_BACKEND_NCCL ? cpar_dev_count() : 4;
+    int max_ranks = backend == CPAR_BACKEND_NCCL ? cpar_device_count() : 4;
     if (max_ranks > 8) max_ranks = 8;
 
     copy_case ceiling = {.bytes = (size_t)max_mib << 20};

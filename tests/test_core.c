@@ -511,7 +511,7 @@ START_TEST(test_backends) {
                  cpar_backend_name((cpar_backend)b));
         refused++;
     }
-    if (cpar_dev_count() == 0) { /* no GPU here: NCCL cannot run */
+    if (cpar_device_count() == 0) { /* no GPU here: NCCL cannot run */
         ck_assert(!cpar_backend_available(CPAR_BACKEND_NCCL));
         ck_assert_int_ge(refused, 1);
     }
