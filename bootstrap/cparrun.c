@@ -805,9 +805,14 @@ int main(int argc, char **argv)
 
     int64_t quiet_since = 0; /* all ranks reaped: when output last arrived */
     for (;;) {
-        /* Reap: SIGCHLD only wakes us; waitpid says who. */
+        /* Reap: SIGCHLD only wakes us; waitpid says who. Everyone who has
+         * exited is reaped before the failure is chosen: waitpid returns the
+         * zombies in no particular order, and a rank that died by a signal
+         * is the likelier cause of its peers' failing exits (they notice it
+         * and give up, often before we run), so within one batch it wins. */
         int st;
         pid_t pid;
+        rank_proc *first_failed = NULL;
         while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
             for (int i = 0; i < n; i++) {
                 rank_proc *r = &ranks[i];
@@ -816,22 +821,44 @@ int main(int argc, char **argv)
                 r->pid = 0, r->status = st;
                 running--;
                 bool failed = !WIFEXITED(st) || WEXITSTATUS(st) != 0;
-                if (failed && exit_status < 0) {
-                    exit_status = exit_code(st);
-                    if (kill_at == 0) { /* the first failure, not fallout of our own teardown */
-                        if (WIFSIGNALED(st))
-                            fprintf(stderr, "cparrun: rank %d was killed by signal %d (%s); stopping the others\n",
-                                    r->rank, WTERMSIG(st), strsignal(WTERMSIG(st)));
-                        else
-                            fprintf(stderr, "cparrun: rank %d exited with status %d; stopping the others\n",
-                                    r->rank, WEXITSTATUS(st));
-                        signal_ranks(ranks, n, SIGTERM);
-                        kill_at = now_ms() + grace_ms;
-                    }
-                }
+                if (failed && (!first_failed || (WIFSIGNALED(st) && !WIFSIGNALED(first_failed->status))))
+                    first_failed = r;
             }
             if (running == 0)
                 quiet_since = now_ms();
+        }
+        /* A rank that exits with an error may be reacting to a peer still
+         * dying (a peer's death is visible to the others a moment before it
+         * is a zombie): give such a peer 50 ms to turn up before choosing. */
+        for (int wait = 0; first_failed && exit_status < 0 && kill_at == 0 && !WIFSIGNALED(first_failed->status) &&
+                           running > 0 && wait < 5;
+             wait++) {
+            struct timespec ts = {0, 10 * 1000000L};
+            nanosleep(&ts, NULL);
+            while ((pid = waitpid(-1, &st, WNOHANG)) > 0)
+                for (int i = 0; i < n; i++)
+                    if (ranks[i].pid == pid) {
+                        ranks[i].pid = 0, ranks[i].status = st;
+                        running--;
+                        if (WIFSIGNALED(st) && !WIFSIGNALED(first_failed->status))
+                            first_failed = &ranks[i];
+                    }
+            if (running == 0)
+                quiet_since = now_ms();
+        }
+        if (first_failed && exit_status < 0) {
+            rank_proc *r = first_failed;
+            exit_status = exit_code(r->status);
+            if (kill_at == 0) { /* the first failure, not fallout of our own teardown */
+                if (WIFSIGNALED(r->status))
+                    fprintf(stderr, "cparrun: rank %d was killed by signal %d (%s); stopping the others\n", r->rank,
+                            WTERMSIG(r->status), strsignal(WTERMSIG(r->status)));
+                else
+                    fprintf(stderr, "cparrun: rank %d exited with status %d; stopping the others\n", r->rank,
+                            WEXITSTATUS(r->status));
+                signal_ranks(ranks, n, SIGTERM);
+                kill_at = now_ms() + grace_ms;
+            }
         }
 
         int64_t now = now_ms();
