@@ -85,7 +85,7 @@ NCCLSIM_TESTS := $(NCCLSIM_SUITES:%=$(B)/ncclsim/test_%) $(B)/ncclsim/mp_prog
 GPU_TEST   := $(if $(filter 1,$(CPAR_CUDA)),$(B)/cuda/test_gpu)
 TEST_PROGS := $(B)/host/store_prog
 
-.PHONY: all lib test test-host test-sim test-ncclsim test-gpu test-sanitize demo collectives bench clean
+.PHONY: all lib test test-host test-sim test-ncclsim test-gpu test-sanitize demo collectives bench plots clean
 .SECONDARY: # keep the test objects that several flavours link
 all: lib $(B)/cparrun $(B)/train
 lib: $(B)/libcpar.a
@@ -203,6 +203,7 @@ $(B)/cuda/test_gpu: tests/test_gpu.c $(B)/libcpar.a tests/testutil.h | $(B)/cuda
 HOST_PROGS    := $(TEST_PROGS) $(B)/cparrun $(B)/host/lm_check $(B)/train
 SIM_PROGS     := $(B)/sim/lm_check $(B)/sim/train
 NCCLSIM_PROGS := $(B)/cparrun $(B)/ncclsim/lm_check $(B)/ncclsim/train
+HOST_PROGS    += $(B)/host/bench # tests/run.sh checks its --csv and --json output
 
 RUN_TESTS = B=$(B) HOST_SUITES="$(1)" SIM_SUITES="$(2)" NCCLSIM_SUITES="$(3)" GPU_TEST="$(4)" sh tests/run.sh
 
@@ -261,6 +262,17 @@ $(B)/bench: bench/bench.c $(B)/libcpar.a
 
 bench: $(B)/bench
 	./$(B)/bench
+
+# The host flavour of the bench, for tests/run.sh's check of --csv/--json.
+$(B)/host/bench: bench/bench.c $(B)/host/cpar.o | $(B)/host
+	$(CC) $(ALL_CFLAGS) $(BENCH_BLAS) $< $(B)/host/cpar.o -o $@ $(LIBS) $(if $(BLAS_LIBS),,$(BENCH_BLAS_LIBS))
+
+# Bus bandwidth against message size, one PNG per collective, from a sweep
+# (gnuplot, or python3 with matplotlib; tools/plot_bench.sh says which is missing).
+PLOT_SWEEP ?= -b 8K -e 64M -f 2
+plots: $(B)/bench
+	./$(B)/bench $(PLOT_SWEEP) --csv $(B)/bench.csv --json $(B)/bench.json
+	sh tools/plot_bench.sh $(B)/bench.csv $(B)/plots
 
 clean:
 	rm -rf $(B)

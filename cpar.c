@@ -1,6 +1,6 @@
 /* cpar.c — the amalgamated host implementation of cpar (pure C11).
  *
- * Device work goes through the cpar_dev_* layer (cpar.h §7, cpar_kernels.cu);
+ * Device work goes through the cpar_dev_* layer (cpar.h §16, cpar_kernels.cu);
  * this file never includes a CUDA header. NCCL calls live behind
  * CPAR_WITH_NCCL. Build flags:
  *   (none)                          host-only build: host backend
@@ -34,6 +34,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#define CPAR_INTERNAL /* the device layer's declarations (cpar.h §16) */
 #include "cpar.h"
 
 #include <errno.h>
@@ -52,6 +53,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -157,31 +159,129 @@ static int cpar__default_timeout_ms(void) {
     return cpar__getenv_positive("CPAR_TIMEOUT_MS", CPAR_DEFAULT_TIMEOUT_MS);
 }
 
-/* CPAR_LOG: quiet (default), warn, info, debug; read once. */
+/* ---- logging: CPAR_LOG and CPAR_LOG_FILE, as NCCL_DEBUG and NCCL_DEBUG_FILE ----
+ * CPAR_LOG = warn | info | debug, any case; unset, "", off, none, quiet or 0:
+ * nothing. Any other value ("1", "verbose") is warned about once on stderr
+ * and logs warnings. CPAR_LOG_FILE is a path in which %h, %p and %r are the
+ * host, the pid and the rank (%% a percent sign); a pattern with %r sends a
+ * line whose rank is not known yet to stderr. Every line reads
+ *   cpar[RANK] HOST:PID LEVEL message
+ * The rank is the caller's context's, else the calling thread's (a
+ * cpar_spawn rank, or the store thread of a rank), else the launch
+ * environment's (RANK, SLURM_PROCID); "-" when none is known. The settings
+ * are read at the first line and again at every cpar_spawn and
+ * cpar_init_from_env, so a program (or a test) may change them between jobs. */
 enum { CPAR__LOG_WARN = 1, CPAR__LOG_INFO = 2, CPAR__LOG_DEBUG = 3 };
+#define CPAR__LOG_FILES 64 /* ranks of one process with a file open at once; more share stderr */
+
+static atomic_int cpar__log_lvl = -1;          /* -1: not read yet */
+static _Thread_local int cpar__tls_rank = -1;  /* this thread's rank */
+static atomic_int cpar__proc_rank = -1;        /* the launch environment's rank */
+static pthread_mutex_t cpar__log_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+    char pattern[256]; /* CPAR_LOG_FILE; "" -> stderr */
+    char host[64];
+    int nfiles;
+    struct { int rank; FILE *f; } files[CPAR__LOG_FILES];
+    bool warned_level, warned_file;
+} cpar__logs;
+
+static void cpar__log_load(void) {
+    const char *v = getenv("CPAR_LOG");
+    int l = 0;
+    if (v && *v) {
+        if (!strcasecmp(v, "debug") || !strcasecmp(v, "trace")) l = CPAR__LOG_DEBUG;
+        else if (!strcasecmp(v, "info")) l = CPAR__LOG_INFO;
+        else if (!strcasecmp(v, "warn") || !strcasecmp(v, "warning")) l = CPAR__LOG_WARN;
+        else if (strcasecmp(v, "off") && strcasecmp(v, "none") && strcasecmp(v, "quiet") && strcmp(v, "0")) {
+            l = CPAR__LOG_WARN; /* someone asked for logs: give them the warnings */
+            pthread_mutex_lock(&cpar__log_mu);
+            if (!cpar__logs.warned_level)
+                fprintf(stderr, "cpar: CPAR_LOG=%.64s is not a level: use warn, info or debug (any case); "
+                                "logging warnings only\n", v);
+            cpar__logs.warned_level = true;
+            pthread_mutex_unlock(&cpar__log_mu);
+        }
+    }
+    const char *f = getenv("CPAR_LOG_FILE");
+    pthread_mutex_lock(&cpar__log_mu);
+    if (strcmp(cpar__logs.pattern, f ? f : "")) { /* a new pattern: the old files are done */
+        for (int i = 0; i < cpar__logs.nfiles; i++) fclose(cpar__logs.files[i].f);
+        cpar__logs.nfiles = 0;
+        snprintf(cpar__logs.pattern, sizeof cpar__logs.pattern, "%s", f ? f : "");
+    }
+    if (!cpar__logs.host[0] && gethostname(cpar__logs.host, sizeof cpar__logs.host - 1) != 0)
+        snprintf(cpar__logs.host, sizeof cpar__logs.host, "?");
+    pthread_mutex_unlock(&cpar__log_mu);
+    atomic_store(&cpar__log_lvl, l);
+}
+
 static int cpar__log_level(void) {
-    static atomic_int level = -1;
-    int l = atomic_load(&level);
+    int l = atomic_load(&cpar__log_lvl);
     if (l < 0) {
-        const char *v = getenv("CPAR_LOG");
-        l = !v                     ? 0
-            : !strcmp(v, "debug")  ? CPAR__LOG_DEBUG
-            : !strcmp(v, "info")   ? CPAR__LOG_INFO
-            : !strcmp(v, "warn")   ? CPAR__LOG_WARN
-                                   : 0;
-        atomic_store(&level, l);
+        cpar__log_load();
+        l = atomic_load(&cpar__log_lvl);
     }
     return l;
 }
 
+/* The rank a line is about when the caller passes -1. */
+static int cpar__log_rank(int rank) {
+    if (rank >= 0) return rank;
+    if (cpar__tls_rank >= 0) return cpar__tls_rank;
+    return atomic_load(&cpar__proc_rank);
+}
+
+/* Where rank's lines go (the caller holds cpar__log_mu). */
+static FILE *cpar__log_stream(int rank) {
+    const char *pat = cpar__logs.pattern;
+    if (!pat[0] || (rank < 0 && strstr(pat, "%r"))) return stderr;
+    for (int i = 0; i < cpar__logs.nfiles; i++)
+        if (cpar__logs.files[i].rank == rank) return cpar__logs.files[i].f;
+    if (cpar__logs.nfiles == CPAR__LOG_FILES) return stderr;
+    char path[512];
+    size_t n = 0;
+    for (const char *p = pat; *p && n < sizeof path - 1; p++) {
+        int w = 0;
+        size_t room = sizeof path - n;
+        if (p[0] == '%' && p[1] == 'h') w = snprintf(path + n, room, "%s", cpar__logs.host), p++;
+        else if (p[0] == '%' && p[1] == 'p') w = snprintf(path + n, room, "%ld", (long)getpid()), p++;
+        else if (p[0] == '%' && p[1] == 'r') w = snprintf(path + n, room, "%d", rank), p++;
+        else if (p[0] == '%' && p[1] == '%') path[n] = '%', w = 1, p++;
+        else path[n] = *p, w = 1;
+        n += (size_t)w < room ? (size_t)w : room - 1;
+    }
+    path[n] = '\0';
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        if (!cpar__logs.warned_file)
+            fprintf(stderr, "cpar: CPAR_LOG_FILE: cannot open %s: %s; logging to stderr\n", path, strerror(errno));
+        cpar__logs.warned_file = true;
+        return stderr;
+    }
+    cpar__logs.files[cpar__logs.nfiles].rank = rank;
+    cpar__logs.files[cpar__logs.nfiles++].f = f;
+    return f;
+}
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 4)))
+#endif
 static void cpar__log(int level, int rank, const char *fmt, ...) {
     if (cpar__log_level() < level) return;
-    char line[CPAR_ERR_LEN];
+    static const char *const names[] = {"", "WARN", "INFO", "DEBUG"};
+    char line[CPAR_ERR_LEN], who[16] = "-";
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(line, sizeof line, fmt, ap);
     va_end(ap);
-    fprintf(stderr, "cpar[%d] %s\n", rank, line);
+    rank = cpar__log_rank(rank);
+    if (rank >= 0) snprintf(who, sizeof who, "%d", rank);
+    pthread_mutex_lock(&cpar__log_mu);
+    FILE *f = cpar__log_stream(rank);
+    fprintf(f, "cpar[%s] %s:%ld %s %s\n", who, cpar__logs.host, (long)getpid(), names[level], line);
+    fflush(f);
+    pthread_mutex_unlock(&cpar__log_mu);
 }
 
 static void *cpar__host_alloc(size_t bytes) {
@@ -230,7 +330,9 @@ static cpar_status cpar__fail(cpar_ctx *ctx, cpar_status st, const char *fmt, ..
     vsnprintf(line, sizeof line, fmt, ap);
     va_end(ap);
     cpar__set_error(ctx, line);
-    cpar__log(CPAR__LOG_DEBUG, -1, "%s: %s", cpar_status_string(st), line);
+    /* A timeout is the failure a user most needs to see; the rest is detail. */
+    cpar__log(st == CPAR_ERR_TIMEOUT ? CPAR__LOG_WARN : CPAR__LOG_DEBUG, ctx ? ctx->rank : -1, "%s: %s",
+              cpar_status_string(st), line);
     return st;
 }
 
@@ -555,7 +657,7 @@ cpar_status cpar_dev_row_reduce(float *out, const void *in, cpar_dtype dt, int64
                                 cpar_row_op op, cpar_dev_stream s) CPAR__NODEV()
 cpar_status cpar_dev_gelu(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n, cpar_dev_stream s)
     CPAR__NODEV()
-/* the sections' own kernels: RNG and dropout (cpar.h §9) */
+/* the sections' own kernels (cpar.h §16): RNG and dropout (for §9) */
 cpar_status cpar_dev_rng_uniform(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float lo,
                                  float hi, cpar_dev_stream s) CPAR__NODEV()
 cpar_status cpar_dev_rng_normal(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float mean,
@@ -621,6 +723,10 @@ cpar_status cpar_dev_sum_squares(const float *x, int64_t n, float *out, void *sc
 #endif
 #undef CPAR__NODEV
 #endif /* !CPAR_WITH_DEVICE */
+
+/* The public face of cpar_dev_count (cpar.h §7): programs size their NCCL
+ * jobs with it without reaching into the internal device layer. */
+int cpar_device_count(void) { return cpar_dev_count(); }
 
 /* A device-layer failure seen from public function fn. */
 static cpar_status cpar__dev_fail(cpar_ctx *ctx, cpar_status st, const char *fn) {
@@ -2112,6 +2218,8 @@ cpar_status cpar_env_read(cpar_env *out)
                               "the store (MASTER_PORT+1); set CPAR_STORE_PORT");
         e.store_port = e.master_port + 1;
     }
+    if (strcmp(e.source, "default")) /* a launched process: its log lines carry this rank */
+        atomic_store(&cpar__proc_rank, e.rank);
     *out = e;
     return CPAR_OK;
 }
@@ -2272,6 +2380,7 @@ typedef struct cpar__store_conn {
 } cpar__store_conn;
 
 typedef struct cpar__store_server {
+    int log_rank;           /* the creating thread's rank, for the server thread's log lines */
     int listen_fd;
     int wake[2]; /* self-pipe: cpar_store_destroy writes the shutdown deadline */
     pthread_t thread;
@@ -2597,6 +2706,7 @@ static void cpar__store_accept(cpar__store_server *srv, int64_t now)
 static void *cpar__store_serve(void *arg)
 {
     cpar__store_server *srv = arg;
+    cpar__tls_rank = srv->log_rank;
     bool stopping = false;
     int64_t stop_at = 0;
     for (;;) {
@@ -3123,6 +3233,7 @@ static cpar_status cpar__store_create(const char *fn, const cpar_store_config *c
             goto fail;
         }
         srv->listen_fd = srv->wake[0] = srv->wake[1] = -1;
+        srv->log_rank = cpar__log_rank(-1);
         srv->stall_ms = s->timeout_ms;
         srv->hello_ms = s->timeout_ms < CPAR__STORE_HELLO_MS ? s->timeout_ms : CPAR__STORE_HELLO_MS;
         srv->token_len = strlen(s->token);
@@ -3175,9 +3286,16 @@ static cpar_status cpar__store_create(const char *fn, const cpar_store_config *c
             goto fail;
         }
         s->server = srv;
+        if (any)
+            cpar__log(CPAR__LOG_INFO, -1, "store: listening on every interface, port %d (job token from %s)",
+                      cfg->port, token_source);
+        else
+            cpar__log(CPAR__LOG_INFO, -1, "store: listening on %s (job token from %s)", s->addr,
+                      token_source);
     }
     if ((st = cpar__store_connect(s, host, cfg->port, deadline)) != CPAR_OK)
         goto fail;
+    cpar__log(CPAR__LOG_INFO, -1, "store: connected to %s", s->addr);
     *out = s;
     return CPAR_OK;
 
@@ -4576,6 +4694,16 @@ cpar_status cpar_group_split(cpar_group *parent, int color, int key, cpar_group 
         free(ptrs);
     }
 done:
+    if (st == CPAR_OK && *out && cpar__log_level() >= CPAR__LOG_INFO) {
+        char list[160];
+        size_t used = 0;
+        const cpar_group *g = *out;
+        for (int i = 0; i < g->size && used < sizeof list - 16; i++)
+            used += (size_t)snprintf(list + used, sizeof list - used, "%s%d", i ? "," : "", g->world_ranks[i]);
+        if (used >= sizeof list - 16) snprintf(list + used, sizeof list - used, ",...");
+        cpar__log(CPAR__LOG_INFO, ctx->rank, "group: split color %d key %d: rank %d of %d, world ranks %s%s", color,
+                  key, g->rank, g->size, list, g->ctx->backend == CPAR_BACKEND_NCCL ? " (ncclCommSplit)" : "");
+    }
     free(all);
     free(wr);
     return st;
@@ -5033,6 +5161,22 @@ static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg,
     return CPAR_OK;
 }
 
+/* The info banner, once per rank when its context is ready (NCCL's "NCCL
+ * INFO" start-up lines): what a user checks first when a job misbehaves. */
+static void cpar__log_banner(const cpar_ctx *ctx, int local_rank, const char *how) {
+    if (cpar__log_level() < CPAR__LOG_INFO) return;
+    char dev[32] = "host memory", nccl[48] = "";
+    if (cpar__on_device(ctx->device)) snprintf(dev, sizeof dev, "GPU %d", ctx->device);
+#ifdef CPAR_WITH_NCCL
+    int v = 0;
+    if (ctx->backend == CPAR_BACKEND_NCCL && ncclGetVersion(&v) == ncclSuccess)
+        snprintf(nccl, sizeof nccl, ", NCCL %d.%d.%d", v / 10000, v / 100 % 100, v % 100);
+#endif
+    cpar__log(CPAR__LOG_INFO, ctx->rank, "cpar %d.%d: rank %d of %d (local %d, %s), backend %s, %s%s, timeout %d ms",
+              CPAR_VERSION_MAJOR, CPAR_VERSION_MINOR, ctx->rank, ctx->world, local_rank, how,
+              cpar_backend_name(ctx->backend), dev, nccl, ctx->timeout_ms);
+}
+
 typedef struct cpar__spawn_rank {
     int rank, nranks;
     const cpar_init_config *cfg;
@@ -5060,17 +5204,20 @@ static cpar_status cpar__spawn_rank_run(cpar__spawn_rank *r, cpar_ctx **pctx) {
     if (r->cfg->backend == CPAR_BACKEND_NCCL) {
         /* Every rank's communicator is ready before any rank's function runs. */
         CPAR_TRY(cpar__nccl_comm_init(ctx, fn, r->nccl_id, &ctx->world_group->nccl));
+        cpar__log_banner(ctx, r->rank, "cpar_spawn thread");
         return r->fn(ctx, r->arg);
     }
 #endif
     ctx->world_group->hc = r->world_hc;
     atomic_fetch_add(&r->world_hc->refs, 1); /* the job keeps its own reference */
+    cpar__log_banner(ctx, r->rank, "cpar_spawn thread");
     return r->fn(ctx, r->arg);
 }
 
 static void *cpar__spawn_thread(void *p) {
     cpar__spawn_rank *r = p;
     cpar_ctx *ctx = NULL;
+    cpar__tls_rank = r->rank; /* log lines without a context still name the rank */
     r->st = cpar__spawn_rank_run(r, &ctx);
     if (r->st != CPAR_OK) {
         const char *msg = ctx && ctx->err[0] ? ctx->err : cpar__tls_err;
@@ -5089,6 +5236,7 @@ cpar_status cpar_spawn_with(int nranks, const cpar_init_config *cfg, cpar_rank_f
         return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: nranks is %d, expected 1..%d", fnn, nranks, CPAR__MAX_SPAWN);
     if (!fn) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: fn is NULL", fnn);
     if (c.timeout_ms < 0) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: timeout_ms is %d, expected >= 0", fnn, c.timeout_ms);
+    cpar__log_load(); /* CPAR_LOG and CPAR_LOG_FILE as they are now */
     CPAR_TRY(cpar__check_backend(fnn, c.backend, nranks));
     cpar__job *job = cpar__job_create(nranks);
     cpar__spawn_rank *ranks = calloc((size_t)nranks, sizeof *ranks);
@@ -5160,8 +5308,10 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
     *out = NULL;
     cpar_init_config c = cfg ? *cfg : (cpar_init_config){0};
     if (!cfg) c.backend = CPAR_BACKEND_NCCL;
+    cpar__log_load(); /* CPAR_LOG and CPAR_LOG_FILE as they are now */
     cpar_env env;
     CPAR_TRY(cpar_env_read(&env));
+    cpar__tls_rank = env.rank;
     if (c.backend != CPAR_BACKEND_NCCL && env.world_size > 1)
         return cpar__fail(NULL, CPAR_ERR_UNSUPPORTED, "%s: WORLD_SIZE is %d but the %s backend runs ranks as threads of "
                           "one process: use cpar_spawn, or CPAR_BACKEND_NCCL for a multi-process job", fn,
@@ -5190,6 +5340,7 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
         ctx->world_group->hc = ctx->job ? cpar__hcomm_create(ctx->job, 1, &ranks0) : NULL;
         if (!ctx->world_group->hc) st = cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate the world group", fn);
         if (st != CPAR_OK) goto fail;
+        cpar__log_banner(ctx, env.local_rank, env.source);
         *out = ctx;
         return CPAR_OK;
     }
@@ -5240,6 +5391,7 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
         }
         CPAR_TRY_GOTO(cpar_store_get(ctx->store, "cpar/nccl_id/world", id, sizeof id, &len), st, fail);
         CPAR_TRY_GOTO(cpar__nccl_comm_init(ctx, fn, id, &ctx->world_group->nccl), st, fail);
+        cpar__log_banner(ctx, env.local_rank, env.source);
         *out = ctx;
         return CPAR_OK;
     }
@@ -5312,6 +5464,8 @@ int cpar_timeout_ms(const cpar_ctx *ctx) { return ctx ? ctx->timeout_ms : 0; }
 cpar_status cpar_set_timeout_ms(cpar_ctx *ctx, int ms) {
     if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_set_timeout_ms: ctx is NULL");
     if (ms <= 0) return cpar__fail(ctx, CPAR_ERR_INVALID, "cpar_set_timeout_ms: ms is %d, expected > 0", ms);
+    if (ms != ctx->timeout_ms)
+        cpar__log(CPAR__LOG_INFO, ctx->rank, "timeout: %d ms (was %d ms)", ms, ctx->timeout_ms);
     ctx->timeout_ms = ms;
     return CPAR_OK;
 }
@@ -5350,6 +5504,8 @@ cpar_status cpar_grid_init(cpar_ctx *ctx, const cpar_grid_config *cfg) {
         ctx->grid_size[k] = ctx->grid[k]->size;
         ctx->grid_rank[k] = ctx->grid[k]->rank;
     }
+    cpar__log(CPAR__LOG_INFO, ctx->rank, "grid: tp %d x cp %d x dp %d x pp %d; this rank is tp %d, cp %d, dp %d, pp %d",
+              tp, cp, dp, pp, t, c, d, p);
     return CPAR_OK;
 }
 

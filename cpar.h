@@ -12,7 +12,12 @@
  *  - Tensors are contiguous, row-major, and owned by the caller; outputs are
  *    preallocated by the caller and checked.
  *  - Device work is stream-ordered: cpar_sync(ctx) waits for it.
- *  - The library never exits, aborts or prints unless CPAR_LOG=warn|info|debug.
+ *  - The library never exits, aborts or prints unless CPAR_LOG=warn|info|debug
+ *    (any case; like NCCL_DEBUG): info prints one banner per rank (version,
+ *    backend, rank/world, device, NCCL version, timeout), groups, the store's
+ *    address; debug adds every failure. Lines go to stderr, or to
+ *    CPAR_LOG_FILE, where %h, %p and %r are the host, pid and rank (one file
+ *    per rank with %r). Each line starts "cpar[RANK] HOST:PID LEVEL".
  *  - Products on host tensors (every backend) use cpar's own blocked GEMM
  *    (AVX2+FMA where the CPU has it), or a CBLAS for F32 when the build found
  *    one (OpenBLAS or BLIS; `make CPAR_BLAS=0` turns that off, and
@@ -25,7 +30,7 @@
  *   4. Groups and the parallel grid
  *   5. Raw collectives and communication statistics
  *   6. Element-wise and layout operations (host reference + CUDA kernels)
- *   7. Device layer (internal: implemented in cpar_kernels.cu, used by cpar.c)
+ *   7. Devices (cpar_device_count; the device layer itself is internal, §16)
  *   8. Tensor-parallel mappings and utilities
  *   9. RNG, dropout and activation checkpointing
  *  10. Vocabulary-parallel embedding and cross entropy
@@ -34,6 +39,7 @@
  *  13. Mamba context parallelism
  *  14. Inference layers (RMSNorm forward and backward, inference column/row-parallel linear)
  *  15. Training: AdamW, gradient norm and clipping, data-parallel gradient reduction
+ *  16. Internal: the device layer (only under CPAR_INTERNAL; not API)
  */
 #ifndef CPAR_H
 #define CPAR_H
@@ -476,78 +482,15 @@ cpar_status cpar_gelu_forward(cpar_ctx *ctx, const cpar_tensor *x, cpar_tensor *
 /* dx = dy * gelu'(x) with forward's x; dy and dx like x; dx may be dy. */
 cpar_status cpar_gelu_backward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_tensor *dy, cpar_tensor *dx);
 
-/* ==== 7. Device layer (internal) ========================================= */
-/* Implemented in cpar_kernels.cu (nvcc for GPUs; g++ with tests/cudasim.h for
- * the sim build). cpar.c reaches the GPU only through these functions, so it
- * never includes a CUDA header. Not part of the user API: signatures may
- * change between versions. Pointers are device pointers unless named h_*.
- * Streams may be NULL (the legacy default stream). On failure each returns
- * CPAR_ERR_CUDA / CPAR_ERR_CUBLAS / CPAR_ERR_OOM / CPAR_ERR_INVALID and leaves
- * one line in cpar_dev_last_error() (thread-local). */
+/* ==== 7. Devices ==========================================================
+ * The device layer cpar runs on (cpar_kernels.cu: memory, streams, kernels)
+ * is internal (§16, compiled only under CPAR_INTERNAL); this is what a
+ * program needs to know about devices. */
 
-typedef struct cpar_dev_stream_s *cpar_dev_stream; /* cudaStream_t */
-typedef struct cpar_dev_event_s *cpar_dev_event;   /* cudaEvent_t */
-typedef struct cpar_dev_blas_s *cpar_dev_blas;     /* cublasHandle_t */
-
-typedef enum cpar_copy_kind { CPAR_COPY_H2D = 0, CPAR_COPY_D2H, CPAR_COPY_D2D, CPAR_COPY_H2H } cpar_copy_kind;
-
-const char *cpar_dev_last_error(void);
-/* Number of usable GPUs; 0 when there is no driver or no device (never fails). */
-int cpar_dev_count(void);
-cpar_status cpar_dev_set(int device);
-cpar_status cpar_dev_malloc(void **p, size_t bytes);
-cpar_status cpar_dev_free(void *p);
-cpar_status cpar_dev_memset(void *p, int byte, size_t bytes, cpar_dev_stream s);
-/* Asynchronous on s; a D2H copy is complete when cpar_dev_stream_sync(s) returns. */
-cpar_status cpar_dev_memcpy(void *dst, const void *src, size_t bytes, cpar_copy_kind kind, cpar_dev_stream s);
-/* Pitched copy of rows rows of row_bytes bytes (any kind); what split and
- * concatenation along any dimension reduce to. Runs as a kernel for D2D. */
-cpar_status cpar_dev_copy_2d(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t row_bytes,
-                             size_t rows, cpar_copy_kind kind, cpar_dev_stream s);
-cpar_status cpar_dev_sync(void); /* cudaDeviceSynchronize */
-
-cpar_status cpar_dev_stream_create(cpar_dev_stream *s);
-cpar_status cpar_dev_stream_destroy(cpar_dev_stream s);
-cpar_status cpar_dev_stream_sync(cpar_dev_stream s);
-/* *done = whether all work queued on s has completed (cudaStreamQuery); lets
- * cpar_sync wait with a deadline and watch NCCL for asynchronous errors. */
-cpar_status cpar_dev_stream_query(cpar_dev_stream s, bool *done);
-cpar_status cpar_dev_event_create(cpar_dev_event *e);
-cpar_status cpar_dev_event_destroy(cpar_dev_event e);
-cpar_status cpar_dev_event_record(cpar_dev_event e, cpar_dev_stream s);
-cpar_status cpar_dev_stream_wait_event(cpar_dev_stream s, cpar_dev_event e);
-cpar_status cpar_dev_event_sync(cpar_dev_event e);
-
-cpar_status cpar_dev_blas_create(cpar_dev_blas *h);
-cpar_status cpar_dev_blas_destroy(cpar_dev_blas h);
-/* cublasGemmStridedBatchedEx semantics, column-major:
- *   C_i = alpha * op(A_i) * op(B_i) + beta * C_i,  i < batch,
- * op(A) is m x k, op(B) is k x n, C is m x n; trans* nonzero = transpose.
- * A and B share a dtype (F32, F16 or BF16); C is F32 or A's dtype; compute is
- * fp32 (CUBLAS_COMPUTE_32F). */
-cpar_status cpar_dev_gemm(cpar_dev_blas h, cpar_dev_stream s, int transa, int transb, int m, int n, int k,
-                          float alpha, const void *A, cpar_dtype ab_dtype, int lda, int64_t stride_a,
-                          const void *B, int ldb, int64_t stride_b, float beta, void *C, cpar_dtype c_dtype,
-                          int ldc, int64_t stride_c, int batch);
-
-/* Kernels (one launch each, bounds-checked, odd sizes fine). n = element count. */
-cpar_status cpar_dev_fill(void *p, cpar_dtype dt, int64_t n, double value, cpar_dev_stream s);
-/* dst = src converted; float dtypes (F32/F16/BF16) in any pair, or equal dtypes. */
-cpar_status cpar_dev_cast(void *dst, cpar_dtype dst_dt, const void *src, cpar_dtype src_dt, int64_t n,
-                          cpar_dev_stream s);
-/* y = alpha*x + beta*y in fp32; x, y of dtype dt (F32/F16/BF16). */
-cpar_status cpar_dev_axpby(float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n,
-                           cpar_dev_stream s);
-/* acc = op(acc, src) elementwise, MAX/MIN with fmaxf/fminf semantics (a NaN
- * loses to a number, as in NCCL). For float src dtypes acc is F32 (fp32
- * accumulation of F16/BF16 inputs); for I32/I64/U8 acc has src's dtype. */
-cpar_status cpar_dev_reduce_into(void *acc, const void *src, cpar_dtype src_dt, int64_t n, cpar_reduce_op op,
-                                 cpar_dev_stream s);
-/* out[r] = op over the last dimension of in [rows, cols] (float dtype), fp32 out. */
-cpar_status cpar_dev_row_reduce(float *out, const void *in, cpar_dtype dt, int64_t rows, int64_t cols,
-                                cpar_row_op op, cpar_dev_stream s);
-/* dy == NULL: out = gelu(x); else out = dy * gelu'(x). [n] of dt (F32/F16/BF16). */
-cpar_status cpar_dev_gelu(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n, cpar_dev_stream s);
+/* Number of GPUs this process can use: 0 in a build without CUDA, and 0
+ * (not a failure) where there is no driver or no device. Use it to choose
+ * how many ranks to run with CPAR_BACKEND_NCCL. */
+int cpar_device_count(void);
 
 /* ==== 8. Tensor-parallel mappings and utilities ========================== */
 /* Megatron's region mappings (megatron/core/tensor_parallel/mappings.py): one
@@ -921,18 +864,6 @@ cpar_status cpar_split_1d_chunk(cpar_group *g, const cpar_tensor *in, cpar_tenso
  * Collective over g (an all-gather). */
 cpar_status cpar_gather_1d_chunks(cpar_group *g, const cpar_tensor *chunk, cpar_tensor *out);
 
-/* ---- device layer (internal; cpar_kernels.cu, cpar.h §7 conventions) ------
- * dt is F32, F16 or BF16; (seed, offset) the state of the draw; n elements. */
-cpar_status cpar_dev_rng_uniform(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float lo,
-                                 float hi, cpar_dev_stream s);
-cpar_status cpar_dev_rng_normal(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float mean,
-                                float std, cpar_dev_stream s);
-/* y = (x * keep) * scale, keep = u_i >= p; mask (may be NULL) = keep as 0/1. */
-cpar_status cpar_dev_dropout_forward(const void *x, void *y, uint8_t *mask, cpar_dtype dt, int64_t n, float p,
-                                     float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s);
-/* dx = (dy * keep) * scale, keep = mask[i] != 0 when mask, else u_i >= p. */
-cpar_status cpar_dev_dropout_backward(const void *dy, void *dx, const uint8_t *mask, cpar_dtype dt, int64_t n,
-                                      float p, float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s);
 
 /* ==== 10. Vocabulary-parallel embedding and cross entropy =============== */
 /* ---- vocabulary-parallel cross entropy (Megatron's vocab_parallel_cross_entropy, seed 001) ----
@@ -988,29 +919,6 @@ cpar_status cpar_vocab_parallel_cross_entropy_backward(cpar_group *tp, const cpa
                                                        const cpar_tensor *stats, const cpar_tensor *dloss,
                                                        cpar_tensor *dlogits);
 
-/* ---- device layer (internal) for the cross entropy: cpar_kernels.cu ---------------------------
- * rows tokens, cols = v_local, first = this rank's first vocabulary index,
- * vocab = V. Targets tdt I32/I64. All float buffers F32 on the device. */
-
-/* One pass over logits [rows, cols] (dt): m_loc[r] = local max; part[r] =
- * sum_j exp(z_j - m_loc[r]); part[rows + r] = z[t - first] when this rank owns
- * t, 0 when another rank does, NaN when t is outside [0, vocab); with smooth,
- * part[2 rows + r] = sum_j z_j. */
-cpar_status cpar_dev_xent_local(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows,
-                                int64_t cols, int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part,
-                                cpar_dev_stream s);
-/* After the MAX all-reduce (m = global max): part[r] *= exp(m_loc[r] - m[r]). */
-cpar_status cpar_dev_xent_rescale(float *part, const float *m_loc, const float *m, int64_t rows, cpar_dev_stream s);
-/* After the SUM all-reduce: lse = m + log(part[r]); loss[r] = (m - part[rows+r]
- * + log part[r]) scaled as above with s (smooth: using part[2 rows + r]);
- * stats[2r] = m, stats[2r+1] = lse. */
-cpar_status cpar_dev_xent_finalize(const float *m, const float *part, int64_t rows, int64_t vocab, float s, bool smooth,
-                                   float *loss, float *stats, cpar_dev_stream st);
-/* dlogits[r, j] = (exp(z - lse) - (1-s)[first + j == t] - s/vocab) * dloss[r]
- * (NaN rows for t outside [0, vocab)); dlogits may equal logits. */
-cpar_status cpar_dev_xent_backward(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
-                                   cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows, int64_t cols,
-                                   int64_t first, int64_t vocab, float s, cpar_dev_stream st);
 
 /* ---- vocabulary-parallel embedding (Megatron's VocabParallelEmbedding, seed 001) ----
  * weight: this rank's rows [v_local, H] (F32/F16/BF16) of a global table of
@@ -1039,17 +947,6 @@ cpar_status cpar_embedding_forward(cpar_group *tp, const cpar_tensor *weight, co
 cpar_status cpar_embedding_backward(cpar_group *tp, const cpar_tensor *ids, const cpar_tensor *dout,
                                     bool reduce_scatter_embeddings, cpar_tensor *dweight, bool deterministic);
 
-/* ---- device layer (internal) for the embedding: cpar_kernels.cu ----
- * Token (i, j) of ids [b, s] has its embedding row at i*s + j, or at j*b + i
- * when seq_first ([s, b, H] layout). */
-/* out row of token = weight[id - first] when first <= id < first + v_local, else 0. */
-cpar_status cpar_dev_embedding_lookup(const void *weight, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
-                                      int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
-                                      void *out, cpar_dev_stream st);
-/* dweight [v_local, hidden] f32 += dout rows of the tokens each row owns. */
-cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
-                                    int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
-                                    float *dweight, bool deterministic, cpar_dev_stream st);
 
 /* ---- the embedding layer: cpar_embedding (VocabParallelEmbedding as an object) ----
  * Owns this rank's weight rows and their fp32 main grad, like cpar_linear
@@ -1236,11 +1133,6 @@ cpar_status cpar_linear_backward(cpar_linear *l, const cpar_tensor *dy, cpar_ten
 /* Main grads = 0. */
 cpar_status cpar_linear_zero_grad(cpar_linear *l);
 
-/* ---- device layer (internal) -------------------------------------------------
- * None: the linear layers need no kernels of their own. The GEMMs, the bias
- * add (a k = 1 rank-one update y += bias 1^T) and the bias-grad column sums
- * (db += dy^T 1) are cpar_dev_gemm calls; the ones vector is cpar_dev_fill. */
-
 
 /* ==== 12. Attention and context parallelism ===============================
  *
@@ -1274,36 +1166,6 @@ cpar_status cpar_attention_backward(cpar_ctx *ctx, const cpar_tensor *q, const c
                                     const cpar_tensor *out, const cpar_tensor *dout, const cpar_tensor *lse,
                                     bool causal, float scale, cpar_tensor *dq, cpar_tensor *dk, cpar_tensor *dv);
 
-/* ---- device layer (internal; cpar.h §7 conventions) --------------------------
- * One block of attention on device buffers, as cpar.c §18 describes:
- * rows of d contiguous elements; (batch, head) slices q_bh / kv_bh / o_bh /
- * lse_bh / dq_bh / dkv_bh elements apart, so a sub-range of the sequence is a
- * pointer offset with the parent's strides. Element (batch bi, head hi, row i,
- * col c) of q is at (bi*hq + hi)*q_bh + i*d + c; of k and v at
- * (bi*hkv + hi/(hq/hkv))*kv_bh + j*d + c; of lse at (bi*hq + hi)*lse_bh + i. */
-typedef struct cpar_dev_attn {
-    cpar_dtype dt;                  /* q, k, v: F16 or BF16 on devices (F32 too on the host path) */
-    int64_t b, hq, hkv, sq, sk, d;  /* hq % hkv == 0; sq, sk >= 1; d <= 128, d % 8 == 0 on devices */
-    const void *q, *k, *v;
-    int64_t q_bh, kv_bh;
-    bool causal;                    /* top-left: query i sees keys j <= i */
-    float scale;                    /* > 0, already resolved */
-} cpar_dev_attn;
-
-/* out (dtype out_dt: F32 or a->dt, stride o_bh) and lse (F32, stride lse_bh)
- * overwritten. A row that sees no key: lse = -inf, out row 0. */
-cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype out_dt, int64_t o_bh, float *lse,
-                                   int64_t lse_bh, cpar_dev_stream s);
-/* Device scratch cpar_dev_attention_bwd needs (bytes; 0 is valid). */
-size_t cpar_dev_attention_bwd_scratch_bytes(const cpar_dev_attn *a);
-/* Accumulate (+=) in fp32: dq [b,hq,sq,d] (stride dq_bh), dk and dv
- * [b,hkv,sk,d] (stride dkv_bh). out and dout (dtype out_dt, stride o_bh) and
- * lse (stride lse_bh) are those of the whole attention this block belongs
- * to: P = exp(scale·q kᵀ - lse), D_i = rowsum(dout_i ∘ out_i); a row with
- * lse = -inf contributes nothing. scratch: cpar_dev_attention_bwd_scratch_bytes. */
-cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, const void *dout, cpar_dtype out_dt,
-                                   int64_t o_bh, const float *lse, int64_t lse_bh, float *dq, int64_t dq_bh,
-                                   float *dk, float *dv, int64_t dkv_bh, void *scratch, cpar_dev_stream s);
 
 /* ---- ring attention and sequence sharding for context parallelism ----------
  * PyTorch's _templated_ring_attention (+ backward), _SDPAMerger,
@@ -1373,15 +1235,6 @@ cpar_status cpar_cp_shard(cpar_group *cp, const cpar_tensor *full, int seq_dim, 
 cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_dim, bool load_balance,
                             cpar_tensor *full);
 
-/* ---- device layer (internal; cpar.h §7 conventions) --------------------------
- * The _SDPAMerger step for rows blocks of d floats: for each (batch, head)
- * slice j < nbh and row i < rows, with o = out + j*o_bh + i*d,
- * ob = out_b + j*o_bh + i*d, l = lse[j*lse_bh + i], lb = lse_b[j*lse_bh + i]:
- *   lb == -inf: nothing; l == -inf: o = ob, l = lb; else
- *   o -= sigmoid(lb - l) (o - ob), l -= logsigmoid(l - lb).
- * A partial merge (second half of the rows) is a pointer offset. All fp32. */
-cpar_status cpar_dev_ring_merge(float *out, float *lse, const float *out_b, const float *lse_b, int64_t nbh,
-                                int64_t rows, int64_t d, int64_t o_bh, int64_t lse_bh, cpar_dev_stream s);
 
 /* ==== 13. Mamba context parallelism =======================================
  *
@@ -1585,35 +1438,6 @@ cpar_status cpar_mamba_cp_conv1d_backward(cpar_mamba_cp *m, const cpar_tensor *x
                                           const cpar_tensor *dy, cpar_tensor *dx, cpar_tensor *dweight,
                                           cpar_tensor *dbias);
 
-/* ---- device layer (internal; cpar_kernels.cu, cpar.h §7 conventions) ------
- * The channel -> cp = 1 row mapping of the conv1d: local channel c lies in
- * segment i (seg_len[0..2]: x, B, C, in that order) at offset o, and reads
- * row seg_row[i] + o of weight [conv_dim, K] and bias [conv_dim]. */
-typedef struct cpar_dev_conv_rows {
-    int64_t seg_len[3], seg_row[3];
-} cpar_dev_conv_rows;
-
-/* y [s*b, C] (dt) = conv of x (dt, row pitch x_pitch elements, channel c at
- * column c of each row: the caller offsets x by x_col) as above; w, bias
- * (bias may be NULL) of dtype pdt. tokens = s*b; token (t, bi) is row t*b+bi. */
-cpar_status cpar_dev_mamba_conv1d_forward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
-                                          const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
-                                          int64_t b, int64_t channels, int k, bool silu, void *y,
-                                          cpar_dev_stream st);
-/* dx (row pitch x_pitch, offset like x) = the input gradient; partial F32
- * [nsplit, K+1, C] scratch: split p holds the weight (j < K) and bias (j == K)
- * gradient sums of its share of the tokens; then dw[row(c), j] += sum over p
- * in order, dbias[row(c)] += likewise (dbias may be NULL). nsplit >= 1. */
-cpar_status cpar_dev_mamba_conv1d_backward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
-                                           const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
-                                           int64_t b, int64_t channels, int k, bool silu, const void *dy, void *dx,
-                                           float *partial, int nsplit, float *dw, float *dbias, cpar_dev_stream st);
-/* dst[g*dst_gs + t*dst_pitch + c] = sum_{q < reps} src[g*src_gs + q*rep_stride
- * + t*src_pitch + c] for g < groups, t < rows, c < cols (elements of dt,
- * F32/F16/BF16; fp32 sum in q order, rounded once): the B/C replica gradients. */
-cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
-                                        int64_t rep_stride, int64_t src_pitch, int64_t groups, int64_t reps,
-                                        int64_t rows, int64_t cols, cpar_dtype dt, cpar_dev_stream st);
 
 /* ==== 14. Inference layers ================================================
  * Megatron's InferenceLayerNormColumnParallelLinear and
@@ -1707,18 +1531,6 @@ cpar_status cpar_inference_row_forward_fused(cpar_inference_linear *l, const cpa
 cpar_status cpar_inference_rs_add_rmsnorm_ag(cpar_group *tp, const cpar_tensor *partial, cpar_tensor *residual,
                                              const cpar_tensor *weight, float eps, cpar_tensor *out);
 
-/* ---- device layer (internal; cpar_kernels.cu §19, cpar.h §7 conventions) ---
- * x, add (NULL: none), weight [h], y: elements of dt (F32/F16/BF16), rows of
- * h. With add: x += add (rounded to dt, stored back), then the norm of the
- * sum. y = x * rsqrt(mean(x^2) + eps) * weight; y may be x only without add. */
-cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
-                             float eps, void *y, cpar_dev_stream s);
-/* dx (may be dy) from x, weight, dy; stats_scratch [2 rows] F32 receives
- * each row's 1/rms and its dx coefficient; dweight (F32 [h], NULL: skipped)
- * += column sums of dy x inv, read before dx is written. */
-cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
-                                      int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
-                                      cpar_dev_stream s);
 
 /* ==== 15. Training: AdamW, gradient norm and clipping, gradient reduction ====
  * What every training loop does between the backward and the next forward
@@ -1778,7 +1590,227 @@ cpar_status cpar_clip_grad_norm(cpar_group *tp, cpar_tensor *const *grads, const
  * still averages by 1. */
 cpar_status cpar_grads_all_reduce(cpar_group *g, cpar_tensor *const *grads, int n, bool average);
 
-/* ---- device layer (internal; cpar_kernels.cu §21, cpar.h §7 conventions) ---
+
+/* ==== 16. Internal: the device layer =========================================
+ * Compiled only where CPAR_INTERNAL is defined before cpar.h is included:
+ * cpar.c, cpar_kernels.cu and the tests that drive kernels directly define it.
+ * Not part of the user API: names and signatures change between versions
+ * without notice. A program that needs a device count calls cpar_device_count
+ * (§7). The blocks below follow the sections whose operations they serve. */
+#ifdef CPAR_INTERNAL
+
+/* ---- conventions, memory, streams, events, GEMM, element-wise kernels (for §2-§6) ----
+ * Implemented in cpar_kernels.cu (nvcc for GPUs; g++ with tests/cudasim.h for
+ * the sim build). cpar.c reaches the GPU only through these functions, so it
+ * never includes a CUDA header. Not part of the user API: signatures may
+ * change between versions. Pointers are device pointers unless named h_*.
+ * Streams may be NULL (the legacy default stream). On failure each returns
+ * CPAR_ERR_CUDA / CPAR_ERR_CUBLAS / CPAR_ERR_OOM / CPAR_ERR_INVALID and leaves
+ * one line in cpar_dev_last_error() (thread-local). */
+
+typedef struct cpar_dev_stream_s *cpar_dev_stream; /* cudaStream_t */
+typedef struct cpar_dev_event_s *cpar_dev_event;   /* cudaEvent_t */
+typedef struct cpar_dev_blas_s *cpar_dev_blas;     /* cublasHandle_t */
+
+typedef enum cpar_copy_kind { CPAR_COPY_H2D = 0, CPAR_COPY_D2H, CPAR_COPY_D2D, CPAR_COPY_H2H } cpar_copy_kind;
+
+const char *cpar_dev_last_error(void);
+/* Number of usable GPUs; 0 when there is no driver or no device (never fails). */
+int cpar_dev_count(void);
+cpar_status cpar_dev_set(int device);
+cpar_status cpar_dev_malloc(void **p, size_t bytes);
+cpar_status cpar_dev_free(void *p);
+cpar_status cpar_dev_memset(void *p, int byte, size_t bytes, cpar_dev_stream s);
+/* Asynchronous on s; a D2H copy is complete when cpar_dev_stream_sync(s) returns. */
+cpar_status cpar_dev_memcpy(void *dst, const void *src, size_t bytes, cpar_copy_kind kind, cpar_dev_stream s);
+/* Pitched copy of rows rows of row_bytes bytes (any kind); what split and
+ * concatenation along any dimension reduce to. Runs as a kernel for D2D. */
+cpar_status cpar_dev_copy_2d(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t row_bytes,
+                             size_t rows, cpar_copy_kind kind, cpar_dev_stream s);
+cpar_status cpar_dev_sync(void); /* cudaDeviceSynchronize */
+
+cpar_status cpar_dev_stream_create(cpar_dev_stream *s);
+cpar_status cpar_dev_stream_destroy(cpar_dev_stream s);
+cpar_status cpar_dev_stream_sync(cpar_dev_stream s);
+/* *done = whether all work queued on s has completed (cudaStreamQuery); lets
+ * cpar_sync wait with a deadline and watch NCCL for asynchronous errors. */
+cpar_status cpar_dev_stream_query(cpar_dev_stream s, bool *done);
+cpar_status cpar_dev_event_create(cpar_dev_event *e);
+cpar_status cpar_dev_event_destroy(cpar_dev_event e);
+cpar_status cpar_dev_event_record(cpar_dev_event e, cpar_dev_stream s);
+cpar_status cpar_dev_stream_wait_event(cpar_dev_stream s, cpar_dev_event e);
+cpar_status cpar_dev_event_sync(cpar_dev_event e);
+
+cpar_status cpar_dev_blas_create(cpar_dev_blas *h);
+cpar_status cpar_dev_blas_destroy(cpar_dev_blas h);
+/* cublasGemmStridedBatchedEx semantics, column-major:
+ *   C_i = alpha * op(A_i) * op(B_i) + beta * C_i,  i < batch,
+ * op(A) is m x k, op(B) is k x n, C is m x n; trans* nonzero = transpose.
+ * A and B share a dtype (F32, F16 or BF16); C is F32 or A's dtype; compute is
+ * fp32 (CUBLAS_COMPUTE_32F). */
+cpar_status cpar_dev_gemm(cpar_dev_blas h, cpar_dev_stream s, int transa, int transb, int m, int n, int k,
+                          float alpha, const void *A, cpar_dtype ab_dtype, int lda, int64_t stride_a,
+                          const void *B, int ldb, int64_t stride_b, float beta, void *C, cpar_dtype c_dtype,
+                          int ldc, int64_t stride_c, int batch);
+
+/* Kernels (one launch each, bounds-checked, odd sizes fine). n = element count. */
+cpar_status cpar_dev_fill(void *p, cpar_dtype dt, int64_t n, double value, cpar_dev_stream s);
+/* dst = src converted; float dtypes (F32/F16/BF16) in any pair, or equal dtypes. */
+cpar_status cpar_dev_cast(void *dst, cpar_dtype dst_dt, const void *src, cpar_dtype src_dt, int64_t n,
+                          cpar_dev_stream s);
+/* y = alpha*x + beta*y in fp32; x, y of dtype dt (F32/F16/BF16). */
+cpar_status cpar_dev_axpby(float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n,
+                           cpar_dev_stream s);
+/* acc = op(acc, src) elementwise, MAX/MIN with fmaxf/fminf semantics (a NaN
+ * loses to a number, as in NCCL). For float src dtypes acc is F32 (fp32
+ * accumulation of F16/BF16 inputs); for I32/I64/U8 acc has src's dtype. */
+cpar_status cpar_dev_reduce_into(void *acc, const void *src, cpar_dtype src_dt, int64_t n, cpar_reduce_op op,
+                                 cpar_dev_stream s);
+/* out[r] = op over the last dimension of in [rows, cols] (float dtype), fp32 out. */
+cpar_status cpar_dev_row_reduce(float *out, const void *in, cpar_dtype dt, int64_t rows, int64_t cols,
+                                cpar_row_op op, cpar_dev_stream s);
+/* dy == NULL: out = gelu(x); else out = dy * gelu'(x). [n] of dt (F32/F16/BF16). */
+cpar_status cpar_dev_gelu(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n, cpar_dev_stream s);
+
+/* ---- for §9: RNG and dropout -----------------------------------------------
+ * dt is F32, F16 or BF16; (seed, offset) the state of the draw; n elements. */
+cpar_status cpar_dev_rng_uniform(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float lo,
+                                 float hi, cpar_dev_stream s);
+cpar_status cpar_dev_rng_normal(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float mean,
+                                float std, cpar_dev_stream s);
+/* y = (x * keep) * scale, keep = u_i >= p; mask (may be NULL) = keep as 0/1. */
+cpar_status cpar_dev_dropout_forward(const void *x, void *y, uint8_t *mask, cpar_dtype dt, int64_t n, float p,
+                                     float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s);
+/* dx = (dy * keep) * scale, keep = mask[i] != 0 when mask, else u_i >= p. */
+cpar_status cpar_dev_dropout_backward(const void *dy, void *dx, const uint8_t *mask, cpar_dtype dt, int64_t n,
+                                      float p, float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s);
+
+/* ---- for §10: the cross entropy --------------------------------------------
+ * rows tokens, cols = v_local, first = this rank's first vocabulary index,
+ * vocab = V. Targets tdt I32/I64. All float buffers F32 on the device. */
+
+/* One pass over logits [rows, cols] (dt): m_loc[r] = local max; part[r] =
+ * sum_j exp(z_j - m_loc[r]); part[rows + r] = z[t - first] when this rank owns
+ * t, 0 when another rank does, NaN when t is outside [0, vocab); with smooth,
+ * part[2 rows + r] = sum_j z_j. */
+cpar_status cpar_dev_xent_local(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows,
+                                int64_t cols, int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part,
+                                cpar_dev_stream s);
+/* After the MAX all-reduce (m = global max): part[r] *= exp(m_loc[r] - m[r]). */
+cpar_status cpar_dev_xent_rescale(float *part, const float *m_loc, const float *m, int64_t rows, cpar_dev_stream s);
+/* After the SUM all-reduce: lse = m + log(part[r]); loss[r] = (m - part[rows+r]
+ * + log part[r]) scaled as above with s (smooth: using part[2 rows + r]);
+ * stats[2r] = m, stats[2r+1] = lse. */
+cpar_status cpar_dev_xent_finalize(const float *m, const float *part, int64_t rows, int64_t vocab, float s, bool smooth,
+                                   float *loss, float *stats, cpar_dev_stream st);
+/* dlogits[r, j] = (exp(z - lse) - (1-s)[first + j == t] - s/vocab) * dloss[r]
+ * (NaN rows for t outside [0, vocab)); dlogits may equal logits. */
+cpar_status cpar_dev_xent_backward(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
+                                   cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows, int64_t cols,
+                                   int64_t first, int64_t vocab, float s, cpar_dev_stream st);
+
+/* ---- for §10: the embedding ------------------------------------------------
+ * Token (i, j) of ids [b, s] has its embedding row at i*s + j, or at j*b + i
+ * when seq_first ([s, b, H] layout). */
+/* out row of token = weight[id - first] when first <= id < first + v_local, else 0. */
+cpar_status cpar_dev_embedding_lookup(const void *weight, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
+                                      int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
+                                      void *out, cpar_dev_stream st);
+/* dweight [v_local, hidden] f32 += dout rows of the tokens each row owns. */
+cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
+                                    int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
+                                    float *dweight, bool deterministic, cpar_dev_stream st);
+
+/* ---- for §11: the linear layers --------------------------------------------
+ * None: the linear layers need no kernels of their own. The GEMMs, the bias
+ * add (a k = 1 rank-one update y += bias 1^T) and the bias-grad column sums
+ * (db += dy^T 1) are cpar_dev_gemm calls; the ones vector is cpar_dev_fill. */
+
+/* ---- for §12: local attention ----------------------------------------------
+ * One block of attention on device buffers, as cpar.c §18 describes:
+ * rows of d contiguous elements; (batch, head) slices q_bh / kv_bh / o_bh /
+ * lse_bh / dq_bh / dkv_bh elements apart, so a sub-range of the sequence is a
+ * pointer offset with the parent's strides. Element (batch bi, head hi, row i,
+ * col c) of q is at (bi*hq + hi)*q_bh + i*d + c; of k and v at
+ * (bi*hkv + hi/(hq/hkv))*kv_bh + j*d + c; of lse at (bi*hq + hi)*lse_bh + i. */
+typedef struct cpar_dev_attn {
+    cpar_dtype dt;                  /* q, k, v: F16 or BF16 on devices (F32 too on the host path) */
+    int64_t b, hq, hkv, sq, sk, d;  /* hq % hkv == 0; sq, sk >= 1; d <= 128, d % 8 == 0 on devices */
+    const void *q, *k, *v;
+    int64_t q_bh, kv_bh;
+    bool causal;                    /* top-left: query i sees keys j <= i */
+    float scale;                    /* > 0, already resolved */
+} cpar_dev_attn;
+
+/* out (dtype out_dt: F32 or a->dt, stride o_bh) and lse (F32, stride lse_bh)
+ * overwritten. A row that sees no key: lse = -inf, out row 0. */
+cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype out_dt, int64_t o_bh, float *lse,
+                                   int64_t lse_bh, cpar_dev_stream s);
+/* Device scratch cpar_dev_attention_bwd needs (bytes; 0 is valid). */
+size_t cpar_dev_attention_bwd_scratch_bytes(const cpar_dev_attn *a);
+/* Accumulate (+=) in fp32: dq [b,hq,sq,d] (stride dq_bh), dk and dv
+ * [b,hkv,sk,d] (stride dkv_bh). out and dout (dtype out_dt, stride o_bh) and
+ * lse (stride lse_bh) are those of the whole attention this block belongs
+ * to: P = exp(scale·q kᵀ - lse), D_i = rowsum(dout_i ∘ out_i); a row with
+ * lse = -inf contributes nothing. scratch: cpar_dev_attention_bwd_scratch_bytes. */
+cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, const void *dout, cpar_dtype out_dt,
+                                   int64_t o_bh, const float *lse, int64_t lse_bh, float *dq, int64_t dq_bh,
+                                   float *dk, float *dv, int64_t dkv_bh, void *scratch, cpar_dev_stream s);
+
+/* ---- for §12: the ring's merge ---------------------------------------------
+ * The _SDPAMerger step for rows blocks of d floats: for each (batch, head)
+ * slice j < nbh and row i < rows, with o = out + j*o_bh + i*d,
+ * ob = out_b + j*o_bh + i*d, l = lse[j*lse_bh + i], lb = lse_b[j*lse_bh + i]:
+ *   lb == -inf: nothing; l == -inf: o = ob, l = lb; else
+ *   o -= sigmoid(lb - l) (o - ob), l -= logsigmoid(l - lb).
+ * A partial merge (second half of the rows) is a pointer offset. All fp32. */
+cpar_status cpar_dev_ring_merge(float *out, float *lse, const float *out_b, const float *lse_b, int64_t nbh,
+                                int64_t rows, int64_t d, int64_t o_bh, int64_t lse_bh, cpar_dev_stream s);
+
+/* ---- for §13: Mamba CP -----------------------------------------------------
+ * The channel -> cp = 1 row mapping of the conv1d: local channel c lies in
+ * segment i (seg_len[0..2]: x, B, C, in that order) at offset o, and reads
+ * row seg_row[i] + o of weight [conv_dim, K] and bias [conv_dim]. */
+typedef struct cpar_dev_conv_rows {
+    int64_t seg_len[3], seg_row[3];
+} cpar_dev_conv_rows;
+
+/* y [s*b, C] (dt) = conv of x (dt, row pitch x_pitch elements, channel c at
+ * column c of each row: the caller offsets x by x_col) as above; w, bias
+ * (bias may be NULL) of dtype pdt. tokens = s*b; token (t, bi) is row t*b+bi. */
+cpar_status cpar_dev_mamba_conv1d_forward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
+                                          const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
+                                          int64_t b, int64_t channels, int k, bool silu, void *y,
+                                          cpar_dev_stream st);
+/* dx (row pitch x_pitch, offset like x) = the input gradient; partial F32
+ * [nsplit, K+1, C] scratch: split p holds the weight (j < K) and bias (j == K)
+ * gradient sums of its share of the tokens; then dw[row(c), j] += sum over p
+ * in order, dbias[row(c)] += likewise (dbias may be NULL). nsplit >= 1. */
+cpar_status cpar_dev_mamba_conv1d_backward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
+                                           const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
+                                           int64_t b, int64_t channels, int k, bool silu, const void *dy, void *dx,
+                                           float *partial, int nsplit, float *dw, float *dbias, cpar_dev_stream st);
+/* dst[g*dst_gs + t*dst_pitch + c] = sum_{q < reps} src[g*src_gs + q*rep_stride
+ * + t*src_pitch + c] for g < groups, t < rows, c < cols (elements of dt,
+ * F32/F16/BF16; fp32 sum in q order, rounded once): the B/C replica gradients. */
+cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
+                                        int64_t rep_stride, int64_t src_pitch, int64_t groups, int64_t reps,
+                                        int64_t rows, int64_t cols, cpar_dtype dt, cpar_dev_stream st);
+
+/* ---- for §14: RMSNorm (cpar_kernels.cu §19) --------------------------------
+ * x, add (NULL: none), weight [h], y: elements of dt (F32/F16/BF16), rows of
+ * h. With add: x += add (rounded to dt, stored back), then the norm of the
+ * sum. y = x * rsqrt(mean(x^2) + eps) * weight; y may be x only without add. */
+cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
+                             float eps, void *y, cpar_dev_stream s);
+/* dx (may be dy) from x, weight, dy; stats_scratch [2 rows] F32 receives
+ * each row's 1/rms and its dx coefficient; dweight (F32 [h], NULL: skipped)
+ * += column sums of dy x inv, read before dx is written. */
+cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
+                                      int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
+                                      cpar_dev_stream s);
+
+/* ---- for §15: training (cpar_kernels.cu §21) -------------------------------
  * cpar_dev_adamw: the formula of cpar_adamw_step over n elements; bc1, bc2
  * are 1 - beta1^t and 1 - beta2^t; param of pdt or NULL.
  * cpar_dev_sum_squares: *out (device F32) += sum of x[i]^2, x F32 [n],
@@ -1789,6 +1821,8 @@ cpar_status cpar_dev_adamw(float *master, float *m, float *v, const float *grad,
                            float grad_scale, cpar_dev_stream s);
 size_t cpar_dev_sum_squares_scratch(int64_t n);
 cpar_status cpar_dev_sum_squares(const float *x, int64_t n, float *out, void *scratch, cpar_dev_stream s);
+
+#endif /* CPAR_INTERNAL */
 
 #ifdef __cplusplus
 }

@@ -1,6 +1,6 @@
 /* cpar_kernels.cu — everything in cpar that touches a GPU.
  *
- * The device layer of cpar.h §7 (cpar_dev_*: memory, copies, streams, events,
+ * The device layer of cpar.h §16 (cpar_dev_*: memory, copies, streams, events,
  * cuBLAS GEMMs) and every CUDA kernel with its launcher. cpar.c reaches the GPU
  * only through these C-linkage functions and never includes a CUDA header.
  *
@@ -60,6 +60,7 @@
     type *name = reinterpret_cast<type *>(cpar_dyn_smem_)
 #endif
 
+#define CPAR_INTERNAL /* the device layer's declarations (cpar.h §16) */
 #include "cpar.h"
 
 #include <math.h>

@@ -9,9 +9,15 @@
  *
  * Environment: CPAR_BENCH_ITERS (default 10), CPAR_BENCH_MAX_MIB (default 16),
  * CPAR_BENCH_ONLY (comma-separated sections: coll, map, xent, gemm, mlp, attn,
- * mamba; default all).
+ * mamba, mb; default all).
+ *
+ * Flags (build/bench --help): --csv FILE and --json FILE write every row of
+ * every table, with its section, for plots and regression tracking; -b, -e,
+ * -f sweep the collectives' message size as nccl-tests do (-b 8K -e 64M -f 2:
+ * 8 KiB to 64 MiB, doubling); -n sets the iterations per case.
  */
 #define _GNU_SOURCE
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,6 +57,136 @@ static bool want(const char *name) {
     for (const char *p = only; (p = strstr(p, name)); p += n)
         if ((p == only || p[-1] == ',') && (p[n] == ',' || p[n] == '\0')) return true;
     return false;
+}
+
+/* ---- machine-readable output: every printed row is also recorded ---------------------------------
+ * rec_begin(section) starts a row; rec_s/rec_i/rec_f add a column (units in
+ * the column name: time_ms, busbw_gbps). At exit the rows go to --csv (one
+ * header: "section" and the union of every section's columns, in the order
+ * first seen; a column a section lacks is empty) and --json (an array of
+ * objects). */
+#define REC_COLS 24
+typedef struct {
+    char section[48];
+    int n;
+    char name[REC_COLS][32];
+    char val[REC_COLS][64];
+    bool num[REC_COLS];
+} rec_row;
+static rec_row *rec_rows;
+static int rec_n, rec_cap;
+
+static void rec_begin(const char *section) {
+    if (rec_n == rec_cap) {
+        rec_cap = rec_cap ? 2 * rec_cap : 64;
+        rec_rows = realloc(rec_rows, (size_t)rec_cap * sizeof *rec_rows);
+        if (!rec_rows) { fprintf(stderr, "bench: out of memory\n"); exit(1); }
+    }
+    rec_row *r = &rec_rows[rec_n++];
+    memset(r, 0, sizeof *r);
+    snprintf(r->section, sizeof r->section, "%s", section);
+}
+
+static void rec_put(const char *name, bool num, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void rec_put(const char *name, bool num, const char *fmt, ...) {
+    rec_row *r = &rec_rows[rec_n - 1];
+    if (r->n == REC_COLS) return;
+    snprintf(r->name[r->n], sizeof r->name[0], "%s", name);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(r->val[r->n], sizeof r->val[0], fmt, ap);
+    va_end(ap);
+    r->num[r->n++] = num;
+}
+static void rec_s(const char *name, const char *v) { rec_put(name, false, "%s", v); }
+static void rec_i(const char *name, long long v) { rec_put(name, true, "%lld", v); }
+static void rec_f(const char *name, double v) {
+    if (isfinite(v)) rec_put(name, true, "%.6g", v);
+    else rec_put(name, false, "%s", ""); /* JSON has no NaN: an empty string, an empty CSV field */
+}
+
+static void csv_field(FILE *f, const char *s) {
+    if (!strpbrk(s, ",\"\n")) { fputs(s, f); return; }
+    fputc('"', f);
+    for (; *s; s++) { if (*s == '"') fputc('"', f); fputc(*s, f); }
+    fputc('"', f);
+}
+
+static int rec_write_csv(const char *path) {
+    FILE *f = fopen(path, "w");
+    if (!f) { fprintf(stderr, "bench: cannot write %s\n", path); return 1; }
+    static char cols[256][32];
+    int nc = 0;
+    for (int i = 0; i < rec_n; i++)
+        for (int j = 0; j < rec_rows[i].n; j++) {
+            int k = 0;
+            while (k < nc && strcmp(cols[k], rec_rows[i].name[j])) k++;
+            if (k == nc && nc < 256) snprintf(cols[nc++], sizeof cols[0], "%s", rec_rows[i].name[j]);
+        }
+    fputs("section", f);
+    for (int k = 0; k < nc; k++) fprintf(f, ",%s", cols[k]);
+    fputc('\n', f);
+    for (int i = 0; i < rec_n; i++) {
+        csv_field(f, rec_rows[i].section);
+        for (int k = 0; k < nc; k++) {
+            fputc(',', f);
+            for (int j = 0; j < rec_rows[i].n; j++)
+                if (!strcmp(rec_rows[i].name[j], cols[k])) { csv_field(f, rec_rows[i].val[j]); break; }
+        }
+        fputc('\n', f);
+    }
+    return fclose(f) ? 1 : 0;
+}
+
+static void json_str(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        if (*s == '"' || *s == '\\') fputc('\\', f);
+        fputc(*s, f);
+    }
+    fputc('"', f);
+}
+
+static int rec_write_json(const char *path) {
+    FILE *f = fopen(path, "w");
+    if (!f) { fprintf(stderr, "bench: cannot write %s\n", path); return 1; }
+    fputs("[\n", f);
+    for (int i = 0; i < rec_n; i++) {
+        fputs("  {\"section\": ", f);
+        json_str(f, rec_rows[i].section);
+        for (int j = 0; j < rec_rows[i].n; j++) {
+            fputs(", ", f);
+            json_str(f, rec_rows[i].name[j]);
+            fputs(": ", f);
+            if (rec_rows[i].num[j]) fputs(rec_rows[i].val[j], f);
+            else json_str(f, rec_rows[i].val[j]);
+        }
+        fputs(i + 1 < rec_n ? "},\n" : "}\n", f);
+    }
+    fputs("]\n", f);
+    return fclose(f) ? 1 : 0;
+}
+
+/* "8", "8K", "64M", "1G" (binary multiples) -> bytes; 0 when malformed. */
+static size_t parse_size(const char *s) {
+    char *end;
+    double v = strtod(s, &end);
+    size_t mult = 1;
+    if (*end == 'K' || *end == 'k') mult = (size_t)1 << 10, end++;
+    else if (*end == 'M' || *end == 'm') mult = (size_t)1 << 20, end++;
+    else if (*end == 'G' || *end == 'g') mult = (size_t)1 << 30, end++;
+    if (*end == 'B' || *end == 'b') end++;
+    if (end == s || *end || !(v >= 1) || v * (double)mult > 1e13) return 0;
+    return (size_t)(v * (double)mult);
+}
+
+/* 8 B, 64 KiB, 16 MiB: the table's size column. */
+static const char *fmt_size(size_t bytes, char *buf, size_t n) {
+    if (bytes >= ((size_t)1 << 30) && bytes % ((size_t)1 << 30) == 0) snprintf(buf, n, "%zu GiB", bytes >> 30);
+    else if (bytes >= ((size_t)1 << 20) && bytes % ((size_t)1 << 20) == 0) snprintf(buf, n, "%zu MiB", bytes >> 20);
+    else if (bytes >= 1024 && bytes % 1024 == 0) snprintf(buf, n, "%zu KiB", bytes >> 10);
+    else snprintf(buf, n, "%zu B", bytes);
+    return buf;
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -452,6 +588,12 @@ static void bench_host_gemm(int iters) {
         }
         printf("%-18s %18s %7.1f GF/s %7.1f GF/s %7.2f %12s %7s %7.1f GF/s %7.2f\n", g->what, shape, ceil / 1e9,
                mine / 1e9, mine / ceil, viab, viar, half / 1e9, half / ceil);
+        rec_begin("host_gemm");
+        rec_s("name", g->what);
+        rec_i("T", g->T), rec_i("K", g->K), rec_i("N", g->N);
+        rec_f("ceiling_gflops", ceil / 1e9), rec_f("builtin_gflops", mine / 1e9), rec_f("builtin_per_ceiling", mine / ceil);
+        if (cblas) rec_f("cblas_path_gflops", via / 1e9), rec_f("cblas_path_per_ceiling", via / ceil);
+        rec_f("builtin_bf16_gflops", half / 1e9), rec_f("builtin_bf16_per_ceiling", half / ceil);
     }
 }
 
@@ -876,15 +1018,71 @@ static int bench_memory_bound(int iters, int max_mib) {
             printf("%-26s %5d %-10s %5lldx%-6lld %5s %7.3f ms %12.0f %5.2f GB/s %5.2f GB/s %8.2f %6s\n", w->name,
                    w->ranks, dts, (long long)c.rows, (long long)c.cols, c.nt == 1 ? "" : ph ? "bwd" : "fwd",
                    c.t[ph] * 1e3, c.bytes[ph], gbs, c.copy_gbps, gbs / (2 * c.copy_gbps), lm);
+            rec_begin("memory_bound");
+            rec_s("name", w->name), rec_i("ranks", w->ranks), rec_s("dtype", dts);
+            rec_i("rows", c.rows), rec_i("cols", c.cols), rec_s("dir", c.nt == 1 ? "" : ph ? "bwd" : "fwd");
+            rec_f("time_ms", c.t[ph] * 1e3), rec_f("bytes", c.bytes[ph]), rec_f("gbps", gbs);
+            rec_f("copy_gbps", c.copy_gbps), rec_f("per_ceiling", gbs / (2 * c.copy_gbps));
+            if (c.libm_s > 0) rec_f("speedup_vs_libm", c.libm_s / c.t[ph]);
         }
     }
     return 0;
 }
 
-int main(void) {
+static const char usage[] =
+    "usage: bench [-b SIZE -e SIZE -f FACTOR] [-n ITERS] [--csv FILE] [--json FILE]\n"
+    "  -b, -e, -f   sweep the collectives from -b to -e bytes, multiplying by -f (nccl-tests'\n"
+    "               flags; sizes take K, M, G); default: 1, 4 and 16 MiB (up to CPAR_BENCH_MAX_MIB)\n"
+    "  -n ITERS     timed iterations per case (default CPAR_BENCH_ITERS or 10)\n"
+    "  --csv FILE   every row of every table as CSV: a section column, then every column\n"
+    "               (units in the names: time_ms, busbw_gbps, ...), empty where a section has none\n"
+    "  --json FILE  the same rows as a JSON array of objects\n"
+    "CPAR_BENCH_ONLY=coll,map,xent,gemm,mlp,attn,mamba,mb picks sections.\n";
+
+static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, size_t sweep_f);
+
+int main(int argc, char **argv) {
     int iters = env_int("CPAR_BENCH_ITERS", 10), max_mib = env_int("CPAR_BENCH_MAX_MIB", 16);
+    size_t sweep_b = 0, sweep_e = 0, sweep_f = 2;
+    const char *csv = NULL, *json = NULL;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { fputs(usage, stdout); return 0; }
+        const char *v = strchr(a, '=');
+        char name[32];
+        snprintf(name, sizeof name, "%.*s", v ? (int)(v - a) < 31 ? (int)(v - a) : 31 : 31, a);
+        if (v) v++;
+        else if (i + 1 < argc) v = argv[++i];
+        else { fprintf(stderr, "bench: %s needs a value\n%s", a, usage); return 2; }
+        if (!strcmp(name, "-b") || !strcmp(name, "--minbytes")) sweep_b = parse_size(v);
+        else if (!strcmp(name, "-e") || !strcmp(name, "--maxbytes")) sweep_e = parse_size(v);
+        else if (!strcmp(name, "-f") || !strcmp(name, "--stepfactor")) sweep_f = parse_size(v);
+        else if (!strcmp(name, "-n") || !strcmp(name, "--iters")) iters = atoi(v);
+        else if (!strcmp(name, "--csv")) csv = v;
+        else if (!strcmp(name, "--json")) json = v;
+        else { fprintf(stderr, "bench: unknown option %s\n%s", a, usage); return 2; }
+        if ((!strcmp(name, "-b") && !sweep_b) || (!strcmp(name, "-e") && !sweep_e) ||
+            (!strcmp(name, "-f") && sweep_f < 2) || (!strcmp(name, "-n") && iters < 1)) {
+            fprintf(stderr, "bench: %s expects %s, got \"%s\"\n", name,
+                    !strcmp(name, "-f") ? "an integer >= 2" : !strcmp(name, "-n") ? "an integer >= 1"
+                                                                                   : "a size such as 8, 8K or 64M", v);
+            return 2;
+        }
+    }
+    if ((sweep_b != 0) != (sweep_e != 0) || sweep_b > sweep_e) {
+        fprintf(stderr, "bench: a sweep needs -b SIZE and -e SIZE with -b <= -e\n");
+        return 2;
+    }
+    int rc = run_benches(iters, max_mib, sweep_b, sweep_e, sweep_f);
+    if (csv) rc |= rec_write_csv(csv);
+    if (json) rc |= rec_write_json(json);
+    free(rec_rows);
+    return rc;
+}
+
+static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, size_t sweep_f) {
     cpar_backend backend = cpar_backend_available(CPAR_BACKEND_NCCL) ? CPAR_BACKEND_NCCL : CPAR_BACKEND_HOST;
-    int max_ranks = backend == CPAR_BACKEND_NCCL ? cpar_dev_count() : 4;
+    int max_ranks = backend == CPAR_BACKEND_NCCL ? cpar_device_count() : 4;
     if (max_ranks > 8) max_ranks = 8;
 
     copy_case ceiling = {.bytes = (size_t)max_mib << 20};
@@ -898,10 +1096,15 @@ int main(void) {
            ceiling.gbps);
     printf("\n%-15s %5s %9s %11s %12s %12s %9s %9s %8s\n", "collective", "ranks", "size", "time/call", "recv/rank",
            "minimum", "algbw", "busbw", "busbw/ceil");
+    /* Message sizes: the sweep (-b, -e, -f), else 1, 4, 16 MiB up to max_mib. */
+    size_t first = sweep_b ? sweep_b : (size_t)1 << 20, last = sweep_b ? sweep_e : (size_t)max_mib << 20;
+    size_t factor = sweep_b ? sweep_f : 4;
     for (int op = 0; op < OP_COUNT && want("coll"); op++)
         for (int n = 2; n <= max_ranks; n *= 2)
-            for (int mib = 1; mib <= max_mib; mib *= 4) {
-                coll_case c = {.op = op, .iters = iters, .bytes = (size_t)mib << 20};
+            for (size_t size = first; size <= last; size *= factor) {
+                /* at least one float per rank: nccl-tests' smallest sizes round up likewise */
+                size_t asked = size < (size_t)n * sizeof(float) ? (size_t)n * sizeof(float) : size;
+                coll_case c = {.op = op, .iters = iters, .bytes = asked};
                 st = cpar_spawn(n, backend, run_case, &c);
                 if (st != CPAR_OK) {
                     fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
@@ -911,9 +1114,15 @@ int main(void) {
                 size_t bytes = c.bytes / sizeof(float) / (size_t)n * (size_t)n * sizeof(float);
                 uint64_t min = min_recv(op, n, bytes, &bus);
                 double algbw = (double)bytes / c.seconds / 1e9;
-                printf("%-15s %5d %6d MiB %9.3f ms %12llu %12llu %6.2f GB/s %6.2f GB/s %7.2f\n", op_names[op], n, mib,
-                       c.seconds * 1e3, (unsigned long long)c.recv, (unsigned long long)min, algbw, algbw * bus,
-                       algbw * bus / ceiling.gbps);
+                char sz[24];
+                printf("%-15s %5d %9s %9.3f ms %12llu %12llu %6.2f GB/s %6.2f GB/s %7.2f\n", op_names[op], n,
+                       fmt_size(bytes, sz, sizeof sz), c.seconds * 1e3, (unsigned long long)c.recv,
+                       (unsigned long long)min, algbw, algbw * bus, algbw * bus / ceiling.gbps);
+                rec_begin("collectives");
+                rec_s("name", op_names[op]), rec_i("ranks", n), rec_i("bytes", (long long)bytes);
+                rec_f("time_ms", c.seconds * 1e3), rec_i("recv_bytes", (long long)c.recv);
+                rec_i("min_recv_bytes", (long long)min), rec_f("algbw_gbps", algbw), rec_f("busbw_gbps", algbw * bus);
+                rec_f("busbw_per_ceiling", algbw * bus / ceiling.gbps);
             }
 
     /* Mappings: the bytes any algorithm must receive are (n-1)/n of the
@@ -935,6 +1144,10 @@ int main(void) {
             printf("%-26s %5d %8lldx%lldx%lld %8.3f ms %12llu %12llu %6.2f GB/s %7.2f\n", map_names[op], n,
                    (long long)s_len, (long long)b, (long long)h, c.seconds * 1e3, (unsigned long long)c.recv,
                    (unsigned long long)min, busbw, busbw / ceiling.gbps);
+            rec_begin("mappings");
+            rec_s("name", map_names[op]), rec_i("ranks", n), rec_i("s", s_len), rec_i("b", b), rec_i("h", h);
+            rec_f("time_ms", c.seconds * 1e3), rec_i("recv_bytes", (long long)c.recv), rec_i("min_recv_bytes", (long long)min);
+            rec_f("busbw_gbps", busbw), rec_f("busbw_per_ceiling", busbw / ceiling.gbps);
         }
 
     /* Cross entropy: the forward reads the logits once and the backward reads
@@ -962,6 +1175,12 @@ int main(void) {
                (long long)tokens, (long long)(vocab / n), c.fwd * 1e3, c.bwd * 1e3, (unsigned long long)c.recv,
                (unsigned long long)min, local / c.fwd / 1e9 / (2 * ceiling.gbps),
                2 * local / c.bwd / 1e9 / (2 * ceiling.gbps));
+        rec_begin("cross_entropy");
+        rec_s("name", "vocab_parallel_xent"), rec_i("ranks", n), rec_i("tokens", tokens), rec_i("vocab_local", vocab / n);
+        rec_f("fwd_ms", c.fwd * 1e3), rec_f("bwd_ms", c.bwd * 1e3);
+        rec_i("recv_bytes", (long long)c.recv), rec_i("min_recv_bytes", (long long)min);
+        rec_f("fwd_per_ceiling", local / c.fwd / 1e9 / (2 * ceiling.gbps));
+        rec_f("bwd_per_ceiling", 2 * local / c.bwd / 1e9 / (2 * ceiling.gbps));
     }
 
     /* The host GEMM (every backend's products on host tensors). */
@@ -974,7 +1193,9 @@ int main(void) {
     bool nccl = backend == CPAR_BACKEND_NCCL;
     int64_t ms_len = nccl ? 4096 : 128, mb = 2, mh = nccl ? 4096 : 1024;
     gemm_case gc = {.iters = iters, .tokens = ms_len * mb, .k = mh, .n = 4 * mh};
-    if (nccl) {
+    if (!want("mlp")) {
+        /* not asked for: no ceiling to measure */
+    } else if (nccl) {
         if (cpar_spawn(1, backend, run_gemm, &gc) != CPAR_OK) {
             fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
             return 1;
@@ -999,6 +1220,11 @@ int main(void) {
             printf("%-26s %5d %4s %8.3f ms %12llu %12llu %14.2f %9.2f\n", "column -> row MLP", n, sp ? "yes" : "no",
                    c.seconds * 1e3, (unsigned long long)c.recv,
                    (unsigned long long)mlp_min_recv(n, sp, ms_len * mb * mh), flops / 1e9, flops / gc.flops);
+            rec_begin("mlp");
+            rec_s("name", "column -> row MLP"), rec_i("ranks", n), rec_s("sp", sp ? "yes" : "no");
+            rec_i("s", ms_len), rec_i("b", mb), rec_i("h", mh), rec_f("time_ms", c.seconds * 1e3);
+            rec_i("recv_bytes", (long long)c.recv), rec_i("min_recv_bytes", (long long)mlp_min_recv(n, sp, ms_len * mb * mh));
+            rec_f("gflops_per_rank", flops / 1e9), rec_f("per_ceiling", flops / gc.flops);
         }
 
     /* Attention: per rank FLOP rate against the GEMM ceiling; the ring's
@@ -1009,7 +1235,9 @@ int main(void) {
     cpar_dtype adt = nccl ? CPAR_BF16 : CPAR_F32;
     gemm_case ag = {.iters = iters, .tokens = nccl ? 8192 : 1024, .k = nccl ? 8192 : 1024, .n = nccl ? 8192 : 1024,
                     .dt = adt};
-    if (nccl) {
+    if (!want("attn")) {
+        /* not asked for: no ceiling to measure */
+    } else if (nccl) {
         if (cpar_spawn(1, backend, run_gemm, &ag) != CPAR_OK) {
             fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
             return 1;
@@ -1050,6 +1278,14 @@ int main(void) {
                c.fwd * 1e3, c.bwd * 1e3, (unsigned long long)c.recv_fwd, (unsigned long long)min,
                (unsigned long long)c.recv_bwd, fl / c.fwd / ag.flops, 2.5 * fl / c.bwd / ag.flops,
                3.5 * fl / (c.fwd + c.bwd) / ag.flops);
+        rec_begin("attention");
+        rec_s("name", n == 1 ? "local (flash)" : rot ? "ring, send/recv" : "ring, all-gather");
+        rec_i("ranks", n), rec_i("b", ab), rec_i("h", ah), rec_i("s", s_row), rec_i("d", ad), rec_s("dtype", cpar_dtype_name(adt));
+        rec_f("fwd_ms", c.fwd * 1e3), rec_f("bwd_ms", c.bwd * 1e3);
+        rec_i("recv_fwd_bytes", (long long)c.recv_fwd), rec_i("min_recv_fwd_bytes", (long long)min);
+        rec_i("recv_bwd_bytes", (long long)c.recv_bwd);
+        rec_f("fwd_per_ceiling", fl / c.fwd / ag.flops), rec_f("bwd_per_ceiling", 2.5 * fl / c.bwd / ag.flops);
+        rec_f("fwd_bwd_per_ceiling", 3.5 * fl / (c.fwd + c.bwd) / ag.flops);
     }
     /* Mamba CP: busbw = the minimum bytes over the time, against the copy ceiling. */
     mamba_case mc0 = {.iters = iters, .s = nccl ? 8192 : 1024, .b = nccl ? 2 : 1, .d_inner = nccl ? 4096 : 1024,
@@ -1075,7 +1311,11 @@ int main(void) {
             double busbw = (double)min / fw[k] / 1e9;
             printf("%-26s %5d %7.3f ms %7.3f ms %12llu %12llu %4.2f GB/s %8.2f\n", names[k], n, fw[k] * 1e3,
                    bw[k] * 1e3, (unsigned long long)recv[k], (unsigned long long)min, busbw, busbw / ceiling.gbps);
+            rec_begin("mamba_cp");
+            rec_s("name", names[k]), rec_i("ranks", n), rec_f("fwd_ms", fw[k] * 1e3), rec_f("bwd_ms", bw[k] * 1e3);
+            rec_i("recv_bytes", (long long)recv[k]), rec_i("min_recv_bytes", (long long)min);
+            rec_f("busbw_gbps", busbw), rec_f("busbw_per_ceiling", busbw / ceiling.gbps);
         }
     }
-    return bench_memory_bound(iters, max_mib);
+    return want("mb") ? bench_memory_bound(iters, max_mib) : 0;
 }

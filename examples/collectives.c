@@ -140,7 +140,7 @@ static cpar_status rank_main(cpar_ctx *ctx, void *arg) {
 
 int main(void) {
     cpar_backend backend = CPAR_BACKEND_HOST;
-    int ngpu = cpar_dev_count();
+    int ngpu = cpar_device_count();
     if (cpar_backend_available(CPAR_BACKEND_NCCL) && ngpu >= NRANKS) backend = CPAR_BACKEND_NCCL;
     printf("cpar collectives: %d ranks on the %s backend (%d GPU%s visible), grid tp=2 x cp=2 x dp=1\n", NRANKS,
            cpar_backend_name(backend), ngpu, ngpu == 1 ? "" : "s");

@@ -211,7 +211,7 @@ static int parse_options(int argc, char **argv, options *o) {
     const bool launched = getenv("WORLD_SIZE") || getenv("SLURM_NTASKS"); /* one process per rank */
     if ((int)o->backend == -1) {
         /* GPUs when there are any: the default grid shrinks to what is visible */
-        const int ngpu = cpar_backend_available(CPAR_BACKEND_NCCL) ? cpar_dev_count() : 0;
+        const int ngpu = cpar_backend_available(CPAR_BACKEND_NCCL) ? cpar_device_count() : 0;
         if (!grid_given && !launched && ngpu > 0 && ngpu < 4) o->tp = ngpu >= 2 ? 2 : 1, o->cp = 1;
         o->backend = ngpu > 0 && (launched || ngpu >= o->tp * o->cp * o->dp) ? CPAR_BACKEND_NCCL : CPAR_BACKEND_HOST;
     }

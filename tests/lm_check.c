@@ -480,7 +480,7 @@ int main(void) {
     const int steps = env_int("CPAR_LM_STEPS", 30) < MAX_STEPS ? env_int("CPAR_LM_STEPS", 30) : MAX_STEPS;
     const char *lr_env = getenv("CPAR_LM_LR");
     const float lr = lr_env && atof(lr_env) > 0 ? (float)atof(lr_env) : 0.1f;
-    const int ngpu = cpar_dev_count();
+    const int ngpu = cpar_device_count();
     cpar_backend backend = cpar_backend_available(CPAR_BACKEND_NCCL) && ngpu >= NRANKS ? CPAR_BACKEND_NCCL
                                                                                        : CPAR_BACKEND_HOST;
     const char *be = getenv("CPAR_LM_BACKEND");

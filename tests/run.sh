@@ -64,6 +64,25 @@ NCCLSIM_SUITES=$(without_faults $NCCLSIM_SUITES)
 # result per flavour; bf16 on the simulated devices, every kernel on the CPU).
 for s in $HOST_SUITES; do run "$HOST_FLAVOUR/$s" "$B/$HOST_FLAVOUR/test_$s" host; done
 [ -z "$HOST_SUITES" ] || [ "$HOST_FLAVOUR" != host ] || CPAR_LM_BACKEND=host run "host/lm_check" "$B/host/lm_check" host
+# bench --csv/--json: a tiny sweep of the collectives (a second or two) must
+# give files every row of which parses, with the columns a plot needs.
+bench_check() {
+    CPAR_BENCH_ONLY=coll "$B/host/bench" -b 8 -e 64K -f 8 -n 2 --csv "$tmp/bench.csv" --json "$tmp/bench.json" \
+        > /dev/null || { echo "bench failed"; return 1; }
+    awk -F, 'NR == 1 { n = NF; if ($1 != "section" || $0 !~ /,busbw_gbps(,|$)/ || $0 !~ /,bytes(,|$)/) { print "bad header: " $0; bad = 1 } next }
+             NF != n { print "line " NR " has " NF " fields, the header " n; bad = 1 }
+             $1 == "collectives" { rows++ }
+             END { if (rows < 20) { print "only " rows + 0 " collective rows"; bad = 1 } exit bad }' "$tmp/bench.csv" || return 1
+    if command -v python3 > /dev/null 2>&1; then
+        python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); assert len(r) >= 20 and all("busbw_gbps" in x for x in r if x["section"] == "collectives"), r[:2]' \
+            "$tmp/bench.json" || return 1
+    fi
+    echo "bench --csv: $(($(wc -l < "$tmp/bench.csv") - 1)) rows, --json parses"
+}
+if [ -x "$B/host/bench" ] && [ "$HOST_FLAVOUR" = host ] && [ -n "$HOST_SUITES" ]; then
+    out=$(bench_check 2>&1)
+    report "host/bench-csv" "$out" $?
+fi
 for s in $SIM_SUITES; do run "sim/$s" "$B/sim/test_$s" sim; done
 [ -z "$SIM_SUITES" ] || CPAR_LM_BACKEND=sim run "sim/lm_check" "$B/sim/lm_check" sim
 # nccl-sim: the production path (cpar.c as built for GPUs, NCCL calls) on the

@@ -21,6 +21,7 @@
  * Sim only: the device layer (cpar_dev_attention_fwd) on strided blocks as
  * the ring attention uses them, and its argument checks. */
 #define _GNU_SOURCE /* setenv */
+#define CPAR_INTERNAL /* calls device-layer functions (cpar.h §16) directly */
 #include "testutil.h"
 
 #include <stdbool.h>

@@ -8,6 +8,7 @@
  * bfloat16 patterns and at every tie between neighbours. */
 #define _GNU_SOURCE /* setenv, unsetenv */
 #include <pthread.h>
+#include <unistd.h> /* getpid, gethostname, dup2 */
 
 #include "testutil.h"
 
@@ -511,7 +512,7 @@ START_TEST(test_backends) {
                  cpar_backend_name((cpar_backend)b));
         refused++;
     }
-    if (cpar_dev_count() == 0) { /* no GPU here: NCCL cannot run */
+    if (cpar_device_count() == 0) { /* no GPU here: NCCL cannot run */
         ck_assert(!cpar_backend_available(CPAR_BACKEND_NCCL));
         ck_assert_int_ge(refused, 1);
     }
@@ -736,6 +737,97 @@ START_TEST(test_null_ctx) {
 }
 END_TEST
 
+/* ---- logging: CPAR_LOG, CPAR_LOG_FILE ------------------------------------------------------------ */
+
+static cpar_status log_rank(cpar_ctx *ctx, void *arg) {
+    (void)arg;
+    TU_OK(cpar_grid_init(ctx, &(cpar_grid_config){.tp = 2}));
+    cpar_tensor bad = cpar_tensor_make(NULL, CPAR_F32, 1, (int64_t[]){-1}, cpar_device(ctx));
+    ck_assert_int_eq(cpar_fill(ctx, &bad, 1.0), CPAR_ERR_INVALID); /* a debug line */
+    return CPAR_OK;
+}
+
+static char *log_slurp(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) return NULL;
+    char *buf = calloc(1, 1 << 16);
+    size_t n = fread(buf, 1, (1 << 16) - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    return buf;
+}
+
+static int log_count(const char *text, const char *needle) {
+    int n = 0;
+    for (const char *p = text; (p = strstr(p, needle)); p += strlen(needle)) n++;
+    return n;
+}
+
+/* CPAR_LOG=INFO (any case) with CPAR_LOG_FILE=DIR/log.%h.%p.%r: one file per
+ * rank with one banner, the groups and the grid; at debug every line, error
+ * lines included, carries its rank. */
+START_TEST(test_log_info_files) {
+    char dir[] = "/tmp/cpar_log_XXXXXX", pattern[64], path[160], host[64] = "", want[128];
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    gethostname(host, sizeof host - 1);
+    const char *levels[] = {"INFO", "Debug"};
+    for (int l = 0; l < 2; l++) {
+        /* a new pattern per job: the process keeps a file open while its pattern stays */
+        snprintf(pattern, sizeof pattern, "%s/log%d.%%h.%%p.%%r", dir, l);
+        setenv("CPAR_LOG_FILE", pattern, 1);
+        setenv("CPAR_LOG", levels[l], 1);
+        TU_OK(tu_spawn(2, log_rank, NULL));
+        for (int r = 0; r < 2; r++) {
+            snprintf(path, sizeof path, "%s/log%d.%s.%ld.%d", dir, l, host, (long)getpid(), r);
+            char *text = log_slurp(path);
+            ck_assert_msg(text != NULL, "no log file %s", path);
+            snprintf(want, sizeof want, "cpar[%d] %s:%ld INFO cpar %d.%d: rank %d of 2 (local %d", r, host,
+                     (long)getpid(), CPAR_VERSION_MAJOR, CPAR_VERSION_MINOR, r, r);
+            ck_assert_msg(log_count(text, want) == 1, "want one \"%s\" in %s:\n%s", want, path, text);
+            ck_assert_msg(strstr(text, "timeout ") && strstr(text, "backend "), "%s", text);
+            snprintf(want, sizeof want, "cpar[%d] %s:%ld INFO group: split", r, host, (long)getpid());
+            ck_assert_msg(strstr(text, want), "no group line in %s:\n%s", path, text);
+            ck_assert_msg(strstr(text, "INFO grid: tp 2 x cp 1"), "no grid line in %s:\n%s", path, text);
+            snprintf(want, sizeof want, "cpar[%d] %s:%ld DEBUG CPAR_ERR_INVALID: cpar_fill:", r, host, (long)getpid());
+            ck_assert_msg((strstr(text, want) != NULL) == (l == 1), "debug line at %s in %s:\n%s", levels[l], path,
+                          text);
+            ck_assert_msg(!strstr(text, "cpar[-1]") && !strstr(text, "cpar[-]"), "a line without its rank:\n%s", text);
+            free(text);
+            unlink(path);
+        }
+    }
+    unsetenv("CPAR_LOG");
+    unsetenv("CPAR_LOG_FILE");
+    rmdir(dir);
+}
+END_TEST
+
+/* CPAR_LOG=1 (not a level) is warned about once, on stderr, however many jobs run. */
+START_TEST(test_log_bad_level) {
+    char path[] = "/tmp/cpar_log_err_XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    fflush(stderr);
+    int saved = dup(2);
+    dup2(fd, 2);
+    setenv("CPAR_LOG", "1", 1);
+    unsetenv("CPAR_LOG_FILE");
+    TU_OK(tu_spawn(2, log_rank, NULL));
+    TU_OK(tu_spawn(2, log_rank, NULL));
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    close(fd);
+    unsetenv("CPAR_LOG");
+    char *text = log_slurp(path);
+    unlink(path);
+    ck_assert_ptr_nonnull(text);
+    ck_assert_msg(log_count(text, "CPAR_LOG=1 is not a level: use warn, info or debug") == 1, "%s", text);
+    ck_assert_msg(!strstr(text, " INFO "), "info lines at CPAR_LOG=1:\n%s", text);
+    free(text);
+}
+END_TEST
+
 Suite *suite(void) {
     Suite *s = suite_create("core: status, dtypes, tensors, spawn and contexts");
     TCase *tc = tcase_create("errors");
@@ -760,6 +852,12 @@ Suite *suite(void) {
     tcase_add_test(tc, test_alloc_copy_roundtrip);
     tcase_add_test(tc, test_alloc_copy_bad_input);
     tcase_set_timeout(tc, 120);
+    suite_add_tcase(s, tc);
+
+    tc = tcase_create("logging");
+    tcase_add_test(tc, test_log_info_files);
+    tcase_add_test(tc, test_log_bad_level);
+    tcase_set_timeout(tc, 60);
     suite_add_tcase(s, tc);
 
     tc = tcase_create("contexts");

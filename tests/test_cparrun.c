@@ -373,6 +373,129 @@ START_TEST(test_world_size_mismatch)
 }
 END_TEST
 
+/* torchrun's and mpirun's spellings start the same job as -n. */
+START_TEST(test_spellings)
+{
+    static const char *const forms[][4] = {
+        {"-np", "2", NULL},
+        {"--nproc_per_node=2", NULL},
+        {"--nproc-per-node", "2", "--standalone", NULL},
+        {"-n2", "--no-python", NULL},
+    };
+    for (size_t i = 0; i < sizeof forms / sizeof *forms; i++) {
+        const char *args[8];
+        int k = 0;
+        for (int j = 0; forms[i][j]; j++)
+            args[k++] = forms[i][j];
+        args[k++] = "PROG";
+        args[k] = NULL;
+        proc p;
+        run(&p, args, NULL, 30000);
+        ck_assert_msg(p.status == 0, "form %zu: status %d\n%s", i, p.status, p.text[1]);
+        ASSERT_HAS(p.text[0], "[1] rank 1 of 2 (torchrun), local 1 of 2");
+        ASSERT_HAS(p.text[0], "[0] rank 0 ok\n");
+        proc_free(&p);
+    }
+}
+END_TEST
+
+/* --nproc-per-node gpu/auto: one rank per visible GPU; none visible: 1. */
+START_TEST(test_nproc_auto)
+{
+    proc p;
+    run(&p, (const char *const[]){"--nproc-per-node=auto", "PROG", NULL},
+        (const char *const[]){"CUDA_VISIBLE_DEVICES=0,1,2", NULL}, 30000);
+    ck_assert_msg(p.status == 0, "status %d\n%s", p.status, p.text[1]);
+    ASSERT_HAS(p.text[0], "[2] rank 2 of 3 (torchrun), local 2 of 3");
+    proc_free(&p);
+    run(&p, (const char *const[]){"--nproc_per_node", "gpu", "PROG", NULL},
+        (const char *const[]){"CUDA_VISIBLE_DEVICES=", NULL}, 30000);
+    ck_assert_msg(p.status == 0, "status %d\n%s", p.status, p.text[1]);
+    ASSERT_HAS(p.text[0], "[0] rank 0 of 1 (torchrun), local 0 of 1");
+    proc_free(&p);
+}
+END_TEST
+
+/* --master-addr/--master-port and --rdzv-endpoint, in both value forms. */
+START_TEST(test_master_addr_port)
+{
+    int port = free_port_pair();
+    char ps[16], ep[48], want[64];
+    snprintf(ps, sizeof ps, "%d", port);
+    snprintf(want, sizeof want, "store 127.0.0.1:%d\n", port + 1);
+    proc p;
+    run(&p, (const char *const[]){"-n", "2", "--master_addr=127.0.0.1", "--master-port", ps, "PROG", NULL}, NULL,
+        30000);
+    ck_assert_msg(p.status == 0, "status %d\n%s", p.status, p.text[1]);
+    ASSERT_HAS(p.text[0], want);
+    proc_free(&p);
+    port = free_port_pair();
+    snprintf(ep, sizeof ep, "127.0.0.1:%d", port);
+    snprintf(want, sizeof want, "store 127.0.0.1:%d\n", port + 1);
+    run(&p, (const char *const[]){"-n", "2", "--rdzv_endpoint", ep, "PROG", NULL}, NULL, 30000);
+    ck_assert_msg(p.status == 0, "status %d\n%s", p.status, p.text[1]);
+    ASSERT_HAS(p.text[0], want);
+    proc_free(&p);
+}
+END_TEST
+
+static char *slurp(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return NULL;
+    static char buf[65536];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    return buf;
+}
+
+/* --log-dir: one file per rank, unprefixed, nothing on the terminal;
+ * --tee 1 copies stdout back to the terminal. */
+START_TEST(test_log_dir)
+{
+    char dir[] = "/tmp/cparrun_logs_XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    char sub[64], path[128], want[64];
+    snprintf(sub, sizeof sub, "%s/new/dir", dir); /* created with its parents */
+    proc p;
+    run(&p, (const char *const[]){"-n", "2", "--log-dir", sub, "PROG", NULL}, NULL, 30000);
+    ck_assert_msg(p.status == 0, "status %d\n%s", p.status, p.text[1]);
+    ck_assert_msg(!strstr(p.text[0], "rank 0 ok"), "ranks' output on the terminal:\n%s", p.text[0]);
+    for (int r = 0; r < 2; r++) {
+        snprintf(path, sizeof path, "%s/rank_%d.log", sub, r);
+        const char *text = slurp(path);
+        ck_assert_msg(text != NULL, "no %s", path);
+        snprintf(want, sizeof want, "rank %d ok\n", r);
+        ASSERT_HAS(text, want);
+        snprintf(want, sizeof want, "rank %d stderr line\n", r); /* both streams */
+        ASSERT_HAS(text, want);
+        ck_assert_msg(text[0] != '[', "prefixed file:\n%s", text);
+        unlink(path);
+    }
+    proc_free(&p);
+    run(&p, (const char *const[]){"-n", "2", "--log-dir=" , sub, "PROG", NULL}, NULL, 30000);
+    ck_assert_int_eq(p.status, 2); /* an empty directory name */
+    proc_free(&p);
+    run(&p, (const char *const[]){"-n", "2", "--log-dir", sub, "--tee", "1", "PROG", NULL}, NULL, 30000);
+    ck_assert_msg(p.status == 0, "status %d\n%s", p.status, p.text[1]);
+    ASSERT_HAS(p.text[0], "[1] rank 1 ok\n");
+    ck_assert_msg(!strstr(p.text[1], "stderr line"), "stderr teed with --tee 1:\n%s", p.text[1]);
+    for (int r = 0; r < 2; r++) {
+        snprintf(path, sizeof path, "%s/rank_%d.log", sub, r);
+        ASSERT_HAS(slurp(path) ? slurp(path) : "", "stderr line");
+        unlink(path);
+    }
+    proc_free(&p);
+    snprintf(path, sizeof path, "%s/new/dir", dir);
+    rmdir(path);
+    snprintf(path, sizeof path, "%s/new", dir);
+    rmdir(path);
+    rmdir(dir);
+}
+END_TEST
+
 START_TEST(test_exec_failure)
 {
     proc p;
@@ -396,7 +519,20 @@ START_TEST(test_usage_errors)
         {{"-n", "0", "true"}, 2, "-n expects an integer in 1..65536, got \"0\""},
         {{"-n", "two", "true"}, 2, "got \"two\""},
         {{"--bogus", "true"}, 2, "unknown option --bogus"},
-        {{"-n", "2", "--nnodes", "2", "true"}, 2, "needs --master HOST:PORT"},
+        {{"-n", "2", "--nnodes", "2", "true"}, 2, "needs --master-addr HOST"},
+        {{"--version"}, 0, "cparrun (cpar) "},
+        {{"-np"}, 2, "-np needs a value"},
+        {{"--nproc_per_node=x", "true"}, 2, "--nproc-per-node expects an integer"},
+        {{"--nproc", "2", "true"}, 2, "--nproc is not a cparrun option: use -n N"},
+        {{"--nnproc-per-node=2", "true"}, 2, "did you mean --nproc-per-node?"},
+        {{"--max_restarts=3", "-n", "2", "true"}, 2, "cparrun does not restart ranks"},
+        {{"-H", "a,b", "true"}, 2, "one cparrun per node"},
+        {{"-n", "2", "--standalone", "--nnodes", "2", "true"}, 2, "--standalone is a single-node job"},
+        {{"-n", "2", "--master", "h:1", "--master-addr", "h", "true"}, 2, "give node 0's address once"},
+        {{"-n", "2", "--rdzv-endpoint", "[::1", "true"}, 2, "--rdzv-endpoint expects HOST:PORT or [IPv6]:PORT"},
+        {{"-n", "2", "--tee", "true"}, 2, "give --log-dir DIR too"},
+        {{"-n", "2", "--standalone=1", "true"}, 2, "--standalone takes no value"},
+        {{"-n", "2", "--nnodes", "2:4", "true"}, 2, "cparrun has no elastic jobs"},
         {{"-n", "2", "--nnodes", "2", "--node-rank", "2", "--master", "h:1", "true"}, 2, "--node-rank 2 is not below"},
         {{"-n", "2", "--master", "nohostport", "true"}, 2, "--master expects HOST:PORT"},
         {{"-n", "2", "--master", "h:99999", "true"}, 2, "port expects an integer in 1..65535"},
@@ -442,6 +578,10 @@ int main(void)
     tcase_add_test(tc, test_world_size_mismatch);
     tcase_add_test(tc, test_exec_failure);
     tcase_add_test(tc, test_usage_errors);
+    tcase_add_test(tc, test_spellings);
+    tcase_add_test(tc, test_nproc_auto);
+    tcase_add_test(tc, test_master_addr_port);
+    tcase_add_test(tc, test_log_dir);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

@@ -1,4 +1,4 @@
-/* test_devlayer.cu — the device layer (cpar.h §7) against host references.
+/* test_devlayer.cu — the device layer (cpar.h §16) against host references.
  *
  * Built by the sim build only (g++ -DCPAR_SIM -x c++ with tests/cudasim.h,
  * linked with cpar_kernels.cu and nothing else): every kernel runs through its
@@ -23,6 +23,7 @@
  *  10. GEMM
  *  11. Suite
  */
+#define CPAR_INTERNAL /* drives the device layer (cpar.h §16) directly */
 #include "cpar.h"
 #include "tests/cudasim.h"
 

@@ -7,7 +7,7 @@
  *
  * With no GPU visible it prints one line saying so and exits 0 without
  * running Check. Otherwise it runs, on CPAR_BACKEND_NCCL, a 1-rank world and
- * an n-GPU single-process world (n = cpar_dev_count(), at most 8): every
+ * an n-GPU single-process world (n = cpar_device_count(), at most 8): every
  * collective against a host reference computed in double, and the
  * element-wise ops on device tensors against the same ops on host tensors
  * (cpar's host reference kernels: fill, cast, axpby, row reduce, gelu,
@@ -38,13 +38,13 @@ static bool quick(void) {
     return v && !strcmp(v, "quick");
 }
 
-/* cpar_dev_count() in a child process, so this one stays CUDA-free; -1 if the probe could not run. */
+/* cpar_device_count() in a child process, so this one stays CUDA-free; -1 if the probe could not run. */
 static int probe_gpu_count(void) {
     fflush(NULL);
     pid_t pid = fork();
     if (pid < 0) return -1;
     if (pid == 0) {
-        int n = cpar_dev_count();
+        int n = cpar_device_count();
         _exit(n > 100 ? 100 : n < 0 ? 0 : n);
     }
     int status = 0;

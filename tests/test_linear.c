@@ -24,6 +24,7 @@
  *    a stale or destroyed event handle is (the sim checks every handle);
  *  - bad arguments. */
 #define _GNU_SOURCE /* setenv */
+#define CPAR_INTERNAL /* calls device-layer functions (cpar.h §16) directly */
 #include "testutil.h"
 
 #define MAX_TP 4

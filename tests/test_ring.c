@@ -19,6 +19,7 @@
  * rotation receives (cp-1)/cp of the global K and V, the ring rotation moves
  * cp-1 KV blocks, and backward adds cp ring shifts of the fp32 dK/dV
  * accumulators. Bad input for every argument of the four functions. */
+#define CPAR_INTERNAL /* calls device-layer functions (cpar.h §16) directly */
 #include "testutil.h"
 
 #define MAX_CP 8
