@@ -4336,8 +4336,11 @@ static cpar_status cpar__nccl_wait(cpar_ctx *ctx, const cpar_group *g, const cha
         }
         if (r != ncclInProgress) break;
         if (cpar__now_ms() > deadline) {
-            cpar__nccl_abort(comm);
+            /* The job learns of the timeout before the abort can reach a
+             * peer, so a peer that sees the abort blames this rank's timeout
+             * (CPAR_ERR_PEER) rather than reporting an NCCL error first. */
             if (ctx->job) cpar__job_fail(ctx->job, ctx->rank, CPAR_ERR_TIMEOUT);
+            cpar__nccl_abort(comm);
             return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: %.*s%s%s%s still in progress after %d ms; communicator "
                               "aborted", fn, cpar__nccl_name_len(call), call, what ? " (" : "", what ? what : "",
                               what ? ")" : "", ctx->timeout_ms);
