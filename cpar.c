@@ -4985,7 +4985,7 @@ static cpar_status cpar__check_backend(const char *fn, cpar_backend b, int nrank
 #ifdef CPAR_WITH_NCCL
                                                 : "no GPU is visible (cudaGetDeviceCount found none)";
 #else
-                                                : "this build has no CUDA/NCCL (built with CPAR_CUDA=0)";
+                                                : "this build has no CUDA/NCCL (cpar.c compiled without -DCPAR_WITH_DEVICE, e.g. make CPAR_CUDA=0)";
 #endif
         return cpar__fail(NULL, CPAR_ERR_UNSUPPORTED, "%s: backend %s is not available: %s", fn, cpar_backend_name(b), why);
     }
