@@ -27,8 +27,9 @@ for shared in 0 1; do
     [ $shared = 0 ] || want="$want $lib/libcpar.so"
     for f in $want; do [ -e "$f" ] || fail "SHARED=$shared: make install did not install ${f#$dest}"; done
 
-    # The .pc file names the final prefix; the sysroot maps it into DESTDIR.
-    flags=$(PKG_CONFIG_PATH=$lib/pkgconfig PKG_CONFIG_SYSROOT_DIR=$dest pkg-config --cflags --libs cpar) ||
+    # The .pc file names the final prefix; point it into DESTDIR (a sysroot
+    # would also move the CUDA library paths).
+    flags=$(PKG_CONFIG_PATH=$lib/pkgconfig pkg-config --define-variable=prefix="$dest$prefix" --cflags --libs cpar) ||
         fail "SHARED=$shared: pkg-config --cflags --libs cpar failed"
     # shellcheck disable=SC2086 # flags are words
     $CC -std=c11 -Wall -Wextra -Wpedantic -Werror "$root/tests/pkg_prog.c" -o "$tmp/prog$shared" $flags \
