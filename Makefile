@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # cpar — build, test, bench, demo, install.
 #
 #   make              build/<mode>/libcpar.a, build/cparrun and build/train (CUDA + NCCL when found)

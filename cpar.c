@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* cpar.c — the amalgamated host implementation of cpar (pure C11).
  *
  * Device work goes through the cpar_dev_* layer (cpar.h §7, cpar_kernels.cu);

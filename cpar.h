@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* cpar.h — a minimal C runtime for model parallelism on NVIDIA GPUs.
  *
  * Megatron-style tensor, sequence and context parallelism as one static

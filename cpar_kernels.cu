@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* cpar_kernels.cu — everything in cpar that touches a GPU.
  *
  * The device layer of cpar.h §7 (cpar_dev_*: memory, copies, streams, events,

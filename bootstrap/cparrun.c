@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* cparrun — start the local ranks of a cpar job, torchrun style.
  *
  *   cparrun -n N [--nnodes M --node-rank R --master HOST:PORT] [--store-port P] prog args...

@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # make check-dropin: the README's "Use cpar in your project" command lines,
 # run as written on a copy of the three files in a temporary directory, so
 # the README stays true. The blocks are the fenced code after the lines

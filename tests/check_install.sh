@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # make check-install: make install into a temporary DESTDIR, static and then
 # with SHARED=1, check the installed files, build tests/pkg_prog.c with
 # `pkg-config --cflags --libs cpar` alone and run it (and it under the

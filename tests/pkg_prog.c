@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/pkg_prog.c — a program as a user of cpar writes it, built the ways
  * the README tells users to: from the three copied files (make check-dropin,
  * tests/check_dropin.sh) and against an installed cpar through pkg-config

@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # Run cpar's Check suites: host backend, sim backend, nccl-sim (the NCCL
 # backend over the NCCL simulator), then the GPU suite, then the drop-in and
 # install checks named in PKG_CHECKS (tests/check_*.sh).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_core.c — status codes and errors, the version, dtypes and fp16/bf16 bit patterns,
  * tensors, allocation and copies, cpar_spawn and cpar_init_from_env input
  * checks, context accessors, and NULL contexts (cpar.h §1-3).

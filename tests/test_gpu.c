@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_gpu.c — the GPU suite: the NCCL backend and the CUDA kernels on real
  * GPUs (built in CUDA builds, against build/cuda/libcpar.a). `make test` also
  * runs the same bodies on nccl-sim (build/ncclsim/test_gpu: the same cpar.c
