@@ -1,32 +1,76 @@
-# cpar — build, test, bench, demo.
+# SPDX-License-Identifier: MIT
+# cpar — build, test, bench, demo, install.
 #
-#   make              build/libcpar.a and build/cparrun (CUDA + NCCL when found)
-#   make test         host, sim and nccl-sim suites; the GPU suite too when a GPU is present
+#   make              build/<mode>/libcpar.a, build/cparrun and build/train (CUDA + NCCL when found)
+#   make test         host, sim and nccl-sim suites, the GPU suite when a GPU is present,
+#                     the drop-in and install checks
 #   make test-sanitize  the host suites under ASan + UBSan (build/asan)
 #   make demo         the main job (examples/train.c): train a byte-level GPT with tp x cp (x dp)
 #   make collectives  a tour of the raw collectives on a tp x cp grid (examples/collectives.c)
 #   make bench        benchmarks (bench/)
-#   make CPAR_CUDA=0  force a host-only build
+#   make check-dropin  build the README's copy-three-files command lines in a temporary directory
+#   make check-install make install into a temporary DESTDIR, then build a program with pkg-config
+#   make install      PREFIX=/usr/local DESTDIR= SHARED=1 (also libcpar.so); make uninstall
+#   make CPAR_CUDA=0  force a host-only build; CUDA_ARCH="90" for one GPU architecture
 #
-# Outputs go to build/: build/host (host-only objects and suites), build/sim
-# (the CUDA simulator build: cpar_kernels.cu compiled by g++ with
-# tests/cudasim.h), build/ncclsim (cpar.c compiled exactly as for GPUs, linked
-# with the sim kernels and the NCCL simulator of tests/ncclsim), build/cuda
-# (nvcc + NCCL). Each CUDA object is compiled once.
+# Outputs go to build/, one directory per flavour, each with its own objects
+# and libcpar.a, so switching modes never links another mode's library:
+# build/cuda (nvcc + NCCL), build/host (host-only objects, programs and
+# suites), build/sim (the CUDA simulator build: cpar_kernels.cu compiled by
+# g++ with tests/cudasim.h), build/ncclsim (cpar.c compiled exactly as for
+# GPUs, linked with the sim kernels and the NCCL simulator of tests/ncclsim).
+# build/train, build/collectives and build/bench are links to the programs of
+# the mode this make picked. Each CUDA object is compiled once.
 
 CC       ?= cc
+comma := ,
 CXX      ?= g++
 CUDA_HOME ?= /usr/local/cuda
 NVCC     ?= $(CUDA_HOME)/bin/nvcc
-CUDA_ARCH ?= 80 90
+
+# The version, from cpar.h (the shared library's name and cpar.pc).
+cpar_version_part = $(shell sed -n 's/^[#]define CPAR_VERSION_$(1) *\([0-9][0-9]*\).*/\1/p' cpar.h)
+VERSION_MAJOR := $(call cpar_version_part,MAJOR)
+VERSION  := $(VERSION_MAJOR).$(call cpar_version_part,MINOR).$(call cpar_version_part,PATCH)
 
 # CUDA is used when nvcc and nccl.h are both found (override with CPAR_CUDA=0/1).
 NCCL_INC := $(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h /usr/local/include/nccl.h))
+CUDA_WHY := CPAR_CUDA=$(CPAR_CUDA)
 ifeq ($(origin CPAR_CUDA),undefined)
   CPAR_CUDA := $(if $(and $(wildcard $(NVCC)),$(NCCL_INC)),1,0)
+  CUDA_WHY  := $(if $(wildcard $(NVCC)),$(if $(NCCL_INC),,nccl.h not found in $(CUDA_HOME)/include$(comma) /usr/include or /usr/local/include),nvcc not found at $(NVCC); set CUDA_HOME)
 endif
-NCCL_LIBDIR := $(dir $(firstword $(wildcard $(CUDA_HOME)/lib64/libnccl.so $(CUDA_HOME)/lib/libnccl.so \
-                 /usr/lib/x86_64-linux-gnu/libnccl.so /usr/lib/aarch64-linux-gnu/libnccl.so /usr/local/lib/libnccl.so)))
+NCCL_LIBDIR := $(patsubst %/,%,$(dir $(firstword $(wildcard $(CUDA_HOME)/lib64/libnccl.so $(CUDA_HOME)/lib/libnccl.so \
+                 /usr/lib/x86_64-linux-gnu/libnccl.so /usr/lib/aarch64-linux-gnu/libnccl.so /usr/local/lib/libnccl.so))))
+NCCL_LIBDIR := $(filter-out $(CUDA_HOME)/lib64 /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu,$(NCCL_LIBDIR))
+
+# GPU architectures (CUDA builds only). The kernels need sm_80 or newer
+# (mma.sync on bf16, cp.async). By default: the local GPUs when there are any
+# (nvidia-smi, else nvcc's __nvcc_device_query); otherwise one cubin per
+# generation from sm_80 on that this nvcc knows (a cubin runs on every GPU of
+# its major version with an equal or higher minor: sm_80 covers sm_86/sm_89).
+# Either way the newest one is also embedded as PTX, which the driver compiles
+# for GPUs newer than this nvcc. CUDA_ARCH="90" (or "80 90") overrides.
+ifeq ($(CPAR_CUDA),1)
+  NVCC_CODES := $(filter-out 1 2 3% 4% 5% 6% 7%,$(shell $(NVCC) --list-gpu-code 2>/dev/null | sed -n 's/^sm_\([0-9][0-9]*\)$$/\1/p'))
+  ifeq ($(origin CUDA_ARCH),undefined)
+    LOCAL_ARCH := $(filter $(NVCC_CODES),$(shell { nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null || \
+                    $(CUDA_HOME)/bin/__nvcc_device_query 2>/dev/null; } | tr -d . | tr ', ' '\n\n' | grep -E '^[0-9]+$$' | sort -un))
+    FAT_ARCH   := $(shell for c in $(NVCC_CODES); do echo $$c; done | \
+                    awk '{ m = int($$1 / 10); if (!(m in b) || $$1 < b[m]) b[m] = $$1 } END { for (m in b) print b[m] }' | sort -n)
+    CUDA_ARCH  := $(or $(LOCAL_ARCH),$(FAT_ARCH),80 90)
+    ARCH_WHY   := $(if $(LOCAL_ARCH),kernels for the local GPU:,no GPU here$(comma) so kernels for)
+  else
+    ARCH_WHY   := kernels for CUDA_ARCH:
+  endif
+  PTX_ARCH := $(lastword $(shell for a in $(CUDA_ARCH); do echo $$a; done | sort -n))
+  NVCC_VERSION := $(shell $(NVCC) --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
+  NCCL_VERSION := $(if $(NCCL_INC),$(shell sed -n 's/^[#]define NCCL_\(MAJOR\|MINOR\|PATCH\) *\([0-9][0-9]*\).*/\2/p' $(NCCL_INC) | paste -sd.))
+  CPAR_BANNER  := cpar: CUDA build in build/cuda (nvcc $(NVCC_VERSION)$(comma) NCCL $(NCCL_VERSION) found; \
+                  $(ARCH_WHY) $(CUDA_ARCH:%=sm_%) + PTX compute_$(PTX_ARCH))
+else
+  CPAR_BANNER  := cpar: host build in build/host ($(CUDA_WHY))
+endif
 
 # A CBLAS for the host GEMM's F32 products: OpenBLAS or BLIS, found like NCCL
 # (CPAR_BLAS=0 turns it off, CPAR_BLAS=1 insists). Netlib's reference CBLAS is
@@ -52,23 +96,48 @@ CFLAGS    ?= -O2 -g
 CXXFLAGS  ?= -O1 -g
 ALL_CFLAGS   := -std=c11 $(WARN) $(CFLAGS) -pthread -I. $(BLAS_CFLAGS)
 SIM_CXXFLAGS := -std=c++17 -Wall -Wextra $(CXXFLAGS) -pthread -I. -DCPAR_SIM
+# --threads 0: nvcc compiles the architectures in parallel.
 NVCCFLAGS ?= -O3 -std=c++17 $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),code=sm_$(a)) \
-             -Xcompiler -Wall,-Wextra -I.
+             -gencode arch=compute_$(PTX_ARCH),code=compute_$(PTX_ARCH) --threads 0 -Xcompiler -Wall,-Wextra -I.
 CHECK_FLAGS := $(shell pkg-config --cflags check 2>/dev/null)
 CHECK_LIBS  := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsubunit -lrt -lm -pthread)
-comma := ,
 CUDA_LIBS   := -L$(CUDA_HOME)/lib64 $(if $(NCCL_LIBDIR),-L$(NCCL_LIBDIR)) -lnccl -lcublas -lcudart \
                -Wl$(comma)-rpath$(comma)$(CUDA_HOME)/lib64 $(if $(NCCL_LIBDIR),-Wl$(comma)-rpath$(comma)$(NCCL_LIBDIR))
 LIBS        := -pthread -lm $(BLAS_LIBS)
 
 B := build
 
+# The mode's directory M holds its library and programs.
 ifeq ($(CPAR_CUDA),1)
-  LIB_OBJS  := $(B)/cuda/cpar.o $(B)/cuda/cpar_kernels.o
+  MODE      := cuda
   LIB_LIBS  := $(CUDA_LIBS) $(LIBS) -lstdc++
 else
-  LIB_OBJS  := $(B)/host/cpar.o
+  MODE      := host
   LIB_LIBS  := $(LIBS)
+endif
+M        := $(B)/$(MODE)
+LIB      := $(M)/libcpar.a
+LIB_OBJS := $(M)/cpar.o $(if $(filter 1,$(CPAR_CUDA)),$(M)/cpar_kernels.o)
+SOLIB    := $(M)/libcpar.so.$(VERSION)
+SO_OBJS  := $(M)/pic/cpar.o $(if $(filter 1,$(CPAR_CUDA)),$(M)/cpar_kernels.o)
+SHARED   ?= 0
+
+# One line saying which mode this make picked and why, once per command
+# (not in the sub-makes of make check-install, nor for clean).
+ifeq ($(MAKELEVEL),0)
+  ifneq ($(filter-out clean uninstall,$(or $(MAKECMDGOALS),all)),)
+    $(info $(CPAR_BANNER))
+  endif
+endif
+
+# The suites need Check: stop before building anything when it is missing.
+TEST_GOALS := test test-host test-sim test-ncclsim test-gpu test-sanitize
+ifneq ($(filter $(TEST_GOALS),$(MAKECMDGOALS)),)
+  CHECK_FOUND := $(shell pkg-config --exists check 2>/dev/null && echo 1 || \
+                   { printf '\043include <check.h>\n' | $(CC) -E -x c - >/dev/null 2>&1 && echo 1; })
+  ifneq ($(CHECK_FOUND),1)
+    $(error cpar: the test suites need the Check framework (check.h not found); install it with: $(if $(filter 0,$(shell id -u)),,sudo )apt-get install -y check pkg-config)
+  endif
 endif
 
 # Suites that take a backend run on host, sim and nccl-sim; the rest are
@@ -85,29 +154,49 @@ NCCLSIM_TESTS := $(NCCLSIM_SUITES:%=$(B)/ncclsim/test_%) $(B)/ncclsim/mp_prog
 GPU_TEST   := $(if $(filter 1,$(CPAR_CUDA)),$(B)/cuda/test_gpu)
 TEST_PROGS := $(B)/host/store_prog
 
-.PHONY: all lib test test-host test-sim test-ncclsim test-gpu test-sanitize demo collectives bench plots clean
+.PHONY: all lib test test-host test-sim test-ncclsim test-gpu test-sanitize demo collectives bench plots clean \
+        install uninstall check-dropin check-install FORCE
 .SECONDARY: # keep the test objects that several flavours link
 all: lib $(B)/cparrun $(B)/train
-lib: $(B)/libcpar.a
+lib: $(LIB) $(if $(filter 1,$(SHARED)),$(SOLIB))
 
-$(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda $(B)/asan:
+$(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda $(B)/asan $(M)/pic:
 	@mkdir -p $@
 
 # ---- library -------------------------------------------------------------
 HDR := cpar.h
 
-$(B)/host/cpar.o: cpar.c $(HDR) | $(B)/host
-	$(CC) $(ALL_CFLAGS) -c $< -o $@
+# Each library directory records the flags its objects were built with, so
+# changing CUDA_ARCH, CFLAGS or CPAR_BLAS rebuilds them instead of linking
+# objects built another way.
+$(B)/host/flags $(B)/cuda/flags: FORCE
+	@mkdir -p $(@D)
+	@echo '$(CC) $(ALL_CFLAGS) $(if $(filter $(B)/cuda/%,$@),$(NVCC) $(NVCCFLAGS))' | cmp -s - $@ || \
+	    echo '$(CC) $(ALL_CFLAGS) $(if $(filter $(B)/cuda/%,$@),$(NVCC) $(NVCCFLAGS))' > $@
 
-$(B)/cuda/cpar.o: cpar.c $(HDR) | $(B)/cuda
-	$(CC) $(ALL_CFLAGS) -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL -isystem $(CUDA_HOME)/include -c $< -o $@
+$(B)/host/cpar.o $(B)/host/pic/cpar.o: cpar.c $(HDR) $(B)/host/flags
+	@mkdir -p $(@D)
+	$(CC) $(ALL_CFLAGS) $(if $(filter %/pic/cpar.o,$@),-fPIC) -c $< -o $@
 
-$(B)/cuda/cpar_kernels.o: cpar_kernels.cu $(HDR) | $(B)/cuda
-	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+$(B)/cuda/cpar.o $(B)/cuda/pic/cpar.o: cpar.c $(HDR) $(B)/cuda/flags
+	@mkdir -p $(@D)
+	$(CC) $(ALL_CFLAGS) -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL -isystem $(CUDA_HOME)/include \
+	    $(if $(filter %/pic/cpar.o,$@),-fPIC) -c $< -o $@
 
-$(B)/libcpar.a: $(LIB_OBJS)
+# Position-independent, so libcpar.so reuses it: nvcc is slow, and the
+# kernels' host code is launch wrappers that -fPIC does not slow down.
+$(B)/cuda/cpar_kernels.o: cpar_kernels.cu $(HDR) $(B)/cuda/flags
+	$(NVCC) $(NVCCFLAGS) -Xcompiler -fPIC -c $< -o $@
+
+$(LIB): $(LIB_OBJS)
 	@rm -f $@
 	ar rcs $@ $^
+
+# The shared library (SHARED=1): cpar.c again as position-independent code
+# in $(M)/pic, with the kernels' object; the soname changes with the major
+# version.
+$(SOLIB): $(SO_OBJS)
+	$(CC) -shared -Wl,-soname,libcpar.so.$(VERSION_MAJOR) $^ -o $@ $(LIB_LIBS)
 
 $(B)/cparrun: bootstrap/cparrun.c | $(B)/host
 	$(CC) $(ALL_CFLAGS) $< -o $@
@@ -196,8 +285,8 @@ $(B)/sim/mp_prog.o: tests/mp_prog.c tests/testutil.h $(HDR) | $(B)/sim
 $(B)/ncclsim/lm_check $(B)/ncclsim/train: $(B)/ncclsim/%: $(B)/sim/%.o $(NCCLSIM_OBJS)
 	$(CXX) $^ -o $@ $(LIBS)
 
-$(B)/cuda/test_gpu: tests/test_gpu.c $(B)/libcpar.a tests/testutil.h | $(B)/cuda
-	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) $< $(B)/libcpar.a -o $@ $(CHECK_LIBS) $(CUDA_LIBS) $(LIBS) -lstdc++
+$(B)/cuda/test_gpu: tests/test_gpu.c $(B)/cuda/libcpar.a tests/testutil.h | $(B)/cuda
+	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) $< $(B)/cuda/libcpar.a -o $@ $(CHECK_LIBS) $(CUDA_LIBS) $(LIBS) -lstdc++
 
 # The programs each flavour's suites need besides the test binaries.
 HOST_PROGS    := $(TEST_PROGS) $(B)/cparrun $(B)/host/lm_check $(B)/train
@@ -205,10 +294,15 @@ SIM_PROGS     := $(B)/sim/lm_check $(B)/sim/train
 NCCLSIM_PROGS := $(B)/cparrun $(B)/ncclsim/lm_check $(B)/ncclsim/train
 HOST_PROGS    += $(B)/host/bench # tests/run.sh checks its --csv and --json output
 
-RUN_TESTS = B=$(B) HOST_SUITES="$(1)" SIM_SUITES="$(2)" NCCLSIM_SUITES="$(3)" GPU_TEST="$(4)" sh tests/run.sh
+RUN_TESTS = B=$(B) HOST_SUITES="$(1)" SIM_SUITES="$(2)" NCCLSIM_SUITES="$(3)" GPU_TEST="$(4)" PKG_CHECKS="$(5)" sh tests/run.sh
+
+# The drop-in and install checks (scripts that build programs the ways the
+# README tells users to) run after the suites; PKG_ENV is what they need.
+PKG_ENV = MAKE="$(MAKE)" CC="$(CC)" CUDA_HOME="$(CUDA_HOME)" CPAR_CUDA=$(CPAR_CUDA) CPAR_MODE=$(MODE) \
+          DROPIN_ARCH="$(PTX_ARCH)"
 
 test: $(HOST_TESTS) $(SIM_TESTS) $(NCCLSIM_TESTS) $(GPU_TEST) $(HOST_PROGS) $(SIM_PROGS) $(NCCLSIM_PROGS)
-	@$(call RUN_TESTS,$(HOST_SUITES),$(SIM_SUITES),$(NCCLSIM_SUITES),$(GPU_TEST))
+	+@$(PKG_ENV) $(call RUN_TESTS,$(HOST_SUITES),$(SIM_SUITES),$(NCCLSIM_SUITES),$(GPU_TEST),dropin install)
 
 test-host: $(HOST_TESTS) $(HOST_PROGS)
 	@$(call RUN_TESTS,$(HOST_SUITES),,,)
@@ -243,29 +337,38 @@ test-sanitize: $(SAN_TESTS)
 	@$(SAN_ENV) HOST_FLAVOUR=asan $(call RUN_TESTS,$(SAN_SUITES),,,)
 
 # ---- demo and bench ----------------------------------------------------------
-$(B)/train: examples/train.c $(B)/libcpar.a
-	$(CC) $(ALL_CFLAGS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS)
+# Each mode's programs live in its directory, linked with its library;
+# build/train, build/collectives and build/bench point at this make's mode
+# (re-pointed on every make, since the other mode's program may be newer).
+$(M)/train: examples/train.c $(LIB)
+	$(CC) $(ALL_CFLAGS) $< $(LIB) -o $@ $(LIB_LIBS)
+
+$(M)/collectives: examples/collectives.c $(LIB)
+	$(CC) $(ALL_CFLAGS) $< $(LIB) -o $@ $(LIB_LIBS)
+
+$(M)/bench: bench/bench.c $(LIB)
+	$(CC) $(ALL_CFLAGS) $(BENCH_BLAS) $< $(LIB) -o $@ $(LIB_LIBS) $(if $(BLAS_LIBS),,$(BENCH_BLAS_LIBS))
+
+$(B)/train $(B)/collectives $(B)/bench: $(B)/%: $(M)/% FORCE
+	@[ "$$(readlink $@)" = "$(MODE)/$*" ] || ln -sfn $(MODE)/$* $@
 
 # The main job with its defaults (run from the repository's root: it trains
 # on README.md, cpar.h and cpar.c). build/train --help lists the flags.
 demo: $(B)/train
 	./$(B)/train
 
-$(B)/collectives: examples/collectives.c $(B)/libcpar.a
-	$(CC) $(ALL_CFLAGS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS)
-
 collectives: $(B)/collectives
 	./$(B)/collectives
-
-$(B)/bench: bench/bench.c $(B)/libcpar.a
-	$(CC) $(ALL_CFLAGS) $(BENCH_BLAS) $< $(B)/libcpar.a -o $@ $(LIB_LIBS) $(if $(BLAS_LIBS),,$(BENCH_BLAS_LIBS))
 
 bench: $(B)/bench
 	./$(B)/bench
 
-# The host flavour of the bench, for tests/run.sh's check of --csv/--json.
+# The host flavour of the bench, for tests/run.sh's check of --csv/--json
+# (in a host-mode make it is the mode's own bench, built above).
+ifneq ($(MODE),host)
 $(B)/host/bench: bench/bench.c $(B)/host/cpar.o | $(B)/host
 	$(CC) $(ALL_CFLAGS) $(BENCH_BLAS) $< $(B)/host/cpar.o -o $@ $(LIBS) $(if $(BLAS_LIBS),,$(BENCH_BLAS_LIBS))
+endif
 
 # Bus bandwidth against message size, one PNG per collective, from a sweep
 # (gnuplot, or python3 with matplotlib; tools/plot_bench.sh says which is missing).
@@ -274,5 +377,48 @@ plots: $(B)/bench
 	./$(B)/bench $(PLOT_SWEEP) --csv $(B)/bench.csv --json $(B)/bench.json
 	sh tools/plot_bench.sh $(B)/bench.csv $(B)/plots
 
+# ---- drop-in, install ----------------------------------------------------------
+# check-dropin: the README's command lines for the three copied files, in a
+# temporary directory, host-only and (with nvcc and NCCL) CUDA; the CUDA
+# program runs only where there is a GPU. check-install: make install into a
+# temporary DESTDIR (static, then SHARED=1) and build tests/pkg_prog.c with
+# pkg-config. make test runs both.
+check-dropin:
+	@$(PKG_ENV) sh tests/check_dropin.sh
+
+check-install:
+	+@$(PKG_ENV) sh tests/check_install.sh
+
+PREFIX     ?= /usr/local
+bindir     := $(PREFIX)/bin
+includedir := $(PREFIX)/include
+libdir     := $(PREFIX)/lib
+
+# cpar.pc: the static library needs its dependencies on the link line; the
+# shared one records them itself and finds its own directory by rpath.
+PC_DEPS := $(filter-out -pthread,$(LIB_LIBS))
+PC_LIBS := $(if $(filter 1,$(SHARED)),-L$${libdir} -Wl$(comma)-rpath$(comma)$${libdir} -lcpar,-L$${libdir} -lcpar $(PC_DEPS))
+
+install: lib $(B)/cparrun
+	install -d $(DESTDIR)$(includedir) $(DESTDIR)$(libdir)/pkgconfig $(DESTDIR)$(bindir)
+	install -m 644 cpar.h $(DESTDIR)$(includedir)/cpar.h
+	install -m 644 $(LIB) $(DESTDIR)$(libdir)/libcpar.a
+	install -m 755 $(B)/cparrun $(DESTDIR)$(bindir)/cparrun
+ifeq ($(SHARED),1)
+	install -m 755 $(SOLIB) $(DESTDIR)$(libdir)/libcpar.so.$(VERSION)
+	ln -sfn libcpar.so.$(VERSION) $(DESTDIR)$(libdir)/libcpar.so.$(VERSION_MAJOR)
+	ln -sfn libcpar.so.$(VERSION_MAJOR) $(DESTDIR)$(libdir)/libcpar.so
+endif
+	printf '%s\n' 'prefix=$(PREFIX)' 'includedir=$${prefix}/include' 'libdir=$${prefix}/lib' '' \
+	    'Name: cpar' 'Description: Megatron-style model parallelism in C ($(MODE) build)' 'Version: $(VERSION)' \
+	    'Cflags: -I$${includedir}' 'Libs: $(PC_LIBS) -pthread' \
+	    $(if $(filter 1,$(SHARED)),'Libs.private: $(PC_DEPS)') > $(DESTDIR)$(libdir)/pkgconfig/cpar.pc
+
+uninstall:
+	rm -f $(DESTDIR)$(includedir)/cpar.h $(DESTDIR)$(libdir)/libcpar.a $(DESTDIR)$(libdir)/libcpar.so* \
+	    $(DESTDIR)$(bindir)/cparrun $(DESTDIR)$(libdir)/pkgconfig/cpar.pc
+
 clean:
 	rm -rf $(B)
+
+FORCE:

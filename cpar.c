@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* cpar.c — the amalgamated host implementation of cpar (pure C11).
  *
  * Device work goes through the cpar_dev_* layer (cpar.h §16, cpar_kernels.cu);
@@ -313,6 +314,13 @@ const char *cpar_thread_last_error(void) { return cpar__tls_err; }
 
 const char *cpar_last_error(const cpar_ctx *ctx) { return ctx ? ctx->err : cpar__tls_err; }
 
+#define CPAR__STR_(x) #x
+#define CPAR__STR(x) CPAR__STR_(x)
+const char *cpar_version(void) {
+    return CPAR__STR(CPAR_VERSION_MAJOR) "." CPAR__STR(CPAR_VERSION_MINOR) "." CPAR__STR(CPAR_VERSION_PATCH);
+}
+int cpar_version_code(void) { return CPAR_VERSION_CODE; }
+
 static void cpar__set_error(cpar_ctx *ctx, const char *msg) {
     if (msg != cpar__tls_err) snprintf(cpar__tls_err, sizeof cpar__tls_err, "%s", msg);
     if (ctx && msg != ctx->err) snprintf(ctx->err, sizeof ctx->err, "%s", msg);
@@ -614,114 +622,127 @@ static bool cpar__ranges_overlap(const void *a, size_t na, const void *b, size_t
  * Uses: 1, 2, 3. */
 
 #ifndef CPAR_WITH_DEVICE
-static const char cpar__no_device_msg[] = "this build has no device support (built with CPAR_CUDA=0)";
-const char *cpar_dev_last_error(void) { return cpar__no_device_msg; }
-int cpar_dev_count(void) { return 0; }
+/* A program that links this file built without -DCPAR_WITH_DEVICE together
+ * with cpar_kernels.cu (the easy mistake when copying the three files into a
+ * CUDA project) would otherwise get one "multiple definition" per cpar_dev_*
+ * function and no hint. The stubs are weak, so the linker's only complaint is
+ * this variable, defined in cpar_kernels.cu too, whose name says the fix. */
+#if defined(__GNUC__)
+#define CPAR__STUB __attribute__((weak))
+#else
+#define CPAR__STUB
+#endif
+int cpar_link_error_cpar_c_built_without_CPAR_WITH_DEVICE = 1;
+static const char cpar__no_device_msg[] =
+    "this build has no device support (cpar.c compiled without -DCPAR_WITH_DEVICE, e.g. make CPAR_CUDA=0)";
+CPAR__STUB const char *cpar_dev_last_error(void) { return cpar__no_device_msg; }
+CPAR__STUB int cpar_dev_count(void) { return 0; }
 #define CPAR__NODEV(...) { (void)0; return CPAR_ERR_UNSUPPORTED; }
 #if defined(__GNUC__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 #endif
-cpar_status cpar_dev_set(int device) CPAR__NODEV()
-cpar_status cpar_dev_malloc(void **p, size_t bytes) CPAR__NODEV()
-cpar_status cpar_dev_free(void *p) CPAR__NODEV()
-cpar_status cpar_dev_memset(void *p, int byte, size_t bytes, cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_memcpy(void *dst, const void *src, size_t bytes, cpar_copy_kind kind, cpar_dev_stream s)
+CPAR__STUB cpar_status cpar_dev_set(int device) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_malloc(void **p, size_t bytes) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_free(void *p) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_memset(void *p, int byte, size_t bytes, cpar_dev_stream s) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_memcpy(void *dst, const void *src, size_t bytes, cpar_copy_kind kind, cpar_dev_stream s)
     CPAR__NODEV()
-cpar_status cpar_dev_copy_2d(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t row_bytes,
+CPAR__STUB cpar_status cpar_dev_copy_2d(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t row_bytes,
                              size_t rows, cpar_copy_kind kind, cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_sync(void) CPAR__NODEV()
-cpar_status cpar_dev_stream_create(cpar_dev_stream *s) CPAR__NODEV()
-cpar_status cpar_dev_stream_destroy(cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_stream_sync(cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_stream_query(cpar_dev_stream s, bool *done) CPAR__NODEV()
-cpar_status cpar_dev_event_create(cpar_dev_event *e) CPAR__NODEV()
-cpar_status cpar_dev_event_destroy(cpar_dev_event e) CPAR__NODEV()
-cpar_status cpar_dev_event_record(cpar_dev_event e, cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_stream_wait_event(cpar_dev_stream s, cpar_dev_event e) CPAR__NODEV()
-cpar_status cpar_dev_event_sync(cpar_dev_event e) CPAR__NODEV()
-cpar_status cpar_dev_blas_create(cpar_dev_blas *h) CPAR__NODEV()
-cpar_status cpar_dev_blas_destroy(cpar_dev_blas h) CPAR__NODEV()
-cpar_status cpar_dev_gemm(cpar_dev_blas h, cpar_dev_stream s, int transa, int transb, int m, int n, int k,
+CPAR__STUB cpar_status cpar_dev_sync(void) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_stream_create(cpar_dev_stream *s) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_stream_destroy(cpar_dev_stream s) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_stream_sync(cpar_dev_stream s) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_stream_query(cpar_dev_stream s, bool *done) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_event_create(cpar_dev_event *e) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_event_destroy(cpar_dev_event e) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_event_record(cpar_dev_event e, cpar_dev_stream s) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_stream_wait_event(cpar_dev_stream s, cpar_dev_event e) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_event_sync(cpar_dev_event e) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_blas_create(cpar_dev_blas *h) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_blas_destroy(cpar_dev_blas h) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_gemm(cpar_dev_blas h, cpar_dev_stream s, int transa, int transb, int m, int n, int k,
                           float alpha, const void *A, cpar_dtype ab_dtype, int lda, int64_t stride_a,
                           const void *B, int ldb, int64_t stride_b, float beta, void *C, cpar_dtype c_dtype,
                           int ldc, int64_t stride_c, int batch) CPAR__NODEV()
-cpar_status cpar_dev_fill(void *p, cpar_dtype dt, int64_t n, double value, cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_cast(void *dst, cpar_dtype dst_dt, const void *src, cpar_dtype src_dt, int64_t n,
+CPAR__STUB cpar_status cpar_dev_fill(void *p, cpar_dtype dt, int64_t n, double value, cpar_dev_stream s) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_cast(void *dst, cpar_dtype dst_dt, const void *src, cpar_dtype src_dt, int64_t n,
                           cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_axpby(float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n,
+CPAR__STUB cpar_status cpar_dev_axpby(float alpha, const void *x, float beta, void *y, cpar_dtype dt, int64_t n,
                            cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_reduce_into(void *acc, const void *src, cpar_dtype src_dt, int64_t n, cpar_reduce_op op,
+CPAR__STUB cpar_status cpar_dev_reduce_into(void *acc, const void *src, cpar_dtype src_dt, int64_t n, cpar_reduce_op op,
                                  cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_row_reduce(float *out, const void *in, cpar_dtype dt, int64_t rows, int64_t cols,
+CPAR__STUB cpar_status cpar_dev_row_reduce(float *out, const void *in, cpar_dtype dt, int64_t rows, int64_t cols,
                                 cpar_row_op op, cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_gelu(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n, cpar_dev_stream s)
+CPAR__STUB cpar_status cpar_dev_gelu(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n, cpar_dev_stream s)
     CPAR__NODEV()
 /* the sections' own kernels (cpar.h §16): RNG and dropout (for §9) */
-cpar_status cpar_dev_rng_uniform(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float lo,
+CPAR__STUB cpar_status cpar_dev_rng_uniform(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float lo,
                                  float hi, cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_rng_normal(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float mean,
+CPAR__STUB cpar_status cpar_dev_rng_normal(void *p, cpar_dtype dt, int64_t n, uint64_t seed, uint64_t offset, float mean,
                                 float std, cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_dropout_forward(const void *x, void *y, uint8_t *mask, cpar_dtype dt, int64_t n, float p,
+CPAR__STUB cpar_status cpar_dev_dropout_forward(const void *x, void *y, uint8_t *mask, cpar_dtype dt, int64_t n, float p,
                                      float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_dropout_backward(const void *dy, void *dx, const uint8_t *mask, cpar_dtype dt, int64_t n,
+CPAR__STUB cpar_status cpar_dev_dropout_backward(const void *dy, void *dx, const uint8_t *mask, cpar_dtype dt, int64_t n,
                                       float p, float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s)
     CPAR__NODEV()
 /* cross entropy and embedding (cpar.h §10) */
-cpar_status cpar_dev_xent_local(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows,
+CPAR__STUB cpar_status cpar_dev_xent_local(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows,
                                 int64_t cols, int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part,
                                 cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_xent_rescale(float *part, const float *m_loc, const float *m, int64_t rows, cpar_dev_stream s)
+CPAR__STUB cpar_status cpar_dev_xent_rescale(float *part, const float *m_loc, const float *m, int64_t rows, cpar_dev_stream s)
     CPAR__NODEV()
-cpar_status cpar_dev_xent_finalize(const float *m, const float *part, int64_t rows, int64_t vocab, float s, bool smooth,
+CPAR__STUB cpar_status cpar_dev_xent_finalize(const float *m, const float *part, int64_t rows, int64_t vocab, float s, bool smooth,
                                    float *loss, float *stats, cpar_dev_stream st) CPAR__NODEV()
-cpar_status cpar_dev_xent_backward(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
+CPAR__STUB cpar_status cpar_dev_xent_backward(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
                                    cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows, int64_t cols,
                                    int64_t first, int64_t vocab, float s, cpar_dev_stream st) CPAR__NODEV()
-cpar_status cpar_dev_embedding_lookup(const void *weight, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
+CPAR__STUB cpar_status cpar_dev_embedding_lookup(const void *weight, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
                                       int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
                                       void *out, cpar_dev_stream st) CPAR__NODEV()
-cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
+CPAR__STUB cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
                                     int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
                                     float *dweight, bool deterministic, cpar_dev_stream st) CPAR__NODEV()
 /* attention and the ring merge (cpar.h §12) */
-cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype out_dt, int64_t o_bh, float *lse,
+CPAR__STUB cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype out_dt, int64_t o_bh, float *lse,
                                    int64_t lse_bh, cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, const void *dout, cpar_dtype out_dt,
+CPAR__STUB cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, const void *dout, cpar_dtype out_dt,
                                    int64_t o_bh, const float *lse, int64_t lse_bh, float *dq, int64_t dq_bh,
                                    float *dk, float *dv, int64_t dkv_bh, void *scratch, cpar_dev_stream s) CPAR__NODEV()
-size_t cpar_dev_attention_bwd_scratch_bytes(const cpar_dev_attn *a) { return 0; }
-cpar_status cpar_dev_ring_merge(float *out, float *lse, const float *out_b, const float *lse_b, int64_t nbh,
+CPAR__STUB size_t cpar_dev_attention_bwd_scratch_bytes(const cpar_dev_attn *a) { return 0; }
+CPAR__STUB cpar_status cpar_dev_ring_merge(float *out, float *lse, const float *out_b, const float *lse_b, int64_t nbh,
                                 int64_t rows, int64_t d, int64_t o_bh, int64_t lse_bh, cpar_dev_stream s) CPAR__NODEV()
 /* Mamba context parallelism (cpar.h §13) */
-cpar_status cpar_dev_mamba_conv1d_forward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
+CPAR__STUB cpar_status cpar_dev_mamba_conv1d_forward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
                                           const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
                                           int64_t b, int64_t channels, int k, bool silu, void *y,
                                           cpar_dev_stream st) CPAR__NODEV()
-cpar_status cpar_dev_mamba_conv1d_backward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
+CPAR__STUB cpar_status cpar_dev_mamba_conv1d_backward(const void *x, int64_t x_pitch, cpar_dtype dt, const void *w,
                                            const void *bias, cpar_dtype pdt, cpar_dev_conv_rows rows, int64_t s,
                                            int64_t b, int64_t channels, int k, bool silu, const void *dy, void *dx,
                                            float *partial, int nsplit, float *dw, float *dbias, cpar_dev_stream st)
     CPAR__NODEV()
-cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
+CPAR__STUB cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
                                         int64_t rep_stride, int64_t src_pitch, int64_t groups, int64_t reps,
                                         int64_t rows, int64_t cols, cpar_dtype dt, cpar_dev_stream st) CPAR__NODEV()
 /* RMSNorm (cpar.h §14; GeLU, cpar.h §6, is above) */
-cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
+CPAR__STUB cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
                              float eps, void *y, cpar_dev_stream s) CPAR__NODEV()
-cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
+CPAR__STUB cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
                                       int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
                                       cpar_dev_stream s) CPAR__NODEV()
 /* Training (cpar.h §15) */
-cpar_status cpar_dev_adamw(float *master, float *m, float *v, const float *grad, void *param, cpar_dtype pdt, int64_t n,
+CPAR__STUB cpar_status cpar_dev_adamw(float *master, float *m, float *v, const float *grad, void *param, cpar_dtype pdt, int64_t n,
                            float lr, float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2,
                            float grad_scale, cpar_dev_stream s) CPAR__NODEV()
-size_t cpar_dev_sum_squares_scratch(int64_t n) { return (void)n, 0; }
-cpar_status cpar_dev_sum_squares(const float *x, int64_t n, float *out, void *scratch, cpar_dev_stream s) CPAR__NODEV()
+CPAR__STUB size_t cpar_dev_sum_squares_scratch(int64_t n) { return (void)n, 0; }
+CPAR__STUB cpar_status cpar_dev_sum_squares(const float *x, int64_t n, float *out, void *scratch, cpar_dev_stream s) CPAR__NODEV()
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop
 #endif
 #undef CPAR__NODEV
+#undef CPAR__STUB
 #endif /* !CPAR_WITH_DEVICE */
 
 /* The public face of cpar_dev_count (cpar.h §7): programs size their NCCL
@@ -5096,7 +5117,7 @@ static cpar_status cpar__check_backend(const char *fn, cpar_backend b, int nrank
 #ifdef CPAR_WITH_NCCL
                                                 : "no GPU is visible (cudaGetDeviceCount found none)";
 #else
-                                                : "this build has no CUDA/NCCL (built with CPAR_CUDA=0)";
+                                                : "this build has no CUDA/NCCL (cpar.c compiled without -DCPAR_WITH_DEVICE, e.g. make CPAR_CUDA=0)";
 #endif
         return cpar__fail(NULL, CPAR_ERR_UNSUPPORTED, "%s: backend %s is not available: %s", fn, cpar_backend_name(b), why);
     }

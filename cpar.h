@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* cpar.h — a minimal C runtime for model parallelism on NVIDIA GPUs.
  *
  * Megatron-style tensor, sequence and context parallelism as one static
@@ -52,8 +53,13 @@
 extern "C" {
 #endif
 
+/* The version of this header. The code orders versions as integers, like
+ * NCCL_VERSION_CODE: #if CPAR_VERSION_CODE >= CPAR_VERSION(0, 2, 0). */
 #define CPAR_VERSION_MAJOR 0
 #define CPAR_VERSION_MINOR 1
+#define CPAR_VERSION_PATCH 0
+#define CPAR_VERSION(major, minor, patch) ((major) * 10000 + (minor) * 100 + (patch))
+#define CPAR_VERSION_CODE CPAR_VERSION(CPAR_VERSION_MAJOR, CPAR_VERSION_MINOR, CPAR_VERSION_PATCH)
 
 /* ==== 1. Status codes and errors ======================================== */
 
@@ -87,6 +93,14 @@ const char *cpar_status_string(cpar_status st);
  * context exists, e.g. after cpar_init_from_env failed). "" when none. */
 const char *cpar_last_error(const cpar_ctx *ctx);
 const char *cpar_thread_last_error(void);
+
+/* The version of the library that was linked, which may differ from the
+ * header a program was compiled with (a shared libcpar.so upgraded under
+ * it): cpar_version() is "MAJOR.MINOR.PATCH" ("0.1.0"), never NULL;
+ * cpar_version_code() is its CPAR_VERSION_CODE (100 for 0.1.0). A program
+ * can compare cpar_version_code() with CPAR_VERSION_CODE at start-up. */
+const char *cpar_version(void);
+int cpar_version_code(void);
 
 /* ==== 2. Data types and tensors ========================================== */
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* cpar_kernels.cu — everything in cpar that touches a GPU.
  *
  * The device layer of cpar.h §16 (cpar_dev_*: memory, copies, streams, events,
@@ -69,6 +70,12 @@
 #include <stdio.h>
 #include <string.h>
 #include <type_traits>
+
+/* cpar.c built without -DCPAR_WITH_DEVICE defines host-only stubs of this
+ * file's functions (weak) and this variable; linking both then fails on this
+ * one name, which says what to change, instead of on every cpar_dev_*. */
+extern "C" int cpar_link_error_cpar_c_built_without_CPAR_WITH_DEVICE;
+int cpar_link_error_cpar_c_built_without_CPAR_WITH_DEVICE = 1;
 
 /* ==== 2. Errors ============================================================
  * One thread-local line per thread. CUDA failures become CPAR_ERR_OOM

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* bench.c — cpar's benchmarks (make bench).
  *
  * Collectives: for each operation, group size and message size, the median

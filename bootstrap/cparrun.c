@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* cparrun — start the local ranks of a cpar job, torchrun style.
  *
  *   cparrun -n N [--nnodes M --node-rank R --master-addr HOST --master-port PORT]

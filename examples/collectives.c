@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* collectives.c — a tour of the raw collectives (make collectives).
  *
  * Four ranks (threads on the host backend, or one GPU each through NCCL when

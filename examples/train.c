@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* train.c — cpar's main job (make demo): train a GPT on text, with tensor,
  * sequence, context and data parallelism, AdamW, gradient clipping,
  * checkpoints in safetensors and sampling.

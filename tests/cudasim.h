@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/cudasim.h — a CUDA simulator for the cpar sim build (docs/DESIGN.md §2).
  *
  * Lets the real cpar_kernels.cu compile with a plain C++17 compiler and run

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* lm_check.c — a test program (make test runs it on every flavour): train a
  * small transformer language model on a synthetic language with tensor,
  * sequence and context parallelism, and check that the parallel run matches

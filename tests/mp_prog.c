@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/mp_prog.c — one rank of a multi-process job on the NCCL backend,
  * built against nccl-sim (build/ncclsim/mp_prog) and run by tests/test_mp.c
  * under cparrun or with torchrun's variables set by the test:

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/proc.h — child processes with captured output, for the suites that
  * launch programs (test_cparrun: cparrun and store_prog; test_mp: cparrun and
  * torchrun-style jobs of mp_prog on nccl-sim). Include once, after check.h. */

@@ -1,6 +1,8 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # Run cpar's Check suites: host backend, sim backend, nccl-sim (the NCCL
-# backend over the NCCL simulator), then the GPU suite.
+# backend over the NCCL simulator), then the GPU suite, then the drop-in and
+# install checks named in PKG_CHECKS (tests/check_*.sh).
 # Prints each suite's Check summary and a closing "N passed, N failed" line
 # over all tests; exits non-zero when any suite fails.
 B=${B:-build}
@@ -94,6 +96,11 @@ unset CPAR_GPU_SUITE
 if [ -n "$GPU_TEST" ]; then
     run "gpu" "$GPU_TEST" nccl
 fi
+# The README's ways to build a program (make check-dropin, make check-install).
+for c in ${PKG_CHECKS:-}; do
+    out=$(sh "tests/check_$c.sh" 2>&1)
+    report "pkg/$c" "$out" $?
+done
 
 echo
 [ -z "$bad" ] || echo "failed suites:$bad"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/store_prog.c — one rank of a multi-process store test, run under
  * cparrun (see tests/test_cparrun.c):
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_attn.c — local attention (cpar.h §12): cpar_attention_forward and
  * cpar_attention_backward on one rank.
  *

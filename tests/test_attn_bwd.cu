@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_attn_bwd.cu — the flash-attention backward kernels (cpar_dev_attention_bwd,
  * cpar_kernels.cu §16) against an fp64 reference.
  *

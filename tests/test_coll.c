@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_coll.c — the raw collectives, their communication statistics, group
  * split and destroy, and their argument checks (cpar.h §4-5).
  *

@@ -1,4 +1,5 @@
-/* test_core.c — status codes and errors, dtypes and fp16/bf16 bit patterns,
+/* SPDX-License-Identifier: MIT */
+/* test_core.c — status codes and errors, the version, dtypes and fp16/bf16 bit patterns,
  * tensors, allocation and copies, cpar_spawn and cpar_init_from_env input
  * checks, context accessors, and NULL contexts (cpar.h §1-3).
  *
@@ -46,6 +47,18 @@ static void *thread_error_probe(void *arg) {
     ck_assert_ptr_nonnull(strstr(cpar_thread_last_error(), "cpar_set_timeout_ms"));
     return NULL;
 }
+
+/* The run-time version is the header's: a stale libcpar would differ. */
+START_TEST(test_version) {
+    char want[32];
+    snprintf(want, sizeof want, "%d.%d.%d", CPAR_VERSION_MAJOR, CPAR_VERSION_MINOR, CPAR_VERSION_PATCH);
+    ck_assert_str_eq(cpar_version(), want);
+    ck_assert_int_eq(cpar_version_code(), CPAR_VERSION_CODE);
+    ck_assert_int_eq(CPAR_VERSION_CODE,
+                     CPAR_VERSION_MAJOR * 10000 + CPAR_VERSION_MINOR * 100 + CPAR_VERSION_PATCH);
+    ck_assert(CPAR_VERSION(0, 1, 0) < CPAR_VERSION(0, 1, 1) && CPAR_VERSION(0, 1, 99) < CPAR_VERSION(0, 2, 0));
+}
+END_TEST
 
 START_TEST(test_thread_last_error) {
     /* The thread-local error is per thread: another thread's failure does not
@@ -832,6 +845,7 @@ Suite *suite(void) {
     Suite *s = suite_create("core: status, dtypes, tensors, spawn and contexts");
     TCase *tc = tcase_create("errors");
     tcase_add_test(tc, test_status_strings);
+    tcase_add_test(tc, test_version);
     tcase_add_test(tc, test_thread_last_error);
     tcase_add_test(tc, test_ctx_last_error);
     tcase_set_timeout(tc, 60);

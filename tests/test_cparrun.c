@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/test_cparrun.c — the launcher, end to end: cparrun runs store_prog
  * ranks on 127.0.0.1 and we check exit codes, output prefixes, timing of the
  * teardown and signal forwarding.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/test_cudasim.cu — conformance suite for tests/cudasim.h.
  *
  * Build (the sim build's flags):

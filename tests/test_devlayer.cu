@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_devlayer.cu — the device layer (cpar.h §16) against host references.
  *
  * Built by the sim build only (g++ -DCPAR_SIM -x c++ with tests/cudasim.h,

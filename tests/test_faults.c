@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_faults.c — a job never hangs (cpar.h §3, docs/DESIGN.md §5): a rank that
  * aborts, fails, leaves early, sleeps past the deadline, calls a different
  * collective, or sends to nobody makes its peers return an error within the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_fuzz.c — an API fuzzer over the public functions (issue 13, items 4-5).
  *
  * A fixed seed drives a few thousand calls with random and extreme shapes,

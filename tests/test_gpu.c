@@ -1,5 +1,6 @@
+/* SPDX-License-Identifier: MIT */
 /* test_gpu.c — the GPU suite: the NCCL backend and the CUDA kernels on real
- * GPUs (built in CUDA builds, against build/libcpar.a). `make test` also
+ * GPUs (built in CUDA builds, against build/cuda/libcpar.a). `make test` also
  * runs the same bodies on nccl-sim (build/ncclsim/test_gpu: the same cpar.c
  * code path on simulated GPUs and the NCCL simulator), so every line here
  * has run before a GPU sees it. Every spawn counts the ranks whose function

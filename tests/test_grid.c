@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_grid.c — Megatron's parallel grid: cpar_grid_init and the tp, cp,
  * dp, pp, tp-cp and dp-cp groups (cpar.h §4, docs/DESIGN.md §3).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_inference.c — inference layers (cpar.h §14): RMSNorm (and its backward),
  * InferenceLayerNormColumnParallelLinear, InferenceRowParallelLinear and the
  * fused reduce-scatter + add + RMSNorm + all-gather.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_linear.c — tensor-parallel linear layers (cpar.h §11).
  *
  * Every case is compared with a single-rank fp64 reference computed here from

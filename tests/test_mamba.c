@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_mamba.c — Mamba all-to-all context parallelism (cpar.h §13).
  *
  * The load-balancing orders (the seed's cp = 3 example, inverse pairs up to

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_mappings.c — Megatron's region mappings, the tensor-parallel utilities
  * and broadcast_data (cpar.h §8).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_mma.cu — the tensor-core wrappers (mma.sync m16n8k16, ldmatrix)
  * against plain matrix products.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/test_mp.c — multi-process jobs on the production path (nccl-sim):
  * mp_prog ranks go through cpar_init_from_env, the TCP store, the unique id
  * and NCCL communicator creation, then a tp x cp grid with collectives and a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/test_ncclsim.cu — the NCCL simulator (tests/ncclsim) against the
  * semantics cpar relies on: non-blocking init and split, group deferral,
  * stream order, collectives bit-identical to a single-threaded reference,

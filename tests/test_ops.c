@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_ops.c — element-wise and layout operations (cpar.h §6): cpar_fill,
  * cpar_cast, cpar_axpby, cpar_split, cpar_concat, cpar_row_reduce and
  * cpar_gelu_forward / _backward (the latter also by finite differences).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_ring.c — ring attention and context-parallel sharding (cpar.h §12).
  *
  * Sharding: cpar_cp_shard places chunk r (sequential) or chunks r and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_rng.c — RNG, dropout and activation checkpointing (cpar.h §9).
  *
  * Philox4x32-10 against the Random123 known-answer vectors; random fills and

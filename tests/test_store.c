@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/test_store.c — the rendezvous store and the launch environment.
  *
  * Everything runs in one process on 127.0.0.1: a server, client threads, and

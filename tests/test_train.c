@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/test_train.c — cpar.h §15 (AdamW, the global gradient norm and its
  * clipping, the coalesced gradient all-reduce) on the backend under test
  * (host loops; on sim and nccl-sim the fused AdamW kernel and the

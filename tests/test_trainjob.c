@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/test_trainjob.c — the main job (examples/train.c) end to end, as a
  * user runs it: build/train on the host backend, build/sim/train (every
  * kernel on the CPU) and build/ncclsim/train (the NCCL path, also as one

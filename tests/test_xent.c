@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_xent.c — vocabulary-parallel cross entropy (cpar.h §10).
  *
  * Every case builds one set of random global logits [N, V] and targets that

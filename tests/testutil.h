@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* testutil.h — helpers shared by cpar's Check suites.
  *
  * Every suite is built three times by `make test`: against the host-only

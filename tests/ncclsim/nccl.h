@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/ncclsim/nccl.h — the NCCL API subset that cpar uses, for the NCCL
  * simulator (tests/ncclsim/ncclsim.c).
  *

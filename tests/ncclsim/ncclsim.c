@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/ncclsim/ncclsim.c — an NCCL simulator: the subset of NCCL's API that
  * cpar calls (tests/ncclsim/nccl.h), running on the CPU over the CUDA
  * simulator's device memory (tests/cudasim.h).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/ncclsim/ncclsim_cudasim.cc — what the NCCL simulator asks of the CUDA
  * simulator: the calling thread's current device, whether a buffer is live
  * device memory (and on which device), and whether a stream is live.

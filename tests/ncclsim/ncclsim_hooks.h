@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* tests/ncclsim/ncclsim_hooks.h — the CUDA simulator's answers the NCCL
  * simulator needs (defined in ncclsim_cudasim.cc). */
 #ifndef NCCLSIM_HOOKS_H
