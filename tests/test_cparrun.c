@@ -29,6 +29,7 @@
 
 #include "cpar.h"
 #include "proc.h"
+#include "net.h"
 
 static const char *cparrun_path(void)
 {
@@ -253,26 +254,6 @@ START_TEST(test_store_port)
 }
 END_TEST
 
-/* The local addresses (hex, as /proc/net/tcp{,6} write them) listening on port. */
-static void listening_on(int port, char *out, size_t n)
-{
-    out[0] = '\0';
-    const char *files[] = {"/proc/net/tcp", "/proc/net/tcp6"};
-    for (int f = 0; f < 2; f++) {
-        FILE *fp = fopen(files[f], "r");
-        if (!fp)
-            continue;
-        char line[512], addr[64];
-        unsigned p, state;
-        while (fgets(line, sizeof line, fp))
-            if (sscanf(line, " %*d: %63[0-9A-Fa-f]:%x %*[0-9A-Fa-f]:%*x %x", addr, &p, &state) == 3 &&
-                (int)p == port && state == 0x0A /* LISTEN */) {
-                size_t used = strlen(out);
-                snprintf(out + used, n - used, "%s%s", used ? " " : "", addr);
-            }
-        fclose(fp);
-    }
-}
 
 /* Two jobs on one store port: job 1 (token chosen here) joins and waits; job 2
  * (cparrun's own random token) fails fast and cleanly; job 1 then finishes
@@ -289,7 +270,7 @@ START_TEST(test_two_jobs_one_port)
     ASSERT_HAS(j1.text[0], "[1] rank 1 joined");
 
     char where[256];
-    listening_on(port, where, sizeof where);
+    tu_listening_on(port, where, sizeof where);
     if (access("/proc/net/tcp", R_OK) == 0)
         ck_assert_msg(!strcmp(where, "0100007F"), "job 1's store listens on \"%s\", expected 127.0.0.1 only", where);
 

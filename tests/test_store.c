@@ -9,6 +9,7 @@
 #define _GNU_SOURCE /* POSIX and Linux APIs under -std=c11, as in cpar.c */
 #endif
 #include "cpar.h"
+#include "net.h"
 
 #include <arpa/inet.h>
 #include <check.h>
@@ -1176,27 +1177,6 @@ END_TEST
 
 /* ---- where the server listens -------------------------------------------- */
 
-/* The local addresses (hex as in /proc/net/tcp, e.g. "0100007F") of sockets
- * listening on port, IPv4 and IPv6 together, separated by spaces. */
-static void listening_on(int port, char *out, size_t n)
-{
-    out[0] = '\0';
-    const char *files[] = {"/proc/net/tcp", "/proc/net/tcp6"};
-    for (int f = 0; f < 2; f++) {
-        FILE *fp = fopen(files[f], "r");
-        if (!fp)
-            continue;
-        char line[512], addr[64];
-        unsigned p, state;
-        while (fgets(line, sizeof line, fp))
-            if (sscanf(line, " %*d: %63[0-9A-Fa-f]:%x %*[0-9A-Fa-f]:%*x %x", addr, &p, &state) == 3 &&
-                (int)p == port && state == 0x0A /* LISTEN */) {
-                size_t used = strlen(out);
-                snprintf(out + used, n - used, "%s%s", used ? " " : "", addr);
-            }
-        fclose(fp);
-    }
-}
 
 /* An IPv4 address of this host that is not loopback, or false. */
 static bool non_loopback_ipv4(struct in_addr *out)
@@ -1238,7 +1218,7 @@ START_TEST(test_bind_address)
     /* Default (host NULL), as for a single-node job: 127.0.0.1 only. */
     int port;
     cpar_store *srv = start_server_token(&port, 2000, TOKEN);
-    listening_on(port, where, sizeof where);
+    tu_listening_on(port, where, sizeof where);
     ck_assert_msg(!strcmp(where, "0100007F"), "port %d listens on \"%s\", expected 127.0.0.1 only", port, where);
     if (has_ext)
         ck_assert_msg(!try_connect(ext, port), "the loopback store answered on %s", inet_ntoa(ext));
@@ -1253,7 +1233,7 @@ START_TEST(test_bind_address)
         srv = NULL;
     }
     ck_assert_ptr_nonnull(srv);
-    listening_on(port, where, sizeof where);
+    tu_listening_on(port, where, sizeof where);
     ck_assert_msg(!strcmp(where, "00000000") || !strcmp(where, "00000000000000000000000000000000"),
                   "\"*\" listens on \"%s\"", where);
     if (has_ext)
