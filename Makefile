@@ -373,9 +373,13 @@ endif
 # Bus bandwidth against message size, one PNG per collective, from a sweep
 # (gnuplot, or python3 with matplotlib; tools/plot_bench.sh says which is missing).
 PLOT_SWEEP ?= -b 8K -e 64M -f 2
-plots: $(B)/bench
+# The main job's loss curve from a short run (PLOT_STEPS steps, no sample).
+PLOT_STEPS ?= 300
+plots: $(B)/bench $(B)/train
 	./$(B)/bench $(PLOT_SWEEP) --csv $(B)/bench.csv --json $(B)/bench.json
 	sh tools/plot_bench.sh $(B)/bench.csv $(B)/plots
+	./$(B)/train --steps $(PLOT_STEPS) --eval-every 50 --sample 0 > $(B)/train.log
+	sh tools/plot_loss.sh $(B)/train.log $(B)/plots/train_loss.png
 
 # ---- drop-in, install ----------------------------------------------------------
 # check-dropin: the README's command lines for the three copied files, in a

@@ -5196,8 +5196,8 @@ static void cpar__log_banner(const cpar_ctx *ctx, int local_rank, const char *ho
     if (ctx->backend == CPAR_BACKEND_NCCL && ncclGetVersion(&v) == ncclSuccess)
         snprintf(nccl, sizeof nccl, ", NCCL %d.%d.%d", v / 10000, v / 100 % 100, v % 100);
 #endif
-    cpar__log(CPAR__LOG_INFO, ctx->rank, "cpar %d.%d: rank %d of %d (local %d, %s), backend %s, %s%s, timeout %d ms",
-              CPAR_VERSION_MAJOR, CPAR_VERSION_MINOR, ctx->rank, ctx->world, local_rank, how,
+    cpar__log(CPAR__LOG_INFO, ctx->rank, "cpar %s: rank %d of %d (local %d, %s), backend %s, %s%s, timeout %d ms",
+              cpar_version(), ctx->rank, ctx->world, local_rank, how,
               cpar_backend_name(ctx->backend), dev, nccl, ctx->timeout_ms);
 }
 

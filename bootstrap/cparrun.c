@@ -638,7 +638,7 @@ int main(int argc, char **argv)
             break;
         case O_NO_PYTHON: break;
         case O_VERSION:
-            printf("cparrun (cpar) %d.%d\n", CPAR_VERSION_MAJOR, CPAR_VERSION_MINOR);
+            printf("cparrun (cpar) %d.%d.%d\n", CPAR_VERSION_MAJOR, CPAR_VERSION_MINOR, CPAR_VERSION_PATCH);
             return 0;
         case O_HELP: fputs(usage_text, stdout); return 0;
         }

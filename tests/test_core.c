@@ -794,8 +794,8 @@ START_TEST(test_log_info_files) {
             snprintf(path, sizeof path, "%s/log%d.%s.%ld.%d", dir, l, host, (long)getpid(), r);
             char *text = log_slurp(path);
             ck_assert_msg(text != NULL, "no log file %s", path);
-            snprintf(want, sizeof want, "cpar[%d] %s:%ld INFO cpar %d.%d: rank %d of 2 (local %d", r, host,
-                     (long)getpid(), CPAR_VERSION_MAJOR, CPAR_VERSION_MINOR, r, r);
+            snprintf(want, sizeof want, "cpar[%d] %s:%ld INFO cpar %s: rank %d of 2 (local %d", r, host,
+                     (long)getpid(), cpar_version(), r, r);
             ck_assert_msg(log_count(text, want) == 1, "want one \"%s\" in %s:\n%s", want, path, text);
             ck_assert_msg(strstr(text, "timeout ") && strstr(text, "backend "), "%s", text);
             snprintf(want, sizeof want, "cpar[%d] %s:%ld INFO group: split", r, host, (long)getpid());

@@ -31,6 +31,12 @@
 #include "proc.h"
 #include "net.h"
 
+/* "MAJOR.MINOR.PATCH" from cpar.h, as cparrun --version prints it */
+#define CPAR__TEST_STR2(x) #x
+#define CPAR__TEST_STR(x) CPAR__TEST_STR2(x)
+#define CPAR__TEST_VERSION                                                                                   \
+    CPAR__TEST_STR(CPAR_VERSION_MAJOR) "." CPAR__TEST_STR(CPAR_VERSION_MINOR) "." CPAR__TEST_STR(CPAR_VERSION_PATCH) "\n"
+
 static const char *cparrun_path(void)
 {
     static char buf[4096];
@@ -502,7 +508,7 @@ START_TEST(test_usage_errors)
         {{"-n", "two", "true"}, 2, "got \"two\""},
         {{"--bogus", "true"}, 2, "unknown option --bogus"},
         {{"-n", "2", "--nnodes", "2", "true"}, 2, "needs --master-addr HOST"},
-        {{"--version"}, 0, "cparrun (cpar) "},
+        {{"--version"}, 0, "cparrun (cpar) " CPAR__TEST_VERSION},
         {{"-np"}, 2, "-np needs a value"},
         {{"--nproc_per_node=x", "true"}, 2, "--nproc-per-node expects an integer"},
         {{"--nproc", "2", "true"}, 2, "--nproc is not a cparrun option: use -n N"},
