@@ -126,6 +126,14 @@ static void put_hdr(unsigned char *p, uint32_t magic, unsigned version, unsigned
     p[8] = (unsigned char)(vlen >> 24), p[9] = (unsigned char)(vlen >> 16);
     p[10] = (unsigned char)(vlen >> 8), p[11] = (unsigned char)vlen;
 }
+
+/* Send a frame the server must refuse on fd, then check it hung up. */
+static void send_refused(int fd, const void *frame, size_t n)
+{
+    raw_send(fd, frame, n);
+    ck_assert(closed_within(fd, 2000));
+    close(fd);
+}
 #define MAGIC 0x43505354u
 #define VERSION 2
 #define TOKEN "test-job" /* main() exports it as CPAR_JOB_TOKEN: the configs without a token use it */
@@ -470,52 +478,36 @@ START_TEST(test_garbage_frames)
     unsigned char h[256] = {0};
 
     int fd = raw_connect(port); /* plain garbage: a wrong magic */
-    raw_send(fd, "GET / HTTP/1.1\r\nHost: x\r\n\r\n", 27);
-    ck_assert(closed_within(fd, 2000));
-    close(fd);
+    send_refused(fd, "GET / HTTP/1.1\r\nHost: x\r\n\r\n", 27);
     check_store_works(port, "after-garbage");
 
     fd = raw_connect(port); /* right magic, wrong version */
     put_hdr(h, MAGIC, 99, OP_HELLO, 0, 0);
-    raw_send(fd, h, 12);
-    ck_assert(closed_within(fd, 2000));
-    close(fd);
+    send_refused(fd, h, 12);
 
     fd = raw_connect_hello(port); /* unknown opcode */
     put_hdr(h, MAGIC, VERSION, 77, 1, 0);
-    raw_send(fd, h, 12);
-    ck_assert(closed_within(fd, 2000));
-    close(fd);
+    send_refused(fd, h, 12);
 
     fd = raw_connect_hello(port); /* value length field of 2 GiB: refused at the header */
     put_hdr(h, MAGIC, VERSION, OP_SET, 3, 0x80000000u);
-    raw_send(fd, h, 12);
-    ck_assert(closed_within(fd, 2000));
-    close(fd);
+    send_refused(fd, h, 12);
 
     fd = raw_connect_hello(port); /* 1 MiB + 1 */
     put_hdr(h, MAGIC, VERSION, OP_SET, 3, (1u << 20) + 1);
-    raw_send(fd, h, 12);
-    ck_assert(closed_within(fd, 2000));
-    close(fd);
+    send_refused(fd, h, 12);
 
     fd = raw_connect_hello(port); /* key length 256 and 0 */
     put_hdr(h, MAGIC, VERSION, OP_GET, 256, 0);
-    raw_send(fd, h, 12);
-    ck_assert(closed_within(fd, 2000));
-    close(fd);
+    send_refused(fd, h, 12);
     fd = raw_connect_hello(port);
     put_hdr(h, MAGIC, VERSION, OP_GET, 0, 0);
-    raw_send(fd, h, 12);
-    ck_assert(closed_within(fd, 2000));
-    close(fd);
+    send_refused(fd, h, 12);
 
     fd = raw_connect_hello(port); /* ADD whose operand is not 8 bytes */
     put_hdr(h, MAGIC, VERSION, OP_ADD, 1, 4);
     memcpy(h + 12, "k1234", 5);
-    raw_send(fd, h, 17);
-    ck_assert(closed_within(fd, 2000));
-    close(fd);
+    send_refused(fd, h, 17);
 
     fd = raw_connect_hello(port); /* a truncated frame, then the peer closes */
     put_hdr(h, MAGIC, VERSION, OP_SET, 5, 100);
@@ -526,14 +518,10 @@ START_TEST(test_garbage_frames)
 
     fd = raw_connect(port); /* a HELLO whose token is too long (256 bytes) or empty */
     put_hdr(h, MAGIC, VERSION, OP_HELLO, 0, 256);
-    raw_send(fd, h, 12);
-    ck_assert(closed_within(fd, 2000));
-    close(fd);
+    send_refused(fd, h, 12);
     fd = raw_connect(port);
     put_hdr(h, MAGIC, VERSION, OP_HELLO, 0, 0);
-    raw_send(fd, h, 12);
-    ck_assert(closed_within(fd, 2000));
-    close(fd);
+    send_refused(fd, h, 12);
 
     /* A valid raw SET is accepted: the test's idea of the format is the server's. */
     fd = raw_connect_hello(port);
