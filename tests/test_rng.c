@@ -760,8 +760,11 @@ static void checkpoint_refork_case(cpar_ctx *ctx, int unused) {
         for (int64_t i = 0; i < 12; i++) ck_assert_msg(a.draws[k][i] == first[k][i], "draw %d element %lld", k, (long long)i);
         free(a.draws[k]);
         free(first[k]);
+        a.draws[k] = NULL;
     }
     TU_FAILS(cpar_rng_unfork(ctx), CPAR_ERR_INVALID, "no fork is open"); /* the recorded fork closed again */
+    ck.fork_depth = CPAR_RNG_MAX_FORK_DEPTH + 1; /* a checkpoint not made by cpar_checkpoint_forward */
+    TU_FAILS(cpar_checkpoint_recompute(ctx, &ck, refork_fn, &a), CPAR_ERR_INVALID, "ck->fork_depth is 9, expected 0..8");
     TU_OK(cpar_checkpoint_release(ctx, &ck));
 }
 
