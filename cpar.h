@@ -1249,6 +1249,30 @@ cpar_status cpar_cp_shard(cpar_group *cp, const cpar_tensor *full, int seq_dim, 
 cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_dim, bool load_balance,
                             cpar_tensor *full);
 
+/* ---- packed sequences (THD) -------------------------------------------------
+ * Megatron's PackedSeqParams with qkv_format "thd": a batch of documents
+ * packed back to back along one sequence dimension (b = 1), as real training
+ * data is. Document i holds the real tokens [cu_seqlens[i], cu_seqlens[i+1])
+ * of the unpadded packing; with cu_seqlens_padded, the packed buffer holds
+ * document i at [cu_seqlens_padded[i], cu_seqlens_padded[i+1]), real tokens
+ * first and padding after them (padding rows attend to nothing and get zero
+ * output and gradients). Attention never crosses a document boundary and is
+ * causal within a document.
+ *
+ * Context parallelism over P ranks (Megatron's THD partitioned indices):
+ * every (padded) document length divides by 2P, the document is cut into 2P
+ * equal chunks and rank r holds chunks r and 2P-1-r of EVERY document, in
+ * document order: [doc0 chunk r | doc0 chunk 2P-1-r | doc1 chunk r | ...].
+ * The local packed length is the total padded length / P. The arrays are
+ * host memory, the same on every rank, and describe the global (unsharded)
+ * packing. */
+typedef struct cpar_packed_seqs {
+    int n_docs;                        /* >= 1 */
+    const int32_t *cu_seqlens;         /* [n_docs + 1], cu_seqlens[0] = 0, non-decreasing */
+    const int32_t *cu_seqlens_padded;  /* [n_docs + 1] or NULL (no padding: the same as cu_seqlens);
+                                        * each padded length >= the real one */
+} cpar_packed_seqs;
+
 
 /* ==== 13. Mamba context parallelism =======================================
  *
