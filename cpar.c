@@ -7615,6 +7615,9 @@ static cpar_status cpar__lin_create(cpar_group *tp, const cpar_linear_config *cf
         /* LinearWithFrozenWeight's backward returns no bias gradient either */
         if (!c.frozen) CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, l->gdt, 1, bshape, &l->db), st, fail);
     }
+    /* the layer's own weight until a forward supplies another (section 21
+     * runs cpar__lin_fwd on a wrapped layer without calling forward) */
+    l->fw = l->w.data, l->fdw = l->dw.data;
     if (c.defer_embedding_wgrad_compute && c.wgrad_deferral_limit > 0) { /* the whole list, now */
         CPAR_TRY_GOTO(cpar__lin_defer_reserve(l, fn, c.wgrad_deferral_limit), st, fail);
     }

@@ -1086,7 +1086,9 @@ cpar_status cpar_embedding_zero_grad(cpar_embedding *e);
  * moved are the minimum of each mapping (see cpar_comm_stats):
  *   column fwd: SP all-gather of x; gather_output all-gather of y. Nothing else.
  *   column bwd: SP all-gather of x + reduce-scatter of dx; else all-reduce of
- *               dx (none with disable_grad_reduce).
+ *               dx (none with disable_grad_reduce). A deferred weight
+ *               gradient skips the all-gather; cpar_linear_drain_wgrad makes
+ *               it later (the same bytes).
  *   row fwd:    all-reduce of y (SP: reduce-scatter).
  *   row bwd:    SP all-gather of dy; !input_is_parallel all-gather of dx.
  * A group of size 1 moves nothing. The column backward overlaps as Megatron
