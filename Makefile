@@ -142,7 +142,7 @@ endif
 
 # Suites that take a backend run on host, sim and nccl-sim; the rest are
 # host-only (processes, sockets) or sim-only (the simulator and the device layer).
-BACKEND_SUITES := core coll grid faults ops rng mappings xent linear attn ring mamba inference train
+BACKEND_SUITES := core coll grid faults ops rng mappings xent linear attn ring packed mamba inference train
 HOST_SUITES    := $(BACKEND_SUITES) store cparrun trainjob fuzz
 SIM_SUITES     := $(BACKEND_SUITES) cudasim devlayer mma attn_bwd trainjob
 # nccl-sim runs every backend suite on CPAR_BACKEND_NCCL, the simulator's own
@@ -322,7 +322,7 @@ test-gpu: $(GPU_TEST)
 # suite passes only when it is clean. The fuzzer's batches run in forked
 # processes and count such an ending as a crash.
 SAN_FLAGS  := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
-SAN_SUITES := core coll grid ops rng mappings xent linear attn ring mamba inference train fuzz
+SAN_SUITES := core coll grid ops rng mappings xent linear attn ring packed mamba inference train fuzz
 SAN_TESTS  := $(SAN_SUITES:%=$(B)/asan/test_%)
 SAN_ENV    := ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1:abort_on_error=0 \
               UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1

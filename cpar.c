@@ -27,7 +27,7 @@
  *   16. Embedding, cross entropy    vocab-parallel embedding and loss
  *   17. Linear layers               column/row-parallel linear, init, fwd/bwd
  *   18. Local attention             flash-style attention fwd/bwd, host reference, blocks
- *   19. Ring attention, sharding    cp_shard/unshard, ring fwd/bwd, the LSE merge
+ *   19. Ring attention, sharding    cp_shard/unshard (plain, packed), ring fwd/bwd, the LSE merge
  *   20. Mamba context parallelism   cp2hp/hp2cp, load balancing, pre/post conv_ssm, conv1d
  *   21. Inference layers            RMSNorm fwd/bwd, inference column/row linear, fused rs+add+norm+ag
  *   22. Training                    AdamW step, gradient norm and clipping, coalesced gradient all-reduce
@@ -8445,7 +8445,8 @@ done:
 /* ==== 19. Ring attention and CP sharding ===================================
  * Owns cpar.h §12's context parallelism for attention: cpar_cp_shard and
  * cpar_cp_unshard (PyTorch's _SequentialSharder / _RoundRobinLoadBalancer and
- * context_parallel_unshard), cpar_ring_attention_forward / _backward
+ * context_parallel_unshard), their packed (THD) twins and the partitioned
+ * indices of a packing, cpar_ring_attention_forward / _backward
  * (_templated_ring_attention and its backward, _SDPAMerger, the all-gather
  * and all-to-all rotaters). Each ring step is one call of section 18's block
  * functions on pointer-offset sub-ranges of the shards; the fp32 merge is
@@ -8458,13 +8459,76 @@ done:
 
 /* ---- sequence sharding --------------------------------------------------------- */
 
+/* ---- packed sequences (THD) ----------------------------------------------------
+ * Document i occupies global rows [cu[i], cu[i+1]) of the packed buffer (cu =
+ * cu_seqlens_padded, or cu_seqlens without padding) and local rows
+ * [cu[i]/P, cu[i+1]/P) of every shard: chunk r of its 2P, then chunk 2P-1-r
+ * (each (cu[i+1]-cu[i])/2P rows). Sections 19 and 20 check a packing with
+ * cpar__packed_check and move rows with cpar__cp_packed_copy (below the
+ * plain chunk copies), so sharding, attention and Mamba agree on the layout. */
+
+/* A validated cpar_packed_seqs: the boundaries the buffer is cut at. */
+typedef struct cpar__packing {
+    int n_docs;
+    const int32_t *cu; /* the padded boundaries (cu_seqlens where there is no padding) */
+    int64_t total;     /* cu[n_docs]: the packed buffer's length */
+} cpar__packing;
+
+/* Check seqs for P ranks (cpar.h §12's rules) and resolve it into *pk. Each
+ * failure names the array, the index and the document. */
+static cpar_status cpar__packed_check(cpar_ctx *ctx, const char *fn, const cpar_packed_seqs *seqs, int P,
+                                      cpar__packing *pk) {
+    if (!seqs) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs is NULL (the packed sequences)", fn);
+    if (seqs->n_docs < 1)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->n_docs is %d, expected >= 1", fn, seqs->n_docs);
+    const int32_t *arr[2] = {seqs->cu_seqlens, seqs->cu_seqlens_padded};
+    static const char *names[2] = {"cu_seqlens", "cu_seqlens_padded"};
+    if (!arr[0]) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->cu_seqlens is NULL", fn);
+    const int n = seqs->n_docs;
+    for (int a = 0; a < 2; a++) {
+        if (!arr[a]) continue;
+        if (arr[a][0] != 0)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->%s[0] is %ld, expected 0", fn, names[a],
+                              (long)arr[a][0]);
+        for (int i = 0; i < n; i++)
+            if (arr[a][i + 1] < arr[a][i])
+                return cpar__fail(ctx, CPAR_ERR_INVALID,
+                                  "%s: seqs->%s decreases at document %d: %s[%d] = %ld < %s[%d] = %ld (expected "
+                                  "non-decreasing)", fn, names[a], i, names[a], i + 1, (long)arr[a][i + 1], names[a],
+                                  i, (long)arr[a][i]);
+    }
+    const int32_t *cu = arr[1] ? arr[1] : arr[0];
+    const char *cn = names[arr[1] ? 1 : 0];
+    const int64_t chunks = 2 * (int64_t)P;
+    for (int i = 0; i < n; i++) {
+        const int64_t len = (int64_t)cu[i + 1] - cu[i];
+        if (arr[1] && len < (int64_t)arr[0][i + 1] - arr[0][i])
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: document %d has padded length %lld (cu_seqlens_padded[%d] - [%d]) < its length "
+                              "%lld (cu_seqlens[%d] - [%d])", fn, i, (long long)len, i + 1, i,
+                              (long long)((int64_t)arr[0][i + 1] - arr[0][i]), i + 1, i);
+        if (len % chunks)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: document %d has %slength %lld (%s[%d] - [%d]), not divisible by 2*cp = %lld (each "
+                              "document is cut into 2*cp chunks)", fn, i, arr[1] ? "padded " : "", (long long)len, cn,
+                              i + 1, i, (long long)chunks);
+    }
+    pk->n_docs = n;
+    pk->cu = cu;
+    pk->total = cu[n];
+    return CPAR_OK;
+}
+
 /* Checks of the group, the whole and the sharded tensor shared by shard and
- * unshard; resolves seq_dim and gives the layout [outer, S, inner] of full
- * (S along seq_dim) and the chunk length c (S / (2P) with load balancing,
- * else S / P). dev_only: both tensors on the context's device (a collective). */
+ * unshard (packed or not); resolves seq_dim and gives the layout [outer, S,
+ * inner] of full (S along seq_dim) and the chunk length c (S / (2P) with load
+ * balancing, else S / P). dev_only: both tensors on the context's device (a
+ * collective). seqs: packed sequences (NULL: none), checked and resolved
+ * into *pk; S must then be their packed length. */
 static cpar_status cpar__cp_check(const char *fn, cpar_group *cp, const char *full_name, const cpar_tensor *full,
                                   const char *local_name, const cpar_tensor *local, int *seq_dim, bool load_balance,
-                                  bool dev_only, int64_t *outer, int64_t *inner, int64_t *c) {
+                                  bool dev_only, const cpar_packed_seqs *seqs, cpar__packing *pk, int64_t *outer,
+                                  int64_t *inner, int64_t *c) {
     if (!cp) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cp is NULL (the context-parallel group)", fn);
     cpar_ctx *ctx = cp->ctx;
     const int P = cp->size;
@@ -8489,7 +8553,13 @@ static cpar_status cpar__cp_check(const char *fn, cpar_group *cp, const char *fu
     if (*seq_dim < 0) *seq_dim += nd;
     const int sd = *seq_dim;
     const int64_t S = full->shape[sd], chunks = load_balance ? 2 * (int64_t)P : P;
-    if (S % chunks)
+    if (seqs) {
+        CPAR_TRY(cpar__packed_check(ctx, fn, seqs, P, pk));
+        if (S != pk->total)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has length %lld along seq_dim %d, expected %lld (the "
+                              "packed length, seqs->%s[%d])", fn, full_name, (long long)S, sd, (long long)pk->total,
+                              seqs->cu_seqlens_padded ? "cu_seqlens_padded" : "cu_seqlens", pk->n_docs);
+    } else if (S % chunks)
         return cpar__fail(ctx, CPAR_ERR_INVALID,
                           "%s: %s has length %lld along seq_dim %d, not divisible by %lld (%s with cp = %d)", fn,
                           full_name, (long long)S, sd, (long long)chunks,
@@ -8515,39 +8585,77 @@ static int64_t cpar__cp_chunk_of(int P, int r, bool load_balance, int slot) {
     return !load_balance ? r : slot == 0 ? r : 2 * (int64_t)P - 1 - r;
 }
 
+/* Copy c sequence rows between the whole tensor (layout [outer, S, inner],
+ * memory full, rows from g0) and one shard ([outer, S/P, inner], memory
+ * local, rows from l0), either way: one pitched copy over outer. */
+static cpar_status cpar__cp_copy_rows(cpar_ctx *ctx, const char *fn, void *full, int full_dev, void *local,
+                                      int local_dev, int64_t outer, int64_t S, int64_t inner, size_t es, int P,
+                                      int64_t g0, int64_t l0, int64_t c, bool to_local) {
+    if (!c || !outer || !inner) return CPAR_OK;
+    const size_t row = (size_t)(c * inner) * es, full_pitch = (size_t)(S * inner) * es;
+    const size_t local_pitch = (size_t)(S / P * inner) * es;
+    char *f = (char *)full + (size_t)(g0 * inner) * es, *l = (char *)local + (size_t)(l0 * inner) * es;
+    if (to_local) return cpar__copy_2d(ctx, fn, l, local_pitch, local_dev, f, full_pitch, full_dev, row, (size_t)outer);
+    return cpar__copy_2d(ctx, fn, f, full_pitch, full_dev, l, local_pitch, local_dev, row, (size_t)outer);
+}
+
 /* Copy rank r's chunks between the whole tensor (layout [outer, S, inner],
  * memory full) and one shard ([outer, S/P, inner], memory local), either way. */
 static cpar_status cpar__cp_copy(cpar_ctx *ctx, const char *fn, void *full, int full_dev, void *local, int local_dev,
                                  int64_t outer, int64_t S, int64_t inner, int64_t c, size_t es, int P, int r,
                                  bool load_balance, bool to_local) {
-    const size_t row = (size_t)(c * inner) * es, full_pitch = (size_t)(S * inner) * es;
-    const size_t local_pitch = (size_t)(S / P * inner) * es;
-    for (int slot = 0; slot < (load_balance ? 2 : 1); slot++) {
-        char *f = (char *)full + (size_t)cpar__cp_chunk_of(P, r, load_balance, slot) * row;
-        char *l = (char *)local + (size_t)slot * row;
-        if (to_local)
-            CPAR_TRY(cpar__copy_2d(ctx, fn, l, local_pitch, local_dev, f, full_pitch, full_dev, row, (size_t)outer));
-        else
-            CPAR_TRY(cpar__copy_2d(ctx, fn, f, full_pitch, full_dev, l, local_pitch, local_dev, row, (size_t)outer));
+    for (int slot = 0; slot < (load_balance ? 2 : 1); slot++)
+        CPAR_TRY(cpar__cp_copy_rows(ctx, fn, full, full_dev, local, local_dev, outer, S, inner, es, P,
+                                    cpar__cp_chunk_of(P, r, load_balance, slot) * c, slot * c, c, to_local));
+    return CPAR_OK;
+}
+
+/* Copy rank r's two chunks of every document between the packed whole
+ * ([outer, S, inner], memory full) and rank r's shard ([outer, S/P, inner],
+ * memory local), either way: 2 pitched copies per document. */
+static cpar_status cpar__cp_packed_copy(cpar_ctx *ctx, const char *fn, const cpar__packing *pk, void *full,
+                                        int full_dev, void *local, int local_dev, int64_t outer, int64_t inner,
+                                        size_t es, int P, int r, bool to_local) {
+    for (int i = 0; i < pk->n_docs; i++) {
+        const int64_t start = pk->cu[i], c = ((int64_t)pk->cu[i + 1] - start) / (2 * P);
+        for (int slot = 0; slot < 2; slot++)
+            CPAR_TRY(cpar__cp_copy_rows(ctx, fn, full, full_dev, local, local_dev, outer, pk->total, inner, es, P,
+                                        start + cpar__cp_chunk_of(P, r, true, slot) * c, start / P + slot * c, c,
+                                        to_local));
     }
     return CPAR_OK;
 }
 
-cpar_status cpar_cp_shard(cpar_group *cp, const cpar_tensor *full, int seq_dim, bool load_balance,
-                          cpar_tensor *local) {
-    static const char fn[] = "cpar_cp_shard";
-    int64_t outer, inner, c;
-    CPAR_TRY(cpar__cp_check(fn, cp, "full", full, "local", local, &seq_dim, load_balance, false, &outer, &inner, &c));
-    return cpar__cp_copy(cp->ctx, fn, full->data, full->device, local->data, local->device, outer,
-                         full->shape[seq_dim], inner, c, cpar_dtype_size(full->dtype), cp->size, cp->rank,
-                         load_balance, true);
+/* Rank r's share of full <-> its shard: packed per document (pk) or by the
+ * plain chunking. */
+static cpar_status cpar__cp_place(cpar_ctx *ctx, const char *fn, const cpar__packing *pk, void *full, int full_dev,
+                                  void *local, int local_dev, int64_t outer, int64_t S, int64_t inner, int64_t c,
+                                  size_t es, int P, int r, bool load_balance, bool to_local) {
+    if (pk) return cpar__cp_packed_copy(ctx, fn, pk, full, full_dev, local, local_dev, outer, inner, es, P, r, to_local);
+    return cpar__cp_copy(ctx, fn, full, full_dev, local, local_dev, outer, S, inner, c, es, P, r, load_balance,
+                         to_local);
 }
 
-cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_dim, bool load_balance,
-                            cpar_tensor *full) {
-    static const char fn[] = "cpar_cp_unshard";
+/* cpar_cp_shard and cpar_cp_shard_packed (seqs != NULL). */
+static cpar_status cpar__cp_shard(cpar_group *cp, const char *fn, const cpar_packed_seqs *seqs,
+                                  const cpar_tensor *full, int seq_dim, bool load_balance, cpar_tensor *local) {
     int64_t outer, inner, c;
-    CPAR_TRY(cpar__cp_check(fn, cp, "full", full, "local", local, &seq_dim, load_balance, true, &outer, &inner, &c));
+    cpar__packing pk;
+    CPAR_TRY(cpar__cp_check(fn, cp, "full", full, "local", local, &seq_dim, load_balance, false, seqs, &pk, &outer,
+                            &inner, &c));
+    return cpar__cp_place(cp->ctx, fn, seqs ? &pk : NULL, full->data, full->device, local->data, local->device, outer,
+                          full->shape[seq_dim], inner, c, cpar_dtype_size(full->dtype), cp->size, cp->rank,
+                          load_balance, true);
+}
+
+/* cpar_cp_unshard and cpar_cp_unshard_packed (seqs != NULL): one all-gather
+ * of the shards, then every rank's share put in place. */
+static cpar_status cpar__cp_unshard(cpar_group *cp, const char *fn, const cpar_packed_seqs *seqs,
+                                    const cpar_tensor *local, int seq_dim, bool load_balance, cpar_tensor *full) {
+    int64_t outer, inner, c;
+    cpar__packing pk;
+    CPAR_TRY(cpar__cp_check(fn, cp, "full", full, "local", local, &seq_dim, load_balance, true, seqs, &pk, &outer,
+                            &inner, &c));
     cpar_ctx *ctx = cp->ctx;
     const int P = cp->size;
     const int64_t n = cpar_tensor_numel(local);
@@ -8555,7 +8663,7 @@ cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_di
     cpar_tensor in = cpar_tensor_make(local->data, local->dtype, 2, in_shape, local->device);
     /* a sequential shard of the outermost dimension is already in place in
      * the rank-ordered gather: gather straight into full */
-    if (!load_balance && outer == 1) {
+    if (!seqs && !load_balance && outer == 1) {
         cpar_tensor out = cpar_tensor_make(full->data, full->dtype, 2, out_shape, full->device);
         return cpar__as(ctx, fn, cpar_all_gather(cp, &in, &out, NULL));
     }
@@ -8565,8 +8673,56 @@ cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_di
     CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(cp, &in, &gathered, NULL)));
     const size_t es = cpar_dtype_size(full->dtype);
     for (int j = 0; j < P; j++)
-        CPAR_TRY(cpar__cp_copy(ctx, fn, full->data, full->device, (char *)ws + (size_t)(j * n) * es, ctx->device,
-                               outer, full->shape[seq_dim], inner, c, es, P, j, load_balance, false));
+        CPAR_TRY(cpar__cp_place(ctx, fn, seqs ? &pk : NULL, full->data, full->device,
+                                (char *)ws + (size_t)(j * n) * es, ctx->device, outer, full->shape[seq_dim], inner, c,
+                                es, P, j, load_balance, false));
+    return CPAR_OK;
+}
+
+cpar_status cpar_cp_shard(cpar_group *cp, const cpar_tensor *full, int seq_dim, bool load_balance,
+                          cpar_tensor *local) {
+    return cpar__cp_shard(cp, "cpar_cp_shard", NULL, full, seq_dim, load_balance, local);
+}
+
+cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_dim, bool load_balance,
+                            cpar_tensor *full) {
+    return cpar__cp_unshard(cp, "cpar_cp_unshard", NULL, local, seq_dim, load_balance, full);
+}
+
+cpar_status cpar_cp_shard_packed(cpar_group *cp, const cpar_packed_seqs *seqs, const cpar_tensor *full, int seq_dim,
+                                 cpar_tensor *local) {
+    static const char fn[] = "cpar_cp_shard_packed";
+    if (!seqs) return cpar__fail(cp ? cp->ctx : NULL, CPAR_ERR_INVALID, "%s: seqs is NULL (the packed sequences)", fn);
+    return cpar__cp_shard(cp, fn, seqs, full, seq_dim, true, local);
+}
+
+cpar_status cpar_cp_unshard_packed(cpar_group *cp, const cpar_packed_seqs *seqs, const cpar_tensor *local,
+                                   int seq_dim, cpar_tensor *full) {
+    static const char fn[] = "cpar_cp_unshard_packed";
+    if (!seqs) return cpar__fail(cp ? cp->ctx : NULL, CPAR_ERR_INVALID, "%s: seqs is NULL (the packed sequences)", fn);
+    return cpar__cp_unshard(cp, fn, seqs, local, seq_dim, true, full);
+}
+
+cpar_status cpar_cp_packed_indices(const cpar_packed_seqs *seqs, int cp_size, int cp_rank, int64_t *indices,
+                                   int64_t n) {
+    static const char fn[] = "cpar_cp_packed_indices";
+    if (cp_size < 1) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cp_size is %d, expected >= 1", fn, cp_size);
+    if (cp_rank < 0 || cp_rank >= cp_size)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cp_rank is %d, expected 0..%d (cp_size %d)", fn, cp_rank,
+                          cp_size - 1, cp_size);
+    cpar__packing pk;
+    CPAR_TRY(cpar__packed_check(NULL, fn, seqs, cp_size, &pk));
+    if (n != pk.total / cp_size)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: n is %lld, expected %lld (the packed length %lld / cp_size %d)",
+                          fn, (long long)n, (long long)(pk.total / cp_size), (long long)pk.total, cp_size);
+    if (n && !indices) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: indices is NULL", fn);
+    for (int i = 0; i < pk.n_docs; i++) {
+        const int64_t start = pk.cu[i], c = ((int64_t)pk.cu[i + 1] - start) / (2 * cp_size);
+        int64_t *out = indices + start / cp_size;
+        for (int slot = 0; slot < 2; slot++)
+            for (int64_t k = 0; k < c; k++)
+                out[slot * c + k] = start + cpar__cp_chunk_of(cp_size, cp_rank, true, slot) * c + k;
+    }
     return CPAR_OK;
 }
 
