@@ -211,13 +211,13 @@ $(B)/sim/cpar_kernels.o: cpar_kernels.cu tests/cudasim.h $(HDR) | $(B)/sim
 SIM_OBJS := $(B)/sim/cpar.o $(B)/sim/cpar_kernels.o
 
 # ---- tests -----------------------------------------------------------------
-$(B)/host/test_%: tests/test_%.c $(B)/host/cpar.o tests/testutil.h tests/proc.h tests/net.h | $(B)/host
+$(B)/host/test_%: tests/test_%.c $(B)/host/cpar.o tests/testutil.h tests/proc.h tests/net.h tests/packed.h | $(B)/host
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) $< $(B)/host/cpar.o -o $@ $(CHECK_LIBS) $(LIBS)
 
 $(B)/host/store_prog: tests/store_prog.c $(B)/host/cpar.o | $(B)/host
 	$(CC) $(ALL_CFLAGS) $< $(B)/host/cpar.o -o $@ $(LIBS)
 
-$(B)/sim/test_%.o: tests/test_%.c tests/testutil.h tests/proc.h tests/net.h $(HDR) | $(B)/sim
+$(B)/sim/test_%.o: tests/test_%.c tests/testutil.h tests/proc.h tests/net.h tests/packed.h $(HDR) | $(B)/sim
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) -c $< -o $@
 
 $(B)/sim/test_%: $(B)/sim/test_%.o $(SIM_OBJS)
@@ -330,7 +330,7 @@ SAN_ENV    := ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1:abort_on_e
 $(B)/asan/cpar.o: cpar.c $(HDR) | $(B)/asan
 	$(CC) $(ALL_CFLAGS) $(SAN_FLAGS) -c $< -o $@
 
-$(B)/asan/test_%: tests/test_%.c $(B)/asan/cpar.o tests/testutil.h tests/proc.h tests/net.h | $(B)/asan
+$(B)/asan/test_%: tests/test_%.c $(B)/asan/cpar.o tests/testutil.h tests/proc.h tests/net.h tests/packed.h | $(B)/asan
 	$(CC) $(ALL_CFLAGS) $(SAN_FLAGS) $(CHECK_FLAGS) $< $(B)/asan/cpar.o -o $@ $(CHECK_LIBS) $(LIBS)
 
 test-sanitize: $(SAN_TESTS)

@@ -28,7 +28,7 @@
  *   17. Linear layers               column/row-parallel linear, init, fwd/bwd
  *   18. Local attention             flash-style attention fwd/bwd, host reference, blocks
  *   19. Ring attention, sharding    cp_shard/unshard (plain, packed), ring fwd/bwd, the LSE merge
- *   20. Mamba context parallelism   cp2hp/hp2cp, load balancing, pre/post conv_ssm, conv1d
+ *   20. Mamba context parallelism   cp2hp/hp2cp, load balancing, pre/post conv_ssm (plain, packed), conv1d
  *   21. Inference layers            RMSNorm fwd/bwd, inference column/row linear, fused rs+add+norm+ag
  *   22. Training                    AdamW step, gradient norm and clipping, coalesced gradient all-reduce
  */
@@ -9276,7 +9276,10 @@ cpar_status cpar_ring_attention_backward(cpar_group *cp, const cpar_ring_attenti
  * single equal all-to-all (the seed runs five; the bytes are the same), then
  * undoes the load balancing into out; its backward runs the same steps in
  * reverse and sums the B/C replica gradients (cpar_dev_mamba_sum_replicas).
- * post_conv_ssm is redo + all-to-all + unstack. Parameter slices are at most
+ * post_conv_ssm is redo + all-to-all + unstack. The _packed twins undo and
+ * redo per document of a cpar_packed_seqs (section 19's validator and row
+ * mover: the layout attention's packed shards have), the rest unchanged.
+ * Parameter slices are at most
  * three contiguous row ranges of the cp = 1 tensors, copied or accumulated
  * with section 4/5 machinery. The conv1d reads the cp = 1 weight and bias
  * through the row mapping (host loops below, cpar_dev_mamba_conv1d_* on
@@ -9340,6 +9343,26 @@ cpar_status cpar_undo_attention_load_balancing(cpar_ctx *ctx, int cp_size, const
 
 cpar_status cpar_redo_attention_load_balancing(cpar_ctx *ctx, int cp_size, const cpar_tensor *in, cpar_tensor *out) {
     return cpar__mcp_lb_public(ctx, "cpar_redo_attention_load_balancing", cp_size, in, out, false);
+}
+
+/* Between the natural order (nat: [s, b, w] on the context's device) and the
+ * P rank blocks of an all-to-all buffer (blocks: block j = rank j's
+ * load-balanced shard, sl = s/P rows of [b, w]): undo (blocks -> nat) or redo
+ * (nat -> blocks). pk NULL: the seed's 2P chunk copies of the whole
+ * sequence; else every document's chunks r and 2P-1-r (section 19's packed
+ * layout: undo is unshard's placement of each rank's block, redo shard's). */
+static cpar_status cpar__mcp_order(cpar_ctx *ctx, const char *fn, const cpar__packing *pk, void *nat, void *blocks,
+                                   int64_t sl, int64_t b, int64_t w, size_t es, int p, bool undo) {
+    int dev = ctx->device;
+    if (!pk) {
+        size_t chunk = (size_t)(sl / 2 * b * w) * es; /* one of the 2P sequence chunks */
+        return undo ? cpar__mcp_lb(ctx, fn, nat, dev, blocks, dev, chunk, p, true)
+                    : cpar__mcp_lb(ctx, fn, blocks, dev, nat, dev, chunk, p, false);
+    }
+    for (int j = 0; j < p; j++)
+        CPAR_TRY(cpar__cp_packed_copy(ctx, fn, pk, nat, dev, (char *)blocks + (size_t)((int64_t)j * sl * b * w) * es,
+                                      dev, 1, b * w, es, p, j, !undo));
+    return CPAR_OK;
 }
 
 /* ---- cp2hp / hp2cp -------------------------------------------------------------- */
@@ -9550,6 +9573,29 @@ static cpar_status cpar__mcp_check_seq(cpar_mamba_cp *m, const char *fn, const c
                       "balancing cuts 2*cp chunks)", fn, name, (long long)s, 2 * p);
 }
 
+/* The sequence checks of pre and post: without seqs (*pkp = NULL) s divides
+ * into 2P chunks; with seqs, the packing is valid for P and s is its packed
+ * length (*pkp = pk). rows: in's rows, s/P when local. */
+static cpar_status cpar__mcp_check_packing(cpar_mamba_cp *m, const char *fn, const cpar_packed_seqs *seqs,
+                                           cpar__packing *pk, const cpar__packing **pkp, const char *name,
+                                           int64_t rows, bool local) {
+    *pkp = NULL;
+    if (!seqs) return cpar__mcp_check_seq(m, fn, name, rows, local);
+    int p = m->info.cp_size;
+    CPAR_TRY(cpar__packed_check(m->ctx, fn, seqs, p, pk));
+    int64_t s = local ? rows * p : rows;
+    if (s != pk->total) {
+        if (local)
+            return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: %s has %lld rows (s/cp), so s = %lld, expected %lld (the "
+                              "packed length) with cp = %d", fn, name, (long long)rows, (long long)s,
+                              (long long)pk->total, p);
+        return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: %s has %lld rows (s), expected %lld (the packed length)", fn,
+                          name, (long long)s, (long long)pk->total);
+    }
+    *pkp = pk;
+    return CPAR_OK;
+}
+
 /* The checks pre and post share: m, dir, in and out 3-D on the context's
  * device with in's dtype, in's last dim in_last (< 0: any >= 1). */
 static cpar_status cpar__mcp_io(cpar_mamba_cp *m, const char *fn, const cpar_tensor *in, const cpar_tensor *out,
@@ -9567,15 +9613,18 @@ static cpar_status cpar__mcp_io(cpar_mamba_cp *m, const char *fn, const cpar_ten
     return CPAR_OK;
 }
 
-cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
-    static const char fn[] = "cpar_mamba_cp_pre_conv_ssm";
+/* pre_conv_ssm, packed (seqs) or not (NULL). */
+static cpar_status cpar__mcp_pre(cpar_mamba_cp *m, const char *fn, const cpar_packed_seqs *seqs, const cpar_tensor *in,
+                                 cpar_tensor *out, cpar_dir dir) {
     const cpar_mamba_cp_info *mi = m ? &m->info : NULL;
     bool fwd = dir == CPAR_FWD;
     CPAR_TRY(cpar__mcp_io(m, fn, in, out, dir, mi ? (fwd ? mi->in_width : mi->out_width) : 0));
     cpar_ctx *ctx = m->ctx;
     cpar_group *g = m->cp;
     int p = mi->cp_size, dev = ctx->device;
-    CPAR_TRY(cpar__mcp_check_seq(m, fn, "in", in->shape[0], fwd));
+    cpar__packing pk;
+    const cpar__packing *pkp;
+    CPAR_TRY(cpar__mcp_check_packing(m, fn, seqs, &pk, &pkp, "in", in->shape[0], fwd));
     int64_t b = in->shape[1], sl = fwd ? in->shape[0] : in->shape[0] / p;
     int64_t want[3] = {fwd ? sl * p : sl, b, fwd ? mi->out_width : mi->in_width};
     char why[128];
@@ -9598,7 +9647,6 @@ cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, 
     void *ws;
     CPAR_TRY(cpar__map_scratch(ctx, fn, 2 * half, &ws));
     char *send = ws, *recv = (char *)ws + half;
-    size_t chunk = (size_t)(t / 2 * w) * es; /* one of the 2P sequence chunks of [s, b, W] */
     int64_t start[5], width[5], off[5];
     cpar__mcp_pieces(mi, start, width, off);
     cpar_tensor a = cpar__view2(send, in->dtype, (int64_t)p * t, w, dev);
@@ -9613,10 +9661,10 @@ cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, 
                                            dev, (const char *)in->data + (size_t)cpar__mcp_src_col(mi, start, width, q, j) * es,
                                            (size_t)hin * es, dev, (size_t)width[q] * es, (size_t)t));
         CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
-        return cpar__mcp_lb(ctx, fn, out->data, dev, recv, dev, chunk, p, true);
+        return cpar__mcp_order(ctx, fn, pkp, out->data, recv, sl, b, w, es, p, true);
     }
     /* Backward: back to load-balanced order, the reverse all-to-all, unpack. */
-    CPAR_TRY(cpar__mcp_lb(ctx, fn, send, dev, in->data, dev, chunk, p, false));
+    CPAR_TRY(cpar__mcp_order(ctx, fn, pkp, in->data, send, sl, b, w, es, p, false));
     CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
     int64_t rep = mi->group_repeat_count, tw = t * w;
     if (!cpar__on_device(dev)) cpar__mcp_host_pack(mi, start, width, off, recv, out->data, t, w, es, false, rep > 1);
@@ -9641,14 +9689,17 @@ cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, 
     return CPAR_OK;
 }
 
-cpar_status cpar_mamba_cp_post_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
-    static const char fn[] = "cpar_mamba_cp_post_conv_ssm";
+/* post_conv_ssm, packed (seqs) or not (NULL). */
+static cpar_status cpar__mcp_post(cpar_mamba_cp *m, const char *fn, const cpar_packed_seqs *seqs,
+                                  const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
     bool fwd = dir == CPAR_FWD;
     CPAR_TRY(cpar__mcp_io(m, fn, in, out, dir, -1));
     cpar_ctx *ctx = m->ctx;
     cpar_group *g = m->cp;
     int p = m->info.cp_size, dev = ctx->device;
-    CPAR_TRY(cpar__mcp_check_seq(m, fn, "in", in->shape[0], !fwd));
+    cpar__packing pk;
+    const cpar__packing *pkp;
+    CPAR_TRY(cpar__mcp_check_packing(m, fn, seqs, &pk, &pkp, "in", in->shape[0], !fwd));
     int64_t b = in->shape[1];
     if (!fwd && in->shape[2] % p)
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in has hidden size %lld (dim 2), not divisible by cp = %d", fn,
@@ -9664,21 +9715,46 @@ cpar_status cpar_mamba_cp_post_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in,
     size_t es = cpar_dtype_size(in->dtype);
     int64_t t = sl * b;
     if (!t) return CPAR_OK;
-    size_t bytes = cpar_tensor_nbytes(in), half = (bytes + 255) & ~(size_t)255, chunk = (size_t)(t / 2 * h) * es;
+    size_t bytes = cpar_tensor_nbytes(in), half = (bytes + 255) & ~(size_t)255;
     void *ws;
     CPAR_TRY(cpar__map_scratch(ctx, fn, 2 * half, &ws));
     char *send = ws, *recv = (char *)ws + half;
     cpar_tensor a = cpar__view2(send, in->dtype, (int64_t)p * t, h, dev);
     cpar_tensor r = cpar__view2(recv, in->dtype, (int64_t)p * t, h, dev);
     if (fwd) { /* redo, then hp2cp: block j (rank j's chunks) to rank j, blocks side by side */
-        CPAR_TRY(cpar__mcp_lb(ctx, fn, send, dev, in->data, dev, chunk, p, false));
+        CPAR_TRY(cpar__mcp_order(ctx, fn, pkp, in->data, send, sl, b, h, es, p, false));
         CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
         return cpar__unstack_last(ctx, fn, out->data, recv, t, h, p, es);
     }
     /* backward: cp2hp (column chunk j to rank j), then undo */
     CPAR_TRY(cpar__stack_last(ctx, fn, send, in->data, t, h, p, es));
     CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
-    return cpar__mcp_lb(ctx, fn, out->data, dev, recv, dev, chunk, p, true);
+    return cpar__mcp_order(ctx, fn, pkp, out->data, recv, sl, b, h, es, p, true);
+}
+
+cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    return cpar__mcp_pre(m, "cpar_mamba_cp_pre_conv_ssm", NULL, in, out, dir);
+}
+
+cpar_status cpar_mamba_cp_post_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    return cpar__mcp_post(m, "cpar_mamba_cp_post_conv_ssm", NULL, in, out, dir);
+}
+
+/* The packed twins: seqs is required (the unpacked calls above take none). */
+cpar_status cpar_mamba_cp_pre_conv_ssm_packed(cpar_mamba_cp *m, const cpar_packed_seqs *seqs, const cpar_tensor *in,
+                                              cpar_tensor *out, cpar_dir dir) {
+    static const char fn[] = "cpar_mamba_cp_pre_conv_ssm_packed";
+    CPAR_TRY(cpar__mcp_check(m, fn));
+    if (!seqs) return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: seqs is NULL (the packed sequences)", fn);
+    return cpar__mcp_pre(m, fn, seqs, in, out, dir);
+}
+
+cpar_status cpar_mamba_cp_post_conv_ssm_packed(cpar_mamba_cp *m, const cpar_packed_seqs *seqs, const cpar_tensor *in,
+                                               cpar_tensor *out, cpar_dir dir) {
+    static const char fn[] = "cpar_mamba_cp_post_conv_ssm_packed";
+    CPAR_TRY(cpar__mcp_check(m, fn));
+    if (!seqs) return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: seqs is NULL (the packed sequences)", fn);
+    return cpar__mcp_post(m, fn, seqs, in, out, dir);
 }
 
 /* ---- parameter slices -------------------------------------------------------------- */

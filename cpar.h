@@ -1455,6 +1455,25 @@ int64_t cpar_mamba_cp_conv1d_channels(const cpar_mamba_cp *m);
  * P == 1, out == in is allowed). Scratch from the context workspace. */
 cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
 cpar_status cpar_mamba_cp_post_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
+/* The same for a packed batch (seqs: §12's cpar_packed_seqs, required;
+ * Megatron's PackedSeqParams). Outside the mixer the sequence dim 0 holds
+ * this rank's shard in §12's packed layout (chunks r and 2P-1-r of EVERY
+ * document, what cpar_cp_shard_packed makes and packed attention reads);
+ * inside, out of pre (in of post) holds the whole packing, documents back to
+ * back with their padding, in natural order: the undo/redo is done per
+ * document instead of over the whole sequence. s is the packed length
+ * (cu_seqlens_padded[n_docs], or cu_seqlens[n_docs] without padding) instead
+ * of a multiple of 2P; every document's (padded) length divides by 2P
+ * (errors name the document). Every batch column (dim 1) shares the packing
+ * (Megatron's THD has b = 1). Communication as the unpacked calls: one
+ * all-to-all of (P-1)/P of the buffer; the reorder is 2 copies per document
+ * and rank. A packing of one unpadded document is the unpacked call. The
+ * conv1d below treats the sequence as one: a caller whose documents must not
+ * see each other's tokens runs it per document (mamba_ssm's seq_idx). */
+cpar_status cpar_mamba_cp_pre_conv_ssm_packed(cpar_mamba_cp *m, const cpar_packed_seqs *seqs, const cpar_tensor *in,
+                                              cpar_tensor *out, cpar_dir dir);
+cpar_status cpar_mamba_cp_post_conv_ssm_packed(cpar_mamba_cp *m, const cpar_packed_seqs *seqs, const cpar_tensor *in,
+                                               cpar_tensor *out, cpar_dir dir);
 
 /* The seed's get_conv1d_weight / _bias / get_dt_bias / get_A_log / get_D:
  * copy this rank's slice of the cp = 1 parameter param into out (same dtype;

@@ -18,60 +18,7 @@
  * each message naming the argument (the failing document by number). */
 #include "testutil.h"
 
-#define MAX_DOCS 8
-
-typedef struct {
-    const char *name;
-    int n;
-    int32_t cu[MAX_DOCS + 1], cu_pad[MAX_DOCS + 1];
-    bool padded;
-} packing;
-
-/* The packings for cp = P, u = 2P the chunk unit. */
-static int make_packings(int P, packing *out) {
-    const int32_t u = 2 * P;
-    int k = 0;
-    { /* uneven documents, the first exactly 2P long */
-        const int32_t len[4] = {u, 3 * u, 2 * u, 5 * u};
-        packing *q = &out[k++];
-        q->name = "uneven", q->n = 4, q->padded = false;
-        q->cu[0] = 0;
-        for (int i = 0; i < 4; i++) q->cu[i + 1] = q->cu[i] + len[i];
-    }
-    { /* one long document */
-        packing *q = &out[k++];
-        q->name = "single", q->n = 1, q->padded = false;
-        q->cu[0] = 0, q->cu[1] = 7 * u;
-    }
-    { /* padded: real lengths rounded up to a multiple of 2P; document 3 empty;
-       * document 5 padded a whole chunk unit beyond its rounding */
-        const int32_t real[6] = {u - 1, 1, 2 * u, 0, (3 * u) / 2 + 2, 2};
-        const int32_t pad[6] = {u, u, 2 * u, 0, ((3 * u) / 2 + 2 + u - 1) / u * u, 2 * u};
-        packing *q = &out[k++];
-        q->name = "padded", q->n = 6, q->padded = true;
-        q->cu[0] = q->cu_pad[0] = 0;
-        for (int i = 0; i < 6; i++) q->cu[i + 1] = q->cu[i] + real[i], q->cu_pad[i + 1] = q->cu_pad[i] + pad[i];
-    }
-    return k;
-}
-
-static cpar_packed_seqs seqs_of(const packing *q) {
-    cpar_packed_seqs s = {.n_docs = q->n, .cu_seqlens = q->cu, .cu_seqlens_padded = q->padded ? q->cu_pad : NULL};
-    return s;
-}
-
-static int64_t total_of(const packing *q) { return q->padded ? q->cu_pad[q->n] : q->cu[q->n]; }
-
-/* The rank and local row holding global packed row g (the reference). */
-static void owner_of(const packing *q, int P, int64_t g, int *rank, int64_t *local) {
-    const int32_t *cu = q->padded ? q->cu_pad : q->cu;
-    int i = 0;
-    while (!(g >= cu[i] && g < cu[i + 1])) i++; /* the document holding g (empty ones never do) */
-    int64_t o = g - cu[i], c = (cu[i + 1] - cu[i]) / (2 * P), chunk = o / c;
-    int slot = chunk < P ? 0 : 1;
-    *rank = slot == 0 ? (int)chunk : (int)(2 * P - 1 - chunk);
-    *local = cu[i] / P + slot * c + o % c;
-}
+#include "packed.h"
 
 /* ---- shard / unshard / indices ------------------------------------------------------------ */
 
@@ -184,12 +131,12 @@ static void run_packed(const packing *q, int P, cpar_dtype dt, int ndim, int seq
     free(seen), free(c.full);
 }
 
-/* _i = (cp - 1) * 3 + packing: four layouts each */
+/* _i = (cp - 1) * N_PACKINGS + packing: four layouts each */
 START_TEST(test_shard_unshard) {
-    int P = _i / 3 + 1;
-    packing qs[3];
+    int P = _i / N_PACKINGS + 1;
+    packing qs[N_PACKINGS];
     make_packings(P, qs);
-    const packing *q = &qs[_i % 3];
+    const packing *q = &qs[_i % N_PACKINGS];
     int64_t T = total_of(q);
     const int64_t thd[3] = {T, 3, 2}, bhtd[4] = {1, 2, T, 4}, flat[1] = {T}, last[2] = {2, T};
     uint64_t seed = 100 + (uint64_t)_i * 8;
@@ -306,7 +253,7 @@ END_TEST
 static Suite *suite(void) {
     Suite *s = suite_create("packed: context-parallel sharding of packed sequences (THD)");
     const tu_loop loops[] = {
-        {"shard_unshard", test_shard_unshard, 12},
+        {"shard_unshard", test_shard_unshard, 4 * N_PACKINGS},
         {"one_doc_is_load_balancing", test_one_doc_is_load_balancing, 4},
         {"bad_args", test_bad_args, 1},
     };
