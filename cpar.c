@@ -417,10 +417,12 @@ CPAR__INLINE uint32_t cpar__pick(bool c, uint32_t a, uint32_t b) {
 CPAR__INLINE float cpar__bf16_value(uint16_t b) { return cpar__bits_f32((uint32_t)b << 16); }
 
 CPAR__INLINE uint16_t cpar__bf16_bits(float f) {
+    /* all in 32-bit lanes with one shift at the end, and a signed compare
+     * (both sides are below 2^31), which AVX2 has, unlike an unsigned one */
     uint32_t u = cpar__f32_bits(f);
-    uint32_t nan = (u >> 16) | 0x40u;                   /* quiet NaN, sign kept */
-    uint32_t rne = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* round to nearest even */
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rne);
+    uint32_t nan = u | 0x400000u;                 /* quiet NaN, sign kept */
+    uint32_t rne = u + 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(cpar__pick((int32_t)(u & 0x7fffffffu) > 0x7f800000, nan, rne) >> 16);
 }
 
 CPAR__INLINE float cpar__f16_value(uint16_t h) {

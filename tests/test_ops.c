@@ -134,6 +134,64 @@ static void cast_case(cpar_ctx *ctx, int pair) {
 START_TEST(test_cast) { run_op(cast_case, _i); }
 END_TEST
 
+/* Every 16-bit pattern widened, and 2^20 fp32 patterns narrowed, through
+ * cpar_cast (the kernels' vector loops, full blocks and a tail), bit for bit
+ * against the scalar cpar_f32_to_bf16 / _f16 and cpar_bf16_to_f32 / f16_to_f32
+ * (which test_core checks against independent references). The fp32 patterns:
+ * each high half 0..0xffff (every sign, exponent and leading mantissa: zeros,
+ * subnormals, normals, inf, NaN payloads quiet and signalling) with the low
+ * halves 0, 1 (a NaN whose payload is only there), 0x0fff, 0x1000 (f16
+ * ties), 0x7fff, 0x8000 (bf16 ties), 0x8001, 0xffff, then 8 more lows from a
+ * fixed hash. On the host backend NaN keeps its sign and the scalar
+ * functions' payload; a device kernel need only give NaN (CUDA's
+ * conversions canonicalise it). */
+static void cast_bits_case(cpar_ctx *ctx, int half) {
+    cpar_dtype h = half ? CPAR_F16 : CPAR_BF16;
+    int64_t n16 = 65536 + 7, n32 = (int64_t)65536 * 16 + 5; /* + a tail after the full blocks */
+    uint16_t *b = malloc((size_t)n16 * 2);
+    uint32_t *u = malloc((size_t)n32 * 4);
+    for (int64_t i = 0; i < n16; i++) b[i] = (uint16_t)(i * 40503u);
+    static const uint32_t lows[8] = {0, 1, 0x0fff, 0x1000, 0x7fff, 0x8000, 0x8001, 0xffff};
+    for (int64_t i = 0; i < n32; i++) {
+        uint32_t hi = (uint32_t)(i >> 4) & 0xffffu, j = (uint32_t)(i & 15);
+        u[i] = hi << 16 | (j < 8 ? lows[j] : ((uint32_t)i * 2654435761u) >> 16);
+    }
+    int64_t s16[] = {n16}, s32[] = {n32};
+    cpar_tensor t16 = tu_upload(ctx, b, h, 1, s16), w32 = tu_alloc_poisoned(ctx, CPAR_F32, 1, s16);
+    cpar_tensor t32 = tu_upload(ctx, u, CPAR_F32, 1, s32), n16t = tu_alloc_poisoned(ctx, h, 1, s32);
+    TU_OK(cpar_cast(ctx, &t16, &w32));
+    TU_OK(cpar_cast(ctx, &t32, &n16t));
+    uint32_t *wide = tu_download(ctx, &w32);
+    uint16_t *narrow = tu_download(ctx, &n16t);
+    bool exact_nan = tu_backend() == CPAR_BACKEND_HOST;
+    for (int64_t i = 0; i < n16; i++) {
+        float want = half ? cpar_f16_to_f32(b[i]) : cpar_bf16_to_f32(b[i]), got;
+        uint32_t wb;
+        memcpy(&got, &wide[i], 4);
+        memcpy(&wb, &want, 4);
+        ck_assert_msg(wide[i] == wb || (!exact_nan && isnan(got) && isnan(want)),
+                      "%s 0x%04x -> f32 gave 0x%08x, expected 0x%08x", cpar_dtype_name(h), b[i], wide[i], wb);
+    }
+    for (int64_t i = 0; i < n32; i++) {
+        float f;
+        memcpy(&f, &u[i], 4);
+        uint16_t want = half ? cpar_f32_to_f16(f) : cpar_f32_to_bf16(f);
+        bool nan_ok = !exact_nan && isnan(f) && (half ? (narrow[i] & 0x7c00u) == 0x7c00u && (narrow[i] & 0x3ffu)
+                                                      : (narrow[i] & 0x7f80u) == 0x7f80u && (narrow[i] & 0x7fu));
+        ck_assert_msg(narrow[i] == want || nan_ok, "f32 0x%08x -> %s gave 0x%04x, expected 0x%04x", u[i], cpar_dtype_name(h),
+                      narrow[i], want);
+    }
+    free(b);
+    free(u);
+    free(wide);
+    free(narrow);
+    cpar_tensor *all[] = {&t16, &w32, &t32, &n16t};
+    for (size_t k = 0; k < 4; k++) free_tensor(ctx, all[k]);
+}
+
+START_TEST(test_cast_bits) { run_op(cast_bits_case, _i); }
+END_TEST
+
 /* ---- axpby ---------------------------------------------------------------------------- */
 
 static const float ab[][2] = {{1.5f, -0.5f}, {-0.75f, 0.0f}, {0.0f, 2.0f}, {1.0f, 1.0f}, {3.25f, -1.125f}};
@@ -527,6 +585,7 @@ Suite *suite(void) {
     const tu_loop loops[] = {
         {"fill", test_fill, N_ALL},
         {"cast", test_cast, N_CAST_PAIRS},
+        {"cast_bits", test_cast_bits, 2},
         {"axpby", test_axpby, N_FLOAT},
         {"split_concat", test_split_concat, N_ALL},
         {"row_reduce", test_row_reduce, N_FLOAT * 3},
