@@ -10398,24 +10398,32 @@ cpar_status cpar_mamba_cp_conv1d_backward(cpar_mamba_cp *m, const cpar_tensor *x
  * sum is rounded to dt before the norm reads it), fp32 math except the row's
  * sum of squares, which adds in double (cpar__blk_sum): a sequential fp32
  * sum of h terms drifts by ~sqrt(h) ulps, more than the kernel's tree of
- * partial sums does. Two passes over a row, the second from cache. */
+ * partial sums does. Two passes over a row, the second from cache. A 16-bit
+ * row of at most CPAR__ROW elements is widened once: the first pass keeps
+ * it in xr and the weight is widened once per call into wr (stack: 40 KiB),
+ * which halves the conversions of a bf16 norm; wider rows re-widen per block. */
+#define CPAR__ROW 4096
 CPAR__INLINE void cpar__host_rmsnorm_body(void *x, const void *add, const void *w, cpar_dtype dt, int64_t rows,
                                           int64_t h, float eps, void *y) {
-    float xb[CPAR__BLK], ab[CPAR__BLK], wb[CPAR__BLK], ob[CPAR__BLK];
+    float xb[CPAR__BLK], ab[CPAR__BLK], wb[CPAR__BLK], ob[CPAR__BLK], xr[CPAR__ROW], wr[CPAR__ROW];
+    const bool cached = dt != CPAR_F32 && h <= CPAR__ROW;
+    if (cached) CPAR__BLOCKS(h, j0, n, cpar__blk_widen(wr + j0, w, dt, j0, n);)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t r0 = r * h;
         double ss[CPAR__LANES] = {0};
-        CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(xb, x, dt, r0 + j0, n);
+        CPAR__BLOCKS(h, j0, n, float *xw = cached ? xr + j0 : xb; /* where a 16-bit block is widened */
+                     const float *xp = cpar__blk_in(xw, x, dt, r0 + j0, n);
                      if (add) { /* x += add, then read back what dt holds */
                          const float *ap = cpar__blk_in(ab, add, dt, r0 + j0, n);
                          float *o = cpar__blk_dst(ob, x, dt, r0 + j0);
                          CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = xp[k] + ap[k];
                          cpar__blk_out(x, dt, r0 + j0, o, n);
-                         xp = cpar__blk_in(xb, x, dt, r0 + j0, n);
+                         xp = cpar__blk_in(xw, x, dt, r0 + j0, n);
                      }
                      cpar__blk_sum(ss, xp, xp, n);)
         const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
-        CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(xb, x, dt, r0 + j0, n), *wp = cpar__blk_in(wb, w, dt, j0, n);
+        CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
+                     const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
                      float *o = cpar__blk_dst(ob, y, dt, r0 + j0);
                      CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = xp[k] * inv * wp[k];
                      cpar__blk_out(y, dt, r0 + j0, o, n);)
@@ -10475,21 +10483,28 @@ cpar_status cpar_rmsnorm_forward(cpar_ctx *ctx, const cpar_tensor *x, const cpar
 
 /* The host twin of cpar_dev_rmsnorm_backward (same formulas, fp32; the two
  * row sums add in double, as in the forward). A row's first pass makes the
- * sums, its second (from cache) dx and dweight. */
+ * sums, its second (from cache) dx and dweight. 16-bit rows of at most
+ * CPAR__ROW elements: x and dy widened once into xr and gr, the weight once
+ * per call into wr (stack: 58 KiB), as in the forward. */
 CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w, const void *dy, cpar_dtype dt,
                                                    int64_t rows, int64_t h, float eps, void *dx, float *dw) {
     float xb[CPAR__BLK], gb[CPAR__BLK], wb[CPAR__BLK], gw[CPAR__BLK], ob[CPAR__BLK];
+    float xr[CPAR__ROW], gr[CPAR__ROW], wr[CPAR__ROW];
+    const bool cached = dt != CPAR_F32 && h <= CPAR__ROW;
+    if (cached) CPAR__BLOCKS(h, j0, n, cpar__blk_widen(wr + j0, w, dt, j0, n);)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t r0 = r * h;
         double ss[CPAR__LANES] = {0}, c[CPAR__LANES] = {0};
-        CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(xb, x, dt, r0 + j0, n), *gp = cpar__blk_in(gb, dy, dt, r0 + j0, n);
-                     const float *wp = cpar__blk_in(wb, w, dt, j0, n);
+        CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(cached ? xr + j0 : xb, x, dt, r0 + j0, n);
+                     const float *gp = cpar__blk_in(cached ? gr + j0 : gb, dy, dt, r0 + j0, n);
+                     const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
                      for (int k = 0; k < n; k++) gw[k] = gp[k] * wp[k];
                      cpar__blk_sum2(ss, c, xp, gw, n);)
         const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
         const float kk = inv * inv * inv * (float)cpar__lanes_sum(c) / (float)h;
-        CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(xb, x, dt, r0 + j0, n), *gp = cpar__blk_in(gb, dy, dt, r0 + j0, n);
-                     const float *wp = cpar__blk_in(wb, w, dt, j0, n);
+        CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
+                     const float *gp = cached ? gr + j0 : cpar__blk_in(gb, dy, dt, r0 + j0, n);
+                     const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
                      float *o = cpar__blk_dst(ob, dx, dt, r0 + j0); /* dx may be dy: each element read before written */
                      if (dw) {
                          CPAR__IVDEP for (int k = 0; k < n; k++) dw[j0 + k] += gp[k] * xp[k] * inv;

@@ -138,9 +138,11 @@ static cpar_status rank_norm(cpar_ctx *ctx, void *arg) {
 }
 
 static const cpar_dtype fdtypes[] = {CPAR_F32, CPAR_F16, CPAR_BF16};
-/* the last has more rows than the kernel's 4096-block grid: blocks loop over rows */
-static const int64_t norm_shapes[][2] = {{1, 7}, {5, 33}, {3, 256}, {4, 1000}, {9, 96}, {4099, 40}};
-#define N_NORM_SHAPES 6
+/* {4099, 40} has more rows than the kernel's 4096-block grid: blocks loop
+ * over rows; {3, 4096} is the widest row the host keeps widened (CPAR__ROW),
+ * {2, 4103} one past it, which the host re-widens per block */
+static const int64_t norm_shapes[][2] = {{1, 7}, {5, 33}, {3, 256}, {4, 1000}, {9, 96}, {4099, 40}, {3, 4096}, {2, 4103}};
+#define N_NORM_SHAPES 8
 
 /* _i = (shape * 3 + dtype) * 3 + schedule; the last schedule also runs on host tensors and in place. */
 START_TEST(test_rmsnorm) {
