@@ -1031,6 +1031,15 @@ CPAR__INLINE void cpar__blk_out(void *p, cpar_dtype dt, int64_t i0, const float 
     if (dt != CPAR_F32) cpar__blk_narrow(p, dt, i0, buf, n);
 }
 
+/* Ask for elements [i0, i0 + n) of p (dtype dt) to be brought into the
+ * cache: a row kernel calls it for the next row while its second pass
+ * computes from cache, so the next first pass does not start cold. */
+CPAR__INLINE void cpar__blk_prefetch(const void *p, cpar_dtype dt, int64_t i0, int n) {
+    const size_t es = dt == CPAR_F32 ? 4 : 2;
+    const char *c = (const char *)p + (size_t)i0 * es;
+    for (size_t b = 0; b < (size_t)n * es; b += 64) __builtin_prefetch(c + b);
+}
+
 /* acc[0..CPAR__LANES) += the fp64 sum of a[k] * b[k] (b NULL: of a[k]), k <
  * n, term k into lane k mod CPAR__LANES, in order: a fixed order that
  * vectorises. A full block sums in two local 8-lane halves, which gcc keeps
@@ -10424,6 +10433,7 @@ CPAR__INLINE void cpar__host_rmsnorm_body(void *x, const void *add, const void *
         const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
         CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
+                     if (r + 1 < rows) cpar__blk_prefetch(x, dt, r0 + h + j0, n);
                      float *o = cpar__blk_dst(ob, y, dt, r0 + j0);
                      CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = xp[k] * inv * wp[k];
                      cpar__blk_out(y, dt, r0 + j0, o, n);)
@@ -10505,6 +10515,7 @@ CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w,
         CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
                      const float *gp = cached ? gr + j0 : cpar__blk_in(gb, dy, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
+                     if (r + 1 < rows) cpar__blk_prefetch(x, dt, r0 + h + j0, n), cpar__blk_prefetch(dy, dt, r0 + h + j0, n);
                      float *o = cpar__blk_dst(ob, dx, dt, r0 + j0); /* dx may be dy: each element read before written */
                      if (dw) {
                          CPAR__IVDEP for (int k = 0; k < n; k++) dw[j0 + k] += gp[k] * xp[k] * inv;
