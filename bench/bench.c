@@ -10,7 +10,8 @@
  *
  * Environment: CPAR_BENCH_ITERS (default 10), CPAR_BENCH_MAX_MIB (default 16),
  * CPAR_BENCH_ONLY (comma-separated sections: coll, map, xent, gemm, mlp, attn,
- * mamba, mb; default all).
+ * mamba, mb; default all), CPAR_BENCH_MB (only the mb rows whose kernel name
+ * contains it).
  *
  * Flags (build/bench --help): --csv FILE and --json FILE write every row of
  * every table, with its section, for plots and regression tracking; -b, -e,
@@ -1003,6 +1004,8 @@ static int bench_memory_bound(int iters, int max_mib) {
            "time", "bytes moved", "GB/s", "memcpy", "/memcpy", "/libm");
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         const mb_row *w = &rows[i];
+        const char *pick = getenv("CPAR_BENCH_MB"); /* rows whose name contains it (unset: all) */
+        if (pick && *pick && !strstr(w->name, pick)) continue;
         mb_case c = {.iters = iters, .row = w, .rows = w->rows ? w->rows : R, .cols = w->rows ? w->cols : H,
                      .copy_bytes = (size_t)max_mib << 20};
         if (cpar_spawn(w->ranks, CPAR_BACKEND_HOST, run_mb, &c) != CPAR_OK) {
@@ -1038,7 +1041,8 @@ static const char usage[] =
     "  --csv FILE   every row of every table as CSV: a section column, then every column\n"
     "               (units in the names: time_ms, busbw_gbps, ...), empty where a section has none\n"
     "  --json FILE  the same rows as a JSON array of objects\n"
-    "CPAR_BENCH_ONLY=coll,map,xent,gemm,mlp,attn,mamba,mb picks sections.\n";
+    "CPAR_BENCH_ONLY=coll,map,xent,gemm,mlp,attn,mamba,mb picks sections; CPAR_BENCH_MB=NAME the mb rows\n"
+    "whose kernel name contains NAME.\n";
 
 static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, size_t sweep_f);
 
