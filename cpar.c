@@ -442,9 +442,11 @@ CPAR__INLINE uint16_t cpar__f16_bits(float f) {
     uint32_t sub = cpar__f32_bits(cpar__bits_f32(a) + 0.5f) - cpar__f32_bits(0.5f);
     /* rebias the exponent (-112 << 23) and round to nearest even */
     uint32_t normal = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;
-    uint32_t r = cpar__pick(a < 0x38800000u, sub, normal);
-    r = cpar__pick(a >= 0x477ff000u, 0x7c00u, r); /* rounds to inf */
-    return (uint16_t)(sign | cpar__pick(a > 0x7f800000u, nan, r));
+    /* a < 2^31: signed compares, which AVX2 has (unsigned ones take two instructions) */
+    const int32_t sa = (int32_t)a;
+    uint32_t r = cpar__pick(sa < 0x38800000, sub, normal);
+    r = cpar__pick(sa >= 0x477ff000, 0x7c00u, r); /* rounds to inf */
+    return (uint16_t)(sign | cpar__pick(sa > 0x7f800000, nan, r));
 }
 
 float cpar_bf16_to_f32(uint16_t b) { return cpar__bf16_value(b); }
