@@ -1066,25 +1066,28 @@ CPAR__INLINE void cpar__blk_sum(double *acc, const float *a, const float *b, int
     for (int k = 0; k < n; k++) acc[k % CPAR__LANES] += b ? (double)a[k] * (double)b[k] : (double)a[k];
 }
 
-/* cpar__blk_sum(s, a, a, n) and cpar__blk_sum(c, b, a, n) in one pass (a widened once). */
-CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *b, int n) {
+/* cpar__blk_sum(s, a, a, n) and cpar__blk_sum(c, gw, a, n) in one pass,
+ * gw[k] = g[k] * w[k] rounded to fp32 (formed here: no buffer round trip). */
+CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *g, const float *w, int n) {
     if (n == CPAR__BLK) {
         double s0[8] = {0}, s1[8] = {0}, c0[8] = {0}, c1[8] = {0};
         for (int k = 0; k < CPAR__BLK; k += 16) {
             for (int j = 0; j < 8; j++) {
                 const double v = a[k + j];
-                s0[j] += v * v, c0[j] += (double)b[k + j] * v;
+                s0[j] += v * v, c0[j] += (double)(g[k + j] * w[k + j]) * v;
             }
             for (int j = 0; j < 8; j++) {
                 const double v = a[k + 8 + j];
-                s1[j] += v * v, c1[j] += (double)b[k + 8 + j] * v;
+                s1[j] += v * v, c1[j] += (double)(g[k + 8 + j] * w[k + 8 + j]) * v;
             }
         }
         for (int j = 0; j < 8; j++) s[j] += s0[j], s[8 + j] += s1[j], c[j] += c0[j], c[8 + j] += c1[j];
         return;
     }
-    cpar__blk_sum(s, a, a, n);
-    cpar__blk_sum(c, b, a, n);
+    for (int k = 0; k < n; k++) {
+        const double v = a[k];
+        s[k % CPAR__LANES] += v * v, c[k % CPAR__LANES] += (double)(g[k] * w[k]) * v;
+    }
 }
 
 CPAR__INLINE double cpar__lanes_sum(const double *acc) {
@@ -10497,11 +10500,10 @@ cpar_status cpar_rmsnorm_forward(cpar_ctx *ctx, const cpar_tensor *x, const cpar
  * row sums add in double, as in the forward). A row's first pass makes the
  * sums, its second (from cache) dx and dweight. 16-bit rows of at most
  * CPAR__ROW elements: x and dy widened once into xr and gr, the weight once
- * per call into wr (stack: 58 KiB), as in the forward. */
+ * per call into wr (stack: 56 KiB), as in the forward. */
 CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w, const void *dy, cpar_dtype dt,
                                                    int64_t rows, int64_t h, float eps, void *dx, float *dw) {
-    float xb[CPAR__BLK], gb[CPAR__BLK], wb[CPAR__BLK], gw[CPAR__BLK], ob[CPAR__BLK];
-    float xr[CPAR__ROW], gr[CPAR__ROW], wr[CPAR__ROW];
+    float xb[CPAR__BLK], gb[CPAR__BLK], wb[CPAR__BLK], ob[CPAR__BLK], xr[CPAR__ROW], gr[CPAR__ROW], wr[CPAR__ROW];
     const bool cached = dt != CPAR_F32 && h <= CPAR__ROW;
     if (cached) CPAR__BLOCKS(h, j0, n, cpar__blk_widen(wr + j0, w, dt, j0, n);)
     for (int64_t r = 0; r < rows; r++) {
@@ -10510,8 +10512,7 @@ CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w,
         CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(cached ? xr + j0 : xb, x, dt, r0 + j0, n);
                      const float *gp = cpar__blk_in(cached ? gr + j0 : gb, dy, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
-                     for (int k = 0; k < n; k++) gw[k] = gp[k] * wp[k];
-                     cpar__blk_sum2(ss, c, xp, gw, n);)
+                     cpar__blk_sum2(ss, c, xp, gp, wp, n);)
         const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
         const float kk = inv * inv * inv * (float)cpar__lanes_sum(c) / (float)h;
         CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
