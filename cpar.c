@@ -730,6 +730,10 @@ CPAR__STUB cpar_status cpar_dev_mamba_conv1d_backward(const void *x, int64_t x_p
 CPAR__STUB cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
                                         int64_t rep_stride, int64_t src_pitch, int64_t groups, int64_t reps,
                                         int64_t rows, int64_t cols, cpar_dtype dt, cpar_dev_stream st) CPAR__NODEV()
+/* packed sequences (cpar.h §12, §13) */
+CPAR__STUB cpar_status cpar_dev_packed_reorder(void *nat, size_t nat_pitch, void *blk, size_t blk_pitch, size_t blk_stride,
+                                    int r0, int nranks, int p, const int32_t *cu, int n_docs, int64_t outer,
+                                    size_t row_bytes, bool to_blocks, cpar_dev_stream st) CPAR__NODEV()
 /* RMSNorm (cpar.h §14; GeLU, cpar.h §6, is above) */
 CPAR__STUB cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
                              float eps, void *y, cpar_dev_stream s) CPAR__NODEV()
@@ -8745,7 +8749,8 @@ done:
  * [cu[i]/P, cu[i+1]/P) of every shard: chunk r of its 2P, then chunk 2P-1-r
  * (each (cu[i+1]-cu[i])/2P rows). Sections 19 and 20 check a packing with
  * cpar__packed_check and move rows with cpar__cp_packed_copy (below the
- * plain chunk copies), so sharding, attention and Mamba agree on the layout. */
+ * plain chunk copies; cpar_dev_packed_reorder, cpar_kernels.cu §18, on
+ * device memory), so sharding, attention and Mamba agree on the layout. */
 
 /* A validated cpar_packed_seqs: the boundaries the buffer is cut at. */
 typedef struct cpar__packing {
@@ -8890,30 +8895,32 @@ static cpar_status cpar__cp_copy(cpar_ctx *ctx, const char *fn, void *full, int 
     return CPAR_OK;
 }
 
-/* Copy rank r's two chunks of every document between the packed whole
- * ([outer, S, inner], memory full) and rank r's shard ([outer, S/P, inner],
- * memory local), either way: 2 pitched copies per document. */
+/* Ranks [r0, r0 + nranks)'s chunks of every document between the packed
+ * whole ([outer, S, inner], memory full) and their shards ([outer, S/P,
+ * inner] each; rank r0 + k's at blocks + k * stride bytes), either way. Both
+ * on the device: one cpar_dev_packed_reorder (the boundaries go by value,
+ * no device copy of them); otherwise 2 pitched copies per document and rank. */
 static cpar_status cpar__cp_packed_copy(cpar_ctx *ctx, const char *fn, const cpar__packing *pk, void *full,
-                                        int full_dev, void *local, int local_dev, int64_t outer, int64_t inner,
-                                        size_t es, int P, int r, bool to_local) {
-    for (int i = 0; i < pk->n_docs; i++) {
-        const int64_t start = pk->cu[i], c = ((int64_t)pk->cu[i + 1] - start) / (2 * P);
-        for (int slot = 0; slot < 2; slot++)
-            CPAR_TRY(cpar__cp_copy_rows(ctx, fn, full, full_dev, local, local_dev, outer, pk->total, inner, es, P,
-                                        start + cpar__cp_chunk_of(P, r, true, slot) * c, start / P + slot * c, c,
-                                        to_local));
+                                        int full_dev, void *blocks, int blocks_dev, size_t stride, int r0, int nranks,
+                                        int64_t outer, int64_t inner, size_t es, int P, bool to_local) {
+    if (cpar__on_device(full_dev) && cpar__on_device(blocks_dev)) {
+        const size_t row = (size_t)inner * es;
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_packed_reorder(full, (size_t)pk->total * row, blocks,
+                                                      (size_t)(pk->total / P) * row, stride, r0, nranks, P, pk->cu,
+                                                      pk->n_docs, outer, row, to_local, ctx->compute));
+        return CPAR_OK;
+    }
+    for (int k = 0; k < nranks; k++) {
+        char *local = (char *)blocks + (size_t)k * stride;
+        for (int i = 0; i < pk->n_docs; i++) {
+            const int64_t start = pk->cu[i], c = ((int64_t)pk->cu[i + 1] - start) / (2 * P);
+            for (int slot = 0; slot < 2; slot++)
+                CPAR_TRY(cpar__cp_copy_rows(ctx, fn, full, full_dev, local, blocks_dev, outer, pk->total, inner, es,
+                                            P, start + cpar__cp_chunk_of(P, r0 + k, true, slot) * c,
+                                            start / P + slot * c, c, to_local));
+        }
     }
     return CPAR_OK;
-}
-
-/* Rank r's share of full <-> its shard: packed per document (pk) or by the
- * plain chunking. */
-static cpar_status cpar__cp_place(cpar_ctx *ctx, const char *fn, const cpar__packing *pk, void *full, int full_dev,
-                                  void *local, int local_dev, int64_t outer, int64_t S, int64_t inner, int64_t c,
-                                  size_t es, int P, int r, bool load_balance, bool to_local) {
-    if (pk) return cpar__cp_packed_copy(ctx, fn, pk, full, full_dev, local, local_dev, outer, inner, es, P, r, to_local);
-    return cpar__cp_copy(ctx, fn, full, full_dev, local, local_dev, outer, S, inner, c, es, P, r, load_balance,
-                         to_local);
 }
 
 /* cpar_cp_shard and cpar_cp_shard_packed (seqs != NULL). */
@@ -8923,9 +8930,13 @@ static cpar_status cpar__cp_shard(cpar_group *cp, const char *fn, const cpar_pac
     cpar__packing pk;
     CPAR_TRY(cpar__cp_check(fn, cp, "full", full, "local", local, &seq_dim, load_balance, false, seqs, &pk, &outer,
                             &inner, &c));
-    return cpar__cp_place(cp->ctx, fn, seqs ? &pk : NULL, full->data, full->device, local->data, local->device, outer,
-                          full->shape[seq_dim], inner, c, cpar_dtype_size(full->dtype), cp->size, cp->rank,
-                          load_balance, true);
+    cpar_ctx *ctx = cp->ctx;
+    const size_t es = cpar_dtype_size(full->dtype);
+    if (!seqs)
+        return cpar__cp_copy(ctx, fn, full->data, full->device, local->data, local->device, outer,
+                             full->shape[seq_dim], inner, c, es, cp->size, cp->rank, load_balance, true);
+    return cpar__cp_packed_copy(ctx, fn, &pk, full->data, full->device, local->data, local->device, 0, cp->rank, 1,
+                                outer, inner, es, cp->size, true);
 }
 
 /* cpar_cp_unshard and cpar_cp_unshard_packed (seqs != NULL): one all-gather
@@ -8952,10 +8963,12 @@ static cpar_status cpar__cp_unshard(cpar_group *cp, const char *fn, const cpar_p
     cpar_tensor gathered = cpar_tensor_make(ws, local->dtype, 2, out_shape, ctx->device);
     CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(cp, &in, &gathered, NULL)));
     const size_t es = cpar_dtype_size(full->dtype);
+    if (seqs) /* every rank's block in one pass */
+        return cpar__cp_packed_copy(ctx, fn, &pk, full->data, full->device, ws, ctx->device, (size_t)n * es, 0, P,
+                                    outer, inner, es, P, false);
     for (int j = 0; j < P; j++)
-        CPAR_TRY(cpar__cp_place(ctx, fn, seqs ? &pk : NULL, full->data, full->device,
-                                (char *)ws + (size_t)(j * n) * es, ctx->device, outer, full->shape[seq_dim], inner, c,
-                                es, P, j, load_balance, false));
+        CPAR_TRY(cpar__cp_copy(ctx, fn, full->data, full->device, (char *)ws + (size_t)(j * n) * es, ctx->device,
+                               outer, full->shape[seq_dim], inner, c, es, P, j, load_balance, false));
     return CPAR_OK;
 }
 
@@ -9630,7 +9643,8 @@ cpar_status cpar_redo_attention_load_balancing(cpar_ctx *ctx, int cp_size, const
  * load-balanced shard, sl = s/P rows of [b, w]): undo (blocks -> nat) or redo
  * (nat -> blocks). pk NULL: the seed's 2P chunk copies of the whole
  * sequence; else every document's chunks r and 2P-1-r (section 19's packed
- * layout: undo is unshard's placement of each rank's block, redo shard's). */
+ * layout: undo is unshard's placement of each rank's block, redo shard's;
+ * one kernel on a device). */
 static cpar_status cpar__mcp_order(cpar_ctx *ctx, const char *fn, const cpar__packing *pk, void *nat, void *blocks,
                                    int64_t sl, int64_t b, int64_t w, size_t es, int p, bool undo) {
     int dev = ctx->device;
@@ -9639,10 +9653,8 @@ static cpar_status cpar__mcp_order(cpar_ctx *ctx, const char *fn, const cpar__pa
         return undo ? cpar__mcp_lb(ctx, fn, nat, dev, blocks, dev, chunk, p, true)
                     : cpar__mcp_lb(ctx, fn, blocks, dev, nat, dev, chunk, p, false);
     }
-    for (int j = 0; j < p; j++)
-        CPAR_TRY(cpar__cp_packed_copy(ctx, fn, pk, nat, dev, (char *)blocks + (size_t)((int64_t)j * sl * b * w) * es,
-                                      dev, 1, b * w, es, p, j, !undo));
-    return CPAR_OK;
+    return cpar__cp_packed_copy(ctx, fn, pk, nat, dev, blocks, dev, (size_t)(sl * b * w) * es, 0, p, 1, b * w, es, p,
+                                !undo);
 }
 
 /* ---- cp2hp / hp2cp -------------------------------------------------------------- */

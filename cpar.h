@@ -1394,14 +1394,15 @@ typedef struct cpar_packed_seqs {
  * first: n_docs >= 1, cu_seqlens (and cu_seqlens_padded) starting at 0 and
  * non-decreasing, each padded length >= its real one and divisible by 2P
  * (the failing document is named). Shard: each of full and local on the
- * host or the context's device, no communication, 2 pitched copies per
- * document. */
+ * host or the context's device, no communication; both on the device: one
+ * reorder kernel (the boundaries passed by value, no device copy of them),
+ * else 2 pitched copies per document. */
 cpar_status cpar_cp_shard_packed(cpar_group *cp, const cpar_packed_seqs *seqs, const cpar_tensor *full, int seq_dim,
                                  cpar_tensor *local);
 /* Inverse of cpar_cp_shard_packed on every rank: one all-gather of the
  * shards ((P-1)/P of full received, the minimum), then each rank's chunks put
- * in place. local and full on the context's device. Scratch: the context
- * workspace (nbytes(full)). */
+ * in place (one reorder kernel on a device). local and full on the
+ * context's device. Scratch: the context workspace (nbytes(full)). */
 cpar_status cpar_cp_unshard_packed(cpar_group *cp, const cpar_packed_seqs *seqs, const cpar_tensor *local,
                                    int seq_dim, cpar_tensor *full);
 /* The layout as an index map (Megatron / Transformer Engine's
@@ -1577,10 +1578,12 @@ cpar_status cpar_mamba_cp_post_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in,
  * of a multiple of 2P; every document's (padded) length divides by 2P
  * (errors name the document). Every batch column (dim 1) shares the packing
  * (Megatron's THD has b = 1). Communication as the unpacked calls: one
- * all-to-all of (P-1)/P of the buffer; the reorder is 2 copies per document
- * and rank. A packing of one unpadded document is the unpacked call. The
- * conv1d below treats the sequence as one: a caller whose documents must not
- * see each other's tokens runs it per document (mamba_ssm's seq_idx). */
+ * all-to-all of (P-1)/P of the buffer; the reorder is one kernel on a
+ * device, 2 copies per document and rank on the host. A packing of one
+ * unpadded document is the unpacked call. The conv1d below treats the
+ * sequence as one: a caller whose documents must not see each other's
+ * tokens runs it per document (mamba_ssm's seq_idx), on row ranges of pre's
+ * output (views at the document's boundaries; the gradients accumulate). */
 cpar_status cpar_mamba_cp_pre_conv_ssm_packed(cpar_mamba_cp *m, const cpar_packed_seqs *seqs, const cpar_tensor *in,
                                               cpar_tensor *out, cpar_dir dir);
 cpar_status cpar_mamba_cp_post_conv_ssm_packed(cpar_mamba_cp *m, const cpar_packed_seqs *seqs, const cpar_tensor *in,
@@ -1994,6 +1997,20 @@ cpar_status cpar_dev_mamba_conv1d_backward(const void *x, int64_t x_pitch, cpar_
 cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
                                         int64_t rep_stride, int64_t src_pitch, int64_t groups, int64_t reps,
                                         int64_t rows, int64_t cols, cpar_dtype dt, cpar_dev_stream st);
+
+/* ---- for §12 and §13: packed sequences (THD) --------------------------------
+ * Rows of row_bytes between the natural packing nat (outer slices nat_pitch
+ * bytes apart, each total = cu[n_docs] rows) and the blocks of ranks
+ * [r0, r0 + nranks) of p (block k at blk + k blk_stride: outer slices
+ * blk_pitch bytes apart, each total/p rows in §12's packed layout: chunks r
+ * and 2p-1-r of every document). cu: HOST int32 [n_docs + 1], the (padded)
+ * boundaries, already validated (each document's length a multiple of 2p);
+ * read during the call and passed to the kernel by value (256 documents per
+ * launch). to_blocks: nat -> blocks (shard, redo), else blocks -> nat
+ * (unshard, undo). Nothing else is touched. */
+cpar_status cpar_dev_packed_reorder(void *nat, size_t nat_pitch, void *blk, size_t blk_pitch, size_t blk_stride,
+                                    int r0, int nranks, int p, const int32_t *cu, int n_docs, int64_t outer,
+                                    size_t row_bytes, bool to_blocks, cpar_dev_stream st);
 
 /* ---- for §14: RMSNorm (cpar_kernels.cu §19) --------------------------------
  * x, add (NULL: none), weight [h], y: elements of dt (F32/F16/BF16), rows of
