@@ -69,7 +69,7 @@ static void job_ok(const char *prog, int np, const char *const *args, const char
     proc p;
     proc_run(&p, cparrun_path(), prog, argv, env, 120000);
     ASSERT_OUT(&p, p.status == 0);
-    char want[32];
+    char want[48];
     for (int r = 0; r < np; r++) {
         snprintf(want, sizeof want, "[%d] rank %d ok\n", r, r);
         ASSERT_OUT(&p, strstr(p.text[0], want) != NULL);
