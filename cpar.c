@@ -4514,7 +4514,9 @@ static cpar_status cpar__pc_wait(cpar_group *g, const char *fn, const char *what
             int64_t pid = atomic_load(&pc->mem[m].pid);
             bool exited = atomic_load(&pc->mem[m].exited), gone = !exited && cpar__pid_gone(pid);
             if (!exited && !gone) continue;
-            if (exited) snprintf(msg, sizeof msg, "rank %d finalized without joining the %s", g->world_ranks[m], what);
+            if (exited)
+                snprintf(msg, sizeof msg, "rank %d left the group (finalized or destroyed it) without joining the %s",
+                         g->world_ranks[m], what);
             else snprintf(msg, sizeof msg, "rank %d (pid %lld) died during the %s", g->world_ranks[m], (long long)pid, what);
             cpar__pc_record_all(ctx, g->world_ranks[m], CPAR_ERR_PEER, msg);
             return cpar__fail(ctx, CPAR_ERR_PEER, "%s: %s", fn, msg);
@@ -4880,94 +4882,129 @@ static uint32_t cpar__fnv32(const char *s) {
     return h;
 }
 
-/* Make g's shared state, collectively over g's members, through store
- * (module comment above). key names the store entries; unique per group. */
-static cpar_status cpar__pc_open(cpar_group *g, const char *fn, cpar_store *store, uint64_t key) {
+#define CPAR__PC_NAME 96 /* a segment's name as it travels: "/cpar-...", or "!" and why there is none */
+
+/* g's shared state, without a segment yet (a group of one never has one). */
+static cpar_status cpar__pc_new(cpar_group *g, const char *fn, uint64_t key) {
     cpar_ctx *ctx = g->ctx;
-    cpar__pcomm *pc = calloc(1, sizeof *pc);
-    if (!pc) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate the group's shared state", fn);
-    pc->n = g->size;
-    pc->key = key;
-    g->pc = pc;
-    if (g->size == 1) return CPAR_OK;
     if (g->size > CPAR__PC_MAX)
         return cpar__fail(ctx, CPAR_ERR_UNSUPPORTED, "%s: a group of %d processes; the host backend takes at most %d",
                           fn, g->size, CPAR__PC_MAX);
-    pc->sl = calloc((size_t)g->size, sizeof *pc->sl);
-    if (!pc->sl) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate the group's shared state", fn);
-    char skey[64], name[80], val[CPAR_ERR_LEN + 96];
-    snprintf(skey, sizeof skey, "cpar/shm/%016" PRIx64, key);
-    cpar_status st = CPAR_OK;
-    int fd = -1;
-    size_t len = 0;
-    if (g->rank == 0) {
-        static atomic_uint serial;
-        snprintf(name, sizeof name, "/cpar-%08x-%ld-%u", cpar__fnv32(store->token), (long)getpid(),
-                 atomic_fetch_add(&serial, 1));
-        /* Stage halves: CPAR_HOST_CHUNK bytes (tests make it small), at least 64 per member. */
-        size_t chunk = (size_t)cpar__getenv_positive("CPAR_HOST_CHUNK", (int)CPAR__PC_CHUNK);
-        chunk = cpar__round_up(chunk < (size_t)64 * (size_t)pc->n ? (size_t)64 * (size_t)pc->n : chunk, 4096);
-        size_t box = ((size_t)256 << 20) / (2 * (size_t)pc->n * (size_t)pc->n);
-        box = cpar__round_up(box < ((size_t)64 << 10) ? (size_t)64 << 10 : box > chunk ? chunk : box, 4096);
-        pc->chunk = chunk, pc->box_chunk = box;
-        pc->bytes = cpar__pc_layout(pc);
-        fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        if (fd < 0 || ftruncate(fd, (off_t)pc->bytes) != 0 ||
-            (pc->base = mmap(NULL, pc->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
-            pc->base = NULL;
-            st = cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s: cannot make the shared-memory segment %s of %zu bytes: %s", fn,
-                            name, pc->bytes, strerror(errno));
-        } else {
-            cpar__pc_hdr *h = pc->base;
-            h->magic = CPAR__PC_MAGIC;
-            h->n = pc->n;
-            h->chunk = chunk, h->box_chunk = box, h->bytes = pc->bytes;
+    cpar__pcomm *pc = calloc(1, sizeof *pc);
+    if (pc) pc->sl = calloc((size_t)g->size, sizeof *pc->sl);
+    if (!pc || !pc->sl) {
+        free(pc);
+        return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate the group's shared state", fn);
+    }
+    pc->n = g->size;
+    pc->key = key;
+    g->pc = pc;
+    return CPAR_OK;
+}
+
+/* Every member's part once the segment is mapped: its tables, its pid. */
+static void cpar__pc_mapped(cpar_group *g) {
+    cpar__pcomm *pc = g->pc;
+    cpar__pc_layout(pc);
+    pc->sub = (pc->chunk / (size_t)pc->n) & ~(size_t)63;
+    atomic_store(&pc->mem[g->rank].pid, (int64_t)getpid());
+}
+
+/* g's first member makes the segment: text gets its name, or "!" and why
+ * not (so the others fail at once rather than at the deadline). */
+static cpar_status cpar__pc_create(cpar_group *g, const char *fn, const char *token, char *text) {
+    cpar_ctx *ctx = g->ctx;
+    cpar__pcomm *pc = g->pc;
+    static atomic_uint serial;
+    snprintf(text, CPAR__PC_NAME, "/cpar-%08x-%ld-%u", cpar__fnv32(token), (long)getpid(), atomic_fetch_add(&serial, 1));
+    /* Stage halves: CPAR_HOST_CHUNK bytes (tests make it small), at least 64 per member. */
+    size_t chunk = (size_t)cpar__getenv_positive("CPAR_HOST_CHUNK", (int)CPAR__PC_CHUNK);
+    chunk = cpar__round_up(chunk < (size_t)64 * (size_t)pc->n ? (size_t)64 * (size_t)pc->n : chunk, 4096);
+    /* Mailbox halves: 256 MiB of address space for all pairs, 64 KiB to a chunk each. */
+    size_t box = ((size_t)256 << 20) / (2 * (size_t)pc->n * (size_t)pc->n);
+    box = cpar__round_up(box < ((size_t)64 << 10) ? (size_t)64 << 10 : box > chunk ? chunk : box, 4096);
+    pc->chunk = chunk, pc->box_chunk = box;
+    pc->bytes = cpar__pc_layout(pc);
+    int fd = shm_open(text, O_CREAT | O_EXCL | O_RDWR, 0600);
+    /* The file is sparse: pages exist once a stage or a mailbox touches them. */
+    if (fd < 0 || ftruncate(fd, (off_t)pc->bytes) != 0 ||
+        (pc->base = mmap(NULL, pc->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
+        pc->base = NULL;
+        cpar_status st = cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s: cannot make the shared-memory segment %s of %zu bytes: %s",
+                                    fn, text, pc->bytes, strerror(errno));
+        if (fd >= 0) {
+            close(fd);
+            shm_unlink(text);
         }
-        int vl = st == CPAR_OK ? snprintf(val, sizeof val, "%s", name) : snprintf(val, sizeof val, "!%s", ctx->err);
-        cpar_status ss = cpar_store_set(store, skey, val, (size_t)vl);
+        snprintf(text, CPAR__PC_NAME, "!%.90s", strerror(errno));
+        return st;
+    }
+    close(fd);
+    cpar__pc_hdr *h = pc->base;
+    h->magic = CPAR__PC_MAGIC;
+    h->n = pc->n;
+    h->chunk = chunk, h->box_chunk = box, h->bytes = pc->bytes;
+    cpar__pc_mapped(g);
+    return CPAR_OK;
+}
+
+/* Every other member maps the segment text names. */
+static cpar_status cpar__pc_map(cpar_group *g, const char *fn, const char *text) {
+    cpar_ctx *ctx = g->ctx;
+    cpar__pcomm *pc = g->pc;
+    if (text[0] != '/')
+        return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d could not make the group's shared memory (%.90s)", fn,
+                          g->world_ranks[0], text[0] == '!' ? text + 1 : "no name");
+    struct stat sb;
+    int fd = shm_open(text, O_RDWR, 0600);
+    if (fd < 0 || fstat(fd, &sb) != 0 ||
+        (pc->base = mmap(NULL, (size_t)sb.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
+        pc->base = NULL;
+        cpar_status st = cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s: cannot map the shared-memory segment %s of rank %d: %s",
+                                    fn, text, g->world_ranks[0], strerror(errno));
+        if (fd >= 0) close(fd);
+        return st;
+    }
+    close(fd);
+    const cpar__pc_hdr *h = pc->base;
+    pc->bytes = (size_t)sb.st_size;
+    if (h->magic != CPAR__PC_MAGIC || h->n != pc->n || h->bytes != pc->bytes) {
+        munmap(pc->base, pc->bytes);
+        pc->base = NULL;
+        return cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s: shared-memory segment %s is not this group's (%d members expected)",
+                          fn, text, pc->n);
+    }
+    pc->chunk = h->chunk, pc->box_chunk = h->box_chunk;
+    cpar__pc_mapped(g);
+    return CPAR_OK;
+}
+
+/* The world group's shared state, through the store (the only channel there
+ * is yet): rank 0 creates the segment and publishes its name under the job
+ * token's store, the others map it, everyone arrives at a store barrier, and
+ * rank 0 unlinks the name. */
+static cpar_status cpar__pc_open_world(cpar_group *g, const char *fn, cpar_store *store) {
+    CPAR_TRY(cpar__pc_new(g, fn, 1));
+    if (g->size == 1) return CPAR_OK;
+    char text[CPAR__PC_NAME];
+    size_t len = 0;
+    cpar_status st;
+    if (g->rank == 0) {
+        st = cpar__pc_create(g, fn, store->token, text);
+        cpar_status ss = cpar_store_set(store, "cpar/shm/world", text, strlen(text));
         if (st == CPAR_OK) st = ss;
     } else {
-        st = cpar_store_get(store, skey, val, sizeof val - 1, &len);
+        st = cpar_store_get(store, "cpar/shm/world", text, sizeof text - 1, &len);
         if (st == CPAR_OK) {
-            val[len] = 0;
-            if (val[0] == '!') {
-                st = cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d could not make the group's shared memory (%s)", fn,
-                                g->world_ranks[0], val + 1);
-            } else {
-                snprintf(name, sizeof name, "%.72s", val);
-                struct stat sb;
-                fd = shm_open(name, O_RDWR, 0600);
-                if (fd < 0 || fstat(fd, &sb) != 0 ||
-                    (pc->base = mmap(NULL, (size_t)sb.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
-                    pc->base = NULL;
-                    st = cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s: cannot map the shared-memory segment %s of rank %d: %s",
-                                    fn, name, g->world_ranks[0], strerror(errno));
-                } else {
-                    const cpar__pc_hdr *h = pc->base;
-                    pc->bytes = (size_t)sb.st_size;
-                    pc->chunk = h->chunk, pc->box_chunk = h->box_chunk;
-                    if (h->magic != CPAR__PC_MAGIC || h->n != pc->n || h->bytes != pc->bytes)
-                        st = cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s: shared-memory segment %s is not this group's (%d "
-                                        "members expected)", fn, name, pc->n);
-                }
-            }
+            text[len] = 0;
+            st = cpar__pc_map(g, fn, text);
         }
-    }
-    if (fd >= 0) close(fd);
-    if (pc->base) {
-        cpar__pc_layout(pc);
-        pc->sub = (pc->chunk / (size_t)pc->n) & ~(size_t)63;
-        if (st == CPAR_OK) atomic_store(&pc->mem[g->rank].pid, (int64_t)getpid());
     }
     /* Every member says it has mapped the segment (or failed: the others
      * then fail at their first wait on it), so its creator can unlink it. */
-    char bkey[80];
-    snprintf(bkey, sizeof bkey, "%s/mapped", skey);
-    cpar_status bs = cpar__store_barrier(store, fn, bkey, g->rank, g->size, false);
-    if (g->rank == 0 && pc->base) shm_unlink(name);
-    if (st == CPAR_OK) st = bs;
-    if (st == CPAR_OK && !pc->base) st = cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s: no shared-memory segment", fn);
-    return st;
+    cpar_status bs = cpar__store_barrier(store, fn, "cpar/shm/world/mapped", g->rank, g->size, false);
+    if (g->rank == 0 && g->pc->base) shm_unlink(text);
+    return st != CPAR_OK ? st : bs;
 }
 
 /* Release g's shared state; peers waiting for this member see it finalized. */
@@ -5402,9 +5439,11 @@ cpar_status cpar_group_split(cpar_group *parent, int color, int key, cpar_group 
     }
 #endif
     if (parent->pc) {
-        /* Ranks as processes: the new group's members make its segment through
-         * the store, under a key every member derives alike (the parent's key,
-         * its split count and the color). */
+        /* Ranks as processes: each new group's first member makes its segment
+         * and the names travel through the parent (an exchange every parent
+         * member joins); after a second exchange, when every member has
+         * mapped its segment, the creators unlink them. The key (parent's,
+         * split count, color) is the same on every member. */
         uint64_t key = parent->pc->key;
         uint64_t parts[2] = {parent->pc->nsplits++, (uint64_t)(uint32_t)color};
         for (int i = 0; i < 2; i++) { /* splitmix64 steps */
@@ -5413,8 +5452,28 @@ cpar_status cpar_group_split(cpar_group *parent, int color, int key, cpar_group 
             key = (key ^ (key >> 27)) * 0x94d049bb133111ebull;
             key ^= key >> 31;
         }
+        char text[CPAR__PC_NAME] = "", *names = malloc((size_t)n * CPAR__PC_NAME);
+        if (!names) {
+            st = cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate %d names", fn, n);
+            goto done;
+        }
         if (color >= 0 && (st = cpar__group_new(ctx, fn, rank, size, wr, out)) == CPAR_OK &&
-            (st = cpar__pc_open(*out, fn, ctx->store, key)) != CPAR_OK) {
+            (st = cpar__pc_new(*out, fn, key)) == CPAR_OK && size > 1 && rank == 0)
+            st = cpar__pc_create(*out, fn, ctx->store->token, text);
+        if (st != CPAR_OK && rank == 0 && text[0] != '!') snprintf(text, sizeof text, "!%.90s", ctx->err);
+        cpar_status xs = cpar__hc_exchange(parent, fn, text, sizeof text, names);
+        if (st == CPAR_OK) st = xs;
+        if (st == CPAR_OK && color >= 0 && size > 1 && rank != 0) {
+            char *lead = names + (size_t)mem[0].parent_rank * CPAR__PC_NAME;
+            lead[CPAR__PC_NAME - 1] = 0;
+            st = cpar__pc_map(*out, fn, lead);
+        }
+        char ok = st == CPAR_OK, *oks = names; /* the names are no longer needed */
+        xs = cpar__hc_exchange(parent, fn, &ok, 1, oks);
+        if (rank == 0 && *out && (*out)->pc && (*out)->pc->base) shm_unlink(text);
+        if (st == CPAR_OK) st = xs;
+        free(names);
+        if (st != CPAR_OK && *out) {
             cpar__group_free(*out);
             *out = NULL;
         }
@@ -6168,7 +6227,7 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
         /* Ranks as processes: the store, then the world's shared memory. */
         CPAR_TRY_GOTO(cpar__init_store(ctx, fn, &env), st, fail);
         CPAR_TRY_GOTO(cpar__check_one_node(ctx, fn, env.world_size), st, fail);
-        CPAR_TRY_GOTO(cpar__pc_open(ctx->world_group, fn, ctx->store, 1), st, fail);
+        CPAR_TRY_GOTO(cpar__pc_open_world(ctx->world_group, fn, ctx->store), st, fail);
         cpar__log_banner(ctx, env.local_rank, env.source);
         *out = ctx;
         return CPAR_OK;
