@@ -16,7 +16,8 @@
  *    5. Host reference kernels      vector blocks, expf, streaming copy, GEMM; fill, cast, axpby, reduce, gelu
  *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
  *    7. Rendezvous store and env    launch environment, TCP key-value store (job token, limits), join
- *    8. Host backend                rendezvous with deadlines; every rank moves its share of a collective
+ *    8. Host backend                rendezvous with deadlines; every rank moves its share of a collective;
+ *                                   ranks as processes: shared-memory segments, futex waits, dead-peer checks
  *    9. NCCL backend                communicators, async-error polling, abort
  *   10. Groups                      world group, split, destroy, statistics
  *   11. Collectives                 argument checks, byte accounting, dispatch
@@ -3687,7 +3688,8 @@ cpar_status cpar_store_join(cpar_store *s, const cpar_env *env)
 }
 
 /* ==== 8. Host backend ====================================================
- * Ranks are threads of one process (cpar_spawn). A job holds one mutex and
+ * Ranks are threads of one process (cpar_spawn), or processes of one node
+ * (cpar_init_from_env: the second part of this section). A job holds one mutex and
  * condition variable; every group has an hcomm with a slot per member and a
  * mailbox per ordered pair. A collective posts its slot, meets the others at
  * a rendezvous, moves data by pulling from the peers' posted buffers, and
@@ -3695,7 +3697,7 @@ cpar_status cpar_store_join(cpar_store *s, const cpar_env *env)
  * Every wait has the context's deadline; a failed, aborted or finished rank
  * releases its waiting peers with CPAR_ERR_PEER. The sim backend uses the same
  * code with device pointers (its copies and reductions go through section 4).
- * Uses: 1-6. */
+ * Uses: 1-6; the process part also 7 (the store). */
 
 struct cpar__job {
     pthread_mutex_t mu;

@@ -223,6 +223,35 @@ START_TEST(test_rank_late) {
 }
 END_TEST
 
+/* A segment a rank left behind (killed between creating it and unlinking
+ * it) is removed by cparrun when the job ends: it is named after the job's
+ * token ("cpar-<FNV-1a of the token>-..."); another job's is kept. */
+START_TEST(test_cparrun_sweeps) {
+    char token[64], mine[128], other[128];
+    snprintf(token, sizeof token, "sweep-%d", (int)getpid());
+    uint32_t h = 2166136261u;
+    for (const char *p = token; *p; p++) h = (h ^ (unsigned char)*p) * 16777619u;
+    snprintf(mine, sizeof mine, "/dev/shm/cpar-%08x-1-0", h);
+    snprintf(other, sizeof other, "/dev/shm/cpar-%08x-1-0", h ^ 1u);
+    for (int i = 0; i < 2; i++) {
+        int fd = open(i ? other : mine, O_CREAT | O_WRONLY, 0600);
+        ck_assert_int_ge(fd, 0);
+        close(fd);
+    }
+    char var[96];
+    snprintf(var, sizeof var, "CPAR_JOB_TOKEN=%s", token);
+    proc p;
+    proc_run(&p, cparrun_path(), prog_path(), (const char *const[]){"-n", "2", "PROG", "coll", NULL},
+             (const char *const[]){var, NULL}, 60000);
+    ASSERT_OUT(&p, p.status == 0);
+    proc_free(&p);
+    ck_assert_int_ne(access(mine, F_OK), 0);
+    ck_assert_int_eq(access(other, F_OK), 0);
+    unlink(other);
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
 /* Two nodes' worth of ranks (LOCAL_WORLD_SIZE < WORLD_SIZE): refused at once. */
 START_TEST(test_several_nodes) {
     proc ps[2];
@@ -261,6 +290,7 @@ int main(void) {
     tcase_add_test(tc, test_cparrun_rank_dies);
     tcase_add_test(tc, test_rank_late);
     tcase_add_test(tc, test_several_nodes);
+    tcase_add_test(tc, test_cparrun_sweeps);
     tcase_set_timeout(tc, 120);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
