@@ -20,7 +20,6 @@
 #define _GNU_SOURCE
 #endif
 #include <check.h>
-#include <dirent.h>
 
 #include "proc.h"
 
@@ -45,17 +44,7 @@ static const char *train_path(void) {
 }
 
 /* The host backend's segments in /dev/shm ("cpar-<token hash>-<pid>-<n>"). */
-static int shm_leftovers(void) {
-    DIR *d = opendir("/dev/shm");
-    if (!d) return 0;
-    int n = 0;
-    for (struct dirent *e; (e = readdir(d));) n += !strncmp(e->d_name, "cpar-", 5);
-    closedir(d);
-    return n;
-}
-
-#define ASSERT_OUT(p, cond)                                                                                  \
-    ck_assert_msg((cond), "%s\nstatus %d\nstdout:\n%s\nstderr:\n%s", #cond, (p)->status, (p)->text[0], (p)->text[1])
+static int shm_leftovers(void) { return shm_count("cpar-"); }
 
 /* cparrun -n np PROG args... with env; every rank must print "rank R ok". */
 static void job_ok(const char *prog, int np, const char *const *args, const char *const *env) {
@@ -152,27 +141,11 @@ END_TEST
 
 #define NP 4
 
-static void torchrun_start(proc *ps, int np, int local_world, const char *const *args, const char *timeout) {
-    static char vars[8][8][64];
-    int port = 21000 + (int)(getpid() % 9000) * 2;
-    for (int r = 0; r < np; r++) {
-        snprintf(vars[r][0], 64, "RANK=%d", r);
-        snprintf(vars[r][1], 64, "LOCAL_RANK=%d", r % local_world);
-        snprintf(vars[r][2], 64, "WORLD_SIZE=%d", np);
-        snprintf(vars[r][3], 64, "LOCAL_WORLD_SIZE=%d", local_world);
-        snprintf(vars[r][4], 64, "MASTER_ADDR=127.0.0.1");
-        snprintf(vars[r][5], 64, "MASTER_PORT=%d", port);
-        snprintf(vars[r][6], 64, "CPAR_TIMEOUT_MS=%s", timeout);
-        const char *env[] = {vars[r][0], vars[r][1], vars[r][2], vars[r][3], vars[r][4], vars[r][5], vars[r][6], NULL};
-        proc_start(&ps[r], prog_path(), NULL, args, env);
-    }
-}
-
 /* The peers of a killed rank fail fast, naming it, though their deadline is
  * far away: the death is detected, not timed out. */
 START_TEST(test_rank_dies) {
     proc ps[NP];
-    torchrun_start(ps, NP, NP, (const char *const[]){"die", "2", NULL}, "30000");
+    torchrun_start(ps, NP, NP, prog_path(), (const char *const[]){"die", "2", NULL}, "30000");
     for (int r = 0; r < NP; r++) proc_finish(&ps[r], 40000);
     ASSERT_OUT(&ps[2], ps[2].status == 128 + SIGKILL);
     for (int r = 0; r < NP; r++) {
@@ -204,7 +177,7 @@ END_TEST
  * learn of the timeout from the first that did), and it sees their failure. */
 START_TEST(test_rank_late) {
     proc ps[NP];
-    torchrun_start(ps, NP, NP, (const char *const[]){"late", "1", NULL}, "1500");
+    torchrun_start(ps, NP, NP, prog_path(), (const char *const[]){"late", "1", NULL}, "1500");
     for (int r = 0; r < NP; r++) proc_finish(&ps[r], 30000);
     int timeouts = 0;
     for (int r = 0; r < NP; r++) {
@@ -255,7 +228,7 @@ END_TEST
 /* Two nodes' worth of ranks (LOCAL_WORLD_SIZE < WORLD_SIZE): refused at once. */
 START_TEST(test_several_nodes) {
     proc ps[2];
-    torchrun_start(ps, 2, 1, (const char *const[]){"coll", NULL}, "5000");
+    torchrun_start(ps, 2, 1, prog_path(), (const char *const[]){"coll", NULL}, "5000");
     for (int r = 0; r < 2; r++) {
         proc_finish(&ps[r], 20000);
         ASSERT_OUT(&ps[r], ps[r].status == 1);
