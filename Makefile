@@ -219,7 +219,7 @@ $(B)/host/store_prog: tests/store_prog.c $(B)/host/cpar.o | $(B)/host
 
 # The ranks of test_hostmp's multi-process jobs on the host backend (mp_prog
 # is the nccl-sim suite's program, here with CPAR_BACKEND=host).
-$(B)/host/hostmp_prog $(B)/host/mp_prog: $(B)/host/%: tests/%.c $(B)/host/cpar.o | $(B)/host
+$(B)/host/hostmp_prog $(B)/host/mp_prog: $(B)/host/%: tests/%.c tests/rank_prog.h $(B)/host/cpar.o | $(B)/host
 	$(CC) $(ALL_CFLAGS) $< $(B)/host/cpar.o -o $@ $(LIBS)
 
 $(B)/sim/test_%.o: tests/test_%.c tests/testutil.h tests/proc.h tests/net.h $(HDR) | $(B)/sim
@@ -284,7 +284,7 @@ $(B)/ncclsim/test_ncclsim: tests/test_ncclsim.cu $(NCCLSIM_LIB) $(NCCLSIM_HDRS) 
 $(B)/ncclsim/mp_prog: $(B)/sim/mp_prog.o $(NCCLSIM_OBJS)
 	$(CXX) $^ -o $@ $(LIBS)
 
-$(B)/sim/mp_prog.o: tests/mp_prog.c tests/testutil.h $(HDR) | $(B)/sim
+$(B)/sim/mp_prog.o: tests/mp_prog.c tests/rank_prog.h tests/testutil.h $(HDR) | $(B)/sim
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) -c $< -o $@
 
 $(B)/ncclsim/lm_check $(B)/ncclsim/train: $(B)/ncclsim/%: $(B)/sim/%.o $(NCCLSIM_OBJS)

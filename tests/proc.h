@@ -165,6 +165,46 @@ static void proc_run(proc *p, const char *exe, const char *prog, const char *con
 #define ASSERT_OUT(p, cond)                                                                                  \
     ck_assert_msg((cond), "%s\nstatus %d\nstdout:\n%s\nstderr:\n%s", #cond, (p)->status, (p)->text[0], (p)->text[1])
 
+/* cparrun -n np prog die K, where rank K kills itself mid-collective: the
+ * job ends within 10 s (not at the 20 s deadline) with that rank's status,
+ * and cparrun names it. */
+static inline void cparrun_rank_dies(const char *cparrun, const char *prog, int np, int victim)
+{
+    char n[16], k[16], want[64];
+    snprintf(n, sizeof n, "%d", np), snprintf(k, sizeof k, "%d", victim);
+    snprintf(want, sizeof want, "rank %d was killed by signal 9", victim);
+    proc p;
+    proc_run(&p, cparrun, prog, (const char *const[]){"-n", n, "PROG", "die", k, NULL},
+             (const char *const[]){"CPAR_TIMEOUT_MS=20000", NULL}, 60000);
+    ASSERT_OUT(&p, p.status == 128 + SIGKILL);
+    ASSERT_OUT(&p, strstr(p.text[1], want) != NULL);
+    ck_assert_int_lt(p.end - p.start, 10000);
+    proc_free(&p);
+}
+
+/* After torchrun_start of np ranks in which rank victim kills itself
+ * mid-collective: it died by SIGKILL, and every peer exited 1 within 10 s
+ * (the death is detected, not timed out), its output on stream (0 stdout, 1
+ * stderr) saying CPAR_ERR_PEER, "rank <victim>" and "died". Frees ps. */
+static inline void torchrun_rank_died(proc *ps, int np, int victim, int stream)
+{
+    char who[32];
+    snprintf(who, sizeof who, "rank %d", victim);
+    for (int r = 0; r < np; r++)
+        proc_finish(&ps[r], 40000);
+    ASSERT_OUT(&ps[victim], ps[victim].status == 128 + SIGKILL);
+    for (int r = 0; r < np; r++) {
+        if (r == victim)
+            continue;
+        const char *t = ps[r].text[stream];
+        ASSERT_OUT(&ps[r], ps[r].status == 1);
+        ASSERT_OUT(&ps[r], strstr(t, "CPAR_ERR_PEER") && strstr(t, who) && strstr(t, "died"));
+        ck_assert_int_lt(ps[r].end - ps[r].start, 10000);
+    }
+    for (int r = 0; r < np; r++)
+        proc_free(&ps[r]);
+}
+
 /* Entries of /dev/shm whose names start with prefix (a job's leftovers).
  * (inline: not every suite that includes this header uses it) */
 static inline int shm_count(const char *prefix)

@@ -52,13 +52,7 @@ START_TEST(test_cparrun_job) {
 END_TEST
 
 START_TEST(test_cparrun_rank_dies) {
-    proc p;
-    proc_run(&p, cparrun_path(), prog_path(), (const char *const[]){"-n", "4", "PROG", "die", "2", NULL},
-             (const char *const[]){"CPAR_TIMEOUT_MS=20000", NULL}, 60000);
-    ASSERT_OUT(&p, p.status == 128 + SIGKILL);
-    ASSERT_OUT(&p, strstr(p.text[1], "rank 2 was killed by signal 9") != NULL);
-    ck_assert_int_lt(p.end - p.start, 10000);
-    proc_free(&p);
+    cparrun_rank_dies(cparrun_path(), prog_path(), 4, 2);
     ck_assert_int_eq(shm_leftovers(), 0);
 }
 END_TEST
@@ -100,16 +94,7 @@ END_TEST
 START_TEST(test_torchrun_rank_dies) {
     proc ps[NP];
     mp_start(ps, "die", "2", "30000");
-    for (int r = 0; r < NP; r++) proc_finish(&ps[r], 20000);
-    ASSERT_OUT(&ps[2], ps[2].status == 128 + SIGKILL);
-    for (int r = 0; r < NP; r++) {
-        if (r == 2) continue;
-        ASSERT_OUT(&ps[r], ps[r].status == 1);
-        ASSERT_OUT(&ps[r], strstr(ps[r].text[1], "CPAR_ERR_PEER") != NULL);
-        ASSERT_OUT(&ps[r], strstr(ps[r].text[1], "rank 2") && strstr(ps[r].text[1], "died"));
-        ck_assert_int_lt(ps[r].end - ps[r].start, 10000);
-    }
-    for (int r = 0; r < NP; r++) proc_free(&ps[r]);
+    torchrun_rank_died(ps, NP, 2, 1);
     ck_assert_int_eq(shm_leftovers(), 0);
 }
 END_TEST
