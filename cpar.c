@@ -4328,7 +4328,7 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
 #define CPAR__PC_MAX 256                       /* members of a group (bounds the stack tables) */
 #define CPAR__PC_MAGIC 0x316d687372617063ull   /* "cparshm1" */
 #ifndef CPAR__PC_CHUNK
-#define CPAR__PC_CHUNK ((size_t)4 << 20)       /* default bytes per member per stage */
+#define CPAR__PC_CHUNK ((size_t)1 << 20)       /* default bytes per member per stage */
 #endif
 
 typedef struct cpar__pc_hdr {
@@ -4922,8 +4922,10 @@ static cpar_status cpar__pc_create(cpar_group *g, const char *fn, const char *to
     /* Stage halves: CPAR_HOST_CHUNK bytes (tests make it small), at least 64 per member. */
     size_t chunk = (size_t)cpar__getenv_positive("CPAR_HOST_CHUNK", (int)CPAR__PC_CHUNK);
     chunk = cpar__round_up(chunk < (size_t)64 * (size_t)pc->n ? (size_t)64 * (size_t)pc->n : chunk, 4096);
-    /* Mailbox halves: 256 MiB of address space for all pairs, 64 KiB to a chunk each. */
-    size_t box = ((size_t)256 << 20) / (2 * (size_t)pc->n * (size_t)pc->n);
+    /* Mailbox halves: 16 MiB for all pairs together, 64 KiB to a chunk each.
+     * Pages exist only once touched, but /dev/shm may be small (64 MiB in a
+     * container by default), and a touch past its end is SIGBUS. */
+    size_t box = ((size_t)16 << 20) / (2 * (size_t)pc->n * (size_t)pc->n);
     box = cpar__round_up(box < ((size_t)64 << 10) ? (size_t)64 << 10 : box > chunk ? chunk : box, 4096);
     pc->chunk = chunk, pc->box_chunk = box;
     pc->bytes = cpar__pc_layout(pc);

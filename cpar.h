@@ -214,7 +214,7 @@ cpar_status cpar_spawn_with(int nranks, const cpar_init_config *cfg, cpar_rank_f
  * unlinked as soon as every member has mapped it, so no segment outlives the
  * job. Collectives give the threaded host backend's results bit for bit and
  * its byte statistics; they are staged through the segment in pieces of
- * CPAR_HOST_CHUNK bytes per rank (default 4 MiB). A rank that dies makes its
+ * CPAR_HOST_CHUNK bytes per rank (default 1 MiB). A rank that dies makes its
  * peers fail with CPAR_ERR_PEER naming it, well before the deadline. The sim
  * backend runs ranks as threads only (WORLD_SIZE > 1: CPAR_ERR_UNSUPPORTED). */
 cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out);
