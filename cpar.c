@@ -4337,8 +4337,7 @@ typedef struct cpar__pc_hdr {
     uint64_t chunk, box_chunk, bytes;  /* stage half per member, mailbox half, segment size */
     _Atomic uint32_t gen, count;      /* barriers completed (a futex word), members in the current one */
     _Atomic int32_t fail_claim, failed; /* the first failure claims the record, then publishes it */
-    int32_t failed_rank, failed_status;
-    char failed_msg[CPAR_ERR_LEN];
+    char failed_msg[CPAR_ERR_LEN];      /* which rank failed and how, e.g. "rank 2 (pid 42) died ..." */
 } cpar__pc_hdr;
 
 typedef struct cpar__pc_member {
@@ -4453,15 +4452,13 @@ static bool cpar__pid_gone(int64_t pid) {
     return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
 }
 
-/* Record in one segment that world rank `rank` failed with st (the first
+/* Record in one segment why the job failed (msg names the rank; the first
  * record wins) and wake every waiter. */
-static void cpar__pc_record(cpar__pcomm *pc, int rank, cpar_status st, const char *msg) {
+static void cpar__pc_record(cpar__pcomm *pc, const char *msg) {
     if (!pc || !pc->base) return;
     cpar__pc_hdr *h = pc->hdr;
     int32_t free_ = 0;
     if (atomic_compare_exchange_strong(&h->fail_claim, &free_, 1)) {
-        h->failed_rank = rank;
-        h->failed_status = (int32_t)st;
         snprintf(h->failed_msg, sizeof h->failed_msg, "%s", msg);
         atomic_store(&h->failed, 1);
     }
@@ -4471,8 +4468,8 @@ static void cpar__pc_record(cpar__pcomm *pc, int rank, cpar_status st, const cha
 
 /* The failure reaches every group of this process, as the job's failure does
  * on the threaded backend: a peer blocked on another group learns of it. */
-static void cpar__pc_record_all(cpar_ctx *ctx, int rank, cpar_status st, const char *msg) {
-    for (cpar_group *g = ctx->groups; g; g = g->next) cpar__pc_record(g->pc, rank, st, msg);
+static void cpar__pc_record_all(cpar_ctx *ctx, const char *msg) {
+    for (cpar_group *g = ctx->groups; g; g = g->next) cpar__pc_record(g->pc, msg);
 }
 
 static cpar_status cpar__pc_failed(cpar_group *g, const char *fn, const char *what) {
@@ -4520,7 +4517,7 @@ static cpar_status cpar__pc_wait(cpar_group *g, const char *fn, const char *what
                 snprintf(msg, sizeof msg, "rank %d left the group (finalized or destroyed it) without joining the %s",
                          g->world_ranks[m], what);
             else snprintf(msg, sizeof msg, "rank %d (pid %lld) died during the %s", g->world_ranks[m], (long long)pid, what);
-            cpar__pc_record_all(ctx, g->world_ranks[m], CPAR_ERR_PEER, msg);
+            cpar__pc_record_all(ctx, msg);
             return cpar__fail(ctx, CPAR_ERR_PEER, "%s: %s", fn, msg);
         }
         int64_t left = deadline - cpar__now_ms();
@@ -4535,7 +4532,7 @@ static cpar_status cpar__pc_wait(cpar_group *g, const char *fn, const char *what
             cpar_status st = cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: %s timed out after %d ms waiting for rank%s %s", fn,
                                         what, ctx->timeout_ms, missing == 1 ? "" : "s", who);
             snprintf(msg, sizeof msg, "rank %d timed out (%.400s)", ctx->rank, ctx->err);
-            cpar__pc_record_all(ctx, ctx->rank, CPAR_ERR_TIMEOUT, msg);
+            cpar__pc_record_all(ctx, msg);
             return st;
         }
         /* Short sleeps: a peer's death wakes nobody, so it is looked for this often. */
@@ -6292,7 +6289,7 @@ cpar_status cpar_abort(cpar_ctx *ctx) {
     if (ctx->job) cpar__job_fail(ctx->job, ctx->rank, CPAR_ERR_PEER);
     char msg[64];
     snprintf(msg, sizeof msg, "rank %d aborted (cpar_abort)", ctx->rank);
-    cpar__pc_record_all(ctx, ctx->rank, CPAR_ERR_PEER, msg);
+    cpar__pc_record_all(ctx, msg);
 #ifdef CPAR_WITH_NCCL
     for (cpar_group *g = ctx->groups; g; g = g->next)
         if (g->nccl) {
