@@ -16,6 +16,8 @@
  *                         they time out naming it; it then sees their failure
  *   hostmp_prog die K     rank K is killed (SIGKILL) while its peers are in an
  *                         all-reduce: they fail at once, naming it
+ *   hostmp_prog abort K   rank K calls cpar_abort while its peers are in an
+ *                         all-reduce: they (and its own next call) fail naming it
  *
  * Prints "rank R ok" (coll, ring) or "rank R: <status>: <message>" (faults).
  * Exit status: 0 when every check passed, 1 when a cpar call failed
@@ -299,7 +301,7 @@ static int run_ring(cpar_ctx *ctx) {
 
 /* ---- faults ---------------------------------------------------------------- */
 
-static int run_fault(cpar_ctx *ctx, bool die, int k) {
+static int run_fault(cpar_ctx *ctx, const char *mode, int k) {
     cpar_group *w = cpar_world_group(ctx);
     float in[64], out[64];
     for (int i = 0; i < 64; i++) in[i] = (float)i;
@@ -307,12 +309,11 @@ static int run_fault(cpar_ctx *ctx, bool die, int k) {
     TRY(cpar_all_reduce(w, &ti, &to, CPAR_SUM)); /* everyone is up */
     if (rank == k) {
         struct timespec ts = {0, 300 * 1000000L};
-        if (die) {
-            nanosleep(&ts, NULL); /* the peers are inside the all-reduce by now */
-            raise(SIGKILL);
-        }
+        if (strcmp(mode, "late")) nanosleep(&ts, NULL); /* the peers are inside the all-reduce by now */
+        if (!strcmp(mode, "die")) raise(SIGKILL);
+        if (!strcmp(mode, "abort")) TRY(cpar_abort(ctx));
         ts = (struct timespec){cpar_timeout_ms(ctx) / 1000 + 1, 0};
-        nanosleep(&ts, NULL);
+        if (!strcmp(mode, "late")) nanosleep(&ts, NULL);
     }
     cpar_status st = cpar_all_reduce(w, &ti, &to, CPAR_SUM);
     printf("rank %d: %s: %s\n", rank, cpar_status_string(st), st == CPAR_OK ? "" : cpar_thread_last_error());
@@ -330,9 +331,9 @@ int main(int argc, char **argv) {
     int rc;
     if (!strcmp(mode, "coll")) rc = run_coll(ctx);
     else if (!strcmp(mode, "ring")) rc = run_ring(ctx);
-    else if (!strcmp(mode, "late") || !strcmp(mode, "die")) rc = run_fault(ctx, !strcmp(mode, "die"), k);
+    else if (!strcmp(mode, "late") || !strcmp(mode, "die") || !strcmp(mode, "abort")) rc = run_fault(ctx, mode, k);
     else {
-        fprintf(stderr, "hostmp_prog: unknown mode \"%s\" (coll, ring, late K, die K)\n", mode);
+        fprintf(stderr, "hostmp_prog: unknown mode \"%s\" (coll, ring, late K, die K, abort K)\n", mode);
         rc = 2;
     }
     if (rc == 0 && (!strcmp(mode, "coll") || !strcmp(mode, "ring"))) printf("rank %d ok\n", rank);

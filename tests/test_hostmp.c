@@ -9,8 +9,9 @@
  * on a tp x cp grid and a tp=2 x cp=2 sequence-parallel MLP (tests/mp_prog.c,
  * with CPAR_BACKEND=host) against one rank; the main job
  * (cparrun -n 4 build/train --tp 2 --cp 2) against the threaded run's losses.
- * Launched here with torchrun's variables: a rank killed mid-collective and a
- * rank that comes late make the others fail within the deadline naming it;
+ * Launched here with torchrun's variables: a rank killed mid-collective, one
+ * that calls cpar_abort and one that comes late make the others fail within
+ * the deadline naming it;
  * several nodes are refused. No job leaves a segment in /dev/shm.
  *
  * Paths come from the environment (B: the build directory, exported by
@@ -223,6 +224,22 @@ START_TEST(test_cparrun_sweeps) {
 }
 END_TEST
 
+/* cpar_abort on one rank: every rank's call fails with CPAR_ERR_PEER saying
+ * which rank aborted, at once. */
+START_TEST(test_rank_aborts) {
+    proc ps[NP];
+    torchrun_start(ps, NP, NP, prog_path(), (const char *const[]){"abort", "3", NULL}, "30000");
+    for (int r = 0; r < NP; r++) proc_finish(&ps[r], 40000);
+    for (int r = 0; r < NP; r++) {
+        ASSERT_OUT(&ps[r], ps[r].status == 1);
+        ASSERT_OUT(&ps[r], strstr(ps[r].text[0], "CPAR_ERR_PEER") && strstr(ps[r].text[0], "rank 3 aborted"));
+        ck_assert_int_lt(ps[r].end - ps[r].start, 10000);
+        proc_free(&ps[r]);
+    }
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
 /* Two nodes' worth of ranks (LOCAL_WORLD_SIZE < WORLD_SIZE): refused at once. */
 START_TEST(test_several_nodes) {
     proc ps[2];
@@ -260,6 +277,7 @@ int main(void) {
     tcase_add_test(tc, test_rank_dies);
     tcase_add_test(tc, test_cparrun_rank_dies);
     tcase_add_test(tc, test_rank_late);
+    tcase_add_test(tc, test_rank_aborts);
     tcase_add_test(tc, test_several_nodes);
     tcase_add_test(tc, test_cparrun_sweeps);
     tcase_set_timeout(tc, 120);
