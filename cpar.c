@@ -26,7 +26,7 @@
  *   15. RNG, dropout, checkpointing Philox tracker, random fills, dropout, recompute
  *   16. Embedding, cross entropy    vocab-parallel embedding and loss
  *   17. Linear layers               column/row-parallel linear, init, fwd/bwd
- *   18. Local attention             flash-style attention fwd/bwd, host reference, blocks
+ *   18. Local attention             flash-style attention fwd/bwd with dropout, host reference, blocks
  *   19. Ring attention, sharding    cp_shard/unshard, ring fwd/bwd, the LSE merge
  *   20. Mamba context parallelism   cp2hp/hp2cp, load balancing, pre/post conv_ssm, conv1d
  *   21. Inference layers            RMSNorm fwd/bwd, inference column/row linear, fused rs+add+norm+ag
@@ -6544,6 +6544,15 @@ cpar_status cpar_rng_set_state(cpar_ctx *ctx, const char *name, const cpar_rng_s
     return CPAR_OK;
 }
 
+cpar_status cpar_rng_reserve(cpar_ctx *ctx, uint64_t blocks, cpar_rng_state *used) {
+    static const char fn[] = "cpar_rng_reserve";
+    CPAR__RNG_OF(rng, ctx, fn);
+    if (!used) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: used is NULL", fn);
+    *used = rng->s.current;
+    rng->s.current.offset += blocks;
+    return CPAR_OK;
+}
+
 cpar_status cpar_rng_get_states(cpar_ctx *ctx, cpar_rng_snapshot *out) {
     static const char fn[] = "cpar_rng_get_states";
     CPAR__RNG_OF(rng, ctx, fn);
@@ -8025,9 +8034,10 @@ cpar_status cpar_linear_backward(cpar_linear *l, const cpar_tensor *dy, cpar_ten
 }
 
 /* ==== 18. Local attention ==================================================
- * Owns cpar.h §12's local attention: cpar_attention_forward/_backward on one
- * rank, and the block functions below that the ring attention of section 19
- * calls once per KV block. Host tensors run FlashAttention-2's tiled loops on
+ * Owns cpar.h §12's local attention: cpar_attention_forward/_backward (and
+ * their _cfg forms with dropout) on one rank, attention dropout's mask (host
+ * twin of the kernels'), and the block functions below that the ring
+ * attention of section 19 calls once per KV block. Host tensors run FlashAttention-2's tiled loops on
  * the host GEMM (fp32 accumulation, online softmax); device tensors run the
  * flash kernels of cpar_kernels.cu §16 through cpar_dev_attention_fwd / _bwd.
  * Scratch: one workspace carve per call (the GEMM's panels are its own).
@@ -8082,13 +8092,59 @@ static size_t cpar__attn_round(size_t bytes) { return (bytes + CPAR__ATTN_ALIGN 
  * each query tile that sees it: P = exp(scale Q Kᵀ − lse) recomputed,
  * dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − D) with D = rowsum(dO ∘ O), dQ +=
  * scale dS K, dK += scale dSᵀ Q. Tiles skip what causality hides; the diagonal
- * tile masks j > i. The S / P and dP tiles stay in cache. */
+ * tile masks j > i. The S / P and dP tiles stay in cache. Dropout: forward
+ * zeroes the dropped weights after l has summed them (lse is dropout's
+ * input) and scales out by 1/(1-p); backward builds the tile's mask
+ * Z = keep/(1-p) once, dV += (P∘Z)ᵀ dO and dS = P ∘ (dP∘Z − D). */
 enum { CPAR__HATTN_BQ = 128, CPAR__HATTN_BK = 128 };
 
 /* Scratch floats of the host path (see cpar__attn_scratch_bytes). */
 static size_t cpar__host_attn_floats(const cpar__attn_io *io, bool backward) {
     const size_t tile = (size_t)CPAR__HATTN_BQ * CPAR__HATTN_BK;
-    return backward ? 2 * tile + (size_t)io->sq : tile + (size_t)CPAR__HATTN_BQ * (size_t)(io->d + 2);
+    const size_t drop = io->dropout_p > 0.f ? tile : 0; /* backward: the tile's mask Z / (1 - p) */
+    return backward ? 2 * tile + drop + (size_t)io->sq : tile + (size_t)CPAR__HATTN_BQ * (size_t)(io->d + 2);
+}
+
+/* ---- dropout's mask (host twin of cpar_kernels.cu §16's cpar__attn_keep) ---- */
+
+/* The global position of row i (cpar_dev_attn_pos). */
+static int64_t cpar__attn_pos(const cpar_dev_attn_pos *p, int64_t i) {
+    return i < p->split ? p->off0 + i : p->off1 + (i - p->split);
+}
+
+/* The positions of rows [a, ...) of p, as a description of their own. */
+static cpar_dev_attn_pos cpar__attn_pos_sub(cpar_dev_attn_pos p, int64_t a) {
+    if (a >= p.split) return (cpar_dev_attn_pos){0, 0, p.off1 + (a - p.split)};
+    return (cpar_dev_attn_pos){p.split - a, p.off0 + a, p.off1};
+}
+
+/* Whether attention weight (bh, qpos, kpos) survives dropout p (cpar.h §12). */
+static bool cpar__attn_keep(const cpar_rng_state *rng, float p, uint64_t bh, uint64_t qpos, uint64_t kpos) {
+    const uint64_t c = rng->offset + (kpos >> 2), sub = ((bh + 1) << 32) + qpos;
+    const uint32_t ctr[4] = {(uint32_t)c, (uint32_t)(c >> 32), (uint32_t)sub, (uint32_t)(sub >> 32)};
+    uint32_t w[4];
+    cpar__philox(ctr, (uint32_t)rng->seed, (uint32_t)(rng->seed >> 32), w);
+    return cpar__rng_u01(w[kpos & 3]) >= p;
+}
+
+/* The kept weights' factor 1 / (1 - p) in fp32 (1 without dropout); the
+ * device launchers compute the same expression on the host. */
+static float cpar__attn_keep_scale(const cpar__attn_io *io) { return 1.0f / (1.0f - io->dropout_p); }
+
+/* Row i0 + i, key k0 + j of S [bq, bk] (row-major): multiply each element by
+ * its mask value (0 or keep_scale) into Z, or zero the dropped ones in place
+ * when Z is NULL. */
+static void cpar__attn_drop_tile(const cpar__attn_io *io, int64_t bh, int64_t i0, int64_t k0, int64_t bq, int64_t bk,
+                                 float *S, float *Z, float keep_scale) {
+    for (int64_t i = 0; i < bq; i++) {
+        const uint64_t qpos = (uint64_t)cpar__attn_pos(&io->qp, i0 + i);
+        for (int64_t j = 0; j < bk; j++) {
+            const bool keep = cpar__attn_keep(&io->rng, io->dropout_p, (uint64_t)bh, qpos,
+                                              (uint64_t)cpar__attn_pos(&io->kp, k0 + j));
+            if (Z) Z[i * bk + j] = keep ? keep_scale : 0.f;
+            else if (!keep) S[i * bk + j] = 0.f;
+        }
+    }
 }
 
 /* Top-left causal: -inf where key k0 + j lies after query q0 + i. */
@@ -8112,6 +8168,8 @@ static cpar_status cpar__host_attn_fwd(cpar_ctx *ctx, const char *fn, const cpar
                                        cpar_dtype out_dt, int64_t o_bh, float *lse, int64_t lse_bh, float *scratch) {
     const int64_t d = io->d, group = io->hq / io->hkv;
     float *S = scratch, *O = S + CPAR__HATTN_BQ * CPAR__HATTN_BK, *m = O + CPAR__HATTN_BQ * d, *l = m + CPAR__HATTN_BQ;
+    const bool drop = io->dropout_p > 0.f;
+    const float keep_scale = cpar__attn_keep_scale(io);
     for (int64_t bi = 0; bi < io->b; bi++)
         for (int64_t hi = 0; hi < io->hq; hi++) {
             const int64_t bh = bi * io->hq + hi, qbase = bh * io->q_bh, obase = bh * o_bh;
@@ -8139,6 +8197,8 @@ static cpar_status cpar__host_attn_fwd(cpar_ctx *ctx, const char *fn, const cpar
                         if (corr != 1.f)
                             for (int64_t c = 0; c < d; c++) O[i * d + c] *= corr;
                     }
+                    /* l summed the weights before dropout (lse is dropout's input); P V uses the kept ones */
+                    if (drop) cpar__attn_drop_tile(io, bh, q0, k0, bq, bk, S, NULL, 0.f);
                     /* O [bq, d] += P [bq, bk] V [bk, d]: column-major Oᵀ += Vᵀ Pᵀ */
                     CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 0, d, bq, bk, 1.f, cpar__attn_at(io->v, io->dt, kvbase + k0 * d),
                                              io->dt, d, S, CPAR_F32, bk, 1.f, O, CPAR_F32, d));
@@ -8147,7 +8207,8 @@ static cpar_status cpar__host_attn_fwd(cpar_ctx *ctx, const char *fn, const cpar
                     float *lrow = lse + bh * lse_bh + q0 + i;
                     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f; /* l = 0: the row saw no key */
                     *lrow = l[i] > 0.f ? m[i] + logf(l[i]) : -INFINITY;
-                    for (int64_t c = 0; c < d; c++) cpar__store_f(out, out_dt, obase + (q0 + i) * d + c, O[i * d + c] * inv);
+                    for (int64_t c = 0; c < d; c++)
+                        cpar__store_f(out, out_dt, obase + (q0 + i) * d + c, O[i * d + c] * inv * keep_scale);
                 }
             }
         }
@@ -8160,7 +8221,10 @@ static cpar_status cpar__host_attn_bwd(cpar_ctx *ctx, const char *fn, const cpar
                                        float *scratch) {
     const int64_t d = io->d, group = io->hq / io->hkv;
     const float scale = io->scale;
+    const bool drop = io->dropout_p > 0.f;
     float *P = scratch, *dP = P + CPAR__HATTN_BQ * CPAR__HATTN_BK, *D = dP + CPAR__HATTN_BQ * CPAR__HATTN_BK;
+    float *Z = drop ? D : NULL; /* the mask tile, then D */
+    if (drop) D += CPAR__HATTN_BQ * CPAR__HATTN_BK;
     for (int64_t bi = 0; bi < io->b; bi++)
         for (int64_t hi = 0; hi < io->hq; hi++) {
             const int64_t bh = bi * io->hq + hi, hk = bi * io->hkv + hi / group;
@@ -8188,10 +8252,20 @@ static cpar_status cpar__host_attn_bwd(cpar_ctx *ctx, const char *fn, const cpar
                         if (L[q0 + i] == -INFINITY) memset(P + i * bk, 0, sizeof(float) * (size_t)bk); /* saw no key */
                         else cpar__exp_sub_sum(P + i * bk, bk, L[q0 + i]);
                     }
-                    /* dV [bk, d] += Pᵀ dO: column-major dVᵀ += dOᵀ P */
-                    CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 1, d, bk, bq, 1.f, dOt, out_dt, d, P, CPAR_F32, bk, 1.f, dVt,
+                    /* dV [bk, d] += (P ∘ Z)ᵀ dO: column-major dVᵀ += dOᵀ (P ∘ Z); with dropout P ∘ Z
+                     * (Z = mask / (1 - p)) is built in dP, which is free until dP = dO Vᵀ below */
+                    const float *PZ = P;
+                    if (drop) {
+                        cpar__attn_drop_tile(io, bh, q0, k0, bq, bk, NULL, Z, cpar__attn_keep_scale(io));
+                        for (int64_t e = 0; e < bq * bk; e++) dP[e] = P[e] * Z[e];
+                        PZ = dP;
+                    }
+                    CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 1, d, bk, bq, 1.f, dOt, out_dt, d, PZ, CPAR_F32, bk, 1.f, dVt,
                                              CPAR_F32, d));
                     CPAR_TRY(cpar__attn_qkt(ctx, fn, 1.f, dOt, out_dt, Vt, io->dt, bq, bk, d, dP)); /* dP = dO Vᵀ */
+                    /* dS = P ∘ (dP ∘ Z − D): the gradient reaches the weight before dropout through the mask */
+                    if (drop)
+                        for (int64_t e = 0; e < bq * bk; e++) dP[e] *= Z[e];
                     for (int64_t i = 0; i < bq; i++)
                         for (int64_t j = 0; j < bk; j++) dP[i * bk + j] = P[i * bk + j] * (dP[i * bk + j] - D[q0 + i]);
                     /* dQ [bq, d] += scale dS K: column-major dQᵀ += Kᵀ dSᵀ */
@@ -8270,10 +8344,28 @@ static cpar_status cpar__attn_check_lse(cpar_ctx *ctx, const char *fn, const cpa
     return cpar__check_shape(ctx, fn, "lse", lse, q->shape, 3, "[b, hq, sq] of q");
 }
 
-/* Checks of q, k, v, causal and scale shared by forward and backward; fills
+/* p is a dropout probability attention takes (name: how the caller spelled it). */
+static cpar_status cpar__attn_check_dropout(cpar_ctx *ctx, const char *fn, const char *name, float p) {
+    if (p >= 0.f && p < 1.f) return CPAR_OK;
+    return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is %g, expected 0 <= p < 1 (p = 1 would drop every weight)", fn,
+                      name, (double)p);
+}
+
+/* Dropout's positions are Philox counter words: below 2^32. */
+static cpar_status cpar__attn_check_positions(cpar_ctx *ctx, const char *fn, float p, int64_t sq, int64_t sk) {
+    if (p == 0.f || (sq <= (int64_t)UINT32_MAX && sk <= (int64_t)UINT32_MAX)) return CPAR_OK;
+    return cpar__fail(ctx, CPAR_ERR_INVALID,
+                      "%s: global sequence lengths %lld (queries) and %lld (keys), expected below 2^32 with dropout",
+                      fn, (long long)sq, (long long)sk);
+}
+
+/* Checks of q, k, v and the configuration shared by forward and backward
+ * (pre: "" for the bool/float functions, "cfg->" for the _cfg ones); fills
  * the block description of the whole attention (contiguous strides). */
-static cpar_status cpar__attn_check_qkv(cpar_ctx *ctx, const char *fn, const cpar_tensor *q, const cpar_tensor *k,
-                                        const cpar_tensor *v, bool causal, float scale, cpar__attn_io *io) {
+static cpar_status cpar__attn_check_qkv(cpar_ctx *ctx, const char *fn, const char *pre,
+                                        const cpar_attention_config *cfg, const cpar_tensor *q, const cpar_tensor *k,
+                                        const cpar_tensor *v, cpar__attn_io *io) {
+    const float scale = cfg->scale;
     CPAR_TRY(cpar__check_tensor(ctx, fn, "q", q, -2));
     if (q->device != CPAR_HOST && q->device != ctx->device) {
         char got[32], want[32];
@@ -8305,8 +8397,12 @@ static cpar_status cpar__attn_check_qkv(cpar_ctx *ctx, const char *fn, const cpa
                           (long long)hkv, (long long)hq);
     if (d < 1) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: q has head dim d = %lld, expected >= 1", fn, (long long)d);
     if (!isfinite(scale) || scale < 0.f)
-        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: scale is %g, expected finite and >= 0 (0: 1/sqrt(d))", fn,
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %sscale is %g, expected finite and >= 0 (0: 1/sqrt(d))", fn, pre,
                           (double)scale);
+    char pname[32];
+    snprintf(pname, sizeof pname, "%sdropout_p", pre);
+    CPAR_TRY(cpar__attn_check_dropout(ctx, fn, pname, cfg->dropout_p));
+    CPAR_TRY(cpar__attn_check_positions(ctx, fn, cfg->dropout_p, sq, sk));
     if (cpar__on_device(q->device)) {
         if (q->dtype == CPAR_F32)
             return cpar__fail(ctx, CPAR_ERR_UNSUPPORTED,
@@ -8322,8 +8418,10 @@ static cpar_status cpar__attn_check_qkv(cpar_ctx *ctx, const char *fn, const cpa
     io->b = b, io->hq = hq, io->hkv = hkv, io->sq = sq, io->sk = sk, io->d = d;
     io->q = q->data, io->k = k->data, io->v = v->data;
     io->q_bh = sq * d, io->kv_bh = sk * d;
-    io->causal = causal;
+    io->causal = cfg->causal;
     io->scale = scale > 0.f ? scale : (float)(1.0 / sqrt((double)d));
+    io->dropout_p = cfg->dropout_p;
+    io->rng = cfg->dropout_state;
     return CPAR_OK;
 }
 
@@ -8351,12 +8449,21 @@ static cpar_status cpar__attn_scratch(cpar_ctx *ctx, const char *fn, int device,
     return CPAR_OK;
 }
 
-cpar_status cpar_attention_forward(cpar_ctx *ctx, const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
-                                   bool causal, float scale, cpar_tensor *out, cpar_tensor *lse) {
-    static const char fn[] = "cpar_attention_forward";
+/* ctx and cfg are there (pre as cpar__attn_check_qkv). */
+static cpar_status cpar__attn_check_cfg(cpar_ctx *ctx, const char *fn, const char *pre,
+                                        const cpar_attention_config *cfg) {
     if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    if (*pre && !cfg) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg is NULL", fn);
+    return CPAR_OK;
+}
+
+static cpar_status cpar__attention_forward(cpar_ctx *ctx, const char *fn, const char *pre,
+                                           const cpar_attention_config *cfg, const cpar_tensor *q,
+                                           const cpar_tensor *k, const cpar_tensor *v, cpar_tensor *out,
+                                           cpar_tensor *lse) {
+    CPAR_TRY(cpar__attn_check_cfg(ctx, fn, pre, cfg));
     cpar__attn_io io;
-    CPAR_TRY(cpar__attn_check_qkv(ctx, fn, q, k, v, causal, scale, &io));
+    CPAR_TRY(cpar__attn_check_qkv(ctx, fn, pre, cfg, q, k, v, &io));
     CPAR_TRY(cpar__attn_check_like(ctx, fn, "out", out, q, q->shape, 4, "as q"));
     CPAR_TRY(cpar__attn_check_lse(ctx, fn, lse, q));
     const cpar_tensor *all[5] = {out, lse, q, k, v};
@@ -8383,13 +8490,26 @@ cpar_status cpar_attention_forward(cpar_ctx *ctx, const cpar_tensor *q, const cp
     return st;
 }
 
-cpar_status cpar_attention_backward(cpar_ctx *ctx, const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
-                                    const cpar_tensor *out, const cpar_tensor *dout, const cpar_tensor *lse,
-                                    bool causal, float scale, cpar_tensor *dq, cpar_tensor *dk, cpar_tensor *dv) {
-    static const char fn[] = "cpar_attention_backward";
-    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+cpar_status cpar_attention_forward(cpar_ctx *ctx, const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
+                                   bool causal, float scale, cpar_tensor *out, cpar_tensor *lse) {
+    const cpar_attention_config cfg = {.causal = causal, .scale = scale};
+    return cpar__attention_forward(ctx, "cpar_attention_forward", "", &cfg, q, k, v, out, lse);
+}
+
+cpar_status cpar_attention_forward_cfg(cpar_ctx *ctx, const cpar_attention_config *cfg, const cpar_tensor *q,
+                                       const cpar_tensor *k, const cpar_tensor *v, cpar_tensor *out,
+                                       cpar_tensor *lse) {
+    return cpar__attention_forward(ctx, "cpar_attention_forward_cfg", "cfg->", cfg, q, k, v, out, lse);
+}
+
+static cpar_status cpar__attention_backward(cpar_ctx *ctx, const char *fn, const char *pre,
+                                            const cpar_attention_config *cfg, const cpar_tensor *q,
+                                            const cpar_tensor *k, const cpar_tensor *v, const cpar_tensor *out,
+                                            const cpar_tensor *dout, const cpar_tensor *lse, cpar_tensor *dq,
+                                            cpar_tensor *dk, cpar_tensor *dv) {
+    CPAR_TRY(cpar__attn_check_cfg(ctx, fn, pre, cfg));
     cpar__attn_io io;
-    CPAR_TRY(cpar__attn_check_qkv(ctx, fn, q, k, v, causal, scale, &io));
+    CPAR_TRY(cpar__attn_check_qkv(ctx, fn, pre, cfg, q, k, v, &io));
     CPAR_TRY(cpar__attn_check_like(ctx, fn, "out", out, q, q->shape, 4, "as q, from forward"));
     CPAR_TRY(cpar__attn_check_like(ctx, fn, "dout", dout, q, q->shape, 4, "as q"));
     CPAR_TRY(cpar__attn_check_lse(ctx, fn, lse, q));
@@ -8442,13 +8562,29 @@ done:
     return st;
 }
 
+cpar_status cpar_attention_backward(cpar_ctx *ctx, const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
+                                    const cpar_tensor *out, const cpar_tensor *dout, const cpar_tensor *lse,
+                                    bool causal, float scale, cpar_tensor *dq, cpar_tensor *dk, cpar_tensor *dv) {
+    const cpar_attention_config cfg = {.causal = causal, .scale = scale};
+    return cpar__attention_backward(ctx, "cpar_attention_backward", "", &cfg, q, k, v, out, dout, lse, dq, dk, dv);
+}
+
+cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_config *cfg, const cpar_tensor *q,
+                                        const cpar_tensor *k, const cpar_tensor *v, const cpar_tensor *out,
+                                        const cpar_tensor *dout, const cpar_tensor *lse, cpar_tensor *dq,
+                                        cpar_tensor *dk, cpar_tensor *dv) {
+    return cpar__attention_backward(ctx, "cpar_attention_backward_cfg", "cfg->", cfg, q, k, v, out, dout, lse, dq,
+                                    dk, dv);
+}
+
 /* ==== 19. Ring attention and CP sharding ===================================
  * Owns cpar.h §12's context parallelism for attention: cpar_cp_shard and
  * cpar_cp_unshard (PyTorch's _SequentialSharder / _RoundRobinLoadBalancer and
  * context_parallel_unshard), cpar_ring_attention_forward / _backward
  * (_templated_ring_attention and its backward, _SDPAMerger, the all-gather
  * and all-to-all rotaters). Each ring step is one call of section 18's block
- * functions on pointer-offset sub-ranges of the shards; the fp32 merge is
+ * functions on pointer-offset sub-ranges of the shards, with the rows'
+ * global positions (dropout's mask coordinates); the fp32 merge is
  * cpar_dev_ring_merge (cpar_kernels.cu §17) or its host twin below. Scratch:
  * one carve of the context workspace per call (the collectives never touch
  * it, so it stays valid across them).
@@ -8800,12 +8936,21 @@ static cpar_status cpar__ring_next(cpar__ring *R, int i, const void **kp, const 
     return CPAR_OK;
 }
 
-/* The block of step `kind` with KV (kp, vp): io's sub-ranges, and the row
+/* The global positions of rank x's shard of n rows: chunk x of P
+ * (sequential) or chunks x and 2P-1-x of 2P (load balancing, n even). */
+static cpar_dev_attn_pos cpar__ring_pos(const cpar__ring *R, int x, int64_t n) {
+    if (!R->cfg->load_balance) return (cpar_dev_attn_pos){n, x * n, 0};
+    const int64_t c = n / 2;
+    return (cpar_dev_attn_pos){c, x * c, (2 * (int64_t)R->P - 1 - x) * c};
+}
+
+/* The block of step `kind` (KV from rank src) with KV (kp, vp): io's sub-ranges, and the row
  * offset of the queries it covers (the second half for CPAR__RING_Q_HALF). */
-static cpar__attn_io cpar__ring_block_io(const cpar__ring *R, cpar__ring_kind kind, const void *kp, const void *vp,
-                                         int64_t *q0) {
+static cpar__attn_io cpar__ring_block_io(const cpar__ring *R, cpar__ring_kind kind, int src, const void *kp,
+                                         const void *vp, int64_t *q0) {
     cpar__attn_io io = R->io;
     io.k = kp, io.v = vp;
+    io.kp = cpar__ring_pos(R, src, R->io.sk); /* dropout's coordinates: the sender's rows */
     io.causal = kind == CPAR__RING_CAUSAL;
     *q0 = 0;
     if (kind == CPAR__RING_KV_HALF) io.sk = R->io.sk / 2;
@@ -8813,6 +8958,7 @@ static cpar__attn_io cpar__ring_block_io(const cpar__ring *R, cpar__ring_kind ki
         *q0 = R->io.sq / 2;
         io.sq = R->io.sq - *q0;
         io.q = (const char *)R->io.q + (size_t)(*q0 * R->io.d) * R->es;
+        io.qp = cpar__attn_pos_sub(R->io.qp, *q0);
     }
     return io;
 }
@@ -8826,6 +8972,7 @@ static cpar_status cpar__ring_check(cpar__ring *R, const char *fn, cpar_group *c
     if (!cp) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cp is NULL (the context-parallel group)", fn);
     cpar_ctx *ctx = cp->ctx;
     if (!cfg) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg is NULL", fn);
+    CPAR_TRY(cpar__attn_check_dropout(ctx, fn, "cfg->dropout_p", cfg->dropout_p));
     if ((unsigned)cfg->rotate > (unsigned)CPAR_ROTATE_ALLTOALL)
         return cpar__fail(ctx, CPAR_ERR_INVALID,
                           "%s: cfg->rotate is %d, expected CPAR_ROTATE_ALLGATHER or CPAR_ROTATE_ALLTOALL", fn,
@@ -8869,6 +9016,11 @@ static cpar_status cpar__ring_check(cpar__ring *R, const char *fn, cpar_group *c
         return cpar__fail(ctx, CPAR_ERR_INVALID,
                           "%s: q has s_local = %lld, expected an even length (load balancing holds two chunks)", fn,
                           (long long)sq);
+    if (cfg->dropout_p > 0.f && cfg->load_balance && (sq % 2 || sk % 2))
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: q and k have s_local %lld and %lld, expected even lengths (dropout's positions with "
+                          "load balancing: two chunks)", fn, (long long)sq, (long long)sk);
+    CPAR_TRY(cpar__attn_check_positions(ctx, fn, cfg->dropout_p, sq * cp->size, sk * cp->size));
     if (cpar__on_device(ctx->device)) {
         if (q->dtype == CPAR_F32)
             return cpar__fail(ctx, CPAR_ERR_UNSUPPORTED,
@@ -8891,6 +9043,9 @@ static cpar_status cpar__ring_check(cpar__ring *R, const char *fn, cpar_group *c
     io->q_bh = sq * d, io->kv_bh = sk * d;
     io->causal = cfg->causal;
     io->scale = cfg->scale > 0.f ? cfg->scale : (float)(1.0 / sqrt((double)d));
+    io->dropout_p = cfg->dropout_p;
+    io->rng = cfg->dropout_state;
+    io->qp = cpar__ring_pos(R, R->r, sq);
     return CPAR_OK;
 }
 
@@ -8950,7 +9105,7 @@ static cpar_status cpar__ring_forward_steps(cpar__ring *R, float *acc, float *ls
         const cpar__ring_kind kind = cpar__ring_step_kind(R->cfg, R->r, i);
         if (kind == CPAR__RING_SKIP) continue;
         int64_t q0;
-        const cpar__attn_io io = cpar__ring_block_io(R, kind, kp, vp, &q0);
+        const cpar__attn_io io = cpar__ring_block_io(R, kind, (R->r - i + R->P) % R->P, kp, vp, &q0);
         /* step 0 (always computed) writes the accumulators themselves */
         float *o = i == 0 ? acc : bo, *l = i == 0 ? lse : bl;
         CPAR_TRY(cpar__attn_fwd(R->ctx, R->fn, R->dev, &io, o + q0 * d, CPAR_F32, R->io.q_bh, l + q0, R->io.sq,
@@ -9028,7 +9183,7 @@ static cpar_status cpar__ring_backward_steps(cpar__ring *R, const void *out, con
             float *g = i == 0 ? a : tmp;
             if (i > 0) CPAR_TRY(cpar__ring_zero(R, tmp, acc_bytes));
             int64_t q0;
-            const cpar__attn_io io = cpar__ring_block_io(R, kind, kp, vp, &q0);
+            const cpar__attn_io io = cpar__ring_block_io(R, kind, (R->r - i + R->P) % R->P, kp, vp, &q0);
             const size_t qoff = (size_t)(q0 * d);
             CPAR_TRY(cpar__attn_bwd(R->ctx, R->fn, R->dev, &io, (const char *)out + qoff * oes,
                                     (const char *)dout + qoff * oes, out_dt, R->io.q_bh, lse + q0, R->io.sq,

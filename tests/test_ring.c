@@ -158,6 +158,7 @@ typedef struct {
 static void ring_reference(ring_case *c) {
     const int64_t S = c->s, d = c->d, grp = c->hq / c->hkv;
     double *sc = malloc(sizeof(double) * (size_t)S), *p = malloc(sizeof(double) * (size_t)S);
+    double *z = malloc(sizeof(double) * (size_t)S);
     memset(c->dq, 0, sizeof(double) * (size_t)(c->b * c->hq * S * d));
     memset(c->dk, 0, sizeof(double) * (size_t)(c->b * c->hkv * S * d));
     memset(c->dv, 0, sizeof(double) * (size_t)(c->b * c->hkv * S * d));
@@ -181,25 +182,30 @@ static void ring_reference(ring_case *c) {
                 const double L = m + log(sum);
                 c->lse[bh * S + i] = L;
                 for (int64_t e = 0; e < d; e++) O[i * d + e] = 0.0;
-                for (int64_t j = 0; j < n; j++) {
+                for (int64_t j = 0; j < n; j++) { /* the dropout mask of global positions (i, j) */
+                    const double pd = c->cfg.dropout_p;
+                    z[j] = pd == 0.0 ? 1.0
+                           : tu_attn_keep(c->cfg.dropout_state, pd, (uint64_t)bh, (uint64_t)i, (uint64_t)j)
+                               ? 1.0 / (1.0 - pd)
+                               : 0.0;
                     p[j] = exp(sc[j] - L);
-                    for (int64_t e = 0; e < d; e++) O[i * d + e] += p[j] * V[j * d + e];
+                    for (int64_t e = 0; e < d; e++) O[i * d + e] += p[j] * z[j] * V[j * d + e];
                 }
                 double D = 0.0;
                 for (int64_t e = 0; e < d; e++) D += DO[i * d + e] * O[i * d + e];
                 for (int64_t j = 0; j < n; j++) {
                     double dp = 0.0;
                     for (int64_t e = 0; e < d; e++) dp += DO[i * d + e] * V[j * d + e];
-                    const double ds = p[j] * (dp - D) * c->scale;
+                    const double ds = p[j] * (dp * z[j] - D) * c->scale;
                     for (int64_t e = 0; e < d; e++) {
                         DQ[i * d + e] += ds * K[j * d + e];
                         DK[j * d + e] += ds * Q[i * d + e];
-                        DV[j * d + e] += p[j] * DO[i * d + e];
+                        DV[j * d + e] += p[j] * z[j] * DO[i * d + e];
                     }
                 }
             }
         }
-    free(sc), free(p);
+    free(sc), free(p), free(z);
 }
 
 /* n random values of dt (times amp, rounded to dt) into host memory and doubles. */
@@ -214,10 +220,12 @@ static void random_input(cpar_dtype dt, int64_t n, double amp, uint64_t seed, vo
 }
 
 static void ring_case_init(ring_case *c, int P, cpar_dtype dt, bool causal, bool lb, cpar_rotate_method rot,
-                           int64_t b, int64_t hkv, int64_t s_local, int64_t d, float scale, uint64_t seed) {
+                           int64_t b, int64_t hkv, int64_t s_local, int64_t d, float scale, float dropout_p,
+                           uint64_t seed) {
     memset(c, 0, sizeof *c);
     c->P = P, c->dt = dt;
-    c->cfg = (cpar_ring_attention_config){.causal = causal, .load_balance = lb, .rotate = rot, .scale = scale};
+    c->cfg = (cpar_ring_attention_config){.causal = causal, .load_balance = lb, .rotate = rot, .scale = scale,
+                                          .dropout_p = dropout_p, .dropout_state = {seed * 31 + 7, seed % 5}};
     c->b = b, c->hq = 2, c->hkv = hkv, c->s = s_local * P, c->d = d;
     c->scale = scale > 0.f ? (double)scale : 1.0 / sqrt((double)d);
     const int64_t nq = c->b * c->hq * c->s * d, nkv = c->b * c->hkv * c->s * d;
@@ -340,19 +348,35 @@ static bool on_device(void) { return tu_on_device(); } /* the kernels run: sim o
  * host path): F32 and BF16 with GQA (hkv 1) and two batches, F16 with
  * hkv = hq and one batch on the sim (its time goes into kernel blocks); d 16
  * on devices, 5 and 8 on the host. */
-static void run_ring(int P, bool causal, bool lb, cpar_rotate_method rot, float scale, uint64_t seed) {
+static void run_ring_drop(int P, bool causal, bool lb, cpar_rotate_method rot, float scale, float dropout_p,
+                         uint64_t seed) {
     const cpar_dtype dts[3] = {CPAR_F32, CPAR_F16, CPAR_BF16};
     for (int t = on_device() ? 1 : 0; t < 3; t++) {
         ring_case c;
         const int64_t d = on_device() ? 16 : t == 0 ? 5 : 8;
         const int64_t b = t == 1 && on_device() ? 1 : 2, hkv = t == 1 ? 2 : 1;
-        ring_case_init(&c, P, dts[t], causal, lb, rot, b, hkv, 6, d, scale, seed + 8 * (uint64_t)t);
+        ring_case_init(&c, P, dts[t], causal, lb, rot, b, hkv, 6, d, scale, dropout_p, seed + 8 * (uint64_t)t);
         TU_OK(tu_spawn(P, rank_ring, &c));
         ring_case_free(&c);
     }
 }
 
+static void run_ring(int P, bool causal, bool lb, cpar_rotate_method rot, float scale, uint64_t seed) {
+    run_ring_drop(P, causal, lb, rot, scale, 0.f, seed);
+}
+
 static const cpar_rotate_method rots[2] = {CPAR_ROTATE_ALLGATHER, CPAR_ROTATE_ALLTOALL};
+
+/* Dropout: the mask of global positions, so every cp, sharding and rotation
+ * gives one-rank attention over the whole sequence with the same state (the
+ * reference draws it at positions (i, j) of the whole sequence).
+ * _i = (cp - 1) * 3 + (causal load-balanced, causal sequential, non-causal
+ * load-balanced); the rotation alternates. */
+START_TEST(test_ring_dropout) {
+    const int P = _i / 3 + 1, kind = _i % 3;
+    run_ring_drop(P, kind < 2, kind != 1, rots[_i % 2], 0.f, kind == 2 ? 0.5f : 0.3f, 4000 + 64 * (uint64_t)_i);
+}
+END_TEST
 
 /* _i = (cp - 1) * 2 + rotation */
 START_TEST(test_ring_causal_load_balanced) { run_ring(_i / 2 + 1, true, true, rots[_i % 2], 0.f, 1000 + 64 * (uint64_t)_i); }
@@ -412,6 +436,19 @@ static cpar_status rank_ring_bad(cpar_ctx *ctx, void *arg) {
     TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg->scale");
     bad.scale = INFINITY;
     TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg->scale");
+    bad = cfg, bad.dropout_p = 1.f;
+    TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID,
+             "cpar_ring_attention_forward: cfg->dropout_p is 1, expected 0 <= p < 1");
+    bad.dropout_p = -0.25f;
+    TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg->dropout_p is -0.25");
+    bad.dropout_p = NAN;
+    TU_FAILS(cpar_ring_attention_backward(g, &bad, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv), CPAR_ERR_INVALID,
+             "cfg->dropout_p is nan");
+    {   /* dropout's positions with load balancing need two equal chunks, also without causality */
+        cpar_ring_attention_config ncd = {.load_balance = true, .dropout_p = 0.5f};
+        TU_FAILS(cpar_ring_attention_forward(g, &ncd, &qo, &k, &v, &ko, &lo), CPAR_ERR_INVALID,
+                 "s_local 3 and 4, expected even lengths");
+    }
     TU_FAILS(cpar_ring_attention_forward(g, &cfg, NULL, &k, &v, &out, &lse), CPAR_ERR_INVALID, "q is NULL");
     TU_FAILS(cpar_ring_attention_forward(g, &cfg, &qnull, &k, &v, &out, &lse), CPAR_ERR_INVALID, "q has NULL data");
     TU_FAILS(cpar_ring_attention_forward(g, &cfg, &qwrong, &k, &v, &out, &lse), CPAR_ERR_INVALID, "q is on");
@@ -618,6 +655,7 @@ static Suite *suite(void) {
         {"ring_causal_load_balanced", test_ring_causal_load_balanced, 8},
         {"ring_causal_sequential", test_ring_causal_sequential, 8},
         {"ring_non_causal", test_ring_non_causal, 8},
+        {"ring_dropout", test_ring_dropout, 12},
         {"ring_merge_kernel", test_ring_merge_kernel, 1},
         {"ring_bad_args", test_ring_bad_args, 2},
     };
