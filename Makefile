@@ -142,7 +142,7 @@ endif
 
 # Suites that take a backend run on host, sim and nccl-sim; the rest are
 # host-only (processes, sockets) or sim-only (the simulator and the device layer).
-BACKEND_SUITES := core coll grid faults ops rng mappings xent linear attn ring mamba inference train
+BACKEND_SUITES := core coll grid faults ops rng mappings xent linear attn ring packed mamba inference train
 HOST_SUITES    := $(BACKEND_SUITES) store cparrun trainjob fuzz
 SIM_SUITES     := $(BACKEND_SUITES) cudasim devlayer mma attn_bwd trainjob
 # nccl-sim runs every backend suite on CPAR_BACKEND_NCCL, the simulator's own
@@ -211,13 +211,13 @@ $(B)/sim/cpar_kernels.o: cpar_kernels.cu tests/cudasim.h $(HDR) | $(B)/sim
 SIM_OBJS := $(B)/sim/cpar.o $(B)/sim/cpar_kernels.o
 
 # ---- tests -----------------------------------------------------------------
-$(B)/host/test_%: tests/test_%.c $(B)/host/cpar.o tests/testutil.h tests/proc.h tests/net.h | $(B)/host
+$(B)/host/test_%: tests/test_%.c $(B)/host/cpar.o tests/testutil.h tests/proc.h tests/net.h tests/packed.h | $(B)/host
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) $< $(B)/host/cpar.o -o $@ $(CHECK_LIBS) $(LIBS)
 
 $(B)/host/store_prog: tests/store_prog.c $(B)/host/cpar.o | $(B)/host
 	$(CC) $(ALL_CFLAGS) $< $(B)/host/cpar.o -o $@ $(LIBS)
 
-$(B)/sim/test_%.o: tests/test_%.c tests/testutil.h tests/proc.h tests/net.h $(HDR) | $(B)/sim
+$(B)/sim/test_%.o: tests/test_%.c tests/testutil.h tests/proc.h tests/net.h tests/packed.h $(HDR) | $(B)/sim
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) -c $< -o $@
 
 $(B)/sim/test_%: $(B)/sim/test_%.o $(SIM_OBJS)
@@ -322,7 +322,7 @@ test-gpu: $(GPU_TEST)
 # suite passes only when it is clean. The fuzzer's batches run in forked
 # processes and count such an ending as a crash.
 SAN_FLAGS  := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
-SAN_SUITES := core coll grid ops rng mappings xent linear attn ring mamba inference train fuzz
+SAN_SUITES := core coll grid ops rng mappings xent linear attn ring packed mamba inference train fuzz
 SAN_TESTS  := $(SAN_SUITES:%=$(B)/asan/test_%)
 SAN_ENV    := ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1:abort_on_error=0 \
               UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
@@ -330,7 +330,7 @@ SAN_ENV    := ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1:abort_on_e
 $(B)/asan/cpar.o: cpar.c $(HDR) | $(B)/asan
 	$(CC) $(ALL_CFLAGS) $(SAN_FLAGS) -c $< -o $@
 
-$(B)/asan/test_%: tests/test_%.c $(B)/asan/cpar.o tests/testutil.h tests/proc.h tests/net.h | $(B)/asan
+$(B)/asan/test_%: tests/test_%.c $(B)/asan/cpar.o tests/testutil.h tests/proc.h tests/net.h tests/packed.h | $(B)/asan
 	$(CC) $(ALL_CFLAGS) $(SAN_FLAGS) $(CHECK_FLAGS) $< $(B)/asan/cpar.o -o $@ $(CHECK_LIBS) $(LIBS)
 
 test-sanitize: $(SAN_TESTS)

@@ -27,8 +27,8 @@
  *   16. Embedding, cross entropy    vocab-parallel embedding and loss
  *   17. Linear layers               column/row-parallel linear, init, fwd/bwd
  *   18. Local attention             flash-style attention fwd/bwd with dropout, host reference, blocks
- *   19. Ring attention, sharding    cp_shard/unshard, ring fwd/bwd, the LSE merge
- *   20. Mamba context parallelism   cp2hp/hp2cp, load balancing, pre/post conv_ssm, conv1d
+ *   19. Ring attention, sharding    cp_shard/unshard (plain, packed), ring fwd/bwd, the LSE merge
+ *   20. Mamba context parallelism   cp2hp/hp2cp, load balancing, pre/post conv_ssm (plain, packed), conv1d
  *   21. Inference layers            RMSNorm fwd/bwd, inference column/row linear, fused rs+add+norm+ag
  *   22. Training                    AdamW step, gradient norm and clipping, coalesced gradient all-reduce
  */
@@ -8580,7 +8580,8 @@ cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_conf
 /* ==== 19. Ring attention and CP sharding ===================================
  * Owns cpar.h §12's context parallelism for attention: cpar_cp_shard and
  * cpar_cp_unshard (PyTorch's _SequentialSharder / _RoundRobinLoadBalancer and
- * context_parallel_unshard), cpar_ring_attention_forward / _backward
+ * context_parallel_unshard), their packed (THD) twins and the partitioned
+ * indices of a packing, cpar_ring_attention_forward / _backward
  * (_templated_ring_attention and its backward, _SDPAMerger, the all-gather
  * and all-to-all rotaters). Each ring step is one call of section 18's block
  * functions on pointer-offset sub-ranges of the shards, with the rows'
@@ -8594,13 +8595,76 @@ cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_conf
 
 /* ---- sequence sharding --------------------------------------------------------- */
 
+/* ---- packed sequences (THD) ----------------------------------------------------
+ * Document i occupies global rows [cu[i], cu[i+1]) of the packed buffer (cu =
+ * cu_seqlens_padded, or cu_seqlens without padding) and local rows
+ * [cu[i]/P, cu[i+1]/P) of every shard: chunk r of its 2P, then chunk 2P-1-r
+ * (each (cu[i+1]-cu[i])/2P rows). Sections 19 and 20 check a packing with
+ * cpar__packed_check and move rows with cpar__cp_packed_copy (below the
+ * plain chunk copies), so sharding, attention and Mamba agree on the layout. */
+
+/* A validated cpar_packed_seqs: the boundaries the buffer is cut at. */
+typedef struct cpar__packing {
+    int n_docs;
+    const int32_t *cu; /* the padded boundaries (cu_seqlens where there is no padding) */
+    int64_t total;     /* cu[n_docs]: the packed buffer's length */
+} cpar__packing;
+
+/* Check seqs for P ranks (cpar.h §12's rules) and resolve it into *pk. Each
+ * failure names the array, the index and the document. */
+static cpar_status cpar__packed_check(cpar_ctx *ctx, const char *fn, const cpar_packed_seqs *seqs, int P,
+                                      cpar__packing *pk) {
+    if (!seqs) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs is NULL (the packed sequences)", fn);
+    if (seqs->n_docs < 1)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->n_docs is %d, expected >= 1", fn, seqs->n_docs);
+    const int32_t *arr[2] = {seqs->cu_seqlens, seqs->cu_seqlens_padded};
+    static const char *names[2] = {"cu_seqlens", "cu_seqlens_padded"};
+    if (!arr[0]) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->cu_seqlens is NULL", fn);
+    const int n = seqs->n_docs;
+    for (int a = 0; a < 2; a++) {
+        if (!arr[a]) continue;
+        if (arr[a][0] != 0)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->%s[0] is %ld, expected 0", fn, names[a],
+                              (long)arr[a][0]);
+        for (int i = 0; i < n; i++)
+            if (arr[a][i + 1] < arr[a][i])
+                return cpar__fail(ctx, CPAR_ERR_INVALID,
+                                  "%s: seqs->%s decreases at document %d: %s[%d] = %ld < %s[%d] = %ld (expected "
+                                  "non-decreasing)", fn, names[a], i, names[a], i + 1, (long)arr[a][i + 1], names[a],
+                                  i, (long)arr[a][i]);
+    }
+    const int32_t *cu = arr[1] ? arr[1] : arr[0];
+    const char *cn = names[arr[1] ? 1 : 0];
+    const int64_t chunks = 2 * (int64_t)P;
+    for (int i = 0; i < n; i++) {
+        const int64_t len = (int64_t)cu[i + 1] - cu[i];
+        if (arr[1] && len < (int64_t)arr[0][i + 1] - arr[0][i])
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: document %d has padded length %lld (cu_seqlens_padded[%d] - [%d]) < its length "
+                              "%lld (cu_seqlens[%d] - [%d])", fn, i, (long long)len, i + 1, i,
+                              (long long)((int64_t)arr[0][i + 1] - arr[0][i]), i + 1, i);
+        if (len % chunks)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: document %d has %slength %lld (%s[%d] - [%d]), not divisible by 2*cp = %lld (each "
+                              "document is cut into 2*cp chunks)", fn, i, arr[1] ? "padded " : "", (long long)len, cn,
+                              i + 1, i, (long long)chunks);
+    }
+    pk->n_docs = n;
+    pk->cu = cu;
+    pk->total = cu[n];
+    return CPAR_OK;
+}
+
 /* Checks of the group, the whole and the sharded tensor shared by shard and
- * unshard; resolves seq_dim and gives the layout [outer, S, inner] of full
- * (S along seq_dim) and the chunk length c (S / (2P) with load balancing,
- * else S / P). dev_only: both tensors on the context's device (a collective). */
+ * unshard (packed or not); resolves seq_dim and gives the layout [outer, S,
+ * inner] of full (S along seq_dim) and the chunk length c (S / (2P) with load
+ * balancing, else S / P). dev_only: both tensors on the context's device (a
+ * collective). seqs: packed sequences (NULL: none), checked and resolved
+ * into *pk; S must then be their packed length. */
 static cpar_status cpar__cp_check(const char *fn, cpar_group *cp, const char *full_name, const cpar_tensor *full,
                                   const char *local_name, const cpar_tensor *local, int *seq_dim, bool load_balance,
-                                  bool dev_only, int64_t *outer, int64_t *inner, int64_t *c) {
+                                  bool dev_only, const cpar_packed_seqs *seqs, cpar__packing *pk, int64_t *outer,
+                                  int64_t *inner, int64_t *c) {
     if (!cp) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cp is NULL (the context-parallel group)", fn);
     cpar_ctx *ctx = cp->ctx;
     const int P = cp->size;
@@ -8625,7 +8689,13 @@ static cpar_status cpar__cp_check(const char *fn, cpar_group *cp, const char *fu
     if (*seq_dim < 0) *seq_dim += nd;
     const int sd = *seq_dim;
     const int64_t S = full->shape[sd], chunks = load_balance ? 2 * (int64_t)P : P;
-    if (S % chunks)
+    if (seqs) {
+        CPAR_TRY(cpar__packed_check(ctx, fn, seqs, P, pk));
+        if (S != pk->total)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s has length %lld along seq_dim %d, expected %lld (the "
+                              "packed length, seqs->%s[%d])", fn, full_name, (long long)S, sd, (long long)pk->total,
+                              seqs->cu_seqlens_padded ? "cu_seqlens_padded" : "cu_seqlens", pk->n_docs);
+    } else if (S % chunks)
         return cpar__fail(ctx, CPAR_ERR_INVALID,
                           "%s: %s has length %lld along seq_dim %d, not divisible by %lld (%s with cp = %d)", fn,
                           full_name, (long long)S, sd, (long long)chunks,
@@ -8651,39 +8721,77 @@ static int64_t cpar__cp_chunk_of(int P, int r, bool load_balance, int slot) {
     return !load_balance ? r : slot == 0 ? r : 2 * (int64_t)P - 1 - r;
 }
 
+/* Copy c sequence rows between the whole tensor (layout [outer, S, inner],
+ * memory full, rows from g0) and one shard ([outer, S/P, inner], memory
+ * local, rows from l0), either way: one pitched copy over outer. */
+static cpar_status cpar__cp_copy_rows(cpar_ctx *ctx, const char *fn, void *full, int full_dev, void *local,
+                                      int local_dev, int64_t outer, int64_t S, int64_t inner, size_t es, int P,
+                                      int64_t g0, int64_t l0, int64_t c, bool to_local) {
+    if (!c || !outer || !inner) return CPAR_OK;
+    const size_t row = (size_t)(c * inner) * es, full_pitch = (size_t)(S * inner) * es;
+    const size_t local_pitch = (size_t)(S / P * inner) * es;
+    char *f = (char *)full + (size_t)(g0 * inner) * es, *l = (char *)local + (size_t)(l0 * inner) * es;
+    if (to_local) return cpar__copy_2d(ctx, fn, l, local_pitch, local_dev, f, full_pitch, full_dev, row, (size_t)outer);
+    return cpar__copy_2d(ctx, fn, f, full_pitch, full_dev, l, local_pitch, local_dev, row, (size_t)outer);
+}
+
 /* Copy rank r's chunks between the whole tensor (layout [outer, S, inner],
  * memory full) and one shard ([outer, S/P, inner], memory local), either way. */
 static cpar_status cpar__cp_copy(cpar_ctx *ctx, const char *fn, void *full, int full_dev, void *local, int local_dev,
                                  int64_t outer, int64_t S, int64_t inner, int64_t c, size_t es, int P, int r,
                                  bool load_balance, bool to_local) {
-    const size_t row = (size_t)(c * inner) * es, full_pitch = (size_t)(S * inner) * es;
-    const size_t local_pitch = (size_t)(S / P * inner) * es;
-    for (int slot = 0; slot < (load_balance ? 2 : 1); slot++) {
-        char *f = (char *)full + (size_t)cpar__cp_chunk_of(P, r, load_balance, slot) * row;
-        char *l = (char *)local + (size_t)slot * row;
-        if (to_local)
-            CPAR_TRY(cpar__copy_2d(ctx, fn, l, local_pitch, local_dev, f, full_pitch, full_dev, row, (size_t)outer));
-        else
-            CPAR_TRY(cpar__copy_2d(ctx, fn, f, full_pitch, full_dev, l, local_pitch, local_dev, row, (size_t)outer));
+    for (int slot = 0; slot < (load_balance ? 2 : 1); slot++)
+        CPAR_TRY(cpar__cp_copy_rows(ctx, fn, full, full_dev, local, local_dev, outer, S, inner, es, P,
+                                    cpar__cp_chunk_of(P, r, load_balance, slot) * c, slot * c, c, to_local));
+    return CPAR_OK;
+}
+
+/* Copy rank r's two chunks of every document between the packed whole
+ * ([outer, S, inner], memory full) and rank r's shard ([outer, S/P, inner],
+ * memory local), either way: 2 pitched copies per document. */
+static cpar_status cpar__cp_packed_copy(cpar_ctx *ctx, const char *fn, const cpar__packing *pk, void *full,
+                                        int full_dev, void *local, int local_dev, int64_t outer, int64_t inner,
+                                        size_t es, int P, int r, bool to_local) {
+    for (int i = 0; i < pk->n_docs; i++) {
+        const int64_t start = pk->cu[i], c = ((int64_t)pk->cu[i + 1] - start) / (2 * P);
+        for (int slot = 0; slot < 2; slot++)
+            CPAR_TRY(cpar__cp_copy_rows(ctx, fn, full, full_dev, local, local_dev, outer, pk->total, inner, es, P,
+                                        start + cpar__cp_chunk_of(P, r, true, slot) * c, start / P + slot * c, c,
+                                        to_local));
     }
     return CPAR_OK;
 }
 
-cpar_status cpar_cp_shard(cpar_group *cp, const cpar_tensor *full, int seq_dim, bool load_balance,
-                          cpar_tensor *local) {
-    static const char fn[] = "cpar_cp_shard";
-    int64_t outer, inner, c;
-    CPAR_TRY(cpar__cp_check(fn, cp, "full", full, "local", local, &seq_dim, load_balance, false, &outer, &inner, &c));
-    return cpar__cp_copy(cp->ctx, fn, full->data, full->device, local->data, local->device, outer,
-                         full->shape[seq_dim], inner, c, cpar_dtype_size(full->dtype), cp->size, cp->rank,
-                         load_balance, true);
+/* Rank r's share of full <-> its shard: packed per document (pk) or by the
+ * plain chunking. */
+static cpar_status cpar__cp_place(cpar_ctx *ctx, const char *fn, const cpar__packing *pk, void *full, int full_dev,
+                                  void *local, int local_dev, int64_t outer, int64_t S, int64_t inner, int64_t c,
+                                  size_t es, int P, int r, bool load_balance, bool to_local) {
+    if (pk) return cpar__cp_packed_copy(ctx, fn, pk, full, full_dev, local, local_dev, outer, inner, es, P, r, to_local);
+    return cpar__cp_copy(ctx, fn, full, full_dev, local, local_dev, outer, S, inner, c, es, P, r, load_balance,
+                         to_local);
 }
 
-cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_dim, bool load_balance,
-                            cpar_tensor *full) {
-    static const char fn[] = "cpar_cp_unshard";
+/* cpar_cp_shard and cpar_cp_shard_packed (seqs != NULL). */
+static cpar_status cpar__cp_shard(cpar_group *cp, const char *fn, const cpar_packed_seqs *seqs,
+                                  const cpar_tensor *full, int seq_dim, bool load_balance, cpar_tensor *local) {
     int64_t outer, inner, c;
-    CPAR_TRY(cpar__cp_check(fn, cp, "full", full, "local", local, &seq_dim, load_balance, true, &outer, &inner, &c));
+    cpar__packing pk;
+    CPAR_TRY(cpar__cp_check(fn, cp, "full", full, "local", local, &seq_dim, load_balance, false, seqs, &pk, &outer,
+                            &inner, &c));
+    return cpar__cp_place(cp->ctx, fn, seqs ? &pk : NULL, full->data, full->device, local->data, local->device, outer,
+                          full->shape[seq_dim], inner, c, cpar_dtype_size(full->dtype), cp->size, cp->rank,
+                          load_balance, true);
+}
+
+/* cpar_cp_unshard and cpar_cp_unshard_packed (seqs != NULL): one all-gather
+ * of the shards, then every rank's share put in place. */
+static cpar_status cpar__cp_unshard(cpar_group *cp, const char *fn, const cpar_packed_seqs *seqs,
+                                    const cpar_tensor *local, int seq_dim, bool load_balance, cpar_tensor *full) {
+    int64_t outer, inner, c;
+    cpar__packing pk;
+    CPAR_TRY(cpar__cp_check(fn, cp, "full", full, "local", local, &seq_dim, load_balance, true, seqs, &pk, &outer,
+                            &inner, &c));
     cpar_ctx *ctx = cp->ctx;
     const int P = cp->size;
     const int64_t n = cpar_tensor_numel(local);
@@ -8691,7 +8799,7 @@ cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_di
     cpar_tensor in = cpar_tensor_make(local->data, local->dtype, 2, in_shape, local->device);
     /* a sequential shard of the outermost dimension is already in place in
      * the rank-ordered gather: gather straight into full */
-    if (!load_balance && outer == 1) {
+    if (!seqs && !load_balance && outer == 1) {
         cpar_tensor out = cpar_tensor_make(full->data, full->dtype, 2, out_shape, full->device);
         return cpar__as(ctx, fn, cpar_all_gather(cp, &in, &out, NULL));
     }
@@ -8701,8 +8809,56 @@ cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_di
     CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(cp, &in, &gathered, NULL)));
     const size_t es = cpar_dtype_size(full->dtype);
     for (int j = 0; j < P; j++)
-        CPAR_TRY(cpar__cp_copy(ctx, fn, full->data, full->device, (char *)ws + (size_t)(j * n) * es, ctx->device,
-                               outer, full->shape[seq_dim], inner, c, es, P, j, load_balance, false));
+        CPAR_TRY(cpar__cp_place(ctx, fn, seqs ? &pk : NULL, full->data, full->device,
+                                (char *)ws + (size_t)(j * n) * es, ctx->device, outer, full->shape[seq_dim], inner, c,
+                                es, P, j, load_balance, false));
+    return CPAR_OK;
+}
+
+cpar_status cpar_cp_shard(cpar_group *cp, const cpar_tensor *full, int seq_dim, bool load_balance,
+                          cpar_tensor *local) {
+    return cpar__cp_shard(cp, "cpar_cp_shard", NULL, full, seq_dim, load_balance, local);
+}
+
+cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_dim, bool load_balance,
+                            cpar_tensor *full) {
+    return cpar__cp_unshard(cp, "cpar_cp_unshard", NULL, local, seq_dim, load_balance, full);
+}
+
+cpar_status cpar_cp_shard_packed(cpar_group *cp, const cpar_packed_seqs *seqs, const cpar_tensor *full, int seq_dim,
+                                 cpar_tensor *local) {
+    static const char fn[] = "cpar_cp_shard_packed";
+    if (!seqs) return cpar__fail(cp ? cp->ctx : NULL, CPAR_ERR_INVALID, "%s: seqs is NULL (the packed sequences)", fn);
+    return cpar__cp_shard(cp, fn, seqs, full, seq_dim, true, local);
+}
+
+cpar_status cpar_cp_unshard_packed(cpar_group *cp, const cpar_packed_seqs *seqs, const cpar_tensor *local,
+                                   int seq_dim, cpar_tensor *full) {
+    static const char fn[] = "cpar_cp_unshard_packed";
+    if (!seqs) return cpar__fail(cp ? cp->ctx : NULL, CPAR_ERR_INVALID, "%s: seqs is NULL (the packed sequences)", fn);
+    return cpar__cp_unshard(cp, fn, seqs, local, seq_dim, true, full);
+}
+
+cpar_status cpar_cp_packed_indices(const cpar_packed_seqs *seqs, int cp_size, int cp_rank, int64_t *indices,
+                                   int64_t n) {
+    static const char fn[] = "cpar_cp_packed_indices";
+    if (cp_size < 1) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cp_size is %d, expected >= 1", fn, cp_size);
+    if (cp_rank < 0 || cp_rank >= cp_size)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cp_rank is %d, expected 0..%d (cp_size %d)", fn, cp_rank,
+                          cp_size - 1, cp_size);
+    cpar__packing pk;
+    CPAR_TRY(cpar__packed_check(NULL, fn, seqs, cp_size, &pk));
+    if (n != pk.total / cp_size)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: n is %lld, expected %lld (the packed length %lld / cp_size %d)",
+                          fn, (long long)n, (long long)(pk.total / cp_size), (long long)pk.total, cp_size);
+    if (n && !indices) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: indices is NULL", fn);
+    for (int i = 0; i < pk.n_docs; i++) {
+        const int64_t start = pk.cu[i], c = ((int64_t)pk.cu[i + 1] - start) / (2 * cp_size);
+        int64_t *out = indices + start / cp_size;
+        for (int slot = 0; slot < 2; slot++)
+            for (int64_t k = 0; k < c; k++)
+                out[slot * c + k] = start + cpar__cp_chunk_of(cp_size, cp_rank, true, slot) * c + k;
+    }
     return CPAR_OK;
 }
 
@@ -9275,7 +9431,10 @@ cpar_status cpar_ring_attention_backward(cpar_group *cp, const cpar_ring_attenti
  * single equal all-to-all (the seed runs five; the bytes are the same), then
  * undoes the load balancing into out; its backward runs the same steps in
  * reverse and sums the B/C replica gradients (cpar_dev_mamba_sum_replicas).
- * post_conv_ssm is redo + all-to-all + unstack. Parameter slices are at most
+ * post_conv_ssm is redo + all-to-all + unstack. The _packed twins undo and
+ * redo per document of a cpar_packed_seqs (section 19's validator and row
+ * mover: the layout attention's packed shards have), the rest unchanged.
+ * Parameter slices are at most
  * three contiguous row ranges of the cp = 1 tensors, copied or accumulated
  * with section 4/5 machinery. The conv1d reads the cp = 1 weight and bias
  * through the row mapping (host loops below, cpar_dev_mamba_conv1d_* on
@@ -9339,6 +9498,26 @@ cpar_status cpar_undo_attention_load_balancing(cpar_ctx *ctx, int cp_size, const
 
 cpar_status cpar_redo_attention_load_balancing(cpar_ctx *ctx, int cp_size, const cpar_tensor *in, cpar_tensor *out) {
     return cpar__mcp_lb_public(ctx, "cpar_redo_attention_load_balancing", cp_size, in, out, false);
+}
+
+/* Between the natural order (nat: [s, b, w] on the context's device) and the
+ * P rank blocks of an all-to-all buffer (blocks: block j = rank j's
+ * load-balanced shard, sl = s/P rows of [b, w]): undo (blocks -> nat) or redo
+ * (nat -> blocks). pk NULL: the seed's 2P chunk copies of the whole
+ * sequence; else every document's chunks r and 2P-1-r (section 19's packed
+ * layout: undo is unshard's placement of each rank's block, redo shard's). */
+static cpar_status cpar__mcp_order(cpar_ctx *ctx, const char *fn, const cpar__packing *pk, void *nat, void *blocks,
+                                   int64_t sl, int64_t b, int64_t w, size_t es, int p, bool undo) {
+    int dev = ctx->device;
+    if (!pk) {
+        size_t chunk = (size_t)(sl / 2 * b * w) * es; /* one of the 2P sequence chunks */
+        return undo ? cpar__mcp_lb(ctx, fn, nat, dev, blocks, dev, chunk, p, true)
+                    : cpar__mcp_lb(ctx, fn, blocks, dev, nat, dev, chunk, p, false);
+    }
+    for (int j = 0; j < p; j++)
+        CPAR_TRY(cpar__cp_packed_copy(ctx, fn, pk, nat, dev, (char *)blocks + (size_t)((int64_t)j * sl * b * w) * es,
+                                      dev, 1, b * w, es, p, j, !undo));
+    return CPAR_OK;
 }
 
 /* ---- cp2hp / hp2cp -------------------------------------------------------------- */
@@ -9549,6 +9728,29 @@ static cpar_status cpar__mcp_check_seq(cpar_mamba_cp *m, const char *fn, const c
                       "balancing cuts 2*cp chunks)", fn, name, (long long)s, 2 * p);
 }
 
+/* The sequence checks of pre and post: without seqs (*pkp = NULL) s divides
+ * into 2P chunks; with seqs, the packing is valid for P and s is its packed
+ * length (*pkp = pk). rows: in's rows, s/P when local. */
+static cpar_status cpar__mcp_check_packing(cpar_mamba_cp *m, const char *fn, const cpar_packed_seqs *seqs,
+                                           cpar__packing *pk, const cpar__packing **pkp, const char *name,
+                                           int64_t rows, bool local) {
+    *pkp = NULL;
+    if (!seqs) return cpar__mcp_check_seq(m, fn, name, rows, local);
+    int p = m->info.cp_size;
+    CPAR_TRY(cpar__packed_check(m->ctx, fn, seqs, p, pk));
+    int64_t s = local ? rows * p : rows;
+    if (s != pk->total) {
+        if (local)
+            return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: %s has %lld rows (s/cp), so s = %lld, expected %lld (the "
+                              "packed length) with cp = %d", fn, name, (long long)rows, (long long)s,
+                              (long long)pk->total, p);
+        return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: %s has %lld rows (s), expected %lld (the packed length)", fn,
+                          name, (long long)s, (long long)pk->total);
+    }
+    *pkp = pk;
+    return CPAR_OK;
+}
+
 /* The checks pre and post share: m, dir, in and out 3-D on the context's
  * device with in's dtype, in's last dim in_last (< 0: any >= 1). */
 static cpar_status cpar__mcp_io(cpar_mamba_cp *m, const char *fn, const cpar_tensor *in, const cpar_tensor *out,
@@ -9566,15 +9768,18 @@ static cpar_status cpar__mcp_io(cpar_mamba_cp *m, const char *fn, const cpar_ten
     return CPAR_OK;
 }
 
-cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
-    static const char fn[] = "cpar_mamba_cp_pre_conv_ssm";
+/* pre_conv_ssm, packed (seqs) or not (NULL). */
+static cpar_status cpar__mcp_pre(cpar_mamba_cp *m, const char *fn, const cpar_packed_seqs *seqs, const cpar_tensor *in,
+                                 cpar_tensor *out, cpar_dir dir) {
     const cpar_mamba_cp_info *mi = m ? &m->info : NULL;
     bool fwd = dir == CPAR_FWD;
     CPAR_TRY(cpar__mcp_io(m, fn, in, out, dir, mi ? (fwd ? mi->in_width : mi->out_width) : 0));
     cpar_ctx *ctx = m->ctx;
     cpar_group *g = m->cp;
     int p = mi->cp_size, dev = ctx->device;
-    CPAR_TRY(cpar__mcp_check_seq(m, fn, "in", in->shape[0], fwd));
+    cpar__packing pk;
+    const cpar__packing *pkp;
+    CPAR_TRY(cpar__mcp_check_packing(m, fn, seqs, &pk, &pkp, "in", in->shape[0], fwd));
     int64_t b = in->shape[1], sl = fwd ? in->shape[0] : in->shape[0] / p;
     int64_t want[3] = {fwd ? sl * p : sl, b, fwd ? mi->out_width : mi->in_width};
     char why[128];
@@ -9597,7 +9802,6 @@ cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, 
     void *ws;
     CPAR_TRY(cpar__map_scratch(ctx, fn, 2 * half, &ws));
     char *send = ws, *recv = (char *)ws + half;
-    size_t chunk = (size_t)(t / 2 * w) * es; /* one of the 2P sequence chunks of [s, b, W] */
     int64_t start[5], width[5], off[5];
     cpar__mcp_pieces(mi, start, width, off);
     cpar_tensor a = cpar__view2(send, in->dtype, (int64_t)p * t, w, dev);
@@ -9612,10 +9816,10 @@ cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, 
                                            dev, (const char *)in->data + (size_t)cpar__mcp_src_col(mi, start, width, q, j) * es,
                                            (size_t)hin * es, dev, (size_t)width[q] * es, (size_t)t));
         CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
-        return cpar__mcp_lb(ctx, fn, out->data, dev, recv, dev, chunk, p, true);
+        return cpar__mcp_order(ctx, fn, pkp, out->data, recv, sl, b, w, es, p, true);
     }
     /* Backward: back to load-balanced order, the reverse all-to-all, unpack. */
-    CPAR_TRY(cpar__mcp_lb(ctx, fn, send, dev, in->data, dev, chunk, p, false));
+    CPAR_TRY(cpar__mcp_order(ctx, fn, pkp, in->data, send, sl, b, w, es, p, false));
     CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
     int64_t rep = mi->group_repeat_count, tw = t * w;
     if (!cpar__on_device(dev)) cpar__mcp_host_pack(mi, start, width, off, recv, out->data, t, w, es, false, rep > 1);
@@ -9640,14 +9844,17 @@ cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, 
     return CPAR_OK;
 }
 
-cpar_status cpar_mamba_cp_post_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
-    static const char fn[] = "cpar_mamba_cp_post_conv_ssm";
+/* post_conv_ssm, packed (seqs) or not (NULL). */
+static cpar_status cpar__mcp_post(cpar_mamba_cp *m, const char *fn, const cpar_packed_seqs *seqs,
+                                  const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
     bool fwd = dir == CPAR_FWD;
     CPAR_TRY(cpar__mcp_io(m, fn, in, out, dir, -1));
     cpar_ctx *ctx = m->ctx;
     cpar_group *g = m->cp;
     int p = m->info.cp_size, dev = ctx->device;
-    CPAR_TRY(cpar__mcp_check_seq(m, fn, "in", in->shape[0], !fwd));
+    cpar__packing pk;
+    const cpar__packing *pkp;
+    CPAR_TRY(cpar__mcp_check_packing(m, fn, seqs, &pk, &pkp, "in", in->shape[0], !fwd));
     int64_t b = in->shape[1];
     if (!fwd && in->shape[2] % p)
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: in has hidden size %lld (dim 2), not divisible by cp = %d", fn,
@@ -9663,21 +9870,46 @@ cpar_status cpar_mamba_cp_post_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in,
     size_t es = cpar_dtype_size(in->dtype);
     int64_t t = sl * b;
     if (!t) return CPAR_OK;
-    size_t bytes = cpar_tensor_nbytes(in), half = (bytes + 255) & ~(size_t)255, chunk = (size_t)(t / 2 * h) * es;
+    size_t bytes = cpar_tensor_nbytes(in), half = (bytes + 255) & ~(size_t)255;
     void *ws;
     CPAR_TRY(cpar__map_scratch(ctx, fn, 2 * half, &ws));
     char *send = ws, *recv = (char *)ws + half;
     cpar_tensor a = cpar__view2(send, in->dtype, (int64_t)p * t, h, dev);
     cpar_tensor r = cpar__view2(recv, in->dtype, (int64_t)p * t, h, dev);
     if (fwd) { /* redo, then hp2cp: block j (rank j's chunks) to rank j, blocks side by side */
-        CPAR_TRY(cpar__mcp_lb(ctx, fn, send, dev, in->data, dev, chunk, p, false));
+        CPAR_TRY(cpar__mcp_order(ctx, fn, pkp, in->data, send, sl, b, h, es, p, false));
         CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
         return cpar__unstack_last(ctx, fn, out->data, recv, t, h, p, es);
     }
     /* backward: cp2hp (column chunk j to rank j), then undo */
     CPAR_TRY(cpar__stack_last(ctx, fn, send, in->data, t, h, p, es));
     CPAR__MAP_TRY(ctx, fn, cpar_all_to_all_single(g, &a, &r, NULL, NULL));
-    return cpar__mcp_lb(ctx, fn, out->data, dev, recv, dev, chunk, p, true);
+    return cpar__mcp_order(ctx, fn, pkp, out->data, recv, sl, b, h, es, p, true);
+}
+
+cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    return cpar__mcp_pre(m, "cpar_mamba_cp_pre_conv_ssm", NULL, in, out, dir);
+}
+
+cpar_status cpar_mamba_cp_post_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir) {
+    return cpar__mcp_post(m, "cpar_mamba_cp_post_conv_ssm", NULL, in, out, dir);
+}
+
+/* The packed twins: seqs is required (the unpacked calls above take none). */
+cpar_status cpar_mamba_cp_pre_conv_ssm_packed(cpar_mamba_cp *m, const cpar_packed_seqs *seqs, const cpar_tensor *in,
+                                              cpar_tensor *out, cpar_dir dir) {
+    static const char fn[] = "cpar_mamba_cp_pre_conv_ssm_packed";
+    CPAR_TRY(cpar__mcp_check(m, fn));
+    if (!seqs) return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: seqs is NULL (the packed sequences)", fn);
+    return cpar__mcp_pre(m, fn, seqs, in, out, dir);
+}
+
+cpar_status cpar_mamba_cp_post_conv_ssm_packed(cpar_mamba_cp *m, const cpar_packed_seqs *seqs, const cpar_tensor *in,
+                                               cpar_tensor *out, cpar_dir dir) {
+    static const char fn[] = "cpar_mamba_cp_post_conv_ssm_packed";
+    CPAR_TRY(cpar__mcp_check(m, fn));
+    if (!seqs) return cpar__fail(m->ctx, CPAR_ERR_INVALID, "%s: seqs is NULL (the packed sequences)", fn);
+    return cpar__mcp_post(m, fn, seqs, in, out, dir);
 }
 
 /* ---- parameter slices -------------------------------------------------------------- */

@@ -1331,6 +1331,36 @@ typedef struct cpar_packed_seqs {
                                         * each padded length >= the real one */
 } cpar_packed_seqs;
 
+/* cpar_cp_shard / cpar_cp_unshard for a packed buffer: full holds the whole
+ * packing along dim seq_dim (negative counts from the end), so its length
+ * there is cu_seqlens_padded[n_docs] (cu_seqlens[n_docs] without padding);
+ * local the same shape and dtype with that dim divided by P, in the layout
+ * above (rank r: chunks r and 2P-1-r of every document, document after
+ * document; padding rows travel with their document). Any dtype, any other
+ * dims (THD [t, h, d], or [b, h, t, d] with seq_dim 2). seqs is checked
+ * first: n_docs >= 1, cu_seqlens (and cu_seqlens_padded) starting at 0 and
+ * non-decreasing, each padded length >= its real one and divisible by 2P
+ * (the failing document is named). Shard: each of full and local on the
+ * host or the context's device, no communication, 2 pitched copies per
+ * document. */
+cpar_status cpar_cp_shard_packed(cpar_group *cp, const cpar_packed_seqs *seqs, const cpar_tensor *full, int seq_dim,
+                                 cpar_tensor *local);
+/* Inverse of cpar_cp_shard_packed on every rank: one all-gather of the
+ * shards ((P-1)/P of full received, the minimum), then each rank's chunks put
+ * in place. local and full on the context's device. Scratch: the context
+ * workspace (nbytes(full)). */
+cpar_status cpar_cp_unshard_packed(cpar_group *cp, const cpar_packed_seqs *seqs, const cpar_tensor *local,
+                                   int seq_dim, cpar_tensor *full);
+/* The layout as an index map (Megatron / Transformer Engine's
+ * thd_get_partitioned_indices): indices[l] = the global packed position of
+ * local row l of rank cp_rank of cp_size, for n = total / cp_size rows
+ * (total = the packed length above); local row l of document i's slot s
+ * (s = 0, 1) is global row cu_padded[i] + chunk * c_i + k with chunk r (s = 0)
+ * or 2P-1-r (s = 1), c_i = the padded length / 2P, k < c_i. seqs checked as
+ * cpar_cp_shard_packed does; indices host memory. Needs no context. */
+cpar_status cpar_cp_packed_indices(const cpar_packed_seqs *seqs, int cp_size, int cp_rank, int64_t *indices,
+                                   int64_t n);
+
 
 /* ==== 13. Mamba context parallelism =======================================
  *
@@ -1483,6 +1513,25 @@ int64_t cpar_mamba_cp_conv1d_channels(const cpar_mamba_cp *m);
  * P == 1, out == in is allowed). Scratch from the context workspace. */
 cpar_status cpar_mamba_cp_pre_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
 cpar_status cpar_mamba_cp_post_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in, cpar_tensor *out, cpar_dir dir);
+/* The same for a packed batch (seqs: §12's cpar_packed_seqs, required;
+ * Megatron's PackedSeqParams). Outside the mixer the sequence dim 0 holds
+ * this rank's shard in §12's packed layout (chunks r and 2P-1-r of EVERY
+ * document, what cpar_cp_shard_packed makes and packed attention reads);
+ * inside, out of pre (in of post) holds the whole packing, documents back to
+ * back with their padding, in natural order: the undo/redo is done per
+ * document instead of over the whole sequence. s is the packed length
+ * (cu_seqlens_padded[n_docs], or cu_seqlens[n_docs] without padding) instead
+ * of a multiple of 2P; every document's (padded) length divides by 2P
+ * (errors name the document). Every batch column (dim 1) shares the packing
+ * (Megatron's THD has b = 1). Communication as the unpacked calls: one
+ * all-to-all of (P-1)/P of the buffer; the reorder is 2 copies per document
+ * and rank. A packing of one unpadded document is the unpacked call. The
+ * conv1d below treats the sequence as one: a caller whose documents must not
+ * see each other's tokens runs it per document (mamba_ssm's seq_idx). */
+cpar_status cpar_mamba_cp_pre_conv_ssm_packed(cpar_mamba_cp *m, const cpar_packed_seqs *seqs, const cpar_tensor *in,
+                                              cpar_tensor *out, cpar_dir dir);
+cpar_status cpar_mamba_cp_post_conv_ssm_packed(cpar_mamba_cp *m, const cpar_packed_seqs *seqs, const cpar_tensor *in,
+                                               cpar_tensor *out, cpar_dir dir);
 
 /* The seed's get_conv1d_weight / _bias / get_dt_bias / get_A_log / get_D:
  * copy this rank's slice of the cp = 1 parameter param into out (same dtype;

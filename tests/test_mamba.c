@@ -14,9 +14,15 @@
  * computation on the full sequence (conv over every cp = 1 channel, split
  * back); parameter gradients summed over the ranks equal the cp = 1
  * gradients; parameter slices (get, view, accumulate); finite differences of
- * the conv1d backward; bad input for every public function. F32, F16, BF16
- * activations (F32 or same-dtype parameters); host and sim backends. */
+ * the conv1d backward; bad input for every public function. Packed batches
+ * (THD, packed.h's packings: uneven documents from 2cp long, one long
+ * document, padding): pre / post conv_ssm forward against the unsharded
+ * packing in natural order, backward against the adjoint (B/C replicas
+ * summed), one all-to-all each; one unpadded document = the unpacked call
+ * bit for bit; bad packings name the document. F32, F16, BF16 activations
+ * (F32 or same-dtype parameters); host and sim backends. */
 #include "testutil.h"
+#include "packed.h"
 
 #define MAX_CP 4
 
@@ -489,6 +495,210 @@ START_TEST(test_pipeline) {
     static const cpar_dtype dts[3] = {CPAR_F32, CPAR_F16, CPAR_BF16}, pdts[3] = {CPAR_F32, CPAR_F32, CPAR_BF16};
     run_pipe(combo, dts[k], pdts[k], (uint64_t)(_i + 1));
 }
+END_TEST
+
+/* ---- packed batches (THD) ----------------------------------------------------------------
+ * pre / post conv_ssm per document: outside the mixer rank r holds chunks r
+ * and 2cp-1-r of every document (cpar.h §12), inside every rank sees the
+ * whole packing in natural order. The reference reads the unsharded packed
+ * buffer through packed.h's owner_of (the global side); backward is the
+ * adjoint (pre: every rank's gradient column summed into the in-projection
+ * column it came from, so B/C replicas add up). */
+
+typedef struct {
+    mcfg f;
+    derived d;
+    packing q;
+    cpar_dtype dt;
+    int64_t s, b, sl, h; /* h: post's per-rank width */
+    double *u;                /* [s, b, hin] the packed in-projection output */
+    double *dpre[MAX_CP];     /* rank j's gradient of pre's output [s, b, w] */
+    double *y[MAX_CP];        /* rank j's post input [s, b, h] */
+    double *dpost[MAX_CP];    /* rank j's gradient of post's output [sl, b, p h] */
+    int64_t *glob[MAX_CP];    /* rank j's local row -> global packed row */
+} pk_mamba;
+
+static double *pk_random(int64_t n, cpar_dtype dt, uint64_t *st) {
+    double *v = malloc(sizeof(double) * (size_t)(n > 0 ? n : 1));
+    for (int64_t i = 0; i < n; i++) v[i] = tu_round(dt, tu_uniform(st));
+    return v;
+}
+
+/* Upload rows [sl, b, width] of a global [s, b, width] array at rank r's rows. */
+static void *pk_gather_rows(const pk_mamba *c, const double *v, int r, int64_t width) {
+    int64_t rw = c->b * width;
+    double *o = malloc(sizeof(double) * (size_t)(c->sl * rw));
+    for (int64_t t = 0; t < c->sl; t++) memcpy(o + t * rw, v + c->glob[r][t] * rw, sizeof(double) * (size_t)rw);
+    void *h = to_host_dtype(o, c->dt, c->sl * rw);
+    free(o);
+    return h;
+}
+
+static cpar_status rank_pk_mamba(cpar_ctx *ctx, void *arg) {
+    pk_mamba *c = arg;
+    const mcfg *f = &c->f;
+    const derived *d = &c->d;
+    cpar_group *g = cpar_world_group(ctx);
+    int p = cpar_group_size(g), r = cpar_group_rank(g);
+    int64_t s = c->s, b = c->b, sl = c->sl, hin = d->hin, w = d->w, h = c->h;
+    cpar_dtype dt = c->dt;
+    double tol = dt == CPAR_F32 ? 1e-6 : 2 * tu_tol(dt);
+    cpar_packed_seqs seqs = seqs_of(&c->q);
+    cpar_mamba_cp *m;
+    cpar_mamba_cp_config cfg = to_config(f);
+    TU_OK(cpar_mamba_cp_create(g, &cfg, &m));
+    int64_t ishape[3] = {sl, b, hin}, pshape[3] = {s, b, w}, yshape[3] = {s, b, h}, oshape[3] = {sl, b, p * h};
+
+    /* pre forward: this rank's columns of the whole packing, natural order */
+    void *in_h = pk_gather_rows(c, c->u, r, hin);
+    cpar_tensor in = tu_upload(ctx, in_h, dt, 3, ishape), pre = tu_alloc_poisoned(ctx, dt, 3, pshape);
+    TU_OK(cpar_group_stats_reset(g));
+    TU_OK(cpar_mamba_cp_pre_conv_ssm_packed(m, &seqs, &in, &pre, CPAR_FWD));
+    expect_a2a_bytes(g, cpar_tensor_nbytes(&pre));
+    double *want = malloc(sizeof(double) * (size_t)(s * b * (hin > w ? hin : w) + s * b * p * h));
+    for (int64_t gg = 0; gg < s * b; gg++)
+        for (int64_t col = 0; col < w; col++) want[gg * w + col] = c->u[gg * hin + pre_src_col(f, d, r, col)];
+    void *got = tu_download(ctx, &pre);
+    TU_EXPECT_CLOSE(got, dt, want, s * b * w, 0.0);
+    free(got);
+    if (c->q.n == 1 && !c->q.padded) { /* one unpadded document: the unpacked call, bit for bit */
+        cpar_tensor pre2 = tu_alloc_poisoned(ctx, dt, 3, pshape);
+        TU_OK(cpar_mamba_cp_pre_conv_ssm(m, &in, &pre2, CPAR_FWD));
+        void *a = tu_download(ctx, &pre), *bb = tu_download(ctx, &pre2);
+        TU_EXPECT_SAME(a, bb, dt, s * b * w);
+        free(a), free(bb);
+        TU_OK(cpar_tensor_free(ctx, &pre2));
+    }
+
+    /* pre backward: the adjoint, every rank's gradient into its source column */
+    void *dpre_h = to_host_dtype(c->dpre[r], dt, s * b * w);
+    cpar_tensor dpre = tu_upload(ctx, dpre_h, dt, 3, pshape), din = tu_alloc_poisoned(ctx, dt, 3, ishape);
+    TU_OK(cpar_group_stats_reset(g));
+    TU_OK(cpar_mamba_cp_pre_conv_ssm_packed(m, &seqs, &dpre, &din, CPAR_BWD));
+    expect_a2a_bytes(g, cpar_tensor_nbytes(&dpre));
+    memset(want, 0, sizeof(double) * (size_t)(sl * b * hin));
+    for (int64_t t = 0; t < sl; t++)
+        for (int64_t bi = 0; bi < b; bi++)
+            for (int j = 0; j < p; j++)
+                for (int64_t col = 0; col < w; col++)
+                    want[(t * b + bi) * hin + pre_src_col(f, d, j, col)] +=
+                        c->dpre[j][(c->glob[r][t] * b + bi) * w + col];
+    got = tu_download(ctx, &din);
+    TU_EXPECT_CLOSE(got, dt, want, sl * b * hin, d->R > 1 ? tol : 0.0);
+    free(got);
+
+    /* post forward: every rank's columns at this rank's packed rows */
+    void *y_h = to_host_dtype(c->y[r], dt, s * b * h);
+    cpar_tensor y = tu_upload(ctx, y_h, dt, 3, yshape), post = tu_alloc_poisoned(ctx, dt, 3, oshape);
+    TU_OK(cpar_group_stats_reset(g));
+    TU_OK(cpar_mamba_cp_post_conv_ssm_packed(m, &seqs, &y, &post, CPAR_FWD));
+    expect_a2a_bytes(g, cpar_tensor_nbytes(&y));
+    for (int64_t t = 0; t < sl; t++)
+        for (int64_t bi = 0; bi < b; bi++)
+            for (int i = 0; i < p; i++)
+                for (int64_t cc = 0; cc < h; cc++)
+                    want[((t * b + bi) * p + i) * h + cc] = c->y[i][(c->glob[r][t] * b + bi) * h + cc];
+    got = tu_download(ctx, &post);
+    TU_EXPECT_CLOSE(got, dt, want, sl * b * p * h, 0.0);
+    free(got);
+
+    /* post backward: this rank's columns of every rank's gradient, natural order */
+    void *dpost_h = to_host_dtype(c->dpost[r], dt, sl * b * p * h);
+    cpar_tensor dpost = tu_upload(ctx, dpost_h, dt, 3, oshape), dy = tu_alloc_poisoned(ctx, dt, 3, yshape);
+    TU_OK(cpar_group_stats_reset(g));
+    TU_OK(cpar_mamba_cp_post_conv_ssm_packed(m, &seqs, &dpost, &dy, CPAR_BWD));
+    expect_a2a_bytes(g, cpar_tensor_nbytes(&dpost));
+    for (int64_t gg = 0; gg < s; gg++) {
+        int own;
+        int64_t t;
+        owner_of(&c->q, p, gg, &own, &t);
+        for (int64_t bi = 0; bi < b; bi++)
+            for (int64_t cc = 0; cc < h; cc++)
+                want[(gg * b + bi) * h + cc] = c->dpost[own][((t * b + bi) * p + r) * h + cc];
+    }
+    got = tu_download(ctx, &dy);
+    TU_EXPECT_CLOSE(got, dt, want, s * b * h, 0.0);
+    free(got);
+
+    free(in_h), free(want), free(dpre_h), free(y_h), free(dpost_h);
+    cpar_tensor *all[] = {&in, &pre, &dpre, &din, &y, &post, &dpost, &dy};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) TU_OK(cpar_tensor_free(ctx, all[i]));
+    TU_OK(cpar_mamba_cp_destroy(m));
+    return CPAR_OK;
+}
+
+/* _i = (combo * N_PACKINGS + packing) * 2 + dtype (F32, BF16) */
+START_TEST(test_packed_pre_post) {
+    int combo = _i / 2 / N_PACKINGS, k = _i / 2 % N_PACKINGS;
+    int p = combos[combo].p;
+    pk_mamba c;
+    memset(&c, 0, sizeof c);
+    c.f = cfgs[combos[combo].cfg], c.d = derive(&c.f, p), c.dt = _i % 2 ? CPAR_BF16 : CPAR_F32;
+    packing qs[N_PACKINGS];
+    make_packings(p, qs);
+    c.q = qs[k];
+    c.s = total_of(&c.q), c.b = 2, c.sl = c.s / p, c.h = 3;
+    uint64_t st = 4242 + (uint64_t)_i * 977;
+    c.u = pk_random(c.s * c.b * c.d.hin, c.dt, &st);
+    for (int j = 0; j < p; j++) {
+        c.dpre[j] = pk_random(c.s * c.b * c.d.w, c.dt, &st);
+        c.y[j] = pk_random(c.s * c.b * c.h, c.dt, &st);
+        c.dpost[j] = pk_random(c.sl * c.b * p * c.h, c.dt, &st);
+        c.glob[j] = malloc(sizeof(int64_t) * (size_t)(c.sl + 1));
+    }
+    for (int64_t gg = 0; gg < c.s; gg++) { /* the local -> global maps, from the owner of every packed row */
+        int own;
+        int64_t t;
+        owner_of(&c.q, p, gg, &own, &t);
+        c.glob[own][t] = gg;
+    }
+    TU_OK(tu_spawn(p, rank_pk_mamba, &c));
+    free(c.u);
+    for (int j = 0; j < p; j++) free(c.dpre[j]), free(c.y[j]), free(c.dpost[j]), free(c.glob[j]);
+}
+END_TEST
+
+static cpar_status rank_pk_bad(cpar_ctx *ctx, void *arg) {
+    (void)arg;
+    cpar_group *g = cpar_world_group(ctx); /* cp = 2, cfgs[0]: documents divide by 4 */
+    cpar_mamba_cp *m;
+    cpar_mamba_cp_config cfg = to_config(&cfgs[0]);
+    TU_OK(cpar_mamba_cp_create(g, &cfg, &m));
+    derived d = derive(&cfgs[0], 2);
+    int32_t cu[3] = {0, 4, 12}, odd[3] = {0, 6, 12}, real[3] = {0, 3, 9}, pad[3] = {0, 4, 16};
+    cpar_packed_seqs ok = {.n_docs = 2, .cu_seqlens = cu}, bad = {.n_docs = 2, .cu_seqlens = odd};
+    cpar_packed_seqs padded = {.n_docs = 2, .cu_seqlens = real, .cu_seqlens_padded = pad};
+    int64_t is[3] = {6, 1, d.hin}, ps[3] = {12, 1, d.w}, ys[3] = {12, 1, 2}, os[3] = {6, 1, 4};
+    cpar_tensor in = tu_alloc_poisoned(ctx, CPAR_F32, 3, is), pre = tu_alloc_poisoned(ctx, CPAR_F32, 3, ps);
+    cpar_tensor y = tu_alloc_poisoned(ctx, CPAR_F32, 3, ys), post = tu_alloc_poisoned(ctx, CPAR_F32, 3, os);
+    const char *pf = "cpar_mamba_cp_pre_conv_ssm_packed", *qf = "cpar_mamba_cp_post_conv_ssm_packed";
+    TU_FAILS(cpar_mamba_cp_pre_conv_ssm_packed(m, NULL, &in, &pre, CPAR_FWD), CPAR_ERR_INVALID, pf);
+    TU_MSG_HAS("seqs is NULL");
+    TU_FAILS(cpar_mamba_cp_post_conv_ssm_packed(m, NULL, &y, &post, CPAR_FWD), CPAR_ERR_INVALID, qf);
+    TU_FAILS(cpar_mamba_cp_pre_conv_ssm_packed(NULL, &ok, &in, &pre, CPAR_FWD), CPAR_ERR_INVALID, "m is NULL");
+    TU_FAILS(cpar_mamba_cp_pre_conv_ssm_packed(m, &bad, &in, &pre, CPAR_FWD), CPAR_ERR_INVALID,
+             "document 0 has length 6 (cu_seqlens[1] - [0]), not divisible by 2*cp = 4");
+    TU_FAILS(cpar_mamba_cp_post_conv_ssm_packed(m, &bad, &post, &y, CPAR_BWD), CPAR_ERR_INVALID, "document 0 has length 6");
+    /* the tensors hold 12 rows, the padded packing 16 */
+    TU_FAILS(cpar_mamba_cp_pre_conv_ssm_packed(m, &padded, &in, &pre, CPAR_FWD), CPAR_ERR_INVALID,
+             "in has 6 rows (s/cp), so s = 12, expected 16 (the packed length)");
+    TU_FAILS(cpar_mamba_cp_pre_conv_ssm_packed(m, &padded, &pre, &in, CPAR_BWD), CPAR_ERR_INVALID,
+             "in has 12 rows (s), expected 16 (the packed length)");
+    TU_FAILS(cpar_mamba_cp_post_conv_ssm_packed(m, &padded, &y, &post, CPAR_FWD), CPAR_ERR_INVALID,
+             "in has 12 rows (s), expected 16");
+    TU_FAILS(cpar_mamba_cp_post_conv_ssm_packed(m, &padded, &post, &y, CPAR_BWD), CPAR_ERR_INVALID,
+             "in has 6 rows (s/cp), so s = 12, expected 16");
+    TU_FAILS(cpar_mamba_cp_pre_conv_ssm_packed(m, &ok, &in, &y, CPAR_FWD), CPAR_ERR_INVALID, "out has shape");
+    /* still usable after the failures */
+    TU_OK(cpar_mamba_cp_pre_conv_ssm_packed(m, &ok, &in, &pre, CPAR_FWD));
+    TU_OK(cpar_mamba_cp_post_conv_ssm_packed(m, &ok, &y, &post, CPAR_FWD));
+    cpar_tensor *all[] = {&in, &pre, &y, &post};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) TU_OK(cpar_tensor_free(ctx, all[i]));
+    TU_OK(cpar_mamba_cp_destroy(m));
+    return CPAR_OK;
+}
+
+START_TEST(test_packed_bad_args) { TU_OK(tu_spawn(2, rank_pk_bad, NULL)); }
 END_TEST
 
 /* ---- object: derived sizes and the seed's divisibility errors ------------------------------ */
@@ -1149,6 +1359,8 @@ static Suite *suite(void) {
         {"conv1d_finite_differences", test_conv1d_finite_differences, 12},
         {"conv1d_large", test_conv1d_large, 4},
         {"bad_args", test_bad_args, 1},
+        {"packed_pre_post", test_packed_pre_post, NCOMBOS * N_PACKINGS * 2},
+        {"packed_bad_args", test_packed_bad_args, 1},
     };
     tu_add_loops(s, loops, sizeof loops / sizeof loops[0], 120);
     return s;
