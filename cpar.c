@@ -8077,6 +8077,61 @@ static cpar_status cpar__attn_bwd(cpar_ctx *ctx, const char *fn, bool on_device,
  * or host), 256-byte aligned. Zero is a valid answer. */
 static size_t cpar__attn_scratch_bytes(const cpar__attn_io *io, bool backward);
 
+/* ---- packed sequences (cpar.h §12): the check sections 18-20 share ---------- */
+
+/* A validated cpar_packed_seqs: the boundaries the buffer is cut at. */
+typedef struct cpar__packing {
+    int n_docs;
+    const int32_t *cu; /* the padded boundaries (cu_seqlens where there is no padding) */
+    int64_t total;     /* cu[n_docs]: the packed buffer's length */
+} cpar__packing;
+
+/* Check seqs for P ranks (cpar.h §12's rules) and resolve it into *pk. Each
+ * failure names the array, the index and the document. P = 0: one unsharded
+ * buffer (local attention), whose documents may have any lengths. */
+static cpar_status cpar__packed_check(cpar_ctx *ctx, const char *fn, const cpar_packed_seqs *seqs, int P,
+                                      cpar__packing *pk) {
+    if (!seqs) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs is NULL (the packed sequences)", fn);
+    if (seqs->n_docs < 1)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->n_docs is %d, expected >= 1", fn, seqs->n_docs);
+    const int32_t *arr[2] = {seqs->cu_seqlens, seqs->cu_seqlens_padded};
+    static const char *names[2] = {"cu_seqlens", "cu_seqlens_padded"};
+    if (!arr[0]) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->cu_seqlens is NULL", fn);
+    const int n = seqs->n_docs;
+    for (int a = 0; a < 2; a++) {
+        if (!arr[a]) continue;
+        if (arr[a][0] != 0)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->%s[0] is %ld, expected 0", fn, names[a],
+                              (long)arr[a][0]);
+        for (int i = 0; i < n; i++)
+            if (arr[a][i + 1] < arr[a][i])
+                return cpar__fail(ctx, CPAR_ERR_INVALID,
+                                  "%s: seqs->%s decreases at document %d: %s[%d] = %ld < %s[%d] = %ld (expected "
+                                  "non-decreasing)", fn, names[a], i, names[a], i + 1, (long)arr[a][i + 1], names[a],
+                                  i, (long)arr[a][i]);
+    }
+    const int32_t *cu = arr[1] ? arr[1] : arr[0];
+    const char *cn = names[arr[1] ? 1 : 0];
+    const int64_t chunks = 2 * (int64_t)P;
+    for (int i = 0; i < n; i++) {
+        const int64_t len = (int64_t)cu[i + 1] - cu[i];
+        if (arr[1] && len < (int64_t)arr[0][i + 1] - arr[0][i])
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: document %d has padded length %lld (cu_seqlens_padded[%d] - [%d]) < its length "
+                              "%lld (cu_seqlens[%d] - [%d])", fn, i, (long long)len, i + 1, i,
+                              (long long)((int64_t)arr[0][i + 1] - arr[0][i]), i + 1, i);
+        if (P > 0 && len % chunks)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: document %d has %slength %lld (%s[%d] - [%d]), not divisible by 2*cp = %lld (each "
+                              "document is cut into 2*cp chunks)", fn, i, arr[1] ? "padded " : "", (long long)len, cn,
+                              i + 1, i, (long long)chunks);
+    }
+    pk->n_docs = n;
+    pk->cu = cu;
+    pk->total = cu[n];
+    return CPAR_OK;
+}
+
 /* ---- the host reference ------------------------------------------------------ */
 
 #define CPAR__ATTN_ALIGN ((size_t)256)
@@ -8107,15 +8162,62 @@ static size_t cpar__host_attn_floats(const cpar__attn_io *io, bool backward) {
 
 /* ---- dropout's mask (host twin of cpar_kernels.cu §16's cpar__attn_keep) ---- */
 
-/* The global position of row i (cpar_dev_attn_pos). */
-static int64_t cpar__attn_pos(const cpar_dev_attn_pos *p, int64_t i) {
-    return i < p->split ? p->off0 + i : p->off1 + (i - p->split);
+/* Row i of p (cpar_dev_attn_pos): its global position, and its document in
+ * *doc (packed rows: -1 for padding; plain rows: 0). A packed shard's local
+ * row i lies in the last document d with cu[d] / P <= i (an empty document
+ * never: the next one starts at the same row), in its slot 0 (chunk rank)
+ * or slot 1 (chunk 2P-1-rank). Twin of cpar_kernels.cu §16's cpar__attn_row. */
+static int64_t cpar__attn_row(const cpar_dev_attn_pos *p, int64_t i, int *doc) {
+    if (!p->cu) {
+        *doc = 0;
+        return i < p->split ? p->off0 + i : p->off1 + (i - p->split);
+    }
+    const int32_t *cu = p->cu;
+    const int64_t P = p->P;
+    if (i >= cu[p->n_docs] / P) { /* past the shard: nobody's */
+        *doc = -1;
+        return i;
+    }
+    int lo = 0, hi = p->n_docs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (cu[mid] / P <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    int64_t g = i;
+    if (P > 1) {
+        const int64_t c = ((int64_t)cu[lo + 1] - cu[lo]) / (2 * P), o = i - cu[lo] / P;
+        g = cu[lo] + (o < c ? p->rank : 2 * P - 1 - p->rank) * c + o % c;
+    }
+    *doc = g - cu[lo] < (int64_t)p->cu_real[lo + 1] - p->cu_real[lo] ? lo : -1;
+    return g;
 }
 
-/* The positions of rows [a, ...) of p, as a description of their own. */
+static int64_t cpar__attn_pos(const cpar_dev_attn_pos *p, int64_t i) {
+    int doc;
+    return cpar__attn_row(p, i, &doc);
+}
+
+/* The positions of rows [a, ...) of plain rows p, as a description of their own. */
 static cpar_dev_attn_pos cpar__attn_pos_sub(cpar_dev_attn_pos p, int64_t a) {
-    if (a >= p.split) return (cpar_dev_attn_pos){0, 0, p.off1 + (a - p.split)};
-    return (cpar_dev_attn_pos){p.split - a, p.off0 + a, p.off1};
+    if (a >= p.split) return (cpar_dev_attn_pos){.split = 0, .off0 = 0, .off1 = p.off1 + (a - p.split)};
+    return (cpar_dev_attn_pos){.split = p.split - a, .off0 = p.off0 + a, .off1 = p.off1};
+}
+
+/* Packed blocks (both row sets packed) mask by document and, causal, by
+ * global position; plain ones by the top-left index rule. */
+static bool cpar__attn_is_packed(const cpar__attn_io *io) { return io->qp.cu && io->kp.cu; }
+
+/* -inf where query q0 + i does not see key k0 + j of a packed block. */
+static void cpar__attn_mask_packed(const cpar__attn_io *io, float *S, int64_t bq, int64_t bk, int64_t q0, int64_t k0) {
+    for (int64_t i = 0; i < bq; i++) {
+        int dq, dk;
+        const int64_t qpos = cpar__attn_row(&io->qp, q0 + i, &dq);
+        for (int64_t j = 0; j < bk; j++) {
+            const int64_t kpos = cpar__attn_row(&io->kp, k0 + j, &dk);
+            if (!(dq >= 0 && dq == dk && (!io->causal || kpos <= qpos))) S[i * bk + j] = -INFINITY;
+        }
+    }
 }
 
 /* Whether attention weight (bh, qpos, kpos) survives dropout p (cpar.h §12). */
@@ -8168,7 +8270,7 @@ static cpar_status cpar__host_attn_fwd(cpar_ctx *ctx, const char *fn, const cpar
                                        cpar_dtype out_dt, int64_t o_bh, float *lse, int64_t lse_bh, float *scratch) {
     const int64_t d = io->d, group = io->hq / io->hkv;
     float *S = scratch, *O = S + CPAR__HATTN_BQ * CPAR__HATTN_BK, *m = O + CPAR__HATTN_BQ * d, *l = m + CPAR__HATTN_BQ;
-    const bool drop = io->dropout_p > 0.f;
+    const bool drop = io->dropout_p > 0.f, packed = cpar__attn_is_packed(io);
     const float keep_scale = cpar__attn_keep_scale(io);
     for (int64_t bi = 0; bi < io->b; bi++)
         for (int64_t hi = 0; hi < io->hq; hi++) {
@@ -8176,14 +8278,16 @@ static cpar_status cpar__host_attn_fwd(cpar_ctx *ctx, const char *fn, const cpar
             const int64_t kvbase = (bi * io->hkv + hi / group) * io->kv_bh;
             for (int64_t q0 = 0; q0 < io->sq; q0 += CPAR__HATTN_BQ) {
                 const int64_t bq = cpar__min64(CPAR__HATTN_BQ, io->sq - q0);
-                const int64_t kend = io->causal ? cpar__min64(io->sk, q0 + bq) : io->sk; /* the tile's last row sees < kend */
+                /* plain causal: the tile's last row sees keys < kend; packed blocks mask every tile */
+                const int64_t kend = io->causal && !packed ? cpar__min64(io->sk, q0 + bq) : io->sk;
                 for (int64_t i = 0; i < bq; i++) m[i] = -INFINITY, l[i] = 0.f;
                 memset(O, 0, sizeof(float) * (size_t)(bq * d));
                 for (int64_t k0 = 0; k0 < kend; k0 += CPAR__HATTN_BK) {
                     const int64_t bk = cpar__min64(CPAR__HATTN_BK, kend - k0);
                     CPAR_TRY(cpar__attn_qkt(ctx, fn, io->scale, cpar__attn_at(io->q, io->dt, qbase + q0 * d), io->dt,
                                             cpar__attn_at(io->k, io->dt, kvbase + k0 * d), io->dt, bq, bk, d, S));
-                    if (io->causal && k0 + bk - 1 > q0) cpar__attn_mask_tile(S, bq, bk, q0, k0);
+                    if (packed) cpar__attn_mask_packed(io, S, bq, bk, q0, k0);
+                    else if (io->causal && k0 + bk - 1 > q0) cpar__attn_mask_tile(S, bq, bk, q0, k0);
                     for (int64_t i = 0; i < bq; i++) {
                         float *srow = S + i * bk, mx = m[i];
                         for (int64_t j = 0; j < bk; j++) mx = srow[j] > mx ? srow[j] : mx; /* no NaN here; fmaxf is a call */
@@ -8221,7 +8325,7 @@ static cpar_status cpar__host_attn_bwd(cpar_ctx *ctx, const char *fn, const cpar
                                        float *scratch) {
     const int64_t d = io->d, group = io->hq / io->hkv;
     const float scale = io->scale;
-    const bool drop = io->dropout_p > 0.f;
+    const bool drop = io->dropout_p > 0.f, packed = cpar__attn_is_packed(io), skip = io->causal && !packed;
     float *P = scratch, *dP = P + CPAR__HATTN_BQ * CPAR__HATTN_BK, *D = dP + CPAR__HATTN_BQ * CPAR__HATTN_BK;
     float *Z = drop ? D : NULL; /* the mask tile, then D */
     if (drop) D += CPAR__HATTN_BQ * CPAR__HATTN_BK;
@@ -8241,13 +8345,14 @@ static cpar_status cpar__host_attn_bwd(cpar_ctx *ctx, const char *fn, const cpar
                 const void *Kt = cpar__attn_at(io->k, io->dt, kvbase + k0 * d), *Vt = cpar__attn_at(io->v, io->dt, kvbase + k0 * d);
                 float *dKt = dk + hk * dkv_bh + k0 * d, *dVt = dv + hk * dkv_bh + k0 * d;
                 /* causal: query rows before k0 see none of these keys */
-                for (int64_t q0 = io->causal ? k0 / CPAR__HATTN_BQ * CPAR__HATTN_BQ : 0; q0 < io->sq; q0 += CPAR__HATTN_BQ) {
+                for (int64_t q0 = skip ? k0 / CPAR__HATTN_BQ * CPAR__HATTN_BQ : 0; q0 < io->sq; q0 += CPAR__HATTN_BQ) {
                     const int64_t bq = cpar__min64(CPAR__HATTN_BQ, io->sq - q0);
-                    if (io->causal && q0 + bq - 1 < k0) continue;
+                    if (skip && q0 + bq - 1 < k0) continue;
                     const void *Qt = cpar__attn_at(io->q, io->dt, qbase + q0 * d);
                     const void *dOt = cpar__attn_at(dout, out_dt, obase + q0 * d);
                     CPAR_TRY(cpar__attn_qkt(ctx, fn, scale, Qt, io->dt, Kt, io->dt, bq, bk, d, P));
-                    if (io->causal && k0 + bk - 1 > q0) cpar__attn_mask_tile(P, bq, bk, q0, k0);
+                    if (packed) cpar__attn_mask_packed(io, P, bq, bk, q0, k0);
+                    else if (io->causal && k0 + bk - 1 > q0) cpar__attn_mask_tile(P, bq, bk, q0, k0);
                     for (int64_t i = 0; i < bq; i++) {
                         if (L[q0 + i] == -INFINITY) memset(P + i * bk, 0, sizeof(float) * (size_t)bk); /* saw no key */
                         else cpar__exp_sub_sum(P + i * bk, bk, L[q0 + i]);
@@ -8422,6 +8527,39 @@ static cpar_status cpar__attn_check_qkv(cpar_ctx *ctx, const char *fn, const cha
     io->scale = scale > 0.f ? scale : (float)(1.0 / sqrt((double)d));
     io->dropout_p = cfg->dropout_p;
     io->rng = cfg->dropout_state;
+    if (cfg->packed) {
+        cpar__packing pk;
+        CPAR_TRY(cpar__packed_check(ctx, fn, cfg->packed, 0, &pk));
+        if (b != 1)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: q has batch %lld, expected 1 with %spacked (a THD batch)", fn,
+                              (long long)b, pre);
+        if (sq != pk.total || sk != pk.total)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: q and k have lengths %lld and %lld, expected %lld (the packed length of %spacked)",
+                              fn, (long long)sq, (long long)sk, (long long)pk.total, pre);
+        io->qp = (cpar_dev_attn_pos){.cu = pk.cu, .cu_real = cfg->packed->cu_seqlens, .n_docs = pk.n_docs, .P = 1};
+        io->kp = io->qp;
+    }
+    return CPAR_OK;
+}
+
+/* Device bytes for a packed block's boundaries (cu and cu_real of n_docs
+ * documents); 0 for plain rows or host memory. */
+static size_t cpar__attn_packed_bytes(const cpar__attn_io *io, bool dev) {
+    return dev && io->qp.cu ? cpar__attn_round(2 * (size_t)(io->qp.n_docs + 1) * sizeof(int32_t)) : 0;
+}
+
+/* On devices the kernels read the packing's boundaries from device memory:
+ * copy them (host arrays) to `where` (cpar__attn_packed_bytes) and point the
+ * block's row descriptions there. */
+static cpar_status cpar__attn_packed_upload(cpar_ctx *ctx, const char *fn, cpar__attn_io *io, void *where) {
+    if (!cpar__attn_packed_bytes(io, true)) return CPAR_OK;
+    const size_t n = (size_t)(io->qp.n_docs + 1);
+    int32_t *cu = where, *real = cu + n;
+    CPAR_TRY(cpar__copy_bytes(ctx, fn, cu, ctx->device, io->qp.cu, CPAR_HOST, n * sizeof(int32_t)));
+    CPAR_TRY(cpar__copy_bytes(ctx, fn, real, ctx->device, io->qp.cu_real, CPAR_HOST, n * sizeof(int32_t)));
+    io->qp.cu = io->kp.cu = cu;
+    io->qp.cu_real = io->kp.cu_real = real;
     return CPAR_OK;
 }
 
@@ -8483,8 +8621,12 @@ static cpar_status cpar__attention_forward(cpar_ctx *ctx, const char *fn, const 
         }
         return CPAR_OK;
     }
-    void *scratch = NULL, *owned = NULL; /* the device forward needs none */
+    void *scratch = NULL, *owned = NULL; /* the device forward needs none but a packing's boundaries */
     if (!dev) CPAR_TRY(cpar__attn_scratch(ctx, fn, q->device, cpar__attn_scratch_bytes(&io, false), &scratch, &owned));
+    else if (cpar__attn_packed_bytes(&io, true)) {
+        CPAR_TRY(cpar__workspace(ctx, fn, cpar__attn_packed_bytes(&io, true), &scratch));
+        CPAR_TRY(cpar__attn_packed_upload(ctx, fn, &io, scratch));
+    }
     cpar_status st = cpar__attn_fwd(ctx, fn, dev, &io, out->data, out->dtype, io.q_bh, lse->data, io.sq, scratch);
     free(owned);
     return st;
@@ -8526,14 +8668,15 @@ static cpar_status cpar__attention_backward(cpar_ctx *ctx, const char *fn, const
      * scratch cast into them at the end. Layout: dq | dk | dv | block scratch. */
     const size_t acc_q = f32 ? 0 : cpar__attn_round((size_t)nq * sizeof(float));
     const size_t acc_kv = f32 ? 0 : cpar__attn_round((size_t)nkv * sizeof(float));
-    const size_t block = cpar__attn_scratch_bytes(&io, true);
+    const size_t block = cpar__attn_scratch_bytes(&io, true), pack = cpar__attn_packed_bytes(&io, dev);
     void *scratch, *owned;
-    CPAR_TRY(cpar__attn_scratch(ctx, fn, q->device, acc_q + 2 * acc_kv + block, &scratch, &owned));
+    CPAR_TRY(cpar__attn_scratch(ctx, fn, q->device, acc_q + 2 * acc_kv + block + pack, &scratch, &owned));
     float *gq = f32 ? dq->data : scratch;
     float *gk = f32 ? dk->data : (float *)((char *)scratch + acc_q);
     float *gv = f32 ? dv->data : (float *)((char *)scratch + acc_q + acc_kv);
     void *bscratch = (char *)scratch + acc_q + 2 * acc_kv;
     cpar_status st = CPAR_OK;
+    if (pack) CPAR_TRY_GOTO(cpar__attn_packed_upload(ctx, fn, &io, (char *)bscratch + block), st, done);
     if (dev) {
         CPAR_DEV_TRY(ctx, fn, cpar_dev_memset(gq, 0, (size_t)nq * sizeof(float), ctx->compute));
         CPAR_DEV_TRY(ctx, fn, cpar_dev_memset(gk, 0, (size_t)nkv * sizeof(float), ctx->compute));
@@ -8585,7 +8728,8 @@ cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_conf
  * (_templated_ring_attention and its backward, _SDPAMerger, the all-gather
  * and all-to-all rotaters). Each ring step is one call of section 18's block
  * functions on pointer-offset sub-ranges of the shards, with the rows'
- * global positions (dropout's mask coordinates); the fp32 merge is
+ * global positions (dropout's mask coordinates; packed batches: the packing
+ * and the rank holding the rows, each step one whole masked block); the fp32 merge is
  * cpar_dev_ring_merge (cpar_kernels.cu §17) or its host twin below. Scratch:
  * one carve of the context workspace per call (the collectives never touch
  * it, so it stays valid across them).
@@ -8600,60 +8744,8 @@ cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_conf
  * cu_seqlens_padded, or cu_seqlens without padding) and local rows
  * [cu[i]/P, cu[i+1]/P) of every shard: chunk r of its 2P, then chunk 2P-1-r
  * (each (cu[i+1]-cu[i])/2P rows). Sections 19 and 20 check a packing with
- * cpar__packed_check and move rows with cpar__cp_packed_copy (below the
+ * cpar__packed_check (section 18, which packed attention shares) and move rows with cpar__cp_packed_copy (below the
  * plain chunk copies), so sharding, attention and Mamba agree on the layout. */
-
-/* A validated cpar_packed_seqs: the boundaries the buffer is cut at. */
-typedef struct cpar__packing {
-    int n_docs;
-    const int32_t *cu; /* the padded boundaries (cu_seqlens where there is no padding) */
-    int64_t total;     /* cu[n_docs]: the packed buffer's length */
-} cpar__packing;
-
-/* Check seqs for P ranks (cpar.h §12's rules) and resolve it into *pk. Each
- * failure names the array, the index and the document. */
-static cpar_status cpar__packed_check(cpar_ctx *ctx, const char *fn, const cpar_packed_seqs *seqs, int P,
-                                      cpar__packing *pk) {
-    if (!seqs) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs is NULL (the packed sequences)", fn);
-    if (seqs->n_docs < 1)
-        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->n_docs is %d, expected >= 1", fn, seqs->n_docs);
-    const int32_t *arr[2] = {seqs->cu_seqlens, seqs->cu_seqlens_padded};
-    static const char *names[2] = {"cu_seqlens", "cu_seqlens_padded"};
-    if (!arr[0]) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->cu_seqlens is NULL", fn);
-    const int n = seqs->n_docs;
-    for (int a = 0; a < 2; a++) {
-        if (!arr[a]) continue;
-        if (arr[a][0] != 0)
-            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->%s[0] is %ld, expected 0", fn, names[a],
-                              (long)arr[a][0]);
-        for (int i = 0; i < n; i++)
-            if (arr[a][i + 1] < arr[a][i])
-                return cpar__fail(ctx, CPAR_ERR_INVALID,
-                                  "%s: seqs->%s decreases at document %d: %s[%d] = %ld < %s[%d] = %ld (expected "
-                                  "non-decreasing)", fn, names[a], i, names[a], i + 1, (long)arr[a][i + 1], names[a],
-                                  i, (long)arr[a][i]);
-    }
-    const int32_t *cu = arr[1] ? arr[1] : arr[0];
-    const char *cn = names[arr[1] ? 1 : 0];
-    const int64_t chunks = 2 * (int64_t)P;
-    for (int i = 0; i < n; i++) {
-        const int64_t len = (int64_t)cu[i + 1] - cu[i];
-        if (arr[1] && len < (int64_t)arr[0][i + 1] - arr[0][i])
-            return cpar__fail(ctx, CPAR_ERR_INVALID,
-                              "%s: document %d has padded length %lld (cu_seqlens_padded[%d] - [%d]) < its length "
-                              "%lld (cu_seqlens[%d] - [%d])", fn, i, (long long)len, i + 1, i,
-                              (long long)((int64_t)arr[0][i + 1] - arr[0][i]), i + 1, i);
-        if (len % chunks)
-            return cpar__fail(ctx, CPAR_ERR_INVALID,
-                              "%s: document %d has %slength %lld (%s[%d] - [%d]), not divisible by 2*cp = %lld (each "
-                              "document is cut into 2*cp chunks)", fn, i, arr[1] ? "padded " : "", (long long)len, cn,
-                              i + 1, i, (long long)chunks);
-    }
-    pk->n_docs = n;
-    pk->cu = cu;
-    pk->total = cu[n];
-    return CPAR_OK;
-}
 
 /* Checks of the group, the whole and the sharded tensor shared by shard and
  * unshard (packed or not); resolves seq_dim and gives the layout [outer, S,
@@ -8904,10 +8996,14 @@ typedef enum cpar__ring_kind {
     CPAR__RING_CAUSAL,   /* causal step 0: the local block, top-left causal */
     CPAR__RING_FULL,     /* every query sees every key */
     CPAR__RING_KV_HALF,  /* load balancing, i <= r: all queries, the first half of the keys */
-    CPAR__RING_Q_HALF    /* load balancing, i > r: the second half of the queries, every key */
+    CPAR__RING_Q_HALF,   /* load balancing, i > r: the second half of the queries, every key */
+    CPAR__RING_PACKED    /* packed sequences: every query against every key, masked by document
+                          * and (causal) global position: each document's chunk pairs follow the
+                          * load-balanced rule above, but they interleave along the shard */
 } cpar__ring_kind;
 
 static cpar__ring_kind cpar__ring_step_kind(const cpar_ring_attention_config *cfg, int r, int i) {
+    if (cfg->packed) return CPAR__RING_PACKED;
     if (!cfg->causal) return CPAR__RING_FULL;
     if (i == 0) return CPAR__RING_CAUSAL;
     if (!cfg->load_balance) return i <= r ? CPAR__RING_FULL : CPAR__RING_SKIP;
@@ -9095,9 +9191,9 @@ static cpar_status cpar__ring_next(cpar__ring *R, int i, const void **kp, const 
 /* The global positions of rank x's shard of n rows: chunk x of P
  * (sequential) or chunks x and 2P-1-x of 2P (load balancing, n even). */
 static cpar_dev_attn_pos cpar__ring_pos(const cpar__ring *R, int x, int64_t n) {
-    if (!R->cfg->load_balance) return (cpar_dev_attn_pos){n, x * n, 0};
+    if (!R->cfg->load_balance) return (cpar_dev_attn_pos){.split = n, .off0 = x * n};
     const int64_t c = n / 2;
-    return (cpar_dev_attn_pos){c, x * c, (2 * (int64_t)R->P - 1 - x) * c};
+    return (cpar_dev_attn_pos){.split = c, .off0 = x * c, .off1 = (2 * (int64_t)R->P - 1 - x) * c};
 }
 
 /* The block of step `kind` (KV from rank src) with KV (kp, vp): io's sub-ranges, and the row
@@ -9106,6 +9202,11 @@ static cpar__attn_io cpar__ring_block_io(const cpar__ring *R, cpar__ring_kind ki
                                          const void *vp, int64_t *q0) {
     cpar__attn_io io = R->io;
     io.k = kp, io.v = vp;
+    *q0 = 0;
+    if (kind == CPAR__RING_PACKED) { /* the sender's shard of the packing */
+        io.kp.rank = src;
+        return io;
+    }
     io.kp = cpar__ring_pos(R, src, R->io.sk); /* dropout's coordinates: the sender's rows */
     io.causal = kind == CPAR__RING_CAUSAL;
     *q0 = 0;
@@ -9202,6 +9303,25 @@ static cpar_status cpar__ring_check(cpar__ring *R, const char *fn, cpar_group *c
     io->dropout_p = cfg->dropout_p;
     io->rng = cfg->dropout_state;
     io->qp = cpar__ring_pos(R, R->r, sq);
+    if (cfg->packed) {
+        cpar__packing pk;
+        CPAR_TRY(cpar__packed_check(ctx, fn, cfg->packed, R->P, &pk));
+        if (!cfg->load_balance)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: cfg->packed needs cfg->load_balance (the THD layout: rank r holds chunks r and "
+                              "2*cp-1-r of every document)", fn);
+        if (b != 1)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: q has batch %lld, expected 1 with cfg->packed (a THD batch)",
+                              fn, (long long)b);
+        if (sq * R->P != pk.total || sk != sq)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: q and k have s_local %lld and %lld, expected %lld (the packed length %lld / cp = %d)",
+                              fn, (long long)sq, (long long)sk, (long long)(pk.total / R->P), (long long)pk.total,
+                              R->P);
+        io->qp = (cpar_dev_attn_pos){.cu = pk.cu, .cu_real = cfg->packed->cu_seqlens, .n_docs = pk.n_docs,
+                                     .P = R->P, .rank = R->r};
+        io->kp = io->qp;
+    }
     return CPAR_OK;
 }
 
@@ -9305,11 +9425,13 @@ cpar_status cpar_ring_attention_forward(cpar_group *cp, const cpar_ring_attentio
     const int s_bo = cpar__ring_slot(&R, merge ? (size_t)nq * sizeof(float) : 0);
     const int s_bl = cpar__ring_slot(&R, merge ? (size_t)rows * sizeof(float) : 0);
     const int s_scr = cpar__ring_slot(&R, cpar__attn_scratch_bytes(&R.io, false));
+    const int s_pk = cpar__ring_slot(&R, cpar__attn_packed_bytes(&R.io, R.dev));
     CPAR_TRY(cpar__ring_carve(&R));
     cpar__ring_rot_bind(&R, ra, rb);
     float *acc = f32 ? out->data : R.ptr[s_acc];
 
-    cpar_status st = cpar__ring_events(&R);
+    cpar_status st = R.ptr[s_pk] ? cpar__attn_packed_upload(ctx, fn, &R.io, R.ptr[s_pk]) : CPAR_OK;
+    if (st == CPAR_OK) st = cpar__ring_events(&R);
     if (st == CPAR_OK) st = cpar__ring_start(&R);
     if (st == CPAR_OK) st = cpar__ring_forward_steps(&R, acc, lse->data, R.ptr[s_bo], R.ptr[s_bl], R.ptr[s_scr]);
     if (st == CPAR_OK && !f32) st = cpar__ring_cast(&R, out->data, out->dtype, acc, nq);
@@ -9403,11 +9525,13 @@ cpar_status cpar_ring_attention_backward(cpar_group *cp, const cpar_ring_attenti
     const int s_a1 = cpar__ring_slot(&R, ring ? acc_bytes : 0);
     const int s_tmp = cpar__ring_slot(&R, ring ? acc_bytes : 0);
     const int s_scr = cpar__ring_slot(&R, cpar__attn_scratch_bytes(&R.io, true));
+    const int s_pk = cpar__ring_slot(&R, cpar__attn_packed_bytes(&R.io, R.dev));
     CPAR_TRY(cpar__ring_carve(&R));
     cpar__ring_rot_bind(&R, ra, rb);
     float *gq = f32 ? dq->data : R.ptr[s_gq], *acc[2] = {R.ptr[s_a0], R.ptr[s_a1]}, *fin = NULL;
 
-    cpar_status st = cpar__ring_events(&R);
+    cpar_status st = R.ptr[s_pk] ? cpar__attn_packed_upload(R.ctx, fn, &R.io, R.ptr[s_pk]) : CPAR_OK;
+    if (st == CPAR_OK) st = cpar__ring_events(&R);
     if (st == CPAR_OK) st = cpar__ring_zero(&R, gq, (size_t)nq * sizeof(float));
     if (st == CPAR_OK) st = cpar__ring_zero(&R, acc[0], acc_bytes);
     if (st == CPAR_OK) st = cpar__ring_start(&R);

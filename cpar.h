@@ -1216,17 +1216,23 @@ cpar_status cpar_attention_backward(cpar_ctx *ctx, const cpar_tensor *q, const c
  * zeros); p = 0 is exactly the attention without dropout. Positions must be
  * below 2^32. */
 
+typedef struct cpar_packed_seqs cpar_packed_seqs; /* a THD batch: "packed sequences" below */
+
 typedef struct cpar_attention_config {
     bool causal;                 /* top-left: query i sees keys j <= i */
     float scale;                 /* 0: 1/sqrt(d); else finite and > 0 */
     float dropout_p;             /* 0: no dropout; else in (0, 1) */
     cpar_rng_state dropout_state; /* the Philox (seed, offset) of the mask (see above) */
+    const cpar_packed_seqs *packed; /* NULL, or a THD batch (below): b = 1, sq = sk = its packed length */
 } cpar_attention_config;
 
 /* cpar_attention_forward / _backward with a configuration (NULL cfg is an
  * error; a zeroed one is non-causal attention at 1/sqrt(d) without dropout):
  * the same tensors, checks and memory rules. The positions of the dropout
- * mask are qpos = i, kpos = j. cpar_attention_forward(..., causal, scale, ...)
+ * mask are qpos = i, kpos = j. With cfg->packed (a THD batch, see "packed
+ * sequences" below; documents of any lengths here) query i sees key j only
+ * when both lie in the same document's real rows, and causal means j <= i
+ * within it; padding rows get out 0, lse -inf and zero gradients. cpar_attention_forward(..., causal, scale, ...)
  * is cpar_attention_forward_cfg with { causal, scale } and no dropout. */
 cpar_status cpar_attention_forward_cfg(cpar_ctx *ctx, const cpar_attention_config *cfg, const cpar_tensor *q,
                                        const cpar_tensor *k, const cpar_tensor *v, cpar_tensor *out,
@@ -1253,6 +1259,10 @@ cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_conf
  *     whole received KV, merged into those rows only.
  * Non-causal attention uses every block in full, with either sharding (the
  * seed refuses that combination with load balancing; nothing requires it).
+ * Packed sequences (cfg->packed, load balancing, b = 1): every step is the
+ * whole block masked by document and global position (a document's chunk
+ * pairs follow the load-balanced rule above, interleaved along the shard);
+ * the communication is the plain ring's.
  * Block results are merged in fp32 as _SDPAMerger does:
  *   out <- out - sigmoid(lse_b - lse) (out - out_b),  lse <- lse - logsigmoid(lse - lse_b)
  * (a row no block reaches keeps lse = -inf and out = 0). */
@@ -1270,6 +1280,8 @@ typedef struct cpar_ring_attention_config {
     float scale;               /* 0: 1/sqrt(d); else finite and > 0 */
     float dropout_p;           /* 0: none; else in (0, 1), the mask of the whole sequence's */
     cpar_rng_state dropout_state; /* attention (see "attention dropout"; S_k = cp · s_local_kv) */
+    const cpar_packed_seqs *packed; /* NULL, or a THD batch (below) in its CP layout: needs
+                                     * load_balance, b = 1, s_local = s_local_kv = packed length / cp */
 } cpar_ring_attention_config;
 
 /* q [b, hq, s_local, d], k, v [b, hkv, s_local_kv, d] this rank's shard of
@@ -1324,12 +1336,12 @@ cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_di
  * The local packed length is the total padded length / P. The arrays are
  * host memory, the same on every rank, and describe the global (unsharded)
  * packing. */
-typedef struct cpar_packed_seqs {
+struct cpar_packed_seqs {
     int n_docs;                        /* >= 1 */
     const int32_t *cu_seqlens;         /* [n_docs + 1], cu_seqlens[0] = 0, non-decreasing */
     const int32_t *cu_seqlens_padded;  /* [n_docs + 1] or NULL (no padding: the same as cu_seqlens);
                                         * each padded length >= the real one */
-} cpar_packed_seqs;
+};
 
 /* cpar_cp_shard / cpar_cp_unshard for a packed buffer: full holds the whole
  * packing along dim seq_dim (negative counts from the end), so its length
@@ -1878,12 +1890,22 @@ cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void 
  * pointer offset with the parent's strides. Element (batch bi, head hi, row i,
  * col c) of q is at (bi*hq + hi)*q_bh + i*d + c; of k and v at
  * (bi*hkv + hi/(hq/hkv))*kv_bh + j*d + c; of lse at (bi*hq + hi)*lse_bh + i. */
-/* The global sequence positions of a block's rows (queries or keys): rows
- * [0, split) are at off0, off0 + 1, ..., rows [split, n) at off1, off1 + 1, ...
- * — two segments, as a load-balanced CP shard holds two chunks; a sub-range
- * of the rows is cpar.c's cpar__attn_pos_sub. Zeroed: position = row index. */
+/* The global sequence positions of a block's rows (queries or keys).
+ * Plain (cu NULL): rows [0, split) are at off0, off0 + 1, ..., rows
+ * [split, n) at off1, off1 + 1, ... — two segments, as a load-balanced CP
+ * shard holds two chunks; a sub-range of the rows is cpar.c's
+ * cpar__attn_pos_sub. Zeroed: position = row index.
+ * Packed (cu set, cpar.h §12 "packed sequences"): the rows are rank `rank`'s
+ * shard of the packing cu (the padded boundaries, n_docs + 1 of them, device
+ * memory on devices) among P ranks (P = 1: the whole packed buffer), cu_real
+ * the real boundaries (cu itself without padding). Each row has a global
+ * position and a document (padding rows none). When both q and k rows are
+ * packed, query i sees key j only in the same document, and causal compares
+ * their global positions (the ring's blocks pair any two shards). */
 typedef struct cpar_dev_attn_pos {
     int64_t split, off0, off1;
+    const int32_t *cu, *cu_real;
+    int n_docs, P, rank;
 } cpar_dev_attn_pos;
 
 typedef struct cpar_dev_attn {

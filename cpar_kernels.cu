@@ -1933,6 +1933,10 @@ static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint3
  * Tensor cores only through section 15's wrappers, so the sim runs the very
  * fragment code an H100 runs. Reads b·hq·(sq·d + KV tiles · 2·64·d)
  * elements, writes b·hq·sq·(d + 1).
+ * Packed blocks (a.qp.cu and a.kp.cu set): every KV tile is visited and
+ * masked per weight by document and global position (cpar__attn_packed_sees;
+ * the backward kernels likewise), since a ring block's visible pairs
+ * interleave along the shard.
  * Dropout (a.dropout_p > 0): after the online softmax has summed a tile's
  * weights into l, each dropped weight is zeroed before P V (the mask is one
  * Philox block per weight at its global positions, cpar__attn_keep below:
@@ -2009,8 +2013,46 @@ static __device__ __forceinline__ void cpar__attn_stage(T *tile, const T *src, i
  * of offset rng.offset + kpos / 4 in subsequence (bh + 1)·2^32 + qpos, as a
  * uniform (section 12's u01) compared with p. Integer work and one exact
  * multiply, so every build draws the same mask. */
+/* Row i's global position, and its document in *doc (packed: -1 for
+ * padding; plain: 0); twin of cpar.c §18's cpar__attn_row. */
+static __device__ __forceinline__ int64_t cpar__attn_row(const cpar_dev_attn_pos &p, int64_t i, int *doc) {
+    if (p.cu == NULL) {
+        *doc = 0;
+        return i < p.split ? p.off0 + i : p.off1 + (i - p.split);
+    }
+    const int64_t P = p.P;
+    if (i >= p.cu[p.n_docs] / P) { /* past the shard (a partial tile's row): nobody's */
+        *doc = -1;
+        return i;
+    }
+    int lo = 0, hi = p.n_docs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (p.cu[mid] / P <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    int64_t g = i;
+    if (P > 1) {
+        const int64_t c = ((int64_t)p.cu[lo + 1] - p.cu[lo]) / (2 * P), o = i - p.cu[lo] / P;
+        g = p.cu[lo] + (o < c ? p.rank : 2 * P - 1 - p.rank) * c + o % c;
+    }
+    *doc = g - p.cu[lo] < (int64_t)p.cu_real[lo + 1] - p.cu_real[lo] ? lo : -1;
+    return g;
+}
+
 static __device__ __forceinline__ int64_t cpar__attn_pos(const cpar_dev_attn_pos &p, int64_t i) {
-    return i < p.split ? p.off0 + i : p.off1 + (i - p.split);
+    int doc;
+    return cpar__attn_row(p, i, &doc);
+}
+
+/* Whether query i sees key j of a packed block (both row sets packed): the
+ * same document's real rows and, causal, the key's global position not
+ * after the query's. Plain blocks use the top-left index rule instead. */
+static __device__ __forceinline__ bool cpar__attn_packed_sees(const cpar_dev_attn_pos &qp, const cpar_dev_attn_pos &kp,
+                                                              bool causal, int64_t i, int64_t j) {
+    int dq, dk;
+    const int64_t qpos = cpar__attn_row(qp, i, &dq), kpos = cpar__attn_row(kp, j, &dk);
+    return dq >= 0 && dq == dk && (!causal || kpos <= qpos);
 }
 
 static __device__ __forceinline__ bool cpar__attn_keep(const cpar_rng_state &rng, float p, uint64_t bh, uint64_t qpos,
@@ -2060,7 +2102,8 @@ CPAR__UNROLL
 
     /* Pipeline (FA2's): K(j) and V(j) are separate copy groups; V(j) lands
      * while S(j) is computed, K(j+1) while O += P(j) V(j) is. */
-    const int64_t kv_end = a.causal ? (a.sk < q0 + CPAR__ATTN_BM ? a.sk : q0 + CPAR__ATTN_BM) : a.sk;
+    const bool packed = a.qp.cu != NULL && a.kp.cu != NULL; /* masks every tile, skips none */
+    const int64_t kv_end = a.causal && !packed ? (a.sk < q0 + CPAR__ATTN_BM ? a.sk : q0 + CPAR__ATTN_BM) : a.sk;
     __syncthreads(); /* every warp has its Q fragments: sk is free for K */
     if (kv_end > 0) cpar__attn_stage<T, DT, LD>(sk, k, 0, a.sk, d, vec);
     for (int64_t j0 = 0; j0 < kv_end; j0 += CPAR__ATTN_BN) {
@@ -2084,14 +2127,16 @@ CPAR__UNROLL
             }
         }
 
-        /* mask keys past sk and, causal, keys after the row */
-        if (j0 + CPAR__ATTN_BN > a.sk || (a.causal && j0 + CPAR__ATTN_BN - 1 > q0)) {
+        /* mask keys past sk and, causal, keys after the row (packed: other documents too) */
+        if (j0 + CPAR__ATTN_BN > a.sk || (a.causal && j0 + CPAR__ATTN_BN - 1 > q0) || packed) {
 CPAR__UNROLL
             for (int nb = 0; nb < NB; nb++)
 CPAR__UNROLL
                 for (int r = 0; r < 4; r++) {
                     const int64_t j = j0 + nb * 8 + 2 * t + (r & 1);
-                    if (j >= a.sk || (a.causal && j > row[r >> 1])) s[nb][r] = -INFINITY;
+                    const bool hidden = packed ? !cpar__attn_packed_sees(a.qp, a.kp, a.causal, row[r >> 1], j)
+                                               : a.causal && j > row[r >> 1];
+                    if (j >= a.sk || hidden) s[nb][r] = -INFINITY;
                 }
         }
 
@@ -2463,7 +2508,8 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
     float *sL = reinterpret_cast<float *>(sdO + BR * LD), *sD = sL + BR;
     const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2, t = lane & 3;
     const int64_t j0 = (int64_t)blockIdx.x * BC, group = p.hq / p.hkv;
-    const int64_t i_first = p.causal ? j0 / BR * BR : 0; /* earlier query tiles see none of these keys */
+    const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed;
+    const int64_t i_first = skip ? j0 / BR * BR : 0; /* earlier query tiles see none of these keys */
     if (i_first >= p.sq) return;                         /* block-uniform: no query sees them at all */
     for (int64_t bh = blockIdx.y; bh < p.b * p.hkv; bh += gridDim.y) {
         const int64_t bi = bh / p.hkv, hk = bh % p.hkv;
@@ -2493,7 +2539,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
                 }
                 __syncthreads();
                 /* this warp's keys are past sk, or (causal) after every query of the tile */
-                if (j0 + m0 >= p.sk || (p.causal && j0 + m0 > i0 + BR - 1)) continue;
+                if (j0 + m0 >= p.sk || (skip && j0 + m0 > i0 + BR - 1)) continue;
                 float s[NQ][4], dp[NQ][4]; /* Sᵀ then Pᵀ; dPᵀ then dSᵀ: [key][query] */
                 cpar__ab_mma_abt<T, NQ, D, LD>(s, sK, m0, sQ, p.d);
                 CPAR__UNROLL
@@ -2503,7 +2549,9 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
                         const int r = nb * 8 + 2 * t + (e & 1);
                         const int64_t j = j0 + m0 + g + 8 * (e >> 1), i = i0 + r;
                         const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -sL[r]));
-                        s[nb][e] = (j >= p.sk || (p.causal && j > i)) ? 0.f : x;
+                        const bool hidden = packed ? i >= p.sq || !cpar__attn_packed_sees(p.qp, p.kp, p.causal, i, j)
+                                                   : p.causal && j > i;
+                        s[nb][e] = (j >= p.sk || hidden) ? 0.f : x;
                     }
                 cpar__ab_mma_abt<T, NQ, D, LD>(dp, sV, m0, sdO, p.d);
                 if (p.dropout_p > 0.f) {
@@ -2556,7 +2604,8 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
      * long CTAs start early and the short ones fill the tail */
     const int64_t i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * BR, group = p.hq / p.hkv;
     /* causal: keys past the tile's last query are seen by none of its rows */
-    const int64_t j_end = p.causal && i0 + BR < p.sk ? i0 + BR : p.sk;
+    const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed;
+    const int64_t j_end = skip && i0 + BR < p.sk ? i0 + BR : p.sk;
     const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
     for (int64_t bh = blockIdx.y; bh < p.b * p.hq; bh += gridDim.y) {
         const int64_t kvbh = (bh / p.hq) * p.hkv + (bh % p.hq) / group;
@@ -2585,7 +2634,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
                                          p.sk - j0, p.d);
             __syncthreads();
             /* this warp's queries are past sq, or (causal) before every key of the tile */
-            if (i0 + m0 >= p.sq || (p.causal && j0 > i0 + m0 + 15)) continue;
+            if (i0 + m0 >= p.sq || (skip && j0 > i0 + m0 + 15)) continue;
             float s[NK][4], dp[NK][4]; /* S then P; dP then dS: [query][key] */
             cpar__ab_mma_abt<T, NK, D, LD>(s, sQ, m0, sK, p.d);
             CPAR__UNROLL
@@ -2594,7 +2643,9 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
                 for (int e = 0; e < 4; e++) {
                     const int64_t i = i0 + m0 + g + 8 * (e >> 1), j = j0 + nb * 8 + 2 * t + (e & 1);
                     const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
-                    s[nb][e] = (j >= p.sk || (p.causal && j > i)) ? 0.f : x;
+                    const bool hidden = packed ? i >= p.sq || !cpar__attn_packed_sees(p.qp, p.kp, p.causal, i, j)
+                                               : p.causal && j > i;
+                    s[nb][e] = (j >= p.sk || hidden) ? 0.f : x;
                 }
             cpar__ab_mma_abt<T, NK, D, LD>(dp, sdO, m0, sV, p.d);
             if (p.dropout_p > 0.f) {

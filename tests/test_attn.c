@@ -60,6 +60,7 @@ typedef struct {
     uint64_t seed;
     float p;              /* dropout: 0 = none (the bool/float functions), else the _cfg ones */
     cpar_rng_state rng;   /* dropout's Philox state */
+    const cpar_packed_seqs *packed; /* a THD batch (b = 1): the _cfg functions, per-document masks */
     /* inputs as dt holds them, and the fp64 reference */
     double *q, *k, *v, *dout;
     double *out, *lse, *dq, *dk, *dv;
@@ -92,35 +93,44 @@ static void reference(attn_case *c) {
             for (int64_t i = 0; i < s->sq; i++) {
                 const double *qi = c->q + (bh * s->sq + i) * d, *doi = c->dout + (bh * s->sq + i) * d;
                 double *oi = c->out + (bh * s->sq + i) * d, *dqi = c->dq + (bh * s->sq + i) * d;
-                const int64_t n = s->causal ? (i + 1 < s->sk ? i + 1 : s->sk) : s->sk;
-                if (n == 0) {
+                /* the keys row i sees: a prefix (top-left causal) or, packed, its document's real rows */
+                int64_t j_lo = 0, n = s->causal ? (i + 1 < s->sk ? i + 1 : s->sk) : s->sk;
+                if (c->packed) {
+                    const int32_t *cu = c->packed->cu_seqlens_padded ? c->packed->cu_seqlens_padded : c->packed->cu_seqlens;
+                    int doc = 0;
+                    while (i >= cu[doc + 1]) doc++;
+                    const int64_t real = c->packed->cu_seqlens[doc + 1] - c->packed->cu_seqlens[doc];
+                    j_lo = cu[doc];
+                    n = i - j_lo >= real ? j_lo : s->causal ? i + 1 : j_lo + real; /* padding rows see nothing */
+                }
+                if (n <= j_lo) {
                     c->lse[bh * s->sq + i] = -INFINITY;
                     continue;
                 }
                 double m = -INFINITY, sum = 0.0;
-                for (int64_t j = 0; j < n; j++) {
+                for (int64_t j = j_lo; j < n; j++) {
                     const double *kj = c->k + (kh * s->sk + j) * d;
                     double acc = 0.0;
                     for (int64_t x = 0; x < d; x++) acc += qi[x] * kj[x];
                     p[j] = scale * acc;
                     m = fmax(m, p[j]);
                 }
-                for (int64_t j = 0; j < n; j++) sum += (p[j] = exp(p[j] - m));
-                for (int64_t j = 0; j < n; j++) p[j] /= sum;
+                for (int64_t j = j_lo; j < n; j++) sum += (p[j] = exp(p[j] - m));
+                for (int64_t j = j_lo; j < n; j++) p[j] /= sum;
                 c->lse[bh * s->sq + i] = m + log(sum);
-                for (int64_t j = 0; j < n; j++)
+                for (int64_t j = j_lo; j < n; j++)
                     z[j] = c->p == 0.f ? 1.0
                            : tu_attn_keep(c->rng, c->p, (uint64_t)bh, (uint64_t)i, (uint64_t)j) ? 1.0 / (1.0 - c->p)
                                                                                                  : 0.0;
                 double D = 0.0;
-                for (int64_t j = 0; j < n; j++) {
+                for (int64_t j = j_lo; j < n; j++) {
                     const double *vj = c->v + (kh * s->sk + j) * d;
                     double acc = 0.0;
                     for (int64_t x = 0; x < d; x++) oi[x] += p[j] * z[j] * vj[x], acc += doi[x] * vj[x];
                     dp[j] = acc * z[j];
                     D += p[j] * dp[j];
                 }
-                for (int64_t j = 0; j < n; j++) {
+                for (int64_t j = j_lo; j < n; j++) {
                     const double ds = p[j] * (dp[j] - D);
                     const double *kj = c->k + (kh * s->sk + j) * d;
                     double *dkj = c->dk + (kh * s->sk + j) * d, *dvj = c->dv + (kh * s->sk + j) * d;
@@ -226,18 +236,20 @@ static cpar_status rank_case(cpar_ctx *ctx, void *arg) {
     cpar_tensor v = put(ctx, c->host, c->v, dt, 4, ks);
     cpar_tensor out = put(ctx, c->host, NULL, dt, 4, qs), lse = put(ctx, c->host, NULL, CPAR_F32, 3, qs);
     const cpar_attention_config cfg = {.causal = s->causal, .scale = c->scale, .dropout_p = c->p,
-                                       .dropout_state = c->rng};
-    if (c->p > 0.f) TU_OK(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &v, &out, &lse));
+                                       .dropout_state = c->rng, .packed = c->packed};
+    const bool with_cfg = c->p > 0.f || c->packed;
+    if (with_cfg) TU_OK(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &v, &out, &lse));
     else TU_OK(cpar_attention_forward(ctx, &q, &k, &v, s->causal, c->scale, &out, &lse));
     void *ho = fetch(ctx, &out), *hl = fetch(ctx, &lse);
     expect_close(c, "out", ho, dt, c->out, nq_of(s), out_tol(dt));
     expect_close(c, "lse", hl, CPAR_F32, c->lse, s->b * s->hq * s->sq, lse_tol(dt) * 10.0);
     /* lse: also relative to each row's own magnitude */
     for (int64_t i = 0; i < s->b * s->hq * s->sq; i++)
-        ck_assert_msg(fabs(((float *)hl)[i] - c->lse[i]) <= lse_tol(dt) * (1.0 + fabs(c->lse[i])),
+        ck_assert_msg(isinf(c->lse[i]) ? ((float *)hl)[i] == c->lse[i]
+                                       : fabs(((float *)hl)[i] - c->lse[i]) <= lse_tol(dt) * (1.0 + fabs(c->lse[i])),
                       "lse row %lld: got %.8g, expected %.8g (%s)", (long long)i, ((float *)hl)[i], c->lse[i],
                       cpar_dtype_name(dt));
-    if (s->causal && s->sq > 0 && s->sk > 0 && c->p == 0.f) { /* row 0 sees exactly key 0: out = v_0, lse = scale q_0·k_0 */
+    if (s->causal && s->sq > 0 && s->sk > 0 && c->p == 0.f && !c->packed) { /* row 0 sees exactly key 0: out = v_0, lse = scale q_0·k_0 */
         const int64_t g = s->hq / s->hkv;
         for (int64_t h = 0; h < s->hq; h++) {
             const double *q0 = c->q + h * s->sq * s->d, *k0 = c->k + (h / g) * s->sk * s->d;
@@ -252,10 +264,24 @@ static cpar_status rank_case(cpar_ctx *ctx, void *arg) {
     if (c->backward) {
         cpar_tensor dout = put(ctx, c->host, c->dout, dt, 4, qs), dq = put(ctx, c->host, NULL, dt, 4, qs);
         cpar_tensor dk = put(ctx, c->host, NULL, dt, 4, ks), dv = put(ctx, c->host, NULL, dt, 4, ks);
-        if (c->p > 0.f) TU_OK(cpar_attention_backward_cfg(ctx, &cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv));
+        if (with_cfg) TU_OK(cpar_attention_backward_cfg(ctx, &cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv));
         else TU_OK(cpar_attention_backward(ctx, &q, &k, &v, &out, &dout, &lse, s->causal, c->scale, &dq, &dk, &dv));
         void *hdq = fetch(ctx, &dq), *hdk = fetch(ctx, &dk), *hdv = fetch(ctx, &dv);
         expect_close(c, "dq", hdq, dt, c->dq, nq_of(s), grad_tol(dt));
+        if (c->packed) /* padding: rows with no key keep dq 0, keys nobody sees get dk = dv = 0, exactly */
+            for (int64_t h = 0; h < s->hq; h++)
+                for (int64_t i = 0; i < s->sq; i++)
+                    for (int64_t x = 0; x < s->d; x++) {
+                        const int64_t e = (h * s->sq + i) * s->d + x, ek = ((h / (s->hq / s->hkv)) * s->sk + i) * s->d + x;
+                        if (isinf(c->lse[h * s->sq + i])) {
+                            ck_assert_msg(tu_get(ho, dt, e) == 0.0 && tu_get(hdq, dt, e) == 0.0,
+                                          "padding row %lld: out %g, dq %g, expected 0", (long long)i,
+                                          tu_get(ho, dt, e), tu_get(hdq, dt, e));
+                            ck_assert_msg(tu_get(hdk, dt, ek) == 0.0 && tu_get(hdv, dt, ek) == 0.0,
+                                          "padding key %lld: dk %g, dv %g, expected 0", (long long)i,
+                                          tu_get(hdk, dt, ek), tu_get(hdv, dt, ek));
+                        }
+                    }
         expect_close(c, "dk", hdk, dt, c->dk, nkv_of(s), grad_tol(dt));
         expect_close(c, "dv", hdv, dt, c->dv, nkv_of(s), grad_tol(dt));
         free(hdq), free(hdk), free(hdv);
@@ -517,6 +543,86 @@ static cpar_status rank_reserve(cpar_ctx *ctx, void *arg) {
 }
 
 START_TEST(test_attn_rng_reserve) { TU_OK(tu_spawn(1, rank_reserve, NULL)); }
+END_TEST
+
+/* ---- packed sequences (THD) -------------------------------------------------------------
+ * One packed batch (b = 1) against the per-document fp64 reference: every
+ * document attends only to itself (causal within it), padding rows get out
+ * 0, lse -inf and zero gradients. Documents of any lengths (1, odd, an empty
+ * one), with and without padding, a single long document; host F32 and the
+ * backend's 16-bit dtypes; one case with dropout. */
+static const int32_t pk_cu[6] = {0, 5, 22, 23, 56, 64}, pk_real[6] = {0, 3, 15, 15, 45, 52};
+static const int32_t pk_one[2] = {0, 70};
+static const cpar_packed_seqs packings[3] = {
+    {.n_docs = 5, .cu_seqlens = pk_cu},                               /* uneven, no padding */
+    {.n_docs = 5, .cu_seqlens = pk_real, .cu_seqlens_padded = pk_cu}, /* padded; document 2 empty */
+    {.n_docs = 1, .cu_seqlens = pk_one},                              /* one long document */
+};
+
+static void run_packed(const cpar_packed_seqs *pk, bool causal, cpar_dtype dt, bool host, int64_t d, float p,
+                       uint64_t seed) {
+    const int32_t *cu = pk->cu_seqlens_padded ? pk->cu_seqlens_padded : pk->cu_seqlens;
+    const attn_shape s = {1, 2, 1, cu[pk->n_docs], cu[pk->n_docs], d, causal};
+    attn_case c;
+    memset(&c, 0, sizeof c);
+    c.packed = pk; /* before the reference */
+    c.s = s, c.dt = dt, c.host = host, c.backward = true, c.seed = seed, c.p = p, c.rng = (cpar_rng_state){seed, 9};
+    const int64_t nq = nq_of(&s), nkv = nkv_of(&s);
+    c.q = dalloc(nq), c.k = dalloc(nkv), c.v = dalloc(nkv), c.dout = dalloc(nq);
+    c.out = dalloc(nq), c.lse = dalloc(s.sq * s.hq), c.dq = dalloc(nq), c.dk = dalloc(nkv), c.dv = dalloc(nkv);
+    uint64_t st = seed * 0x9e3779b97f4a7c15ull + 5;
+    fill(c.q, nq, dt, &st), fill(c.k, nkv, dt, &st), fill(c.v, nkv, dt, &st), fill(c.dout, nq, dt, &st);
+    reference(&c);
+    TU_OK(tu_spawn(1, rank_case, &c));
+    case_free(&c);
+}
+
+/* _i = packing * 2 + causal */
+START_TEST(test_attn_packed) {
+    const cpar_packed_seqs *pk = &packings[_i / 2];
+    const bool causal = _i % 2;
+    schedule(_i % 3);
+    run_packed(pk, causal, CPAR_F32, true, 16, 0.f, 1100 + (uint64_t)_i);
+    run_packed(pk, causal, dtypes16[_i % 2], false, 64, 0.f, 1120 + (uint64_t)_i);
+    if (_i == 3) run_packed(pk, causal, CPAR_BF16, false, 40, 0.35f, 1140); /* dropout + padding */
+    if (_i == 2) run_packed(pk, causal, CPAR_F32, true, 8, 0.5f, 1141);
+}
+END_TEST
+
+static cpar_status rank_packed_bad(cpar_ctx *ctx, void *arg) {
+    (void)arg;
+    const cpar_dtype dt = cpar_device(ctx) != CPAR_HOST ? CPAR_BF16 : CPAR_F32;
+    const int64_t qs[4] = {1, 2, 64, 16}, ks[4] = {1, 1, 64, 16}, q2[4] = {2, 2, 64, 16}, k2[4] = {2, 1, 64, 16};
+    const int64_t q63[4] = {1, 2, 63, 16}, k63[4] = {1, 1, 63, 16};
+    cpar_tensor q = put(ctx, false, NULL, dt, 4, qs), k = put(ctx, false, NULL, dt, 4, ks), out = put(ctx, false, NULL, dt, 4, qs);
+    cpar_tensor lse = put(ctx, false, NULL, CPAR_F32, 3, qs);
+    cpar_tensor qb = put(ctx, false, NULL, dt, 4, q2), kb = put(ctx, false, NULL, dt, 4, k2), ob = put(ctx, false, NULL, dt, 4, q2);
+    cpar_tensor lb = put(ctx, false, NULL, CPAR_F32, 3, q2);
+    cpar_tensor qs63 = put(ctx, false, NULL, dt, 4, q63), ks63 = put(ctx, false, NULL, dt, 4, k63);
+    cpar_tensor os63 = put(ctx, false, NULL, dt, 4, q63), ls63 = put(ctx, false, NULL, CPAR_F32, 3, q63);
+    cpar_attention_config cfg = {.causal = true, .packed = &packings[0]};
+    static const char F[] = "cpar_attention_forward_cfg";
+    TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &qb, &kb, &kb, &ob, &lb), CPAR_ERR_INVALID,
+             "q has batch 2, expected 1 with cfg->packed");
+    TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &qs63, &ks63, &ks63, &os63, &ls63), CPAR_ERR_INVALID,
+             "q and k have lengths 63 and 63, expected 64 (the packed length");
+    const int32_t bad0[3] = {1, 5, 64}, dec[3] = {0, 40, 30}, real_long[3] = {0, 10, 70}, cu2[3] = {0, 32, 64};
+    cpar_packed_seqs bad = {.n_docs = 2, .cu_seqlens = bad0};
+    cfg.packed = &bad;
+    TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &k, &out, &lse), CPAR_ERR_INVALID, "seqs->cu_seqlens[0] is 1");
+    bad.cu_seqlens = dec;
+    TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &k, &out, &lse), CPAR_ERR_INVALID, "decreases at document 1");
+    bad.cu_seqlens = real_long, bad.cu_seqlens_padded = cu2;
+    TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &k, &out, &lse), CPAR_ERR_INVALID,
+             "document 1 has padded length 32");
+    bad.n_docs = 0;
+    TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &k, &out, &lse), CPAR_ERR_INVALID, F);
+    cpar_tensor *all[] = {&q, &k, &out, &lse, &qb, &kb, &ob, &lb, &qs63, &ks63, &os63, &ls63};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) drop(ctx, all[i]);
+    return CPAR_OK;
+}
+
+START_TEST(test_attn_packed_bad_args) { TU_OK(tu_spawn(1, rank_packed_bad, NULL)); }
 END_TEST
 
 /* ---- no keys, empty batches ------------------------------------------------------------ */
@@ -938,6 +1044,8 @@ static Suite *suite(void) {
         {"attn_dropout_stats", test_attn_dropout_stats, 1},
         {"attn_dropout_p0", test_attn_dropout_p0, 1},
         {"attn_rng_reserve", test_attn_rng_reserve, 1},
+        {"attn_packed", test_attn_packed, 6},
+        {"attn_packed_bad_args", test_attn_packed_bad_args, 1},
         {"attn_bad_args", test_attn_bad_args, 1},
     };
     tu_add_loops(s, loops, sizeof loops / sizeof loops[0], 120);

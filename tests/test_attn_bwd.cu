@@ -235,7 +235,8 @@ static void run_case(const Case &c, unsigned seed) {
     for (int blk = 0; blk < nblk; blk++) {
         const int64_t j0 = blk == 0 ? 0 : c.split, j1 = nblk == 1 || blk == 1 ? sk : c.split;
         a.sk = j1 - j0;
-        a.kp = {0, 0, j0}; /* the block's keys are keys j0.. of the whole attention */
+        a.kp = cpar_dev_attn_pos{}; /* the block's keys are keys j0.. of the whole attention */
+        a.kp.off1 = j0;
         a.k = static_cast<const char *>(k) + ki(0, 0, j0, 0) * cpar__dtype_size(c.dt);
         a.v = static_cast<const char *>(v) + ki(0, 0, j0, 0) * cpar__dtype_size(c.dt);
         const size_t scratch_bytes = cpar_dev_attention_bwd_scratch_bytes(&a);
@@ -372,7 +373,7 @@ START_TEST(deterministic) {
         cudasim_set_schedule(schedules[sched], 99);
         unsigned seed = 5;
         cpar_dev_attn a = {c.dt, c.b, c.hq, c.hkv, c.sq, c.sk, c.d, NULL, NULL, NULL, c.sq * c.d, c.sk * c.d,
-                           c.causal, 0.125f, c.p, {7, 0}, {0, 0, 0}, {0, 0, 0}}; /* with dropout */
+                           c.causal, 0.125f, c.p, {7, 0}, {}, {}}; /* with dropout */
         const size_t nq = c.b * c.hq * c.sq * c.d, nk = c.b * c.hkv * c.sk * c.d, nl = c.b * c.hq * c.sq;
         void *q = dalloc(nq, c.dt), *k = dalloc(nk, c.dt), *v = dalloc(nk, c.dt), *out = dalloc(nq, c.out_dt),
              *dout = dalloc(nq, c.out_dt);
@@ -418,7 +419,7 @@ START_TEST(bad_args) {
     __half *o = (__half *)dalloc(2 * sq * d, F16);
     float *lse = (float *)dalloc(2 * sq, F32), *g = (float *)dalloc(2 * sq * d + 4 * sk * d, F32);
     void *scratch = dalloc(2 * sq, F32);
-    const cpar_dev_attn good = {F16, 1, 2, 1, sq, sk, d, q, kv, kv, sq * d, sk * d, false, 0.25f, 0.f, {0, 0}, {0, 0, 0}, {0, 0, 0}};
+    const cpar_dev_attn good = {F16, 1, 2, 1, sq, sk, d, q, kv, kv, sq * d, sk * d, false, 0.25f, 0.f, {0, 0}, {}, {}};
     float *dq = g, *dk = g + 2 * sq * d, *dv = dk + sk * d;
 #define CALL(a, ...) cpar_dev_attention_bwd(a, __VA_ARGS__, NULL)
 #define GOOD_REST o, o, F16, sq * d, lse, sq, dq, sq * d, dk, dv, sk * d, scratch
