@@ -25,7 +25,7 @@
  *   14. Mappings and utilities      region mappings, vocab ranges, views, broadcast_data
  *   15. RNG, dropout, checkpointing Philox tracker, random fills, dropout, recompute
  *   16. Embedding, cross entropy    vocab-parallel embedding and loss
- *   17. Linear layers               column/row-parallel linear, init, fwd/bwd
+ *   17. Linear layers               column/row-parallel linear, init, fwd/bwd, wgrad deferral and drain
  *   18. Local attention             flash-style attention fwd/bwd with dropout, host reference, blocks
  *   19. Ring attention, sharding    cp_shard/unshard (plain, packed), ring fwd/bwd, the LSE merge
  *   20. Mamba context parallelism   cp2hp/hp2cp, load balancing, pre/post conv_ssm (plain, packed), conv1d
@@ -726,6 +726,10 @@ CPAR__STUB cpar_status cpar_dev_mamba_conv1d_backward(const void *x, int64_t x_p
 CPAR__STUB cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
                                         int64_t rep_stride, int64_t src_pitch, int64_t groups, int64_t reps,
                                         int64_t rows, int64_t cols, cpar_dtype dt, cpar_dev_stream st) CPAR__NODEV()
+/* packed sequences (cpar.h §12, §13) */
+CPAR__STUB cpar_status cpar_dev_packed_reorder(void *nat, size_t nat_pitch, void *blk, size_t blk_pitch, size_t blk_stride,
+                                    int r0, int nranks, int p, const int32_t *cu, int n_docs, int64_t outer,
+                                    size_t row_bytes, bool to_blocks, cpar_dev_stream st) CPAR__NODEV()
 /* RMSNorm (cpar.h §14; GeLU, cpar.h §6, is above) */
 CPAR__STUB cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
                              float eps, void *y, cpar_dev_stream s) CPAR__NODEV()
@@ -7408,9 +7412,12 @@ cpar_status cpar_embedding_layer_backward(cpar_embedding *e, const cpar_tensor *
 /* ==== 17. Linear layers ===================================================
  * Owns cpar.h §11: cpar_linear (Megatron's ColumnParallelLinear,
  * RowParallelLinear, LinearWithFrozenWeight and the linear autograd function
- * with gradient-accumulation fusion and sequence parallelism), its
+ * with gradient-accumulation fusion into fp32 or 16-bit main grads, or
+ * param-dtype grads without it, and sequence parallelism), its
  * initialisation from a master weight (with partition stride) or under the
- * model-parallel RNG fork, forward, backward and zero_grad.
+ * model-parallel RNG fork, forward (a supplied weight for tied embeddings,
+ * runtime_gather_output), backward, the deferred output-layer weight
+ * gradients and their drain, and zero_grad.
  * Every product is one column-major GEMM with cuBLAS's argument semantics
  * (cpar__lin_gemm): cpar_dev_gemm on device tensors, the host GEMM of section
  * 5 (fp32 accumulation) on host tensors, so both paths use the same operand
@@ -7422,16 +7429,35 @@ cpar_status cpar_embedding_layer_backward(cpar_embedding *e, const cpar_tensor *
  * workspace, copies), 5 (element load/store, host fill), 6 (cpar_fill),
  * 10-11 (groups, collectives), 15 (RNG fork, normal fills). */
 
+/* One deferred micro-batch (Megatron's embedding_activation_buffer and
+ * grad_output_buffer entries, held side by side): what its forward used and,
+ * once its backward ran, the dy it deferred. References, not copies. */
+typedef struct cpar__lin_deferred {
+    cpar_tensor x;     /* forward's input (the local shard with sequence parallelism) */
+    void *dw;          /* the weight gradient that forward's weight accumulates into */
+    const void *dy;    /* backward's dy columns of this rank (set by the backward) */
+    int64_t ldy, T;    /* dy's row stride and token count */
+} cpar__lin_deferred;
+
 struct cpar_linear {
     cpar_group *tp;
     cpar_ctx *ctx;
     bool row;                /* RowParallelLinear, else ColumnParallelLinear */
     cpar_linear_config cfg;  /* defaults applied */
+    cpar_dtype gdt;          /* grad dtype: main_grad_dtype with fusion, else the layer's dtype */
     int n, r;                /* tp size and rank */
     int64_t out_l, in_l;     /* local weight [out_l, in_l] */
     cpar_tensor w, b, dw, db;
+    /* what forward keeps for backward (Megatron's save_for_backward) */
     bool have_x;             /* forward ran: x below is the input backward uses */
     cpar_tensor x;           /* forward's x as passed (a reference, not a copy) */
+    const void *fw;          /* the weight forward used: l->w or a supplied one */
+    void *fdw;               /* its gradient (NULL: frozen) */
+    bool fgo;                /* forward gathered y (gather_output or runtime_gather_output) */
+    /* defer_embedding_wgrad_compute: pairs [0, n_act) have their forward's
+     * input, pairs [0, n_grad) their backward's dy too (n_grad <= n_act) */
+    cpar__lin_deferred *defer;
+    int n_act, n_grad, cap_defer;
     /* Column backward's stream fork/join (device contexts only, else NULL):
      * ev_compute is recorded on compute for comm to wait on, ev_comm on comm
      * for compute to wait on. Re-recording is fine: a wait uses the record
@@ -7458,30 +7484,32 @@ static cpar_status cpar__lin_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb,
     return cpar__host_gemm(ctx, fn, ta, tb, m, n, k, 1.f, A, abt, lda, B, abt, ldb, beta, C, ct, ldc);
 }
 
-/* Y[T,N] (row stride ldy) = X[T,K] (row stride ldx) W[N,K]^T + beta Y. */
+/* Y[T,N] (row stride ldy) = X[T,K] (row stride ldx) W[N,K]^T + beta Y, W the
+ * weight of this forward (l->fw). */
 static cpar_status cpar__lin_fwd(cpar_linear *l, const char *fn, const void *X, int64_t ldx, int64_t T, int64_t K,
                                  int64_t N, void *Y, int64_t ldy) {
-    return cpar__lin_gemm(l->ctx, fn, 1, 0, N, T, K, l->w.data, K, X, ldx, l->cfg.dtype, 0.f, Y, l->cfg.dtype, ldy);
+    return cpar__lin_gemm(l->ctx, fn, 1, 0, N, T, K, l->fw, K, X, ldx, l->cfg.dtype, 0.f, Y, l->cfg.dtype, ldy);
 }
-/* dX[T,K] (ldx) = dY[T,N] (ldy) W[N,K]. */
+/* dX[T,K] (ldx) = dY[T,N] (ldy) W[N,K], W the weight forward used. */
 static cpar_status cpar__lin_dgrad(cpar_linear *l, const char *fn, const void *dY, int64_t ldy, int64_t T, int64_t N,
                                    int64_t K, void *dX, int64_t ldx) {
-    return cpar__lin_gemm(l->ctx, fn, 0, 0, K, T, N, l->w.data, K, dY, ldy, l->cfg.dtype, 0.f, dX, l->cfg.dtype, ldx);
+    return cpar__lin_gemm(l->ctx, fn, 0, 0, K, T, N, l->fw, K, dY, ldy, l->cfg.dtype, 0.f, dX, l->cfg.dtype, ldx);
 }
-/* main_grad[N,K] (F32) += dY[T,N]^T X[T,K]: gradient-accumulation fusion. */
+/* dW[N,K] (grad dtype) += dY[T,N]^T X[T,K], summed in fp32: with fusion the
+ * main grad (wgrad_gemm_accum_fp32 / _fp16), without it the param-dtype grad. */
 static cpar_status cpar__lin_wgrad(cpar_linear *l, const char *fn, const void *dY, int64_t ldy, const void *X,
-                                   int64_t ldx, int64_t T, int64_t N, int64_t K) {
-    return cpar__lin_gemm(l->ctx, fn, 0, 1, K, N, T, X, ldx, dY, ldy, l->cfg.dtype, 1.f, l->dw.data, CPAR_F32, K);
+                                   int64_t ldx, int64_t T, int64_t N, int64_t K, void *dW) {
+    return cpar__lin_gemm(l->ctx, fn, 0, 1, K, N, T, X, ldx, dY, ldy, l->cfg.dtype, 1.f, dW, l->gdt, K);
 }
 /* Y[T,N] (ldy) += 1_T b^T: a k = 1 rank-one update. ones: T ones. */
 static cpar_status cpar__lin_bias_add(cpar_linear *l, const char *fn, void *Y, int64_t ldy, int64_t T, int64_t N,
                                       const void *ones) {
     return cpar__lin_gemm(l->ctx, fn, 0, 0, N, T, 1, l->b.data, N, ones, 1, l->cfg.dtype, 1.f, Y, l->cfg.dtype, ldy);
 }
-/* db[N] (F32) += dY[T,N]^T 1_T. */
+/* db[N] (grad dtype) += dY[T,N]^T 1_T. */
 static cpar_status cpar__lin_bias_grad(cpar_linear *l, const char *fn, const void *dY, int64_t ldy, int64_t T,
                                        int64_t N, const void *ones) {
-    return cpar__lin_gemm(l->ctx, fn, 0, 0, N, 1, T, dY, ldy, ones, T, l->cfg.dtype, 1.f, l->db.data, CPAR_F32, N);
+    return cpar__lin_gemm(l->ctx, fn, 0, 0, N, 1, T, dY, ldy, ones, T, l->cfg.dtype, 1.f, l->db.data, l->gdt, N);
 }
 
 /* ---- workspace carving: one cpar__workspace call per public call ---- */
@@ -7520,6 +7548,18 @@ static cpar_status cpar__lin_ones(cpar_linear *l, const char *fn, void *p, int64
 
 /* ---- creation ---- */
 
+/* Room for cap deferred micro-batches: host bookkeeping only, grown while
+ * warming up (wgrad_deferral_limit 0) or sized once at create. */
+static cpar_status cpar__lin_defer_reserve(cpar_linear *l, const char *fn, int cap) {
+    if (cap <= l->cap_defer) return CPAR_OK;
+    if (cap > INT_MAX / 2)
+        return cpar__fail(l->ctx, CPAR_ERR_INVALID, "%s: %d deferred micro-batches exceed the list's limit", fn, cap);
+    cpar__lin_deferred *d = realloc(l->defer, sizeof *d * (size_t)cap);
+    if (!d) return cpar__fail(l->ctx, CPAR_ERR_OOM, "%s: cannot allocate %zu bytes", fn, sizeof *d * (size_t)cap);
+    l->defer = d, l->cap_defer = cap;
+    return CPAR_OK;
+}
+
 static cpar_status cpar__lin_create(cpar_group *tp, const cpar_linear_config *cfg, bool row, cpar_linear **out) {
     const char *fn = row ? "cpar_row_parallel_linear_create" : "cpar_column_parallel_linear_create";
     CPAR_TRY(cpar__check_group(tp, fn));
@@ -7538,6 +7578,33 @@ static cpar_status cpar__lin_create(cpar_group *tp, const cpar_linear_config *cf
     if (c.stride < 1) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg stride is %d, expected >= 1", fn, c.stride);
     if (row && c.sequence_parallel && !c.input_is_parallel)
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg sequence_parallel requires input_is_parallel", fn);
+    /* the output-layer options exist on Megatron's ColumnParallelLinear only */
+    if (row && (c.skip_weight_param_allocation || c.defer_embedding_wgrad_compute))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg %s is a ColumnParallelLinear option (the row layer has none)",
+                          fn, c.skip_weight_param_allocation ? "skip_weight_param_allocation" : "defer_embedding_wgrad_compute");
+    if (c.wgrad_deferral_limit < 0)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg wgrad_deferral_limit is %d, expected >= 0 (0: no limit)", fn,
+                          c.wgrad_deferral_limit);
+    if (c.wgrad_deferral_limit && !c.defer_embedding_wgrad_compute)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: cfg wgrad_deferral_limit is %d but defer_embedding_wgrad_compute is false", fn,
+                          c.wgrad_deferral_limit);
+    if (c.defer_embedding_wgrad_compute && c.disable_gradient_accumulation_fusion)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: cfg defer_embedding_wgrad_compute requires gradient accumulation fusion "
+                          "(disable_gradient_accumulation_fusion is true), as in Megatron", fn);
+    if (c.defer_embedding_wgrad_compute && c.frozen)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: cfg defer_embedding_wgrad_compute with frozen: a frozen weight has no gradient to defer", fn);
+    if (c.main_grad_dtype != CPAR_F32 && c.main_grad_dtype != c.dtype)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: cfg main_grad_dtype is %s, expected f32 or the layer's dtype %s (the fused wgrad GEMM "
+                          "accumulates in fp32 or in its input's dtype)",
+                          fn, cpar_dtype_name(c.main_grad_dtype), cpar_dtype_name(c.dtype));
+    if (c.main_grad_dtype != CPAR_F32 && c.disable_gradient_accumulation_fusion)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: cfg main_grad_dtype %s needs gradient accumulation fusion (without it the gradients "
+                          "are the param-dtype .grad)", fn, cpar_dtype_name(c.main_grad_dtype));
     const int n = tp->size;
     const int64_t part = row ? c.input_size : c.output_size, div = (int64_t)n * c.stride;
     if (part % div)
@@ -7546,18 +7613,27 @@ static cpar_status cpar__lin_create(cpar_group *tp, const cpar_linear_config *cf
     cpar_linear *l = calloc(1, sizeof *l);
     if (!l) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate %zu bytes", fn, sizeof *l);
     l->tp = tp, l->ctx = ctx, l->row = row, l->cfg = c, l->n = n, l->r = tp->rank;
+    l->gdt = c.disable_gradient_accumulation_fusion ? c.dtype : c.main_grad_dtype;
     l->out_l = row ? c.output_size : c.output_size / n;
     l->in_l = row ? c.input_size / n : c.input_size;
     int64_t wshape[2] = {l->out_l, l->in_l}, bshape[1] = {l->out_l};
     cpar_status st;
-    CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, c.dtype, 2, wshape, &l->w), st, fail);
-    CPAR_TRY_GOTO(cpar_fill(ctx, &l->w, 0.0), st, fail);
+    if (!c.skip_weight_param_allocation) { /* else every forward passes the weight (and its gradient) */
+        CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, c.dtype, 2, wshape, &l->w), st, fail);
+        CPAR_TRY_GOTO(cpar_fill(ctx, &l->w, 0.0), st, fail);
+        if (!c.frozen) CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, l->gdt, 2, wshape, &l->dw), st, fail);
+    }
     if (c.bias) {
         CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, c.dtype, 1, bshape, &l->b), st, fail);
         /* LinearWithFrozenWeight's backward returns no bias gradient either */
-        if (!c.frozen) CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, CPAR_F32, 1, bshape, &l->db), st, fail);
+        if (!c.frozen) CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, l->gdt, 1, bshape, &l->db), st, fail);
     }
-    if (!c.frozen) CPAR_TRY_GOTO(cpar_tensor_alloc(ctx, CPAR_F32, 2, wshape, &l->dw), st, fail);
+    /* the layer's own weight until a forward supplies another (section 21
+     * runs cpar__lin_fwd on a wrapped layer without calling forward) */
+    l->fw = l->w.data, l->fdw = l->dw.data;
+    if (c.defer_embedding_wgrad_compute && c.wgrad_deferral_limit > 0) { /* the whole list, now */
+        CPAR_TRY_GOTO(cpar__lin_defer_reserve(l, fn, c.wgrad_deferral_limit), st, fail);
+    }
     if (!row && cpar__on_device(ctx->device)) {
         cpar_status es = cpar_dev_event_create(&l->ev_compute);
         if (es == CPAR_OK) es = cpar_dev_event_create(&l->ev_comm);
@@ -7591,6 +7667,7 @@ cpar_status cpar_linear_destroy(cpar_linear *l) {
     /* backward joined comm into compute before returning */
     if (l->ev_compute) cpar_dev_event_destroy(l->ev_compute);
     if (l->ev_comm) cpar_dev_event_destroy(l->ev_comm);
+    free(l->defer);
     free(l);
     return CPAR_OK;
 }
@@ -7602,6 +7679,13 @@ cpar_tensor cpar_linear_weight(const cpar_linear *l) { return l ? cpar__lin_view
 cpar_tensor cpar_linear_bias(const cpar_linear *l) { return l ? cpar__lin_view(&l->b) : (cpar_tensor){0}; }
 cpar_tensor cpar_linear_weight_grad(const cpar_linear *l) { return l ? cpar__lin_view(&l->dw) : (cpar_tensor){0}; }
 cpar_tensor cpar_linear_bias_grad(const cpar_linear *l) { return l ? cpar__lin_view(&l->db) : (cpar_tensor){0}; }
+
+cpar_status cpar_linear_deferred(const cpar_linear *l, int *n_activations, int *n_grad_outputs) {
+    if (!l) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_linear_deferred: l is NULL");
+    if (n_activations) *n_activations = l->n_act;
+    if (n_grad_outputs) *n_grad_outputs = l->n_grad;
+    return CPAR_OK;
+}
 
 cpar_status cpar_linear_zero_grad(cpar_linear *l) {
     if (!l) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_linear_zero_grad: l is NULL");
@@ -7624,10 +7708,16 @@ cpar_status cpar_linear_init_from_master(cpar_linear *l, const cpar_tensor *mast
     if (!l) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: l is NULL", fn);
     cpar_ctx *ctx = l->ctx;
     const int64_t O = l->cfg.output_size, I = l->cfg.input_size;
-    CPAR_TRY(cpar__check_tensor(ctx, fn, "master_weight", master_weight, CPAR_HOST));
-    CPAR_TRY(cpar__check_dtype(ctx, fn, "master_weight", master_weight, CPAR_F32));
-    int64_t wshape[2] = {O, I};
-    CPAR_TRY(cpar__check_shape(ctx, fn, "master_weight", master_weight, wshape, 2, "[output_size, input_size]"));
+    const bool has_w = l->w.data != NULL;
+    if (!has_w && master_weight)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: master_weight given but cfg skip_weight_param_allocation is true (the layer has no weight)", fn);
+    if (has_w) {
+        CPAR_TRY(cpar__check_tensor(ctx, fn, "master_weight", master_weight, CPAR_HOST));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, "master_weight", master_weight, CPAR_F32));
+        int64_t wshape[2] = {O, I};
+        CPAR_TRY(cpar__check_shape(ctx, fn, "master_weight", master_weight, wshape, 2, "[output_size, input_size]"));
+    }
     if (master_bias) {
         CPAR_TRY(cpar__check_tensor(ctx, fn, "master_bias", master_bias, CPAR_HOST));
         CPAR_TRY(cpar__check_dtype(ctx, fn, "master_bias", master_bias, CPAR_F32));
@@ -7637,11 +7727,11 @@ cpar_status cpar_linear_init_from_master(cpar_linear *l, const cpar_tensor *mast
     }
     const cpar_dtype dt = l->cfg.dtype;
     const int64_t per = (l->row ? l->in_l : l->out_l) / l->cfg.stride;
-    const float *mw = master_weight->data;
-    size_t wbytes = cpar_tensor_nbytes(&l->w), bbytes = l->b.data ? cpar_tensor_nbytes(&l->b) : 0;
+    const float *mw = has_w ? master_weight->data : NULL;
+    size_t wbytes = has_w ? cpar_tensor_nbytes(&l->w) : 0, bbytes = l->b.data ? cpar_tensor_nbytes(&l->b) : 0;
     char *buf = malloc(wbytes + bbytes + 1);
     if (!buf) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: host allocation of %zu bytes failed", fn, wbytes + bbytes);
-    for (int64_t i = 0; i < l->out_l; i++)
+    for (int64_t i = 0; i < l->out_l && has_w; i++)
         for (int64_t j = 0; j < l->in_l; j++) {
             int64_t gi = l->row ? i : cpar__lin_global(i, per, l->r, l->n);
             int64_t gj = l->row ? cpar__lin_global(j, per, l->r, l->n) : j;
@@ -7652,7 +7742,7 @@ cpar_status cpar_linear_init_from_master(cpar_linear *l, const cpar_tensor *mast
             int64_t gi = l->row ? i : cpar__lin_global(i, per, l->r, l->n);
             cpar__store_f(buf + wbytes, dt, i, master_bias ? ((const float *)master_bias->data)[gi] : 0.f);
         }
-    cpar_status st = cpar__copy_bytes(ctx, fn, l->w.data, l->w.device, buf, CPAR_HOST, wbytes);
+    cpar_status st = has_w ? cpar__copy_bytes(ctx, fn, l->w.data, l->w.device, buf, CPAR_HOST, wbytes) : CPAR_OK;
     if (st == CPAR_OK && bbytes) st = cpar__copy_bytes(ctx, fn, l->b.data, l->b.device, buf + wbytes, CPAR_HOST, bbytes);
     /* a host-to-device copy may still read buf */
     if (st == CPAR_OK && cpar__on_device(ctx->device)) {
@@ -7669,6 +7759,8 @@ cpar_status cpar_linear_init_random(cpar_linear *l, float std) {
     cpar_ctx *ctx = l->ctx;
     if (!(std >= 0.f) || isinf(std))
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: std is %g, expected finite and >= 0", fn, (double)std);
+    if (!l->w.data) /* skip_weight_param_allocation: nothing to draw */
+        return l->b.data ? cpar_fill(ctx, &l->b, 0.0) : CPAR_OK;
     cpar_rng_state s;
     if (cpar_rng_get_state(ctx, CPAR_RNG_MODEL_PARALLEL, &s) != CPAR_OK)
         return cpar__fail(ctx, CPAR_ERR_INVALID,
@@ -7724,18 +7816,18 @@ static cpar_status cpar__lin_check_x(cpar_linear *l, const char *fn, const char 
     return CPAR_OK;
 }
 
-/* The output shape forward writes for input x. */
-static void cpar__lin_y_shape(const cpar_linear *l, const cpar_tensor *x, int64_t *shape, const char **why) {
+/* The output shape forward writes for input x; go: the column layer gathers y. */
+static void cpar__lin_y_shape(const cpar_linear *l, const cpar_tensor *x, bool go, int64_t *shape, const char **why) {
     memcpy(shape, x->shape, sizeof x->shape);
     const bool sp = l->cfg.sequence_parallel;
     int last = x->ndim - 1;
     if (!l->row) {
         if (sp) shape[0] *= l->n;
-        shape[last] = l->cfg.gather_output ? l->cfg.output_size : l->out_l;
-        *why = sp && l->cfg.gather_output ? "[s*tp, ..., output_size]: sequence_parallel, gather_output"
-               : sp                       ? "[s*tp, ..., output_size/tp]: sequence_parallel"
-               : l->cfg.gather_output     ? "[s, ..., output_size]: gather_output"
-                                          : "[s, ..., output_size/tp]";
+        shape[last] = go ? l->cfg.output_size : l->out_l;
+        *why = sp && go ? "[s*tp, ..., output_size]: sequence_parallel, gather_output"
+               : sp     ? "[s*tp, ..., output_size/tp]: sequence_parallel"
+               : go     ? "[s, ..., output_size]: gather_output"
+                        : "[s, ..., output_size/tp]";
     } else {
         if (sp) shape[0] /= l->n;
         shape[last] = l->cfg.output_size;
@@ -7752,7 +7844,7 @@ static cpar_status cpar__lin_column_forward(cpar_linear *l, const char *fn, cons
     const cpar_dtype dt = l->cfg.dtype;
     const size_t es = cpar_dtype_size(dt);
     const int n = l->n;
-    const bool sp = l->cfg.sequence_parallel && n > 1, go = l->cfg.gather_output && n > 1;
+    const bool sp = l->cfg.sequence_parallel && n > 1, go = l->fgo && n > 1;
     const bool add_bias = l->b.data && !l->cfg.skip_bias_add;
     const int64_t T = cpar__lin_tokens(x) * (sp ? n : 1), K = l->in_l, N = l->out_l;
     cpar__lin_ws w = {0};
@@ -7819,18 +7911,80 @@ static cpar_status cpar__lin_row_forward(cpar_linear *l, const char *fn, const c
     return CPAR_OK;
 }
 
-cpar_status cpar_linear_forward(cpar_linear *l, const cpar_tensor *x, cpar_tensor *y, cpar_tensor *bias_out) {
-    static const char fn[] = "cpar_linear_forward";
+/* Megatron's checks of forward(weight=..., runtime_gather_output=...): sets
+ * *w / *dw (the weight and gradient this call uses) and *go. */
+static cpar_status cpar__lin_check_args(cpar_linear *l, const char *fn, const cpar_linear_forward_args *a,
+                                        const void **w, void **dw, bool *go) {
+    cpar_ctx *ctx = l->ctx;
+    const cpar_linear_forward_args none = {0};
+    if (!a) a = &none;
+    if (l->row && (a->weight || a->weight_grad || a->runtime_gather_output != CPAR_RUNTIME_GATHER_NONE))
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: args->%s is given but a row-parallel layer takes no per-call weight or gather "
+                          "(Megatron's RowParallelLinear.forward has neither)",
+                          fn, a->weight ? "weight" : a->weight_grad ? "weight_grad" : "runtime_gather_output");
+    if ((unsigned)a->runtime_gather_output > CPAR_RUNTIME_GATHER_FALSE)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: args->runtime_gather_output is %d, expected CPAR_RUNTIME_GATHER_NONE, _TRUE or _FALSE", fn,
+                          (int)a->runtime_gather_output);
+    *go = a->runtime_gather_output == CPAR_RUNTIME_GATHER_NONE ? l->cfg.gather_output
+                                                               : a->runtime_gather_output == CPAR_RUNTIME_GATHER_TRUE;
+    if (!a->weight) {
+        if (!l->w.data)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: no weight was supplied and cfg skip_weight_param_allocation is true (pass "
+                              "args->weight, e.g. the tied embedding's, with cpar_linear_forward_ex)", fn);
+        if (a->weight_grad)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: args->weight_grad is given without args->weight", fn);
+        *w = l->w.data, *dw = l->dw.data;
+        return CPAR_OK;
+    }
+    const int64_t wshape[2] = {l->out_l, l->in_l};
+    CPAR_TRY(cpar__check_tensor(ctx, fn, "args->weight", a->weight, ctx->device));
+    CPAR_TRY(cpar__check_dtype(ctx, fn, "args->weight", a->weight, l->cfg.dtype));
+    CPAR_TRY(cpar__check_shape(ctx, fn, "args->weight", a->weight, wshape, 2, "[output_size/tp, input_size]"));
+    if (l->cfg.frozen) {
+        if (a->weight_grad)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: args->weight_grad is given but cfg frozen is true (a frozen weight gets no gradient)", fn);
+    } else {
+        if (!a->weight_grad)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: args->weight_grad is NULL: a supplied weight needs its gradient buffer (e.g. the "
+                              "tied embedding's main grad), or cfg frozen", fn);
+        CPAR_TRY(cpar__check_tensor(ctx, fn, "args->weight_grad", a->weight_grad, ctx->device));
+        CPAR_TRY(cpar__check_dtype(ctx, fn, "args->weight_grad", a->weight_grad, l->gdt));
+        CPAR_TRY(cpar__check_shape(ctx, fn, "args->weight_grad", a->weight_grad, wshape, 2,
+                                   "[output_size/tp, input_size], args->weight's"));
+        if (cpar__ranges_overlap(a->weight->data, cpar_tensor_nbytes(a->weight), a->weight_grad->data,
+                                 cpar_tensor_nbytes(a->weight_grad)))
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: args->weight_grad overlaps args->weight", fn);
+    }
+    *w = a->weight->data, *dw = l->cfg.frozen ? NULL : a->weight_grad->data;
+    return CPAR_OK;
+}
+
+cpar_status cpar_linear_forward_ex(cpar_linear *l, const cpar_tensor *x, cpar_tensor *y, cpar_tensor *bias_out,
+                                   const cpar_linear_forward_args *args) {
+    static const char fn_plain[] = "cpar_linear_forward", fn_ex[] = "cpar_linear_forward_ex";
+    const char *fn = args ? fn_ex : fn_plain;
     if (!l) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: l is NULL", fn);
     cpar_ctx *ctx = l->ctx;
+    const void *w = NULL;
+    void *dw = NULL;
+    bool go = false;
+    CPAR_TRY(cpar__lin_check_args(l, fn, args, &w, &dw, &go));
     CPAR_TRY(cpar__lin_check_x(l, fn, "x", x));
     CPAR_TRY(cpar__lin_check_act(l, fn, "y", y));
     int64_t want[CPAR_MAX_DIMS];
     const char *why;
-    cpar__lin_y_shape(l, x, want, &why);
+    cpar__lin_y_shape(l, x, go, want, &why);
     CPAR_TRY(cpar__check_shape(ctx, fn, "y", y, want, x->ndim, why));
     if (cpar__ranges_overlap(x->data, cpar_tensor_nbytes(x), y->data, cpar_tensor_nbytes(y)))
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: y overlaps x", fn);
+    if (args && args->weight &&
+        cpar__ranges_overlap(args->weight->data, cpar_tensor_nbytes(args->weight), y->data, cpar_tensor_nbytes(y)))
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: y overlaps args->weight", fn);
     const bool give_bias = l->b.data && l->cfg.skip_bias_add;
     if (give_bias) {
         CPAR_TRY(cpar__check_tensor(ctx, fn, "bias_out", bias_out, ctx->device));
@@ -7838,14 +7992,26 @@ cpar_status cpar_linear_forward(cpar_linear *l, const cpar_tensor *x, cpar_tenso
         CPAR_TRY(cpar__check_shape(ctx, fn, "bias_out", bias_out, l->b.shape, 1,
                                    l->row ? "[output_size]" : "[output_size/tp]"));
     }
+    /* Megatron appends input_parallel to embedding_activation_buffer before
+     * the GEMM; the slot is taken here, filled once the forward succeeded */
+    const int lim = l->cfg.wgrad_deferral_limit;
+    const bool defer = l->cfg.defer_embedding_wgrad_compute && (lim == 0 || l->n_act < lim);
+    if (defer && l->n_act == l->cap_defer) /* only without a limit (else sized at create) */
+        CPAR_TRY(cpar__lin_defer_reserve(l, fn, l->cap_defer ? 2 * l->cap_defer : 8));
     l->have_x = false;
+    l->fw = w, l->fdw = dw, l->fgo = go;
     CPAR_TRY(l->row ? cpar__lin_row_forward(l, fn, x, y) : cpar__lin_column_forward(l, fn, x, y));
     if (give_bias)
         CPAR_TRY(cpar__copy_bytes(ctx, fn, bias_out->data, bias_out->device, l->b.data, l->b.device,
                                   cpar_tensor_nbytes(&l->b)));
     l->x = *x;
     l->have_x = true;
+    if (defer) l->defer[l->n_act++] = (cpar__lin_deferred){.x = *x, .dw = dw};
     return CPAR_OK;
+}
+
+cpar_status cpar_linear_forward(cpar_linear *l, const cpar_tensor *x, cpar_tensor *y, cpar_tensor *bias_out) {
+    return cpar_linear_forward_ex(l, x, y, bias_out, NULL);
 }
 
 /* ---- backward ----
@@ -7878,13 +8044,16 @@ static cpar_status cpar__lin_order(cpar_linear *l, const char *fn, cpar_dev_even
     return CPAR_OK;
 }
 
-static cpar_status cpar__lin_column_backward(cpar_linear *l, const char *fn, const cpar_tensor *dy, cpar_tensor *dx) {
+/* dW: the weight gradient to accumulate now, NULL for none (frozen, or
+ * deferred: then x is not re-gathered either). */
+static cpar_status cpar__lin_column_backward(cpar_linear *l, const char *fn, const cpar_tensor *dy, cpar_tensor *dx,
+                                             void *dW) {
     cpar_ctx *ctx = l->ctx;
     const cpar_dtype dt = l->cfg.dtype;
     const size_t es = cpar_dtype_size(dt);
     const int n = l->n;
-    const bool sp = l->cfg.sequence_parallel && n > 1, go = l->cfg.gather_output && n > 1;
-    const bool wgrad = l->dw.data != NULL, bgrad = l->db.data != NULL;
+    const bool sp = l->cfg.sequence_parallel && n > 1, go = l->fgo && n > 1;
+    const bool wgrad = dW != NULL, bgrad = l->db.data != NULL;
     const bool gather = sp && wgrad, reduce = dx && (sp || (n > 1 && !l->cfg.disable_grad_reduce));
     const cpar_tensor *x = &l->x;
     const int64_t T = cpar__lin_tokens(dy), K = l->in_l, N = l->out_l;
@@ -7948,7 +8117,7 @@ static cpar_status cpar__lin_column_backward(cpar_linear *l, const char *fn, con
             st = cpar_dev_stream_wait_event(ctx->compute, ev_cm);
             if (st != CPAR_OK) { st = cpar__dev_fail(ctx, st, fn); goto join; }
         }
-        st = cpar__lin_wgrad(l, fn, dY, ldy, X, K, T, N, K);
+        st = cpar__lin_wgrad(l, fn, dY, ldy, X, K, T, N, K, dW);
         if (st != CPAR_OK) goto join;
     }
     if (bgrad) {
@@ -7969,7 +8138,7 @@ static cpar_status cpar__lin_row_backward(cpar_linear *l, const char *fn, const 
     const size_t es = cpar_dtype_size(dt);
     const int n = l->n;
     const bool sp = l->cfg.sequence_parallel && n > 1, iip = l->cfg.input_is_parallel;
-    const bool wgrad = l->dw.data != NULL, bgrad = l->db.data != NULL;
+    const bool wgrad = l->fdw != NULL, bgrad = l->db.data != NULL;
     const bool gather_dx = dx && !iip && n > 1;
     const cpar_tensor *x = &l->x;
     const int64_t T = cpar__lin_tokens(x), K = l->in_l, N = l->out_l;
@@ -8003,7 +8172,7 @@ static cpar_status cpar__lin_row_backward(cpar_linear *l, const char *fn, const 
                                        ctx->device, (size_t)K * es, (size_t)T));
         }
     }
-    if (wgrad) CPAR_TRY(cpar__lin_wgrad(l, fn, dY, N, X, ldx, T, N, K));
+    if (wgrad) CPAR_TRY(cpar__lin_wgrad(l, fn, dY, N, X, ldx, T, N, K, l->fdw));
     if (bgrad) {
         CPAR_TRY(cpar__lin_ones(l, fn, w.ptr[s_one], T));
         CPAR_TRY(cpar__lin_bias_grad(l, fn, dY, N, T, N, w.ptr[s_one]));
@@ -8020,7 +8189,7 @@ cpar_status cpar_linear_backward(cpar_linear *l, const cpar_tensor *dy, cpar_ten
     CPAR_TRY(cpar__lin_check_act(l, fn, "dy", dy));
     int64_t want[CPAR_MAX_DIMS];
     const char *why;
-    cpar__lin_y_shape(l, &l->x, want, &why);
+    cpar__lin_y_shape(l, &l->x, l->fgo, want, &why);
     CPAR_TRY(cpar__check_shape(ctx, fn, "dy", dy, want, l->x.ndim, why));
     if (dx) {
         CPAR_TRY(cpar__lin_check_act(l, fn, "dx", dx));
@@ -8030,7 +8199,106 @@ cpar_status cpar_linear_backward(cpar_linear *l, const cpar_tensor *dy, cpar_ten
         if (cpar__ranges_overlap(dx->data, cpar_tensor_nbytes(dx), l->x.data, cpar_tensor_nbytes(&l->x)))
             return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: dx overlaps forward's x (still needed for the weight gradient)", fn);
     }
-    return l->row ? cpar__lin_row_backward(l, fn, dy, dx) : cpar__lin_column_backward(l, fn, dy, dx);
+    if (l->row) return cpar__lin_row_backward(l, fn, dy, dx);
+    /* Megatron's grad_output_buffer: dy is kept (and the wgrad skipped) while
+     * the list holds fewer than the limit; the i-th dy pairs with the i-th
+     * forward input, which must be this backward's forward */
+    const int lim = l->cfg.wgrad_deferral_limit;
+    const bool defer = l->cfg.defer_embedding_wgrad_compute && (lim == 0 || l->n_grad < lim);
+    if (defer && (l->n_act != l->n_grad + 1 || l->defer[l->n_grad].x.data != l->x.data))
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: the deferral lists are out of step (%d activations, %d grad outputs; expected one "
+                          "more activation, from this backward's forward): run one backward per forward, in order",
+                          fn, l->n_act, l->n_grad);
+    CPAR_TRY(cpar__lin_column_backward(l, fn, dy, dx, defer ? NULL : l->fdw));
+    if (defer) {
+        cpar__lin_deferred *d = &l->defer[l->n_grad++];
+        const bool go = l->fgo && l->n > 1; /* this rank's columns of a gathered dy, as the backward read them */
+        d->dy = go ? (const char *)dy->data + (size_t)(l->r * l->out_l) * cpar_dtype_size(l->cfg.dtype) : dy->data;
+        d->ldy = go ? l->out_l * l->n : l->out_l;
+        d->T = cpar__lin_tokens(dy);
+    }
+    return CPAR_OK;
+}
+
+/* ---- deferred weight gradients (Megatron's drain_embedding_wgrad_compute) ----
+ * Pairs in order; with sequence parallelism the inputs are all-gathered
+ * again into two workspace buffers used in turn: on device tensors the
+ * gather of pair i+1 runs on the communication stream while pair i's GEMM
+ * runs on compute (Megatron's double buffer of async all-gathers):
+ *   comm: gather 0 -> buf0, record ev_comm      compute: wait ev_comm
+ *   comm: wait ev_compute, gather 1 -> buf1     compute: GEMM 0 (buf0), record ev_compute
+ *   comm: record ev_comm                        compute: wait ev_comm
+ *   comm: wait ev_compute (GEMM 0 is done with buf0), gather 2 -> buf0   compute: GEMM 1 ...
+ * then compute joins comm. Host tensors: the same order, sequentially. */
+/* All-gather the deferred input d->x along dim 0 into buf (on the
+ * communication stream when on_comm). */
+static cpar_status cpar__lin_drain_gather(cpar_linear *l, const char *fn, const cpar__lin_deferred *d, void *buf,
+                                          bool on_comm) {
+    cpar_tensor xg = d->x;
+    xg.shape[0] *= l->n;
+    xg.data = buf;
+    if (on_comm) cpar__on_comm_stream(l->ctx);
+    cpar_status st = cpar__as(l->ctx, fn, cpar_all_gather(l->tp, &d->x, &xg, NULL));
+    cpar__on_compute_stream(l->ctx);
+    return st;
+}
+
+cpar_status cpar_linear_drain_wgrad(cpar_linear *l) {
+    static const char fn[] = "cpar_linear_drain_wgrad";
+    if (!l) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: l is NULL", fn);
+    cpar_ctx *ctx = l->ctx;
+    if (!l->cfg.defer_embedding_wgrad_compute)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg defer_embedding_wgrad_compute is false: nothing is deferred", fn);
+    if (l->n_act != l->n_grad)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: %d activations but %d grad outputs are deferred (Megatron: the lengths of the "
+                          "activation and gradient buffers need to be equal): run every forward's backward first",
+                          fn, l->n_act, l->n_grad);
+    const int count = l->n_grad;
+    if (count == 0) return CPAR_OK;
+    const size_t es = cpar_dtype_size(l->cfg.dtype);
+    const int n = l->n;
+    const bool sp = l->cfg.sequence_parallel && n > 1;
+    const int64_t K = l->in_l, N = l->out_l;
+    int64_t Tmax = 0;
+    for (int i = 0; i < count; i++) Tmax = l->defer[i].T > Tmax ? l->defer[i].T : Tmax;
+    const bool overlap = sp && l->ev_compute && cpar__on_device(ctx->device);
+    cpar_dev_event ev_cp = overlap ? l->ev_compute : NULL, ev_cm = overlap ? l->ev_comm : NULL;
+    cpar__lin_ws w = {0};
+    int s_buf[2];
+    s_buf[0] = cpar__lin_ws_add(&w, sp ? (size_t)(Tmax * K) * es : 0);
+    s_buf[1] = cpar__lin_ws_add(&w, sp && count > 1 ? (size_t)(Tmax * K) * es : 0);
+    l->n_act = l->n_grad = 0; /* emptied, also on failure */
+    CPAR_TRY(cpar__lin_ws_carve(ctx, fn, &w));
+    cpar_status st = CPAR_OK;
+    /* fork: comm starts after everything queued on compute (the inputs, and
+     * whatever used the workspace before) */
+    CPAR_TRY(cpar__lin_order(l, fn, ev_cp, ctx->compute, ctx->comm));
+    if (sp) st = cpar__lin_drain_gather(l, fn, &l->defer[0], w.ptr[s_buf[0]], overlap);
+    for (int i = 0; i < count && st == CPAR_OK; i++) {
+        const cpar__lin_deferred *d = &l->defer[i];
+        if (ev_cm) { /* compute: gather i (the last one queued on comm) is done */
+            st = cpar__lin_order(l, fn, ev_cm, ctx->comm, ctx->compute);
+            if (st != CPAR_OK) break;
+        }
+        if (sp && i + 1 < count) { /* gather i + 1 into the buffer GEMM i - 1 read */
+            if (ev_cp && i >= 1) {
+                st = cpar_dev_stream_wait_event(ctx->comm, ev_cp); /* recorded after GEMM i - 1 */
+                if (st != CPAR_OK) { st = cpar__dev_fail(ctx, st, fn); break; }
+            }
+            st = cpar__lin_drain_gather(l, fn, &l->defer[i + 1], w.ptr[s_buf[(i + 1) % 2]], overlap);
+            if (st != CPAR_OK) break;
+        }
+        st = cpar__lin_wgrad(l, fn, d->dy, d->ldy, sp ? w.ptr[s_buf[i % 2]] : d->x.data, K, d->T, N, K, d->dw);
+        if (st == CPAR_OK && ev_cp) {
+            st = cpar_dev_event_record(ev_cp, ctx->compute);
+            if (st != CPAR_OK) st = cpar__dev_fail(ctx, st, fn);
+        }
+    }
+    /* compute waits for everything queued on comm, also after a failure */
+    cpar_status js = cpar__lin_order(l, fn, ev_cm, ctx->comm, ctx->compute);
+    return st != CPAR_OK ? st : js;
 }
 
 /* ==== 18. Local attention ==================================================
@@ -8744,8 +9012,10 @@ cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_conf
  * cu_seqlens_padded, or cu_seqlens without padding) and local rows
  * [cu[i]/P, cu[i+1]/P) of every shard: chunk r of its 2P, then chunk 2P-1-r
  * (each (cu[i+1]-cu[i])/2P rows). Sections 19 and 20 check a packing with
- * cpar__packed_check (section 18, which packed attention shares) and move rows with cpar__cp_packed_copy (below the
- * plain chunk copies), so sharding, attention and Mamba agree on the layout. */
+ * cpar__packed_check (section 18, which packed attention shares) and move rows
+ * with cpar__cp_packed_copy (below the plain chunk copies; cpar_dev_packed_reorder,
+ * cpar_kernels.cu §18, on device memory), so sharding, attention and Mamba
+ * agree on the layout. */
 
 /* Checks of the group, the whole and the sharded tensor shared by shard and
  * unshard (packed or not); resolves seq_dim and gives the layout [outer, S,
@@ -8838,30 +9108,32 @@ static cpar_status cpar__cp_copy(cpar_ctx *ctx, const char *fn, void *full, int 
     return CPAR_OK;
 }
 
-/* Copy rank r's two chunks of every document between the packed whole
- * ([outer, S, inner], memory full) and rank r's shard ([outer, S/P, inner],
- * memory local), either way: 2 pitched copies per document. */
+/* Ranks [r0, r0 + nranks)'s chunks of every document between the packed
+ * whole ([outer, S, inner], memory full) and their shards ([outer, S/P,
+ * inner] each; rank r0 + k's at blocks + k * stride bytes), either way. Both
+ * on the device: one cpar_dev_packed_reorder (the boundaries go by value,
+ * no device copy of them); otherwise 2 pitched copies per document and rank. */
 static cpar_status cpar__cp_packed_copy(cpar_ctx *ctx, const char *fn, const cpar__packing *pk, void *full,
-                                        int full_dev, void *local, int local_dev, int64_t outer, int64_t inner,
-                                        size_t es, int P, int r, bool to_local) {
-    for (int i = 0; i < pk->n_docs; i++) {
-        const int64_t start = pk->cu[i], c = ((int64_t)pk->cu[i + 1] - start) / (2 * P);
-        for (int slot = 0; slot < 2; slot++)
-            CPAR_TRY(cpar__cp_copy_rows(ctx, fn, full, full_dev, local, local_dev, outer, pk->total, inner, es, P,
-                                        start + cpar__cp_chunk_of(P, r, true, slot) * c, start / P + slot * c, c,
-                                        to_local));
+                                        int full_dev, void *blocks, int blocks_dev, size_t stride, int r0, int nranks,
+                                        int64_t outer, int64_t inner, size_t es, int P, bool to_local) {
+    if (cpar__on_device(full_dev) && cpar__on_device(blocks_dev)) {
+        const size_t row = (size_t)inner * es;
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_packed_reorder(full, (size_t)pk->total * row, blocks,
+                                                      (size_t)(pk->total / P) * row, stride, r0, nranks, P, pk->cu,
+                                                      pk->n_docs, outer, row, to_local, ctx->compute));
+        return CPAR_OK;
+    }
+    for (int k = 0; k < nranks; k++) {
+        char *local = (char *)blocks + (size_t)k * stride;
+        for (int i = 0; i < pk->n_docs; i++) {
+            const int64_t start = pk->cu[i], c = ((int64_t)pk->cu[i + 1] - start) / (2 * P);
+            for (int slot = 0; slot < 2; slot++)
+                CPAR_TRY(cpar__cp_copy_rows(ctx, fn, full, full_dev, local, blocks_dev, outer, pk->total, inner, es,
+                                            P, start + cpar__cp_chunk_of(P, r0 + k, true, slot) * c,
+                                            start / P + slot * c, c, to_local));
+        }
     }
     return CPAR_OK;
-}
-
-/* Rank r's share of full <-> its shard: packed per document (pk) or by the
- * plain chunking. */
-static cpar_status cpar__cp_place(cpar_ctx *ctx, const char *fn, const cpar__packing *pk, void *full, int full_dev,
-                                  void *local, int local_dev, int64_t outer, int64_t S, int64_t inner, int64_t c,
-                                  size_t es, int P, int r, bool load_balance, bool to_local) {
-    if (pk) return cpar__cp_packed_copy(ctx, fn, pk, full, full_dev, local, local_dev, outer, inner, es, P, r, to_local);
-    return cpar__cp_copy(ctx, fn, full, full_dev, local, local_dev, outer, S, inner, c, es, P, r, load_balance,
-                         to_local);
 }
 
 /* cpar_cp_shard and cpar_cp_shard_packed (seqs != NULL). */
@@ -8871,9 +9143,13 @@ static cpar_status cpar__cp_shard(cpar_group *cp, const char *fn, const cpar_pac
     cpar__packing pk;
     CPAR_TRY(cpar__cp_check(fn, cp, "full", full, "local", local, &seq_dim, load_balance, false, seqs, &pk, &outer,
                             &inner, &c));
-    return cpar__cp_place(cp->ctx, fn, seqs ? &pk : NULL, full->data, full->device, local->data, local->device, outer,
-                          full->shape[seq_dim], inner, c, cpar_dtype_size(full->dtype), cp->size, cp->rank,
-                          load_balance, true);
+    cpar_ctx *ctx = cp->ctx;
+    const size_t es = cpar_dtype_size(full->dtype);
+    if (!seqs)
+        return cpar__cp_copy(ctx, fn, full->data, full->device, local->data, local->device, outer,
+                             full->shape[seq_dim], inner, c, es, cp->size, cp->rank, load_balance, true);
+    return cpar__cp_packed_copy(ctx, fn, &pk, full->data, full->device, local->data, local->device, 0, cp->rank, 1,
+                                outer, inner, es, cp->size, true);
 }
 
 /* cpar_cp_unshard and cpar_cp_unshard_packed (seqs != NULL): one all-gather
@@ -8900,10 +9176,12 @@ static cpar_status cpar__cp_unshard(cpar_group *cp, const char *fn, const cpar_p
     cpar_tensor gathered = cpar_tensor_make(ws, local->dtype, 2, out_shape, ctx->device);
     CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(cp, &in, &gathered, NULL)));
     const size_t es = cpar_dtype_size(full->dtype);
+    if (seqs) /* every rank's block in one pass */
+        return cpar__cp_packed_copy(ctx, fn, &pk, full->data, full->device, ws, ctx->device, (size_t)n * es, 0, P,
+                                    outer, inner, es, P, false);
     for (int j = 0; j < P; j++)
-        CPAR_TRY(cpar__cp_place(ctx, fn, seqs ? &pk : NULL, full->data, full->device,
-                                (char *)ws + (size_t)(j * n) * es, ctx->device, outer, full->shape[seq_dim], inner, c,
-                                es, P, j, load_balance, false));
+        CPAR_TRY(cpar__cp_copy(ctx, fn, full->data, full->device, (char *)ws + (size_t)(j * n) * es, ctx->device,
+                               outer, full->shape[seq_dim], inner, c, es, P, j, load_balance, false));
     return CPAR_OK;
 }
 
@@ -9629,7 +9907,8 @@ cpar_status cpar_redo_attention_load_balancing(cpar_ctx *ctx, int cp_size, const
  * load-balanced shard, sl = s/P rows of [b, w]): undo (blocks -> nat) or redo
  * (nat -> blocks). pk NULL: the seed's 2P chunk copies of the whole
  * sequence; else every document's chunks r and 2P-1-r (section 19's packed
- * layout: undo is unshard's placement of each rank's block, redo shard's). */
+ * layout: undo is unshard's placement of each rank's block, redo shard's;
+ * one kernel on a device). */
 static cpar_status cpar__mcp_order(cpar_ctx *ctx, const char *fn, const cpar__packing *pk, void *nat, void *blocks,
                                    int64_t sl, int64_t b, int64_t w, size_t es, int p, bool undo) {
     int dev = ctx->device;
@@ -9638,10 +9917,8 @@ static cpar_status cpar__mcp_order(cpar_ctx *ctx, const char *fn, const cpar__pa
         return undo ? cpar__mcp_lb(ctx, fn, nat, dev, blocks, dev, chunk, p, true)
                     : cpar__mcp_lb(ctx, fn, blocks, dev, nat, dev, chunk, p, false);
     }
-    for (int j = 0; j < p; j++)
-        CPAR_TRY(cpar__cp_packed_copy(ctx, fn, pk, nat, dev, (char *)blocks + (size_t)((int64_t)j * sl * b * w) * es,
-                                      dev, 1, b * w, es, p, j, !undo));
-    return CPAR_OK;
+    return cpar__cp_packed_copy(ctx, fn, pk, nat, dev, blocks, dev, (size_t)(sl * b * w) * es, 0, p, 1, b * w, es, p,
+                                !undo);
 }
 
 /* ---- cp2hp / hp2cp -------------------------------------------------------------- */

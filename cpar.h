@@ -1061,11 +1061,23 @@ cpar_status cpar_embedding_zero_grad(cpar_embedding *e);
  * cuBLAS (cpar_dev_gemm, fp32 compute), on host tensors a loop reference with
  * the same operand mapping.
  *
- * Gradients: weight and bias gradients accumulate (+=) into fp32 main-grad
- * buffers owned by the layer (Megatron's gradient_accumulation_fusion,
- * always on: the wgrad GEMM has beta = 1 into the F32 buffer; the bias grad is
- * a GEMM of dy with a ones vector, beta = 1). cpar_linear_zero_grad clears
- * them. frozen: no weight and no bias gradient (LinearWithFrozenWeight's
+ * Gradients: weight and bias gradients accumulate (+=) into gradient
+ * buffers owned by the layer; cpar_linear_zero_grad clears them. Their dtype,
+ * the layer's grad dtype, follows Megatron's gradient_accumulation_fusion:
+ *  - fusion (the default, a zero config): the wgrad GEMM accumulates into the
+ *    weight's main grad with beta = 1 (fused_weight_gradient_mlp_cuda), in
+ *    fp32 (main_grad_dtype F32, 0: wgrad_gemm_accum_fp32) or in the layer's
+ *    own 16-bit dtype (main_grad_dtype == dtype, F16 or BF16:
+ *    wgrad_gemm_accum_fp16; the product is summed in fp32 and rounded once
+ *    into the 16-bit main grad). The bias gradient (a GEMM of dy with a ones
+ *    vector, beta = 1) lands in a buffer of the same dtype, as Megatron's DDP
+ *    adds it to the bias's main grad of the shared grad buffer.
+ *  - disable_gradient_accumulation_fusion: no main grad; the gradients are
+ *    the weight's and bias's own .grad in the parameter dtype (the layer's
+ *    dtype): dW = dy^T x is summed in fp32 and accumulated into the dtype
+ *    buffer, as autograd accumulates .grad (autograd rounds the product and
+ *    then the sum; cpar rounds once).
+ * frozen: no weight and no bias gradient (LinearWithFrozenWeight's
  * backward returns only dx; no main grads are allocated). skip_bias_add: the
  * caller adds the bias it receives to y, so d(bias) = sum over tokens of dy
  * and backward accumulates it all the same. Row + sequence_parallel: the bias
@@ -1081,7 +1093,9 @@ cpar_status cpar_embedding_zero_grad(cpar_embedding *e);
  * moved are the minimum of each mapping (see cpar_comm_stats):
  *   column fwd: SP all-gather of x; gather_output all-gather of y. Nothing else.
  *   column bwd: SP all-gather of x + reduce-scatter of dx; else all-reduce of
- *               dx (none with disable_grad_reduce).
+ *               dx (none with disable_grad_reduce). A deferred weight
+ *               gradient skips the all-gather; cpar_linear_drain_wgrad makes
+ *               it later (the same bytes).
  *   row fwd:    all-reduce of y (SP: reduce-scatter).
  *   row bwd:    SP all-gather of dy; !input_is_parallel all-gather of dx.
  * A group of size 1 moves nothing. The column backward overlaps as Megatron
@@ -1092,6 +1106,49 @@ cpar_status cpar_embedding_zero_grad(cpar_embedding *e);
  * the communication stream back into the compute stream before it returns
  * (everything stays stream-ordered on compute for the caller). Host tensors
  * run the same order sequentially.
+ *
+ * Column-layer options for the output layer of a language model (Megatron's
+ * ColumnParallelLinear; a row layer refuses them with CPAR_ERR_INVALID):
+ *  - skip_weight_param_allocation: the layer allocates no weight (and no
+ *    weight gradient): every forward passes one in args->weight, with its
+ *    gradient buffer in args->weight_grad (cpar_linear_forward_ex). Tied
+ *    embeddings: the output layer uses the embedding's weight [V/tp, H]
+ *    (cpar_embedding_weight, whose vocabulary rows are exactly a column
+ *    layer's output rows for input_size = H, output_size = V, stride 1) and
+ *    its weight gradient accumulates into the embedding's F32 main grad
+ *    (cpar_embedding_weight_grad), as Megatron's autograd adds both uses
+ *    into weight.main_grad. The bias is unaffected (allocated when bias).
+ *  - forward(weight=...): any column layer may be given a weight per call
+ *    (shape [output_size/tp, input_size] checked); its gradient then goes to
+ *    args->weight_grad, not to the layer's own, as autograd sends a
+ *    gradient to the tensor that was used. Backward uses the weight of the
+ *    forward that preceded it (kept by reference: keep it alive and
+ *    unchanged until backward).
+ *  - runtime_gather_output (args->runtime_gather_output): overrides
+ *    gather_output for one forward and its backward (y and dy [.., output_size]
+ *    when gathering, [.., output_size/tp] otherwise).
+ *  - defer_embedding_wgrad_compute with wgrad_deferral_limit L (0: no limit):
+ *    Megatron's embedding_activation_buffer / grad_output_buffer. A forward
+ *    appends its input (the local shard with sequence parallelism) to the
+ *    layer's activation list while the list holds fewer than L (or L == 0);
+ *    a backward appends dy to the grad-output list while that holds fewer
+ *    than L and then skips the weight-gradient GEMM (and, with sequence
+ *    parallelism, the all-gather of x, which only the wgrad needs); dx and
+ *    the bias gradient are computed as usual. Once the limit is reached a
+ *    backward computes its weight gradient at once, as without deferral.
+ *    cpar_linear_drain_wgrad (Megatron's drain_embedding_wgrad_compute in
+ *    its pipeline schedules) then runs the deferred GEMMs in order, each into
+ *    the gradient its forward used, all-gathering each input again with
+ *    sequence parallelism (the next gather overlapped with the current GEMM
+ *    on device tensors, double-buffered), and empties both lists. The lists
+ *    hold references: the caller keeps every deferred x and dy alive and
+ *    unchanged until the drain (Megatron's lists keep the tensors alive). As
+ *    in Megatron, deferral requires gradient-accumulation fusion and a
+ *    trainable weight (not frozen). The lists pair the i-th forward with the
+ *    i-th backward, so a deferred layer runs one backward per forward, in
+ *    order; a backward that would pair with the wrong forward is refused.
+ *    The lists' bookkeeping (a few pointers per micro-batch) grows on the
+ *    host while warming up when L == 0 and is allocated at create otherwise.
  *
  * Bad arguments are CPAR_ERR_INVALID naming the function and the argument
  * with the tp numbers, e.g.
@@ -1108,32 +1165,64 @@ typedef struct cpar_linear_config {
     bool disable_grad_reduce;        /* column: no all-reduce of dx (ignored with sequence_parallel) */
     bool frozen;                     /* no weight or bias gradient (LinearWithFrozenWeight) */
     int stride;                      /* 0 -> 1: partition stride of the master weight (init_from_master) */
+    bool skip_weight_param_allocation; /* column: no weight of its own; every forward passes one (tied embeddings) */
+    bool defer_embedding_wgrad_compute; /* column: weight gradients deferred to cpar_linear_drain_wgrad */
+    int wgrad_deferral_limit;        /* with defer_embedding_wgrad_compute: micro-batches deferred at most; 0: no limit */
+    bool disable_gradient_accumulation_fusion; /* grads are the param-dtype .grad, not main grads */
+    cpar_dtype main_grad_dtype;      /* with fusion: F32 (0), or the layer's dtype (F16/BF16 main grads) */
 } cpar_linear_config;
+
+/* Megatron's runtime_gather_output: Optional[bool]. */
+typedef enum cpar_runtime_gather {
+    CPAR_RUNTIME_GATHER_NONE = 0, /* None: the layer's gather_output */
+    CPAR_RUNTIME_GATHER_TRUE,     /* gather y along the last dim for this call */
+    CPAR_RUNTIME_GATHER_FALSE,    /* leave y partitioned for this call */
+} cpar_runtime_gather;
+
+/* The per-call arguments of Megatron's ColumnParallelLinear.forward(input_,
+ * weight, runtime_gather_output). A zeroed struct (or NULL) is
+ * cpar_linear_forward. */
+typedef struct cpar_linear_forward_args {
+    const cpar_tensor *weight;     /* NULL: the layer's weight (required with skip_weight_param_allocation);
+                                    * else [output_size/tp, input_size] in the layer's dtype on the device */
+    cpar_tensor *weight_grad;      /* weight's gradient, weight's shape in the grad dtype (e.g. the tied
+                                    * embedding's F32 main grad); required with weight unless frozen, else NULL */
+    cpar_runtime_gather runtime_gather_output; /* column only */
+} cpar_linear_forward_args;
 
 typedef struct cpar_linear cpar_linear;
 
 /* Create a layer on tp's context: the weight (uninitialised: call an init),
- * zero bias, zero main grads. output_size (column) or input_size (row) must
- * be divisible by tp * stride. Collective-free. */
+ * zero bias, zero gradients. output_size (column) or input_size (row) must
+ * be divisible by tp * stride. The options of the column layer above
+ * (skip_weight_param_allocation, defer_embedding_wgrad_compute) on a row
+ * layer, a wgrad_deferral_limit < 0 or without deferral, deferral without
+ * fusion or with frozen, a main_grad_dtype other than F32 or the layer's
+ * dtype (Megatron's fused kernels accumulate in fp32 or in the input's
+ * dtype), or a 16-bit main_grad_dtype without fusion: CPAR_ERR_INVALID.
+ * Collective-free. */
 cpar_status cpar_column_parallel_linear_create(cpar_group *tp, const cpar_linear_config *cfg, cpar_linear **out);
 cpar_status cpar_row_parallel_linear_create(cpar_group *tp, const cpar_linear_config *cfg, cpar_linear **out);
 /* Frees everything the layer owns. NULL is fine. */
 cpar_status cpar_linear_destroy(cpar_linear *l);
 
 /* Views of the layer's tensors on the context's device (data NULL when the
- * layer has none: no bias, or frozen for both grads). The caller may
- * read and write through them (e.g. an optimizer step). */
+ * layer has none: no bias, frozen for both grads, or no weight and no weight
+ * grad with skip_weight_param_allocation). The caller may read and write
+ * through them (e.g. an optimizer step). */
 cpar_tensor cpar_linear_weight(const cpar_linear *l);      /* [out/tp, in] or [out, in/tp], cfg dtype */
 cpar_tensor cpar_linear_bias(const cpar_linear *l);        /* [out/tp] or [out], cfg dtype */
-cpar_tensor cpar_linear_weight_grad(const cpar_linear *l); /* F32 main grad, weight's shape */
-cpar_tensor cpar_linear_bias_grad(const cpar_linear *l);   /* F32, bias's shape */
+cpar_tensor cpar_linear_weight_grad(const cpar_linear *l); /* weight's shape, grad dtype (F32 main grad by default) */
+cpar_tensor cpar_linear_bias_grad(const cpar_linear *l);   /* bias's shape, grad dtype */
 
 /* Megatron's _initialize_affine_weight_cpu: master_weight host F32
  * [output_size, input_size] (the same on every rank); the partition dim (0
  * column, 1 row) is cut into tp * stride equal chunks and rank r takes chunks
  * r, r + tp, r + 2 tp, ... in order, rounded to the layer's dtype.
  * master_bias host F32 [output_size] or NULL (then the bias is zero):
- * column takes its rows the same way, row keeps it whole. No communication. */
+ * column takes its rows the same way, row keeps it whole. With
+ * skip_weight_param_allocation master_weight must be NULL (there is no
+ * weight; only the bias is set). No communication. */
 cpar_status cpar_linear_init_from_master(cpar_linear *l, const cpar_tensor *master_weight,
                                          const cpar_tensor *master_bias);
 /* Megatron's _initialize_affine_weight_gpu with init_method normal(0, std):
@@ -1142,16 +1231,38 @@ cpar_status cpar_linear_init_from_master(cpar_linear *l, const cpar_tensor *mast
  * result is reproducible for a fixed cpar_model_parallel_manual_seed. The
  * tracker must have that state (else CPAR_ERR_INVALID saying so). Bias zero. */
 cpar_status cpar_linear_init_random(cpar_linear *l, float std);
+/* (With skip_weight_param_allocation init_random draws nothing and leaves
+ * the RNG state alone: it zeroes the bias.) */
 
 /* y (and bias_out) preallocated with the shapes above; bias_out [out/tp]
  * (column) or [out] (row) in the layer's dtype receives the bias when
  * skip_bias_add and the layer has one; it is ignored (may be NULL) otherwise. */
 cpar_status cpar_linear_forward(cpar_linear *l, const cpar_tensor *x, cpar_tensor *y, cpar_tensor *bias_out);
+/* cpar_linear_forward with Megatron's per-call arguments (args may be NULL):
+ * a supplied weight and its gradient buffer, runtime_gather_output. The
+ * weight, its gradient target and the gather choice hold for the matching
+ * backward. y must not overlap args->weight. */
+cpar_status cpar_linear_forward_ex(cpar_linear *l, const cpar_tensor *x, cpar_tensor *y, cpar_tensor *bias_out,
+                                   const cpar_linear_forward_args *args);
 /* dy shaped like forward's y; dx shaped like forward's x, or NULL: no input
- * gradient (no dgrad GEMM and no dgrad communication). Accumulates the main
- * grads. Needs a prior forward (whose x the caller kept alive). */
+ * gradient (no dgrad GEMM and no dgrad communication). Accumulates the
+ * gradients (into forward's args->weight_grad when it supplied a weight;
+ * deferred with defer_embedding_wgrad_compute, see above). Needs a prior
+ * forward (whose x the caller kept alive). */
 cpar_status cpar_linear_backward(cpar_linear *l, const cpar_tensor *dy, cpar_tensor *dx);
-/* Main grads = 0. */
+/* Megatron's drain_embedding_wgrad_compute: the deferred weight-gradient
+ * GEMMs, in order, each accumulated into its forward's weight gradient; both
+ * lists are emptied (also on failure). Empty lists: nothing to do. A layer
+ * without defer_embedding_wgrad_compute, or lists of unequal length (a
+ * forward whose backward has not run): CPAR_ERR_INVALID. Collective over tp
+ * with sequence parallelism (one all-gather of x per deferred micro-batch,
+ * the same bytes backward would have moved); none otherwise. */
+cpar_status cpar_linear_drain_wgrad(cpar_linear *l);
+/* The lengths of the deferral lists (Megatron's len(embedding_activation_buffer),
+ * len(grad_output_buffer)); either pointer may be NULL. */
+cpar_status cpar_linear_deferred(const cpar_linear *l, int *n_activations, int *n_grad_outputs);
+/* Gradients = 0 (the deferral lists are left alone: their GEMMs still add
+ * when drained, as Megatron's zero_grad leaves its lists). */
 cpar_status cpar_linear_zero_grad(cpar_linear *l);
 
 
@@ -1353,14 +1464,15 @@ struct cpar_packed_seqs {
  * first: n_docs >= 1, cu_seqlens (and cu_seqlens_padded) starting at 0 and
  * non-decreasing, each padded length >= its real one and divisible by 2P
  * (the failing document is named). Shard: each of full and local on the
- * host or the context's device, no communication, 2 pitched copies per
- * document. */
+ * host or the context's device, no communication; both on the device: one
+ * reorder kernel (the boundaries passed by value, no device copy of them),
+ * else 2 pitched copies per document. */
 cpar_status cpar_cp_shard_packed(cpar_group *cp, const cpar_packed_seqs *seqs, const cpar_tensor *full, int seq_dim,
                                  cpar_tensor *local);
 /* Inverse of cpar_cp_shard_packed on every rank: one all-gather of the
  * shards ((P-1)/P of full received, the minimum), then each rank's chunks put
- * in place. local and full on the context's device. Scratch: the context
- * workspace (nbytes(full)). */
+ * in place (one reorder kernel on a device). local and full on the
+ * context's device. Scratch: the context workspace (nbytes(full)). */
 cpar_status cpar_cp_unshard_packed(cpar_group *cp, const cpar_packed_seqs *seqs, const cpar_tensor *local,
                                    int seq_dim, cpar_tensor *full);
 /* The layout as an index map (Megatron / Transformer Engine's
@@ -1536,10 +1648,12 @@ cpar_status cpar_mamba_cp_post_conv_ssm(cpar_mamba_cp *m, const cpar_tensor *in,
  * of a multiple of 2P; every document's (padded) length divides by 2P
  * (errors name the document). Every batch column (dim 1) shares the packing
  * (Megatron's THD has b = 1). Communication as the unpacked calls: one
- * all-to-all of (P-1)/P of the buffer; the reorder is 2 copies per document
- * and rank. A packing of one unpadded document is the unpacked call. The
- * conv1d below treats the sequence as one: a caller whose documents must not
- * see each other's tokens runs it per document (mamba_ssm's seq_idx). */
+ * all-to-all of (P-1)/P of the buffer; the reorder is one kernel on a
+ * device, 2 copies per document and rank on the host. A packing of one
+ * unpadded document is the unpacked call. The conv1d below treats the
+ * sequence as one: a caller whose documents must not see each other's
+ * tokens runs it per document (mamba_ssm's seq_idx), on row ranges of pre's
+ * output (views at the document's boundaries; the gradients accumulate). */
 cpar_status cpar_mamba_cp_pre_conv_ssm_packed(cpar_mamba_cp *m, const cpar_packed_seqs *seqs, const cpar_tensor *in,
                                               cpar_tensor *out, cpar_dir dir);
 cpar_status cpar_mamba_cp_post_conv_ssm_packed(cpar_mamba_cp *m, const cpar_packed_seqs *seqs, const cpar_tensor *in,
@@ -1978,6 +2092,20 @@ cpar_status cpar_dev_mamba_conv1d_backward(const void *x, int64_t x_pitch, cpar_
 cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_pitch, const void *src, int64_t src_gs,
                                         int64_t rep_stride, int64_t src_pitch, int64_t groups, int64_t reps,
                                         int64_t rows, int64_t cols, cpar_dtype dt, cpar_dev_stream st);
+
+/* ---- for §12 and §13: packed sequences (THD) --------------------------------
+ * Rows of row_bytes between the natural packing nat (outer slices nat_pitch
+ * bytes apart, each total = cu[n_docs] rows) and the blocks of ranks
+ * [r0, r0 + nranks) of p (block k at blk + k blk_stride: outer slices
+ * blk_pitch bytes apart, each total/p rows in §12's packed layout: chunks r
+ * and 2p-1-r of every document). cu: HOST int32 [n_docs + 1], the (padded)
+ * boundaries, already validated (each document's length a multiple of 2p);
+ * read during the call and passed to the kernel by value (256 documents per
+ * launch). to_blocks: nat -> blocks (shard, redo), else blocks -> nat
+ * (unshard, undo). Nothing else is touched. */
+cpar_status cpar_dev_packed_reorder(void *nat, size_t nat_pitch, void *blk, size_t blk_pitch, size_t blk_stride,
+                                    int r0, int nranks, int p, const int32_t *cu, int n_docs, int64_t outer,
+                                    size_t row_bytes, bool to_blocks, cpar_dev_stream st);
 
 /* ---- for §14: RMSNorm (cpar_kernels.cu §19) --------------------------------
  * x, add (NULL: none), weight [h], y: elements of dt (F32/F16/BF16), rows of

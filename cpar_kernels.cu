@@ -39,7 +39,7 @@
  *   15. Tensor-core wrappers: mma.sync m16n8k16, ldmatrix, cp.async
  *   16. Local attention: the flash forward and backward kernels
  *   17. Ring attention: the fp32 LSE merge
- *   18. Mamba context parallelism: group-replica sums, depthwise causal conv1d
+ *   18. Mamba context parallelism: group-replica sums, depthwise causal conv1d, packed (THD) reorder
  *   19. RMSNorm forward (with an optional fused residual add) and backward
  *   20. GeLU (tanh approximation) forward and backward
  *   21. Training: the fused AdamW step and a deterministic sum of squares
@@ -2900,7 +2900,9 @@ cpar_status cpar_dev_ring_merge(float *out, float *lse, const float *out_b, cons
  * (cpar_dev_conv_rows), forward and backward, and the B/C replica-gradient
  * sum of pre_conv_ssm's backward. Activations are sequence first: token
  * (t, bi) is row t*b + bi of x [s*b, x_pitch] (channel c at column c), of y
- * and dy [s*b, C]. All math in fp32; K = d_conv in 2..4. Uses: 2, 3, 4. */
+ * and dy [s*b, C]. All math in fp32; K = d_conv in 2..4. Also the packed
+ * (THD) row reorder that packed sharding and packed pre/post conv_ssm share.
+ * Uses: 2, 3, 4, 9 (word types). */
 
 static constexpr int CPAR__MCP_KMAX = 4;
 
@@ -3170,6 +3172,115 @@ cpar_status cpar_dev_mamba_sum_replicas(void *dst, int64_t dst_gs, int64_t dst_p
     });
     CPAR__TRY_CUDA(e, "mamba sum_replicas kernel launch (%s, %lld groups x %lld reps x %lld x %lld)",
                    cpar__dtype_name(dt), (long long)groups, (long long)reps, (long long)rows, (long long)cols);
+    return CPAR_OK;
+}
+
+/* ---- packed (THD) reorder: the rows of cpar.h §12's packed CP layout ---------
+ * Shared by cpar.c §19 (packed shard / unshard) and §20 (packed pre / post
+ * conv_ssm). Local row l of rank j's block lies in document i when
+ * cu[i] <= l P < cu[i+1] (cu holds multiples of 2P, so local document starts
+ * are cu[i] / P); its offset o = l - cu[i]/P picks slot o >= c (c = the
+ * document's length / 2P) and the global row cu[i] + chunk c + o % c with
+ * chunk j (slot 0) or 2P-1-j (slot 1). The boundaries travel in the kernel's
+ * parameters, CPAR__PACKED_DOCS documents per launch (one launch for most
+ * batches): no device copy of them, nothing for the caller to keep alive. */
+
+static constexpr int CPAR__PACKED_DOCS = 256;
+
+struct cpar__packed_docs {
+    int32_t cu[CPAR__PACKED_DOCS + 1]; /* this launch's boundaries, n + 1 of them */
+    int n;
+};
+
+/* One thread row per (outer slice o, block k, local row l of this launch's
+ * documents, from l0): the document by binary search (empty documents share
+ * a start: the largest i with cu[i] <= l P is the non-empty one), then the
+ * row's words copied. Pitches, strides and words in W units. Launch:
+ * cpar__shape_2d over words x (outer nranks rows), grid-stride in both.
+ * Moves 2 outer nranks rows words sizeof(W) bytes. */
+template <typename W>
+static __global__ void cpar__packed_reorder_kernel(W *nat, int64_t nat_pitch, W *blk, int64_t blk_pitch,
+                                                   int64_t blk_stride, int r0, int nranks, int p,
+                                                   const cpar__packed_docs docs, int64_t l0, int64_t rows,
+                                                   int64_t outer, int64_t words, bool to_blocks) {
+    const int64_t c0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = outer * nranks * rows;
+    for (int64_t y = (int64_t)blockIdx.y * blockDim.y + threadIdx.y; y < n; y += (int64_t)gridDim.y * blockDim.y) {
+        const int64_t l = l0 + y % rows, k = y / rows % nranks, o = y / rows / nranks, key = l * p;
+        int lo = 0, hi = docs.n - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (docs.cu[mid] <= key) lo = mid;
+            else hi = mid - 1;
+        }
+        const int64_t start = docs.cu[lo], c = ((int64_t)docs.cu[lo + 1] - start) / (2 * p), off = l - start / p;
+        const int64_t slot = off >= c ? 1 : 0, j = r0 + k, chunk = slot ? 2 * (int64_t)p - 1 - j : j;
+        W *a = nat + o * nat_pitch + (start + chunk * c + off - slot * c) * words;
+        W *b = blk + k * blk_stride + o * blk_pitch + l * words;
+        for (int64_t w = c0; w < words; w += (int64_t)gridDim.x * blockDim.x) {
+            if (to_blocks) b[w] = a[w];
+            else a[w] = b[w];
+        }
+    }
+}
+
+template <int W>
+static cudaError_t cpar__launch_packed_reorder(void *nat, size_t nat_pitch, void *blk, size_t blk_pitch,
+                                               size_t blk_stride, int r0, int nranks, int p,
+                                               const cpar__packed_docs &docs, int64_t l0, int64_t rows, int64_t outer,
+                                               size_t row_bytes, bool to_blocks, cudaStream_t s) {
+    typedef typename cpar__word_of<W>::type word;
+    const int64_t words = (int64_t)(row_bytes / W);
+    const cpar__shape sh = cpar__shape_2d(words, outer * nranks * rows);
+    auto kernel = cpar__packed_reorder_kernel<word>;
+    CPAR_LAUNCH(kernel, sh.grid, sh.block, 0, s)
+    (static_cast<word *>(nat), (int64_t)(nat_pitch / W), static_cast<word *>(blk), (int64_t)(blk_pitch / W),
+     (int64_t)(blk_stride / W), r0, nranks, p, docs, l0, rows, outer, words, to_blocks);
+    return cudaGetLastError();
+}
+
+cpar_status cpar_dev_packed_reorder(void *nat, size_t nat_pitch, void *blk, size_t blk_pitch, size_t blk_stride,
+                                    int r0, int nranks, int p, const int32_t *cu, int n_docs, int64_t outer,
+                                    size_t row_bytes, bool to_blocks, cpar_dev_stream st) {
+    CPAR__CHECK_COUNT(outer);
+    if (p < 1) return CPAR__INVALID("p = %d, expected >= 1", p);
+    if (nranks < 1 || r0 < 0 || r0 + nranks > p)
+        return CPAR__INVALID("ranks [%d, %d), expected within [0, %d)", r0, r0 + nranks, p);
+    if (n_docs < 1 || !cu) return CPAR__INVALID("n_docs = %d (cu %s), expected >= 1 boundaries", n_docs, cu ? "set" : "NULL");
+    const int64_t total = cu[n_docs], L = total / p;
+    if (total % (2 * (int64_t)p))
+        return CPAR__INVALID("cu[n_docs] = %lld, expected a multiple of 2p = %d", (long long)total, 2 * p);
+    const bool nonempty = outer > 0 && L > 0 && row_bytes > 0;
+    CPAR__CHECK_PTR(nat, nonempty);
+    CPAR__CHECK_PTR(blk, nonempty);
+    if (!nonempty) return CPAR_OK;
+    if (outer > 1 && nat_pitch < (size_t)total * row_bytes)
+        return CPAR__INVALID("nat_pitch = %zu, expected >= total * row_bytes = %zu", nat_pitch, (size_t)total * row_bytes);
+    if (outer > 1 && blk_pitch < (size_t)L * row_bytes)
+        return CPAR__INVALID("blk_pitch = %zu, expected >= L * row_bytes = %zu", blk_pitch, (size_t)L * row_bytes);
+    cudaStream_t cs = cpar__stream(st);
+    const size_t common = (uintptr_t)nat | (uintptr_t)blk | nat_pitch | blk_pitch | blk_stride | row_bytes | 16;
+    const size_t word = common & (~common + 1); /* lowest set bit: the widest common word */
+    for (int d0 = 0; d0 < n_docs; d0 += CPAR__PACKED_DOCS) {
+        cpar__packed_docs docs;
+        docs.n = n_docs - d0 < CPAR__PACKED_DOCS ? n_docs - d0 : CPAR__PACKED_DOCS;
+        for (int i = 0; i <= docs.n; i++) docs.cu[i] = cu[d0 + i];
+        const int64_t l0 = docs.cu[0] / p, rows = docs.cu[docs.n] / p - l0;
+        if (!rows) continue;
+        cudaError_t e;
+        switch (word) {
+#define CPAR__PR(W)                                                                                                    \
+    e = cpar__launch_packed_reorder<W>(nat, nat_pitch, blk, blk_pitch, blk_stride, r0, nranks, p, docs, l0, rows,      \
+                                       outer, row_bytes, to_blocks, cs)
+        case 1: CPAR__PR(1); break;
+        case 2: CPAR__PR(2); break;
+        case 4: CPAR__PR(4); break;
+        case 8: CPAR__PR(8); break;
+        default: CPAR__PR(16); break;
+#undef CPAR__PR
+        }
+        CPAR__TRY_CUDA(e, "packed reorder kernel launch (%lld rows of %zu bytes, documents %d..%d, ranks %d..%d of %d)",
+                       (long long)(outer * nranks * rows), row_bytes, d0, d0 + docs.n - 1, r0, r0 + nranks - 1, p);
+    }
     return CPAR_OK;
 }
 

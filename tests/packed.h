@@ -10,7 +10,7 @@
 
 #include "cpar.h"
 
-#define MAX_DOCS 8 /* documents in a packing */
+#define MAX_DOCS 320 /* documents in a packing (test_packed's many_docs: more than one kernel launch takes) */
 #define N_PACKINGS 3 /* make_packings' count */
 
 typedef struct {

@@ -829,6 +829,592 @@ START_TEST(test_gemm_blocking) {
 }
 END_TEST
 
+/* ==== issue 15: gradient dtypes, tied weights, runtime_gather_output, deferral ====
+ * Shared data: M micro-batches (x_m [T, K], dy_m [T, N]) on one master weight
+ * W [N, K] and bias [N], every value rounded to the layer's dtype, so the
+ * fp64 reference sees exactly what the layer sees. */
+
+#define MAX_MB 3
+
+typedef struct {
+    cpar_dtype dt;
+    int64_t s, b, K, N, T;
+    int M;
+    double *W, *bias, *x[MAX_MB], *dy[MAX_MB];
+    double *dW[MAX_MB], *db[MAX_MB]; /* per micro-batch reference gradients */
+} mb_data;
+
+static void mb_init(mb_data *d, cpar_dtype dt, int64_t K, int64_t N, int M, uint64_t seed) {
+    memset(d, 0, sizeof *d);
+    d->dt = dt, d->s = 12, d->b = 2, d->K = K, d->N = N, d->T = d->s * d->b, d->M = M;
+    d->W = random_rounded(N * K, 1.0 / sqrt((double)K), seed, dt);
+    d->bias = random_rounded(N, 0.5, seed + 1, dt);
+    for (int m = 0; m < M; m++) {
+        d->x[m] = random_rounded(d->T * K, 1.0, seed + 10 + (uint64_t)m, dt);
+        d->dy[m] = random_rounded(d->T * N, 1.0, seed + 20 + (uint64_t)m, dt);
+        d->dW[m] = malloc(sizeof(double) * (size_t)(N * K)), d->db[m] = malloc(sizeof(double) * (size_t)N);
+        ref_wgrad(d->dy[m], d->x[m], d->T, K, N, d->dW[m], d->db[m]);
+    }
+}
+
+static void mb_free(mb_data *d) {
+    free(d->W), free(d->bias);
+    for (int m = 0; m < d->M; m++) free(d->x[m]), free(d->dy[m]), free(d->dW[m]), free(d->db[m]);
+}
+
+static void mb_init_layer(cpar_linear *l, const mb_data *d, bool weight, bool bias) {
+    float *mw = tu_to_f32(d->W, d->N * d->K), *mb = tu_to_f32(d->bias, d->N);
+    int64_t ws[2] = {d->N, d->K};
+    cpar_tensor tw = cpar_tensor_make(mw, CPAR_F32, 2, ws, CPAR_HOST), tb = cpar_tensor_make(mb, CPAR_F32, 1, &d->N, CPAR_HOST);
+    TU_OK(cpar_linear_init_from_master(l, weight ? &tw : NULL, bias ? &tb : NULL));
+    free(mw), free(mb);
+}
+
+/* Expected [Nl, Kl] slice (rows ncols, columns kcols) of scale * sum over
+ * micro-batches [m0, m1) of dW_m, and [Nl] of db_m. */
+static double *mb_dw(const mb_data *d, int m0, int m1, const int64_t *ncols, int64_t Nl, const int64_t *kcols, int64_t Kl) {
+    double *o = calloc((size_t)(Nl * Kl + 1), sizeof(double));
+    for (int m = m0; m < m1; m++)
+        for (int64_t i = 0; i < Nl; i++)
+            for (int64_t j = 0; j < Kl; j++) o[i * Kl + j] += d->dW[m][ncols[i] * d->K + (kcols ? kcols[j] : j)];
+    return o;
+}
+static double *mb_db(const mb_data *d, int m0, int m1, const int64_t *ncols, int64_t Nl) {
+    double *o = calloc((size_t)Nl + 1, sizeof(double));
+    for (int m = m0; m < m1; m++)
+        for (int64_t i = 0; i < Nl; i++) o[i] += d->db[m][ncols[i]];
+    return o;
+}
+
+/* Activation tolerance of a dtype (a sum of dtype-rounded partial products). */
+static double act_tol(cpar_dtype dt) { return dt == CPAR_F32 ? 1e-5 : dt == CPAR_F16 ? 4e-3 : 1.6e-2; }
+/* Gradient tolerance of a grad dtype: the inputs are exact in it, so an F32
+ * grad is an fp32 sum; a 16-bit grad is rounded once per accumulation. */
+static double grad_tol(cpar_dtype gdt) { return gdt == CPAR_F32 ? 1e-5 : tu_tol(gdt); }
+
+/* ---- gradient-accumulation fusion: fp32 / fp16 / bf16 main grads, or the param-dtype grad ---- */
+
+typedef struct {
+    const char *name;
+    cpar_dtype dt;       /* the layer's dtype */
+    bool unfused;        /* disable_gradient_accumulation_fusion */
+    cpar_dtype mg;       /* main_grad_dtype */
+    cpar_dtype want;     /* the gradients' dtype */
+} grad_mode;
+
+static const grad_mode grad_modes[] = {
+    {"f32 fused (default)", CPAR_F32, false, CPAR_F32, CPAR_F32},
+    {"bf16 fused, fp32 main grad", CPAR_BF16, false, CPAR_F32, CPAR_F32},
+    {"bf16 fused, bf16 main grad", CPAR_BF16, false, CPAR_BF16, CPAR_BF16},
+    {"f16 fused, f16 main grad", CPAR_F16, false, CPAR_F16, CPAR_F16},
+    {"bf16 unfused: bf16 .grad", CPAR_BF16, true, CPAR_F32, CPAR_BF16},
+    {"f16 unfused: f16 .grad", CPAR_F16, true, CPAR_F32, CPAR_F16},
+    {"f32 unfused: f32 .grad", CPAR_F32, true, CPAR_F32, CPAR_F32},
+};
+#define N_GRAD_MODES (int)(sizeof grad_modes / sizeof grad_modes[0])
+
+typedef struct {
+    const grad_mode *gm;
+    bool row;
+    mb_data d;
+} grad_case;
+
+/* Column (sequence parallel) or row (input_is_parallel, sequence parallel),
+ * with bias: forward, backward, and a second backward that accumulates. */
+static cpar_status rank_grad_mode(cpar_ctx *ctx, void *arg) {
+    const grad_case *c = arg;
+    const grad_mode *gm = c->gm;
+    const mb_data *d = &c->d;
+    cpar_group *g = cpar_world_group(ctx);
+    const int n = cpar_group_size(g), r = cpar_group_rank(g);
+    const bool row = c->row;
+    const int64_t s = d->s, b = d->b, K = d->K, N = d->N, T = d->T;
+    const int64_t Nl = row ? N : N / n, Kl = row ? K / n : K, sl = s / n;
+    cpar_linear_config cfg = {.input_size = K, .output_size = N, .dtype = gm->dt, .bias = true,
+                              .sequence_parallel = true, .input_is_parallel = row,
+                              .disable_gradient_accumulation_fusion = gm->unfused, .main_grad_dtype = gm->mg};
+    cpar_linear *l;
+    TU_OK(row ? cpar_row_parallel_linear_create(g, &cfg, &l) : cpar_column_parallel_linear_create(g, &cfg, &l));
+    mb_init_layer(l, d, true, true);
+    int64_t ncols[64], kcols[64];
+    for (int64_t i = 0; i < Nl; i++) ncols[i] = row ? i : r * Nl + i;
+    for (int64_t j = 0; j < Kl; j++) kcols[j] = row ? r * Kl + j : j;
+    /* column: x [s/n, b, K] rows of rank r, y [s, b, Nl]; row: x [s, b, Kl], y [s/n, b, N] */
+    const int64_t xr0 = row ? 0 : r * sl * b, xrows = row ? T : sl * b, yr0 = row ? r * sl * b : 0, yrows = row ? sl * b : T;
+    int64_t xs[3] = {row ? s : sl, b, Kl}, ys[3] = {row ? sl : s, b, Nl};
+    cpar_tensor x = upload_sub(ctx, d->x[0], K, xr0, xrows, kcols, Kl, gm->dt, 3, xs);
+    cpar_tensor dy = upload_sub(ctx, d->dy[0], N, yr0, yrows, ncols, Nl, gm->dt, 3, ys);
+    cpar_tensor y = tu_alloc_poisoned(ctx, gm->dt, 3, ys), dx = tu_alloc_poisoned(ctx, gm->dt, 3, xs);
+    TU_OK(cpar_linear_forward(l, &x, &y, NULL));
+    double *yref = malloc(sizeof(double) * (size_t)(T * N)), *dxref = malloc(sizeof(double) * (size_t)(T * K));
+    ref_fwd(d->x[0], d->W, d->bias, T, K, N, yref);
+    ref_dgrad(d->dy[0], d->W, T, K, N, NULL, dxref);
+    double *e = sub(yref, N, yr0, yrows, ncols, Nl, 1.0);
+    expect_tensor(ctx, &y, e, act_tol(gm->dt), gm->name), free(e);
+    TU_OK(cpar_linear_backward(l, &dy, &dx));
+    e = sub(dxref, K, xr0, xrows, kcols, Kl, 1.0);
+    expect_tensor(ctx, &dx, e, act_tol(gm->dt), "dx"), free(e);
+    cpar_tensor dW = cpar_linear_weight_grad(l), db = cpar_linear_bias_grad(l);
+    ck_assert_msg(dW.dtype == gm->want && db.dtype == gm->want, "%s: grads have dtypes %s / %s, expected %s", gm->name,
+                  cpar_dtype_name(dW.dtype), cpar_dtype_name(db.dtype), cpar_dtype_name(gm->want));
+    double *we = mb_dw(d, 0, 1, ncols, Nl, kcols, Kl), *be = mb_db(d, 0, 1, ncols, Nl);
+    expect_tensor(ctx, &dW, we, grad_tol(gm->want), "dW"), expect_tensor(ctx, &db, be, grad_tol(gm->want), "db");
+    /* a second backward accumulates in the grad dtype */
+    TU_OK(cpar_linear_backward(l, &dy, NULL));
+    for (int64_t i = 0; i < Nl * Kl; i++) we[i] *= 2.0;
+    for (int64_t i = 0; i < Nl; i++) be[i] *= 2.0;
+    expect_tensor(ctx, &dW, we, grad_tol(gm->want), "dW twice"), expect_tensor(ctx, &db, be, grad_tol(gm->want), "db twice");
+    TU_OK(cpar_linear_zero_grad(l));
+    double *z = calloc((size_t)(Nl * Kl), sizeof(double));
+    expect_tensor(ctx, &dW, z, 0.0, "dW after zero_grad"), free(z);
+    free(we), free(be), free(yref), free(dxref);
+    cpar_tensor *all[] = {&x, &dy, &y, &dx};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) TU_OK(cpar_tensor_free(ctx, all[i]));
+    TU_OK(cpar_linear_destroy(l));
+    return CPAR_OK;
+}
+
+/* _i = mode * 2 + row; every tp 1..4 */
+START_TEST(test_grad_fusion) {
+    grad_case c = {.gm = &grad_modes[_i / 2], .row = _i % 2};
+    mb_init(&c.d, c.gm->dt, 24, 24, 1, 1100 + (uint64_t)_i);
+    for (int tp = 1; tp <= MAX_TP; tp++) TU_OK(tu_spawn(tp, rank_grad_mode, &c));
+    mb_free(&c.d);
+}
+END_TEST
+
+/* ---- tied embeddings: the output layer runs on the embedding's weight ----
+ * An embedding [V, H] and a column layer (H -> V, skip_weight_param_allocation)
+ * given the embedding's weight and main grad; beside it a column layer with a
+ * copy of the weight. The tied layer's y, dx and bias grad equal the copy's
+ * bit for bit, and the embedding's main grad ends up holding its own lookup
+ * gradient plus the output layer's weight gradient (against fp64). */
+
+typedef struct {
+    bool sp;
+    mb_data d; /* K = H, N = V */
+    int32_t *ids;
+    double *dout; /* [b, s, H] embedding output gradient */
+} tied_case;
+
+static cpar_status rank_tied(cpar_ctx *ctx, void *arg) {
+    const tied_case *c = arg;
+    const mb_data *d = &c->d;
+    cpar_group *g = cpar_world_group(ctx);
+    const int n = cpar_group_size(g), r = cpar_group_rank(g);
+    const int64_t s = d->s, b = d->b, K = d->K, N = d->N, T = d->T, Nl = N / n, sx = c->sp ? s / n : s;
+    cpar_embedding_config ec = {.num_embeddings = N, .embedding_dim = K, .dtype = d->dt};
+    cpar_embedding *emb;
+    TU_OK(cpar_embedding_create(g, &ec, &emb));
+    float *mw = tu_to_f32(d->W, N * K);
+    int64_t ws[2] = {N, K};
+    cpar_tensor tw = cpar_tensor_make(mw, CPAR_F32, 2, ws, CPAR_HOST);
+    TU_OK(cpar_embedding_init_from_master(emb, &tw));
+    free(mw);
+    cpar_linear_config cfg = {.input_size = K, .output_size = N, .dtype = d->dt, .bias = true,
+                              .sequence_parallel = c->sp, .skip_weight_param_allocation = true};
+    cpar_linear *tied, *copy;
+    TU_OK(cpar_column_parallel_linear_create(g, &cfg, &tied));
+    cfg.skip_weight_param_allocation = false;
+    TU_OK(cpar_column_parallel_linear_create(g, &cfg, &copy));
+    mb_init_layer(tied, d, false, true); /* the bias only: there is no weight */
+    mb_init_layer(copy, d, true, true);
+    ck_assert(cpar_linear_weight(tied).data == NULL && cpar_linear_weight_grad(tied).data == NULL);
+    cpar_tensor ew = cpar_embedding_weight(emb), eg = cpar_embedding_weight_grad(emb);
+    int64_t ncols[64];
+    for (int64_t i = 0; i < Nl; i++) ncols[i] = r * Nl + i;
+    int64_t xs[3] = {sx, b, K}, ys[3] = {s, b, Nl}, es[3] = {b, s, K}, is[2] = {b, s};
+    cpar_tensor x = upload_sub(ctx, d->x[0], K, c->sp ? r * sx * b : 0, sx * b, NULL, K, d->dt, 3, xs);
+    cpar_tensor dy = upload_sub(ctx, d->dy[0], N, 0, T, ncols, Nl, d->dt, 3, ys);
+    cpar_tensor dout = upload_sub(ctx, c->dout, K, 0, T, NULL, K, d->dt, 3, es);
+    cpar_tensor ids = tu_upload(ctx, c->ids, CPAR_I32, 2, is);
+    cpar_tensor yt = tu_alloc_poisoned(ctx, d->dt, 3, ys), yc = tu_alloc_poisoned(ctx, d->dt, 3, ys);
+    cpar_tensor dxt = tu_alloc_poisoned(ctx, d->dt, 3, xs), dxc = tu_alloc_poisoned(ctx, d->dt, 3, xs);
+    cpar_linear_forward_args args = {.weight = &ew, .weight_grad = &eg};
+    TU_OK(cpar_linear_forward_ex(tied, &x, &yt, NULL, &args));
+    TU_OK(cpar_linear_forward(copy, &x, &yc, NULL));
+    double *yref = malloc(sizeof(double) * (size_t)(T * N));
+    ref_fwd(d->x[0], d->W, d->bias, T, K, N, yref);
+    double *e = sub(yref, N, 0, T, ncols, Nl, 1.0);
+    expect_tensor(ctx, &yt, e, act_tol(d->dt), "tied y"), free(e), free(yref);
+    void *h1 = tu_download(ctx, &yt), *h2 = tu_download(ctx, &yc);
+    TU_EXPECT_SAME(h1, h2, d->dt, T * Nl);
+    free(h1), free(h2);
+    TU_OK(cpar_embedding_layer_backward(emb, &ids, &dout));
+    TU_OK(cpar_linear_backward(tied, &dy, &dxt));
+    TU_OK(cpar_linear_backward(copy, &dy, &dxc));
+    h1 = tu_download(ctx, &dxt), h2 = tu_download(ctx, &dxc);
+    TU_EXPECT_SAME(h1, h2, d->dt, sx * b * K);
+    free(h1), free(h2);
+    cpar_tensor dbt = cpar_linear_bias_grad(tied), dbc = cpar_linear_bias_grad(copy);
+    h1 = tu_download(ctx, &dbt), h2 = tu_download(ctx, &dbc);
+    TU_EXPECT_SAME(h1, h2, CPAR_F32, Nl);
+    free(h1), free(h2);
+    /* the embedding's main grad: its lookup gradient + the output layer's dW */
+    double *want = mb_dw(d, 0, 1, ncols, Nl, NULL, K);
+    for (int64_t t = 0; t < T; t++) {
+        int64_t row = c->ids[t] - r * Nl; /* token t = (i, j) of ids [b, s] is dout row t */
+        if (row >= 0 && row < Nl)
+            for (int64_t k = 0; k < K; k++) want[row * K + k] += c->dout[t * K + k];
+    }
+    expect_tensor(ctx, &eg, want, 1e-5, "embedding main grad (lookup + tied output layer)"), free(want);
+    cpar_tensor *all[] = {&x, &dy, &dout, &ids, &yt, &yc, &dxt, &dxc};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) TU_OK(cpar_tensor_free(ctx, all[i]));
+    TU_OK(cpar_linear_destroy(tied));
+    TU_OK(cpar_linear_destroy(copy));
+    TU_OK(cpar_embedding_destroy(emb));
+    return CPAR_OK;
+}
+
+/* _i: 0 F32, 1 F32 sequence parallel, 2 BF16 sequence parallel; tp 1..4 */
+START_TEST(test_tied_weight) {
+    static const cpar_dtype dts[] = {CPAR_F32, CPAR_F32, CPAR_BF16};
+    tied_case c = {.sp = _i > 0};
+    mb_init(&c.d, dts[_i], 16, 24, 1, 1200 + (uint64_t)_i);
+    uint64_t rs = 1300 + (uint64_t)_i;
+    c.ids = malloc(sizeof(int32_t) * (size_t)c.d.T);
+    for (int64_t t = 0; t < c.d.T; t++) c.ids[t] = (int32_t)(tu_next(&rs) % (uint64_t)c.d.N);
+    c.dout = random_rounded(c.d.T * c.d.K, 1.0, 1400 + (uint64_t)_i, dts[_i]);
+    for (int tp = 1; tp <= MAX_TP; tp++) TU_OK(tu_spawn(tp, rank_tied, &c));
+    free(c.ids), free(c.dout);
+    mb_free(&c.d);
+}
+END_TEST
+
+/* ---- runtime_gather_output: overrides gather_output for one call ---- */
+
+static cpar_status rank_runtime_gather(cpar_ctx *ctx, void *arg) {
+    const mb_data *d = arg;
+    cpar_group *g = cpar_world_group(ctx);
+    const int n = cpar_group_size(g), r = cpar_group_rank(g);
+    const int64_t s = d->s, b = d->b, K = d->K, N = d->N, T = d->T, Nl = N / n;
+    int64_t ncols[64], all_n[64];
+    for (int64_t i = 0; i < Nl; i++) ncols[i] = r * Nl + i;
+    for (int64_t i = 0; i < N; i++) all_n[i] = i;
+    double *yref = malloc(sizeof(double) * (size_t)(T * N)), *dxref = malloc(sizeof(double) * (size_t)(T * K));
+    ref_fwd(d->x[0], d->W, NULL, T, K, N, yref);
+    ref_dgrad(d->dy[0], d->W, T, K, N, NULL, dxref);
+    int64_t xs[3] = {s, b, K};
+    cpar_tensor x = upload_sub(ctx, d->x[0], K, 0, T, NULL, K, CPAR_F32, 3, xs);
+    for (int layer_go = 0; layer_go < 2; layer_go++) {
+        cpar_linear_config cfg = {.input_size = K, .output_size = N, .gather_output = layer_go};
+        cpar_linear *l;
+        TU_OK(cpar_column_parallel_linear_create(g, &cfg, &l));
+        mb_init_layer(l, d, true, false);
+        for (int rt = CPAR_RUNTIME_GATHER_NONE; rt <= CPAR_RUNTIME_GATHER_FALSE; rt++) {
+            const bool go = rt == CPAR_RUNTIME_GATHER_NONE ? layer_go : rt == CPAR_RUNTIME_GATHER_TRUE;
+            const int64_t ny = go ? N : Nl;
+            int64_t ys[3] = {s, b, ny}, yother[3] = {s, b, go ? Nl : N};
+            cpar_tensor y = tu_alloc_poisoned(ctx, CPAR_F32, 3, ys), dx = tu_alloc_poisoned(ctx, CPAR_F32, 3, xs);
+            cpar_tensor dy = upload_sub(ctx, d->dy[0], N, 0, T, go ? all_n : ncols, ny, CPAR_F32, 3, ys);
+            cpar_linear_forward_args args = {.runtime_gather_output = (cpar_runtime_gather)rt};
+            if (n > 1) { /* the other mode's shape is refused */
+                cpar_tensor yo = tu_alloc_poisoned(ctx, CPAR_F32, 3, yother);
+                TU_FAILS(cpar_linear_forward_ex(l, &x, &yo, NULL, &args), CPAR_ERR_INVALID, "y has shape");
+                TU_OK(cpar_tensor_free(ctx, &yo));
+            }
+            TU_OK(cpar_group_stats_reset(g));
+            TU_OK(cpar_linear_forward_ex(l, &x, &y, NULL, &args));
+            cpar_comm_stats st;
+            TU_OK(cpar_group_stats(g, &st));
+            const uint64_t gathers = go && n > 1;
+            ck_assert_msg(st.kind[CPAR_COLL_ALL_GATHER].calls == gathers &&
+                              st.kind[CPAR_COLL_ALL_GATHER].bytes_sent == gathers * ag_bytes((uint64_t)(T * Nl) * 4, n),
+                          "layer gather_output %d, runtime %d, tp %d: %llu all-gathers", layer_go, rt, n,
+                          (unsigned long long)st.kind[CPAR_COLL_ALL_GATHER].calls);
+            double *e = sub(yref, N, 0, T, go ? all_n : ncols, ny, 1.0);
+            expect_tensor(ctx, &y, e, 1e-5, "runtime_gather_output y"), free(e);
+            TU_OK(cpar_linear_zero_grad(l));
+            TU_OK(cpar_linear_backward(l, &dy, &dx)); /* dy shaped as this forward's y */
+            expect_tensor(ctx, &dx, dxref, 1e-5, "runtime_gather_output dx");
+            cpar_tensor dW = cpar_linear_weight_grad(l);
+            double *we = mb_dw(d, 0, 1, ncols, Nl, NULL, K);
+            expect_tensor(ctx, &dW, we, 1e-5, "runtime_gather_output dW"), free(we);
+            cpar_tensor *tmp[] = {&y, &dx, &dy};
+            for (int i = 0; i < 3; i++) TU_OK(cpar_tensor_free(ctx, tmp[i]));
+        }
+        TU_OK(cpar_linear_destroy(l));
+    }
+    TU_OK(cpar_tensor_free(ctx, &x));
+    free(yref), free(dxref);
+    return CPAR_OK;
+}
+
+START_TEST(test_runtime_gather_output) {
+    mb_data d;
+    mb_init(&d, CPAR_F32, 20, 24, 1, 1500);
+    for (int tp = 1; tp <= MAX_TP; tp++) TU_OK(tu_spawn(tp, rank_runtime_gather, &d));
+    mb_free(&d);
+}
+END_TEST
+
+/* ---- defer_embedding_wgrad_compute / wgrad_deferral_limit and the drain ----
+ * M = 3 micro-batches, one forward and one backward each, through a deferred
+ * layer and a plain one. dx and the bias grad are computed at once; the
+ * first min(M, limit) weight gradients wait (and with sequence parallelism
+ * so does the all-gather of x), later ones are computed at once; the drain
+ * computes the waiting ones (one all-gather each with sequence parallelism)
+ * into the gradient their forward used. */
+
+typedef struct {
+    const char *name;
+    int limit;
+    bool sp, go, tied;
+} defer_mode;
+
+static const defer_mode defer_modes[] = {
+    {"no limit", 0, false, false, false},
+    {"no limit, sp", 0, true, false, false},
+    {"limit 2 of 3, sp", 2, true, false, false},
+    {"limit 1 of 3, gather_output", 1, false, true, false},
+    {"no limit, sp, tied weight", 0, true, false, true},
+    {"limit 3 of 3", 3, false, false, false},
+};
+#define N_DEFER_MODES (int)(sizeof defer_modes / sizeof defer_modes[0])
+
+typedef struct {
+    const defer_mode *dm;
+    mb_data d;
+} defer_case;
+
+static cpar_status rank_defer(cpar_ctx *ctx, void *arg) {
+    const defer_case *c = arg;
+    const defer_mode *dm = c->dm;
+    const mb_data *d = &c->d;
+    cpar_group *g = cpar_world_group(ctx);
+    const int n = cpar_group_size(g), r = cpar_group_rank(g), M = d->M;
+    const int64_t s = d->s, b = d->b, K = d->K, N = d->N, T = d->T, Nl = N / n, sx = dm->sp ? s / n : s;
+    const int deferred = dm->limit ? (dm->limit < M ? dm->limit : M) : M;
+    cpar_linear_config cfg = {.input_size = K, .output_size = N, .bias = true, .sequence_parallel = dm->sp,
+                              .gather_output = dm->go};
+    cpar_linear *plain, *l;
+    TU_OK(cpar_column_parallel_linear_create(g, &cfg, &plain));
+    cfg.defer_embedding_wgrad_compute = true, cfg.wgrad_deferral_limit = dm->limit;
+    cfg.skip_weight_param_allocation = dm->tied;
+    TU_OK(cpar_column_parallel_linear_create(g, &cfg, &l));
+    mb_init_layer(plain, d, true, true);
+    mb_init_layer(l, d, !dm->tied, true);
+    int64_t ncols[64], all_n[64], wsh[2] = {Nl, K};
+    for (int64_t i = 0; i < Nl; i++) ncols[i] = r * Nl + i;
+    for (int64_t i = 0; i < N; i++) all_n[i] = i;
+    /* tied: the weight and its gradient live outside the layer */
+    cpar_tensor tw = {0}, tg = {0};
+    if (dm->tied) {
+        tw = upload_sub(ctx, d->W, K, r * Nl, Nl, NULL, K, CPAR_F32, 2, wsh);
+        TU_OK(cpar_tensor_alloc(ctx, CPAR_F32, 2, wsh, &tg));
+        TU_OK(cpar_fill(ctx, &tg, 0.0));
+    }
+    cpar_linear_forward_args args = {.weight = dm->tied ? &tw : NULL, .weight_grad = dm->tied ? &tg : NULL};
+    cpar_tensor dW = dm->tied ? tg : cpar_linear_weight_grad(l), db = cpar_linear_bias_grad(l);
+    const int64_t ny = dm->go ? N : Nl;
+    int64_t xs[3] = {sx, b, K}, ys[3] = {s, b, ny};
+    cpar_tensor x[MAX_MB], dy[MAX_MB], y = tu_alloc_poisoned(ctx, CPAR_F32, 3, ys), dx = tu_alloc_poisoned(ctx, CPAR_F32, 3, xs);
+    const uint64_t x_ag = ag_bytes((uint64_t)(sx * b * K) * 4, n);
+    for (int m = 0; m < M; m++) { /* every deferred x and dy stays alive until the drain */
+        x[m] = upload_sub(ctx, d->x[m], K, dm->sp ? r * sx * b : 0, sx * b, NULL, K, CPAR_F32, 3, xs);
+        dy[m] = upload_sub(ctx, d->dy[m], N, 0, T, dm->go ? all_n : ncols, ny, CPAR_F32, 3, ys);
+        TU_OK(cpar_linear_forward_ex(l, &x[m], &y, NULL, &args));
+        double *yref = malloc(sizeof(double) * (size_t)(T * N)), *dxref = malloc(sizeof(double) * (size_t)(T * K));
+        ref_fwd(d->x[m], d->W, d->bias, T, K, N, yref);
+        ref_dgrad(d->dy[m], d->W, T, K, N, NULL, dxref);
+        double *e = sub(yref, N, 0, T, dm->go ? all_n : ncols, ny, 1.0);
+        expect_tensor(ctx, &y, e, 1e-5, "deferred y"), free(e);
+        TU_OK(cpar_group_stats_reset(g));
+        TU_OK(cpar_linear_backward(l, &dy[m], &dx));
+        cpar_comm_stats st;
+        TU_OK(cpar_group_stats(g, &st));
+        const bool waits = m < deferred;
+        const uint64_t gathers = dm->sp && n > 1 && !waits; /* x is gathered for a wgrad computed now only */
+        ck_assert_msg(st.kind[CPAR_COLL_ALL_GATHER].calls == gathers &&
+                          st.kind[CPAR_COLL_ALL_GATHER].bytes_sent == gathers * x_ag,
+                      "%s tp %d micro-batch %d: backward made %llu all-gathers, expected %llu", dm->name, n, m,
+                      (unsigned long long)st.kind[CPAR_COLL_ALL_GATHER].calls, (unsigned long long)gathers);
+        e = sub(dxref, K, dm->sp ? r * sx * b : 0, sx * b, NULL, K, 1.0);
+        expect_tensor(ctx, &dx, e, 1e-5, "deferred dx"), free(e), free(yref), free(dxref);
+        int na, ng;
+        TU_OK(cpar_linear_deferred(l, &na, &ng));
+        const int want = m + 1 < deferred ? m + 1 : deferred;
+        ck_assert_msg(na == want && ng == want, "%s: after micro-batch %d the lists hold %d / %d, expected %d", dm->name,
+                      m, na, ng, want);
+        /* the plain layer, for the bitwise comparison */
+        TU_OK(cpar_linear_forward(plain, &x[m], &y, NULL));
+        TU_OK(cpar_linear_backward(plain, &dy[m], &dx));
+    }
+    /* before the drain: the weight gradients of the micro-batches past the
+     * limit only; the bias gradient of all of them */
+    double *we = mb_dw(d, deferred, M, ncols, Nl, NULL, K), *be = mb_db(d, 0, M, ncols, Nl);
+    expect_tensor(ctx, &dW, we, 1e-5, "dW before the drain"), free(we);
+    expect_tensor(ctx, &db, be, 1e-5, "db before the drain"), free(be);
+    TU_OK(cpar_group_stats_reset(g));
+    TU_OK(cpar_linear_drain_wgrad(l));
+    cpar_comm_stats st;
+    TU_OK(cpar_group_stats(g, &st));
+    const uint64_t gathers = dm->sp && n > 1 ? (uint64_t)deferred : 0;
+    ck_assert_msg(st.kind[CPAR_COLL_ALL_GATHER].calls == gathers && st.kind[CPAR_COLL_ALL_GATHER].bytes_sent == gathers * x_ag,
+                  "%s tp %d: the drain made %llu all-gathers (%llu bytes), expected %llu", dm->name, n,
+                  (unsigned long long)st.kind[CPAR_COLL_ALL_GATHER].calls,
+                  (unsigned long long)st.kind[CPAR_COLL_ALL_GATHER].bytes_sent, (unsigned long long)gathers);
+    for (int k = 0; k < CPAR_COLL_KIND_COUNT; k++)
+        ck_assert(k == CPAR_COLL_ALL_GATHER || st.kind[k].calls == 0);
+    int na, ng;
+    TU_OK(cpar_linear_deferred(l, &na, &ng));
+    ck_assert(na == 0 && ng == 0);
+    we = mb_dw(d, 0, M, ncols, Nl, NULL, K);
+    expect_tensor(ctx, &dW, we, 1e-5, "dW after the drain"), free(we);
+    cpar_tensor pw = cpar_linear_weight_grad(plain);
+    float *h1 = tu_download(ctx, &dW), *h2 = tu_download(ctx, &pw);
+    if (deferred == M) /* the same GEMMs in the same order as the plain layer: bit for bit */
+        TU_EXPECT_SAME(h1, h2, CPAR_F32, Nl * K);
+    free(h1), free(h2);
+    TU_OK(cpar_linear_drain_wgrad(l)); /* empty lists: nothing happens */
+    we = mb_dw(d, 0, M, ncols, Nl, NULL, K);
+    expect_tensor(ctx, &dW, we, 1e-5, "dW after a second drain"), free(we);
+    /* the limit counts afresh after a drain */
+    TU_OK(cpar_linear_forward_ex(l, &x[0], &y, NULL, &args));
+    TU_OK(cpar_linear_backward(l, &dy[0], NULL));
+    TU_OK(cpar_linear_deferred(l, &na, &ng));
+    ck_assert(na == 1 && ng == 1);
+    TU_OK(cpar_linear_drain_wgrad(l));
+    for (int m = 0; m < M; m++) {
+        TU_OK(cpar_tensor_free(ctx, &x[m]));
+        TU_OK(cpar_tensor_free(ctx, &dy[m]));
+    }
+    cpar_tensor *tmp[] = {&y, &dx, &tw, &tg};
+    for (int i = 0; i < (dm->tied ? 4 : 2); i++) TU_OK(cpar_tensor_free(ctx, tmp[i]));
+    TU_OK(cpar_linear_destroy(l));
+    TU_OK(cpar_linear_destroy(plain));
+    return CPAR_OK;
+}
+
+START_TEST(test_wgrad_deferral) {
+    defer_case c = {.dm = &defer_modes[_i]};
+    mb_init(&c.d, CPAR_F32, 20, 24, MAX_MB, 1600 + (uint64_t)_i);
+    for (int tp = 1; tp <= MAX_TP; tp++) TU_OK(tu_spawn(tp, rank_defer, &c));
+    mb_free(&c.d);
+}
+END_TEST
+
+/* ---- bad arguments of the options ---- */
+
+static cpar_status rank_bad_options(cpar_ctx *ctx, void *arg) {
+    (void)arg;
+    cpar_group *g = cpar_world_group(ctx);
+    cpar_linear *l = NULL;
+    const cpar_linear_config cfg = {.input_size = 16, .output_size = 8, .bias = true};
+    cpar_linear_config bad = cfg;
+    bad.skip_weight_param_allocation = true;
+    TU_FAILS(cpar_row_parallel_linear_create(g, &bad, &l), CPAR_ERR_INVALID,
+             "cpar_row_parallel_linear_create: cfg skip_weight_param_allocation is a ColumnParallelLinear option");
+    bad = cfg, bad.defer_embedding_wgrad_compute = true;
+    TU_FAILS(cpar_row_parallel_linear_create(g, &bad, &l), CPAR_ERR_INVALID, "defer_embedding_wgrad_compute is a ColumnParallelLinear option");
+    bad = cfg, bad.defer_embedding_wgrad_compute = true, bad.wgrad_deferral_limit = -1;
+    TU_FAILS(cpar_column_parallel_linear_create(g, &bad, &l), CPAR_ERR_INVALID, "wgrad_deferral_limit is -1, expected >= 0");
+    bad = cfg, bad.wgrad_deferral_limit = 2;
+    TU_FAILS(cpar_column_parallel_linear_create(g, &bad, &l), CPAR_ERR_INVALID,
+             "wgrad_deferral_limit is 2 but defer_embedding_wgrad_compute is false");
+    bad = cfg, bad.defer_embedding_wgrad_compute = true, bad.disable_gradient_accumulation_fusion = true;
+    TU_FAILS(cpar_column_parallel_linear_create(g, &bad, &l), CPAR_ERR_INVALID,
+             "defer_embedding_wgrad_compute requires gradient accumulation fusion");
+    bad = cfg, bad.defer_embedding_wgrad_compute = true, bad.frozen = true;
+    TU_FAILS(cpar_column_parallel_linear_create(g, &bad, &l), CPAR_ERR_INVALID, "defer_embedding_wgrad_compute with frozen");
+    bad = cfg, bad.main_grad_dtype = CPAR_BF16;
+    TU_FAILS(cpar_column_parallel_linear_create(g, &bad, &l), CPAR_ERR_INVALID,
+             "main_grad_dtype is bf16, expected f32 or the layer's dtype f32");
+    bad = cfg, bad.dtype = CPAR_BF16, bad.main_grad_dtype = CPAR_F16;
+    TU_FAILS(cpar_row_parallel_linear_create(g, &bad, &l), CPAR_ERR_INVALID, "main_grad_dtype is f16, expected f32 or the layer's dtype bf16");
+    bad = cfg, bad.dtype = CPAR_BF16, bad.main_grad_dtype = CPAR_BF16, bad.disable_gradient_accumulation_fusion = true;
+    TU_FAILS(cpar_column_parallel_linear_create(g, &bad, &l), CPAR_ERR_INVALID, "main_grad_dtype bf16 needs gradient accumulation fusion");
+    ck_assert_ptr_null(l);
+
+    /* a layer without a weight of its own */
+    int64_t xs[3] = {6, 2, 16}, ys[3] = {6, 2, 4}, yg[3] = {6, 2, 8}, wsh[2] = {4, 16}, wbad[2] = {8, 16};
+    cpar_tensor x = tu_alloc_poisoned(ctx, CPAR_F32, 3, xs), y = tu_alloc_poisoned(ctx, CPAR_F32, 3, ys);
+    cpar_tensor yfull = tu_alloc_poisoned(ctx, CPAR_F32, 3, yg);
+    cpar_tensor w = tu_alloc_poisoned(ctx, CPAR_F32, 2, wsh), wg = tu_alloc_poisoned(ctx, CPAR_F32, 2, wsh);
+    cpar_tensor w8 = tu_alloc_poisoned(ctx, CPAR_F32, 2, wbad), w16 = tu_alloc_poisoned(ctx, CPAR_BF16, 2, wsh);
+    TU_OK(cpar_fill(ctx, &x, 0.25));
+    TU_OK(cpar_fill(ctx, &w, 0.5));
+    TU_OK(cpar_fill(ctx, &wg, 0.0));
+    bad = cfg, bad.skip_weight_param_allocation = true;
+    TU_OK(cpar_column_parallel_linear_create(g, &bad, &l));
+    float mw[8 * 16] = {0}, mb[8] = {0};
+    int64_t mws[2] = {8, 16}, nb = 8;
+    cpar_tensor m = cpar_tensor_make(mw, CPAR_F32, 2, mws, CPAR_HOST), mbt = cpar_tensor_make(mb, CPAR_F32, 1, &nb, CPAR_HOST);
+    TU_FAILS(cpar_linear_init_from_master(l, &m, &mbt), CPAR_ERR_INVALID, "master_weight given but cfg skip_weight_param_allocation");
+    TU_OK(cpar_linear_init_from_master(l, NULL, &mbt));
+    TU_FAILS(cpar_linear_forward(l, &x, &y, NULL), CPAR_ERR_INVALID,
+             "cpar_linear_forward: no weight was supplied and cfg skip_weight_param_allocation is true");
+    cpar_linear_forward_args a = {.weight = &w8, .weight_grad = &wg};
+    TU_FAILS(cpar_linear_forward_ex(l, &x, &y, NULL, &a), CPAR_ERR_INVALID,
+             "cpar_linear_forward_ex: args->weight has shape [8,16], expected [4,16]");
+    a.weight = &w16;
+    TU_FAILS(cpar_linear_forward_ex(l, &x, &y, NULL, &a), CPAR_ERR_INVALID, "args->weight has dtype bf16, expected f32");
+    a = (cpar_linear_forward_args){.weight = &w};
+    TU_FAILS(cpar_linear_forward_ex(l, &x, &y, NULL, &a), CPAR_ERR_INVALID, "args->weight_grad is NULL");
+    a.weight_grad = &w16;
+    TU_FAILS(cpar_linear_forward_ex(l, &x, &y, NULL, &a), CPAR_ERR_INVALID, "args->weight_grad has dtype bf16, expected f32");
+    a.weight_grad = &w;
+    TU_FAILS(cpar_linear_forward_ex(l, &x, &y, NULL, &a), CPAR_ERR_INVALID, "args->weight_grad overlaps args->weight");
+    a = (cpar_linear_forward_args){.weight = &w, .weight_grad = &wg, .runtime_gather_output = (cpar_runtime_gather)7};
+    TU_FAILS(cpar_linear_forward_ex(l, &x, &y, NULL, &a), CPAR_ERR_INVALID, "args->runtime_gather_output is 7");
+    a.runtime_gather_output = CPAR_RUNTIME_GATHER_TRUE;
+    TU_FAILS(cpar_linear_forward_ex(l, &x, &y, NULL, &a), CPAR_ERR_INVALID, "y has shape [6,2,4], expected [6,2,8]");
+    a.runtime_gather_output = CPAR_RUNTIME_GATHER_NONE;
+    cpar_tensor yw = w;
+    yw.ndim = 3, yw.shape[0] = 1, yw.shape[1] = 2, yw.shape[2] = 4; /* 8 floats inside w */
+    cpar_tensor x2 = x;
+    x2.shape[0] = 1;
+    TU_FAILS(cpar_linear_forward_ex(l, &x2, &yw, NULL, &a), CPAR_ERR_INVALID, "y overlaps args->weight");
+    TU_OK(cpar_linear_forward_ex(l, &x, &y, NULL, &a));
+    TU_OK(cpar_linear_backward(l, &y, NULL));
+    TU_FAILS(cpar_linear_drain_wgrad(l), CPAR_ERR_INVALID, "cfg defer_embedding_wgrad_compute is false: nothing is deferred");
+    TU_OK(cpar_linear_destroy(l));
+
+    /* a frozen layer given a weight takes no gradient buffer */
+    bad = cfg, bad.frozen = true;
+    TU_OK(cpar_column_parallel_linear_create(g, &bad, &l));
+    a = (cpar_linear_forward_args){.weight_grad = &wg};
+    TU_FAILS(cpar_linear_forward_ex(l, &x, &y, NULL, &a), CPAR_ERR_INVALID, "args->weight_grad is given without args->weight");
+    a.weight = &w;
+    TU_FAILS(cpar_linear_forward_ex(l, &x, &y, NULL, &a), CPAR_ERR_INVALID, "args->weight_grad is given but cfg frozen is true");
+    a.weight_grad = NULL;
+    TU_OK(cpar_linear_forward_ex(l, &x, &y, NULL, &a));
+    TU_OK(cpar_linear_destroy(l));
+
+    /* the row layer takes no per-call weight or gather */
+    cpar_linear_config rc = {.input_size = 16, .output_size = 4, .input_is_parallel = true};
+    TU_OK(cpar_row_parallel_linear_create(g, &rc, &l));
+    int64_t rxs[3] = {6, 2, 8};
+    cpar_tensor rx = tu_alloc_poisoned(ctx, CPAR_F32, 3, rxs);
+    a = (cpar_linear_forward_args){.weight = &w, .weight_grad = &wg};
+    TU_FAILS(cpar_linear_forward_ex(l, &rx, &y, NULL, &a), CPAR_ERR_INVALID, "args->weight is given but a row-parallel layer");
+    a = (cpar_linear_forward_args){.runtime_gather_output = CPAR_RUNTIME_GATHER_FALSE};
+    TU_FAILS(cpar_linear_forward_ex(l, &rx, &y, NULL, &a), CPAR_ERR_INVALID, "args->runtime_gather_output is given but a row-parallel");
+    TU_OK(cpar_linear_destroy(l));
+
+    /* deferral: the lists must pair one backward with each forward */
+    bad = cfg, bad.output_size = 8, bad.defer_embedding_wgrad_compute = true;
+    TU_OK(cpar_column_parallel_linear_create(g, &bad, &l));
+    TU_OK(cpar_fill(ctx, &y, 1.0));
+    TU_OK(cpar_linear_forward(l, &x, &y, NULL));
+    TU_FAILS(cpar_linear_drain_wgrad(l), CPAR_ERR_INVALID, "1 activations but 0 grad outputs are deferred");
+    TU_OK(cpar_linear_forward(l, &x, &y, NULL)); /* a second forward before the first backward */
+    TU_FAILS(cpar_linear_backward(l, &y, NULL), CPAR_ERR_INVALID, "the deferral lists are out of step (2 activations, 0 grad outputs");
+    int na = -1, ng = -1;
+    TU_OK(cpar_linear_deferred(l, &na, NULL));
+    TU_OK(cpar_linear_deferred(l, NULL, &ng));
+    ck_assert(na == 2 && ng == 0);
+    TU_FAILS(cpar_linear_deferred(NULL, &na, &ng), CPAR_ERR_INVALID, "cpar_linear_deferred: l is NULL");
+    TU_FAILS(cpar_linear_drain_wgrad(NULL), CPAR_ERR_INVALID, "cpar_linear_drain_wgrad: l is NULL");
+    TU_OK(cpar_linear_destroy(l));
+    cpar_tensor *all[] = {&x, &y, &yfull, &w, &wg, &w8, &w16, &rx};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) TU_OK(cpar_tensor_free(ctx, all[i]));
+    return CPAR_OK;
+}
+
+START_TEST(test_bad_options) { TU_OK(tu_spawn(2, rank_bad_options, NULL)); }
+END_TEST
+
 static Suite *suite(void) {
     Suite *s = suite_create("linear: column- and row-parallel linear layers");
     struct {
@@ -843,6 +1429,11 @@ static Suite *suite(void) {
         {"backward_overlap", test_backward_overlap, 2},
         {"bad_args", test_bad_args, 1},
         {"gemm_blocking", test_gemm_blocking, 4},
+        {"grad_fusion", test_grad_fusion, 2 * N_GRAD_MODES},
+        {"tied_weight", test_tied_weight, 3},
+        {"runtime_gather_output", test_runtime_gather_output, 1},
+        {"wgrad_deferral", test_wgrad_deferral, N_DEFER_MODES},
+        {"bad_options", test_bad_options, 1},
     };
     for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
         TCase *tc = tcase_create(loops[i].name);

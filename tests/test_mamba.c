@@ -19,7 +19,9 @@
  * document, padding): pre / post conv_ssm forward against the unsharded
  * packing in natural order, backward against the adjoint (B/C replicas
  * summed), one all-to-all each; one unpadded document = the unpacked call
- * bit for bit; bad packings name the document. F32, F16, BF16 activations
+ * bit for bit; the conv1d run per document on row views of pre's output
+ * against a causal conv restarted at every document; bad packings name the
+ * document. F32, F16, BF16 activations
  * (F32 or same-dtype parameters); host and sim backends. */
 #include "testutil.h"
 #include "packed.h"
@@ -516,6 +518,7 @@ typedef struct {
     double *y[MAX_CP];        /* rank j's post input [s, b, h] */
     double *dpost[MAX_CP];    /* rank j's gradient of post's output [sl, b, p h] */
     int64_t *glob[MAX_CP];    /* rank j's local row -> global packed row */
+    double *wv, *bv;          /* cp = 1 conv1d weight [conv_dim, K] and bias (F32 values) */
 } pk_mamba;
 
 static double *pk_random(int64_t n, cpar_dtype dt, uint64_t *st) {
@@ -569,6 +572,41 @@ static cpar_status rank_pk_mamba(cpar_ctx *ctx, void *arg) {
         free(a), free(bb);
         TU_OK(cpar_tensor_free(ctx, &pre2));
     }
+
+    /* the conv1d per document, on row views of pre (no token sees another
+     * document's): against a causal conv restarted at every document start */
+    const int32_t *cu = c->q.padded ? c->q.cu_pad : c->q.cu;
+    int64_t C = d->C, cd = d->conv_dim, K = f->k, wsh[2] = {cd, K}, csh[3] = {s, b, C};
+    float *wf = tu_to_f32(c->wv, cd * K), *bf = tu_to_f32(c->bv, cd);
+    cpar_tensor wt = tu_upload(ctx, wf, CPAR_F32, 2, wsh), bt = tu_upload(ctx, bf, CPAR_F32, 1, &cd);
+    cpar_tensor yc = tu_alloc_poisoned(ctx, dt, 3, csh);
+    size_t es = cpar_dtype_size(dt);
+    for (int i = 0; i < c->q.n; i++) {
+        int64_t len = cu[i + 1] - cu[i], vx[3] = {len, b, w}, vy[3] = {len, b, C};
+        if (!len) continue;
+        cpar_tensor xv = cpar_tensor_make((char *)pre.data + (size_t)(cu[i] * b * w) * es, dt, 3, vx, pre.device);
+        cpar_tensor yv = cpar_tensor_make((char *)yc.data + (size_t)(cu[i] * b * C) * es, dt, 3, vy, yc.device);
+        TU_OK(cpar_mamba_cp_conv1d_forward(m, &xv, d->dic, &wt, &bt, f->silu, &yv));
+    }
+    double *yw = malloc(sizeof(double) * (size_t)(s * b * C));
+    for (int i = 0; i < c->q.n; i++)
+        for (int64_t gg = cu[i]; gg < cu[i + 1]; gg++)
+            for (int64_t bi = 0; bi < b; bi++)
+                for (int64_t cc = 0; cc < C; cc++) {
+                    int64_t row = row_of(f, d, r, cc);
+                    double acc = c->bv[row];
+                    for (int j = 0; j < K; j++) {
+                        int64_t tt = gg - (K - 1) + j;
+                        if (tt >= cu[i]) acc += c->wv[row * K + j] * c->u[(tt * b + bi) * hin + f->di + row];
+                    }
+                    yw[(gg * b + bi) * C + cc] = f->silu ? silu_d(acc) : acc;
+                }
+    got = tu_download(ctx, &yc);
+    TU_EXPECT_CLOSE(got, dt, yw, s * b * C, dt == CPAR_F32 ? 1e-5 : 2 * tu_tol(dt));
+    free(got), free(yw), free(wf), free(bf);
+    TU_OK(cpar_tensor_free(ctx, &wt));
+    TU_OK(cpar_tensor_free(ctx, &bt));
+    TU_OK(cpar_tensor_free(ctx, &yc));
 
     /* pre backward: the adjoint, every rank's gradient into its source column */
     void *dpre_h = to_host_dtype(c->dpre[r], dt, s * b * w);
@@ -640,6 +678,8 @@ START_TEST(test_packed_pre_post) {
     c.s = total_of(&c.q), c.b = 2, c.sl = c.s / p, c.h = 3;
     uint64_t st = 4242 + (uint64_t)_i * 977;
     c.u = pk_random(c.s * c.b * c.d.hin, c.dt, &st);
+    c.wv = pk_random(c.d.conv_dim * c.f.k, CPAR_F32, &st);
+    c.bv = pk_random(c.d.conv_dim, CPAR_F32, &st);
     for (int j = 0; j < p; j++) {
         c.dpre[j] = pk_random(c.s * c.b * c.d.w, c.dt, &st);
         c.y[j] = pk_random(c.s * c.b * c.h, c.dt, &st);
@@ -653,7 +693,7 @@ START_TEST(test_packed_pre_post) {
         c.glob[own][t] = gg;
     }
     TU_OK(tu_spawn(p, rank_pk_mamba, &c));
-    free(c.u);
+    free(c.u), free(c.wv), free(c.bv);
     for (int j = 0; j < p; j++) free(c.dpre[j]), free(c.y[j]), free(c.dpost[j]), free(c.glob[j]);
 }
 END_TEST

@@ -5,7 +5,8 @@
  * Packings of uneven documents at cp 1..4: lengths 2cp (the shortest a
  * document can be), 6cp, 4cp, 10cp; a single long document; real lengths
  * padded (cu_seqlens_padded) to the next multiple of 2cp, one padded beyond
- * it, one empty document. The reference walks the GLOBAL rows: row g of
+ * it, one empty document; 300 documents, a third of them empty (more than
+ * one device launch carries). The reference walks the GLOBAL rows: row g of
  * document i at offset o lies in chunk q = o / c (c = padded length / 2cp),
  * owned by rank q (q < cp) or 2cp-1-q in slot 1, at local row cu_padded[i]/cp
  * + slot c + o % c — the inverse of how the library walks. Every local row is
@@ -14,8 +15,12 @@
  * dim 0, dim 2 of [b, h, t, d], the last dim after an outer dim) from host
  * and device wholes into poisoned device and host shards, bit for bit;
  * unshard restores the whole bit for bit with exactly one all-gather of
- * (cp-1)/cp of it and no other collective. Bad input for every function,
- * each message naming the argument (the failing document by number). */
+ * (cp-1)/cp of it and no other collective. Device-to-device shards and every
+ * unshard run the reorder kernel (cpar_dev_packed_reorder) on the sim and
+ * nccl-sim builds, host-side ones the pitched copies; the row sizes take
+ * 1-, 8- and 16-byte words, and the padded packing has an empty document.
+ * Bad input for every function, each message naming the argument (the
+ * failing document by number). */
 #include "testutil.h"
 
 #include "packed.h"
@@ -147,6 +152,21 @@ START_TEST(test_shard_unshard) {
 }
 END_TEST
 
+/* 300 documents (2cp, empty, 4cp long in turn): more than the 256 a device
+ * reorder launch carries, so the kernel runs in two launches. _i = cp - 1. */
+START_TEST(test_many_docs) {
+    int P = _i + 1;
+    packing q;
+    memset(&q, 0, sizeof q);
+    q.name = "many", q.n = 300, q.padded = false;
+    for (int i = 0; i < q.n; i++) q.cu[i + 1] = q.cu[i] + (i % 3 == 0 ? 2 * P : i % 3 == 1 ? 0 : 4 * P);
+    int64_t T = total_of(&q);
+    const int64_t thd[2] = {T, 3}, last[2] = {2, T};
+    run_packed(&q, P, CPAR_F32, 2, 0, thd, 900 + (uint64_t)_i);
+    run_packed(&q, P, CPAR_U8, 2, -1, last, 950 + (uint64_t)_i);
+}
+END_TEST
+
 /* A packing of one document is cpar_cp_shard's load balancing. */
 static cpar_status rank_one_doc(cpar_ctx *ctx, void *arg) {
     (void)arg;
@@ -254,6 +274,7 @@ static Suite *suite(void) {
     Suite *s = suite_create("packed: context-parallel sharding of packed sequences (THD)");
     const tu_loop loops[] = {
         {"shard_unshard", test_shard_unshard, 4 * N_PACKINGS},
+        {"many_docs", test_many_docs, 4},
         {"one_doc_is_load_balancing", test_one_doc_is_load_balancing, 4},
         {"bad_args", test_bad_args, 1},
     };
