@@ -143,7 +143,7 @@ endif
 # Suites that take a backend run on host, sim and nccl-sim; the rest are
 # host-only (processes, sockets) or sim-only (the simulator and the device layer).
 BACKEND_SUITES := core coll grid faults ops rng mappings xent linear attn ring packed mamba inference train
-HOST_SUITES    := $(BACKEND_SUITES) store cparrun trainjob fuzz
+HOST_SUITES    := $(BACKEND_SUITES) store cparrun trainjob fuzz hostmp
 SIM_SUITES     := $(BACKEND_SUITES) cudasim devlayer mma attn_bwd trainjob
 # nccl-sim runs every backend suite on CPAR_BACKEND_NCCL, the simulator's own
 # suite, the GPU suite's bodies, and multi-process jobs under cparrun.
@@ -217,6 +217,11 @@ $(B)/host/test_%: tests/test_%.c $(B)/host/cpar.o tests/testutil.h tests/proc.h 
 $(B)/host/store_prog: tests/store_prog.c $(B)/host/cpar.o | $(B)/host
 	$(CC) $(ALL_CFLAGS) $< $(B)/host/cpar.o -o $@ $(LIBS)
 
+# The ranks of test_hostmp's multi-process jobs on the host backend (mp_prog
+# is the nccl-sim suite's program, here with CPAR_BACKEND=host).
+$(B)/host/hostmp_prog $(B)/host/mp_prog: $(B)/host/%: tests/%.c tests/rank_prog.h $(B)/host/cpar.o | $(B)/host
+	$(CC) $(ALL_CFLAGS) $< $(B)/host/cpar.o -o $@ $(LIBS)
+
 $(B)/sim/test_%.o: tests/test_%.c tests/testutil.h tests/proc.h tests/net.h tests/packed.h $(HDR) | $(B)/sim
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) -c $< -o $@
 
@@ -279,7 +284,7 @@ $(B)/ncclsim/test_ncclsim: tests/test_ncclsim.cu $(NCCLSIM_LIB) $(NCCLSIM_HDRS) 
 $(B)/ncclsim/mp_prog: $(B)/sim/mp_prog.o $(NCCLSIM_OBJS)
 	$(CXX) $^ -o $@ $(LIBS)
 
-$(B)/sim/mp_prog.o: tests/mp_prog.c tests/testutil.h $(HDR) | $(B)/sim
+$(B)/sim/mp_prog.o: tests/mp_prog.c tests/rank_prog.h tests/testutil.h $(HDR) | $(B)/sim
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) -c $< -o $@
 
 $(B)/ncclsim/lm_check $(B)/ncclsim/train: $(B)/ncclsim/%: $(B)/sim/%.o $(NCCLSIM_OBJS)
@@ -293,6 +298,7 @@ HOST_PROGS    := $(TEST_PROGS) $(B)/cparrun $(B)/host/lm_check $(B)/train
 SIM_PROGS     := $(B)/sim/lm_check $(B)/sim/train
 NCCLSIM_PROGS := $(B)/cparrun $(B)/ncclsim/lm_check $(B)/ncclsim/train
 HOST_PROGS    += $(B)/host/bench # tests/run.sh checks its --csv and --json output
+HOST_PROGS    += $(B)/host/hostmp_prog $(B)/host/mp_prog $(B)/host/train # test_hostmp's jobs
 
 RUN_TESTS = B=$(B) HOST_SUITES="$(1)" SIM_SUITES="$(2)" NCCLSIM_SUITES="$(3)" GPU_TEST="$(4)" PKG_CHECKS="$(5)" sh tests/run.sh
 
@@ -368,6 +374,10 @@ bench: $(B)/bench
 ifneq ($(MODE),host)
 $(B)/host/bench: bench/bench.c $(B)/host/cpar.o | $(B)/host
 	$(CC) $(ALL_CFLAGS) $(BENCH_BLAS) $< $(B)/host/cpar.o -o $@ $(LIBS) $(if $(BLAS_LIBS),,$(BENCH_BLAS_LIBS))
+
+# The main job on the host flavour, for test_hostmp's cparrun run of it.
+$(B)/host/train: examples/train.c $(B)/host/cpar.o | $(B)/host
+	$(CC) $(ALL_CFLAGS) $< $(B)/host/cpar.o -o $@ $(LIBS)
 endif
 
 # Bus bandwidth against message size, one PNG per collective, from a sweep

@@ -16,7 +16,8 @@
  *    5. Host reference kernels      vector blocks, expf, streaming copy, GEMM; fill, cast, axpby, reduce, gelu
  *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
  *    7. Rendezvous store and env    launch environment, TCP key-value store (job token, limits), join
- *    8. Host backend                rendezvous with deadlines; every rank moves its share of a collective
+ *    8. Host backend                rendezvous with deadlines; every rank moves its share of a collective;
+ *                                   ranks as processes: shared-memory segments, futex waits, dead-peer checks
  *    9. NCCL backend                communicators, async-error polling, abort
  *   10. Groups                      world group, split, destroy, statistics
  *   11. Collectives                 argument checks, byte accounting, dispatch
@@ -55,10 +56,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
 #if defined(CPAR_WITH_DEVICE) && !defined(CPAR_SIM) && !defined(CPAR_WITH_NCCL)
 #define CPAR_WITH_NCCL 1
@@ -83,12 +90,14 @@
  * sections 8-13; they are defined here so every section can read them). */
 typedef struct cpar__job cpar__job;     /* host/sim: shared state of one cpar_spawn */
 typedef struct cpar__hcomm cpar__hcomm; /* host/sim: shared state of one group */
+typedef struct cpar__pcomm cpar__pcomm; /* host, ranks as processes: one group's shared-memory segment */
 
 struct cpar_group {
     cpar_ctx *ctx;
     int rank, size;
     int *world_ranks;     /* [size], world rank of each group rank */
-    cpar__hcomm *hc;      /* host and sim backends */
+    cpar__hcomm *hc;      /* host and sim backends, ranks as threads */
+    cpar__pcomm *pc;      /* host backend, ranks as processes (cpar_init_from_env) */
 #ifdef CPAR_WITH_NCCL
     ncclComm_t nccl;
 #endif
@@ -3683,7 +3692,8 @@ cpar_status cpar_store_join(cpar_store *s, const cpar_env *env)
 }
 
 /* ==== 8. Host backend ====================================================
- * Ranks are threads of one process (cpar_spawn). A job holds one mutex and
+ * Ranks are threads of one process (cpar_spawn), or processes of one node
+ * (cpar_init_from_env: the second part of this section). A job holds one mutex and
  * condition variable; every group has an hcomm with a slot per member and a
  * mailbox per ordered pair. A collective posts its slot, meets the others at
  * a rendezvous, moves data by pulling from the peers' posted buffers, and
@@ -3691,7 +3701,7 @@ cpar_status cpar_store_join(cpar_store *s, const cpar_env *env)
  * Every wait has the context's deadline; a failed, aborted or finished rank
  * releases its waiting peers with CPAR_ERR_PEER. The sim backend uses the same
  * code with device pointers (its copies and reductions go through section 4).
- * Uses: 1-6. */
+ * Uses: 1-6; the process part also 7 (the store). */
 
 struct cpar__job {
     pthread_mutex_t mu;
@@ -3952,8 +3962,16 @@ static cpar_status cpar__hc_validate(cpar_group *g, const char *fn);
  * rank order (used by group split). No peer's buffer is read before every
  * member's descriptor is checked: a peer in another collective (or one
  * exchanging another size) posted a buffer of another size. */
+static cpar_status cpar__pc_collective(cpar_group *g, const char *fn, const cpar__slot *mine);
+
 static cpar_status cpar__hc_exchange(cpar_group *g, const char *fn, const void *mine, size_t bytes, void *all) {
-    cpar__slot s = {.kind = CPAR__KIND_EXCHANGE, .dtype = CPAR_U8, .rows = (int64_t)bytes, .row_elems = 1, .in = mine};
+    cpar__slot s = {.kind = CPAR__KIND_EXCHANGE, .dtype = CPAR_U8, .rows = (int64_t)bytes, .row_elems = 1, .in = mine,
+                    .out = all};
+    if (g->size == 1) {
+        memcpy(all, mine, bytes);
+        return CPAR_OK;
+    }
+    if (g->pc) return cpar__pc_collective(g, fn, &s); /* ranks as processes: an all-gather of bytes */
     cpar__hc_post(g, &s);
     CPAR_TRY(cpar__hc_rendezvous(g, fn));
     cpar_status st = cpar__hc_validate(g, fn);
@@ -4050,9 +4068,10 @@ static const char *cpar__slot_str(const cpar__slot *s, char *buf, size_t cap) {
     return buf;
 }
 
-/* Every member sees every slot, so every member reaches the same verdict. */
-static cpar_status cpar__hc_validate(cpar_group *g, const char *fn) {
-    const cpar__slot *sl = g->hc->slot, *a = &sl[0];
+/* Every member sees every slot, so every member reaches the same verdict
+ * (sl: the members' slots in group rank order, from either transport). */
+static cpar_status cpar__slots_validate(cpar_group *g, const char *fn, const cpar__slot *sl) {
+    const cpar__slot *a = &sl[0];
     int n = g->size;
     for (int m = 1; m < n; m++) {
         const cpar__slot *b = &sl[m];
@@ -4085,6 +4104,8 @@ static cpar_status cpar__hc_validate(cpar_group *g, const char *fn) {
                                       (long long)sl[j].out_splits[i]);
     return CPAR_OK;
 }
+
+static cpar_status cpar__hc_validate(cpar_group *g, const char *fn) { return cpar__slots_validate(g, fn, g->hc->slot); }
 
 /* Collectives whose members together write at least this many bytes stream
  * their host stores past the cache (cpar__host_stream_copy): half of a 32 MiB
@@ -4279,6 +4300,731 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
     }
     pthread_mutex_unlock(&job->mu);
     return st;
+}
+
+/* ---- host backend, ranks as processes ----------------------------------
+ * cpar_init_from_env on the host backend: every rank is a process of one
+ * node, tensors live in each process's own memory, and every group of two or
+ * more members shares one POSIX shared-memory segment, made through the store
+ * (section 7): its first member creates it, publishes the name, every member
+ * maps it and says so, and the creator unlinks it at once, so nothing is left
+ * in /dev/shm even when a rank is killed (the mappings live on until the
+ * processes end).
+ *
+ * The algorithms are the threaded ones, with a staging area between: each
+ * member has a slot of two halves of `chunk` bytes (used in turn, stage after
+ * stage), cut into one sub-slot per member where the data has a destination.
+ * A stage copies this member's pieces into its slot, meets the others, then
+ * pulls: all-reduce and reduce-scatter reduce this member's share over every
+ * slot in rank order (the same order, so the same bits, as the threaded
+ * backend), all-gather, all-to-all and broadcast copy what this member
+ * receives. All-reduce meets once more and copies the others' reduced shares.
+ * Since stage s fills the half that stage s-2 used, and every member had
+ * finished reading it before meeting at stage s-1, no stage waits for
+ * readers; a collective bigger than a half runs in several stages.
+ * Point-to-point goes through a mailbox per ordered pair (two halves too).
+ *
+ * Waits spin briefly when every member has a core, then sleep on a futex in
+ * the segment; every wait has the context's deadline and notices a member
+ * that died (its pid is gone) or finalized, and a failure any member
+ * recorded in the segment, so peers fail fast, naming the rank. Uses: 1-7. */
+
+#define CPAR__PC_MAX 256                       /* members of a group (bounds the stack tables) */
+#define CPAR__PC_MAGIC 0x316d687372617063ull   /* "cparshm1" */
+#ifndef CPAR__PC_CHUNK
+#define CPAR__PC_CHUNK ((size_t)1 << 20)       /* default bytes per member per stage */
+#endif
+
+typedef struct cpar__pc_hdr {
+    uint64_t magic;
+    int32_t n, pad;
+    uint64_t chunk, box_chunk, bytes;  /* stage half per member, mailbox half, segment size */
+    _Atomic uint32_t gen, count;      /* barriers completed (a futex word), members in the current one */
+    _Atomic int32_t fail_claim, failed; /* the first failure claims the record, then publishes it */
+    char failed_msg[CPAR_ERR_LEN];      /* which rank failed and how, e.g. "rank 2 (pid 42) died ..." */
+} cpar__pc_hdr;
+
+typedef struct cpar__pc_member {
+    _Atomic int64_t pid;        /* 0 until the member has mapped the segment */
+    _Atomic uint64_t entered;   /* barriers this member entered */
+    _Atomic int32_t exited;     /* finalized */
+    _Atomic uint32_t bell;      /* bumped when a mailbox of this member changes (a futex word) */
+    char pad[40];
+} cpar__pc_member;
+
+typedef struct cpar__pc_desc {  /* a member's cpar__slot without its pointers */
+    int32_t kind, dtype, op, root, has_sizes, pad;
+    int64_t rows, row_elems;
+} cpar__pc_desc;
+
+typedef struct cpar__pc_box {   /* mailbox src -> dst */
+    _Atomic uint64_t posted, taken; /* chunks written by the sender, read by the receiver */
+    int32_t dtype, want_dtype;      /* the message's, and what a refusing receiver wanted */
+    int64_t numel, want_numel;
+    _Atomic int32_t rejected;       /* the receiver refused the message; the sender clears it */
+    char pad[20];
+} cpar__pc_box;
+
+struct cpar__pcomm {
+    int n;
+    uint64_t key;               /* names the group's store keys (world: 1) */
+    uint32_t nsplits;           /* cpar_group_split calls on this group */
+    void *base;                 /* the mapping; NULL for a group of one */
+    size_t bytes, chunk, sub, box_chunk;
+    cpar__pc_hdr *hdr;
+    cpar__pc_member *mem;       /* [n] */
+    cpar__pc_desc *desc;        /* [2][n], by collective parity */
+    int64_t *splits;            /* [2][n][3n]: sizes, in_splits, out_splits */
+    cpar__pc_box *box;          /* [n*n], box[src*n + dst] */
+    char *data, *boxdata;       /* [n][2][chunk], [n*n][2][box_chunk] */
+    uint64_t stages, colls;     /* so far, the same on every member */
+    cpar__slot *sl;             /* [n] the members' descriptors as slots, for validation */
+};
+
+static size_t cpar__round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+/* The segment of pc's n members and chunk sizes: its size, and (base set)
+ * pc's tables pointed into the mapping. */
+static size_t cpar__pc_layout(cpar__pcomm *pc) {
+    size_t n = (size_t)pc->n, off[7];
+    off[0] = cpar__round_up(sizeof(cpar__pc_hdr), 64);                          /* members */
+    off[1] = off[0] + n * sizeof(cpar__pc_member);                              /* descriptors */
+    off[2] = cpar__round_up(off[1] + 2 * n * sizeof(cpar__pc_desc), 64);        /* splits */
+    off[3] = cpar__round_up(off[2] + 2 * n * 3 * n * sizeof(int64_t), 64);      /* mailboxes */
+    off[4] = cpar__round_up(off[3] + n * n * sizeof(cpar__pc_box), 4096);       /* stage slots */
+    off[5] = off[4] + 2 * n * pc->chunk;                                        /* mailbox data */
+    off[6] = off[5] + 2 * n * n * pc->box_chunk;
+    if (pc->base) {
+        char *b = pc->base;
+        pc->hdr = pc->base;
+        pc->mem = (cpar__pc_member *)(b + off[0]);
+        pc->desc = (cpar__pc_desc *)(b + off[1]);
+        pc->splits = (int64_t *)(b + off[2]);
+        pc->box = (cpar__pc_box *)(b + off[3]);
+        pc->data = b + off[4];
+        pc->boxdata = b + off[5];
+    }
+    return off[6];
+}
+
+static char *cpar__pc_slot(const cpar__pcomm *pc, int m, uint64_t stage) {
+    return pc->data + ((size_t)m * 2 + (size_t)(stage & 1)) * pc->chunk;
+}
+
+static char *cpar__pc_boxbuf(const cpar__pcomm *pc, int src, int dst, uint64_t chunk_no) {
+    return pc->boxdata + (((size_t)src * (size_t)pc->n + (size_t)dst) * 2 + (size_t)(chunk_no & 1)) * pc->box_chunk;
+}
+
+static void cpar__futex_wait(_Atomic uint32_t *w, uint32_t seen, int64_t ms) {
+#ifdef __linux__
+    struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000};
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT, seen, &ts, NULL, 0);
+#else
+    (void)w, (void)seen;
+    struct timespec ts = {0, (long)(ms < 1 ? ms : 1) * 1000000};
+    nanosleep(&ts, NULL);
+#endif
+}
+
+static void cpar__futex_wake(_Atomic uint32_t *w) {
+#ifdef __linux__
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+#else
+    (void)w;
+#endif
+}
+
+static void cpar__pc_ring(cpar__pcomm *pc, int m) {
+    atomic_fetch_add(&pc->mem[m].bell, 1);
+    cpar__futex_wake(&pc->mem[m].bell);
+}
+
+/* Has process pid ended? A zombie (killed, not yet reaped by its launcher)
+ * has. 0 is a member that has not mapped the segment yet. */
+static bool cpar__pid_gone(int64_t pid) {
+    if (pid <= 0) return false;
+    if (kill((pid_t)pid, 0) != 0) return errno == ESRCH;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    ssize_t len = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (len <= 0) return false;
+    buf[len] = 0;
+    const char *p = strrchr(buf, ')'); /* "pid (comm) S ...": comm may hold spaces */
+    return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
+}
+
+/* Record in one segment why the job failed (msg names the rank; the first
+ * record wins) and wake every waiter. */
+static void cpar__pc_record(cpar__pcomm *pc, const char *msg) {
+    if (!pc || !pc->base) return;
+    cpar__pc_hdr *h = pc->hdr;
+    int32_t free_ = 0;
+    if (atomic_compare_exchange_strong(&h->fail_claim, &free_, 1)) {
+        snprintf(h->failed_msg, sizeof h->failed_msg, "%s", msg);
+        atomic_store(&h->failed, 1);
+    }
+    cpar__futex_wake(&h->gen);
+    for (int m = 0; m < pc->n; m++) cpar__pc_ring(pc, m);
+}
+
+/* The failure reaches every group of this process, as the job's failure does
+ * on the threaded backend: a peer blocked on another group learns of it. */
+static void cpar__pc_record_all(cpar_ctx *ctx, const char *msg) {
+    for (cpar_group *g = ctx->groups; g; g = g->next) cpar__pc_record(g->pc, msg);
+}
+
+static cpar_status cpar__pc_failed(cpar_group *g, const char *fn, const char *what) {
+    const cpar__pc_hdr *h = g->pc->hdr;
+    return cpar__fail(g->ctx, CPAR_ERR_PEER, "%s: %s; abandoning the %s", fn, h->failed_msg, what);
+}
+
+typedef bool (*cpar__pc_ready)(const cpar__pcomm *pc, const void *arg);
+
+/* Is member m one this wait needs? peers >= 0: the two given (-1: none);
+ * a barrier (peer_a == -2): every member that has not entered it yet. */
+static bool cpar__pc_needs(const cpar__pcomm *pc, int me, int peer_a, int peer_b, int m) {
+    if (m == me) return false;
+    if (peer_a == -2) return atomic_load(&pc->mem[m].entered) < atomic_load(&pc->mem[me].entered);
+    return m == peer_a || m == peer_b;
+}
+
+/* Wait until ready(pc, arg), sleeping on *word; fail on a recorded failure,
+ * on a needed member that died or finalized, or at the deadline. */
+static cpar_status cpar__pc_wait(cpar_group *g, const char *fn, const char *what, _Atomic uint32_t *word,
+                                 cpar__pc_ready ready, const void *arg, int peer_a, int peer_b, int64_t deadline) {
+    cpar__pcomm *pc = g->pc;
+    cpar_ctx *ctx = g->ctx;
+    int me = g->rank;
+    bool spin = pc->n <= cpar__online_cpus();
+    int64_t spin_until = cpar__now_ns() + 50000;
+    for (unsigned i = 1;; i++) {
+        uint32_t seen = atomic_load(word);
+        if (ready(pc, arg)) return CPAR_OK;
+        if (spin) {
+#ifdef CPAR__X86_KERNELS
+            _mm_pause();
+#endif
+            if ((i & 63) || cpar__now_ns() < spin_until) continue;
+            spin = false;
+        }
+        if (atomic_load(&pc->hdr->failed)) return cpar__pc_failed(g, fn, what);
+        char msg[CPAR_ERR_LEN];
+        for (int m = 0; m < pc->n; m++) {
+            if (!cpar__pc_needs(pc, me, peer_a, peer_b, m)) continue;
+            int64_t pid = atomic_load(&pc->mem[m].pid);
+            bool exited = atomic_load(&pc->mem[m].exited), gone = !exited && cpar__pid_gone(pid);
+            if (!exited && !gone) continue;
+            if (exited)
+                snprintf(msg, sizeof msg, "rank %d left the group (finalized or destroyed it) without joining the %s",
+                         g->world_ranks[m], what);
+            else snprintf(msg, sizeof msg, "rank %d (pid %lld) died during the %s", g->world_ranks[m], (long long)pid, what);
+            cpar__pc_record_all(ctx, msg);
+            return cpar__fail(ctx, CPAR_ERR_PEER, "%s: %s", fn, msg);
+        }
+        int64_t left = deadline - cpar__now_ms();
+        if (left <= 0) {
+            char who[256];
+            size_t len = 0;
+            int missing = 0;
+            who[0] = 0;
+            for (int m = 0; m < pc->n && len < sizeof who - 16; m++)
+                if (cpar__pc_needs(pc, me, peer_a, peer_b, m))
+                    len += (size_t)snprintf(who + len, sizeof who - len, "%s%d", missing++ ? "," : "", g->world_ranks[m]);
+            cpar_status st = cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: %s timed out after %d ms waiting for rank%s %s", fn,
+                                        what, ctx->timeout_ms, missing == 1 ? "" : "s", who);
+            snprintf(msg, sizeof msg, "rank %d timed out (%.400s)", ctx->rank, ctx->err);
+            cpar__pc_record_all(ctx, msg);
+            return st;
+        }
+        /* Short sleeps: a peer's death wakes nobody, so it is looked for this often. */
+        cpar__futex_wait(word, seen, left < 10 ? left : 10);
+    }
+}
+
+static bool cpar__pc_gen_moved(const cpar__pcomm *pc, const void *arg) {
+    return atomic_load(&pc->hdr->gen) != *(const uint32_t *)arg;
+}
+
+/* Meet every member of g. */
+static cpar_status cpar__pc_barrier(cpar_group *g, const char *fn, int64_t deadline) {
+    cpar__pcomm *pc = g->pc;
+    cpar__pc_hdr *h = pc->hdr;
+    if (atomic_load(&h->failed)) return cpar__pc_failed(g, fn, "collective");
+    uint32_t gen = atomic_load(&h->gen); /* cannot move before this member arrives */
+    atomic_fetch_add(&pc->mem[g->rank].entered, 1);
+    if (atomic_fetch_add(&h->count, 1) == (uint32_t)pc->n - 1) {
+        atomic_store(&h->count, 0);
+        atomic_fetch_add(&h->gen, 1);
+        cpar__futex_wake(&h->gen);
+        return CPAR_OK;
+    }
+    return cpar__pc_wait(g, fn, "collective", &h->gen, cpar__pc_gen_moved, &gen, -2, -1, deadline);
+}
+
+/* [lo, lo + len) of an item range [0, total) that stage s of pieces of cap covers. */
+static int64_t cpar__pc_piece(int64_t total, int64_t cap, uint64_t s, int64_t *lo) {
+    *lo = (int64_t)s * cap;
+    return total > *lo ? cpar__min64(total - *lo, cap) : 0;
+}
+
+/* Member me's rows of a reduce-scatter: its offset and count. */
+static void cpar__pc_rs_rows(const cpar__slot *c, int n, int me, int64_t *off, int64_t *rows) {
+    *off = 0;
+    for (int m = 0; m < me; m++) *off += c->sizes ? c->sizes[m] : c->rows / n;
+    *rows = c->sizes ? c->sizes[me] : c->rows / n;
+}
+
+/* Stage s of this member's data into its slot (from its own descriptor only:
+ * the first stage is posted before the descriptors are compared). */
+static void cpar__pc_post(cpar__pcomm *pc, const cpar__slot *c, int me, uint64_t s, uint64_t stage) {
+    int n = pc->n;
+    size_t es = cpar_dtype_size(c->dtype), row = (size_t)c->row_elems * es;
+    char *slot = cpar__pc_slot(pc, me, stage);
+    int64_t lo, len;
+    switch (c->kind) {
+    case CPAR_COLL_ALL_REDUCE:
+    case CPAR_COLL_REDUCE_SCATTER: {
+        int64_t cap = (int64_t)(pc->sub / es);
+        for (int d = 0; d < n; d++) {
+            if (d == me) continue; /* this member reduces its own share straight from its input */
+            int64_t a, cnt;
+            if (c->kind == CPAR_COLL_ALL_REDUCE) {
+                int64_t hi;
+                cpar__even_share(c->rows * c->row_elems, n, d, &a, &hi);
+                cnt = hi - a;
+            } else {
+                cpar__pc_rs_rows(c, n, d, &a, &cnt);
+                a *= c->row_elems, cnt *= c->row_elems;
+            }
+            len = cpar__pc_piece(cnt, cap, s, &lo);
+            if (len) memcpy(slot + (size_t)d * pc->sub, (const char *)c->in + (size_t)(a + lo) * es, (size_t)len * es);
+        }
+        break;
+    }
+    case CPAR_COLL_ALL_GATHER:
+    case CPAR__KIND_EXCHANGE:
+        /* every member reads it: the whole slot is one piece */
+        len = cpar__pc_piece(c->rows * (int64_t)row, (int64_t)pc->chunk, s, &lo);
+        if (len) memcpy(slot, (const char *)c->in + lo, (size_t)len);
+        break;
+    case CPAR_COLL_ALL_TO_ALL: {
+        int64_t src = 0;
+        for (int d = 0; d < n; d++) {
+            int64_t bytes = c->in_splits[d] * (int64_t)row;
+            len = d == me ? 0 : cpar__pc_piece(bytes, (int64_t)pc->sub, s, &lo);
+            if (len) memcpy(slot + (size_t)d * pc->sub, (const char *)c->in + src + lo, (size_t)len);
+            src += bytes;
+        }
+        break;
+    }
+    case CPAR_COLL_BROADCAST:
+        len = me == c->root ? cpar__pc_piece(c->rows * (int64_t)es, (int64_t)pc->chunk, s, &lo) : 0;
+        if (len) memcpy(slot, (const char *)c->in + lo, (size_t)len);
+        break;
+    default: break;
+    }
+}
+
+/* Stages the collective takes, from every member's descriptor (validated). */
+static uint64_t cpar__pc_stages(const cpar__pcomm *pc, const cpar__slot *sl) {
+    const cpar__slot *c = &sl[0];
+    int n = pc->n;
+    size_t es = cpar_dtype_size(c->dtype), row = (size_t)c->row_elems * es;
+    int64_t most = 0, cap = 1;
+    switch (c->kind) {
+    case CPAR_COLL_ALL_REDUCE:
+        most = (c->rows * c->row_elems + n - 1) / n, cap = (int64_t)(pc->sub / es);
+        break;
+    case CPAR_COLL_REDUCE_SCATTER:
+        for (int d = 0; d < n; d++) {
+            int64_t off, rows;
+            cpar__pc_rs_rows(c, n, d, &off, &rows);
+            most = rows > most ? rows : most;
+        }
+        most *= c->row_elems, cap = (int64_t)(pc->sub / es);
+        break;
+    case CPAR_COLL_ALL_GATHER:
+    case CPAR__KIND_EXCHANGE:
+        for (int m = 0; m < n; m++) most = sl[m].rows > most ? sl[m].rows : most;
+        most *= (int64_t)row, cap = (int64_t)pc->chunk;
+        break;
+    case CPAR_COLL_ALL_TO_ALL:
+        for (int m = 0; m < n; m++)
+            for (int d = 0; d < n; d++) most = sl[m].in_splits[d] > most ? sl[m].in_splits[d] : most;
+        most *= (int64_t)row, cap = (int64_t)pc->sub;
+        break;
+    case CPAR_COLL_BROADCAST: most = c->rows * (int64_t)es, cap = (int64_t)pc->chunk; break;
+    default: break;
+    }
+    uint64_t stages = (uint64_t)((most + cap - 1) / cap);
+    return stages ? stages : 1;
+}
+
+/* Post, meet, compare descriptors, then stage after stage pull this member's
+ * part (module comment above). mine->in and mine->out are this process's. */
+static cpar_status cpar__pc_collective(cpar_group *g, const char *fn, const cpar__slot *mine) {
+    cpar_ctx *ctx = g->ctx;
+    cpar__pcomm *pc = g->pc;
+    int n = pc->n, me = g->rank;
+    int64_t deadline = cpar__now_ms() + ctx->timeout_ms;
+    if (atomic_load(&pc->hdr->failed)) return cpar__pc_failed(g, fn, "collective");
+    int par = (int)(pc->colls++ & 1);
+    cpar__pc_desc *d = &pc->desc[par * n + me];
+    *d = (cpar__pc_desc){.kind = mine->kind, .dtype = (int32_t)mine->dtype, .op = mine->op, .root = mine->root,
+                         .has_sizes = mine->sizes != NULL, .rows = mine->rows, .row_elems = mine->row_elems};
+    int64_t *sp = pc->splits + ((size_t)par * (size_t)n + (size_t)me) * 3 * (size_t)n;
+    if (mine->sizes) memcpy(sp, mine->sizes, (size_t)n * sizeof *sp);
+    if (mine->in_splits) memcpy(sp + n, mine->in_splits, (size_t)n * sizeof *sp);
+    if (mine->out_splits) memcpy(sp + 2 * n, mine->out_splits, (size_t)n * sizeof *sp);
+    uint64_t stage = pc->stages++;
+    cpar__pc_post(pc, mine, me, 0, stage);
+    CPAR_TRY(cpar__pc_barrier(g, fn, deadline));
+    for (int m = 0; m < n; m++) {
+        const cpar__pc_desc *e = &pc->desc[par * n + m];
+        const int64_t *ms = pc->splits + ((size_t)par * (size_t)n + (size_t)m) * 3 * (size_t)n;
+        pc->sl[m] = (cpar__slot){.kind = e->kind, .dtype = (cpar_dtype)e->dtype, .op = e->op, .root = e->root,
+                                 .rows = e->rows, .row_elems = e->row_elems, .sizes = e->has_sizes ? ms : NULL,
+                                 .in_splits = ms + n, .out_splits = ms + 2 * n};
+    }
+    CPAR_TRY(cpar__slots_validate(g, fn, pc->sl));
+    const cpar__slot *sl = pc->sl;
+    uint64_t stages = cpar__pc_stages(pc, sl);
+    size_t es = cpar_dtype_size(mine->dtype), row = (size_t)mine->row_elems * es;
+    /* Whether output stores stream past the cache: as on the threaded backend. */
+    size_t total = (size_t)mine->rows * row * (size_t)n;
+    if (mine->kind == CPAR_COLL_REDUCE_SCATTER) total = (size_t)mine->rows * row;
+    bool stream = total >= CPAR__HC_STREAM_BYTES && mine->in != mine->out;
+    cpar_status st = CPAR_OK;
+    const void *ins[CPAR__PC_MAX];
+    for (uint64_t s = 0; s < stages && st == CPAR_OK; s++) {
+        if (s) {
+            stage = pc->stages++;
+            cpar__pc_post(pc, mine, me, s, stage);
+            CPAR_TRY(cpar__pc_barrier(g, fn, deadline));
+        }
+        int64_t lo, len;
+        switch (mine->kind) {
+        case CPAR_COLL_ALL_REDUCE: {
+            int64_t cap = (int64_t)(pc->sub / es), N = mine->rows * mine->row_elems, a, hi;
+            cpar__even_share(N, n, me, &a, &hi);
+            len = cpar__pc_piece(hi - a, cap, s, &lo);
+            for (int m = 0; m < n; m++)
+                ins[m] = m == me ? (const char *)mine->in + (size_t)(a + lo) * es : cpar__pc_slot(pc, m, stage) + (size_t)me * pc->sub;
+            void *outs[2] = {(char *)mine->out + (size_t)(a + lo) * es, cpar__pc_slot(pc, me, stage) + (size_t)me * pc->sub};
+            st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, CPAR_HOST, ins, n, 0, outs, 2, 0, len,
+                                   false);
+            if (st == CPAR_OK) st = cpar__pc_barrier(g, fn, deadline);
+            for (int m = 0; m < n && st == CPAR_OK; m++) {
+                if (m == me) continue;
+                cpar__even_share(N, n, m, &a, &hi);
+                len = cpar__pc_piece(hi - a, cap, s, &lo);
+                if (len)
+                    st = cpar__hc_copy(ctx, fn, (char *)mine->out + (size_t)(a + lo) * es,
+                                       cpar__pc_slot(pc, m, stage) + (size_t)m * pc->sub, (size_t)len * es, stream);
+            }
+            break;
+        }
+        case CPAR_COLL_REDUCE_SCATTER: {
+            int64_t cap = (int64_t)(pc->sub / es), off, rows;
+            cpar__pc_rs_rows(mine, n, me, &off, &rows);
+            len = cpar__pc_piece(rows * mine->row_elems, cap, s, &lo);
+            for (int m = 0; m < n; m++)
+                ins[m] = m == me ? (const char *)mine->in + (size_t)(off * mine->row_elems + lo) * es
+                                 : cpar__pc_slot(pc, m, stage) + (size_t)me * pc->sub;
+            void *out = (char *)mine->out + (size_t)lo * es;
+            st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, CPAR_HOST, ins, n, 0, &out, 1, 0, len,
+                                   stream);
+            break;
+        }
+        case CPAR_COLL_ALL_GATHER:
+        case CPAR__KIND_EXCHANGE: {
+            size_t off = 0;
+            for (int m = 0; m < n && st == CPAR_OK; m++) {
+                int64_t bytes = sl[m].rows * (int64_t)row;
+                len = cpar__pc_piece(bytes, (int64_t)pc->chunk, s, &lo);
+                const char *src = m == me ? (const char *)mine->in + lo : cpar__pc_slot(pc, m, stage);
+                if (len) st = cpar__hc_copy(ctx, fn, (char *)mine->out + off + (size_t)lo, src, (size_t)len, stream);
+                off += (size_t)bytes;
+            }
+            break;
+        }
+        case CPAR_COLL_ALL_TO_ALL: {
+            size_t off = 0;
+            int64_t src_me = 0;
+            for (int j = 0; j < me; j++) src_me += mine->in_splits[j];
+            for (int m = 0; m < n && st == CPAR_OK; m++) {
+                int64_t bytes = mine->out_splits[m] * (int64_t)row;
+                len = cpar__pc_piece(bytes, (int64_t)pc->sub, s, &lo);
+                const char *src = m == me ? (const char *)mine->in + (size_t)src_me * row + (size_t)lo
+                                          : cpar__pc_slot(pc, m, stage) + (size_t)me * pc->sub;
+                if (len) st = cpar__hc_copy(ctx, fn, (char *)mine->out + off + (size_t)lo, src, (size_t)len, stream);
+                off += (size_t)bytes;
+            }
+            break;
+        }
+        case CPAR_COLL_BROADCAST:
+            len = me == mine->root ? 0 : cpar__pc_piece(mine->rows * (int64_t)es, (int64_t)pc->chunk, s, &lo);
+            if (len) st = cpar__hc_copy(ctx, fn, (char *)mine->out + lo, cpar__pc_slot(pc, mine->root, stage),
+                                        (size_t)len, stream);
+            break;
+        default: break;
+        }
+    }
+    if (stream) cpar__host_stream_fence();
+    return st;
+}
+
+/* Is mailbox progress possible? (bell moved since the snapshot) */
+static bool cpar__pc_bell_moved(const cpar__pcomm *pc, const void *arg) {
+    const uint32_t *a = arg; /* {member, snapshot} */
+    return atomic_load(&pc->mem[a[0]].bell) != a[1];
+}
+
+/* Point-to-point through the mailboxes: the send goes out in chunks (two in
+ * flight) while the receive is taken, so a ring of sendrecvs never waits on
+ * itself. The sender returns once the receiver has taken everything, as on
+ * the threaded backend; the first chunk carries the dtype and count, and a
+ * receiver that expects others refuses it unread, so both sides fail with
+ * CPAR_ERR_INVALID. */
+static cpar_status cpar__pc_sendrecv(cpar_group *g, const char *fn, const void *send, cpar_dtype send_dt,
+                                     int64_t send_numel, int to, void *recv, cpar_dtype recv_dt, int64_t recv_numel,
+                                     int from) {
+    cpar_ctx *ctx = g->ctx;
+    cpar__pcomm *pc = g->pc;
+    int me = g->rank, n = pc->n;
+    int64_t deadline = cpar__now_ms() + ctx->timeout_ms;
+    const char *what = to >= 0 && from >= 0 ? "send/receive" : to >= 0 ? "send" : "receive";
+    if (atomic_load(&pc->hdr->failed)) return cpar__pc_failed(g, fn, what);
+    size_t bc = pc->box_chunk;
+    size_t sbytes = (size_t)send_numel * cpar_dtype_size(send_dt), rbytes = (size_t)recv_numel * cpar_dtype_size(recv_dt);
+    cpar__pc_box *sb = to >= 0 ? &pc->box[(size_t)me * (size_t)n + (size_t)to] : NULL;
+    cpar__pc_box *rb = from >= 0 ? &pc->box[(size_t)from * (size_t)n + (size_t)me] : NULL;
+    uint64_t s_chunks = sb ? (sbytes + bc - 1) / bc : 0, r_chunks = rb ? (rbytes + bc - 1) / bc : 0;
+    if (sb && !s_chunks) s_chunks = 1; /* an empty message still carries its header */
+    if (rb && !r_chunks) r_chunks = 1;
+    uint64_t s_done = 0, r_done = 0, s_base = sb ? atomic_load(&sb->posted) : 0;
+    if (sb) {
+        sb->dtype = (int32_t)send_dt;
+        sb->numel = send_numel;
+    }
+    /* A refused message fails this call, but the other half still completes:
+     * the peer on it must not be left waiting. */
+    cpar_status err = CPAR_OK;
+    char msg[CPAR_ERR_LEN] = "";
+    bool refusing = false; /* this rank refused the receive and waits for the sender's acknowledgement */
+    for (;;) {
+        uint32_t snap[2] = {(uint32_t)me, atomic_load(&pc->mem[me].bell)};
+        bool moved = false;
+        if (sb && atomic_load(&sb->rejected)) {
+            /* Drop the refused message (the mailbox is empty again) and release the receiver. */
+            s_done = s_chunks;
+            atomic_store(&sb->taken, atomic_load(&sb->posted));
+            if (err == CPAR_OK) {
+                err = CPAR_ERR_INVALID;
+                snprintf(msg, sizeof msg, "%s: rank %d expected %lld elements of %s, this rank sent it %lld elements "
+                         "of %s", fn, g->world_ranks[to], (long long)sb->want_numel,
+                         cpar_dtype_name((cpar_dtype)sb->want_dtype), (long long)send_numel, cpar_dtype_name(send_dt));
+            }
+            atomic_store(&sb->rejected, 0);
+            cpar__pc_ring(pc, to);
+            moved = true;
+        }
+        if (s_done < s_chunks && atomic_load(&sb->posted) - atomic_load(&sb->taken) < 2) {
+            uint64_t no = s_base + s_done;
+            size_t lo = (size_t)s_done * bc, len = sbytes > lo ? (sbytes - lo < bc ? sbytes - lo : bc) : 0;
+            if (len) memcpy(cpar__pc_boxbuf(pc, me, to, no), (const char *)send + lo, len);
+            atomic_store(&sb->posted, no + 1);
+            cpar__pc_ring(pc, to);
+            s_done++;
+            moved = true;
+        }
+        if (refusing && !atomic_load(&rb->rejected)) {
+            refusing = false;
+            r_done = r_chunks;
+            moved = true;
+        }
+        if (!refusing && r_done < r_chunks && atomic_load(&rb->posted) > atomic_load(&rb->taken)) {
+            uint64_t no = atomic_load(&rb->taken);
+            if (r_done == 0 && (rb->dtype != (int32_t)recv_dt || rb->numel != recv_numel)) {
+                if (err == CPAR_OK) {
+                    err = CPAR_ERR_INVALID;
+                    snprintf(msg, sizeof msg, "%s: rank %d sent %lld elements of %s, the receive buffer has %lld "
+                             "elements of %s", fn, g->world_ranks[from], (long long)rb->numel,
+                             cpar_dtype_name((cpar_dtype)rb->dtype), (long long)recv_numel, cpar_dtype_name(recv_dt));
+                }
+                rb->want_dtype = (int32_t)recv_dt;
+                rb->want_numel = recv_numel;
+                atomic_store(&rb->rejected, 1);
+                refusing = true;
+                cpar__pc_ring(pc, from);
+            } else {
+                size_t lo = (size_t)r_done * bc, len = rbytes > lo ? (rbytes - lo < bc ? rbytes - lo : bc) : 0;
+                if (len) memcpy((char *)recv + lo, cpar__pc_boxbuf(pc, from, me, no), len);
+                atomic_store(&rb->taken, no + 1);
+                cpar__pc_ring(pc, from);
+                r_done++;
+            }
+            moved = true;
+        }
+        bool sent = !sb || (s_done == s_chunks && atomic_load(&sb->taken) >= s_base + s_chunks);
+        if (sent && r_done == r_chunks) return err == CPAR_OK ? CPAR_OK : cpar__fail(ctx, err, "%s", msg);
+        if (moved) continue;
+        int pa = sb && !sent ? to : -1, pb = r_done < r_chunks ? from : -1;
+        CPAR_TRY(cpar__pc_wait(g, fn, what, &pc->mem[me].bell, cpar__pc_bell_moved, snap, pa, pb, deadline));
+    }
+}
+
+/* 32-bit FNV-1a: names a job's segments after its token ("cpar-<hash>-..."),
+ * so cparrun can sweep a job's leftovers (bootstrap/cparrun.c hashes alike). */
+static uint32_t cpar__fnv32(const char *s) {
+    uint32_t h = 2166136261u;
+    for (; *s; s++) h = (h ^ (unsigned char)*s) * 16777619u;
+    return h;
+}
+
+#define CPAR__PC_NAME 96 /* a segment's name as it travels: "/cpar-...", or "!" and why there is none */
+
+/* g's shared state, without a segment yet (a group of one never has one). */
+static cpar_status cpar__pc_new(cpar_group *g, const char *fn, uint64_t key) {
+    cpar_ctx *ctx = g->ctx;
+    if (g->size > CPAR__PC_MAX)
+        return cpar__fail(ctx, CPAR_ERR_UNSUPPORTED, "%s: a group of %d processes; the host backend takes at most %d",
+                          fn, g->size, CPAR__PC_MAX);
+    cpar__pcomm *pc = calloc(1, sizeof *pc);
+    if (pc) pc->sl = calloc((size_t)g->size, sizeof *pc->sl);
+    if (!pc || !pc->sl) {
+        free(pc);
+        return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate the group's shared state", fn);
+    }
+    pc->n = g->size;
+    pc->key = key;
+    g->pc = pc;
+    return CPAR_OK;
+}
+
+/* Every member's part once the segment is mapped: its tables, its pid. */
+static void cpar__pc_mapped(cpar_group *g) {
+    cpar__pcomm *pc = g->pc;
+    cpar__pc_layout(pc);
+    pc->sub = (pc->chunk / (size_t)pc->n) & ~(size_t)63;
+    atomic_store(&pc->mem[g->rank].pid, (int64_t)getpid());
+}
+
+/* g's first member makes the segment: text gets its name, or "!" and why
+ * not (so the others fail at once rather than at the deadline). */
+static cpar_status cpar__pc_create(cpar_group *g, const char *fn, const char *token, char *text) {
+    cpar_ctx *ctx = g->ctx;
+    cpar__pcomm *pc = g->pc;
+    static atomic_uint serial;
+    snprintf(text, CPAR__PC_NAME, "/cpar-%08x-%ld-%u", cpar__fnv32(token), (long)getpid(), atomic_fetch_add(&serial, 1));
+    /* Stage halves: CPAR_HOST_CHUNK bytes (tests make it small), at least 64 per member. */
+    size_t chunk = (size_t)cpar__getenv_positive("CPAR_HOST_CHUNK", (int)CPAR__PC_CHUNK);
+    chunk = cpar__round_up(chunk < (size_t)64 * (size_t)pc->n ? (size_t)64 * (size_t)pc->n : chunk, 4096);
+    /* Mailbox halves: 16 MiB for all pairs together, 64 KiB to a chunk each.
+     * Pages exist only once touched, but /dev/shm may be small (64 MiB in a
+     * container by default), and a touch past its end is SIGBUS. */
+    size_t box = ((size_t)16 << 20) / (2 * (size_t)pc->n * (size_t)pc->n);
+    box = cpar__round_up(box < ((size_t)64 << 10) ? (size_t)64 << 10 : box > chunk ? chunk : box, 4096);
+    pc->chunk = chunk, pc->box_chunk = box;
+    pc->bytes = cpar__pc_layout(pc);
+    int fd = shm_open(text, O_CREAT | O_EXCL | O_RDWR, 0600);
+    /* The file is sparse: pages exist once a stage or a mailbox touches them. */
+    if (fd < 0 || ftruncate(fd, (off_t)pc->bytes) != 0 ||
+        (pc->base = mmap(NULL, pc->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
+        pc->base = NULL;
+        cpar_status st = cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s: cannot make the shared-memory segment %s of %zu bytes: %s",
+                                    fn, text, pc->bytes, strerror(errno));
+        if (fd >= 0) {
+            close(fd);
+            shm_unlink(text);
+        }
+        snprintf(text, CPAR__PC_NAME, "!%.90s", strerror(errno));
+        return st;
+    }
+    close(fd);
+    cpar__pc_hdr *h = pc->base;
+    h->magic = CPAR__PC_MAGIC;
+    h->n = pc->n;
+    h->chunk = chunk, h->box_chunk = box, h->bytes = pc->bytes;
+    cpar__pc_mapped(g);
+    return CPAR_OK;
+}
+
+/* Every other member maps the segment text names. */
+static cpar_status cpar__pc_map(cpar_group *g, const char *fn, const char *text) {
+    cpar_ctx *ctx = g->ctx;
+    cpar__pcomm *pc = g->pc;
+    if (text[0] != '/')
+        return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d could not make the group's shared memory (%.90s)", fn,
+                          g->world_ranks[0], text[0] == '!' ? text + 1 : "no name");
+    struct stat sb;
+    int fd = shm_open(text, O_RDWR, 0600);
+    if (fd < 0 || fstat(fd, &sb) != 0 ||
+        (pc->base = mmap(NULL, (size_t)sb.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
+        pc->base = NULL;
+        cpar_status st = cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s: cannot map the shared-memory segment %s of rank %d: %s",
+                                    fn, text, g->world_ranks[0], strerror(errno));
+        if (fd >= 0) close(fd);
+        return st;
+    }
+    close(fd);
+    const cpar__pc_hdr *h = pc->base;
+    pc->bytes = (size_t)sb.st_size;
+    if (h->magic != CPAR__PC_MAGIC || h->n != pc->n || h->bytes != pc->bytes) {
+        munmap(pc->base, pc->bytes);
+        pc->base = NULL;
+        return cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s: shared-memory segment %s is not this group's (%d members expected)",
+                          fn, text, pc->n);
+    }
+    pc->chunk = h->chunk, pc->box_chunk = h->box_chunk;
+    cpar__pc_mapped(g);
+    return CPAR_OK;
+}
+
+/* The world group's shared state, through the store (the only channel there
+ * is yet): rank 0 creates the segment and publishes its name under the job
+ * token's store, the others map it, everyone arrives at a store barrier, and
+ * rank 0 unlinks the name. */
+static cpar_status cpar__pc_open_world(cpar_group *g, const char *fn, cpar_store *store) {
+    CPAR_TRY(cpar__pc_new(g, fn, 1));
+    if (g->size == 1) return CPAR_OK;
+    char text[CPAR__PC_NAME];
+    size_t len = 0;
+    cpar_status st;
+    if (g->rank == 0) {
+        st = cpar__pc_create(g, fn, store->token, text);
+        cpar_status ss = cpar_store_set(store, "cpar/shm/world", text, strlen(text));
+        if (st == CPAR_OK) st = ss;
+    } else {
+        st = cpar_store_get(store, "cpar/shm/world", text, sizeof text - 1, &len);
+        if (st == CPAR_OK) {
+            text[len] = 0;
+            st = cpar__pc_map(g, fn, text);
+        }
+    }
+    /* Every member says it has mapped the segment (or failed: the others
+     * then fail at their first wait on it), so its creator can unlink it. */
+    cpar_status bs = cpar__store_barrier(store, fn, "cpar/shm/world/mapped", g->rank, g->size, false);
+    if (g->rank == 0 && g->pc->base) shm_unlink(text);
+    return st != CPAR_OK ? st : bs;
+}
+
+/* Release g's shared state; peers waiting for this member see it finalized. */
+static void cpar__pc_close(cpar_group *g) {
+    cpar__pcomm *pc = g->pc;
+    if (!pc) return;
+    if (pc->base) {
+        atomic_store(&pc->mem[g->rank].exited, 1);
+        cpar__futex_wake(&pc->hdr->gen);
+        for (int m = 0; m < pc->n; m++) cpar__pc_ring(pc, m);
+        munmap(pc->base, pc->bytes);
+    }
+    free(pc->sl);
+    free(pc);
+    g->pc = NULL;
 }
 
 /* ==== 9. NCCL backend ====================================================
@@ -4606,6 +5352,7 @@ static void cpar__group_free(cpar_group *g) {
         if (ctx->grid[k] == g) ctx->grid[k] = NULL;
     if (ctx->world_group == g) ctx->world_group = NULL;
     cpar__hcomm_release(g->hc);
+    cpar__pc_close(g);
 #ifdef CPAR_WITH_NCCL
     cpar__nccl_destroy(g->nccl, ctx->aborted || (ctx->job && ctx->job->failed));
 #endif
@@ -4696,6 +5443,47 @@ cpar_status cpar_group_split(cpar_group *parent, int color, int key, cpar_group 
         goto done;
     }
 #endif
+    if (parent->pc) {
+        /* Ranks as processes: each new group's first member makes its segment
+         * and the names travel through the parent (an exchange every parent
+         * member joins); after a second exchange, when every member has
+         * mapped its segment, the creators unlink them. The key (parent's,
+         * split count, color) is the same on every member. */
+        uint64_t key = parent->pc->key;
+        uint64_t parts[2] = {parent->pc->nsplits++, (uint64_t)(uint32_t)color};
+        for (int i = 0; i < 2; i++) { /* splitmix64 steps */
+            key += parts[i] + 0x9e3779b97f4a7c15ull;
+            key = (key ^ (key >> 30)) * 0xbf58476d1ce4e5b9ull;
+            key = (key ^ (key >> 27)) * 0x94d049bb133111ebull;
+            key ^= key >> 31;
+        }
+        char text[CPAR__PC_NAME] = "", *names = malloc((size_t)n * CPAR__PC_NAME);
+        if (!names) {
+            st = cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate %d names", fn, n);
+            goto done;
+        }
+        if (color >= 0 && (st = cpar__group_new(ctx, fn, rank, size, wr, out)) == CPAR_OK &&
+            (st = cpar__pc_new(*out, fn, key)) == CPAR_OK && size > 1 && rank == 0)
+            st = cpar__pc_create(*out, fn, ctx->store->token, text);
+        if (st != CPAR_OK && rank == 0 && text[0] != '!') snprintf(text, sizeof text, "!%.90s", ctx->err);
+        cpar_status xs = cpar__hc_exchange(parent, fn, text, sizeof text, names);
+        if (st == CPAR_OK) st = xs;
+        if (st == CPAR_OK && color >= 0 && size > 1 && rank != 0) {
+            char *lead = names + (size_t)mem[0].parent_rank * CPAR__PC_NAME;
+            lead[CPAR__PC_NAME - 1] = 0;
+            st = cpar__pc_map(*out, fn, lead);
+        }
+        char ok = st == CPAR_OK, *oks = names; /* the names are no longer needed */
+        xs = cpar__hc_exchange(parent, fn, &ok, 1, oks);
+        if (rank == 0 && *out && (*out)->pc && (*out)->pc->base) shm_unlink(text);
+        if (st == CPAR_OK) st = xs;
+        free(names);
+        if (st != CPAR_OK && *out) {
+            cpar__group_free(*out);
+            *out = NULL;
+        }
+        goto done;
+    }
     {
         /* The new group's rank 0 creates the shared state and publishes it. */
         cpar__hcomm *hc = NULL;
@@ -4826,6 +5614,7 @@ static cpar_status cpar__run_collective(cpar_group *g, const char *fn, const cpa
 #ifdef CPAR_WITH_NCCL
     if (cpar__group_is_nccl(g)) return cpar__nccl_collective(g, fn, c);
 #endif
+    if (g->pc) return cpar__pc_collective(g, fn, c);
     return cpar__hc_collective(g, fn, c);
 }
 
@@ -5027,6 +5816,7 @@ static cpar_status cpar__sendrecv(cpar_group *g, const char *fn, const cpar_tens
 #ifdef CPAR_WITH_NCCL
     if (cpar__group_is_nccl(g)) return cpar__nccl_sendrecv(g, fn, sp, sdt, sn, send_to, rp, rdt, rn, recv_from);
 #endif
+    if (g->pc) return cpar__pc_sendrecv(g, fn, sp, sdt, sn, send_to, rp, rdt, rn, recv_from);
     return cpar__hc_sendrecv(g, fn, sp, sdt, sn, send_to, rp, rdt, rn, recv_from);
 }
 
@@ -5083,7 +5873,7 @@ cpar_status cpar_barrier(cpar_group *g) {
     }
 #endif
     cpar__slot c = {.kind = CPAR_COLL_BARRIER};
-    return cpar__hc_collective(g, fn, &c);
+    return cpar__run_collective(g, fn, &c);
 }
 
 /* ==== 12. Contexts and start-up ==========================================
@@ -5330,6 +6120,74 @@ cpar_status cpar_spawn(int nranks, cpar_backend backend, cpar_rank_fn fn, void *
     return cpar_spawn_with(nranks, &c, fn, arg);
 }
 
+/* Rank 0 hosts the store where env->store_bind says (loopback for one
+ * node), every rank joins it (the job token is the environment's,
+ * cpar_store_create's default) and passes the start barrier: a mismatched
+ * launch fails here, and a rank that never started is named. */
+static cpar_status cpar__init_store(cpar_ctx *ctx, const char *fn, const cpar_env *env) {
+    cpar_store_config sc = {.host = env->rank == 0 ? env->store_bind : env->master_addr, .port = env->store_port,
+                            .is_server = env->rank == 0, .timeout_ms = ctx->timeout_ms};
+    int listen_err = 0;
+    cpar_status st = cpar__store_create("cpar_store_create", &sc, &ctx->store, &listen_err);
+    if (st != CPAR_OK && listen_err == EADDRINUSE && env->world_size > 1) {
+        /* Two processes that both claim rank 0 on one host: the second
+         * finds the port taken. If the store there is this job's, join it
+         * so that both parties are named to every rank; else (another
+         * job's, or none) report the port in use. */
+        char msg[CPAR_ERR_LEN];
+        snprintf(msg, sizeof msg, "%s", cpar__tls_err);
+        cpar_store_config cc = {.host = env->master_addr, .port = env->store_port,
+                                .timeout_ms = ctx->timeout_ms < 2000 ? ctx->timeout_ms : 2000};
+        if (cpar_store_create(&cc, &ctx->store) == CPAR_OK) {
+            ctx->store->timeout_ms = ctx->timeout_ms;
+            st = cpar__store_join(ctx->store, fn, env->rank, env->world_size, env->local_rank);
+            if (st == CPAR_OK) /* unreachable: rank 0 is claimed already */
+                st = cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s", msg);
+            return st;
+        }
+        return cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s", msg);
+    }
+    CPAR_TRY(st);
+    return cpar__store_join(ctx->store, fn, env->rank, env->world_size, env->local_rank);
+}
+
+/* The host backend across processes is single-node: every rank's join
+ * record (section 7) must name rank 0's host. Every rank compares the same
+ * records, so all of them fail alike. */
+static cpar_status cpar__check_one_node(cpar_ctx *ctx, const char *fn, int world) {
+    cpar__join_rec zero, r;
+    CPAR_TRY(cpar__join_get(ctx->store, 0, &zero));
+    for (int i = 1; i < world; i++) {
+        CPAR_TRY(cpar__join_get(ctx->store, i, &r));
+        if (strcmp(r.host, zero.host))
+            return cpar__fail(ctx, CPAR_ERR_UNSUPPORTED, "%s: the host backend is single-node (its ranks share memory), "
+                              "but rank 0 runs on host %s and rank %d on host %s: use the NCCL backend across nodes",
+                              fn, zero.host, i, r.host);
+    }
+    return CPAR_OK;
+}
+
+/* The backend cpar_init_from_env uses: CPAR_BACKEND when set, else the
+ * program's, except that NCCL without a visible GPU becomes host (one info
+ * line says so), so a program written for GPUs runs on any machine. */
+static cpar_status cpar__env_backend(const char *fn, const cpar_env *env, cpar_backend *b) {
+    const char *v = getenv("CPAR_BACKEND");
+    if (v && *v) {
+        for (int k = 0; k < CPAR_BACKEND_COUNT; k++)
+            if (!strcasecmp(v, cpar_backend_name((cpar_backend)k))) {
+                *b = (cpar_backend)k;
+                return CPAR_OK;
+            }
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: CPAR_BACKEND is \"%.64s\", expected host, nccl or sim", fn, v);
+    }
+    if (*b == CPAR_BACKEND_NCCL && !cpar_backend_available(CPAR_BACKEND_NCCL)) {
+        *b = CPAR_BACKEND_HOST;
+        cpar__log(CPAR__LOG_INFO, env->rank, "%s: no GPU is visible (or no NCCL in this build): using the host "
+                  "backend%s", fn, env->world_size > 1 ? ", ranks as processes sharing memory" : "");
+    }
+    return CPAR_OK;
+}
+
 cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
     static const char fn[] = "cpar_init_from_env";
     if (!out) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: out is NULL", fn);
@@ -5340,10 +6198,19 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
     cpar_env env;
     CPAR_TRY(cpar_env_read(&env));
     cpar__tls_rank = env.rank;
-    if (c.backend != CPAR_BACKEND_NCCL && env.world_size > 1)
-        return cpar__fail(NULL, CPAR_ERR_UNSUPPORTED, "%s: WORLD_SIZE is %d but the %s backend runs ranks as threads of "
-                          "one process: use cpar_spawn, or CPAR_BACKEND_NCCL for a multi-process job", fn,
-                          env.world_size, cpar_backend_name(c.backend));
+    CPAR_TRY(cpar__env_backend(fn, &env, &c.backend));
+    if (c.backend == CPAR_BACKEND_SIM && env.world_size > 1)
+        return cpar__fail(NULL, CPAR_ERR_UNSUPPORTED, "%s: WORLD_SIZE is %d but the sim backend runs ranks as threads of "
+                          "one process: use cpar_spawn, or the host or NCCL backend for a multi-process job", fn,
+                          env.world_size);
+    bool procs = c.backend == CPAR_BACKEND_HOST && env.world_size > 1; /* host backend, ranks as processes */
+    if (procs && env.local_world_size != env.world_size)
+        return cpar__fail(NULL, CPAR_ERR_UNSUPPORTED, "%s: the host backend is single-node (its ranks share memory), "
+                          "but WORLD_SIZE is %d and LOCAL_WORLD_SIZE %d (several nodes): use the NCCL backend across "
+                          "nodes", fn, env.world_size, env.local_world_size);
+    if (procs && env.world_size > CPAR__PC_MAX)
+        return cpar__fail(NULL, CPAR_ERR_UNSUPPORTED, "%s: WORLD_SIZE is %d; the host backend takes at most %d processes",
+                          fn, env.world_size, CPAR__PC_MAX);
     CPAR_TRY(cpar__check_backend(fn, c.backend, 1));
     int device = c.device > 0 ? c.device : c.device < 0 ? 0 : env.local_rank;
     if (c.backend != CPAR_BACKEND_HOST && device >= cpar_dev_count())
@@ -5361,6 +6228,15 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
     st = cpar__group_new(ctx, fn, env.rank, env.world_size, ranks, &ctx->world_group);
     free(ranks);
     if (st != CPAR_OK) goto fail;
+    if (procs) {
+        /* Ranks as processes: the store, then the world's shared memory. */
+        CPAR_TRY_GOTO(cpar__init_store(ctx, fn, &env), st, fail);
+        CPAR_TRY_GOTO(cpar__check_one_node(ctx, fn, env.world_size), st, fail);
+        CPAR_TRY_GOTO(cpar__pc_open_world(ctx->world_group, fn, ctx->store), st, fail);
+        cpar__log_banner(ctx, env.local_rank, env.source);
+        *out = ctx;
+        return CPAR_OK;
+    }
     if (c.backend != CPAR_BACKEND_NCCL) {
         /* A single rank on the host or sim backend: its own one-member job. */
         ctx->job = cpar__job_create(1);
@@ -5374,39 +6250,12 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
     }
 #ifdef CPAR_WITH_NCCL
     {
-        /* Rank 0 listens where env.store_bind says (loopback for one node);
-         * the job token is the environment's (cpar_store_create's default). */
-        cpar_store_config sc = {.host = env.rank == 0 ? env.store_bind : env.master_addr, .port = env.store_port,
-                                .is_server = env.rank == 0, .timeout_ms = ctx->timeout_ms};
         unsigned char id[CPAR__NCCL_ID_BYTES];
         size_t len = 0;
-        int listen_err = 0;
-        st = cpar__store_create("cpar_store_create", &sc, &ctx->store, &listen_err);
-        if (st != CPAR_OK && listen_err == EADDRINUSE && env.world_size > 1) {
-            /* Two processes that both claim rank 0 on one host: the second
-             * finds the port taken. If the store there is this job's, join it
-             * so that both parties are named to every rank; else (another
-             * job's, or none) report the port in use. */
-            char msg[CPAR_ERR_LEN];
-            snprintf(msg, sizeof msg, "%s", cpar__tls_err);
-            cpar_store_config cc = {.host = env.master_addr, .port = env.store_port,
-                                    .timeout_ms = ctx->timeout_ms < 2000 ? ctx->timeout_ms : 2000};
-            if (cpar_store_create(&cc, &ctx->store) == CPAR_OK) {
-                ctx->store->timeout_ms = ctx->timeout_ms;
-                st = cpar__store_join(ctx->store, fn, env.rank, env.world_size, env.local_rank);
-                if (st == CPAR_OK) /* unreachable: rank 0 is claimed already */
-                    st = cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s", msg);
-            } else {
-                st = cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s", msg);
-            }
-            goto fail;
-        }
-        if (st != CPAR_OK)
-            goto fail;
         /* Everyone registers and passes the start barrier before the unique id
          * is published: a mismatched launch never reaches NCCL, and a rank
          * that never started is named here (NCCL's init could only time out). */
-        CPAR_TRY_GOTO(cpar__store_join(ctx->store, fn, env.rank, env.world_size, env.local_rank), st, fail);
+        CPAR_TRY_GOTO(cpar__init_store(ctx, fn, &env), st, fail);
         if (env.rank == 0) {
             ncclUniqueId uid;
             ncclResult_t r = ncclGetUniqueId(&uid);
@@ -5442,6 +6291,9 @@ cpar_status cpar_abort(cpar_ctx *ctx) {
     if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_abort: ctx is NULL");
     ctx->aborted = true;
     if (ctx->job) cpar__job_fail(ctx->job, ctx->rank, CPAR_ERR_PEER);
+    char msg[64];
+    snprintf(msg, sizeof msg, "rank %d aborted (cpar_abort)", ctx->rank);
+    cpar__pc_record_all(ctx, msg);
 #ifdef CPAR_WITH_NCCL
     for (cpar_group *g = ctx->groups; g; g = g->next)
         if (g->nccl) {

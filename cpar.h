@@ -159,7 +159,8 @@ cpar_status cpar_tensor_copy(cpar_ctx *ctx, const cpar_tensor *src, cpar_tensor 
 /* ==== 3. Contexts, backends and start-up ================================= */
 
 typedef enum cpar_backend {
-    CPAR_BACKEND_HOST = 0, /* ranks are threads of one process; host memory; shared-memory collectives */
+    CPAR_BACKEND_HOST = 0, /* host memory; ranks are threads of one process (cpar_spawn) or processes
+                            * of one node (cpar_init_from_env); shared-memory collectives */
     CPAR_BACKEND_NCCL,     /* one GPU per rank; NCCL communicators; needs a CPAR_CUDA=1 build */
     CPAR_BACKEND_SIM,      /* host backend's communication over simulated device memory (test builds) */
     CPAR_BACKEND_COUNT
@@ -201,7 +202,21 @@ cpar_status cpar_spawn_with(int nranks, const cpar_init_config *cfg, cpar_rank_f
  * already holds MASTER_PORT with its own store). Rank 0 hosts the store, bound
  * to cpar_env.store_bind (loopback for a single-node job). Every rank then
  * joins it with cpar_store_join, which proves the job token and names a
- * world-size mismatch or a duplicate rank, before the NCCL unique id is shared. */
+ * world-size mismatch or a duplicate rank, before the NCCL unique id is shared.
+ *
+ * The backend: CPAR_BACKEND (host, nccl or sim, any case) when set, overriding
+ * cfg's; else cfg's, except that NCCL with no GPU visible (or a build without
+ * NCCL) becomes host, with one CPAR_LOG=info line saying so. On the host
+ * backend with WORLD_SIZE > 1 every rank is a process of one node (ranks on
+ * several hosts, or LOCAL_WORLD_SIZE below WORLD_SIZE: CPAR_ERR_UNSUPPORTED),
+ * tensors live in host memory, and each group of two or more ranks shares a
+ * POSIX shared-memory segment whose name travels through the store; it is
+ * unlinked as soon as every member has mapped it, so no segment outlives the
+ * job. Collectives give the threaded host backend's results bit for bit and
+ * its byte statistics; they are staged through the segment in pieces of
+ * CPAR_HOST_CHUNK bytes per rank (default 1 MiB). A rank that dies makes its
+ * peers fail with CPAR_ERR_PEER naming it, well before the deadline. The sim
+ * backend runs ranks as threads only (WORLD_SIZE > 1: CPAR_ERR_UNSUPPORTED). */
 cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out);
 
 /* The launch environment as cpar_init_from_env reads it. */

@@ -9,8 +9,10 @@
  * single-thread memcpy on the host backend, device-to-device copy on GPUs.
  *
  * Environment: CPAR_BENCH_ITERS (default 10), CPAR_BENCH_MAX_MIB (default 16),
- * CPAR_BENCH_ONLY (comma-separated sections: coll, map, xent, gemm, mlp, attn,
- * mamba, mb; default all).
+ * CPAR_BENCH_ONLY (comma-separated sections: coll, procs, map, xent, gemm, mlp,
+ * attn, mamba, mb; default all). procs: the host backend with ranks as
+ * processes (as under cparrun without GPUs) against its threads, at 2 and 4
+ * ranks, for all-reduce, all-gather and reduce-scatter.
  *
  * Flags (build/bench --help): --csv FILE and --json FILE write every row of
  * every table, with its section, for plots and regression tracking; -b, -e,
@@ -25,6 +27,12 @@
 #include <math.h>
 #include <string.h>
 #include <time.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "cpar.h"
 
@@ -247,6 +255,58 @@ static cpar_status run_case(cpar_ctx *ctx, void *arg) {
     TRY(cpar_tensor_free(ctx, &full));
     TRY(cpar_tensor_free(ctx, &shard));
     return cpar_tensor_free(ctx, &out);
+}
+
+/* The host backend across processes: n forked ranks join through the store
+ * (torchrun's variables, a store port of their own) and run run_case as the
+ * threads do; rank 0 hands its figures back through a pipe. Returns 0 on
+ * success. */
+static int run_case_procs(int n, coll_case *c) {
+    int fds[2];
+    if (pipe(fds) != 0) return 1;
+    /* a free port for the store: the kernel picks one, the job then binds it */
+    int port = 0, sock = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t alen = sizeof a;
+    if (sock >= 0 && bind(sock, (struct sockaddr *)&a, sizeof a) == 0 &&
+        getsockname(sock, (struct sockaddr *)&a, &alen) == 0)
+        port = ntohs(a.sin_port);
+    if (sock >= 0) close(sock);
+    if (!port) return 1;
+    static unsigned job;
+    job++;
+    fflush(stdout);
+    pid_t pids[64];
+    for (int r = 0; r < n; r++) {
+        pids[r] = fork();
+        if (pids[r] < 0) return 1;
+        if (pids[r] == 0) {
+            char v[64];
+            snprintf(v, sizeof v, "%d", r), setenv("RANK", v, 1), setenv("LOCAL_RANK", v, 1);
+            snprintf(v, sizeof v, "%d", n), setenv("WORLD_SIZE", v, 1), setenv("LOCAL_WORLD_SIZE", v, 1);
+            snprintf(v, sizeof v, "%d", port), setenv("CPAR_STORE_PORT", v, 1);
+            snprintf(v, sizeof v, "bench-%ld-%u", (long)getppid(), job), setenv("CPAR_JOB_TOKEN", v, 1);
+            setenv("MASTER_ADDR", "127.0.0.1", 1);
+            cpar_init_config cfg = {.backend = CPAR_BACKEND_HOST};
+            cpar_ctx *ctx = NULL;
+            cpar_status st = cpar_init_from_env(&cfg, &ctx);
+            if (st == CPAR_OK) st = run_case(ctx, c);
+            if (st != CPAR_OK) fprintf(stderr, "bench: rank %d: %s\n", r, cpar_thread_last_error());
+            if (st == CPAR_OK && r == 0 && write(fds[1], c, sizeof *c) != (ssize_t)sizeof *c) st = CPAR_ERR_SYSTEM;
+            if (ctx) cpar_finalize(ctx);
+            _exit(st == CPAR_OK ? 0 : 1);
+        }
+    }
+    close(fds[1]);
+    int bad = 0;
+    for (int r = 0; r < n; r++) {
+        int ws = 0;
+        waitpid(pids[r], &ws, 0);
+        bad |= !WIFEXITED(ws) || WEXITSTATUS(ws) != 0;
+    }
+    bad |= read(fds[0], c, sizeof *c) != (ssize_t)sizeof *c;
+    close(fds[0]);
+    return bad;
 }
 
 /* Bytes rank 0 must receive at least, and the bus-bandwidth factor. */
@@ -1038,7 +1098,7 @@ static const char usage[] =
     "  --csv FILE   every row of every table as CSV: a section column, then every column\n"
     "               (units in the names: time_ms, busbw_gbps, ...), empty where a section has none\n"
     "  --json FILE  the same rows as a JSON array of objects\n"
-    "CPAR_BENCH_ONLY=coll,map,xent,gemm,mlp,attn,mamba,mb picks sections.\n";
+    "CPAR_BENCH_ONLY=coll,procs,map,xent,gemm,mlp,attn,mamba,mb picks sections.\n";
 
 static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, size_t sweep_f);
 
@@ -1125,6 +1185,38 @@ static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, s
                 rec_i("min_recv_bytes", (long long)min), rec_f("algbw_gbps", algbw), rec_f("busbw_gbps", algbw * bus);
                 rec_f("busbw_per_ceiling", algbw * bus / ceiling.gbps);
             }
+
+    /* The host backend across processes (cparrun without GPUs) against its
+     * threads: the same collectives and sizes, the bus bandwidth of each. */
+    if (want("procs")) {
+        printf("\n%-15s %5s %9s %14s %14s %10s\n", "host: procs", "ranks", "size", "threads busbw", "procs busbw",
+               "procs/thr");
+        for (int op = 0; op <= OP_REDUCE_SCATTER; op++)
+            for (int n = 2; n <= 4; n *= 2)
+                for (size_t size = first; size <= last; size *= factor) {
+                    size_t asked = size < (size_t)n * sizeof(float) ? (size_t)n * sizeof(float) : size;
+                    coll_case ct = {.op = op, .iters = iters, .bytes = asked}, cp = ct;
+                    if (cpar_spawn(n, CPAR_BACKEND_HOST, run_case, &ct) != CPAR_OK) {
+                        fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+                        return 1;
+                    }
+                    if (run_case_procs(n, &cp)) {
+                        fprintf(stderr, "bench: the %d-process %s job failed\n", n, op_names[op]);
+                        return 1;
+                    }
+                    double bus;
+                    size_t bytes = asked / sizeof(float) / (size_t)n * (size_t)n * sizeof(float);
+                    min_recv(op, n, bytes, &bus);
+                    double bt = (double)bytes / ct.seconds / 1e9 * bus, bp = (double)bytes / cp.seconds / 1e9 * bus;
+                    char sz[24];
+                    printf("%-15s %5d %9s %9.2f GB/s %9.2f GB/s %10.2f\n", op_names[op], n, fmt_size(bytes, sz, sizeof sz),
+                           bt, bp, bp / bt);
+                    rec_begin("procs");
+                    rec_s("name", op_names[op]), rec_i("ranks", n), rec_i("bytes", (long long)bytes);
+                    rec_f("threads_busbw_gbps", bt), rec_f("procs_busbw_gbps", bp), rec_f("procs_per_threads", bp / bt);
+                    rec_i("recv_bytes", (long long)cp.recv);
+                }
+    }
 
     /* Mappings: the bytes any algorithm must receive are (n-1)/n of the
      * gathered or scattered activation (sp2hp: of the local one). */

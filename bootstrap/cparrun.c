@@ -359,6 +359,30 @@ static void exec_rank(char **argv, const char *const *env, int out_fd, int err_f
     _exit(err == ENOENT ? 127 : 126); /* as a shell does */
 }
 
+/* The host backend's shared-memory segments are named
+ * "cpar-<FNV-1a of the job token>-<pid>-<n>" (cpar.c, section 8) and unlinked
+ * as soon as every member has mapped one; only a rank killed in that moment
+ * leaves one behind. When the job ends, remove whatever this job left. */
+static void sweep_segments(const char *token)
+{
+    if (!token || !*token)
+        return;
+    uint32_t h = 2166136261u;
+    for (const char *p = token; *p; p++)
+        h = (h ^ (unsigned char)*p) * 16777619u;
+    char prefix[32], path[300];
+    snprintf(prefix, sizeof prefix, "cpar-%08x-", h);
+    DIR *d = opendir("/dev/shm");
+    if (!d)
+        return;
+    for (struct dirent *e; (e = readdir(d));)
+        if (!strncmp(e->d_name, prefix, strlen(prefix))) {
+            snprintf(path, sizeof path, "/dev/shm/%s", e->d_name);
+            unlink(path);
+        }
+    closedir(d);
+}
+
 static int exit_code(int status)
 {
     return WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 1;
@@ -920,6 +944,8 @@ int main(int argc, char **argv)
                     j++;
                 }
     }
+
+    sweep_segments(token[0] ? token : user_token);
 
     /* A rank's children may still hold its pipes: flush what we have. */
     for (int i = 0; i < n; i++)

@@ -28,36 +28,8 @@
 #include <time.h>
 #include <unistd.h>
 
-static int rank = -1;
-
-#define TRY(call)                                                                                            \
-    do {                                                                                                     \
-        cpar_status st_ = (call);                                                                            \
-        if (st_ != CPAR_OK) {                                                                                \
-            fprintf(stderr, "mp_prog: rank %d: %s -> %s: %s\n", rank, #call, cpar_status_string(st_),        \
-                    cpar_thread_last_error());                                                               \
-            return 1;                                                                                        \
-        }                                                                                                    \
-    } while (0)
-
-#define CHECK(cond, ...)                                                                                     \
-    do {                                                                                                     \
-        if (!(cond)) {                                                                                       \
-            fprintf(stderr, "mp_prog: rank %d: check failed: ", rank);                                       \
-            fprintf(stderr, __VA_ARGS__);                                                                    \
-            fprintf(stderr, "\n");                                                                           \
-            return 2;                                                                                        \
-        }                                                                                                    \
-    } while (0)
-
-/* Deterministic data: value i of stream `seed`, in [-1, 1). */
-static double value(uint64_t seed, int64_t i) {
-    uint64_t z = seed * 0x9e3779b97f4a7c15ull + (uint64_t)i * 0xbf58476d1ce4e5b9ull + 1;
-    z ^= z >> 31;
-    z *= 0x94d049bb133111ebull;
-    z ^= z >> 29;
-    return (double)(z >> 11) / 9007199254740992.0 * 2.0 - 1.0;
-}
+#define RANK_PROG "mp_prog"
+#include "rank_prog.h"
 
 /* A device tensor of shape holding host data (F32 from doubles, or I32). */
 static int upload(cpar_ctx *ctx, const void *host, cpar_dtype dt, int ndim, const int64_t *shape, cpar_tensor *t) {

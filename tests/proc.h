@@ -5,6 +5,7 @@
 #ifndef CPAR_TESTS_PROC_H
 #define CPAR_TESTS_PROC_H
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -159,5 +160,85 @@ static void proc_run(proc *p, const char *exe, const char *prog, const char *con
 
 #define ASSERT_HAS(text, needle)                                                                              \
     ck_assert_msg(strstr((text), (needle)) != NULL, "\"%s\" not in output:\n%s", (needle), (text))
+
+/* cond about a finished proc p, with its status and output when it fails. */
+#define ASSERT_OUT(p, cond)                                                                                  \
+    ck_assert_msg((cond), "%s\nstatus %d\nstdout:\n%s\nstderr:\n%s", #cond, (p)->status, (p)->text[0], (p)->text[1])
+
+/* cparrun -n np prog die K, where rank K kills itself mid-collective: the
+ * job ends within 10 s (not at the 20 s deadline) with that rank's status,
+ * and cparrun names it. */
+static inline void cparrun_rank_dies(const char *cparrun, const char *prog, int np, int victim)
+{
+    char n[16], k[16], want[64];
+    snprintf(n, sizeof n, "%d", np), snprintf(k, sizeof k, "%d", victim);
+    snprintf(want, sizeof want, "rank %d was killed by signal 9", victim);
+    proc p;
+    proc_run(&p, cparrun, prog, (const char *const[]){"-n", n, "PROG", "die", k, NULL},
+             (const char *const[]){"CPAR_TIMEOUT_MS=20000", NULL}, 60000);
+    ASSERT_OUT(&p, p.status == 128 + SIGKILL);
+    ASSERT_OUT(&p, strstr(p.text[1], want) != NULL);
+    ck_assert_int_lt(p.end - p.start, 10000);
+    proc_free(&p);
+}
+
+/* After torchrun_start of np ranks in which rank victim kills itself
+ * mid-collective: it died by SIGKILL, and every peer exited 1 within 10 s
+ * (the death is detected, not timed out), its output on stream (0 stdout, 1
+ * stderr) saying CPAR_ERR_PEER, "rank <victim>" and "died". Frees ps. */
+static inline void torchrun_rank_died(proc *ps, int np, int victim, int stream)
+{
+    char who[32];
+    snprintf(who, sizeof who, "rank %d", victim);
+    for (int r = 0; r < np; r++)
+        proc_finish(&ps[r], 40000);
+    ASSERT_OUT(&ps[victim], ps[victim].status == 128 + SIGKILL);
+    for (int r = 0; r < np; r++) {
+        if (r == victim)
+            continue;
+        const char *t = ps[r].text[stream];
+        ASSERT_OUT(&ps[r], ps[r].status == 1);
+        ASSERT_OUT(&ps[r], strstr(t, "CPAR_ERR_PEER") && strstr(t, who) && strstr(t, "died"));
+        ck_assert_int_lt(ps[r].end - ps[r].start, 10000);
+    }
+    for (int r = 0; r < np; r++)
+        proc_free(&ps[r]);
+}
+
+/* Entries of /dev/shm whose names start with prefix (a job's leftovers).
+ * (inline: not every suite that includes this header uses it) */
+static inline int shm_count(const char *prefix)
+{
+    DIR *d = opendir("/dev/shm");
+    if (!d)
+        return 0;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));)
+        n += !strncmp(e->d_name, prefix, strlen(prefix));
+    closedir(d);
+    return n;
+}
+
+/* Starts np ranks of prog with args as torchrun would (local_world ranks per
+ * node, LOCAL_RANK = rank % local_world), on a store port of this test's own,
+ * each with CPAR_TIMEOUT_MS=timeout. np <= 8. */
+static inline void torchrun_start(proc *ps, int np, int local_world, const char *prog, const char *const *args,
+                                  const char *timeout)
+{
+    static char vars[8][7][64];
+    int port = 20000 + (int)(getpid() % 10000) * 2;
+    ck_assert_int_le(np, 8);
+    for (int r = 0; r < np; r++) {
+        snprintf(vars[r][0], 64, "RANK=%d", r);
+        snprintf(vars[r][1], 64, "LOCAL_RANK=%d", r % local_world);
+        snprintf(vars[r][2], 64, "WORLD_SIZE=%d", np);
+        snprintf(vars[r][3], 64, "LOCAL_WORLD_SIZE=%d", local_world);
+        snprintf(vars[r][4], 64, "MASTER_ADDR=127.0.0.1");
+        snprintf(vars[r][5], 64, "MASTER_PORT=%d", port);
+        snprintf(vars[r][6], 64, "CPAR_TIMEOUT_MS=%s", timeout);
+        const char *env[] = {vars[r][0], vars[r][1], vars[r][2], vars[r][3], vars[r][4], vars[r][5], vars[r][6], NULL};
+        proc_start(&ps[r], prog, NULL, args, env);
+    }
+}
 
 #endif

@@ -586,6 +586,7 @@ END_TEST
 static const char *const launch_vars[] = {
     "RANK",         "WORLD_SIZE",    "LOCAL_RANK",    "LOCAL_WORLD_SIZE",      "MASTER_ADDR", "MASTER_PORT",
     "CPAR_STORE_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "CPAR_TIMEOUT_MS",
+    "CPAR_BACKEND",
 };
 #define N_LAUNCH_VARS (sizeof launch_vars / sizeof launch_vars[0])
 
@@ -682,13 +683,14 @@ START_TEST(test_init_from_env) {
         single_rank_world(ctx, backends[k]);
         TU_OK(cpar_finalize(ctx));
 
-        /* A multi-rank launch cannot use a backend whose ranks are threads.
-         * On NCCL it is a real job: alone, rank 0 waits for rank 1 until the
-         * deadline, then fails cleanly. */
+        /* A multi-rank launch cannot use the sim backend, whose ranks are
+         * threads. On host (ranks as processes) and NCCL it is a real job:
+         * alone, rank 0 waits for rank 1 until the deadline, then fails
+         * cleanly. */
         setenv("WORLD_SIZE", "2", 1);
         setenv("RANK", "0", 1);
         ctx = (cpar_ctx *)&s;
-        if (backends[k] == CPAR_BACKEND_NCCL) {
+        if (backends[k] != CPAR_BACKEND_SIM) {
             c.timeout_ms = 300;
             TU_FAILS(cpar_init_from_env(&c, &ctx), CPAR_ERR_TIMEOUT, "rank 1 of 2 missing");
             c.timeout_ms = TU_TIMEOUT_MS;
@@ -696,14 +698,36 @@ START_TEST(test_init_from_env) {
             TU_FAILS(cpar_init_from_env(&c, &ctx), CPAR_ERR_UNSUPPORTED, "WORLD_SIZE");
         }
         ck_assert_ptr_null(ctx);
+        /* The host backend's processes share memory: one node only. */
+        if (backends[k] == CPAR_BACKEND_HOST) {
+            setenv("LOCAL_WORLD_SIZE", "1", 1);
+            TU_FAILS(cpar_init_from_env(&c, &ctx), CPAR_ERR_UNSUPPORTED, "single-node");
+            ck_assert_ptr_null(ctx);
+            unsetenv("LOCAL_WORLD_SIZE");
+        }
         unsetenv("WORLD_SIZE");
         unsetenv("RANK");
     }
     TU_FAILS(cpar_init_from_env(NULL, NULL), CPAR_ERR_INVALID, "out");
-    if (!cpar_backend_available(CPAR_BACKEND_NCCL)) { /* NULL cfg means NCCL */
+    if (!cpar_backend_available(CPAR_BACKEND_NCCL)) { /* NULL cfg means NCCL: without a GPU, host */
         cpar_ctx *ctx = NULL;
-        TU_FAILS(cpar_init_from_env(NULL, &ctx), CPAR_ERR_UNSUPPORTED, "nccl");
+        TU_OK(cpar_init_from_env(NULL, &ctx));
+        ck_assert_int_eq(cpar_ctx_backend(ctx), CPAR_BACKEND_HOST);
+        TU_OK(cpar_finalize(ctx));
+    }
+    /* CPAR_BACKEND overrides the program's backend, and must name one. */
+    {
+        cpar_init_config c = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
+        cpar_ctx *ctx = NULL;
+        setenv("CPAR_BACKEND", "HOST", 1);
+        TU_OK(cpar_init_from_env(&c, &ctx));
+        ck_assert_int_eq(cpar_ctx_backend(ctx), CPAR_BACKEND_HOST);
+        TU_OK(cpar_finalize(ctx));
+        ctx = (cpar_ctx *)&s;
+        setenv("CPAR_BACKEND", "gloo", 1);
+        TU_FAILS(cpar_init_from_env(&c, &ctx), CPAR_ERR_INVALID, "CPAR_BACKEND is \"gloo\", expected host, nccl or sim");
         ck_assert_ptr_null(ctx);
+        unsetenv("CPAR_BACKEND");
     }
     env_restore(&s);
 }

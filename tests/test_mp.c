@@ -17,7 +17,6 @@
 #define _GNU_SOURCE
 #endif
 #include <check.h>
-#include <dirent.h>
 
 #include "proc.h"
 
@@ -34,17 +33,7 @@ static const char *prog_path(void) {
 }
 
 /* The NCCL simulator's segments in /dev/shm. */
-static int shm_leftovers(void) {
-    DIR *d = opendir("/dev/shm");
-    if (!d) return 0;
-    int n = 0;
-    for (struct dirent *e; (e = readdir(d));) n += !strncmp(e->d_name, "ncclsim-", 8);
-    closedir(d);
-    return n;
-}
-
-#define ASSERT_OUT(p, cond)                                                                                  \
-    ck_assert_msg((cond), "%s\nstatus %d\nstdout:\n%s\nstderr:\n%s", #cond, (p)->status, (p)->text[0], (p)->text[1])
+static int shm_leftovers(void) { return shm_count("ncclsim-"); }
 
 /* ---- under cparrun ------------------------------------------------------------ */
 
@@ -63,13 +52,7 @@ START_TEST(test_cparrun_job) {
 END_TEST
 
 START_TEST(test_cparrun_rank_dies) {
-    proc p;
-    proc_run(&p, cparrun_path(), prog_path(), (const char *const[]){"-n", "4", "PROG", "die", "2", NULL},
-             (const char *const[]){"CPAR_TIMEOUT_MS=20000", NULL}, 60000);
-    ASSERT_OUT(&p, p.status == 128 + SIGKILL);
-    ASSERT_OUT(&p, strstr(p.text[1], "rank 2 was killed by signal 9") != NULL);
-    ck_assert_int_lt(p.end - p.start, 10000);
-    proc_free(&p);
+    cparrun_rank_dies(cparrun_path(), prog_path(), 4, 2);
     ck_assert_int_eq(shm_leftovers(), 0);
 }
 END_TEST
@@ -89,25 +72,13 @@ END_TEST
 /* ---- launched here with torchrun's variables ------------------------------------ */
 
 /* Starts NP ranks of mp_prog (mode, k) as torchrun would, on a port of our own. */
-static void torchrun_start(proc *ps, const char *mode, const char *k, const char *timeout) {
-    static char vars[NP][8][64];
-    int port = 20000 + (int)(getpid() % 10000) * 2;
-    for (int r = 0; r < NP; r++) {
-        snprintf(vars[r][0], 64, "RANK=%d", r);
-        snprintf(vars[r][1], 64, "LOCAL_RANK=%d", r);
-        snprintf(vars[r][2], 64, "WORLD_SIZE=%d", NP);
-        snprintf(vars[r][3], 64, "LOCAL_WORLD_SIZE=%d", NP);
-        snprintf(vars[r][4], 64, "MASTER_ADDR=127.0.0.1");
-        snprintf(vars[r][5], 64, "MASTER_PORT=%d", port);
-        snprintf(vars[r][6], 64, "CPAR_TIMEOUT_MS=%s", timeout);
-        const char *env[] = {vars[r][0], vars[r][1], vars[r][2], vars[r][3], vars[r][4], vars[r][5], vars[r][6], NULL};
-        proc_start(&ps[r], prog_path(), NULL, (const char *const[]){mode, k, NULL}, env);
-    }
+static void mp_start(proc *ps, const char *mode, const char *k, const char *timeout) {
+    torchrun_start(ps, NP, NP, prog_path(), (const char *const[]){mode, k, NULL}, timeout);
 }
 
 START_TEST(test_torchrun_job) {
     proc ps[NP];
-    torchrun_start(ps, "ok", "-1", "60000");
+    mp_start(ps, "ok", "-1", "60000");
     for (int r = 0; r < NP; r++) proc_finish(&ps[r], 120000);
     for (int r = 0; r < NP; r++) {
         ASSERT_OUT(&ps[r], ps[r].status == 0);
@@ -122,24 +93,15 @@ END_TEST
  * far away: the failure is detected, not timed out. */
 START_TEST(test_torchrun_rank_dies) {
     proc ps[NP];
-    torchrun_start(ps, "die", "2", "30000");
-    for (int r = 0; r < NP; r++) proc_finish(&ps[r], 20000);
-    ASSERT_OUT(&ps[2], ps[2].status == 128 + SIGKILL);
-    for (int r = 0; r < NP; r++) {
-        if (r == 2) continue;
-        ASSERT_OUT(&ps[r], ps[r].status == 1);
-        ASSERT_OUT(&ps[r], strstr(ps[r].text[1], "CPAR_ERR_PEER") != NULL);
-        ASSERT_OUT(&ps[r], strstr(ps[r].text[1], "rank 2") && strstr(ps[r].text[1], "died"));
-        ck_assert_int_lt(ps[r].end - ps[r].start, 10000);
-    }
-    for (int r = 0; r < NP; r++) proc_free(&ps[r]);
+    mp_start(ps, "die", "2", "30000");
+    torchrun_rank_died(ps, NP, 2, 1);
     ck_assert_int_eq(shm_leftovers(), 0);
 }
 END_TEST
 
 START_TEST(test_torchrun_rank_never_starts) {
     proc ps[NP];
-    torchrun_start(ps, "nostart", "1", "1500");
+    mp_start(ps, "nostart", "1", "1500");
     for (int r = 0; r < NP; r++) proc_finish(&ps[r], 20000);
     ASSERT_OUT(&ps[1], ps[1].status == 0);
     for (int r = 0; r < NP; r++) {

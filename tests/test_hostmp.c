@@ -1,0 +1,290 @@
+/* SPDX-License-Identifier: MIT */
+/* tests/test_hostmp.c — multi-process jobs on the host backend, no GPU: ranks
+ * are processes, collectives go through POSIX shared memory set up through
+ * the store (cpar.c section 8).
+ *
+ * Under cparrun: every collective at 1, 2, 3, 4 and 8 ranks with uneven
+ * splits, on the world and on split groups, exact against the rank-order
+ * reduction (tests/hostmp_prog.c), also in many small stages; ring attention
+ * on a tp x cp grid and a tp=2 x cp=2 sequence-parallel MLP (tests/mp_prog.c,
+ * with CPAR_BACKEND=host) against one rank; the main job
+ * (cparrun -n 4 build/train --tp 2 --cp 2) against the threaded run's losses.
+ * Launched here with torchrun's variables: a rank killed mid-collective, one
+ * that calls cpar_abort and one that comes late make the others fail within
+ * the deadline naming it;
+ * several nodes are refused. No job leaves a segment in /dev/shm.
+ *
+ * Paths come from the environment (B: the build directory, exported by
+ * tests/run.sh): CPARRUN [$B/cparrun], HOSTMP_PROG [$B/host/hostmp_prog],
+ * MP_PROG [$B/host/mp_prog], TRAIN [$B/host/train]. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <check.h>
+#include <errno.h>
+
+#include "proc.h"
+
+static const char *cparrun_path(void) {
+    static char buf[4096];
+    return path_from_env("CPARRUN", "cparrun", buf, sizeof buf);
+}
+
+static const char *prog_path(void) {
+    static char buf[4096];
+    return path_from_env("HOSTMP_PROG", "host/hostmp_prog", buf, sizeof buf);
+}
+
+static const char *mp_path(void) {
+    static char buf[4096];
+    return path_from_env("MP_PROG", "host/mp_prog", buf, sizeof buf);
+}
+
+static const char *train_path(void) {
+    static char buf[4096];
+    return path_from_env("TRAIN", "host/train", buf, sizeof buf);
+}
+
+/* The host backend's segments in /dev/shm ("cpar-<token hash>-<pid>-<n>")
+ * whose creator has ended: leftovers. (A live job's, another suite's on this
+ * machine perhaps, exists for a moment between its creation and its unlink.) */
+static int shm_leftovers(void) {
+    DIR *d = opendir("/dev/shm");
+    if (!d) return 0;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));) {
+        unsigned hash;
+        long pid;
+        if (sscanf(e->d_name, "cpar-%8x-%ld-", &hash, &pid) == 2 && kill((pid_t)pid, 0) != 0 && errno == ESRCH) n++;
+    }
+    closedir(d);
+    return n;
+}
+
+/* cparrun -n np PROG args... with env; every rank must print "rank R ok". */
+static void job_ok(const char *prog, int np, const char *const *args, const char *const *env) {
+    const char *argv[16] = {"-n", NULL, "PROG"};
+    char nps[16];
+    snprintf(nps, sizeof nps, "%d", np);
+    argv[1] = nps;
+    int k = 3;
+    for (; args && *args && k < 15; args++) argv[k++] = *args;
+    argv[k] = NULL;
+    proc p;
+    proc_run(&p, cparrun_path(), prog, argv, env, 120000);
+    ASSERT_OUT(&p, p.status == 0);
+    char want[48];
+    for (int r = 0; r < np; r++) {
+        snprintf(want, sizeof want, "[%d] rank %d ok\n", r, r);
+        ASSERT_OUT(&p, strstr(p.text[0], want) != NULL);
+    }
+    proc_free(&p);
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+
+/* ---- collectives ------------------------------------------------------------ */
+
+static const int sizes[] = {1, 2, 3, 4, 8};
+
+START_TEST(test_coll) {
+    job_ok(prog_path(), sizes[_i], (const char *const[]){"coll", NULL},
+           (const char *const[]){"CPAR_TIMEOUT_MS=60000", NULL});
+}
+END_TEST
+
+/* Big tensors through 8 KiB stages and 64 KiB mailboxes: many stages each. */
+START_TEST(test_coll_stages) {
+    job_ok(prog_path(), _i == 0 ? 3 : 4, (const char *const[]){"coll", NULL},
+           (const char *const[]){"CPAR_TIMEOUT_MS=60000", "CPAR_HOST_CHUNK=8192", "HOSTMP_BIG=200000", NULL});
+}
+END_TEST
+
+/* ---- layers against one rank ------------------------------------------------ */
+
+START_TEST(test_ring_attention) {
+    job_ok(prog_path(), _i == 0 ? 4 : 3, (const char *const[]){"ring", NULL},
+           (const char *const[]){"CPAR_TIMEOUT_MS=60000", NULL});
+}
+END_TEST
+
+/* mp_prog asks for NCCL; CPAR_BACKEND=host overrides the program's choice. */
+START_TEST(test_mlp_tp2_cp2) {
+    job_ok(mp_path(), 4, (const char *const[]){"ok", NULL},
+           (const char *const[]){"CPAR_TIMEOUT_MS=60000", "CPAR_BACKEND=host", NULL});
+}
+END_TEST
+
+/* The losses "step N/M | loss X" printed by train's rank 0, in order. */
+static int losses(const char *text, char out[][16], int cap) {
+    int n = 0;
+    for (const char *s = text; n < cap && (s = strstr(s, "| loss ")); s++) {
+        sscanf(s + 7, "%15s", out[n]);
+        n++;
+    }
+    return n;
+}
+
+START_TEST(test_train_matches_threads) {
+    const char *const targs[] = {"--tp", "2", "--cp", "2", "--steps", "5", "--verify", "0", "--sample", "0", NULL};
+    proc t;
+    proc_run(&t, train_path(), NULL, targs, NULL, 300000);
+    ASSERT_OUT(&t, t.status == 0);
+    proc p;
+    const char *const pargs[] = {"-n", "4", "PROG", "--tp", "2", "--cp", "2", "--steps", "5", "--sample", "0", NULL};
+    proc_run(&p, cparrun_path(), train_path(), pargs, (const char *const[]){"CPAR_TIMEOUT_MS=120000", NULL}, 300000);
+    ASSERT_OUT(&p, p.status == 0);
+    ASSERT_OUT(&p, strstr(p.text[0], "[0] grid: tp 2 x cp 2 x dp 1 = 4 ranks on the host backend") != NULL);
+    char a[8][16], b[8][16];
+    int na = losses(t.text[0], a, 8), nb = losses(p.text[0], b, 8);
+    ck_assert_int_eq(na, 5);
+    ck_assert_int_eq(nb, 5);
+    for (int i = 0; i < 5; i++)
+        ck_assert_msg(!strcmp(a[i], b[i]), "step %d: threads %s, processes %s\n%s\n%s", i + 1, a[i], b[i], t.text[0],
+                      p.text[0]);
+    /* the final validation loss too */
+    const char *va = strstr(t.text[0], "validation loss "), *vb = strstr(p.text[0], "validation loss ");
+    ck_assert_ptr_nonnull(va);
+    ck_assert_ptr_nonnull(vb);
+    ck_assert_int_eq(strncmp(va, vb, 22), 0);
+    proc_free(&t);
+    proc_free(&p);
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
+/* ---- faults, launched with torchrun's variables -------------------------------- */
+
+#define NP 4
+
+/* The peers of a killed rank fail fast, naming it, though their deadline is
+ * far away: the death is detected, not timed out. */
+START_TEST(test_rank_dies) {
+    proc ps[NP];
+    torchrun_start(ps, NP, NP, prog_path(), (const char *const[]){"die", "2", NULL}, "30000");
+    torchrun_rank_died(ps, NP, 2, 0); /* "rank 2 (pid N) died during the collective" */
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
+/* Under cparrun: the job ends with the killed rank's status, nothing left over. */
+START_TEST(test_cparrun_rank_dies) {
+    cparrun_rank_dies(cparrun_path(), prog_path(), 4, 1);
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
+/* A rank that joins after the deadline: the others time out naming it (or
+ * learn of the timeout from the first that did), and it sees their failure. */
+START_TEST(test_rank_late) {
+    proc ps[NP];
+    torchrun_start(ps, NP, NP, prog_path(), (const char *const[]){"late", "1", NULL}, "1500");
+    for (int r = 0; r < NP; r++) proc_finish(&ps[r], 30000);
+    int timeouts = 0;
+    for (int r = 0; r < NP; r++) {
+        ASSERT_OUT(&ps[r], ps[r].status == 1);
+        if (r == 1) {
+            ASSERT_OUT(&ps[r], strstr(ps[r].text[0], "CPAR_ERR_PEER") && strstr(ps[r].text[0], "timed out"));
+            continue;
+        }
+        timeouts += strstr(ps[r].text[0], "CPAR_ERR_TIMEOUT") != NULL;
+        ASSERT_OUT(&ps[r], strstr(ps[r].text[0], "waiting for rank 1") != NULL);
+        ck_assert_int_lt(ps[r].end - ps[r].start, 1500 + 8000);
+    }
+    ck_assert_int_ge(timeouts, 1);
+    for (int r = 0; r < NP; r++) proc_free(&ps[r]);
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
+/* A segment a rank left behind (killed between creating it and unlinking
+ * it) is removed by cparrun when the job ends: it is named after the job's
+ * token ("cpar-<FNV-1a of the token>-..."); another job's is kept. */
+START_TEST(test_cparrun_sweeps) {
+    char token[64], mine[128], other[128];
+    snprintf(token, sizeof token, "sweep-%d", (int)getpid());
+    uint32_t h = 2166136261u;
+    for (const char *p = token; *p; p++) h = (h ^ (unsigned char)*p) * 16777619u;
+    snprintf(mine, sizeof mine, "/dev/shm/cpar-%08x-1-0", h);
+    snprintf(other, sizeof other, "/dev/shm/cpar-%08x-1-0", h ^ 1u);
+    for (int i = 0; i < 2; i++) {
+        int fd = open(i ? other : mine, O_CREAT | O_WRONLY, 0600);
+        ck_assert_int_ge(fd, 0);
+        close(fd);
+    }
+    char var[96];
+    snprintf(var, sizeof var, "CPAR_JOB_TOKEN=%s", token);
+    proc p;
+    proc_run(&p, cparrun_path(), prog_path(), (const char *const[]){"-n", "2", "PROG", "coll", NULL},
+             (const char *const[]){var, NULL}, 60000);
+    ASSERT_OUT(&p, p.status == 0);
+    proc_free(&p);
+    ck_assert_int_ne(access(mine, F_OK), 0);
+    ck_assert_int_eq(access(other, F_OK), 0);
+    unlink(other);
+}
+END_TEST
+
+/* cpar_abort on one rank: every rank's call fails with CPAR_ERR_PEER saying
+ * which rank aborted, at once. */
+START_TEST(test_rank_aborts) {
+    proc ps[NP];
+    torchrun_start(ps, NP, NP, prog_path(), (const char *const[]){"abort", "3", NULL}, "30000");
+    for (int r = 0; r < NP; r++) proc_finish(&ps[r], 40000);
+    for (int r = 0; r < NP; r++) {
+        ASSERT_OUT(&ps[r], ps[r].status == 1);
+        ASSERT_OUT(&ps[r], strstr(ps[r].text[0], "CPAR_ERR_PEER") && strstr(ps[r].text[0], "rank 3 aborted"));
+        ck_assert_int_lt(ps[r].end - ps[r].start, 10000);
+        proc_free(&ps[r]);
+    }
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
+/* Two nodes' worth of ranks (LOCAL_WORLD_SIZE < WORLD_SIZE): refused at once. */
+START_TEST(test_several_nodes) {
+    proc ps[2];
+    torchrun_start(ps, 2, 1, prog_path(), (const char *const[]){"coll", NULL}, "5000");
+    for (int r = 0; r < 2; r++) {
+        proc_finish(&ps[r], 20000);
+        ASSERT_OUT(&ps[r], ps[r].status == 1);
+        ASSERT_OUT(&ps[r], strstr(ps[r].text[1], "CPAR_ERR_UNSUPPORTED") && strstr(ps[r].text[1], "single-node"));
+        ck_assert_int_lt(ps[r].end - ps[r].start, 3000);
+        proc_free(&ps[r]);
+    }
+}
+END_TEST
+
+int main(void) {
+    const char *need[] = {cparrun_path(), prog_path(), mp_path(), train_path()};
+    for (int i = 0; i < 4; i++)
+        if (access(need[i], X_OK) != 0) {
+            fprintf(stderr, "test_hostmp: need %s (CPARRUN, HOSTMP_PROG, MP_PROG, TRAIN)\n", need[i]);
+            return EXIT_FAILURE;
+        }
+    Suite *s = suite_create("hostmp: multi-process jobs on the host backend (shared memory)");
+    TCase *tc = tcase_create("collectives");
+    tcase_add_loop_test(tc, test_coll, 0, (int)(sizeof sizes / sizeof *sizes));
+    tcase_add_loop_test(tc, test_coll_stages, 0, 2);
+    tcase_set_timeout(tc, 180);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("layers");
+    tcase_add_loop_test(tc, test_ring_attention, 0, 2);
+    tcase_add_test(tc, test_mlp_tp2_cp2);
+    tcase_add_test(tc, test_train_matches_threads);
+    tcase_set_timeout(tc, 600);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("faults");
+    tcase_add_test(tc, test_rank_dies);
+    tcase_add_test(tc, test_cparrun_rank_dies);
+    tcase_add_test(tc, test_rank_late);
+    tcase_add_test(tc, test_rank_aborts);
+    tcase_add_test(tc, test_several_nodes);
+    tcase_add_test(tc, test_cparrun_sweeps);
+    tcase_set_timeout(tc, 120);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
