@@ -27,7 +27,7 @@
  *   15. RNG, dropout, checkpointing Philox tracker, random fills, dropout, recompute
  *   16. Embedding, cross entropy    vocab-parallel embedding and loss
  *   17. Linear layers               column/row-parallel linear, init, fwd/bwd, wgrad deferral and drain
- *   18. Local attention             flash-style attention fwd/bwd, host reference, blocks
+ *   18. Local attention             flash-style attention fwd/bwd with dropout, host reference, blocks
  *   19. Ring attention, sharding    cp_shard/unshard (plain, packed), ring fwd/bwd, the LSE merge
  *   20. Mamba context parallelism   cp2hp/hp2cp, load balancing, pre/post conv_ssm (plain, packed), conv1d
  *   21. Inference layers            RMSNorm fwd/bwd, inference column/row linear, fused rs+add+norm+ag
@@ -7416,6 +7416,15 @@ cpar_status cpar_rng_set_state(cpar_ctx *ctx, const char *name, const cpar_rng_s
     return CPAR_OK;
 }
 
+cpar_status cpar_rng_reserve(cpar_ctx *ctx, uint64_t blocks, cpar_rng_state *used) {
+    static const char fn[] = "cpar_rng_reserve";
+    CPAR__RNG_OF(rng, ctx, fn);
+    if (!used) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: used is NULL", fn);
+    *used = rng->s.current;
+    rng->s.current.offset += blocks;
+    return CPAR_OK;
+}
+
 cpar_status cpar_rng_get_states(cpar_ctx *ctx, cpar_rng_snapshot *out) {
     static const char fn[] = "cpar_rng_get_states";
     CPAR__RNG_OF(rng, ctx, fn);
@@ -9161,9 +9170,10 @@ cpar_status cpar_linear_drain_wgrad(cpar_linear *l) {
 }
 
 /* ==== 18. Local attention ==================================================
- * Owns cpar.h §12's local attention: cpar_attention_forward/_backward on one
- * rank, and the block functions below that the ring attention of section 19
- * calls once per KV block. Host tensors run FlashAttention-2's tiled loops on
+ * Owns cpar.h §12's local attention: cpar_attention_forward/_backward (and
+ * their _cfg forms with dropout) on one rank, attention dropout's mask (host
+ * twin of the kernels'), and the block functions below that the ring
+ * attention of section 19 calls once per KV block. Host tensors run FlashAttention-2's tiled loops on
  * the host GEMM (fp32 accumulation, online softmax); device tensors run the
  * flash kernels of cpar_kernels.cu §16 through cpar_dev_attention_fwd / _bwd.
  * Scratch: one workspace carve per call (the GEMM's panels are its own).
@@ -9203,6 +9213,61 @@ static cpar_status cpar__attn_bwd(cpar_ctx *ctx, const char *fn, bool on_device,
  * or host), 256-byte aligned. Zero is a valid answer. */
 static size_t cpar__attn_scratch_bytes(const cpar__attn_io *io, bool backward);
 
+/* ---- packed sequences (cpar.h §12): the check sections 18-20 share ---------- */
+
+/* A validated cpar_packed_seqs: the boundaries the buffer is cut at. */
+typedef struct cpar__packing {
+    int n_docs;
+    const int32_t *cu; /* the padded boundaries (cu_seqlens where there is no padding) */
+    int64_t total;     /* cu[n_docs]: the packed buffer's length */
+} cpar__packing;
+
+/* Check seqs for P ranks (cpar.h §12's rules) and resolve it into *pk. Each
+ * failure names the array, the index and the document. P = 0: one unsharded
+ * buffer (local attention), whose documents may have any lengths. */
+static cpar_status cpar__packed_check(cpar_ctx *ctx, const char *fn, const cpar_packed_seqs *seqs, int P,
+                                      cpar__packing *pk) {
+    if (!seqs) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs is NULL (the packed sequences)", fn);
+    if (seqs->n_docs < 1)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->n_docs is %d, expected >= 1", fn, seqs->n_docs);
+    const int32_t *arr[2] = {seqs->cu_seqlens, seqs->cu_seqlens_padded};
+    static const char *names[2] = {"cu_seqlens", "cu_seqlens_padded"};
+    if (!arr[0]) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->cu_seqlens is NULL", fn);
+    const int n = seqs->n_docs;
+    for (int a = 0; a < 2; a++) {
+        if (!arr[a]) continue;
+        if (arr[a][0] != 0)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->%s[0] is %ld, expected 0", fn, names[a],
+                              (long)arr[a][0]);
+        for (int i = 0; i < n; i++)
+            if (arr[a][i + 1] < arr[a][i])
+                return cpar__fail(ctx, CPAR_ERR_INVALID,
+                                  "%s: seqs->%s decreases at document %d: %s[%d] = %ld < %s[%d] = %ld (expected "
+                                  "non-decreasing)", fn, names[a], i, names[a], i + 1, (long)arr[a][i + 1], names[a],
+                                  i, (long)arr[a][i]);
+    }
+    const int32_t *cu = arr[1] ? arr[1] : arr[0];
+    const char *cn = names[arr[1] ? 1 : 0];
+    const int64_t chunks = 2 * (int64_t)P;
+    for (int i = 0; i < n; i++) {
+        const int64_t len = (int64_t)cu[i + 1] - cu[i];
+        if (arr[1] && len < (int64_t)arr[0][i + 1] - arr[0][i])
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: document %d has padded length %lld (cu_seqlens_padded[%d] - [%d]) < its length "
+                              "%lld (cu_seqlens[%d] - [%d])", fn, i, (long long)len, i + 1, i,
+                              (long long)((int64_t)arr[0][i + 1] - arr[0][i]), i + 1, i);
+        if (P > 0 && len % chunks)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: document %d has %slength %lld (%s[%d] - [%d]), not divisible by 2*cp = %lld (each "
+                              "document is cut into 2*cp chunks)", fn, i, arr[1] ? "padded " : "", (long long)len, cn,
+                              i + 1, i, (long long)chunks);
+    }
+    pk->n_docs = n;
+    pk->cu = cu;
+    pk->total = cu[n];
+    return CPAR_OK;
+}
+
 /* ---- the host reference ------------------------------------------------------ */
 
 #define CPAR__ATTN_ALIGN ((size_t)256)
@@ -9218,13 +9283,106 @@ static size_t cpar__attn_round(size_t bytes) { return (bytes + CPAR__ATTN_ALIGN 
  * each query tile that sees it: P = exp(scale Q Kᵀ − lse) recomputed,
  * dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − D) with D = rowsum(dO ∘ O), dQ +=
  * scale dS K, dK += scale dSᵀ Q. Tiles skip what causality hides; the diagonal
- * tile masks j > i. The S / P and dP tiles stay in cache. */
+ * tile masks j > i. The S / P and dP tiles stay in cache. Dropout: forward
+ * zeroes the dropped weights after l has summed them (lse is dropout's
+ * input) and scales out by 1/(1-p); backward builds the tile's mask
+ * Z = keep/(1-p) once, dV += (P∘Z)ᵀ dO and dS = P ∘ (dP∘Z − D). */
 enum { CPAR__HATTN_BQ = 128, CPAR__HATTN_BK = 128 };
 
 /* Scratch floats of the host path (see cpar__attn_scratch_bytes). */
 static size_t cpar__host_attn_floats(const cpar__attn_io *io, bool backward) {
     const size_t tile = (size_t)CPAR__HATTN_BQ * CPAR__HATTN_BK;
-    return backward ? 2 * tile + (size_t)io->sq : tile + (size_t)CPAR__HATTN_BQ * (size_t)(io->d + 2);
+    const size_t drop = io->dropout_p > 0.f ? tile : 0; /* backward: the tile's mask Z / (1 - p) */
+    return backward ? 2 * tile + drop + (size_t)io->sq : tile + (size_t)CPAR__HATTN_BQ * (size_t)(io->d + 2);
+}
+
+/* ---- dropout's mask (host twin of cpar_kernels.cu §16's cpar__attn_keep) ---- */
+
+/* Row i of p (cpar_dev_attn_pos): its global position, and its document in
+ * *doc (packed rows: -1 for padding; plain rows: 0). A packed shard's local
+ * row i lies in the last document d with cu[d] / P <= i (an empty document
+ * never: the next one starts at the same row), in its slot 0 (chunk rank)
+ * or slot 1 (chunk 2P-1-rank). Twin of cpar_kernels.cu §16's cpar__attn_row. */
+static int64_t cpar__attn_row(const cpar_dev_attn_pos *p, int64_t i, int *doc) {
+    if (!p->cu) {
+        *doc = 0;
+        return i < p->split ? p->off0 + i : p->off1 + (i - p->split);
+    }
+    const int32_t *cu = p->cu;
+    const int64_t P = p->P;
+    if (i >= cu[p->n_docs] / P) { /* past the shard: nobody's */
+        *doc = -1;
+        return i;
+    }
+    int lo = 0, hi = p->n_docs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (cu[mid] / P <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    int64_t g = i;
+    if (P > 1) {
+        const int64_t c = ((int64_t)cu[lo + 1] - cu[lo]) / (2 * P), o = i - cu[lo] / P;
+        g = cu[lo] + (o < c ? p->rank : 2 * P - 1 - p->rank) * c + o % c;
+    }
+    *doc = g - cu[lo] < (int64_t)p->cu_real[lo + 1] - p->cu_real[lo] ? lo : -1;
+    return g;
+}
+
+static int64_t cpar__attn_pos(const cpar_dev_attn_pos *p, int64_t i) {
+    int doc;
+    return cpar__attn_row(p, i, &doc);
+}
+
+/* The positions of rows [a, ...) of plain rows p, as a description of their own. */
+static cpar_dev_attn_pos cpar__attn_pos_sub(cpar_dev_attn_pos p, int64_t a) {
+    if (a >= p.split) return (cpar_dev_attn_pos){.split = 0, .off0 = 0, .off1 = p.off1 + (a - p.split)};
+    return (cpar_dev_attn_pos){.split = p.split - a, .off0 = p.off0 + a, .off1 = p.off1};
+}
+
+/* Packed blocks (both row sets packed) mask by document and, causal, by
+ * global position; plain ones by the top-left index rule. */
+static bool cpar__attn_is_packed(const cpar__attn_io *io) { return io->qp.cu && io->kp.cu; }
+
+/* -inf where query q0 + i does not see key k0 + j of a packed block. */
+static void cpar__attn_mask_packed(const cpar__attn_io *io, float *S, int64_t bq, int64_t bk, int64_t q0, int64_t k0) {
+    for (int64_t i = 0; i < bq; i++) {
+        int dq, dk;
+        const int64_t qpos = cpar__attn_row(&io->qp, q0 + i, &dq);
+        for (int64_t j = 0; j < bk; j++) {
+            const int64_t kpos = cpar__attn_row(&io->kp, k0 + j, &dk);
+            if (!(dq >= 0 && dq == dk && (!io->causal || kpos <= qpos))) S[i * bk + j] = -INFINITY;
+        }
+    }
+}
+
+/* Whether attention weight (bh, qpos, kpos) survives dropout p (cpar.h §12). */
+static bool cpar__attn_keep(const cpar_rng_state *rng, float p, uint64_t bh, uint64_t qpos, uint64_t kpos) {
+    const uint64_t c = rng->offset + (kpos >> 2), sub = ((bh + 1) << 32) + qpos;
+    const uint32_t ctr[4] = {(uint32_t)c, (uint32_t)(c >> 32), (uint32_t)sub, (uint32_t)(sub >> 32)};
+    uint32_t w[4];
+    cpar__philox(ctr, (uint32_t)rng->seed, (uint32_t)(rng->seed >> 32), w);
+    return cpar__rng_u01(w[kpos & 3]) >= p;
+}
+
+/* The kept weights' factor 1 / (1 - p) in fp32 (1 without dropout); the
+ * device launchers compute the same expression on the host. */
+static float cpar__attn_keep_scale(const cpar__attn_io *io) { return 1.0f / (1.0f - io->dropout_p); }
+
+/* Row i0 + i, key k0 + j of S [bq, bk] (row-major): multiply each element by
+ * its mask value (0 or keep_scale) into Z, or zero the dropped ones in place
+ * when Z is NULL. */
+static void cpar__attn_drop_tile(const cpar__attn_io *io, int64_t bh, int64_t i0, int64_t k0, int64_t bq, int64_t bk,
+                                 float *S, float *Z, float keep_scale) {
+    for (int64_t i = 0; i < bq; i++) {
+        const uint64_t qpos = (uint64_t)cpar__attn_pos(&io->qp, i0 + i);
+        for (int64_t j = 0; j < bk; j++) {
+            const bool keep = cpar__attn_keep(&io->rng, io->dropout_p, (uint64_t)bh, qpos,
+                                              (uint64_t)cpar__attn_pos(&io->kp, k0 + j));
+            if (Z) Z[i * bk + j] = keep ? keep_scale : 0.f;
+            else if (!keep) S[i * bk + j] = 0.f;
+        }
+    }
 }
 
 /* Top-left causal: -inf where key k0 + j lies after query q0 + i. */
@@ -9248,20 +9406,24 @@ static cpar_status cpar__host_attn_fwd(cpar_ctx *ctx, const char *fn, const cpar
                                        cpar_dtype out_dt, int64_t o_bh, float *lse, int64_t lse_bh, float *scratch) {
     const int64_t d = io->d, group = io->hq / io->hkv;
     float *S = scratch, *O = S + CPAR__HATTN_BQ * CPAR__HATTN_BK, *m = O + CPAR__HATTN_BQ * d, *l = m + CPAR__HATTN_BQ;
+    const bool drop = io->dropout_p > 0.f, packed = cpar__attn_is_packed(io);
+    const float keep_scale = cpar__attn_keep_scale(io);
     for (int64_t bi = 0; bi < io->b; bi++)
         for (int64_t hi = 0; hi < io->hq; hi++) {
             const int64_t bh = bi * io->hq + hi, qbase = bh * io->q_bh, obase = bh * o_bh;
             const int64_t kvbase = (bi * io->hkv + hi / group) * io->kv_bh;
             for (int64_t q0 = 0; q0 < io->sq; q0 += CPAR__HATTN_BQ) {
                 const int64_t bq = cpar__min64(CPAR__HATTN_BQ, io->sq - q0);
-                const int64_t kend = io->causal ? cpar__min64(io->sk, q0 + bq) : io->sk; /* the tile's last row sees < kend */
+                /* plain causal: the tile's last row sees keys < kend; packed blocks mask every tile */
+                const int64_t kend = io->causal && !packed ? cpar__min64(io->sk, q0 + bq) : io->sk;
                 for (int64_t i = 0; i < bq; i++) m[i] = -INFINITY, l[i] = 0.f;
                 memset(O, 0, sizeof(float) * (size_t)(bq * d));
                 for (int64_t k0 = 0; k0 < kend; k0 += CPAR__HATTN_BK) {
                     const int64_t bk = cpar__min64(CPAR__HATTN_BK, kend - k0);
                     CPAR_TRY(cpar__attn_qkt(ctx, fn, io->scale, cpar__attn_at(io->q, io->dt, qbase + q0 * d), io->dt,
                                             cpar__attn_at(io->k, io->dt, kvbase + k0 * d), io->dt, bq, bk, d, S));
-                    if (io->causal && k0 + bk - 1 > q0) cpar__attn_mask_tile(S, bq, bk, q0, k0);
+                    if (packed) cpar__attn_mask_packed(io, S, bq, bk, q0, k0);
+                    else if (io->causal && k0 + bk - 1 > q0) cpar__attn_mask_tile(S, bq, bk, q0, k0);
                     for (int64_t i = 0; i < bq; i++) {
                         float *srow = S + i * bk, mx = m[i];
                         for (int64_t j = 0; j < bk; j++) mx = srow[j] > mx ? srow[j] : mx; /* no NaN here; fmaxf is a call */
@@ -9275,6 +9437,8 @@ static cpar_status cpar__host_attn_fwd(cpar_ctx *ctx, const char *fn, const cpar
                         if (corr != 1.f)
                             for (int64_t c = 0; c < d; c++) O[i * d + c] *= corr;
                     }
+                    /* l summed the weights before dropout (lse is dropout's input); P V uses the kept ones */
+                    if (drop) cpar__attn_drop_tile(io, bh, q0, k0, bq, bk, S, NULL, 0.f);
                     /* O [bq, d] += P [bq, bk] V [bk, d]: column-major Oᵀ += Vᵀ Pᵀ */
                     CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 0, d, bq, bk, 1.f, cpar__attn_at(io->v, io->dt, kvbase + k0 * d),
                                              io->dt, d, S, CPAR_F32, bk, 1.f, O, CPAR_F32, d));
@@ -9283,7 +9447,8 @@ static cpar_status cpar__host_attn_fwd(cpar_ctx *ctx, const char *fn, const cpar
                     float *lrow = lse + bh * lse_bh + q0 + i;
                     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f; /* l = 0: the row saw no key */
                     *lrow = l[i] > 0.f ? m[i] + logf(l[i]) : -INFINITY;
-                    for (int64_t c = 0; c < d; c++) cpar__store_f(out, out_dt, obase + (q0 + i) * d + c, O[i * d + c] * inv);
+                    for (int64_t c = 0; c < d; c++)
+                        cpar__store_f(out, out_dt, obase + (q0 + i) * d + c, O[i * d + c] * inv * keep_scale);
                 }
             }
         }
@@ -9296,7 +9461,10 @@ static cpar_status cpar__host_attn_bwd(cpar_ctx *ctx, const char *fn, const cpar
                                        float *scratch) {
     const int64_t d = io->d, group = io->hq / io->hkv;
     const float scale = io->scale;
+    const bool drop = io->dropout_p > 0.f, packed = cpar__attn_is_packed(io), skip = io->causal && !packed;
     float *P = scratch, *dP = P + CPAR__HATTN_BQ * CPAR__HATTN_BK, *D = dP + CPAR__HATTN_BQ * CPAR__HATTN_BK;
+    float *Z = drop ? D : NULL; /* the mask tile, then D */
+    if (drop) D += CPAR__HATTN_BQ * CPAR__HATTN_BK;
     for (int64_t bi = 0; bi < io->b; bi++)
         for (int64_t hi = 0; hi < io->hq; hi++) {
             const int64_t bh = bi * io->hq + hi, hk = bi * io->hkv + hi / group;
@@ -9313,21 +9481,32 @@ static cpar_status cpar__host_attn_bwd(cpar_ctx *ctx, const char *fn, const cpar
                 const void *Kt = cpar__attn_at(io->k, io->dt, kvbase + k0 * d), *Vt = cpar__attn_at(io->v, io->dt, kvbase + k0 * d);
                 float *dKt = dk + hk * dkv_bh + k0 * d, *dVt = dv + hk * dkv_bh + k0 * d;
                 /* causal: query rows before k0 see none of these keys */
-                for (int64_t q0 = io->causal ? k0 / CPAR__HATTN_BQ * CPAR__HATTN_BQ : 0; q0 < io->sq; q0 += CPAR__HATTN_BQ) {
+                for (int64_t q0 = skip ? k0 / CPAR__HATTN_BQ * CPAR__HATTN_BQ : 0; q0 < io->sq; q0 += CPAR__HATTN_BQ) {
                     const int64_t bq = cpar__min64(CPAR__HATTN_BQ, io->sq - q0);
-                    if (io->causal && q0 + bq - 1 < k0) continue;
+                    if (skip && q0 + bq - 1 < k0) continue;
                     const void *Qt = cpar__attn_at(io->q, io->dt, qbase + q0 * d);
                     const void *dOt = cpar__attn_at(dout, out_dt, obase + q0 * d);
                     CPAR_TRY(cpar__attn_qkt(ctx, fn, scale, Qt, io->dt, Kt, io->dt, bq, bk, d, P));
-                    if (io->causal && k0 + bk - 1 > q0) cpar__attn_mask_tile(P, bq, bk, q0, k0);
+                    if (packed) cpar__attn_mask_packed(io, P, bq, bk, q0, k0);
+                    else if (io->causal && k0 + bk - 1 > q0) cpar__attn_mask_tile(P, bq, bk, q0, k0);
                     for (int64_t i = 0; i < bq; i++) {
                         if (L[q0 + i] == -INFINITY) memset(P + i * bk, 0, sizeof(float) * (size_t)bk); /* saw no key */
                         else cpar__exp_sub_sum(P + i * bk, bk, L[q0 + i]);
                     }
-                    /* dV [bk, d] += Pᵀ dO: column-major dVᵀ += dOᵀ P */
-                    CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 1, d, bk, bq, 1.f, dOt, out_dt, d, P, CPAR_F32, bk, 1.f, dVt,
+                    /* dV [bk, d] += (P ∘ Z)ᵀ dO: column-major dVᵀ += dOᵀ (P ∘ Z); with dropout P ∘ Z
+                     * (Z = mask / (1 - p)) is built in dP, which is free until dP = dO Vᵀ below */
+                    const float *PZ = P;
+                    if (drop) {
+                        cpar__attn_drop_tile(io, bh, q0, k0, bq, bk, NULL, Z, cpar__attn_keep_scale(io));
+                        for (int64_t e = 0; e < bq * bk; e++) dP[e] = P[e] * Z[e];
+                        PZ = dP;
+                    }
+                    CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 1, d, bk, bq, 1.f, dOt, out_dt, d, PZ, CPAR_F32, bk, 1.f, dVt,
                                              CPAR_F32, d));
                     CPAR_TRY(cpar__attn_qkt(ctx, fn, 1.f, dOt, out_dt, Vt, io->dt, bq, bk, d, dP)); /* dP = dO Vᵀ */
+                    /* dS = P ∘ (dP ∘ Z − D): the gradient reaches the weight before dropout through the mask */
+                    if (drop)
+                        for (int64_t e = 0; e < bq * bk; e++) dP[e] *= Z[e];
                     for (int64_t i = 0; i < bq; i++)
                         for (int64_t j = 0; j < bk; j++) dP[i * bk + j] = P[i * bk + j] * (dP[i * bk + j] - D[q0 + i]);
                     /* dQ [bq, d] += scale dS K: column-major dQᵀ += Kᵀ dSᵀ */
@@ -9406,10 +9585,28 @@ static cpar_status cpar__attn_check_lse(cpar_ctx *ctx, const char *fn, const cpa
     return cpar__check_shape(ctx, fn, "lse", lse, q->shape, 3, "[b, hq, sq] of q");
 }
 
-/* Checks of q, k, v, causal and scale shared by forward and backward; fills
+/* p is a dropout probability attention takes (name: how the caller spelled it). */
+static cpar_status cpar__attn_check_dropout(cpar_ctx *ctx, const char *fn, const char *name, float p) {
+    if (p >= 0.f && p < 1.f) return CPAR_OK;
+    return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %s is %g, expected 0 <= p < 1 (p = 1 would drop every weight)", fn,
+                      name, (double)p);
+}
+
+/* Dropout's positions are Philox counter words: below 2^32. */
+static cpar_status cpar__attn_check_positions(cpar_ctx *ctx, const char *fn, float p, int64_t sq, int64_t sk) {
+    if (p == 0.f || (sq <= (int64_t)UINT32_MAX && sk <= (int64_t)UINT32_MAX)) return CPAR_OK;
+    return cpar__fail(ctx, CPAR_ERR_INVALID,
+                      "%s: global sequence lengths %lld (queries) and %lld (keys), expected below 2^32 with dropout",
+                      fn, (long long)sq, (long long)sk);
+}
+
+/* Checks of q, k, v and the configuration shared by forward and backward
+ * (pre: "" for the bool/float functions, "cfg->" for the _cfg ones); fills
  * the block description of the whole attention (contiguous strides). */
-static cpar_status cpar__attn_check_qkv(cpar_ctx *ctx, const char *fn, const cpar_tensor *q, const cpar_tensor *k,
-                                        const cpar_tensor *v, bool causal, float scale, cpar__attn_io *io) {
+static cpar_status cpar__attn_check_qkv(cpar_ctx *ctx, const char *fn, const char *pre,
+                                        const cpar_attention_config *cfg, const cpar_tensor *q, const cpar_tensor *k,
+                                        const cpar_tensor *v, cpar__attn_io *io) {
+    const float scale = cfg->scale;
     CPAR_TRY(cpar__check_tensor(ctx, fn, "q", q, -2));
     if (q->device != CPAR_HOST && q->device != ctx->device) {
         char got[32], want[32];
@@ -9441,8 +9638,12 @@ static cpar_status cpar__attn_check_qkv(cpar_ctx *ctx, const char *fn, const cpa
                           (long long)hkv, (long long)hq);
     if (d < 1) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: q has head dim d = %lld, expected >= 1", fn, (long long)d);
     if (!isfinite(scale) || scale < 0.f)
-        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: scale is %g, expected finite and >= 0 (0: 1/sqrt(d))", fn,
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: %sscale is %g, expected finite and >= 0 (0: 1/sqrt(d))", fn, pre,
                           (double)scale);
+    char pname[32];
+    snprintf(pname, sizeof pname, "%sdropout_p", pre);
+    CPAR_TRY(cpar__attn_check_dropout(ctx, fn, pname, cfg->dropout_p));
+    CPAR_TRY(cpar__attn_check_positions(ctx, fn, cfg->dropout_p, sq, sk));
     if (cpar__on_device(q->device)) {
         if (q->dtype == CPAR_F32)
             return cpar__fail(ctx, CPAR_ERR_UNSUPPORTED,
@@ -9458,8 +9659,43 @@ static cpar_status cpar__attn_check_qkv(cpar_ctx *ctx, const char *fn, const cpa
     io->b = b, io->hq = hq, io->hkv = hkv, io->sq = sq, io->sk = sk, io->d = d;
     io->q = q->data, io->k = k->data, io->v = v->data;
     io->q_bh = sq * d, io->kv_bh = sk * d;
-    io->causal = causal;
+    io->causal = cfg->causal;
     io->scale = scale > 0.f ? scale : (float)(1.0 / sqrt((double)d));
+    io->dropout_p = cfg->dropout_p;
+    io->rng = cfg->dropout_state;
+    if (cfg->packed) {
+        cpar__packing pk;
+        CPAR_TRY(cpar__packed_check(ctx, fn, cfg->packed, 0, &pk));
+        if (b != 1)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: q has batch %lld, expected 1 with %spacked (a THD batch)", fn,
+                              (long long)b, pre);
+        if (sq != pk.total || sk != pk.total)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: q and k have lengths %lld and %lld, expected %lld (the packed length of %spacked)",
+                              fn, (long long)sq, (long long)sk, (long long)pk.total, pre);
+        io->qp = (cpar_dev_attn_pos){.cu = pk.cu, .cu_real = cfg->packed->cu_seqlens, .n_docs = pk.n_docs, .P = 1};
+        io->kp = io->qp;
+    }
+    return CPAR_OK;
+}
+
+/* Device bytes for a packed block's boundaries (cu and cu_real of n_docs
+ * documents); 0 for plain rows or host memory. */
+static size_t cpar__attn_packed_bytes(const cpar__attn_io *io, bool dev) {
+    return dev && io->qp.cu ? cpar__attn_round(2 * (size_t)(io->qp.n_docs + 1) * sizeof(int32_t)) : 0;
+}
+
+/* On devices the kernels read the packing's boundaries from device memory:
+ * copy them (host arrays) to `where` (cpar__attn_packed_bytes) and point the
+ * block's row descriptions there. */
+static cpar_status cpar__attn_packed_upload(cpar_ctx *ctx, const char *fn, cpar__attn_io *io, void *where) {
+    if (!cpar__attn_packed_bytes(io, true)) return CPAR_OK;
+    const size_t n = (size_t)(io->qp.n_docs + 1);
+    int32_t *cu = where, *real = cu + n;
+    CPAR_TRY(cpar__copy_bytes(ctx, fn, cu, ctx->device, io->qp.cu, CPAR_HOST, n * sizeof(int32_t)));
+    CPAR_TRY(cpar__copy_bytes(ctx, fn, real, ctx->device, io->qp.cu_real, CPAR_HOST, n * sizeof(int32_t)));
+    io->qp.cu = io->kp.cu = cu;
+    io->qp.cu_real = io->kp.cu_real = real;
     return CPAR_OK;
 }
 
@@ -9487,12 +9723,21 @@ static cpar_status cpar__attn_scratch(cpar_ctx *ctx, const char *fn, int device,
     return CPAR_OK;
 }
 
-cpar_status cpar_attention_forward(cpar_ctx *ctx, const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
-                                   bool causal, float scale, cpar_tensor *out, cpar_tensor *lse) {
-    static const char fn[] = "cpar_attention_forward";
+/* ctx and cfg are there (pre as cpar__attn_check_qkv). */
+static cpar_status cpar__attn_check_cfg(cpar_ctx *ctx, const char *fn, const char *pre,
+                                        const cpar_attention_config *cfg) {
     if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    if (*pre && !cfg) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg is NULL", fn);
+    return CPAR_OK;
+}
+
+static cpar_status cpar__attention_forward(cpar_ctx *ctx, const char *fn, const char *pre,
+                                           const cpar_attention_config *cfg, const cpar_tensor *q,
+                                           const cpar_tensor *k, const cpar_tensor *v, cpar_tensor *out,
+                                           cpar_tensor *lse) {
+    CPAR_TRY(cpar__attn_check_cfg(ctx, fn, pre, cfg));
     cpar__attn_io io;
-    CPAR_TRY(cpar__attn_check_qkv(ctx, fn, q, k, v, causal, scale, &io));
+    CPAR_TRY(cpar__attn_check_qkv(ctx, fn, pre, cfg, q, k, v, &io));
     CPAR_TRY(cpar__attn_check_like(ctx, fn, "out", out, q, q->shape, 4, "as q"));
     CPAR_TRY(cpar__attn_check_lse(ctx, fn, lse, q));
     const cpar_tensor *all[5] = {out, lse, q, k, v};
@@ -9512,20 +9757,37 @@ cpar_status cpar_attention_forward(cpar_ctx *ctx, const cpar_tensor *q, const cp
         }
         return CPAR_OK;
     }
-    void *scratch = NULL, *owned = NULL; /* the device forward needs none */
+    void *scratch = NULL, *owned = NULL; /* the device forward needs none but a packing's boundaries */
     if (!dev) CPAR_TRY(cpar__attn_scratch(ctx, fn, q->device, cpar__attn_scratch_bytes(&io, false), &scratch, &owned));
+    else if (cpar__attn_packed_bytes(&io, true)) {
+        CPAR_TRY(cpar__workspace(ctx, fn, cpar__attn_packed_bytes(&io, true), &scratch));
+        CPAR_TRY(cpar__attn_packed_upload(ctx, fn, &io, scratch));
+    }
     cpar_status st = cpar__attn_fwd(ctx, fn, dev, &io, out->data, out->dtype, io.q_bh, lse->data, io.sq, scratch);
     free(owned);
     return st;
 }
 
-cpar_status cpar_attention_backward(cpar_ctx *ctx, const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
-                                    const cpar_tensor *out, const cpar_tensor *dout, const cpar_tensor *lse,
-                                    bool causal, float scale, cpar_tensor *dq, cpar_tensor *dk, cpar_tensor *dv) {
-    static const char fn[] = "cpar_attention_backward";
-    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+cpar_status cpar_attention_forward(cpar_ctx *ctx, const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
+                                   bool causal, float scale, cpar_tensor *out, cpar_tensor *lse) {
+    const cpar_attention_config cfg = {.causal = causal, .scale = scale};
+    return cpar__attention_forward(ctx, "cpar_attention_forward", "", &cfg, q, k, v, out, lse);
+}
+
+cpar_status cpar_attention_forward_cfg(cpar_ctx *ctx, const cpar_attention_config *cfg, const cpar_tensor *q,
+                                       const cpar_tensor *k, const cpar_tensor *v, cpar_tensor *out,
+                                       cpar_tensor *lse) {
+    return cpar__attention_forward(ctx, "cpar_attention_forward_cfg", "cfg->", cfg, q, k, v, out, lse);
+}
+
+static cpar_status cpar__attention_backward(cpar_ctx *ctx, const char *fn, const char *pre,
+                                            const cpar_attention_config *cfg, const cpar_tensor *q,
+                                            const cpar_tensor *k, const cpar_tensor *v, const cpar_tensor *out,
+                                            const cpar_tensor *dout, const cpar_tensor *lse, cpar_tensor *dq,
+                                            cpar_tensor *dk, cpar_tensor *dv) {
+    CPAR_TRY(cpar__attn_check_cfg(ctx, fn, pre, cfg));
     cpar__attn_io io;
-    CPAR_TRY(cpar__attn_check_qkv(ctx, fn, q, k, v, causal, scale, &io));
+    CPAR_TRY(cpar__attn_check_qkv(ctx, fn, pre, cfg, q, k, v, &io));
     CPAR_TRY(cpar__attn_check_like(ctx, fn, "out", out, q, q->shape, 4, "as q, from forward"));
     CPAR_TRY(cpar__attn_check_like(ctx, fn, "dout", dout, q, q->shape, 4, "as q"));
     CPAR_TRY(cpar__attn_check_lse(ctx, fn, lse, q));
@@ -9542,14 +9804,15 @@ cpar_status cpar_attention_backward(cpar_ctx *ctx, const cpar_tensor *q, const c
      * scratch cast into them at the end. Layout: dq | dk | dv | block scratch. */
     const size_t acc_q = f32 ? 0 : cpar__attn_round((size_t)nq * sizeof(float));
     const size_t acc_kv = f32 ? 0 : cpar__attn_round((size_t)nkv * sizeof(float));
-    const size_t block = cpar__attn_scratch_bytes(&io, true);
+    const size_t block = cpar__attn_scratch_bytes(&io, true), pack = cpar__attn_packed_bytes(&io, dev);
     void *scratch, *owned;
-    CPAR_TRY(cpar__attn_scratch(ctx, fn, q->device, acc_q + 2 * acc_kv + block, &scratch, &owned));
+    CPAR_TRY(cpar__attn_scratch(ctx, fn, q->device, acc_q + 2 * acc_kv + block + pack, &scratch, &owned));
     float *gq = f32 ? dq->data : scratch;
     float *gk = f32 ? dk->data : (float *)((char *)scratch + acc_q);
     float *gv = f32 ? dv->data : (float *)((char *)scratch + acc_q + acc_kv);
     void *bscratch = (char *)scratch + acc_q + 2 * acc_kv;
     cpar_status st = CPAR_OK;
+    if (pack) CPAR_TRY_GOTO(cpar__attn_packed_upload(ctx, fn, &io, (char *)bscratch + block), st, done);
     if (dev) {
         CPAR_DEV_TRY(ctx, fn, cpar_dev_memset(gq, 0, (size_t)nq * sizeof(float), ctx->compute));
         CPAR_DEV_TRY(ctx, fn, cpar_dev_memset(gk, 0, (size_t)nkv * sizeof(float), ctx->compute));
@@ -9578,6 +9841,21 @@ done:
     return st;
 }
 
+cpar_status cpar_attention_backward(cpar_ctx *ctx, const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
+                                    const cpar_tensor *out, const cpar_tensor *dout, const cpar_tensor *lse,
+                                    bool causal, float scale, cpar_tensor *dq, cpar_tensor *dk, cpar_tensor *dv) {
+    const cpar_attention_config cfg = {.causal = causal, .scale = scale};
+    return cpar__attention_backward(ctx, "cpar_attention_backward", "", &cfg, q, k, v, out, dout, lse, dq, dk, dv);
+}
+
+cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_config *cfg, const cpar_tensor *q,
+                                        const cpar_tensor *k, const cpar_tensor *v, const cpar_tensor *out,
+                                        const cpar_tensor *dout, const cpar_tensor *lse, cpar_tensor *dq,
+                                        cpar_tensor *dk, cpar_tensor *dv) {
+    return cpar__attention_backward(ctx, "cpar_attention_backward_cfg", "cfg->", cfg, q, k, v, out, dout, lse, dq,
+                                    dk, dv);
+}
+
 /* ==== 19. Ring attention and CP sharding ===================================
  * Owns cpar.h §12's context parallelism for attention: cpar_cp_shard and
  * cpar_cp_unshard (PyTorch's _SequentialSharder / _RoundRobinLoadBalancer and
@@ -9585,7 +9863,9 @@ done:
  * indices of a packing, cpar_ring_attention_forward / _backward
  * (_templated_ring_attention and its backward, _SDPAMerger, the all-gather
  * and all-to-all rotaters). Each ring step is one call of section 18's block
- * functions on pointer-offset sub-ranges of the shards; the fp32 merge is
+ * functions on pointer-offset sub-ranges of the shards, with the rows'
+ * global positions (dropout's mask coordinates; packed batches: the packing
+ * and the rank holding the rows, each step one whole masked block); the fp32 merge is
  * cpar_dev_ring_merge (cpar_kernels.cu §17) or its host twin below. Scratch:
  * one carve of the context workspace per call (the collectives never touch
  * it, so it stays valid across them).
@@ -9600,61 +9880,10 @@ done:
  * cu_seqlens_padded, or cu_seqlens without padding) and local rows
  * [cu[i]/P, cu[i+1]/P) of every shard: chunk r of its 2P, then chunk 2P-1-r
  * (each (cu[i+1]-cu[i])/2P rows). Sections 19 and 20 check a packing with
- * cpar__packed_check and move rows with cpar__cp_packed_copy (below the
- * plain chunk copies; cpar_dev_packed_reorder, cpar_kernels.cu §18, on
- * device memory), so sharding, attention and Mamba agree on the layout. */
-
-/* A validated cpar_packed_seqs: the boundaries the buffer is cut at. */
-typedef struct cpar__packing {
-    int n_docs;
-    const int32_t *cu; /* the padded boundaries (cu_seqlens where there is no padding) */
-    int64_t total;     /* cu[n_docs]: the packed buffer's length */
-} cpar__packing;
-
-/* Check seqs for P ranks (cpar.h §12's rules) and resolve it into *pk. Each
- * failure names the array, the index and the document. */
-static cpar_status cpar__packed_check(cpar_ctx *ctx, const char *fn, const cpar_packed_seqs *seqs, int P,
-                                      cpar__packing *pk) {
-    if (!seqs) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs is NULL (the packed sequences)", fn);
-    if (seqs->n_docs < 1)
-        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->n_docs is %d, expected >= 1", fn, seqs->n_docs);
-    const int32_t *arr[2] = {seqs->cu_seqlens, seqs->cu_seqlens_padded};
-    static const char *names[2] = {"cu_seqlens", "cu_seqlens_padded"};
-    if (!arr[0]) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->cu_seqlens is NULL", fn);
-    const int n = seqs->n_docs;
-    for (int a = 0; a < 2; a++) {
-        if (!arr[a]) continue;
-        if (arr[a][0] != 0)
-            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: seqs->%s[0] is %ld, expected 0", fn, names[a],
-                              (long)arr[a][0]);
-        for (int i = 0; i < n; i++)
-            if (arr[a][i + 1] < arr[a][i])
-                return cpar__fail(ctx, CPAR_ERR_INVALID,
-                                  "%s: seqs->%s decreases at document %d: %s[%d] = %ld < %s[%d] = %ld (expected "
-                                  "non-decreasing)", fn, names[a], i, names[a], i + 1, (long)arr[a][i + 1], names[a],
-                                  i, (long)arr[a][i]);
-    }
-    const int32_t *cu = arr[1] ? arr[1] : arr[0];
-    const char *cn = names[arr[1] ? 1 : 0];
-    const int64_t chunks = 2 * (int64_t)P;
-    for (int i = 0; i < n; i++) {
-        const int64_t len = (int64_t)cu[i + 1] - cu[i];
-        if (arr[1] && len < (int64_t)arr[0][i + 1] - arr[0][i])
-            return cpar__fail(ctx, CPAR_ERR_INVALID,
-                              "%s: document %d has padded length %lld (cu_seqlens_padded[%d] - [%d]) < its length "
-                              "%lld (cu_seqlens[%d] - [%d])", fn, i, (long long)len, i + 1, i,
-                              (long long)((int64_t)arr[0][i + 1] - arr[0][i]), i + 1, i);
-        if (len % chunks)
-            return cpar__fail(ctx, CPAR_ERR_INVALID,
-                              "%s: document %d has %slength %lld (%s[%d] - [%d]), not divisible by 2*cp = %lld (each "
-                              "document is cut into 2*cp chunks)", fn, i, arr[1] ? "padded " : "", (long long)len, cn,
-                              i + 1, i, (long long)chunks);
-    }
-    pk->n_docs = n;
-    pk->cu = cu;
-    pk->total = cu[n];
-    return CPAR_OK;
-}
+ * cpar__packed_check (section 18, which packed attention shares) and move rows
+ * with cpar__cp_packed_copy (below the plain chunk copies; cpar_dev_packed_reorder,
+ * cpar_kernels.cu §18, on device memory), so sharding, attention and Mamba
+ * agree on the layout. */
 
 /* Checks of the group, the whole and the sharded tensor shared by shard and
  * unshard (packed or not); resolves seq_dim and gives the layout [outer, S,
@@ -9913,10 +10142,14 @@ typedef enum cpar__ring_kind {
     CPAR__RING_CAUSAL,   /* causal step 0: the local block, top-left causal */
     CPAR__RING_FULL,     /* every query sees every key */
     CPAR__RING_KV_HALF,  /* load balancing, i <= r: all queries, the first half of the keys */
-    CPAR__RING_Q_HALF    /* load balancing, i > r: the second half of the queries, every key */
+    CPAR__RING_Q_HALF,   /* load balancing, i > r: the second half of the queries, every key */
+    CPAR__RING_PACKED    /* packed sequences: every query against every key, masked by document
+                          * and (causal) global position: each document's chunk pairs follow the
+                          * load-balanced rule above, but they interleave along the shard */
 } cpar__ring_kind;
 
 static cpar__ring_kind cpar__ring_step_kind(const cpar_ring_attention_config *cfg, int r, int i) {
+    if (cfg->packed) return CPAR__RING_PACKED;
     if (!cfg->causal) return CPAR__RING_FULL;
     if (i == 0) return CPAR__RING_CAUSAL;
     if (!cfg->load_balance) return i <= r ? CPAR__RING_FULL : CPAR__RING_SKIP;
@@ -10101,12 +10334,26 @@ static cpar_status cpar__ring_next(cpar__ring *R, int i, const void **kp, const 
     return CPAR_OK;
 }
 
-/* The block of step `kind` with KV (kp, vp): io's sub-ranges, and the row
+/* The global positions of rank x's shard of n rows: chunk x of P
+ * (sequential) or chunks x and 2P-1-x of 2P (load balancing, n even). */
+static cpar_dev_attn_pos cpar__ring_pos(const cpar__ring *R, int x, int64_t n) {
+    if (!R->cfg->load_balance) return (cpar_dev_attn_pos){.split = n, .off0 = x * n};
+    const int64_t c = n / 2;
+    return (cpar_dev_attn_pos){.split = c, .off0 = x * c, .off1 = (2 * (int64_t)R->P - 1 - x) * c};
+}
+
+/* The block of step `kind` (KV from rank src) with KV (kp, vp): io's sub-ranges, and the row
  * offset of the queries it covers (the second half for CPAR__RING_Q_HALF). */
-static cpar__attn_io cpar__ring_block_io(const cpar__ring *R, cpar__ring_kind kind, const void *kp, const void *vp,
-                                         int64_t *q0) {
+static cpar__attn_io cpar__ring_block_io(const cpar__ring *R, cpar__ring_kind kind, int src, const void *kp,
+                                         const void *vp, int64_t *q0) {
     cpar__attn_io io = R->io;
     io.k = kp, io.v = vp;
+    *q0 = 0;
+    if (kind == CPAR__RING_PACKED) { /* the sender's shard of the packing */
+        io.kp.rank = src;
+        return io;
+    }
+    io.kp = cpar__ring_pos(R, src, R->io.sk); /* dropout's coordinates: the sender's rows */
     io.causal = kind == CPAR__RING_CAUSAL;
     *q0 = 0;
     if (kind == CPAR__RING_KV_HALF) io.sk = R->io.sk / 2;
@@ -10114,6 +10361,7 @@ static cpar__attn_io cpar__ring_block_io(const cpar__ring *R, cpar__ring_kind ki
         *q0 = R->io.sq / 2;
         io.sq = R->io.sq - *q0;
         io.q = (const char *)R->io.q + (size_t)(*q0 * R->io.d) * R->es;
+        io.qp = cpar__attn_pos_sub(R->io.qp, *q0);
     }
     return io;
 }
@@ -10127,6 +10375,7 @@ static cpar_status cpar__ring_check(cpar__ring *R, const char *fn, cpar_group *c
     if (!cp) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cp is NULL (the context-parallel group)", fn);
     cpar_ctx *ctx = cp->ctx;
     if (!cfg) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg is NULL", fn);
+    CPAR_TRY(cpar__attn_check_dropout(ctx, fn, "cfg->dropout_p", cfg->dropout_p));
     if ((unsigned)cfg->rotate > (unsigned)CPAR_ROTATE_ALLTOALL)
         return cpar__fail(ctx, CPAR_ERR_INVALID,
                           "%s: cfg->rotate is %d, expected CPAR_ROTATE_ALLGATHER or CPAR_ROTATE_ALLTOALL", fn,
@@ -10170,6 +10419,11 @@ static cpar_status cpar__ring_check(cpar__ring *R, const char *fn, cpar_group *c
         return cpar__fail(ctx, CPAR_ERR_INVALID,
                           "%s: q has s_local = %lld, expected an even length (load balancing holds two chunks)", fn,
                           (long long)sq);
+    if (cfg->dropout_p > 0.f && cfg->load_balance && (sq % 2 || sk % 2))
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: q and k have s_local %lld and %lld, expected even lengths (dropout's positions with "
+                          "load balancing: two chunks)", fn, (long long)sq, (long long)sk);
+    CPAR_TRY(cpar__attn_check_positions(ctx, fn, cfg->dropout_p, sq * cp->size, sk * cp->size));
     if (cpar__on_device(ctx->device)) {
         if (q->dtype == CPAR_F32)
             return cpar__fail(ctx, CPAR_ERR_UNSUPPORTED,
@@ -10192,6 +10446,28 @@ static cpar_status cpar__ring_check(cpar__ring *R, const char *fn, cpar_group *c
     io->q_bh = sq * d, io->kv_bh = sk * d;
     io->causal = cfg->causal;
     io->scale = cfg->scale > 0.f ? cfg->scale : (float)(1.0 / sqrt((double)d));
+    io->dropout_p = cfg->dropout_p;
+    io->rng = cfg->dropout_state;
+    io->qp = cpar__ring_pos(R, R->r, sq);
+    if (cfg->packed) {
+        cpar__packing pk;
+        CPAR_TRY(cpar__packed_check(ctx, fn, cfg->packed, R->P, &pk));
+        if (!cfg->load_balance)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: cfg->packed needs cfg->load_balance (the THD layout: rank r holds chunks r and "
+                              "2*cp-1-r of every document)", fn);
+        if (b != 1)
+            return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: q has batch %lld, expected 1 with cfg->packed (a THD batch)",
+                              fn, (long long)b);
+        if (sq * R->P != pk.total || sk != sq)
+            return cpar__fail(ctx, CPAR_ERR_INVALID,
+                              "%s: q and k have s_local %lld and %lld, expected %lld (the packed length %lld / cp = %d)",
+                              fn, (long long)sq, (long long)sk, (long long)(pk.total / R->P), (long long)pk.total,
+                              R->P);
+        io->qp = (cpar_dev_attn_pos){.cu = pk.cu, .cu_real = cfg->packed->cu_seqlens, .n_docs = pk.n_docs,
+                                     .P = R->P, .rank = R->r};
+        io->kp = io->qp;
+    }
     return CPAR_OK;
 }
 
@@ -10251,7 +10527,7 @@ static cpar_status cpar__ring_forward_steps(cpar__ring *R, float *acc, float *ls
         const cpar__ring_kind kind = cpar__ring_step_kind(R->cfg, R->r, i);
         if (kind == CPAR__RING_SKIP) continue;
         int64_t q0;
-        const cpar__attn_io io = cpar__ring_block_io(R, kind, kp, vp, &q0);
+        const cpar__attn_io io = cpar__ring_block_io(R, kind, (R->r - i + R->P) % R->P, kp, vp, &q0);
         /* step 0 (always computed) writes the accumulators themselves */
         float *o = i == 0 ? acc : bo, *l = i == 0 ? lse : bl;
         CPAR_TRY(cpar__attn_fwd(R->ctx, R->fn, R->dev, &io, o + q0 * d, CPAR_F32, R->io.q_bh, l + q0, R->io.sq,
@@ -10295,11 +10571,13 @@ cpar_status cpar_ring_attention_forward(cpar_group *cp, const cpar_ring_attentio
     const int s_bo = cpar__ring_slot(&R, merge ? (size_t)nq * sizeof(float) : 0);
     const int s_bl = cpar__ring_slot(&R, merge ? (size_t)rows * sizeof(float) : 0);
     const int s_scr = cpar__ring_slot(&R, cpar__attn_scratch_bytes(&R.io, false));
+    const int s_pk = cpar__ring_slot(&R, cpar__attn_packed_bytes(&R.io, R.dev));
     CPAR_TRY(cpar__ring_carve(&R));
     cpar__ring_rot_bind(&R, ra, rb);
     float *acc = f32 ? out->data : R.ptr[s_acc];
 
-    cpar_status st = cpar__ring_events(&R);
+    cpar_status st = R.ptr[s_pk] ? cpar__attn_packed_upload(ctx, fn, &R.io, R.ptr[s_pk]) : CPAR_OK;
+    if (st == CPAR_OK) st = cpar__ring_events(&R);
     if (st == CPAR_OK) st = cpar__ring_start(&R);
     if (st == CPAR_OK) st = cpar__ring_forward_steps(&R, acc, lse->data, R.ptr[s_bo], R.ptr[s_bl], R.ptr[s_scr]);
     if (st == CPAR_OK && !f32) st = cpar__ring_cast(&R, out->data, out->dtype, acc, nq);
@@ -10329,7 +10607,7 @@ static cpar_status cpar__ring_backward_steps(cpar__ring *R, const void *out, con
             float *g = i == 0 ? a : tmp;
             if (i > 0) CPAR_TRY(cpar__ring_zero(R, tmp, acc_bytes));
             int64_t q0;
-            const cpar__attn_io io = cpar__ring_block_io(R, kind, kp, vp, &q0);
+            const cpar__attn_io io = cpar__ring_block_io(R, kind, (R->r - i + R->P) % R->P, kp, vp, &q0);
             const size_t qoff = (size_t)(q0 * d);
             CPAR_TRY(cpar__attn_bwd(R->ctx, R->fn, R->dev, &io, (const char *)out + qoff * oes,
                                     (const char *)dout + qoff * oes, out_dt, R->io.q_bh, lse + q0, R->io.sq,
@@ -10393,11 +10671,13 @@ cpar_status cpar_ring_attention_backward(cpar_group *cp, const cpar_ring_attenti
     const int s_a1 = cpar__ring_slot(&R, ring ? acc_bytes : 0);
     const int s_tmp = cpar__ring_slot(&R, ring ? acc_bytes : 0);
     const int s_scr = cpar__ring_slot(&R, cpar__attn_scratch_bytes(&R.io, true));
+    const int s_pk = cpar__ring_slot(&R, cpar__attn_packed_bytes(&R.io, R.dev));
     CPAR_TRY(cpar__ring_carve(&R));
     cpar__ring_rot_bind(&R, ra, rb);
     float *gq = f32 ? dq->data : R.ptr[s_gq], *acc[2] = {R.ptr[s_a0], R.ptr[s_a1]}, *fin = NULL;
 
-    cpar_status st = cpar__ring_events(&R);
+    cpar_status st = R.ptr[s_pk] ? cpar__attn_packed_upload(R.ctx, fn, &R.io, R.ptr[s_pk]) : CPAR_OK;
+    if (st == CPAR_OK) st = cpar__ring_events(&R);
     if (st == CPAR_OK) st = cpar__ring_zero(&R, gq, (size_t)nq * sizeof(float));
     if (st == CPAR_OK) st = cpar__ring_zero(&R, acc[0], acc_bytes);
     if (st == CPAR_OK) st = cpar__ring_start(&R);

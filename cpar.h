@@ -775,6 +775,13 @@ cpar_status cpar_rng_unfork(cpar_ctx *ctx);
 /* Read or replace one state: name NULL means the current state. */
 cpar_status cpar_rng_get_state(cpar_ctx *ctx, const char *name, cpar_rng_state *out);
 cpar_status cpar_rng_set_state(cpar_ctx *ctx, const char *name, const cpar_rng_state *state);
+/* The Philox state for a consumer that draws its numbers itself (a fused
+ * kernel: attention dropout, §12): *used = the current state, whose offset
+ * then advances by `blocks` (128-bit Philox blocks per subsequence), as
+ * PyTorch's generator hands a fused kernel (seed, offset) and advances its
+ * offset (philox_cuda_state(increment)). Draws after it never reuse those
+ * offsets; under a fork the forked state advances. blocks may be 0. */
+cpar_status cpar_rng_reserve(cpar_ctx *ctx, uint64_t blocks, cpar_rng_state *used);
 /* _get_all_rng_states / _set_all_rng_states: every state at once. set_states
  * replaces the current state and the whole set of named states with the
  * snapshot's (validated: count in range, names 1..63 chars, NUL-terminated,
@@ -1306,6 +1313,61 @@ cpar_status cpar_attention_backward(cpar_ctx *ctx, const cpar_tensor *q, const c
                                     const cpar_tensor *out, const cpar_tensor *dout, const cpar_tensor *lse,
                                     bool causal, float scale, cpar_tensor *dq, cpar_tensor *dk, cpar_tensor *dv);
 
+/* ---- attention dropout -------------------------------------------------------
+ * As PyTorch's SDPA / flash-attn dropout_p: after the softmax every attention
+ * weight A_ij is zeroed with probability p and the kept ones are scaled by
+ * 1 / (1 - p), so out = (A ∘ Z) v / (1 - p); lse stays the log-sum-exp before
+ * dropout, and backward applies the same mask Z. Z is a pure function of the
+ * Philox state (seed, offset), the (batch, head) index bh = bi·hq + hi and
+ * the GLOBAL query and key positions (qpos, kpos; for ring attention the
+ * positions in the whole sequence, so a ring at any cp draws exactly the mask
+ * of one-rank attention over the whole sequence): with
+ *     c = offset + kpos / 4,   sub = (bh + 1) · 2^32 + qpos,
+ *     w = word kpos % 4 of philox(counter = {lo32(c), hi32(c), lo32(sub), hi32(sub)},
+ *                                 key = {lo32(seed), hi32(seed)}),
+ * A_ij is kept when u = (w >> 8) · 2^-24 >= p (cpar_dropout's rule). In
+ * curand's terms that is subsequence sub, offset 4c: the tracker's own draws
+ * (random fills, cpar_dropout) use subsequence 0, so they never share a
+ * number with attention dropout. One call consumes ceil(S_k / 4) offsets of
+ * every subsequence, S_k the global key length (sk; cp · s_local_kv for the
+ * ring): take the state with cpar_rng_reserve(ctx, (S_k + 3) / 4, &state)
+ * (cpar.h §9), under the fork Megatron uses for attention dropout:
+ *     cpar_rng_fork(ctx, CPAR_RNG_MODEL_PARALLEL);
+ *     cpar_rng_reserve(ctx, (S_k + 3) / 4, &cfg.dropout_state);
+ *     cpar_rng_unfork(ctx);
+ * and pass the same state to backward (and to a checkpoint's recompute,
+ * which replays the tracker and so reserves the same state again). The host
+ * reference, the sim and GPUs draw the same mask bit for bit. p in [0, 1):
+ * p = 1 is refused as cpar_dropout_forward refuses it (PyTorch returns
+ * zeros); p = 0 is exactly the attention without dropout. Positions must be
+ * below 2^32. */
+
+typedef struct cpar_packed_seqs cpar_packed_seqs; /* a THD batch: "packed sequences" below */
+
+typedef struct cpar_attention_config {
+    bool causal;                 /* top-left: query i sees keys j <= i */
+    float scale;                 /* 0: 1/sqrt(d); else finite and > 0 */
+    float dropout_p;             /* 0: no dropout; else in (0, 1) */
+    cpar_rng_state dropout_state; /* the Philox (seed, offset) of the mask (see above) */
+    const cpar_packed_seqs *packed; /* NULL, or a THD batch (below): b = 1, sq = sk = its packed length */
+} cpar_attention_config;
+
+/* cpar_attention_forward / _backward with a configuration (NULL cfg is an
+ * error; a zeroed one is non-causal attention at 1/sqrt(d) without dropout):
+ * the same tensors, checks and memory rules. The positions of the dropout
+ * mask are qpos = i, kpos = j. With cfg->packed (a THD batch, see "packed
+ * sequences" below; documents of any lengths here) query i sees key j only
+ * when both lie in the same document's real rows, and causal means j <= i
+ * within it; padding rows get out 0, lse -inf and zero gradients. cpar_attention_forward(..., causal, scale, ...)
+ * is cpar_attention_forward_cfg with { causal, scale } and no dropout. */
+cpar_status cpar_attention_forward_cfg(cpar_ctx *ctx, const cpar_attention_config *cfg, const cpar_tensor *q,
+                                       const cpar_tensor *k, const cpar_tensor *v, cpar_tensor *out,
+                                       cpar_tensor *lse);
+cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_config *cfg, const cpar_tensor *q,
+                                        const cpar_tensor *k, const cpar_tensor *v, const cpar_tensor *out,
+                                        const cpar_tensor *dout, const cpar_tensor *lse, cpar_tensor *dq,
+                                        cpar_tensor *dk, cpar_tensor *dv);
+
 
 /* ---- ring attention and sequence sharding for context parallelism ----------
  * PyTorch's _templated_ring_attention (+ backward), _SDPAMerger,
@@ -1323,6 +1385,10 @@ cpar_status cpar_attention_backward(cpar_ctx *ctx, const cpar_tensor *q, const c
  *     whole received KV, merged into those rows only.
  * Non-causal attention uses every block in full, with either sharding (the
  * seed refuses that combination with load balancing; nothing requires it).
+ * Packed sequences (cfg->packed, load balancing, b = 1): every step is the
+ * whole block masked by document and global position (a document's chunk
+ * pairs follow the load-balanced rule above, interleaved along the shard);
+ * the communication is the plain ring's.
  * Block results are merged in fp32 as _SDPAMerger does:
  *   out <- out - sigmoid(lse_b - lse) (out - out_b),  lse <- lse - logsigmoid(lse - lse_b)
  * (a row no block reaches keeps lse = -inf and out = 0). */
@@ -1338,6 +1404,10 @@ typedef struct cpar_ring_attention_config {
     bool load_balance;         /* the sequence was sharded round-robin: rank r holds chunks r and 2P-1-r */
     cpar_rotate_method rotate;
     float scale;               /* 0: 1/sqrt(d); else finite and > 0 */
+    float dropout_p;           /* 0: none; else in (0, 1), the mask of the whole sequence's */
+    cpar_rng_state dropout_state; /* attention (see "attention dropout"; S_k = cp · s_local_kv) */
+    const cpar_packed_seqs *packed; /* NULL, or a THD batch (below) in its CP layout: needs
+                                     * load_balance, b = 1, s_local = s_local_kv = packed length / cp */
 } cpar_ring_attention_config;
 
 /* q [b, hq, s_local, d], k, v [b, hkv, s_local_kv, d] this rank's shard of
@@ -1392,12 +1462,12 @@ cpar_status cpar_cp_unshard(cpar_group *cp, const cpar_tensor *local, int seq_di
  * The local packed length is the total padded length / P. The arrays are
  * host memory, the same on every rank, and describe the global (unsharded)
  * packing. */
-typedef struct cpar_packed_seqs {
+struct cpar_packed_seqs {
     int n_docs;                        /* >= 1 */
     const int32_t *cu_seqlens;         /* [n_docs + 1], cu_seqlens[0] = 0, non-decreasing */
     const int32_t *cu_seqlens_padded;  /* [n_docs + 1] or NULL (no padding: the same as cu_seqlens);
                                         * each padded length >= the real one */
-} cpar_packed_seqs;
+};
 
 /* cpar_cp_shard / cpar_cp_unshard for a packed buffer: full holds the whole
  * packing along dim seq_dim (negative counts from the end), so its length
@@ -1949,6 +2019,24 @@ cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void 
  * pointer offset with the parent's strides. Element (batch bi, head hi, row i,
  * col c) of q is at (bi*hq + hi)*q_bh + i*d + c; of k and v at
  * (bi*hkv + hi/(hq/hkv))*kv_bh + j*d + c; of lse at (bi*hq + hi)*lse_bh + i. */
+/* The global sequence positions of a block's rows (queries or keys).
+ * Plain (cu NULL): rows [0, split) are at off0, off0 + 1, ..., rows
+ * [split, n) at off1, off1 + 1, ... — two segments, as a load-balanced CP
+ * shard holds two chunks; a sub-range of the rows is cpar.c's
+ * cpar__attn_pos_sub. Zeroed: position = row index.
+ * Packed (cu set, cpar.h §12 "packed sequences"): the rows are rank `rank`'s
+ * shard of the packing cu (the padded boundaries, n_docs + 1 of them, device
+ * memory on devices) among P ranks (P = 1: the whole packed buffer), cu_real
+ * the real boundaries (cu itself without padding). Each row has a global
+ * position and a document (padding rows none). When both q and k rows are
+ * packed, query i sees key j only in the same document, and causal compares
+ * their global positions (the ring's blocks pair any two shards). */
+typedef struct cpar_dev_attn_pos {
+    int64_t split, off0, off1;
+    const int32_t *cu, *cu_real;
+    int n_docs, P, rank;
+} cpar_dev_attn_pos;
+
 typedef struct cpar_dev_attn {
     cpar_dtype dt;                  /* q, k, v: F16 or BF16 on devices (F32 too on the host path) */
     int64_t b, hq, hkv, sq, sk, d;  /* hq % hkv == 0; sq, sk >= 1; d <= 128, d % 8 == 0 on devices */
@@ -1956,6 +2044,13 @@ typedef struct cpar_dev_attn {
     int64_t q_bh, kv_bh;
     bool causal;                    /* top-left: query i sees keys j <= i */
     float scale;                    /* > 0, already resolved */
+    /* dropout (cpar.h §12 "attention dropout"): p in [0, 1), 0 = none; the
+     * mask of element (bh, i, j) from rng, bh and the global positions
+     * qpos(i), kpos(j) of qp and kp; bh is the (batch, head) index of the
+     * whole attention (this block's bi·hq + hi) */
+    float dropout_p;
+    cpar_rng_state rng;
+    cpar_dev_attn_pos qp, kp;
 } cpar_dev_attn;
 
 /* out (dtype out_dt: F32 or a->dt, stride o_bh) and lse (F32, stride lse_bh)

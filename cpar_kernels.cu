@@ -1042,9 +1042,10 @@ struct cpar__u4 {
     uint32_t w[4];
 };
 
-/* The Philox4x32-10 block of counter {lo32(c), hi32(c), 0, 0}, key seed. */
-static __device__ __forceinline__ cpar__u4 cpar__philox4(uint64_t seed, uint64_t c) {
-    uint32_t c0 = (uint32_t)c, c1 = (uint32_t)(c >> 32), c2 = 0, c3 = 0;
+/* The Philox4x32-10 block of counter {lo32(c), hi32(c), lo32(sub), hi32(sub)}
+ * (curand's offset 4c of subsequence sub), key seed. */
+static __device__ __forceinline__ cpar__u4 cpar__philox4_sub(uint64_t seed, uint64_t c, uint64_t sub) {
+    uint32_t c0 = (uint32_t)c, c1 = (uint32_t)(c >> 32), c2 = (uint32_t)sub, c3 = (uint32_t)(sub >> 32);
     uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
     for (int r = 0; r < 10; r++) {
         if (r) {
@@ -1059,6 +1060,11 @@ static __device__ __forceinline__ cpar__u4 cpar__philox4(uint64_t seed, uint64_t
         c3 = l0;
     }
     return {{c0, c1, c2, c3}};
+}
+
+/* The Philox4x32-10 block of counter {lo32(c), hi32(c), 0, 0}, key seed. */
+static __device__ __forceinline__ cpar__u4 cpar__philox4(uint64_t seed, uint64_t c) {
+    return cpar__philox4_sub(seed, c, 0);
 }
 
 /* u in [0, 1): the top 24 bits of w times 2^-24 (exact). */
@@ -1927,6 +1933,14 @@ static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint3
  * Tensor cores only through section 15's wrappers, so the sim runs the very
  * fragment code an H100 runs. Reads b·hq·(sq·d + KV tiles · 2·64·d)
  * elements, writes b·hq·sq·(d + 1).
+ * Packed blocks (a.qp.cu and a.kp.cu set): every KV tile is visited and
+ * masked per weight by document and global position (cpar__attn_packed_sees;
+ * the backward kernels likewise), since a ring block's visible pairs
+ * interleave along the shard.
+ * Dropout (a.dropout_p > 0): after the online softmax has summed a tile's
+ * weights into l, each dropped weight is zeroed before P V (the mask is one
+ * Philox block per weight at its global positions, cpar__attn_keep below:
+ * nothing is stored), and the epilogue scales out by 1/(1-p).
  * Uses: 2 (errors), 4 (toolkit), 15 (mma.sync, ldmatrix, pack). */
 
 /* Full unrolling keeps the fragment arrays in registers under nvcc; g++
@@ -1994,12 +2008,65 @@ static __device__ __forceinline__ void cpar__attn_stage(T *tile, const T *src, i
     cpar__attn_cp_commit();
 }
 
+/* ---- dropout's mask: twins of cpar.c §18's cpar__attn_pos and cpar__attn_keep ----
+ * Whether weight (bh, qpos, kpos) survives: word kpos % 4 of the Philox block
+ * of offset rng.offset + kpos / 4 in subsequence (bh + 1)·2^32 + qpos, as a
+ * uniform (section 12's u01) compared with p. Integer work and one exact
+ * multiply, so every build draws the same mask. */
+/* Row i's global position, and its document in *doc (packed: -1 for
+ * padding; plain: 0); twin of cpar.c §18's cpar__attn_row. */
+static __device__ __forceinline__ int64_t cpar__attn_row(const cpar_dev_attn_pos &p, int64_t i, int *doc) {
+    if (p.cu == NULL) {
+        *doc = 0;
+        return i < p.split ? p.off0 + i : p.off1 + (i - p.split);
+    }
+    const int64_t P = p.P;
+    if (i >= p.cu[p.n_docs] / P) { /* past the shard (a partial tile's row): nobody's */
+        *doc = -1;
+        return i;
+    }
+    int lo = 0, hi = p.n_docs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (p.cu[mid] / P <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    int64_t g = i;
+    if (P > 1) {
+        const int64_t c = ((int64_t)p.cu[lo + 1] - p.cu[lo]) / (2 * P), o = i - p.cu[lo] / P;
+        g = p.cu[lo] + (o < c ? p.rank : 2 * P - 1 - p.rank) * c + o % c;
+    }
+    *doc = g - p.cu[lo] < (int64_t)p.cu_real[lo + 1] - p.cu_real[lo] ? lo : -1;
+    return g;
+}
+
+static __device__ __forceinline__ int64_t cpar__attn_pos(const cpar_dev_attn_pos &p, int64_t i) {
+    int doc;
+    return cpar__attn_row(p, i, &doc);
+}
+
+/* Whether query i sees key j of a packed block (both row sets packed): the
+ * same document's real rows and, causal, the key's global position not
+ * after the query's. Plain blocks use the top-left index rule instead. */
+static __device__ __forceinline__ bool cpar__attn_packed_sees(const cpar_dev_attn_pos &qp, const cpar_dev_attn_pos &kp,
+                                                              bool causal, int64_t i, int64_t j) {
+    int dq, dk;
+    const int64_t qpos = cpar__attn_row(qp, i, &dq), kpos = cpar__attn_row(kp, j, &dk);
+    return dq >= 0 && dq == dk && (!causal || kpos <= qpos);
+}
+
+static __device__ __forceinline__ bool cpar__attn_keep(const cpar_rng_state &rng, float p, uint64_t bh, uint64_t qpos,
+                                                       uint64_t kpos) {
+    const cpar__u4 w = cpar__philox4_sub(rng.seed, rng.offset + (kpos >> 2), ((bh + 1) << 32) + qpos);
+    return cpar__rng_u01(w.w[kpos & 3]) >= p;
+}
+
 /* a: the attention (q, k, v at the (b, h) slices' bases below); out (OutT)
  * [b, hq, sq, d] with (b,h) stride o_bh; lse f32 with stride lse_bh. */
 template <typename T, int DT>
 static __global__ void __launch_bounds__(CPAR__ATTN_THREADS)
     cpar__attn_fwd_kernel(const cpar_dev_attn a, void *__restrict__ out, bool out_f32, int64_t o_bh,
-                          float *__restrict__ lse, int64_t lse_bh, bool vec) {
+                          float *__restrict__ lse, int64_t lse_bh, bool vec, float keep_scale) {
     constexpr int LD = DT + 8; /* +16 bytes: conflict-free ldmatrix rows */
     constexpr int KSTEPS = DT / 16, NB = CPAR__ATTN_BN / 8, OB = DT / 8;
     __shared__ __align__(16) T sk[CPAR__ATTN_BN * LD]; /* also stages the Q tile */
@@ -2030,10 +2097,13 @@ CPAR__UNROLL
     for (int nb = 0; nb < OB; nb++) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; /* rows g and g+8: raw-score max, partial sum */
     const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    const bool drop = a.dropout_p > 0.f;
+    const uint64_t qpos[2] = {(uint64_t)cpar__attn_pos(a.qp, row[0]), (uint64_t)cpar__attn_pos(a.qp, row[1])};
 
     /* Pipeline (FA2's): K(j) and V(j) are separate copy groups; V(j) lands
      * while S(j) is computed, K(j+1) while O += P(j) V(j) is. */
-    const int64_t kv_end = a.causal ? (a.sk < q0 + CPAR__ATTN_BM ? a.sk : q0 + CPAR__ATTN_BM) : a.sk;
+    const bool packed = a.qp.cu != NULL && a.kp.cu != NULL; /* masks every tile, skips none */
+    const int64_t kv_end = a.causal && !packed ? (a.sk < q0 + CPAR__ATTN_BM ? a.sk : q0 + CPAR__ATTN_BM) : a.sk;
     __syncthreads(); /* every warp has its Q fragments: sk is free for K */
     if (kv_end > 0) cpar__attn_stage<T, DT, LD>(sk, k, 0, a.sk, d, vec);
     for (int64_t j0 = 0; j0 < kv_end; j0 += CPAR__ATTN_BN) {
@@ -2057,14 +2127,16 @@ CPAR__UNROLL
             }
         }
 
-        /* mask keys past sk and, causal, keys after the row */
-        if (j0 + CPAR__ATTN_BN > a.sk || (a.causal && j0 + CPAR__ATTN_BN - 1 > q0)) {
+        /* mask keys past sk and, causal, keys after the row (packed: other documents too) */
+        if (j0 + CPAR__ATTN_BN > a.sk || (a.causal && j0 + CPAR__ATTN_BN - 1 > q0) || packed) {
 CPAR__UNROLL
             for (int nb = 0; nb < NB; nb++)
 CPAR__UNROLL
                 for (int r = 0; r < 4; r++) {
                     const int64_t j = j0 + nb * 8 + 2 * t + (r & 1);
-                    if (j >= a.sk || (a.causal && j > row[r >> 1])) s[nb][r] = -INFINITY;
+                    const bool hidden = packed ? !cpar__attn_packed_sees(a.qp, a.kp, a.causal, row[r >> 1], j)
+                                               : a.causal && j > row[r >> 1];
+                    if (j >= a.sk || hidden) s[nb][r] = -INFINITY;
                 }
         }
 
@@ -2090,6 +2162,18 @@ CPAR__UNROLL
                     const float p = exp2f(fmaf(s[nb][2 * h + e], sl2, -base));
                     s[nb][2 * h + e] = p;
                     l[h] += p;
+                }
+        }
+        /* dropout: l summed every weight (lse is dropout's input); P V takes the kept ones */
+        if (drop) {
+CPAR__UNROLL
+            for (int nb = 0; nb < NB; nb++)
+CPAR__UNROLL
+                for (int r = 0; r < 4; r++) {
+                    const int64_t j = j0 + nb * 8 + 2 * t + (r & 1);
+                    if (j < a.sk && !cpar__attn_keep(a.rng, a.dropout_p, (uint64_t)bh, qpos[r >> 1],
+                                                     (uint64_t)cpar__attn_pos(a.kp, j)))
+                        s[nb][r] = 0.f;
                 }
         }
 
@@ -2130,7 +2214,7 @@ CPAR__UNROLL
         for (int nb = 0; nb < OB; nb++) {
             const int col = nb * 8 + 2 * t;
             if (col >= d) continue;
-            const float x0 = o[nb][2 * h] * inv, x1 = o[nb][2 * h + 1] * inv;
+            const float x0 = o[nb][2 * h] * inv * keep_scale, x1 = o[nb][2 * h + 1] * inv * keep_scale;
             if (out_f32) {
                 float *po = static_cast<float *>(out) + base + col;
                 po[0] = x0, po[1] = x1;
@@ -2147,7 +2231,8 @@ template <typename T, int DT>
 static cudaError_t cpar__launch_attn_fwd(const cpar_dev_attn &a, void *out, bool out_f32, int64_t o_bh, float *lse,
                                          int64_t lse_bh, bool vec, dim3 grid, cudaStream_t s) {
     auto kernel = cpar__attn_fwd_kernel<T, DT>;
-    CPAR_LAUNCH(kernel, grid, CPAR__ATTN_THREADS, 0, s)(a, out, out_f32, o_bh, lse, lse_bh, vec);
+    const float keep_scale = 1.0f / (1.0f - a.dropout_p); /* on the host: cpar.c's cpar__attn_keep_scale */
+    CPAR_LAUNCH(kernel, grid, CPAR__ATTN_THREADS, 0, s)(a, out, out_f32, o_bh, lse, lse_bh, vec, keep_scale);
     return cudaGetLastError();
 }
 
@@ -2167,6 +2252,9 @@ static cpar_status cpar__attn_dev_check(const char *func, const cpar_dev_attn *a
                               (long long)a->d);
     if (!(a->scale > 0.f) || isinf(a->scale))
         return cpar__dev_fail(CPAR_ERR_INVALID, "%s: a->scale = %g, expected finite and > 0", func, (double)a->scale);
+    if (!(a->dropout_p >= 0.f && a->dropout_p < 1.f))
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: a->dropout_p = %g, expected 0 <= p < 1", func,
+                              (double)a->dropout_p);
     if (a->q_bh < a->sq * a->d || a->kv_bh < a->sk * a->d)
         return cpar__dev_fail(CPAR_ERR_INVALID, "%s: a->q_bh = %lld / a->kv_bh = %lld, expected >= sq*d = %lld / sk*d = %lld",
                               func, (long long)a->q_bh, (long long)a->kv_bh, (long long)(a->sq * a->d),
@@ -2232,6 +2320,9 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * scheduling, and this project keeps results reproducible run to run (the
  * host backend reduces in rank order); the price is recomputing S and dP
  * once more (7 GEMM-equivalents instead of 5), with no extra scratch.
+ * Dropout recomputes the forward's mask Z (keep / (1-p)) per weight in both
+ * kernels: dkdv forms dS = P∘(dP∘Z − Dsum) first, then P∘Z in place of P
+ * for dV; dq needs only dS.
  * Tiles: each warp owns 16 rows (keys in dkdv, queries in dq) and computes
  * against the whole opposite tile, so warps never exchange data; shared tiles
  * are zero-filled past the sequence and past d (padded to D = 64 or 128), rows
@@ -2276,7 +2367,18 @@ struct cpar__ab_args {
     int d;
     bool dout_f32, causal;
     float scale, scale_log2; /* scale and scale·log2(e): exp(x) = exp2(x·log2 e) */
+    float dropout_p, keep_scale; /* keep_scale = 1 / (1 - p) */
+    cpar_rng_state rng;
+    cpar_dev_attn_pos qp, kp;
 };
+
+/* dP ∘ Z, the mask Z = keep_scale or 0, of weight (bh, query i, key j). */
+static __device__ __forceinline__ float cpar__ab_drop(const cpar__ab_args &p, int64_t bh, int64_t i, int64_t j,
+                                                      float dp) {
+    const bool keep = cpar__attn_keep(p.rng, p.dropout_p, (uint64_t)bh, (uint64_t)cpar__attn_pos(p.qp, i),
+                                      (uint64_t)cpar__attn_pos(p.kp, j));
+    return keep ? dp * p.keep_scale : 0.f;
+}
 
 /* Shared bytes of a kernel holding two ROWS_A-row and two ROWS_B-row tiles of
  * T (row pitch D + 8) and two floats per query row. */
@@ -2406,7 +2508,8 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
     float *sL = reinterpret_cast<float *>(sdO + BR * LD), *sD = sL + BR;
     const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2, t = lane & 3;
     const int64_t j0 = (int64_t)blockIdx.x * BC, group = p.hq / p.hkv;
-    const int64_t i_first = p.causal ? j0 / BR * BR : 0; /* earlier query tiles see none of these keys */
+    const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed;
+    const int64_t i_first = skip ? j0 / BR * BR : 0; /* earlier query tiles see none of these keys */
     if (i_first >= p.sq) return;                         /* block-uniform: no query sees them at all */
     for (int64_t bh = blockIdx.y; bh < p.b * p.hkv; bh += gridDim.y) {
         const int64_t bi = bh / p.hkv, hk = bh % p.hkv;
@@ -2436,7 +2539,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
                 }
                 __syncthreads();
                 /* this warp's keys are past sk, or (causal) after every query of the tile */
-                if (j0 + m0 >= p.sk || (p.causal && j0 + m0 > i0 + BR - 1)) continue;
+                if (j0 + m0 >= p.sk || (skip && j0 + m0 > i0 + BR - 1)) continue;
                 float s[NQ][4], dp[NQ][4]; /* Sᵀ then Pᵀ; dPᵀ then dSᵀ: [key][query] */
                 cpar__ab_mma_abt<T, NQ, D, LD>(s, sK, m0, sQ, p.d);
                 CPAR__UNROLL
@@ -2446,14 +2549,30 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
                         const int r = nb * 8 + 2 * t + (e & 1);
                         const int64_t j = j0 + m0 + g + 8 * (e >> 1), i = i0 + r;
                         const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -sL[r]));
-                        s[nb][e] = (j >= p.sk || (p.causal && j > i)) ? 0.f : x;
+                        const bool hidden = packed ? i >= p.sq || !cpar__attn_packed_sees(p.qp, p.kp, p.causal, i, j)
+                                                   : p.causal && j > i;
+                        s[nb][e] = (j >= p.sk || hidden) ? 0.f : x;
                     }
-                cpar__ab_mma_xb<T, NQ, ND, LD>(dv, s, sdO, p.d);
                 cpar__ab_mma_abt<T, NQ, D, LD>(dp, sV, m0, sdO, p.d);
-                CPAR__UNROLL
-                for (int nb = 0; nb < NQ; nb++)
+                if (p.dropout_p > 0.f) {
+                    /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for dV */
                     CPAR__UNROLL
-                    for (int e = 0; e < 4; e++) dp[nb][e] = s[nb][e] * (dp[nb][e] - sD[nb * 8 + 2 * t + (e & 1)]);
+                    for (int nb = 0; nb < NQ; nb++)
+                        CPAR__UNROLL
+                        for (int e = 0; e < 4; e++) {
+                            const int r = nb * 8 + 2 * t + (e & 1);
+                            const int64_t j = j0 + m0 + g + 8 * (e >> 1), i = i0 + r;
+                            const float z = cpar__ab_drop(p, qbh, i, j, 1.f);
+                            dp[nb][e] = s[nb][e] * (dp[nb][e] * z - sD[r]);
+                            s[nb][e] *= z;
+                        }
+                } else {
+                    CPAR__UNROLL
+                    for (int nb = 0; nb < NQ; nb++)
+                        CPAR__UNROLL
+                        for (int e = 0; e < 4; e++) dp[nb][e] = s[nb][e] * (dp[nb][e] - sD[nb * 8 + 2 * t + (e & 1)]);
+                }
+                cpar__ab_mma_xb<T, NQ, ND, LD>(dv, s, sdO, p.d);
                 cpar__ab_mma_xb<T, NQ, ND, LD>(dk, dp, sQ, p.d);
             }
         }
@@ -2485,7 +2604,8 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
      * long CTAs start early and the short ones fill the tail */
     const int64_t i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * BR, group = p.hq / p.hkv;
     /* causal: keys past the tile's last query are seen by none of its rows */
-    const int64_t j_end = p.causal && i0 + BR < p.sk ? i0 + BR : p.sk;
+    const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed;
+    const int64_t j_end = skip && i0 + BR < p.sk ? i0 + BR : p.sk;
     const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
     for (int64_t bh = blockIdx.y; bh < p.b * p.hq; bh += gridDim.y) {
         const int64_t kvbh = (bh / p.hq) * p.hkv + (bh % p.hq) / group;
@@ -2514,7 +2634,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
                                          p.sk - j0, p.d);
             __syncthreads();
             /* this warp's queries are past sq, or (causal) before every key of the tile */
-            if (i0 + m0 >= p.sq || (p.causal && j0 > i0 + m0 + 15)) continue;
+            if (i0 + m0 >= p.sq || (skip && j0 > i0 + m0 + 15)) continue;
             float s[NK][4], dp[NK][4]; /* S then P; dP then dS: [query][key] */
             cpar__ab_mma_abt<T, NK, D, LD>(s, sQ, m0, sK, p.d);
             CPAR__UNROLL
@@ -2523,13 +2643,25 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
                 for (int e = 0; e < 4; e++) {
                     const int64_t i = i0 + m0 + g + 8 * (e >> 1), j = j0 + nb * 8 + 2 * t + (e & 1);
                     const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
-                    s[nb][e] = (j >= p.sk || (p.causal && j > i)) ? 0.f : x;
+                    const bool hidden = packed ? i >= p.sq || !cpar__attn_packed_sees(p.qp, p.kp, p.causal, i, j)
+                                               : p.causal && j > i;
+                    s[nb][e] = (j >= p.sk || hidden) ? 0.f : x;
                 }
             cpar__ab_mma_abt<T, NK, D, LD>(dp, sdO, m0, sV, p.d);
-            CPAR__UNROLL
-            for (int nb = 0; nb < NK; nb++)
+            if (p.dropout_p > 0.f) {
                 CPAR__UNROLL
-                for (int e = 0; e < 4; e++) dp[nb][e] = s[nb][e] * (dp[nb][e] - ds[e >> 1]);
+                for (int nb = 0; nb < NK; nb++)
+                    CPAR__UNROLL
+                    for (int e = 0; e < 4; e++) {
+                        const int64_t i = i0 + m0 + g + 8 * (e >> 1), j = j0 + nb * 8 + 2 * t + (e & 1);
+                        dp[nb][e] = s[nb][e] * (cpar__ab_drop(p, bh, i, j, dp[nb][e]) - ds[e >> 1]);
+                    }
+            } else {
+                CPAR__UNROLL
+                for (int nb = 0; nb < NK; nb++)
+                    CPAR__UNROLL
+                    for (int e = 0; e < 4; e++) dp[nb][e] = s[nb][e] * (dp[nb][e] - ds[e >> 1]);
+            }
             cpar__ab_mma_xb<T, NK, ND, LD>(dq, dp, sK, p.d);
         }
         float *gq = p.dq + bh * p.dq_bh;
@@ -2603,6 +2735,8 @@ cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, cons
         return CPAR__INVALID("a->d = %lld, expected a multiple of 8 in [0, 128] on devices", (long long)d);
     if (!(a->scale > 0.f) || !isfinite(a->scale))
         return CPAR__INVALID("a->scale = %g, expected finite and > 0 (resolved)", (double)a->scale);
+    if (!(a->dropout_p >= 0.f && a->dropout_p < 1.f))
+        return CPAR__INVALID("a->dropout_p = %g, expected 0 <= p < 1", (double)a->dropout_p);
     const bool work = b > 0 && hq > 0 && sq > 0 && sk > 0 && d > 0;
     if (!work) return CPAR_OK;
     CPAR__CHECK_PTR(a->q, true);
@@ -2667,6 +2801,11 @@ cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, cons
     p.causal = a->causal;
     p.scale = a->scale;
     p.scale_log2 = a->scale * CPAR__AB_LOG2E;
+    p.dropout_p = a->dropout_p;
+    p.keep_scale = 1.0f / (1.0f - a->dropout_p); /* on the host: cpar.c's cpar__attn_keep_scale */
+    p.rng = a->rng;
+    p.qp = a->qp;
+    p.kp = a->kp;
     e = cpar__with_float_type(a->dt, [&](auto zt) {
         typedef decltype(zt) T;
         if constexpr (std::is_same<T, float>::value) {

@@ -58,6 +58,9 @@ typedef struct {
     bool host;     /* host tensors even on a device context */
     bool backward;
     uint64_t seed;
+    float p;              /* dropout: 0 = none (the bool/float functions), else the _cfg ones */
+    cpar_rng_state rng;   /* dropout's Philox state */
+    const cpar_packed_seqs *packed; /* a THD batch (b = 1): the _cfg functions, per-document masks */
     /* inputs as dt holds them, and the fp64 reference */
     double *q, *k, *v, *dout;
     double *out, *lse, *dq, *dk, *dv;
@@ -75,65 +78,82 @@ static double *dalloc(int64_t n) {
 static double scale_of(const attn_case *c) { return c->scale > 0.f ? (double)c->scale : 1.0 / sqrt((double)c->s.d); }
 
 /* The fp64 reference: the whole score row materialised, softmax, P·V; and
- * the gradients from the same P: dP = dout vᵀ, dS = P (dP - rowsum(P dP)). */
+ * the gradients from the same P: dP = dout vᵀ, dS = P (dP - rowsum(P dP)).
+ * With dropout p the weights P are multiplied by Z (0 where tu_attn_keep
+ * drops (bh, i, j), else 1 / (1 - p)) after the softmax: out = (P∘Z) v,
+ * dv = (P∘Z)ᵀ dout, dS = P (dP∘Z - rowsum(P∘Z∘dP)). */
 static void reference(attn_case *c) {
     const attn_shape *s = &c->s;
     const int64_t d = s->d, g = s->hq / s->hkv;
     const double scale = scale_of(c);
-    double *p = dalloc(s->sk), *dp = dalloc(s->sk);
+    double *p = dalloc(s->sk), *dp = dalloc(s->sk), *z = dalloc(s->sk);
     for (int64_t bi = 0; bi < s->b; bi++)
         for (int64_t hi = 0; hi < s->hq; hi++) {
             const int64_t bh = bi * s->hq + hi, kh = bi * s->hkv + hi / g;
             for (int64_t i = 0; i < s->sq; i++) {
                 const double *qi = c->q + (bh * s->sq + i) * d, *doi = c->dout + (bh * s->sq + i) * d;
                 double *oi = c->out + (bh * s->sq + i) * d, *dqi = c->dq + (bh * s->sq + i) * d;
-                const int64_t n = s->causal ? (i + 1 < s->sk ? i + 1 : s->sk) : s->sk;
-                if (n == 0) {
+                /* the keys row i sees: a prefix (top-left causal) or, packed, its document's real rows */
+                int64_t j_lo = 0, n = s->causal ? (i + 1 < s->sk ? i + 1 : s->sk) : s->sk;
+                if (c->packed) {
+                    const int32_t *cu = c->packed->cu_seqlens_padded ? c->packed->cu_seqlens_padded : c->packed->cu_seqlens;
+                    int doc = 0;
+                    while (i >= cu[doc + 1]) doc++;
+                    const int64_t real = c->packed->cu_seqlens[doc + 1] - c->packed->cu_seqlens[doc];
+                    j_lo = cu[doc];
+                    n = i - j_lo >= real ? j_lo : s->causal ? i + 1 : j_lo + real; /* padding rows see nothing */
+                }
+                if (n <= j_lo) {
                     c->lse[bh * s->sq + i] = -INFINITY;
                     continue;
                 }
                 double m = -INFINITY, sum = 0.0;
-                for (int64_t j = 0; j < n; j++) {
+                for (int64_t j = j_lo; j < n; j++) {
                     const double *kj = c->k + (kh * s->sk + j) * d;
                     double acc = 0.0;
                     for (int64_t x = 0; x < d; x++) acc += qi[x] * kj[x];
                     p[j] = scale * acc;
                     m = fmax(m, p[j]);
                 }
-                for (int64_t j = 0; j < n; j++) sum += (p[j] = exp(p[j] - m));
-                for (int64_t j = 0; j < n; j++) p[j] /= sum;
+                for (int64_t j = j_lo; j < n; j++) sum += (p[j] = exp(p[j] - m));
+                for (int64_t j = j_lo; j < n; j++) p[j] /= sum;
                 c->lse[bh * s->sq + i] = m + log(sum);
+                for (int64_t j = j_lo; j < n; j++)
+                    z[j] = c->p == 0.f ? 1.0
+                           : tu_attn_keep(c->rng, c->p, (uint64_t)bh, (uint64_t)i, (uint64_t)j) ? 1.0 / (1.0 - c->p)
+                                                                                                 : 0.0;
                 double D = 0.0;
-                for (int64_t j = 0; j < n; j++) {
+                for (int64_t j = j_lo; j < n; j++) {
                     const double *vj = c->v + (kh * s->sk + j) * d;
                     double acc = 0.0;
-                    for (int64_t x = 0; x < d; x++) oi[x] += p[j] * vj[x], acc += doi[x] * vj[x];
-                    dp[j] = acc;
-                    D += p[j] * acc;
+                    for (int64_t x = 0; x < d; x++) oi[x] += p[j] * z[j] * vj[x], acc += doi[x] * vj[x];
+                    dp[j] = acc * z[j];
+                    D += p[j] * dp[j];
                 }
-                for (int64_t j = 0; j < n; j++) {
+                for (int64_t j = j_lo; j < n; j++) {
                     const double ds = p[j] * (dp[j] - D);
                     const double *kj = c->k + (kh * s->sk + j) * d;
                     double *dkj = c->dk + (kh * s->sk + j) * d, *dvj = c->dv + (kh * s->sk + j) * d;
                     for (int64_t x = 0; x < d; x++) {
                         dqi[x] += scale * ds * kj[x];
                         dkj[x] += scale * ds * qi[x];
-                        dvj[x] += p[j] * doi[x];
+                        dvj[x] += p[j] * z[j] * doi[x];
                     }
                 }
             }
         }
-    free(p), free(dp);
+    free(p), free(dp), free(z);
 }
 
 static void fill(double *x, int64_t n, cpar_dtype dt, uint64_t *st) {
     for (int64_t i = 0; i < n; i++) x[i] = tu_round(dt, tu_uniform(st));
 }
 
-static void case_init(attn_case *c, const attn_shape *s, cpar_dtype dt, float scale, bool host, bool backward,
-                      uint64_t seed) {
+static void case_init_drop(attn_case *c, const attn_shape *s, cpar_dtype dt, float scale, bool host, bool backward,
+                           uint64_t seed, float p) {
     memset(c, 0, sizeof *c);
     c->s = *s, c->dt = dt, c->scale = scale, c->host = host, c->backward = backward, c->seed = seed;
+    c->p = p, c->rng = (cpar_rng_state){0x9e3779b97f4a7c15ull ^ seed, 1000 + seed};
     const int64_t nq = nq_of(s), nkv = nkv_of(s);
     c->q = dalloc(nq), c->k = dalloc(nkv), c->v = dalloc(nkv), c->dout = dalloc(nq);
     c->out = dalloc(nq), c->lse = dalloc(s->b * s->hq * s->sq), c->dq = dalloc(nq), c->dk = dalloc(nkv);
@@ -141,6 +161,11 @@ static void case_init(attn_case *c, const attn_shape *s, cpar_dtype dt, float sc
     uint64_t st = seed * 0x9e3779b97f4a7c15ull + 3;
     fill(c->q, nq, dt, &st), fill(c->k, nkv, dt, &st), fill(c->v, nkv, dt, &st), fill(c->dout, nq, dt, &st);
     reference(c);
+}
+
+static void case_init(attn_case *c, const attn_shape *s, cpar_dtype dt, float scale, bool host, bool backward,
+                      uint64_t seed) {
+    case_init_drop(c, s, dt, scale, host, backward, seed, 0.f);
 }
 
 static void case_free(attn_case *c) {
@@ -210,16 +235,21 @@ static cpar_status rank_case(cpar_ctx *ctx, void *arg) {
     cpar_tensor q = put(ctx, c->host, c->q, dt, 4, qs), k = put(ctx, c->host, c->k, dt, 4, ks);
     cpar_tensor v = put(ctx, c->host, c->v, dt, 4, ks);
     cpar_tensor out = put(ctx, c->host, NULL, dt, 4, qs), lse = put(ctx, c->host, NULL, CPAR_F32, 3, qs);
-    TU_OK(cpar_attention_forward(ctx, &q, &k, &v, s->causal, c->scale, &out, &lse));
+    const cpar_attention_config cfg = {.causal = s->causal, .scale = c->scale, .dropout_p = c->p,
+                                       .dropout_state = c->rng, .packed = c->packed};
+    const bool with_cfg = c->p > 0.f || c->packed;
+    if (with_cfg) TU_OK(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &v, &out, &lse));
+    else TU_OK(cpar_attention_forward(ctx, &q, &k, &v, s->causal, c->scale, &out, &lse));
     void *ho = fetch(ctx, &out), *hl = fetch(ctx, &lse);
     expect_close(c, "out", ho, dt, c->out, nq_of(s), out_tol(dt));
     expect_close(c, "lse", hl, CPAR_F32, c->lse, s->b * s->hq * s->sq, lse_tol(dt) * 10.0);
     /* lse: also relative to each row's own magnitude */
     for (int64_t i = 0; i < s->b * s->hq * s->sq; i++)
-        ck_assert_msg(fabs(((float *)hl)[i] - c->lse[i]) <= lse_tol(dt) * (1.0 + fabs(c->lse[i])),
+        ck_assert_msg(isinf(c->lse[i]) ? ((float *)hl)[i] == c->lse[i]
+                                       : fabs(((float *)hl)[i] - c->lse[i]) <= lse_tol(dt) * (1.0 + fabs(c->lse[i])),
                       "lse row %lld: got %.8g, expected %.8g (%s)", (long long)i, ((float *)hl)[i], c->lse[i],
                       cpar_dtype_name(dt));
-    if (s->causal && s->sq > 0 && s->sk > 0) { /* row 0 sees exactly key 0: out = v_0, lse = scale q_0·k_0 */
+    if (s->causal && s->sq > 0 && s->sk > 0 && c->p == 0.f && !c->packed) { /* row 0 sees exactly key 0: out = v_0, lse = scale q_0·k_0 */
         const int64_t g = s->hq / s->hkv;
         for (int64_t h = 0; h < s->hq; h++) {
             const double *q0 = c->q + h * s->sq * s->d, *k0 = c->k + (h / g) * s->sk * s->d;
@@ -234,9 +264,24 @@ static cpar_status rank_case(cpar_ctx *ctx, void *arg) {
     if (c->backward) {
         cpar_tensor dout = put(ctx, c->host, c->dout, dt, 4, qs), dq = put(ctx, c->host, NULL, dt, 4, qs);
         cpar_tensor dk = put(ctx, c->host, NULL, dt, 4, ks), dv = put(ctx, c->host, NULL, dt, 4, ks);
-        TU_OK(cpar_attention_backward(ctx, &q, &k, &v, &out, &dout, &lse, s->causal, c->scale, &dq, &dk, &dv));
+        if (with_cfg) TU_OK(cpar_attention_backward_cfg(ctx, &cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv));
+        else TU_OK(cpar_attention_backward(ctx, &q, &k, &v, &out, &dout, &lse, s->causal, c->scale, &dq, &dk, &dv));
         void *hdq = fetch(ctx, &dq), *hdk = fetch(ctx, &dk), *hdv = fetch(ctx, &dv);
         expect_close(c, "dq", hdq, dt, c->dq, nq_of(s), grad_tol(dt));
+        if (c->packed) /* padding: rows with no key keep dq 0, keys nobody sees get dk = dv = 0, exactly */
+            for (int64_t h = 0; h < s->hq; h++)
+                for (int64_t i = 0; i < s->sq; i++)
+                    for (int64_t x = 0; x < s->d; x++) {
+                        const int64_t e = (h * s->sq + i) * s->d + x, ek = ((h / (s->hq / s->hkv)) * s->sk + i) * s->d + x;
+                        if (isinf(c->lse[h * s->sq + i])) {
+                            ck_assert_msg(tu_get(ho, dt, e) == 0.0 && tu_get(hdq, dt, e) == 0.0,
+                                          "padding row %lld: out %g, dq %g, expected 0", (long long)i,
+                                          tu_get(ho, dt, e), tu_get(hdq, dt, e));
+                            ck_assert_msg(tu_get(hdk, dt, ek) == 0.0 && tu_get(hdv, dt, ek) == 0.0,
+                                          "padding key %lld: dk %g, dv %g, expected 0", (long long)i,
+                                          tu_get(hdk, dt, ek), tu_get(hdv, dt, ek));
+                        }
+                    }
         expect_close(c, "dk", hdk, dt, c->dk, nkv_of(s), grad_tol(dt));
         expect_close(c, "dv", hdv, dt, c->dv, nkv_of(s), grad_tol(dt));
         free(hdq), free(hdk), free(hdv);
@@ -294,6 +339,290 @@ START_TEST(test_attn_16bit_host_and_scale) {
         run(&shapes[2], dtypes16[d16], 0.25f, false, true, 610 + (uint64_t)d16);
     }
 }
+END_TEST
+
+/* ---- dropout -------------------------------------------------------------------------------
+ * Forward and backward against the fp64 reference with the mask of
+ * tu_attn_keep (cpar.h §12's definition, written in testutil.h on the
+ * public Philox block). */
+
+static void run_drop(const attn_shape *s, cpar_dtype dt, float scale, bool host, uint64_t seed, float p) {
+    attn_case c;
+    case_init_drop(&c, s, dt, scale, host, true, seed, p);
+    TU_OK(tu_spawn(1, rank_case, &c));
+    case_free(&c);
+}
+
+/* _i = shape: F32 on host tensors (p 0.25) and a 16-bit dtype on the backend's device (p 0.4). */
+START_TEST(test_attn_dropout) {
+    schedule(_i % 3);
+    run_drop(&shapes[_i], CPAR_F32, 0.f, true, 700 + (uint64_t)_i, 0.25f);
+    run_drop(&shapes[_i], dtypes16[_i % 2], _i == 1 ? 0.3f : 0.f, false, 720 + (uint64_t)_i, 0.4f);
+    if (_i < 2) run_drop(&host_shapes[_i], CPAR_F32, 0.f, true, 740 + (uint64_t)_i, 0.6f);
+}
+END_TEST
+
+/* The mask itself: with v = the identity (v_j = e_j, sk <= d), out row i is
+ * (P_i ∘ Z_i) / (1 - p), so its zeros are exactly the dropped (or hidden)
+ * weights. q is small, so every P_ij is about 1/sk and never rounds to 0.
+ * The zero pattern must be tu_attn_keep's on host tensors (F32) and on the
+ * device (F16, BF16), and the values agree between them. */
+enum { MK_HQ = 2, MK_SQ = 40, MK_SK = 48, MK_D = 64 };
+
+typedef struct {
+    bool causal;
+    float p;
+    cpar_rng_state rng;
+    float host_out[MK_HQ * MK_SQ * MK_D]; /* the host tensors' result, for the device's comparison */
+} mask_case;
+
+static void mask_inputs(double *q, double *k, double *v) {
+    uint64_t st = 77;
+    for (int64_t i = 0; i < MK_HQ * MK_SQ * MK_D; i++) q[i] = tu_round(CPAR_BF16, 0.05 * tu_uniform(&st));
+    for (int64_t i = 0; i < MK_SK * MK_D; i++) k[i] = tu_round(CPAR_BF16, tu_uniform(&st));
+    for (int64_t j = 0; j < MK_SK; j++)
+        for (int64_t x = 0; x < MK_D; x++) v[j * MK_D + x] = j == x;
+}
+
+static cpar_status rank_mask(cpar_ctx *ctx, void *arg) {
+    mask_case *mc = arg;
+    const int64_t qs[4] = {1, MK_HQ, MK_SQ, MK_D}, ks[4] = {1, 1, MK_SK, MK_D};
+    double *q = dalloc(MK_HQ * MK_SQ * MK_D), *k = dalloc(MK_SK * MK_D), *v = dalloc(MK_SK * MK_D);
+    mask_inputs(q, k, v);
+    const cpar_attention_config cfg = {.causal = mc->causal, .dropout_p = mc->p, .dropout_state = mc->rng};
+    const bool dev = cpar_device(ctx) != CPAR_HOST;
+    for (int pass = 0; pass < (dev ? 3 : 1); pass++) { /* host F32, then device F16 and BF16 */
+        const bool host = pass == 0;
+        const cpar_dtype dt = pass == 0 ? CPAR_F32 : dtypes16[pass - 1];
+        cpar_tensor tq = put(ctx, host, q, dt, 4, qs), tk = put(ctx, host, k, dt, 4, ks), tv = put(ctx, host, v, dt, 4, ks);
+        cpar_tensor out = put(ctx, host, NULL, dt, 4, qs), lse = put(ctx, host, NULL, CPAR_F32, 3, qs);
+        TU_OK(cpar_attention_forward_cfg(ctx, &cfg, &tq, &tk, &tv, &out, &lse));
+        void *ho = fetch(ctx, &out);
+        int64_t dropped = 0;
+        for (int64_t h = 0; h < MK_HQ; h++)
+            for (int64_t i = 0; i < MK_SQ; i++)
+                for (int64_t x = 0; x < MK_D; x++) {
+                    const int64_t e = (h * MK_SQ + i) * MK_D + x;
+                    const double g = tu_get(ho, dt, e);
+                    const bool seen = x < MK_SK && (!mc->causal || x <= i);
+                    const bool keep = seen && tu_attn_keep(mc->rng, mc->p, (uint64_t)h, (uint64_t)i, (uint64_t)x);
+                    dropped += seen && !keep;
+                    ck_assert_msg(keep ? g > 0.0 : g == 0.0, "%s %s: weight (h %lld, q %lld, k %lld) is %g, expected %s",
+                                  cpar_dtype_name(dt), host ? "host" : "device", (long long)h, (long long)i,
+                                  (long long)x, g, keep ? "kept (> 0)" : "dropped (0)");
+                    if (host) mc->host_out[e] = (float)g;
+                    else
+                        ck_assert_msg(fabs(g - mc->host_out[e]) <= 1e-2 * mc->host_out[e] + 1e-6,
+                                      "%s device weight (h %lld, q %lld, k %lld) is %g, host %g", cpar_dtype_name(dt),
+                                      (long long)h, (long long)i, (long long)x, g, (double)mc->host_out[e]);
+                }
+        ck_assert_msg(dropped > 0, "nothing was dropped at p = %g", (double)mc->p); /* the case can fail */
+        free(ho);
+        drop(ctx, &tq), drop(ctx, &tk), drop(ctx, &tv), drop(ctx, &out), drop(ctx, &lse);
+    }
+    free(q), free(k), free(v);
+    return CPAR_OK;
+}
+
+/* _i = causal * 2 + state: two Philox states (seed and offset), so the mask moves with both */
+START_TEST(test_attn_dropout_mask) {
+    mask_case mc = {.causal = _i >= 2, .p = 0.3f};
+    mc.rng = _i % 2 ? (cpar_rng_state){1234, 0} : (cpar_rng_state){CPAR_RNG_DEFAULT_SEED + 2718, 77};
+    TU_OK(tu_spawn(1, rank_mask, &mc));
+}
+END_TEST
+
+/* The kept fraction is 1 - p: 4 heads x 128 queries x 64 keys of host F32
+ * attention with v = the identity, zeros counted, within 5 standard
+ * deviations of p; and a different offset gives a different mask. */
+static cpar_status rank_drop_stats(cpar_ctx *ctx, void *arg) {
+    (void)arg;
+    enum { H = 4, SQ = 128, SK = 64, D = 64 };
+    const int64_t qs[4] = {1, H, SQ, D}, ks[4] = {1, 1, SK, D}, nq = H * SQ * D;
+    double *q = dalloc(nq), *k = dalloc(SK * D), *v = dalloc(SK * D);
+    uint64_t st = 5;
+    for (int64_t i = 0; i < nq; i++) q[i] = 0.05 * tu_uniform(&st);
+    for (int64_t i = 0; i < SK * D; i++) k[i] = tu_uniform(&st);
+    for (int64_t j = 0; j < SK; j++) v[j * D + j] = 1.0;
+    cpar_tensor tq = put(ctx, true, q, CPAR_F32, 4, qs), tk = put(ctx, true, k, CPAR_F32, 4, ks);
+    cpar_tensor tv = put(ctx, true, v, CPAR_F32, 4, ks), out = put(ctx, true, NULL, CPAR_F32, 4, qs);
+    cpar_tensor out2 = put(ctx, true, NULL, CPAR_F32, 4, qs), lse = put(ctx, true, NULL, CPAR_F32, 3, qs);
+    const float ps[3] = {0.1f, 0.3f, 0.75f};
+    for (int t = 0; t < 3; t++) {
+        cpar_attention_config cfg = {.dropout_p = ps[t], .dropout_state = {42, 0}};
+        TU_OK(cpar_attention_forward_cfg(ctx, &cfg, &tq, &tk, &tv, &out, &lse));
+        cfg.dropout_state.offset = SK / 4; /* the next call's state (cpar_rng_reserve's advance) */
+        TU_OK(cpar_attention_forward_cfg(ctx, &cfg, &tq, &tk, &tv, &out2, &lse));
+        const float *o = out.data, *o2 = out2.data;
+        int64_t zeros = 0, differ = 0;
+        const int64_t n = (int64_t)H * SQ * SK;
+        for (int64_t r = 0; r < H * SQ; r++)
+            for (int64_t j = 0; j < SK; j++) {
+                zeros += o[r * D + j] == 0.f;
+                differ += (o[r * D + j] == 0.f) != (o2[r * D + j] == 0.f);
+            }
+        const double frac = (double)zeros / (double)n, p = ps[t], sd = sqrt(p * (1 - p) / (double)n);
+        ck_assert_msg(fabs(frac - p) <= 5 * sd, "p = %g: dropped fraction %g, expected %g +- %g", p, frac, p, 5 * sd);
+        /* two independent masks differ in 2p(1-p) of the weights */
+        ck_assert_msg(fabs((double)differ / (double)n - 2 * p * (1 - p)) <= 10 * sd,
+                      "p = %g: masks of offsets 0 and %d differ in %lld of %lld weights", p, SK / 4,
+                      (long long)differ, (long long)n);
+    }
+    free(q), free(k), free(v);
+    drop(ctx, &tq), drop(ctx, &tk), drop(ctx, &tv), drop(ctx, &out), drop(ctx, &out2), drop(ctx, &lse);
+    return CPAR_OK;
+}
+
+START_TEST(test_attn_dropout_stats) { TU_OK(tu_spawn(1, rank_drop_stats, NULL)); }
+END_TEST
+
+/* p = 0 through the _cfg functions (any Philox state) gives the bool/float
+ * functions' bits, forward and backward, on host tensors and the device. */
+static cpar_status rank_p0(cpar_ctx *ctx, void *arg) {
+    (void)arg;
+    const attn_shape *s = &shapes[2];
+    const bool dev = cpar_device(ctx) != CPAR_HOST;
+    for (int pass = 0; pass < (dev ? 2 : 1); pass++) {
+        const bool host = pass == 0;
+        const cpar_dtype dt = host ? CPAR_F32 : CPAR_BF16;
+        attn_case c;
+        case_init(&c, s, dt, 0.f, host, true, 900 + (uint64_t)pass);
+        const int64_t qs[4] = {s->b, s->hq, s->sq, s->d}, ks[4] = {s->b, s->hkv, s->sk, s->d};
+        cpar_tensor q = put(ctx, host, c.q, dt, 4, qs), k = put(ctx, host, c.k, dt, 4, ks);
+        cpar_tensor v = put(ctx, host, c.v, dt, 4, ks), dout = put(ctx, host, c.dout, dt, 4, qs);
+        cpar_tensor t[2][5]; /* out, lse, dq, dk, dv of each path */
+        for (int path = 0; path < 2; path++) {
+            t[path][0] = put(ctx, host, NULL, dt, 4, qs), t[path][1] = put(ctx, host, NULL, CPAR_F32, 3, qs);
+            t[path][2] = put(ctx, host, NULL, dt, 4, qs), t[path][3] = put(ctx, host, NULL, dt, 4, ks);
+            t[path][4] = put(ctx, host, NULL, dt, 4, ks);
+            cpar_tensor *r = t[path];
+            if (path == 0) {
+                TU_OK(cpar_attention_forward(ctx, &q, &k, &v, s->causal, 0.f, &r[0], &r[1]));
+                TU_OK(cpar_attention_backward(ctx, &q, &k, &v, &r[0], &dout, &r[1], s->causal, 0.f, &r[2], &r[3], &r[4]));
+            } else {
+                const cpar_attention_config cfg = {.causal = s->causal, .dropout_state = {99, 12345}};
+                TU_OK(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &v, &r[0], &r[1]));
+                TU_OK(cpar_attention_backward_cfg(ctx, &cfg, &q, &k, &v, &r[0], &dout, &r[1], &r[2], &r[3], &r[4]));
+            }
+        }
+        for (int e = 0; e < 5; e++) {
+            void *a = fetch(ctx, &t[0][e]), *b = fetch(ctx, &t[1][e]);
+            TU_EXPECT_SAME(b, a, t[0][e].dtype, cpar_tensor_numel(&t[0][e]));
+            free(a), free(b);
+            drop(ctx, &t[0][e]), drop(ctx, &t[1][e]);
+        }
+        drop(ctx, &q), drop(ctx, &k), drop(ctx, &v), drop(ctx, &dout);
+        case_free(&c);
+    }
+    return CPAR_OK;
+}
+
+START_TEST(test_attn_dropout_p0) { TU_OK(tu_spawn(1, rank_p0, NULL)); }
+END_TEST
+
+/* cpar_rng_reserve: the state for a fused kernel, under Megatron's fork. */
+static cpar_status rank_reserve(cpar_ctx *ctx, void *arg) {
+    (void)arg;
+    TU_OK(cpar_model_parallel_manual_seed(ctx, 1234, 0, 0, 0));
+    cpar_rng_state before, st, mp, cur;
+    TU_OK(cpar_rng_get_state(ctx, NULL, &before));
+    TU_OK(cpar_rng_fork(ctx, CPAR_RNG_MODEL_PARALLEL));
+    TU_OK(cpar_rng_reserve(ctx, 100, &st));
+    TU_OK(cpar_rng_unfork(ctx));
+    ck_assert_uint_eq(st.seed, 1234 + 2718);
+    ck_assert_uint_eq(st.offset, 0);
+    TU_OK(cpar_rng_get_state(ctx, CPAR_RNG_MODEL_PARALLEL, &mp));
+    ck_assert_uint_eq(mp.offset, 100); /* the forked state advanced */
+    TU_OK(cpar_rng_get_state(ctx, NULL, &cur));
+    ck_assert(cur.seed == before.seed && cur.offset == before.offset); /* the default one did not */
+    TU_OK(cpar_rng_reserve(ctx, 0, &st));
+    ck_assert(st.seed == before.seed && st.offset == before.offset);
+    TU_FAILS(cpar_rng_reserve(ctx, 1, NULL), CPAR_ERR_INVALID, "cpar_rng_reserve: used is NULL");
+    TU_FAILS(cpar_rng_reserve(NULL, 1, &st), CPAR_ERR_INVALID, "ctx is NULL");
+    return CPAR_OK;
+}
+
+START_TEST(test_attn_rng_reserve) { TU_OK(tu_spawn(1, rank_reserve, NULL)); }
+END_TEST
+
+/* ---- packed sequences (THD) -------------------------------------------------------------
+ * One packed batch (b = 1) against the per-document fp64 reference: every
+ * document attends only to itself (causal within it), padding rows get out
+ * 0, lse -inf and zero gradients. Documents of any lengths (1, odd, an empty
+ * one), with and without padding, a single long document; host F32 and the
+ * backend's 16-bit dtypes; one case with dropout. */
+static const int32_t pk_cu[6] = {0, 5, 22, 23, 56, 64}, pk_real[6] = {0, 3, 15, 15, 45, 52};
+static const int32_t pk_one[2] = {0, 70};
+static const cpar_packed_seqs packings[3] = {
+    {.n_docs = 5, .cu_seqlens = pk_cu},                               /* uneven, no padding */
+    {.n_docs = 5, .cu_seqlens = pk_real, .cu_seqlens_padded = pk_cu}, /* padded; document 2 empty */
+    {.n_docs = 1, .cu_seqlens = pk_one},                              /* one long document */
+};
+
+static void run_packed(const cpar_packed_seqs *pk, bool causal, cpar_dtype dt, bool host, int64_t d, float p,
+                       uint64_t seed) {
+    const int32_t *cu = pk->cu_seqlens_padded ? pk->cu_seqlens_padded : pk->cu_seqlens;
+    const attn_shape s = {1, 2, 1, cu[pk->n_docs], cu[pk->n_docs], d, causal};
+    attn_case c;
+    memset(&c, 0, sizeof c);
+    c.packed = pk; /* before the reference */
+    c.s = s, c.dt = dt, c.host = host, c.backward = true, c.seed = seed, c.p = p, c.rng = (cpar_rng_state){seed, 9};
+    const int64_t nq = nq_of(&s), nkv = nkv_of(&s);
+    c.q = dalloc(nq), c.k = dalloc(nkv), c.v = dalloc(nkv), c.dout = dalloc(nq);
+    c.out = dalloc(nq), c.lse = dalloc(s.sq * s.hq), c.dq = dalloc(nq), c.dk = dalloc(nkv), c.dv = dalloc(nkv);
+    uint64_t st = seed * 0x9e3779b97f4a7c15ull + 5;
+    fill(c.q, nq, dt, &st), fill(c.k, nkv, dt, &st), fill(c.v, nkv, dt, &st), fill(c.dout, nq, dt, &st);
+    reference(&c);
+    TU_OK(tu_spawn(1, rank_case, &c));
+    case_free(&c);
+}
+
+/* _i = packing * 2 + causal */
+START_TEST(test_attn_packed) {
+    const cpar_packed_seqs *pk = &packings[_i / 2];
+    const bool causal = _i % 2;
+    schedule(_i % 3);
+    run_packed(pk, causal, CPAR_F32, true, 16, 0.f, 1100 + (uint64_t)_i);
+    run_packed(pk, causal, dtypes16[_i % 2], false, 64, 0.f, 1120 + (uint64_t)_i);
+    if (_i == 3) run_packed(pk, causal, CPAR_BF16, false, 40, 0.35f, 1140); /* dropout + padding */
+    if (_i == 2) run_packed(pk, causal, CPAR_F32, true, 8, 0.5f, 1141);
+}
+END_TEST
+
+static cpar_status rank_packed_bad(cpar_ctx *ctx, void *arg) {
+    (void)arg;
+    const cpar_dtype dt = cpar_device(ctx) != CPAR_HOST ? CPAR_BF16 : CPAR_F32;
+    const int64_t qs[4] = {1, 2, 64, 16}, ks[4] = {1, 1, 64, 16}, q2[4] = {2, 2, 64, 16}, k2[4] = {2, 1, 64, 16};
+    const int64_t q63[4] = {1, 2, 63, 16}, k63[4] = {1, 1, 63, 16};
+    cpar_tensor q = put(ctx, false, NULL, dt, 4, qs), k = put(ctx, false, NULL, dt, 4, ks), out = put(ctx, false, NULL, dt, 4, qs);
+    cpar_tensor lse = put(ctx, false, NULL, CPAR_F32, 3, qs);
+    cpar_tensor qb = put(ctx, false, NULL, dt, 4, q2), kb = put(ctx, false, NULL, dt, 4, k2), ob = put(ctx, false, NULL, dt, 4, q2);
+    cpar_tensor lb = put(ctx, false, NULL, CPAR_F32, 3, q2);
+    cpar_tensor qs63 = put(ctx, false, NULL, dt, 4, q63), ks63 = put(ctx, false, NULL, dt, 4, k63);
+    cpar_tensor os63 = put(ctx, false, NULL, dt, 4, q63), ls63 = put(ctx, false, NULL, CPAR_F32, 3, q63);
+    cpar_attention_config cfg = {.causal = true, .packed = &packings[0]};
+    static const char F[] = "cpar_attention_forward_cfg";
+    TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &qb, &kb, &kb, &ob, &lb), CPAR_ERR_INVALID,
+             "q has batch 2, expected 1 with cfg->packed");
+    TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &qs63, &ks63, &ks63, &os63, &ls63), CPAR_ERR_INVALID,
+             "q and k have lengths 63 and 63, expected 64 (the packed length");
+    const int32_t bad0[3] = {1, 5, 64}, dec[3] = {0, 40, 30}, real_long[3] = {0, 10, 70}, cu2[3] = {0, 32, 64};
+    cpar_packed_seqs bad = {.n_docs = 2, .cu_seqlens = bad0};
+    cfg.packed = &bad;
+    TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &k, &out, &lse), CPAR_ERR_INVALID, "seqs->cu_seqlens[0] is 1");
+    bad.cu_seqlens = dec;
+    TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &k, &out, &lse), CPAR_ERR_INVALID, "decreases at document 1");
+    bad.cu_seqlens = real_long, bad.cu_seqlens_padded = cu2;
+    TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &k, &out, &lse), CPAR_ERR_INVALID,
+             "document 1 has padded length 32");
+    bad.n_docs = 0;
+    TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &k, &out, &lse), CPAR_ERR_INVALID, F);
+    cpar_tensor *all[] = {&q, &k, &out, &lse, &qb, &kb, &ob, &lb, &qs63, &ks63, &os63, &ls63};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) drop(ctx, all[i]);
+    return CPAR_OK;
+}
+
+START_TEST(test_attn_packed_bad_args) { TU_OK(tu_spawn(1, rank_packed_bad, NULL)); }
 END_TEST
 
 /* ---- no keys, empty batches ------------------------------------------------------------ */
@@ -504,6 +833,9 @@ static cpar_status rank_dev_blocks(cpar_ctx *ctx, void *arg) {
                 bad = a, bad.scale = 0.f;
                 ck_assert_int_eq(cpar_dev_attention_fwd(&bad, out.data, odt, SQ * D, lp, SQ, NULL), CPAR_ERR_INVALID);
                 ck_assert_ptr_nonnull(strstr(cpar_dev_last_error(), "a->scale"));
+                bad = a, bad.dropout_p = 1.f;
+                ck_assert_int_eq(cpar_dev_attention_fwd(&bad, out.data, odt, SQ * D, lp, SQ, NULL), CPAR_ERR_INVALID);
+                ck_assert_ptr_nonnull(strstr(cpar_dev_last_error(), "a->dropout_p = 1"));
                 bad = a, bad.q_bh = 10;
                 ck_assert_int_eq(cpar_dev_attention_fwd(&bad, out.data, odt, SQ * D, lp, SQ, NULL), CPAR_ERR_INVALID);
                 ck_assert_ptr_nonnull(strstr(cpar_dev_last_error(), "a->q_bh = 10"));
@@ -662,6 +994,30 @@ static cpar_status rank_bad(cpar_ctx *ctx, void *arg) {
              "dv overlaps v");
     TU_FAILS(cpar_attention_backward(ctx, &q, &k, &v, &out, &dout, &lse, true, 0.f, &dout, &dk, &dv), CPAR_ERR_INVALID,
              "dq overlaps dout");
+    { /* the _cfg forms: cfg itself and dropout_p (p = 1 is refused as cpar_dropout_forward refuses it) */
+        static const char FC[] = "cpar_attention_forward_cfg", BC[] = "cpar_attention_backward_cfg";
+        cpar_attention_config cfg = {.causal = true, .dropout_p = 0.1f};
+        TU_FAILS(cpar_attention_forward_cfg(ctx, NULL, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID,
+                 "cpar_attention_forward_cfg: cfg is NULL");
+        TU_FAILS(cpar_attention_backward_cfg(ctx, NULL, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv),
+                 CPAR_ERR_INVALID, "cpar_attention_backward_cfg: cfg is NULL");
+        TU_FAILS(cpar_attention_forward_cfg(NULL, &cfg, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "ctx is NULL");
+        const float bad_p[4] = {1.f, -0.1f, NAN, 2.f};
+        const char *const msg[4] = {"cfg->dropout_p is 1, expected 0 <= p < 1", "cfg->dropout_p is -0.1",
+                                    "cfg->dropout_p is nan", "cfg->dropout_p is 2"};
+        for (int i = 0; i < 4; i++) {
+            cfg.dropout_p = bad_p[i];
+            TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, msg[i]);
+            TU_FAILS(cpar_attention_backward_cfg(ctx, &cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv),
+                     CPAR_ERR_INVALID, msg[i]);
+        }
+        cfg.dropout_p = 1.f;
+        TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, FC);
+        TU_FAILS(cpar_attention_backward_cfg(ctx, &cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv),
+                 CPAR_ERR_INVALID, BC);
+        cfg.dropout_p = 0.f, cfg.scale = -3.f;
+        TU_FAILS(cpar_attention_forward_cfg(ctx, &cfg, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg->scale is -3");
+    }
     /* every message names the function */
     TU_FAILS(cpar_attention_forward(ctx, &q, &k, &v, true, -1.f, &out, &lse), CPAR_ERR_INVALID, F);
     TU_FAILS(cpar_attention_backward(ctx, &q, &k, &v, &out, &dout, &lse, true, -1.f, &dq, &dk, &dv), CPAR_ERR_INVALID, B);
@@ -683,6 +1039,13 @@ static Suite *suite(void) {
         {"attn_no_keys", test_attn_no_keys, 2},
         {"attn_device_blocks", test_attn_device_blocks, 3},
         {"attn_finite_differences", test_attn_finite_differences, 2},
+        {"attn_dropout", test_attn_dropout, N_SHAPES},
+        {"attn_dropout_mask", test_attn_dropout_mask, 4},
+        {"attn_dropout_stats", test_attn_dropout_stats, 1},
+        {"attn_dropout_p0", test_attn_dropout_p0, 1},
+        {"attn_rng_reserve", test_attn_rng_reserve, 1},
+        {"attn_packed", test_attn_packed, 6},
+        {"attn_packed_bad_args", test_attn_packed_bad_args, 1},
         {"attn_bad_args", test_attn_bad_args, 1},
     };
     tu_add_loops(s, loops, sizeof loops / sizeof loops[0], 120);

@@ -87,6 +87,7 @@ struct Case {
     int ninf_row;   /* >= 0: this query row (of every head) gets lse = -inf, out = 0 */
     int split;      /* > 0: two calls, keys [0, split) and [split, sk), with the full out/lse */
     float scale;    /* 0: 1/sqrt(d) */
+    float p;        /* dropout: 0 = none */
 };
 
 /* Per-tensor error: max |got - init - ref| / max |ref|. */
@@ -157,7 +158,16 @@ static void run_case(const Case &c, unsigned seed) {
                 }
 
     /* fp64 forward and backward per (batch, q head) */
-    std::vector<double> gq(Q.size(), 0.0), gk(K.size(), 0.0), gv(K.size(), 0.0), S(sk), P(sk), O(d);
+    std::vector<double> gq(Q.size(), 0.0), gk(K.size(), 0.0), gv(K.size(), 0.0), S(sk), P(sk), O(d), Z(sk);
+    /* dropout's keep decision at (bh, query i, key j), positions = indices in
+     * the whole attention (cpar.h §12's definition; only the Philox block
+     * function is the kernel file's) */
+    const cpar_rng_state rng = {0x1234567890abcdefull + seed, 3};
+    auto keep = [&](int64_t bh, int64_t i, int64_t j) {
+        const cpar__u4 w = cpar__philox4_sub(rng.seed, rng.offset + (uint64_t)j / 4,
+                                             ((uint64_t)bh + 1) * 4294967296ull + (uint64_t)i);
+        return (double)(w.w[j % 4] >> 8) / 16777216.0 >= (double)c.p ? 1.0 : 0.0;
+    };
     for (int64_t bi = 0; bi < b; bi++)
         for (int64_t h = 0; h < hq; h++) {
             const int64_t hk = h / grp;
@@ -175,7 +185,8 @@ static void run_case(const Case &c, unsigned seed) {
                 for (int64_t x = 0; x < d; x++) O[x] = 0;
                 for (int64_t j = 0; j < sk; j++) {
                     P[j] = exp(S[j] - L);
-                    for (int64_t x = 0; x < d; x++) O[x] += P[j] * V[flat_k(bi, hk, j, x)];
+                    Z[j] = c.p > 0 ? keep(bi * hq + h, i, j) / (1.0 - c.p) : 1.0;
+                    for (int64_t x = 0; x < d; x++) O[x] += P[j] * Z[j] * V[flat_k(bi, hk, j, x)];
                 }
                 if (i == c.ninf_row) { /* the row sees no key (as a ring block may): no gradient */
                     L = -INFINITY;
@@ -192,18 +203,18 @@ static void run_case(const Case &c, unsigned seed) {
                     if (P[j] == 0) continue;
                     double dp = 0;
                     for (int64_t x = 0; x < d; x++) dp += dO[flat_q(bi, h, i, x)] * V[flat_k(bi, hk, j, x)];
-                    const double ds = P[j] * (dp - Dsum);
+                    const double ds = P[j] * (dp * Z[j] - Dsum);
                     for (int64_t x = 0; x < d; x++) {
                         gq[flat_q(bi, h, i, x)] += scale * ds * K[flat_k(bi, hk, j, x)];
                         gk[flat_k(bi, hk, j, x)] += scale * ds * Q[flat_q(bi, h, i, x)];
-                        gv[flat_k(bi, hk, j, x)] += P[j] * dO[flat_q(bi, h, i, x)];
+                        gv[flat_k(bi, hk, j, x)] += P[j] * Z[j] * dO[flat_q(bi, h, i, x)];
                     }
                 }
             }
         }
 
     /* the kernel, as one call or as two key blocks sharing out/lse */
-    cpar_dev_attn a;
+    cpar_dev_attn a = {}; /* no dropout, positions = row indices */
     a.dt = c.dt;
     a.b = b;
     a.hq = hq;
@@ -214,6 +225,8 @@ static void run_case(const Case &c, unsigned seed) {
     a.kv_bh = kv_bh;
     a.causal = c.causal;
     a.scale = (float)scale;
+    a.dropout_p = c.p;
+    a.rng = rng;
     a.q = static_cast<const char *>(q) + qi(0, 0, 0, 0) * cpar__dtype_size(c.dt);
     const size_t osz = cpar__dtype_size(c.out_dt);
     const char *outp = static_cast<const char *>(out) + qi(0, 0, 0, 0) * osz;
@@ -222,6 +235,8 @@ static void run_case(const Case &c, unsigned seed) {
     for (int blk = 0; blk < nblk; blk++) {
         const int64_t j0 = blk == 0 ? 0 : c.split, j1 = nblk == 1 || blk == 1 ? sk : c.split;
         a.sk = j1 - j0;
+        a.kp = cpar_dev_attn_pos{}; /* the block's keys are keys j0.. of the whole attention */
+        a.kp.off1 = j0;
         a.k = static_cast<const char *>(k) + ki(0, 0, j0, 0) * cpar__dtype_size(c.dt);
         a.v = static_cast<const char *>(v) + ki(0, 0, j0, 0) * cpar__dtype_size(c.dt);
         const size_t scratch_bytes = cpar_dev_attention_bwd_scratch_bytes(&a);
@@ -282,37 +297,45 @@ static void run_case(const Case &c, unsigned seed) {
 
 static const cpar_dtype F16 = CPAR_F16, BF16 = CPAR_BF16, F32 = CPAR_F32;
 
-/*                 name                    dt    out_dt b hq hkv  sq   sk   d  causal pad mis ninf split scale */
+/*                 name                    dt    out_dt b hq hkv  sq   sk   d  causal pad mis ninf split scale p */
 static const Case SHAPES[] = {
-    {"d64 17x17",                          F16,  F16,  1, 1, 1,   17,  17, 64, false, 0, 0, -1, 0, 0},
-    {"d64 77x130 causal",                  BF16, BF16, 1, 1, 1,   77, 130, 64, true,  0, 0, -1, 0, 0},
-    {"d64 130x77 causal out f32",          F16,  F32,  1, 1, 1,  130,  77, 64, true,  0, 0, -1, 0, 0},
-    {"d40 77x77 out f32",                  BF16, F32,  1, 1, 1,   77,  77, 40, false, 0, 0, -1, 0, 0},
-    {"d8 1x1",                             F16,  F16,  1, 1, 1,    1,   1,  8, false, 0, 0, -1, 0, 0},
-    {"d64 1x130 causal",                   BF16, F32,  1, 1, 1,    1, 130, 64, true,  0, 0, -1, 0, 0},
-    {"d64 130x1 causal",                   F16,  F16,  1, 1, 1,  130,   1, 64, true,  0, 0, -1, 0, 0},
+    {"d64 17x17",                          F16,  F16,  1, 1, 1,   17,  17, 64, false, 0, 0, -1, 0, 0, 0},
+    {"d64 77x130 causal",                  BF16, BF16, 1, 1, 1,   77, 130, 64, true,  0, 0, -1, 0, 0, 0},
+    {"d64 130x77 causal out f32",          F16,  F32,  1, 1, 1,  130,  77, 64, true,  0, 0, -1, 0, 0, 0},
+    {"d40 77x77 out f32",                  BF16, F32,  1, 1, 1,   77,  77, 40, false, 0, 0, -1, 0, 0, 0},
+    {"d8 1x1",                             F16,  F16,  1, 1, 1,    1,   1,  8, false, 0, 0, -1, 0, 0, 0},
+    {"d64 1x130 causal",                   BF16, F32,  1, 1, 1,    1, 130, 64, true,  0, 0, -1, 0, 0, 0},
+    {"d64 130x1 causal",                   F16,  F16,  1, 1, 1,  130,   1, 64, true,  0, 0, -1, 0, 0, 0},
 };
 static const Case WIDE[] = {
-    {"d128 33x17",                         F16,  F16,  1, 1, 1,   33,  17, 128, false, 0, 0, -1, 0, 0},
-    {"d128 130x77 causal out f32",         BF16, F32,  1, 1, 1,  130,  77, 128, true,  0, 0, -1, 0, 0},
-    {"d128 17x77 causal",                  F16,  F16,  1, 1, 1,   17,  77, 128, true,  0, 0, -1, 0, 0},
-    {"gqa 4/2 d128 77x130 causal out f32", F16,  F32,  1, 4, 2,   77, 130, 128, true,  0, 0, -1, 0, 0},
-    {"d72 (tile 128) 40x9",                BF16, BF16, 1, 1, 1,   40,   9, 72, false, 0, 0, -1, 0, 0},
+    {"d128 33x17",                         F16,  F16,  1, 1, 1,   33,  17, 128, false, 0, 0, -1, 0, 0, 0},
+    {"d128 130x77 causal out f32",         BF16, F32,  1, 1, 1,  130,  77, 128, true,  0, 0, -1, 0, 0, 0},
+    {"d128 17x77 causal",                  F16,  F16,  1, 1, 1,   17,  77, 128, true,  0, 0, -1, 0, 0, 0},
+    {"gqa 4/2 d128 77x130 causal out f32", F16,  F32,  1, 4, 2,   77, 130, 128, true,  0, 0, -1, 0, 0, 0},
+    {"d72 (tile 128) 40x9",                BF16, BF16, 1, 1, 1,   40,   9, 72, false, 0, 0, -1, 0, 0, 0},
 };
 static const Case GQA[] = {
-    {"gqa 4/2 b2 d64 33x17 causal",        F16,  F32,  2, 4, 2,   33,  17, 64, true,  0, 0, -1, 0, 0},
-    {"gqa 3/1 d128 17x65",                 BF16, BF16, 1, 3, 1,   17,  65, 128, false, 0, 0, -1, 0, 0},
-    {"gqa 3/1 d40 20x31 causal scale .3",  F16,  F16,  1, 3, 1,   20,  31, 40, true,  0, 0, -1, 0, 0.3f},
+    {"gqa 4/2 b2 d64 33x17 causal",        F16,  F32,  2, 4, 2,   33,  17, 64, true,  0, 0, -1, 0, 0, 0},
+    {"gqa 3/1 d128 17x65",                 BF16, BF16, 1, 3, 1,   17,  65, 128, false, 0, 0, -1, 0, 0, 0},
+    {"gqa 3/1 d40 20x31 causal scale .3",  F16,  F16,  1, 3, 1,   20,  31, 40, true,  0, 0, -1, 0, 0.3f, 0},
 };
 static const Case STRIDED[] = {
-    {"strided d64 37x21 causal",           BF16, F32,  2, 2, 2,   37,  21, 64, true,  9, 0, -1, 0, 0},
-    {"strided misaligned d40 23x30",       F16,  F16,  1, 2, 1,   23,  30, 40, false, 5, 4,  -1, 0, 0},
-    {"strided misaligned d64 out f32",     F16,  F32,  1, 3, 1,   19,  26, 64, true,  2, 2,  -1, 0, 0},
-    {"strided misaligned d128 gqa 4/2",    BF16, BF16, 1, 4, 2,   19,  13, 128, true, 3, 4,  -1, 0, 0},
-    {"lse -inf row d64 20x30",             F16,  F32,  1, 2, 1,   20,  30, 64, false, 0, 0,  5, 0, 0},
-    {"lse -inf row d128 causal strided",   BF16, BF16, 1, 1, 1,   21,  21, 128, true, 4, 0, 0, 0, 0},
-    {"two key blocks d64 40x100",          BF16, F32,  1, 2, 1,   40, 100, 64, false, 0, 0, -1, 37, 0},
-    {"two key blocks d40 strided 30x70",   F16,  F16,  1, 1, 1,   30,  70, 40, false, 6, 0,  3, 64, 0},
+    {"strided d64 37x21 causal",           BF16, F32,  2, 2, 2,   37,  21, 64, true,  9, 0, -1, 0, 0, 0},
+    {"strided misaligned d40 23x30",       F16,  F16,  1, 2, 1,   23,  30, 40, false, 5, 4,  -1, 0, 0, 0},
+    {"strided misaligned d64 out f32",     F16,  F32,  1, 3, 1,   19,  26, 64, true,  2, 2,  -1, 0, 0, 0},
+    {"strided misaligned d128 gqa 4/2",    BF16, BF16, 1, 4, 2,   19,  13, 128, true, 3, 4,  -1, 0, 0, 0},
+    {"lse -inf row d64 20x30",             F16,  F32,  1, 2, 1,   20,  30, 64, false, 0, 0,  5, 0, 0, 0},
+    {"lse -inf row d128 causal strided",   BF16, BF16, 1, 1, 1,   21,  21, 128, true, 4, 0, 0, 0, 0, 0},
+    {"two key blocks d64 40x100",          BF16, F32,  1, 2, 1,   40, 100, 64, false, 0, 0, -1, 37, 0, 0},
+    {"two key blocks d40 strided 30x70",   F16,  F16,  1, 1, 1,   30,  70, 40, false, 6, 0,  3, 64, 0, 0},
+};
+
+static const Case DROPOUT[] = {
+    {"dropout d64 33x45 causal",           F16,  F16,  1, 2, 2,   33,  45, 64, true,  0, 0, -1, 0, 0, 0.3f},
+    {"dropout gqa 4/2 d128 70x40 out f32", BF16, F32,  1, 4, 2,   70,  40, 128, false, 0, 0, -1, 0, 0, 0.5f},
+    {"dropout strided misaligned d40",     F16,  F32,  2, 2, 1,   23,  30, 40, true,  5, 4, -1, 0, 0, 0.2f},
+    {"dropout two key blocks d64 40x100",  BF16, F32,  1, 2, 1,   40, 100, 64, false, 0, 0, -1, 37, 0, 0.4f},
+    {"dropout lse -inf row d64",           F16,  F16,  1, 1, 1,   20,  30, 64, false, 0, 0,  5, 0, 0, 0.3f},
 };
 
 static const cudasim_schedule schedules[] = {CUDASIM_SCHED_FORWARD, CUDASIM_SCHED_REVERSE, CUDASIM_SCHED_SHUFFLE};
@@ -337,16 +360,20 @@ START_TEST(gqa) {
 END_TEST
 START_TEST(strided) { run_all(STRIDED, _i, 41); }
 END_TEST
+/* dropout: the forward's mask (positions of the whole attention: the second
+ * key block's start at split) applied in both kernels */
+START_TEST(dropout) { run_all(DROPOUT, _i, 53); }
+END_TEST
 
 /* Results do not depend on the schedule: no atomics, fixed summation order. */
 START_TEST(deterministic) {
-    const Case c = {"det", BF16, F32, 1, 2, 1, 70, 45, 64, true, 0, 0, -1, 0, 0};
+    const Case c = {"det", BF16, F32, 1, 2, 1, 70, 45, 64, true, 0, 0, -1, 0, 0, 0.3f};
     std::vector<float> first;
     for (int sched = 0; sched < 3; sched++) {
         cudasim_set_schedule(schedules[sched], 99);
         unsigned seed = 5;
         cpar_dev_attn a = {c.dt, c.b, c.hq, c.hkv, c.sq, c.sk, c.d, NULL, NULL, NULL, c.sq * c.d, c.sk * c.d,
-                           c.causal, 0.125f};
+                           c.causal, 0.125f, c.p, {7, 0}, {}, {}}; /* with dropout */
         const size_t nq = c.b * c.hq * c.sq * c.d, nk = c.b * c.hkv * c.sk * c.d, nl = c.b * c.hq * c.sq;
         void *q = dalloc(nq, c.dt), *k = dalloc(nk, c.dt), *v = dalloc(nk, c.dt), *out = dalloc(nq, c.out_dt),
              *dout = dalloc(nq, c.out_dt);
@@ -392,7 +419,7 @@ START_TEST(bad_args) {
     __half *o = (__half *)dalloc(2 * sq * d, F16);
     float *lse = (float *)dalloc(2 * sq, F32), *g = (float *)dalloc(2 * sq * d + 4 * sk * d, F32);
     void *scratch = dalloc(2 * sq, F32);
-    const cpar_dev_attn good = {F16, 1, 2, 1, sq, sk, d, q, kv, kv, sq * d, sk * d, false, 0.25f};
+    const cpar_dev_attn good = {F16, 1, 2, 1, sq, sk, d, q, kv, kv, sq * d, sk * d, false, 0.25f, 0.f, {0, 0}, {}, {}};
     float *dq = g, *dk = g + 2 * sq * d, *dv = dk + sk * d;
 #define CALL(a, ...) cpar_dev_attention_bwd(a, __VA_ARGS__, NULL)
 #define GOOD_REST o, o, F16, sq * d, lse, sq, dq, sq * d, dk, dv, sk * d, scratch
@@ -415,6 +442,8 @@ START_TEST(bad_args) {
         {"a->scale", [](cpar_dev_attn *a) { a->scale = 0.f; }},
         {"a->scale", [](cpar_dev_attn *a) { a->scale = INFINITY; }},
         {"a->scale", [](cpar_dev_attn *a) { a->scale = NAN; }},
+        {"a->dropout_p", [](cpar_dev_attn *a) { a->dropout_p = 1.f; }},
+        {"a->dropout_p", [](cpar_dev_attn *a) { a->dropout_p = NAN; }},
         {"a->q", [](cpar_dev_attn *a) { a->q = NULL; }},
         {"a->k", [](cpar_dev_attn *a) { a->k = NULL; }},
         {"a->v", [](cpar_dev_attn *a) { a->v = NULL; }},
@@ -475,6 +504,7 @@ int main(void) {
     tcase_add_loop_test(tc, wide, 0, 2);
     tcase_add_loop_test(tc, gqa, 0, 3);
     tcase_add_loop_test(tc, strided, 0, 3);
+    tcase_add_loop_test(tc, dropout, 0, 3);
     tcase_add_test(tc, deterministic);
     tcase_add_test(tc, bad_args);
     suite_add_tcase(s, tc);

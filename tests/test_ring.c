@@ -23,6 +23,8 @@
 #define CPAR_INTERNAL /* calls device-layer functions (cpar.h §16) directly */
 #include "testutil.h"
 
+#include "packed.h"
+
 #define MAX_CP 8
 
 static cpar_status spawn_on(cpar_backend be, int n, cpar_rank_fn fn, void *arg) {
@@ -152,12 +154,15 @@ typedef struct {
     void *hq_, *hk_, *hv_, *hdo_;
     double *q, *k, *v, *dout;
     double *out, *lse, *dq, *dk, *dv; /* reference */
+    const packing *pk;                /* packed sequences (cfg.packed = &seqs), or NULL */
+    cpar_packed_seqs seqs;
 } ring_case;
 
 /* Full-sequence attention in fp64: out, lse, and the gradients for dout. */
 static void ring_reference(ring_case *c) {
     const int64_t S = c->s, d = c->d, grp = c->hq / c->hkv;
     double *sc = malloc(sizeof(double) * (size_t)S), *p = malloc(sizeof(double) * (size_t)S);
+    double *z = malloc(sizeof(double) * (size_t)S);
     memset(c->dq, 0, sizeof(double) * (size_t)(c->b * c->hq * S * d));
     memset(c->dk, 0, sizeof(double) * (size_t)(c->b * c->hkv * S * d));
     memset(c->dv, 0, sizeof(double) * (size_t)(c->b * c->hkv * S * d));
@@ -169,37 +174,55 @@ static void ring_reference(ring_case *c) {
             double *O = c->out + bh * S * d, *DQ = c->dq + bh * S * d, *DK = c->dk + kh * S * d,
                    *DV = c->dv + kh * S * d;
             for (int64_t i = 0; i < S; i++) {
-                const int64_t n = c->cfg.causal ? i + 1 : S;
+                /* the keys row i sees: [j_lo, n); packed: its document's real rows (padding rows: none) */
+                int64_t j_lo = 0, n = c->cfg.causal ? i + 1 : S;
+                if (c->pk) {
+                    const int32_t *cu = c->pk->padded ? c->pk->cu_pad : c->pk->cu;
+                    int doc = 0;
+                    while (i >= cu[doc + 1]) doc++;
+                    const int64_t real = c->pk->cu[doc + 1] - c->pk->cu[doc];
+                    j_lo = cu[doc];
+                    n = i - j_lo >= real ? j_lo : c->cfg.causal ? i + 1 : j_lo + real;
+                }
+                for (int64_t e = 0; e < d; e++) O[i * d + e] = 0.0;
+                if (n <= j_lo) {
+                    c->lse[bh * S + i] = -INFINITY;
+                    continue;
+                }
                 double m = -INFINITY, sum = 0.0;
-                for (int64_t j = 0; j < n; j++) {
+                for (int64_t j = j_lo; j < n; j++) {
                     double t = 0.0;
                     for (int64_t e = 0; e < d; e++) t += Q[i * d + e] * K[j * d + e];
                     sc[j] = c->scale * t;
                     m = fmax(m, sc[j]);
                 }
-                for (int64_t j = 0; j < n; j++) sum += exp(sc[j] - m);
+                for (int64_t j = j_lo; j < n; j++) sum += exp(sc[j] - m);
                 const double L = m + log(sum);
                 c->lse[bh * S + i] = L;
-                for (int64_t e = 0; e < d; e++) O[i * d + e] = 0.0;
-                for (int64_t j = 0; j < n; j++) {
+                for (int64_t j = j_lo; j < n; j++) { /* the dropout mask of global positions (i, j) */
+                    const double pd = c->cfg.dropout_p;
+                    z[j] = pd == 0.0 ? 1.0
+                           : tu_attn_keep(c->cfg.dropout_state, pd, (uint64_t)bh, (uint64_t)i, (uint64_t)j)
+                               ? 1.0 / (1.0 - pd)
+                               : 0.0;
                     p[j] = exp(sc[j] - L);
-                    for (int64_t e = 0; e < d; e++) O[i * d + e] += p[j] * V[j * d + e];
+                    for (int64_t e = 0; e < d; e++) O[i * d + e] += p[j] * z[j] * V[j * d + e];
                 }
                 double D = 0.0;
                 for (int64_t e = 0; e < d; e++) D += DO[i * d + e] * O[i * d + e];
-                for (int64_t j = 0; j < n; j++) {
+                for (int64_t j = j_lo; j < n; j++) {
                     double dp = 0.0;
                     for (int64_t e = 0; e < d; e++) dp += DO[i * d + e] * V[j * d + e];
-                    const double ds = p[j] * (dp - D) * c->scale;
+                    const double ds = p[j] * (dp * z[j] - D) * c->scale;
                     for (int64_t e = 0; e < d; e++) {
                         DQ[i * d + e] += ds * K[j * d + e];
                         DK[j * d + e] += ds * Q[i * d + e];
-                        DV[j * d + e] += p[j] * DO[i * d + e];
+                        DV[j * d + e] += p[j] * z[j] * DO[i * d + e];
                     }
                 }
             }
         }
-    free(sc), free(p);
+    free(sc), free(p), free(z);
 }
 
 /* n random values of dt (times amp, rounded to dt) into host memory and doubles. */
@@ -213,11 +236,14 @@ static void random_input(cpar_dtype dt, int64_t n, double amp, uint64_t seed, vo
     }
 }
 
-static void ring_case_init(ring_case *c, int P, cpar_dtype dt, bool causal, bool lb, cpar_rotate_method rot,
-                           int64_t b, int64_t hkv, int64_t s_local, int64_t d, float scale, uint64_t seed) {
+static void ring_case_init_packed(ring_case *c, int P, cpar_dtype dt, bool causal, bool lb, cpar_rotate_method rot,
+                                  int64_t b, int64_t hkv, int64_t s_local, int64_t d, float scale, float dropout_p,
+                                  const packing *pk, uint64_t seed) {
     memset(c, 0, sizeof *c);
     c->P = P, c->dt = dt;
-    c->cfg = (cpar_ring_attention_config){.causal = causal, .load_balance = lb, .rotate = rot, .scale = scale};
+    c->cfg = (cpar_ring_attention_config){.causal = causal, .load_balance = lb, .rotate = rot, .scale = scale,
+                                          .dropout_p = dropout_p, .dropout_state = {seed * 31 + 7, seed % 5}};
+    if (pk) c->pk = pk, c->seqs = seqs_of(pk); /* each rank points its cfg.packed at seqs */
     c->b = b, c->hq = 2, c->hkv = hkv, c->s = s_local * P, c->d = d;
     c->scale = scale > 0.f ? (double)scale : 1.0 / sqrt((double)d);
     const int64_t nq = c->b * c->hq * c->s * d, nkv = c->b * c->hkv * c->s * d;
@@ -232,6 +258,12 @@ static void ring_case_init(ring_case *c, int P, cpar_dtype dt, bool causal, bool
     c->dk = malloc(sizeof(double) * (size_t)nkv);
     c->dv = malloc(sizeof(double) * (size_t)nkv);
     ring_reference(c);
+}
+
+static void ring_case_init(ring_case *c, int P, cpar_dtype dt, bool causal, bool lb, cpar_rotate_method rot,
+                           int64_t b, int64_t hkv, int64_t s_local, int64_t d, float scale, float dropout_p,
+                           uint64_t seed) {
+    ring_case_init_packed(c, P, dt, causal, lb, rot, b, hkv, s_local, d, scale, dropout_p, NULL, seed);
 }
 
 static void ring_case_free(ring_case *c) {
@@ -340,19 +372,152 @@ static bool on_device(void) { return tu_on_device(); } /* the kernels run: sim o
  * host path): F32 and BF16 with GQA (hkv 1) and two batches, F16 with
  * hkv = hq and one batch on the sim (its time goes into kernel blocks); d 16
  * on devices, 5 and 8 on the host. */
-static void run_ring(int P, bool causal, bool lb, cpar_rotate_method rot, float scale, uint64_t seed) {
+static void run_ring_drop(int P, bool causal, bool lb, cpar_rotate_method rot, float scale, float dropout_p,
+                         uint64_t seed) {
     const cpar_dtype dts[3] = {CPAR_F32, CPAR_F16, CPAR_BF16};
     for (int t = on_device() ? 1 : 0; t < 3; t++) {
         ring_case c;
         const int64_t d = on_device() ? 16 : t == 0 ? 5 : 8;
         const int64_t b = t == 1 && on_device() ? 1 : 2, hkv = t == 1 ? 2 : 1;
-        ring_case_init(&c, P, dts[t], causal, lb, rot, b, hkv, 6, d, scale, seed + 8 * (uint64_t)t);
+        ring_case_init(&c, P, dts[t], causal, lb, rot, b, hkv, 6, d, scale, dropout_p, seed + 8 * (uint64_t)t);
         TU_OK(tu_spawn(P, rank_ring, &c));
         ring_case_free(&c);
     }
 }
 
+static void run_ring(int P, bool causal, bool lb, cpar_rotate_method rot, float scale, uint64_t seed) {
+    run_ring_drop(P, causal, lb, rot, scale, 0.f, seed);
+}
+
 static const cpar_rotate_method rots[2] = {CPAR_ROTATE_ALLGATHER, CPAR_ROTATE_ALLTOALL};
+
+/* ---- packed sequences (THD) ------------------------------------------------------------------
+ * A packed batch (tests/packed.h: uneven documents with one exactly 2·cp
+ * long, one long document, padded documents with an empty one) against the
+ * per-document fp64 reference of the whole packing. The shards are built here
+ * from the layout's definition (packed.h's owner_of: rank r holds chunks r
+ * and 2cp-1-r of every document), and every rank compares its rows with the
+ * reference rows they hold; padding rows must give out 0, lse -inf and zero
+ * dq, dk, dv exactly. Communication as the plain ring's. */
+
+/* rows: [b·h, S, d] -> this rank's [b·h, sl, d] by idx (dt elements). */
+static void *gather_rows(const void *full, cpar_dtype dt, int64_t bh, int64_t S, int64_t sl, int64_t d,
+                         const int64_t *idx) {
+    const size_t es = cpar_dtype_size(dt), row = (size_t)d * es;
+    char *out = malloc((size_t)(bh * sl) * row + 1);
+    for (int64_t h = 0; h < bh; h++)
+        for (int64_t l = 0; l < sl; l++)
+            memcpy(out + (size_t)(h * sl + l) * row, (const char *)full + (size_t)(h * S + idx[l]) * row, row);
+    return out;
+}
+
+/* got [bh, sl, d] (dt) against want [bh, S, d] at the rows idx; padding rows (lse_ref -inf) exactly 0. */
+static void expect_rows(const ring_case *c, const char *what, const void *got, cpar_dtype dt, const double *want,
+                        int64_t bh, int64_t hq_per, int64_t d, const int64_t *idx, double tol) {
+    const int64_t S = c->s, sl = S / c->P;
+    double scale = 1.0;
+    for (int64_t i = 0; i < bh * S * d; i++) scale = fmax(scale, fabs(want[i]));
+    for (int64_t h = 0; h < bh; h++)
+        for (int64_t l = 0; l < sl; l++) {
+            const bool pad = isinf(c->lse[(h * hq_per) * S + idx[l]]); /* row (of the first q head sharing h) */
+            for (int64_t e = 0; e < d; e++) {
+                const double g = tu_get(got, dt, (h * sl + l) * d + e), w = want[(h * S + idx[l]) * d + e];
+                ck_assert_msg(pad ? g == 0.0 : !isnan(g) && fabs(g - w) <= tol * scale,
+                              "%s, cp %d %s %s packing %s: head %lld global row %lld col %lld is %.9g, expected %.9g%s",
+                              what, c->P, cpar_dtype_name(c->dt), c->cfg.causal ? "causal" : "non-causal", c->pk->name,
+                              (long long)h, (long long)idx[l], (long long)e, g, w, pad ? " (padding: exactly 0)" : "");
+            }
+        }
+}
+
+static cpar_status rank_ring_packed(cpar_ctx *ctx, void *arg) {
+    const ring_case *c = arg;
+    cpar_group *g = cpar_world_group(ctx);
+    const int P = cpar_group_size(g), r = cpar_group_rank(g);
+    const int64_t S = c->s, sl = S / P, d = c->d, bq = c->b * c->hq, bk = c->b * c->hkv;
+    cpar_ring_attention_config cfg = c->cfg;
+    cfg.packed = &c->seqs;
+    int64_t *idx = malloc(sizeof(int64_t) * (size_t)sl);
+    for (int64_t row = 0; row < S; row++) {
+        int o;
+        int64_t l;
+        owner_of(c->pk, P, row, &o, &l);
+        if (o == r) idx[l] = row;
+    }
+    const int64_t ql[4] = {c->b, c->hq, sl, d}, kl[4] = {c->b, c->hkv, sl, d}, ll[3] = {c->b, c->hq, sl};
+    void *hq = gather_rows(c->hq_, c->dt, bq, S, sl, d, idx), *hk = gather_rows(c->hk_, c->dt, bk, S, sl, d, idx);
+    void *hv = gather_rows(c->hv_, c->dt, bk, S, sl, d, idx), *hdo = gather_rows(c->hdo_, c->dt, bq, S, sl, d, idx);
+    cpar_tensor q = tu_upload(ctx, hq, c->dt, 4, ql), k = tu_upload(ctx, hk, c->dt, 4, kl);
+    cpar_tensor v = tu_upload(ctx, hv, c->dt, 4, kl), dout = tu_upload(ctx, hdo, c->dt, 4, ql);
+    cpar_tensor out = tu_alloc_poisoned(ctx, c->dt, 4, ql), lse = tu_alloc_poisoned(ctx, CPAR_F32, 3, ll);
+    cpar_tensor dq = tu_alloc_poisoned(ctx, c->dt, 4, ql), dk = tu_alloc_poisoned(ctx, c->dt, 4, kl);
+    cpar_tensor dv = tu_alloc_poisoned(ctx, c->dt, 4, kl);
+    const uint64_t kvb = 2 * (uint64_t)cpar_tensor_nbytes(&k), acc = 2 * (uint64_t)cpar_tensor_numel(&k) * 4;
+    const uint64_t p1 = (uint64_t)(P - 1);
+    const bool ag = cfg.rotate == CPAR_ROTATE_ALLGATHER;
+    TU_OK(cpar_group_stats_reset(g));
+    TU_OK(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &out, &lse));
+    if (P == 1) expect_stats(g, 0, 0, 0, 0);
+    else if (ag) expect_stats(g, 1, p1 * kvb, 0, 0);
+    else expect_stats(g, 0, 0, p1, p1 * kvb);
+    TU_OK(cpar_group_stats_reset(g));
+    TU_OK(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv));
+    if (P == 1) expect_stats(g, 0, 0, 0, 0);
+    else if (ag) expect_stats(g, 1, p1 * kvb, (uint64_t)P, (uint64_t)P * acc);
+    else expect_stats(g, 0, 0, p1 + (uint64_t)P, p1 * kvb + (uint64_t)P * acc);
+    void *ho = tu_download(ctx, &out), *hdq = tu_download(ctx, &dq), *hdk = tu_download(ctx, &dk);
+    void *hdv = tu_download(ctx, &dv);
+    float *hl = tu_download(ctx, &lse);
+    const double to = out_tol(c->dt);
+    for (int64_t h = 0; h < bq; h++)
+        for (int64_t l = 0; l < sl; l++) {
+            const double w = c->lse[h * S + idx[l]], got = hl[h * sl + l];
+            ck_assert_msg(isinf(w) ? got == w : fabs(got - w) <= lse_tol(c->dt) * (1.0 + fabs(w)),
+                          "lse, cp %d %s packing %s: head %lld global row %lld is %.9g, expected %.9g", P,
+                          cpar_dtype_name(c->dt), c->pk->name, (long long)h, (long long)idx[l], got, w);
+        }
+    expect_rows(c, "out", ho, c->dt, c->out, bq, 1, d, idx, to);
+    expect_rows(c, "dq", hdq, c->dt, c->dq, bq, 1, d, idx, to);
+    expect_rows(c, "dk", hdk, c->dt, c->dk, bk, c->hq / c->hkv, d, idx, to);
+    expect_rows(c, "dv", hdv, c->dt, c->dv, bk, c->hq / c->hkv, d, idx, to);
+    free(ho), free(hdq), free(hdk), free(hdv), free(hl), free(hq), free(hk), free(hv), free(hdo), free(idx);
+    cpar_tensor *all[] = {&q, &k, &v, &dout, &out, &lse, &dq, &dk, &dv};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) TU_OK(cpar_tensor_free(ctx, all[i]));
+    return CPAR_OK;
+}
+
+/* _i = (cp - 1) * 2 + causal: every packing of packed.h in the backend's
+ * dtypes (F32 on the host path, F16 and BF16 on devices), the rotation
+ * alternating; dropout on the padded packing. */
+START_TEST(test_ring_packed) {
+    const int P = _i / 2 + 1;
+    const bool causal = _i % 2;
+    packing pks[N_PACKINGS];
+    const int np = make_packings(P, pks);
+    const cpar_dtype dts[3] = {CPAR_F32, CPAR_F16, CPAR_BF16};
+    for (int k = 0; k < np; k++)
+        for (int t = on_device() ? 1 : 0; t < (on_device() ? 3 : 1); t++) {
+            if (on_device() && t != 1 + (k + _i) % 2) continue; /* one 16-bit dtype per packing on the sim */
+            ring_case c;
+            const int64_t d = on_device() ? 16 : 8, hkv = k == 1 ? 1 : 2;
+            ring_case_init_packed(&c, P, dts[t], causal, true, rots[(k + _i) % 2], 1, hkv, total_of(&pks[k]) / P, d,
+                                  0.f, pks[k].padded ? 0.3f : 0.f, &pks[k], 5000 + 64 * (uint64_t)_i + 8 * (uint64_t)k);
+            TU_OK(tu_spawn(P, rank_ring_packed, &c));
+            ring_case_free(&c);
+        }
+}
+END_TEST
+
+/* Dropout: the mask of global positions, so every cp, sharding and rotation
+ * gives one-rank attention over the whole sequence with the same state (the
+ * reference draws it at positions (i, j) of the whole sequence).
+ * _i = (cp - 1) * 3 + (causal load-balanced, causal sequential, non-causal
+ * load-balanced); the rotation alternates. */
+START_TEST(test_ring_dropout) {
+    const int P = _i / 3 + 1, kind = _i % 3;
+    run_ring_drop(P, kind < 2, kind != 1, rots[_i % 2], 0.f, kind == 2 ? 0.5f : 0.3f, 4000 + 64 * (uint64_t)_i);
+}
+END_TEST
 
 /* _i = (cp - 1) * 2 + rotation */
 START_TEST(test_ring_causal_load_balanced) { run_ring(_i / 2 + 1, true, true, rots[_i % 2], 0.f, 1000 + 64 * (uint64_t)_i); }
@@ -412,6 +577,36 @@ static cpar_status rank_ring_bad(cpar_ctx *ctx, void *arg) {
     TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg->scale");
     bad.scale = INFINITY;
     TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg->scale");
+    bad = cfg, bad.dropout_p = 1.f;
+    TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID,
+             "cpar_ring_attention_forward: cfg->dropout_p is 1, expected 0 <= p < 1");
+    bad.dropout_p = -0.25f;
+    TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg->dropout_p is -0.25");
+    bad.dropout_p = NAN;
+    TU_FAILS(cpar_ring_attention_backward(g, &bad, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv), CPAR_ERR_INVALID,
+             "cfg->dropout_p is nan");
+    {   /* packed sequences: load balancing, b = 1, the packed length, a valid packing */
+        const int32_t one[2] = {0, 4 * P}, odd[3] = {0, 2 * P + 1, 4 * P}, longer[2] = {0, 8 * P};
+        cpar_packed_seqs ps = {.n_docs = 1, .cu_seqlens = one};
+        cpar_ring_attention_config pc = {.causal = true, .load_balance = false, .packed = &ps};
+        TU_FAILS(cpar_ring_attention_forward(g, &pc, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID,
+                 "cfg->packed needs cfg->load_balance");
+        pc.load_balance = true;
+        TU_OK(cpar_ring_attention_forward(g, &pc, &q, &k, &v, &out, &lse));
+        ps.cu_seqlens = longer;
+        TU_FAILS(cpar_ring_attention_forward(g, &pc, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID,
+                 "q and k have s_local 4 and 4, expected 8");
+        ps.cu_seqlens = odd, ps.n_docs = 2;
+        TU_FAILS(cpar_ring_attention_backward(g, &pc, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv), CPAR_ERR_INVALID,
+                 "not divisible by 2*cp");
+        ps.n_docs = 0;
+        TU_FAILS(cpar_ring_attention_forward(g, &pc, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "seqs->n_docs is 0");
+    }
+    {   /* dropout's positions with load balancing need two equal chunks, also without causality */
+        cpar_ring_attention_config ncd = {.load_balance = true, .dropout_p = 0.5f};
+        TU_FAILS(cpar_ring_attention_forward(g, &ncd, &qo, &k, &v, &ko, &lo), CPAR_ERR_INVALID,
+                 "s_local 3 and 4, expected even lengths");
+    }
     TU_FAILS(cpar_ring_attention_forward(g, &cfg, NULL, &k, &v, &out, &lse), CPAR_ERR_INVALID, "q is NULL");
     TU_FAILS(cpar_ring_attention_forward(g, &cfg, &qnull, &k, &v, &out, &lse), CPAR_ERR_INVALID, "q has NULL data");
     TU_FAILS(cpar_ring_attention_forward(g, &cfg, &qwrong, &k, &v, &out, &lse), CPAR_ERR_INVALID, "q is on");
@@ -618,6 +813,8 @@ static Suite *suite(void) {
         {"ring_causal_load_balanced", test_ring_causal_load_balanced, 8},
         {"ring_causal_sequential", test_ring_causal_sequential, 8},
         {"ring_non_causal", test_ring_non_causal, 8},
+        {"ring_dropout", test_ring_dropout, 12},
+        {"ring_packed", test_ring_packed, 8},
         {"ring_merge_kernel", test_ring_merge_kernel, 1},
         {"ring_bad_args", test_ring_bad_args, 2},
     };

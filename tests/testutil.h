@@ -268,6 +268,18 @@ static inline int64_t tu_bits_mismatch(const void *got, const void *want, cpar_d
                       tu_g_, tu_w_, cpar_dtype_name(dt));                                                    \
     } while (0)
 
+/* Attention dropout's keep decision for (bh, qpos, kpos) under state st and
+ * probability p, written from cpar.h §12's definition on the public Philox
+ * block (the library's own copies are cpar.c §18 and cpar_kernels.cu §16). */
+static inline bool tu_attn_keep(cpar_rng_state st, double p, uint64_t bh, uint64_t qpos, uint64_t kpos) {
+    const uint64_t c = st.offset + kpos / 4, sub = (bh + 1) * 4294967296ull + qpos;
+    const uint32_t ctr[4] = {(uint32_t)c, (uint32_t)(c >> 32), (uint32_t)sub, (uint32_t)(sub >> 32)};
+    const uint32_t key[2] = {(uint32_t)st.seed, (uint32_t)(st.seed >> 32)};
+    uint32_t w[4];
+    cpar_philox4x32_10_block(ctr, key, w);
+    return (double)(w[kpos % 4] >> 8) / 16777216.0 >= p;
+}
+
 /* A table of loop tests: one test case per row, named, looped over
  * [0, count), with a common timeout. */
 typedef struct tu_loop {
