@@ -364,7 +364,44 @@ static void fz_local(fz *f) {
         if (fz_p(f, 40)) fz_break(f, pick[fz_u(f, 5)]);
         float scale = fz_p(f, 80) ? 0.0f : fz_p(f, 50) ? -1.0f : NAN;
         extra_bad = scale != 0.0f;
-        st = cpar_attention_forward(ctx, q, k, v, fz_u(f, 2), scale, out, lse);
+        if (fz_p(f, 50)) {
+            st = cpar_attention_forward(ctx, q, k, v, fz_u(f, 2), scale, out, lse);
+            break;
+        }
+        /* The configuration form: dropout_p, and a packing whose length is
+         * the tensors' sequence length unless one defect is injected. */
+        name = "cpar_attention_forward_cfg";
+        cpar_attention_config cfg = {.causal = fz_u(f, 2), .scale = scale};
+        cfg.dropout_p = fz_p(f, 85) ? (float)fz_u(f, 10) / 10.0f : fz_p(f, 50) ? NAN : fz_p(f, 50) ? 1.0f : -0.5f;
+        cfg.dropout_state.seed = tu_next(&f->s);
+        extra_bad = extra_bad || !(cfg.dropout_p >= 0.0f && cfg.dropout_p < 1.0f);
+        int32_t cu[4], cup[4];
+        cpar_packed_seqs seqs = {.n_docs = 1 + (int)fz_u(f, 3), .cu_seqlens = cu};
+        if (fz_p(f, 50) && !f->bad[q - f->t] && q->shape[0] == 1) { /* b = 1: the packing fills sq */
+            const int64_t sq = q->shape[2];
+            cu[0] = cup[0] = 0;
+            for (int i = 1; i <= seqs.n_docs; i++) { /* padded boundaries ascending to sq; real lengths within */
+                cup[i] = i == seqs.n_docs ? (int32_t)sq : cup[i - 1] + (int32_t)fz_u(f, (uint64_t)(sq - cup[i - 1] + 1));
+                cu[i] = cu[i - 1] + (int32_t)fz_u(f, (uint64_t)(cup[i] - cup[i - 1] + 1));
+            }
+            if (fz_p(f, 50)) seqs.cu_seqlens_padded = cup;
+            else
+                for (int i = 0; i <= seqs.n_docs; i++) cu[i] = cup[i];
+            if (fz_p(f, 25)) { /* one clearly invalid part of the packing */
+                extra_bad = true;
+                switch (fz_u(f, 4)) {
+                case 0: seqs.n_docs = fz_p(f, 50) ? 0 : -1; break;
+                case 1: seqs.cu_seqlens = NULL; break;
+                case 2: cu[0] = cup[0] = 1; break;
+                default: /* the packing's length is not the tensors' */
+                    if (seqs.cu_seqlens_padded) cup[seqs.n_docs] += 1 + (int32_t)fz_u(f, 3);
+                    else cu[seqs.n_docs] += 1 + (int32_t)fz_u(f, 3);
+                    break;
+                }
+            }
+            cfg.packed = &seqs;
+        }
+        st = cpar_attention_forward_cfg(ctx, fz_p(f, 3) ? (extra_bad = true, NULL) : &cfg, q, k, v, out, lse);
         break;
     }
     case 14:
