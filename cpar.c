@@ -4533,6 +4533,8 @@ static cpar_status cpar__pc_wait(cpar_group *g, const char *fn, const char *what
             int64_t pid = atomic_load(&pc->mem[m].pid);
             bool exited = atomic_load(&pc->mem[m].exited), gone = !exited && cpar__pid_gone(pid);
             if (!exited && !gone) continue;
+            /* It may have done its part, then left, since ready() was read. */
+            if (ready(pc, arg)) return CPAR_OK;
             if (exited)
                 snprintf(msg, sizeof msg, "rank %d left the group (finalized or destroyed it) without joining the %s",
                          g->world_ranks[m], what);

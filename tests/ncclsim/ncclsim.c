@@ -725,8 +725,13 @@ static const char *ns_op_what(const ns_op *op, uint64_t seq, char *buf, size_t c
 
 /* Fails c if the communicator is aborted or member m is gone (destroyed its
  * handle, or its process died) while this rank waits for it in op (NULL:
- * for it to finish reading collective #seq). */
-static ncclResult_t ns_check_member(ncclComm_t c, int m, const ns_op *op, uint64_t seq, bool check_pid) {
+ * for it to finish reading collective #seq), the wait being for m's counter
+ * *progress to reach need. The caller read that counter before calling; m
+ * publishes its progress before it leaves, so a departure seen here is
+ * checked against a second read: m may have done its part (taken our send,
+ * say), finished and left in between, and then it is not to blame. */
+static ncclResult_t ns_check_member(ncclComm_t c, int m, const ns_op *op, uint64_t seq, bool check_pid,
+                                    const _Atomic uint64_t *progress, uint64_t need) {
     ns_shared *sh = c->sh;
     int who = atomic_load(&sh->aborted_by);
     char what[96];
@@ -737,11 +742,12 @@ static ncclResult_t ns_check_member(ncclComm_t c, int m, const ns_op *op, uint64
                             c->rank, ns_op_what(op, seq, what, sizeof what));
     }
     ns_member *mem = ns_member_at(sh, m);
-    if (atomic_load(&mem->state) == NS_LEFT)
+    bool left = atomic_load(&mem->state) == NS_LEFT, died = !left && check_pid && ns_pid_dead(mem->pid);
+    if ((!left && !died) || atomic_load(progress) >= need) return ncclSuccess;
+    if (left)
         return ns_comm_fail(c, ncclRemoteError, "ncclsim: rank %d destroyed its communicator while rank %d's %s "
                             "was pending", m, c->rank, ns_op_what(op, seq, what, sizeof what));
-    if (check_pid && ns_pid_dead(mem->pid))
-        return ns_comm_fail(c, ncclRemoteError, "ncclsim: rank %d (pid %d) died while rank %d's %s was pending", m,
+    return ns_comm_fail(c, ncclRemoteError, "ncclsim: rank %d (pid %d) died while rank %d's %s was pending", m,
                             (int)mem->pid, c->rank, ns_op_what(op, seq, what, sizeof what));
     return ncclSuccess;
 }
@@ -860,7 +866,7 @@ static ncclResult_t ns_progress(ncclComm_t c) {
             if (!posted) {
                 for (int m = 0; m < n; m++)
                     if (atomic_load(&ns_member_at(sh, m)->posted) < op->seq &&
-                        ns_check_member(c, m, op, 0, check_pid) != ncclSuccess)
+                        ns_check_member(c, m, op, 0, check_pid, &ns_member_at(sh, m)->posted, op->seq) != ncclSuccess)
                         return c->state;
                 coll_blocked = true;
                 all_done = false;
@@ -877,7 +883,8 @@ static ncclResult_t ns_progress(ncclComm_t c) {
                                         "match rank %d's ncclRecv", c->rank, op->count, ns_type_name(op->type), op->peer);
                 op->done = true;
             } else {
-                if (ns_check_member(c, op->peer, op, 0, check_pid) != ncclSuccess) return c->state;
+                if (ns_check_member(c, op->peer, op, 0, check_pid, &ch->consumed, op->seq + 1) != ncclSuccess)
+                    return c->state;
                 all_done = false;
             }
         } else { /* NS_RECV: in order per peer */
@@ -886,7 +893,9 @@ static ncclResult_t ns_progress(ncclComm_t c) {
                 earlier = !c->ops[j].done && c->ops[j].kind == NS_RECV && c->ops[j].peer == op->peer;
             ns_chan *ch = ns_chan_at(sh, op->peer, c->rank);
             if (earlier || atomic_load_explicit(&ch->posted, memory_order_acquire) <= op->seq) {
-                if (ns_check_member(c, op->peer, op, 0, check_pid) != ncclSuccess) return c->state;
+                /* An earlier receive from the same peer waits for it first. */
+                if (!earlier && ns_check_member(c, op->peer, op, 0, check_pid, &ch->posted, op->seq + 1) != ncclSuccess)
+                    return c->state;
                 all_done = false;
                 continue;
             }
@@ -909,7 +918,9 @@ static ncclResult_t ns_progress(ncclComm_t c) {
     if (c->last_coll) {
         for (int m = 0; m < n; m++) {
             if (atomic_load_explicit(&ns_member_at(sh, m)->done, memory_order_acquire) >= c->last_coll) continue;
-            if (ns_check_member(c, m, NULL, c->last_coll, check_pid) != ncclSuccess) return c->state;
+            if (ns_check_member(c, m, NULL, c->last_coll, check_pid, &ns_member_at(sh, m)->done, c->last_coll) !=
+                ncclSuccess)
+                return c->state;
             return ncclInProgress;
         }
     }
