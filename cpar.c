@@ -4257,6 +4257,7 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
     cpar_status st = CPAR_OK;
     pthread_mutex_lock(&job->mu);
     uint64_t sent_no = 0;
+    bool refused = false; /* this rank refused the message it was sent */
     if (job->failed) {
         cpar__wait none = {CPAR__WAIT_RENDEZVOUS, -1, UINT64_MAX};
         st = cpar__wait_locked(g, fn, &none, deadline);
@@ -4282,6 +4283,7 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
             size_t bytes = b->bytes;
             bool refuse = b->dtype != recv_dt || b->numel != recv_numel || bytes != recv_bytes;
             if (refuse) {
+                refused = true;
                 b->rejected = true;
                 b->want_dtype = recv_dt;
                 b->want_numel = recv_numel;
@@ -4305,9 +4307,13 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
             pthread_cond_broadcast(&job->cv);
         }
     }
-    if (st == CPAR_OK && to >= 0) {
+    /* A refused receive fails this call, but the send half still completes:
+     * the receiver may be copying from our buffer, which the caller frees as
+     * soon as we return. */
+    if ((st == CPAR_OK || refused) && to >= 0) {
         cpar__wait w = {CPAR__WAIT_TAKEN, to, sent_no};
-        st = cpar__wait_locked(g, fn, &w, deadline);
+        cpar_status ws = cpar__wait_locked(g, fn, &w, deadline);
+        if (st == CPAR_OK) st = ws;
         const cpar__mailbox *b = &hc->box[(size_t)me * (size_t)n + (size_t)to];
         if (st == CPAR_OK && b->rejected)
             st = cpar__fail(ctx, CPAR_ERR_INVALID, "%s: rank %d expected %lld elements of %s, this rank sent it %lld "
