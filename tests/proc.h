@@ -205,20 +205,6 @@ static inline void torchrun_rank_died(proc *ps, int np, int victim, int stream)
         proc_free(&ps[r]);
 }
 
-/* Entries of /dev/shm whose names start with prefix (a job's leftovers).
- * (inline: not every suite that includes this header uses it) */
-static inline int shm_count(const char *prefix)
-{
-    DIR *d = opendir("/dev/shm");
-    if (!d)
-        return 0;
-    int n = 0;
-    for (struct dirent *e; (e = readdir(d));)
-        n += !strncmp(e->d_name, prefix, strlen(prefix));
-    closedir(d);
-    return n;
-}
-
 /* Starts np ranks of prog with args as torchrun would (local_world ranks per
  * node, LOCAL_RANK = rank % local_world), on a store port of this test's own,
  * each with CPAR_TIMEOUT_MS=timeout. np <= 8. */

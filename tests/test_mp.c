@@ -32,8 +32,11 @@ static const char *prog_path(void) {
     return path_from_env("MP_PROG", "ncclsim/mp_prog", buf, sizeof buf);
 }
 
-/* The NCCL simulator's segments in /dev/shm. */
-static int shm_leftovers(void) { return shm_count("ncclsim-"); }
+/* The NCCL simulator's segments in /dev/shm left by this suite's jobs (not
+ * those of a suite running beside it): tests/ncclsim/nccl.h, whose header
+ * this object, shared with the sim build, is compiled without. */
+int ncclsim_leftover_segments(void);
+static int shm_leftovers(void) { return ncclsim_leftover_segments(); }
 
 /* ---- under cparrun ------------------------------------------------------------ */
 

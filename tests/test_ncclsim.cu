@@ -9,7 +9,6 @@
  * it links the simulator and nothing of cpar. Ranks are threads (one device
  * each) or processes forked by the test. */
 #include <check.h>
-#include <dirent.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -47,15 +46,9 @@ static uint64_t mix(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-/* Segments of the simulator in /dev/shm: every test ends with none. */
-static int shm_leftovers(void) {
-    DIR *d = opendir("/dev/shm");
-    if (!d) return 0;
-    int n = 0;
-    for (struct dirent *e; (e = readdir(d));) n += !strncmp(e->d_name, "ncclsim-", 8);
-    closedir(d);
-    return n;
-}
+/* Segments of the simulator in /dev/shm: every test ends with none of its
+ * own (another suite's running beside it do not count). */
+static int shm_leftovers(void) { return ncclsim_leftover_segments(); }
 
 static ncclUniqueId g_id; /* the test's communicator id, made before its ranks start */
 

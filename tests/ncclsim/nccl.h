@@ -131,6 +131,12 @@ ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int
 ncclResult_t ncclGroupStart(void);
 ncclResult_t ncclGroupEnd(void);
 
+/* ---- the simulator's own (tests) ---- */
+/* How many of the simulator's segments in /dev/shm ("ncclsim-<pid>-<token>",
+ * pid: the process that made the unique id) are left over: made by this
+ * process or by one that has ended. Other processes' live jobs do not count. */
+int ncclsim_leftover_segments(void);
+
 #ifdef __cplusplus
 }
 #endif

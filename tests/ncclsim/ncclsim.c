@@ -57,6 +57,7 @@
 #include "nccl.h"
 #include "ncclsim_hooks.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -82,6 +83,7 @@ _Static_assert(ATOMIC_LLONG_LOCK_FREE == 2 && ATOMIC_INT_LOCK_FREE == 2,
 #define NS_P2P_RING 32    /* sends one group may make to one peer */
 #define NS_MSG_LEN 512
 #define NS_ID_MAGIC "ncclsim"
+#define NS_NAME_PREFIX "/ncclsim-" /* then the id maker's pid, "-" and the id's token */
 #define NS_READY 0x6e63636c73696d31ull /* "ncclsim1" */
 
 /* ==== 1. Utilities ======================================================== */
@@ -324,6 +326,7 @@ struct ncclComm {
     int rank, nranks, device;
     bool blocking;
     uint64_t token;
+    int32_t owner; /* the pid that made the unique id: part of the name (ncclsim_leftover_segments) */
     char name[48];
     int fd;
     ns_shared *sh;
@@ -361,7 +364,7 @@ static uint64_t ns_mix(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-static ncclComm_t ns_comm_new(uint64_t token, int nranks, int rank, int device, bool blocking) {
+static ncclComm_t ns_comm_new(uint64_t token, int32_t owner, int nranks, int rank, int device, bool blocking) {
     ncclComm_t c = calloc(1, sizeof *c);
     if (!c) return NULL;
     c->sent = calloc((size_t)nranks, sizeof *c->sent);
@@ -373,6 +376,7 @@ static ncclComm_t ns_comm_new(uint64_t token, int nranks, int rank, int device, 
         return NULL;
     }
     c->token = token;
+    c->owner = owner;
     c->nranks = nranks;
     c->rank = rank;
     c->device = device;
@@ -381,7 +385,7 @@ static ncclComm_t ns_comm_new(uint64_t token, int nranks, int rank, int device, 
     c->area_bytes = ns_area_bytes_for(nranks);
     c->state = ncclInProgress;
     c->init_pending = true;
-    snprintf(c->name, sizeof c->name, "/ncclsim-%016" PRIx64, token);
+    snprintf(c->name, sizeof c->name, NS_NAME_PREFIX "%" PRId32 "-%016" PRIx64, owner, token);
     return c;
 }
 
@@ -834,7 +838,7 @@ static ncclResult_t ns_run_collective(ncclComm_t c, ns_op *op) {
             if (dm->key < mine->key || (dm->key == mine->key && m < c->rank)) rank++;
         }
         uint64_t token = ns_mix(c->token ^ ns_mix(op->seq * 0x100000001b3ull + (uint64_t)(uint32_t)mine->color));
-        c->child = ns_comm_new(token, size, rank, c->device, op->child_blocking);
+        c->child = ns_comm_new(token, c->owner, size, rank, c->device, op->child_blocking);
         if (!c->child) return ns_comm_fail(c, ncclSystemError, "ncclCommSplit: out of memory");
         break;
     }
@@ -1008,7 +1012,26 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
     memset(id, 0, sizeof *id);
     memcpy(id->internal, NS_ID_MAGIC, sizeof NS_ID_MAGIC);
     memcpy(id->internal + 8, &token, sizeof token);
+    int32_t owner = (int32_t)getpid();
+    memcpy(id->internal + 16, &owner, sizeof owner);
     return ncclSuccess;
+}
+
+/* A segment is a leftover when its id's maker is this process or has ended:
+ * a live process's segments are a job in progress (another suite's, when
+ * suites run side by side), not this process's leftovers. */
+int ncclsim_leftover_segments(void) {
+    DIR *d = opendir("/dev/shm");
+    if (!d) return 0;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));) {
+        long pid;
+        if (sscanf(e->d_name, "ncclsim-%ld-", &pid) == 1 &&
+            (pid == (long)getpid() || (kill((pid_t)pid, 0) != 0 && errno == ESRCH)))
+            n++;
+    }
+    closedir(d);
+    return n;
 }
 
 static ncclResult_t ns_read_config(const char *fn, const ncclConfig_t *cfg, bool dflt, bool *blocking) {
@@ -1040,8 +1063,10 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId i
     int dev = ncclsim_dev_current();
     if (dev < 0) return ns_error(ncclUnhandledCudaError, "%s: no CUDA device is current (cudaGetDevice failed)", fn);
     uint64_t token;
+    int32_t owner;
     memcpy(&token, id.internal + 8, sizeof token);
-    ncclComm_t c = ns_comm_new(token, nranks, rank, dev, blocking);
+    memcpy(&owner, id.internal + 16, sizeof owner);
+    ncclComm_t c = ns_comm_new(token, owner, nranks, rank, dev, blocking);
     if (!c) return ns_error(ncclSystemError, "%s: out of memory", fn);
     *comm = c;
     r = blocking ? ns_wait(c) : ns_settle(c);
