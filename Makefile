@@ -5,6 +5,8 @@
 #   make test         host, sim and nccl-sim suites, the GPU suite when a GPU is present,
 #                     the drop-in and install checks
 #   make test-sanitize  the host suites under ASan + UBSan (build/asan)
+#   make test-build   build all that make test and make test-sanitize run, run nothing
+#                     (the suites run CPAR_TEST_JOBS at a time, default: the number of cores)
 #   make demo         the main job (examples/train.c): train a byte-level GPT with tp x cp (x dp)
 #   make collectives  a tour of the raw collectives on a tp x cp grid (examples/collectives.c)
 #   make bench        benchmarks (bench/)
@@ -131,7 +133,7 @@ ifeq ($(MAKELEVEL),0)
 endif
 
 # The suites need Check: stop before building anything when it is missing.
-TEST_GOALS := test test-host test-sim test-ncclsim test-gpu test-sanitize
+TEST_GOALS := test test-host test-sim test-ncclsim test-gpu test-sanitize test-build
 ifneq ($(filter $(TEST_GOALS),$(MAKECMDGOALS)),)
   CHECK_FOUND := $(shell pkg-config --exists check 2>/dev/null && echo 1 || \
                    { printf '\043include <check.h>\n' | $(CC) -E -x c - >/dev/null 2>&1 && echo 1; })
@@ -154,7 +156,7 @@ NCCLSIM_TESTS := $(NCCLSIM_SUITES:%=$(B)/ncclsim/test_%) $(B)/ncclsim/mp_prog
 GPU_TEST   := $(if $(filter 1,$(CPAR_CUDA)),$(B)/cuda/test_gpu)
 TEST_PROGS := $(B)/host/store_prog
 
-.PHONY: all lib test test-host test-sim test-ncclsim test-gpu test-sanitize demo collectives bench plots clean \
+.PHONY: all lib test test-host test-sim test-ncclsim test-gpu test-sanitize test-build demo collectives bench plots clean \
         install uninstall check-dropin check-install FORCE
 .SECONDARY: # keep the test objects that several flavours link
 all: lib $(B)/cparrun $(B)/train
@@ -307,7 +309,8 @@ RUN_TESTS = B=$(B) HOST_SUITES="$(1)" SIM_SUITES="$(2)" NCCLSIM_SUITES="$(3)" GP
 PKG_ENV = MAKE="$(MAKE)" CC="$(CC)" CUDA_HOME="$(CUDA_HOME)" CPAR_CUDA=$(CPAR_CUDA) CPAR_MODE=$(MODE) \
           DROPIN_ARCH="$(PTX_ARCH)"
 
-test: $(HOST_TESTS) $(SIM_TESTS) $(NCCLSIM_TESTS) $(GPU_TEST) $(HOST_PROGS) $(SIM_PROGS) $(NCCLSIM_PROGS)
+TEST_DEPS := $(HOST_TESTS) $(SIM_TESTS) $(NCCLSIM_TESTS) $(GPU_TEST) $(HOST_PROGS) $(SIM_PROGS) $(NCCLSIM_PROGS)
+test: $(TEST_DEPS)
 	+@$(PKG_ENV) $(call RUN_TESTS,$(HOST_SUITES),$(SIM_SUITES),$(NCCLSIM_SUITES),$(GPU_TEST),dropin install)
 
 test-host: $(HOST_TESTS) $(HOST_PROGS)
@@ -341,6 +344,12 @@ $(B)/asan/test_%: tests/test_%.c $(B)/asan/cpar.o tests/testutil.h tests/proc.h 
 
 test-sanitize: $(SAN_TESTS)
 	@$(SAN_ENV) HOST_FLAVOUR=asan $(call RUN_TESTS,$(SAN_SUITES),,,)
+
+# Everything make test and make test-sanitize run, built but not run: one
+# make -j over all of it keeps the cores busy while nvcc compiles the kernels.
+# (The position-independent objects are those of make check-install's
+# SHARED=1 install.)
+test-build: $(TEST_DEPS) $(SAN_TESTS) $(SO_OBJS)
 
 # ---- demo and bench ----------------------------------------------------------
 # Each mode's programs live in its directory, linked with its library;

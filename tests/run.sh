@@ -5,10 +5,20 @@
 # install checks named in PKG_CHECKS (tests/check_*.sh).
 # Prints each suite's Check summary and a closing "N passed, N failed" line
 # over all tests; exits non-zero when any suite fails.
+#
+# The suites are independent programs: up to CPAR_TEST_JOBS of them (default:
+# the number of cores) run at once, each into a file of its own, and their
+# outputs are printed whole, in the order above, as soon as every suite before
+# them has finished. CPAR_TEST_JOBS=1 runs them one after another.
+# CPAR_TEST_TIMES=FILE appends one line per suite to FILE: its name, wall
+# seconds and CPU seconds (user + system, its processes and theirs).
 B=${B:-build}
 export B
 # HOST_FLAVOUR=asan: the host suites from build/asan (make test-sanitize).
 HOST_FLAVOUR=${HOST_FLAVOUR:-host}
+unset CPAR_GPU_SUITE # set below for the nccl-sim suites only
+jobs=${CPAR_TEST_JOBS:-$(nproc 2> /dev/null || getconf _NPROCESSORS_ONLN 2> /dev/null || echo 2)}
+case $jobs in '' | *[!0-9]* | 0) echo "run.sh: CPAR_TEST_JOBS must be a positive number, not '$jobs'" >&2; exit 2 ;; esac
 passed=0
 failed=0
 bad=""
@@ -33,30 +43,33 @@ report() { # name, output, rc
     [ "$3" -eq 0 ] || bad="$bad $1"
 }
 
-run() { # name, binary, backend
-    out=$(CPAR_TEST_BACKEND=$3 "$2" 2>&1)
-    report "$1" "$out" $?
+tmp=$(mktemp -d)
+# On an interrupt, end the suites' runners before removing their files.
+trap 'for p in $pids; do kill "$p" 2> /dev/null; done; rm -rf "$tmp"' EXIT
+trap 'exit 130' INT TERM
+
+# ---- the list of suites ------------------------------------------------------
+# Suite i has $tmp/i.name (its name in the report) and $tmp/i.cmd (a command
+# for eval, with the functions and variables of this script).
+count=0
+add() { # name, command
+    count=$((count + 1))
+    printf '%s\n' "$1" > "$tmp/$count.name"
+    printf '%s\n' "$1" >> "$tmp/names"
+    printf '%s\n' "$2" > "$tmp/$count.cmd"
+}
+suite() { # name, binary, backend[, VAR=value ...]
+    n=$1 bin=$2 be=$3
+    shift 3
+    add "$n" "$* CPAR_TEST_BACKEND=$be \"$bin\""
 }
 
 # The fault suites spend their time waiting for deadlines, not computing: the
-# three flavours' copies run side by side first, then everything else in turn.
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-waiting=""
-for flavour in host sim ncclsim; do
-    case $flavour in
-    host) list=$HOST_SUITES be=host dir=$HOST_FLAVOUR ;; sim) list=$SIM_SUITES be=sim dir=sim ;; *) list=$NCCLSIM_SUITES be=nccl dir=ncclsim ;;
-    esac
-    case " $list " in *" faults "*)
-        (CPAR_TEST_BACKEND=$be "$B/$dir/test_faults" > "$tmp/$flavour.out" 2>&1; echo $? > "$tmp/$flavour.rc") &
-        waiting="$waiting $flavour" ;;
-    esac
-done
-wait
-for flavour in $waiting; do
-    name=$([ $flavour = ncclsim ] && echo nccl-sim || { [ $flavour = host ] && echo $HOST_FLAVOUR; } || echo $flavour)/faults
-    report "$name" "$(cat "$tmp/$flavour.out")" "$(cat "$tmp/$flavour.rc")"
-done
+# three flavours' copies start at once, beside the others and not counted
+# among the CPAR_TEST_JOBS.
+case " $HOST_SUITES " in *" faults "*) suite "$HOST_FLAVOUR/faults" "\$B/$HOST_FLAVOUR/test_faults" host ;; esac
+case " $SIM_SUITES " in *" faults "*) suite "sim/faults" "\$B/sim/test_faults" sim ;; esac
+case " $NCCLSIM_SUITES " in *" faults "*) suite "nccl-sim/faults" "\$B/ncclsim/test_faults" nccl ;; esac
 without_faults() { for s in "$@"; do [ "$s" = faults ] || printf '%s ' "$s"; done; }
 HOST_SUITES=$(without_faults $HOST_SUITES)
 SIM_SUITES=$(without_faults $SIM_SUITES)
@@ -64,43 +77,107 @@ NCCLSIM_SUITES=$(without_faults $NCCLSIM_SUITES)
 
 # lm_check: a small LM on a synthetic language, tp x cp against 1 rank (one
 # result per flavour; bf16 on the simulated devices, every kernel on the CPU).
-for s in $HOST_SUITES; do run "$HOST_FLAVOUR/$s" "$B/$HOST_FLAVOUR/test_$s" host; done
-[ -z "$HOST_SUITES" ] || [ "$HOST_FLAVOUR" != host ] || CPAR_LM_BACKEND=host run "host/lm_check" "$B/host/lm_check" host
+for s in $HOST_SUITES; do suite "$HOST_FLAVOUR/$s" "\$B/$HOST_FLAVOUR/test_$s" host; done
+[ -z "$HOST_SUITES" ] || [ "$HOST_FLAVOUR" != host ] || suite "host/lm_check" "\$B/host/lm_check" host CPAR_LM_BACKEND=host
 # bench --csv/--json: a tiny sweep of the collectives (a second or two) must
 # give files every row of which parses, with the columns a plot needs.
-bench_check() {
-    CPAR_BENCH_ONLY=coll "$B/host/bench" -b 8 -e 64K -f 8 -n 2 --csv "$tmp/bench.csv" --json "$tmp/bench.json" \
+bench_check() { # directory for the files
+    CPAR_BENCH_ONLY=coll "$B/host/bench" -b 8 -e 64K -f 8 -n 2 --csv "$1/bench.csv" --json "$1/bench.json" \
         > /dev/null || { echo "bench failed"; return 1; }
     awk -F, 'NR == 1 { n = NF; if ($1 != "section" || $0 !~ /,busbw_gbps(,|$)/ || $0 !~ /,bytes(,|$)/) { print "bad header: " $0; bad = 1 } next }
              NF != n { print "line " NR " has " NF " fields, the header " n; bad = 1 }
              $1 == "collectives" { rows++ }
-             END { if (rows < 20) { print "only " rows + 0 " collective rows"; bad = 1 } exit bad }' "$tmp/bench.csv" || return 1
+             END { if (rows < 20) { print "only " rows + 0 " collective rows"; bad = 1 } exit bad }' "$1/bench.csv" || return 1
     if command -v python3 > /dev/null 2>&1; then
         python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); assert len(r) >= 20 and all("busbw_gbps" in x for x in r if x["section"] == "collectives"), r[:2]' \
-            "$tmp/bench.json" || return 1
+            "$1/bench.json" || return 1
     fi
-    echo "bench --csv: $(($(wc -l < "$tmp/bench.csv") - 1)) rows, --json parses"
+    echo "bench --csv: $(($(wc -l < "$1/bench.csv") - 1)) rows, --json parses"
 }
 if [ -x "$B/host/bench" ] && [ "$HOST_FLAVOUR" = host ] && [ -n "$HOST_SUITES" ]; then
-    out=$(bench_check 2>&1)
-    report "host/bench-csv" "$out" $?
+    add "host/bench-csv" 'mkdir "$tmp/bench" && bench_check "$tmp/bench"'
 fi
-for s in $SIM_SUITES; do run "sim/$s" "$B/sim/test_$s" sim; done
-[ -z "$SIM_SUITES" ] || CPAR_LM_BACKEND=sim run "sim/lm_check" "$B/sim/lm_check" sim
+for s in $SIM_SUITES; do suite "sim/$s" "\$B/sim/test_$s" sim; done
+[ -z "$SIM_SUITES" ] || suite "sim/lm_check" "\$B/sim/lm_check" sim CPAR_LM_BACKEND=sim
 # nccl-sim: the production path (cpar.c as built for GPUs, NCCL calls) on the
-# CUDA and NCCL simulators. The GPU suite runs here on simulated GPUs.
-export CPAR_GPU_SUITE=quick # the GPU suite's smaller sizes: its kernels run on the CPU here
-for s in $NCCLSIM_SUITES; do run "nccl-sim/$s" "$B/ncclsim/test_$s" nccl; done
-unset CPAR_GPU_SUITE
-[ -z "$NCCLSIM_SUITES" ] || CPAR_LM_BACKEND=nccl run "nccl-sim/lm_check" "$B/ncclsim/lm_check" nccl
+# CUDA and NCCL simulators. The GPU suite runs here on simulated GPUs, with
+# its smaller sizes (CPAR_GPU_SUITE=quick): its kernels run on the CPU here.
+for s in $NCCLSIM_SUITES; do suite "nccl-sim/$s" "\$B/ncclsim/test_$s" nccl CPAR_GPU_SUITE=quick; done
+[ -z "$NCCLSIM_SUITES" ] || suite "nccl-sim/lm_check" "\$B/ncclsim/lm_check" nccl CPAR_LM_BACKEND=nccl
 if [ -n "$GPU_TEST" ]; then
-    run "gpu" "$GPU_TEST" nccl
+    suite "gpu" "\$GPU_TEST" nccl
 fi
 # The README's ways to build a program (make check-dropin, make check-install).
-for c in ${PKG_CHECKS:-}; do
-    out=$(sh "tests/check_$c.sh" 2>&1)
-    report "pkg/$c" "$out" $?
+for c in ${PKG_CHECKS:-}; do add "pkg/$c" "sh \"tests/check_$c.sh\""; done
+
+# ---- running them --------------------------------------------------------------
+# The longest suites start first, so that the last to finish is a short one;
+# the rest start in the report's order. (Measured on 2 cores: see README.md,
+# "The test modes". A name not here only starts later.)
+LONG_FIRST="nccl-sim/lm_check sim/lm_check host/hostmp nccl-sim/trainjob sim/trainjob nccl-sim/mp
+            host/cparrun host/store sim/attn_bwd nccl-sim/gpu pkg/dropin pkg/install"
+
+# Suite i runs in the background into $tmp/i.out, .rc and .time; then its
+# runner writes i to the pipe on fd 3, where this shell waits for it.
+mkfifo "$tmp/done" && exec 3<> "$tmp/done" || { echo "run.sh: cannot make a pipe in $tmp" >&2; exit 2; }
+pids=""
+now_ns() { d=$(date +%s%N); case $d in *[!0-9]*) d=$(($(date +%s) * 1000000000)) ;; esac; echo "$d"; }
+start() { # index
+    (
+        t0=$(now_ns)
+        (eval "$(cat "$tmp/$1.cmd")") > "$tmp/$1.out" 2>&1 3>&-
+        echo $? > "$tmp/$1.rc"
+        t1=$(now_ns)
+        # times: this subshell's own CPU time, then its children's (into a
+        # file: in a pipe it would run in a child of its own and count none).
+        times > "$tmp/$1.times"
+        cpu=$(sed -n 2p "$tmp/$1.times" | awk '{ s = 0; for (i = 1; i <= 2; i++) { split($i, a, /[ms]/); s += a[1] * 60 + a[2] } print s }')
+        echo "$(cat "$tmp/$1.name") $(((t1 - t0) / 1000000)) $cpu" > "$tmp/$1.time"
+        echo "$1" >&3
+    ) &
+    pids="$pids $!"
+}
+
+# Print every finished suite whose predecessors are all printed.
+next=1
+flush() {
+    while [ $next -le $count ] && [ -f "$tmp/$next.done" ]; do
+        report "$(cat "$tmp/$next.name")" "$(cat "$tmp/$next.out")" "$(cat "$tmp/$next.rc")"
+        if [ -n "${CPAR_TEST_TIMES:-}" ]; then
+            awk '{ printf "%-24s %8.1f %8.1f\n", $1, $2 / 1000, $3 }' "$tmp/$next.time" >> "$CPAR_TEST_TIMES"
+        fi
+        next=$((next + 1))
+    done
+}
+
+# Wait for one suite to finish, and print what can be printed.
+running=0 # suites running that count against CPAR_TEST_JOBS
+left=$count
+finish_one() {
+    read -r d <&3
+    : > "$tmp/$d.done"
+    left=$((left - 1))
+    [ -f "$tmp/$d.outside" ] || running=$((running - 1))
+    flush
+}
+
+# The order to start them in: the long ones that exist, then the rest.
+order=$(awk -v long="$LONG_FIRST" '{ name[NR] = $0 }
+    END { n = split(long, l); for (k = 1; k <= n; k++) for (i = 1; i <= NR; i++) if (name[i] == l[k]) { printf "%d ", i; used[i] = 1 }
+          for (i = 1; i <= NR; i++) if (!used[i]) printf "%d ", i }' "$tmp/names")
+
+# The fault suites start first, outside the count.
+for i in $order; do
+    case $(sed -n "${i}p" "$tmp/names") in */faults) : > "$tmp/$i.outside" && start $i ;; esac
 done
+for i in $order; do
+    [ ! -f "$tmp/$i.outside" ] || continue
+    while [ $running -ge "$jobs" ]; do finish_one; done
+    start $i
+    running=$((running + 1))
+done
+while [ $left -gt 0 ]; do finish_one; done
+wait
 
 echo
 [ -z "$bad" ] || echo "failed suites:$bad"
