@@ -4702,6 +4702,10 @@ static cpar_status cpar__pc_wait(cpar_group *g, const char *fn, const char *what
     int me = g->rank;
     bool spin = pc->n <= cpar__online_cpus();
     int64_t spin_until = cpar__now_ns() + 50000;
+    /* Whether a process is gone takes system calls (kill, /proc): asked once
+     * a wait has lasted a sleep slice, then once a slice, not at every wake-up
+     * (a meeting of more ranks than cores would pay them every time). */
+    int64_t probe_at = cpar__now_ms() + 10;
     for (unsigned i = 1;; i++) {
         uint32_t seen = atomic_load(word);
         if (ready(pc, arg)) return CPAR_OK;
@@ -4714,10 +4718,13 @@ static cpar_status cpar__pc_wait(cpar_group *g, const char *fn, const char *what
         }
         if (atomic_load(&pc->hdr->failed)) return cpar__pc_failed(g, fn, what);
         char msg[CPAR_ERR_LEN];
+        int64_t now = cpar__now_ms();
+        bool probe = now >= probe_at;
+        if (probe) probe_at = now + 10;
         for (int m = 0; m < pc->n; m++) {
             if (!cpar__pc_needs(pc, me, peer_a, peer_b, m)) continue;
             int64_t pid = atomic_load(&pc->mem[m].pid);
-            bool exited = atomic_load(&pc->mem[m].exited), gone = !exited && cpar__pid_gone(pid);
+            bool exited = atomic_load(&pc->mem[m].exited), gone = !exited && probe && cpar__pid_gone(pid);
             if (!exited && !gone) continue;
             /* It may have done its part, then left, since ready() was read. */
             if (ready(pc, arg)) return CPAR_OK;
