@@ -4486,10 +4486,14 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
             pthread_cond_broadcast(&job->cv);
         }
     }
-    if (st == CPAR_OK && to >= 0) {
+    /* Our send stays readable until the receiver took it, even when this
+     * rank refused its own receive (CPAR_ERR_INVALID): the receiver may be
+     * copying from it right now. */
+    if ((st == CPAR_OK || st == CPAR_ERR_INVALID) && to >= 0) {
         cpar__wait w = {CPAR__WAIT_TAKEN, to, sent_no};
-        st = cpar__wait_locked(g, fn, &w, deadline);
+        cpar_status ws = cpar__wait_locked(g, fn, &w, deadline);
         const cpar__mailbox *b = &hc->box[(size_t)me * (size_t)n + (size_t)to];
+        if (st == CPAR_OK || ws != CPAR_OK) st = ws; /* a failed wait says why last */
         if (st == CPAR_OK && b->rejected)
             st = cpar__fail(ctx, CPAR_ERR_INVALID, "%s: rank %d expected %lld elements of %s, this rank sent it %lld "
                             "elements of %s", fn, hc->world_ranks[to], (long long)b->want_numel,
