@@ -463,11 +463,13 @@ static void cpar__arena_retire(cpar__arena *a) {
     pthread_mutex_unlock(&cpar__arena_mu);
 }
 
-/* Where [p, p + bytes) lies in a (its offset), or -1 when it does not. */
+/* Where [p, p + bytes) lies in a's mapping (its offset), or -1 when it does
+ * not. The whole mapping, not just below the top: the peers map all of it,
+ * and the top may move under another thread's allocation. */
 static int64_t cpar__arena_offset(const cpar__arena *a, const void *p, size_t bytes) {
     if (!a || !p || (const char *)p < a->base) return -1;
     size_t off = (size_t)((const char *)p - a->base);
-    return off <= a->top && bytes <= a->top - off ? (int64_t)off : -1;
+    return off <= a->cap && bytes <= a->cap - off ? (int64_t)off : -1;
 }
 
 /* ==== 2. Errors ==========================================================
