@@ -24,7 +24,9 @@
  *
  * HOSTMP_ALLOC picks where the buffers live: heap (default; collectives
  * stage through the segment), tensor (cpar_tensor_alloc: the rank's arena,
- * read by the peers in place) or mixed (tensor on even ranks only).
+ * read by the peers in place), mixed (tensor on even ranks only) or noarena1
+ * (tensor everywhere, but rank 1 runs without an arena: CPAR_HOST_ARENA=0,
+ * so no rank can map every peer's and everything stages).
  *
  * Prints "rank R ok" (coll, ring) or "rank R: <status>: <message>" (faults).
  * Exit status: 0 when every check passed, 1 when a cpar call failed
@@ -403,13 +405,14 @@ int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "coll";
     int k = argc > 2 ? atoi(argv[2]) : -1;
     setvbuf(stdout, NULL, _IOLBF, 0);
+    const char *how = getenv("HOSTMP_ALLOC"), *r = getenv("RANK");
+    if (how && !strcmp(how, "noarena1") && r && !strcmp(r, "1")) setenv("CPAR_HOST_ARENA", "0", 1);
     cpar_init_config cfg = {.backend = CPAR_BACKEND_HOST};
     cpar_ctx *ctx = NULL;
     TRY(cpar_init_from_env(&cfg, &ctx));
     rank = cpar_rank(ctx);
-    const char *how = getenv("HOSTMP_ALLOC");
     alloc_ctx = ctx;
-    alloc_tensor = how && (!strcmp(how, "tensor") || (!strcmp(how, "mixed") && rank % 2 == 0));
+    alloc_tensor = how && (!strcmp(how, "tensor") || !strcmp(how, "noarena1") || (!strcmp(how, "mixed") && rank % 2 == 0));
     int rc;
     if (!strcmp(mode, "coll")) rc = run_coll(ctx);
     else if (!strcmp(mode, "ring")) rc = run_ring(ctx);
