@@ -1080,18 +1080,23 @@ CPAR__INLINE void cpar__blk_sum(double *acc, const float *a, const float *b, int
 }
 
 /* cpar__blk_sum(s, a, a, n) and cpar__blk_sum(c, gw, a, n) in one pass,
- * gw[k] = g[k] * w[k] rounded to fp32 (formed here: no buffer round trip). */
-CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *g, const float *w, int n) {
+ * gw[k] = g[k] * w[k] rounded to fp32 (formed here: no buffer round trip).
+ * fused (a constant in each caller's twin): the adds as fp64 FMAs, one
+ * instruction for two; the same bits, since each product of two floats is
+ * exact in fp64, so rounding it first changes nothing. */
+#define CPAR__MAC(fused, a, b, acc) ((fused) ? __builtin_fma((a), (b), (acc)) : (acc) + (a) * (b))
+CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *g, const float *w, int n,
+                                 bool fused) {
     if (n == CPAR__BLK) {
         double s0[8] = {0}, s1[8] = {0}, c0[8] = {0}, c1[8] = {0};
         for (int k = 0; k < CPAR__BLK; k += 16) {
             for (int j = 0; j < 8; j++) {
                 const double v = a[k + j];
-                s0[j] += v * v, c0[j] += (double)(g[k + j] * w[k + j]) * v;
+                s0[j] = CPAR__MAC(fused, v, v, s0[j]), c0[j] = CPAR__MAC(fused, (double)(g[k + j] * w[k + j]), v, c0[j]);
             }
             for (int j = 0; j < 8; j++) {
                 const double v = a[k + 8 + j];
-                s1[j] += v * v, c1[j] += (double)(g[k + 8 + j] * w[k + 8 + j]) * v;
+                s1[j] = CPAR__MAC(fused, v, v, s1[j]), c1[j] = CPAR__MAC(fused, (double)(g[k + 8 + j] * w[k + 8 + j]), v, c1[j]);
             }
         }
         for (int j = 0; j < 8; j++) s[j] += s0[j], s[8 + j] += s1[j], c[j] += c0[j], c[8 + j] += c1[j];
@@ -1124,6 +1129,24 @@ CPAR__INLINE double cpar__lanes_sum(const double *acc) {
     }
 #else
 #define CPAR__VARIANTS(name, params, args) static void name params { name##_body args; }
+#endif
+
+/* CPAR__VARIANTS for a body whose last parameter is `bool fused`: false in
+ * the baseline, true in the AVX2+FMA twin (where a C fma is one
+ * instruction; the baseline's would be a libm call). */
+#define CPAR__UNPAREN(...) __VA_ARGS__
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(CPAR_PORTABLE)
+#define CPAR__VARIANTS_FMA(name, params, args)                                                               \
+    static void name##_base params { name##_body(CPAR__UNPAREN args, false); }                              \
+    __attribute__((target("avx2,fma"))) static void name##_avx2 params {                                     \
+        name##_body(CPAR__UNPAREN args, true);                                                               \
+    }                                                                                                        \
+    static void name params {                                                                                \
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) name##_avx2 args;              \
+        else name##_base args;                                                                               \
+    }
+#else
+#define CPAR__VARIANTS_FMA(name, params, args) static void name params { name##_body(CPAR__UNPAREN args, false); }
 #endif
 
 /* e^x in fp32 for the vector loops (glibc's expf does not vectorise at -O2):
@@ -11648,7 +11671,8 @@ cpar_status cpar_rmsnorm_forward(cpar_ctx *ctx, const cpar_tensor *x, const cpar
  * CPAR__ROW elements: x and dy widened once into xr and gr, the weight once
  * per call into wr (stack: 56 KiB), as in the forward. */
 CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w, const void *dy, cpar_dtype dt,
-                                                   int64_t rows, int64_t h, float eps, void *dx, float *dw) {
+                                                   int64_t rows, int64_t h, float eps, void *dx, float *dw,
+                                                   bool fused) {
     float xb[CPAR__BLK], gb[CPAR__BLK], wb[CPAR__BLK], ob[CPAR__BLK], xr[CPAR__ROW], gr[CPAR__ROW], wr[CPAR__ROW];
     const bool cached = dt != CPAR_F32 && h <= CPAR__ROW;
     if (cached) CPAR__BLOCKS(h, j0, n, cpar__blk_widen(wr + j0, w, dt, j0, n);)
@@ -11658,7 +11682,7 @@ CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w,
         CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(cached ? xr + j0 : xb, x, dt, r0 + j0, n);
                      const float *gp = cpar__blk_in(cached ? gr + j0 : gb, dy, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
-                     cpar__blk_sum2(ss, c, xp, gp, wp, n);)
+                     cpar__blk_sum2(ss, c, xp, gp, wp, n, fused);)
         const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
         const float kk = inv * inv * inv * (float)cpar__lanes_sum(c) / (float)h;
         CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
@@ -11673,7 +11697,7 @@ CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w,
                      cpar__blk_out(dx, dt, r0 + j0, o, n);)
     }
 }
-CPAR__VARIANTS(cpar__host_rmsnorm_backward,
+CPAR__VARIANTS_FMA(cpar__host_rmsnorm_backward,
                (const void *x, const void *w, const void *dy, cpar_dtype dt, int64_t rows, int64_t h, float eps,
                 void *dx, float *dw),
                (x, w, dy, dt, rows, h, eps, dx, dw))
