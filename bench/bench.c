@@ -572,10 +572,12 @@ static cpar_status run_gemm(cpar_ctx *ctx, void *arg) {
  * through a 1-rank column-parallel linear forward on the host backend, once
  * with its built-in kernel (CPAR_HOST_GEMM=builtin) and, when libcpar was
  * built with a CBLAS, once on that path. */
-static double blas_sgemm_flops(int iters, int64_t T, int64_t K, int64_t N) {
+static double blas_sgemm_flops(int iters, int64_t T, int64_t K, int64_t N, int threads) {
 #ifdef CPAR_BENCH_CBLAS
 #ifdef OPENBLAS_VERSION
-    openblas_set_num_threads(1); /* a single-threaded ceiling for a single-threaded rank */
+    openblas_set_num_threads(threads); /* 1: a single-threaded ceiling for a single-threaded rank */
+#else
+    if (threads != 1) return 0.0; /* another CBLAS: its thread count is not ours to set */
 #endif
     float *x = malloc(sizeof(float) * (size_t)(T * K)), *w = malloc(sizeof(float) * (size_t)(N * K));
     float *y = malloc(sizeof(float) * (size_t)(T * N));
@@ -593,20 +595,30 @@ static double blas_sgemm_flops(int iters, int64_t T, int64_t K, int64_t N) {
     free(x), free(w), free(y), free(t);
     return flops;
 #else
-    (void)iters, (void)T, (void)K, (void)N;
+    (void)iters, (void)T, (void)K, (void)N, (void)threads;
     return 0.0; /* no BLAS to compare with */
 #endif
 }
 
 /* cpar's host GEMM on the shape (host backend, one rank): its built-in kernel,
- * or the CBLAS path when libcpar has one. 0 when the run failed. */
-static double cpar_gemm_flops(int iters, int64_t T, int64_t K, int64_t N, cpar_dtype dt, bool builtin) {
+ * or the CBLAS path when libcpar has one, with CPAR_HOST_THREADS = threads.
+ * 0 when the run failed. */
+static double cpar_gemm_flops_threads(int iters, int64_t T, int64_t K, int64_t N, cpar_dtype dt, bool builtin,
+                                      int threads) {
     gemm_case c = {.iters = iters, .tokens = T, .k = K, .n = N, .dt = dt};
+    char tv[16];
+    snprintf(tv, sizeof tv, "%d", threads);
     setenv("CPAR_HOST_GEMM", builtin ? "builtin" : "default", 1); /* read when the context is made */
+    setenv("CPAR_HOST_THREADS", tv, 1);
     cpar_status st = cpar_spawn(1, CPAR_BACKEND_HOST, run_gemm, &c);
     unsetenv("CPAR_HOST_GEMM");
+    unsetenv("CPAR_HOST_THREADS");
     if (st != CPAR_OK) fprintf(stderr, "bench: host GEMM: %s\n", cpar_thread_last_error());
     return st == CPAR_OK ? c.flops : 0.0;
+}
+
+static double cpar_gemm_flops(int iters, int64_t T, int64_t K, int64_t N, cpar_dtype dt, bool builtin) {
+    return cpar_gemm_flops_threads(iters, T, K, N, dt, builtin, 1);
 }
 
 typedef struct {
@@ -638,7 +650,7 @@ static void bench_host_gemm(int iters) {
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
         const gemm_shape *g = &shapes[i];
         double mine = cpar_gemm_flops(iters, g->T, g->K, g->N, CPAR_F32, true);
-        double blas = blas_sgemm_flops(iters, g->T, g->K, g->N);
+        double blas = blas_sgemm_flops(iters, g->T, g->K, g->N, 1);
         double ceil = blas > 0 ? blas : mine;
         double via = cblas ? cpar_gemm_flops(iters, g->T, g->K, g->N, CPAR_F32, false) : 0.0;
         double half = cpar_gemm_flops(iters, g->T, g->K, g->N, CPAR_BF16, true);
@@ -657,11 +669,38 @@ static void bench_host_gemm(int iters) {
         if (cblas) rec_f("cblas_path_gflops", via / 1e9), rec_f("cblas_path_per_ceiling", via / ceil);
         rec_f("builtin_bf16_gflops", half / 1e9), rec_f("builtin_bf16_per_ceiling", half / ceil);
     }
+    /* CPAR_HOST_THREADS: one rank's product on 2 threads against 1, and
+     * against OpenBLAS on 2 threads (run on a quiet machine: every thread
+     * wants a core of its own) */
+    printf("\nhost GEMM with CPAR_HOST_THREADS=2 (built-in kernel, f32), 1 rank\n");
+    printf("%-18s %18s %12s %12s %7s %12s %12s %7s\n", "shape", "T x K x N", "1 thread", "2 threads", "2/1",
+           "OpenBLAS 1", "OpenBLAS 2", "2/OB2");
+    for (size_t i = 0; i < 2; i++) {
+        const gemm_shape *g = &shapes[i];
+        double one = cpar_gemm_flops_threads(iters, g->T, g->K, g->N, CPAR_F32, true, 1);
+        double two = cpar_gemm_flops_threads(iters, g->T, g->K, g->N, CPAR_F32, true, 2);
+        double ob1 = blas_sgemm_flops(iters, g->T, g->K, g->N, 1), ob2 = blas_sgemm_flops(iters, g->T, g->K, g->N, 2);
+        char shape[40], b1[16] = "-", b2[16] = "-", r2[16] = "-";
+        snprintf(shape, sizeof shape, "%lldx%lldx%lld", (long long)g->T, (long long)g->K, (long long)g->N);
+        if (ob1 > 0) snprintf(b1, sizeof b1, "%.1f GF/s", ob1 / 1e9);
+        if (ob2 > 0) snprintf(b2, sizeof b2, "%.1f GF/s", ob2 / 1e9), snprintf(r2, sizeof r2, "%.2f", two / ob2);
+        printf("%-18s %18s %7.1f GF/s %7.1f GF/s %7.2f %12s %12s %7s\n", g->what, shape, one / 1e9, two / 1e9,
+               one > 0 ? two / one : 0.0, b1, b2, r2);
+        rec_begin("host_gemm_threads");
+        rec_s("name", g->what);
+        rec_i("T", g->T), rec_i("K", g->K), rec_i("N", g->N);
+        rec_f("builtin_1_thread_gflops", one / 1e9), rec_f("builtin_2_threads_gflops", two / 1e9);
+        if (ob1 > 0) rec_f("openblas_1_thread_gflops", ob1 / 1e9);
+        if (ob2 > 0) rec_f("openblas_2_threads_gflops", ob2 / 1e9), rec_f("builtin_2_per_openblas_2", two / ob2);
+    }
+#ifdef OPENBLAS_VERSION
+    openblas_set_num_threads(1); /* back to the single-threaded ceiling */
+#endif
 }
 
 /* The f32 GEMM ceiling of one shape: OpenBLAS when installed, else cpar's own. */
 static double gemm_ceiling(int iters, int64_t T, int64_t K, int64_t N) {
-    double blas = blas_sgemm_flops(iters, T, K, N);
+    double blas = blas_sgemm_flops(iters, T, K, N, 1);
     return blas > 0 ? blas : cpar_gemm_flops(iters, T, K, N, CPAR_F32, true);
 }
 
