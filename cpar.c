@@ -11928,12 +11928,28 @@ CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w,
                      const float *gp = cached ? gr + j0 : cpar__blk_in(gb, dy, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
                      if (r + 1 < rows) cpar__blk_prefetch(x, dt, r0 + h + j0, n), cpar__blk_prefetch(dy, dt, r0 + h + j0, n);
-                     float *o = cpar__blk_dst(ob, dx, dt, r0 + j0); /* dx may be dy: each element read before written */
+                     /* dx may be dy: each element read before written. A bf16 dx is
+                      * rounded in the same loop (no fp32 block to store and reload). */
+                     if (dt == CPAR_BF16) {
+                         uint16_t *d16 = (uint16_t *)dx + r0 + j0;
+                         if (dw) {
+                             CPAR__IVDEP for (int k = 0; k < n; k++) {
+                                 dw[j0 + k] += gp[k] * xp[k] * inv;
+                                 d16[k] = cpar__bf16_bits(inv * wp[k] * gp[k] - xp[k] * kk);
+                             }
+                         } else {
+                             CPAR__IVDEP for (int k = 0; k < n; k++) d16[k] = cpar__bf16_bits(inv * wp[k] * gp[k] - xp[k] * kk);
+                         }
+                         continue;
+                     }
                      if (dw) {
                          CPAR__IVDEP for (int k = 0; k < n; k++) dw[j0 + k] += gp[k] * xp[k] * inv;
                      }
-                     CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = inv * wp[k] * gp[k] - xp[k] * kk;
-                     cpar__blk_out(dx, dt, r0 + j0, o, n);)
+                     {
+                         float *o = cpar__blk_dst(ob, dx, dt, r0 + j0);
+                         CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = inv * wp[k] * gp[k] - xp[k] * kk;
+                         cpar__blk_out(dx, dt, r0 + j0, o, n);
+                     })
     }
 }
 CPAR__VARIANTS_FMA(cpar__host_rmsnorm_backward,
