@@ -11847,6 +11847,11 @@ CPAR__INLINE void cpar__host_rmsnorm_body(void *x, const void *add, const void *
         CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
                      if (r + 1 < rows) cpar__blk_prefetch(x, dt, r0 + h + j0, n);
+                     if (dt == CPAR_BF16) { /* rounded in the same loop, as in the backward */
+                         uint16_t *y16 = (uint16_t *)y + r0 + j0;
+                         CPAR__IVDEP for (int k = 0; k < n; k++) y16[k] = cpar__bf16_bits(xp[k] * inv * wp[k]);
+                         continue;
+                     }
                      float *o = cpar__blk_dst(ob, y, dt, r0 + j0);
                      CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = xp[k] * inv * wp[k];
                      cpar__blk_out(y, dt, r0 + j0, o, n);)
