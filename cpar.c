@@ -9364,8 +9364,10 @@ static size_t cpar__attn_round(size_t bytes) { return (bytes + CPAR__ATTN_ALIGN 
  * out = O / l and lse = m + log l. Backward, per (b, h) and key tile, for
  * each query tile that sees it: P = exp(scale Q Kᵀ − lse) recomputed,
  * dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − D) with D = rowsum(dO ∘ O), dQ +=
- * scale dS K, dK += scale dSᵀ Q. Tiles skip what causality hides; the diagonal
- * tile masks j > i. The S / P and dP tiles stay in cache. Dropout: forward
+ * scale dS K, dK += scale dSᵀ Q. Tiles skip what causality hides; a tile on
+ * the diagonal runs in strips (cpar__attn_strip) whose products stop at the
+ * strip's last row, and each row's keys past its diagonal are zeroed, never
+ * exponentiated. The S / P and dP tiles stay in cache. Dropout: forward
  * zeroes the dropped weights after l has summed them (lse is dropout's
  * input) and scales out by 1/(1-p); backward builds the tile's mask
  * Z = keep/(1-p) once, dV += (P∘Z)ᵀ dO and dS = P ∘ (dP∘Z − D). */
@@ -9482,11 +9484,12 @@ static int64_t cpar__attn_pos0(int64_t x) { return x > 0 ? x : 0; }
 
 /* A plain causal tile [q0, q0 + bq) x [k0, k0 + bk) that crosses the
  * diagonal runs in strips of CPAR__HATTN_STRIP query rows, each strip's
- * products stopping at its last row's diagonal: the GEMMs skip most of the
- * hidden triangle (a whole tile would waste half of it: 25 % of causal
- * attention's work at s = 4 tiles). A tile nothing hides runs whole. Where
- * strip rows r0 .. r0 + rows - 1 see keys [k0, k0 + *kn) of the tile, this
- * returns its row count, for the strip that starts at tile row r. */
+ * products stopping at its last row's diagonal, so the GEMMs skip most of the
+ * hidden triangle (whole 128-key tiles would compute a quarter more than
+ * causal attention's work at s = 512); the rows from the first that sees
+ * every key of the tile on run as one strip. For the strip that starts at
+ * tile row r: returns its row count and sets *kn to the keys [k0, k0 + *kn)
+ * its rows may see (0: none). */
 static int64_t cpar__attn_strip(const cpar__attn_io *io, bool packed, int64_t q0, int64_t bq, int64_t r, int64_t k0,
                                 int64_t bk, int64_t *kn) {
     if (!io->causal || packed || k0 + bk - 1 <= q0 + r) { /* every key of the tile is visible to every row */
@@ -9498,9 +9501,9 @@ static int64_t cpar__attn_strip(const cpar__attn_io *io, bool packed, int64_t q0
     return rows;
 }
 
-/* Keys [0, n) of the row (query q of a plain causal strip, keys from k0, n
- * of them computed) that it sees: all n unless the row is the strip's
- * diagonal. */
+/* How many of a strip's n keys from k0 query row q sees: a plain causal
+ * row those up to its own position, any other row all n (a packed block's
+ * hidden keys are -inf in S). */
 static int64_t cpar__attn_row_keys(const cpar__attn_io *io, bool packed, int64_t q, int64_t k0, int64_t n) {
     return io->causal && !packed ? cpar__min64(n, cpar__attn_pos0(q - k0 + 1)) : n;
 }
