@@ -9,7 +9,7 @@
  *   -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL   CUDA build: + NCCL backend
  *
  * Table of contents (later sections call earlier ones, never the reverse)
- *    1. Platform and utilities      time, logging, aligned host memory
+ *    1. Platform and utilities      time, logging, aligned host memory, the shared host arena
  *    2. Errors                      status names, last-error lines, argument checks
  *    3. Data types and tensors      dtype table, fp16/bf16 bits, tensor helpers
  *    4. Device dispatch             host-only device layer, workspace, copies
@@ -17,7 +17,8 @@
  *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
  *    7. Rendezvous store and env    launch environment, TCP key-value store (job token, limits), join
  *    8. Host backend                rendezvous with deadlines; every rank moves its share of a collective;
- *                                   ranks as processes: shared-memory segments, futex waits, dead-peer checks
+ *                                   ranks as processes: shared-memory segments, futex waits, dead-peer checks,
+ *                                   peers' arenas mapped and read in place
  *    9. NCCL backend                communicators, async-error polling, abort
  *   10. Groups                      world group, split, destroy, statistics
  *   11. Collectives                 argument checks, byte accounting, dispatch
@@ -125,12 +126,18 @@ struct cpar_ctx {
     void *gemm_ws;        /* host memory: the host GEMM's packed panels (section 5) */
     size_t gemm_ws_bytes;
     bool gemm_builtin;    /* CPAR_HOST_GEMM=builtin: never the CBLAS (section 5) */
+    int host_threads;     /* CPAR_HOST_THREADS: threads per host GEMM, >= 1 (section 5) */
+    struct cpar__pool *gemm_pool; /* its worker threads, made at the first big product (section 5) */
     cpar_dev_stream compute, comm;
     cpar_dev_stream coll_stream; /* where the collectives enqueue: NULL = compute; set only
                                   * between cpar__on_comm_stream and cpar__on_compute_stream */
     cpar_dev_blas blas;
     struct cpar__rng *rng; /* RNG tracker (section 15); NULL until first use */
     cpar_dev_event ring_ev[3]; /* ring attention's stream fork/join (section 19); created on first use */
+    struct cpar__arena *arena; /* ranks as processes: where large host buffers live (section 1) */
+    char **arena_peer;    /* [world] the peers' arenas mapped here (section 8); NULL: not mapped */
+    size_t *arena_peer_bytes; /* [world] their sizes */
+    bool arena_all;       /* every peer's arena is mapped: collectives may read peers' buffers directly */
     bool aborted;
     char err[CPAR_ERR_LEN];
 };
@@ -301,6 +308,171 @@ static void *cpar__host_alloc(size_t bytes) {
 }
 
 static int64_t cpar__min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static size_t cpar__round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+/* ---- the shared host arena (host backend, ranks as processes) -------------
+ * A process-mode context (section 12) allocates its host tensors and its
+ * workspace of at least CPAR__ARENA_MIN bytes from one memfd of
+ * CPAR__ARENA_BYTES, sparse (pages exist once touched), which its peers map
+ * through /proc/<pid>/fd (section 8): a collective on such buffers reads and
+ * writes the peers' memory directly, as the threaded backend does. A memfd
+ * has no name in /dev/shm, so nothing is ever left there. Blocks are whole
+ * pages, first fit over a sorted list of holes; a freed block's pages go back
+ * to the kernel at once (a hole punched in the file, which also drops them
+ * from the peers' mappings). The mapping is not inherited across fork
+ * (MADV_DONTFORK): a forked child writing its parent's tensors would write
+ * into the job's memory. Arenas are found by address (cpar__mem_free has no
+ * context), in a list under one lock; one retired by cpar_finalize lives on
+ * until its last block is freed. */
+
+#ifndef CPAR__ARENA_BYTES
+#define CPAR__ARENA_BYTES ((size_t)64 << 30) /* address space per rank; memory is what is touched */
+#endif
+#define CPAR__ARENA_MIN ((size_t)16 << 10)   /* smaller allocations stay on the heap (a page each would waste) */
+#define CPAR__PAGE ((size_t)4096)
+
+typedef struct cpar__extent {
+    size_t off, len;
+} cpar__extent;
+
+typedef struct cpar__arena {
+    int fd;
+    char *base;
+    size_t cap, top;             /* the mapping's size; the end of the highest block */
+    cpar__extent *holes, *live;  /* free extents below top, by offset; the blocks handed out */
+    size_t nholes, nlive, holes_cap, live_cap;
+    bool retired;                /* its context is gone: destroyed with its last block */
+    struct cpar__arena *next;
+} cpar__arena;
+
+static pthread_mutex_t cpar__arena_mu = PTHREAD_MUTEX_INITIALIZER;
+static cpar__arena *cpar__arenas;
+
+/* Room for one more entry in a table (under the lock). */
+static bool cpar__extent_reserve(cpar__extent **v, size_t n, size_t *cap) {
+    if (n < *cap) return true;
+    size_t want = *cap ? *cap * 2 : 64;
+    cpar__extent *p = realloc(*v, want * sizeof *p);
+    if (!p) return false;
+    *v = p, *cap = want;
+    return true;
+}
+
+/* A new arena of cap bytes, or NULL (the context then allocates on the heap
+ * and its collectives stage through the segment). */
+static cpar__arena *cpar__arena_create(size_t cap) {
+#ifdef __linux__
+    cpar__arena *a = calloc(1, sizeof *a);
+    if (!a) return NULL;
+    a->fd = (int)syscall(SYS_memfd_create, "cpar-arena", 1u /* MFD_CLOEXEC */);
+    if (a->fd < 0 || ftruncate(a->fd, (off_t)cap) != 0 ||
+        (a->base = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, a->fd, 0)) == MAP_FAILED) {
+        if (a->fd >= 0) close(a->fd);
+        free(a);
+        return NULL;
+    }
+    madvise(a->base, cap, MADV_DONTFORK);
+    a->cap = cap;
+    pthread_mutex_lock(&cpar__arena_mu);
+    a->next = cpar__arenas;
+    cpar__arenas = a;
+    pthread_mutex_unlock(&cpar__arena_mu);
+    return a;
+#else
+    (void)cap;
+    return NULL;
+#endif
+}
+
+/* Unlink a (lock held) and release it. */
+static void cpar__arena_destroy_locked(cpar__arena *a) {
+    for (cpar__arena **p = &cpar__arenas; *p; p = &(*p)->next)
+        if (*p == a) {
+            *p = a->next;
+            break;
+        }
+    munmap(a->base, a->cap);
+    close(a->fd);
+    free(a->holes);
+    free(a->live);
+    free(a);
+}
+
+/* bytes (rounded up to pages) from a, or NULL when no hole or the space above
+ * the top fits them. */
+static void *cpar__arena_alloc(cpar__arena *a, size_t bytes) {
+    size_t len = cpar__round_up(bytes ? bytes : 1, CPAR__PAGE), off = SIZE_MAX;
+    pthread_mutex_lock(&cpar__arena_mu);
+    if (cpar__extent_reserve(&a->live, a->nlive, &a->live_cap)) {
+        for (size_t i = 0; i < a->nholes && off == SIZE_MAX; i++)
+            if (a->holes[i].len >= len) {
+                off = a->holes[i].off;
+                a->holes[i].off += len, a->holes[i].len -= len;
+                if (!a->holes[i].len) memmove(&a->holes[i], &a->holes[i + 1], (a->nholes-- - i - 1) * sizeof *a->holes);
+            }
+        if (off == SIZE_MAX && len <= a->cap - a->top) off = a->top, a->top += len;
+        if (off != SIZE_MAX) a->live[a->nlive++] = (cpar__extent){off, len};
+    }
+    pthread_mutex_unlock(&cpar__arena_mu);
+    return off == SIZE_MAX ? NULL : a->base + off;
+}
+
+/* Give p back if an arena handed it out (true), punching its pages out of the
+ * file and merging its extent with the holes around it. */
+static bool cpar__arena_free(void *p) {
+    bool found = false;
+    pthread_mutex_lock(&cpar__arena_mu);
+    for (cpar__arena *a = cpar__arenas; a && !found; a = a->next) {
+        if ((char *)p < a->base || (char *)p >= a->base + a->top) continue;
+        size_t off = (size_t)((char *)p - a->base), i = 0;
+        while (i < a->nlive && a->live[i].off != off) i++;
+        if (i == a->nlive) break; /* inside the arena but not a block: not ours to free */
+        found = true;
+        cpar__extent e = a->live[i];
+        a->live[i] = a->live[--a->nlive];
+#ifdef __linux__
+        fallocate(a->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)e.off, (off_t)e.len);
+#endif
+        size_t h = 0; /* the first hole after e */
+        while (h < a->nholes && a->holes[h].off < e.off) h++;
+        if (h > 0 && a->holes[h - 1].off + a->holes[h - 1].len == e.off) { /* merge into the one before */
+            e.off = a->holes[h - 1].off, e.len += a->holes[h - 1].len;
+            memmove(&a->holes[h - 1], &a->holes[h], (a->nholes-- - h) * sizeof *a->holes);
+            h--;
+        }
+        if (h < a->nholes && e.off + e.len == a->holes[h].off) { /* and the one after */
+            e.len += a->holes[h].len;
+            memmove(&a->holes[h], &a->holes[h + 1], (a->nholes-- - h - 1) * sizeof *a->holes);
+        }
+        if (e.off + e.len == a->top) a->top = e.off; /* the top comes down instead of a hole there */
+        else if (cpar__extent_reserve(&a->holes, a->nholes, &a->holes_cap)) {
+            memmove(&a->holes[h + 1], &a->holes[h], (a->nholes - h) * sizeof *a->holes);
+            a->holes[h] = e, a->nholes++;
+        } /* else the extent is lost to later allocations (its pages are released all the same) */
+        if (a->retired && !a->nlive) cpar__arena_destroy_locked(a);
+    }
+    pthread_mutex_unlock(&cpar__arena_mu);
+    return found;
+}
+
+/* Its context is finalized: destroy a now, or with its last live block. */
+static void cpar__arena_retire(cpar__arena *a) {
+    if (!a) return;
+    pthread_mutex_lock(&cpar__arena_mu);
+    a->retired = true;
+    if (!a->nlive) cpar__arena_destroy_locked(a);
+    pthread_mutex_unlock(&cpar__arena_mu);
+}
+
+/* Where [p, p + bytes) lies in a's mapping (its offset), or -1 when it does
+ * not. The whole mapping, not just below the top: the peers map all of it,
+ * and the top may move under another thread's allocation. */
+static int64_t cpar__arena_offset(const cpar__arena *a, const void *p, size_t bytes) {
+    if (!a || !p || (const char *)p < a->base) return -1;
+    size_t off = (size_t)((const char *)p - a->base);
+    return off <= a->cap && bytes <= a->cap - off ? (int64_t)off : -1;
+}
 
 /* ==== 2. Errors ==========================================================
  * Every failure leaves one line in the thread's last error and, when a
@@ -838,6 +1010,8 @@ static cpar_status cpar__copy_2d(cpar_ctx *ctx, const char *fn, void *dst, size_
 static cpar_status cpar__mem_alloc(cpar_ctx *ctx, const char *fn, int device, size_t bytes, void **out) {
     *out = NULL;
     if (!cpar__on_device(device)) {
+        /* A process-mode context's peers read its arena: large buffers go there. */
+        if (ctx && ctx->arena && bytes >= CPAR__ARENA_MIN && (*out = cpar__arena_alloc(ctx->arena, bytes))) return CPAR_OK;
         *out = cpar__host_alloc(bytes);
         if (!*out) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: host allocation of %zu bytes failed", fn, bytes);
         return CPAR_OK;
@@ -849,7 +1023,7 @@ static cpar_status cpar__mem_alloc(cpar_ctx *ctx, const char *fn, int device, si
 static void cpar__mem_free(int device, void *p) {
     if (!p) return;
     if (cpar__on_device(device)) cpar_dev_free(p);
-    else free(p);
+    else if (!cpar__arena_free(p)) free(p);
 }
 
 /* At least bytes of a growing buffer on the context's device. It only grows
@@ -1080,18 +1254,23 @@ CPAR__INLINE void cpar__blk_sum(double *acc, const float *a, const float *b, int
 }
 
 /* cpar__blk_sum(s, a, a, n) and cpar__blk_sum(c, gw, a, n) in one pass,
- * gw[k] = g[k] * w[k] rounded to fp32 (formed here: no buffer round trip). */
-CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *g, const float *w, int n) {
+ * gw[k] = g[k] * w[k] rounded to fp32 (formed here: no buffer round trip).
+ * fused (a constant in each caller's twin): the adds as fp64 FMAs, one
+ * instruction for two; the same bits, since each product of two floats is
+ * exact in fp64, so rounding it first changes nothing. */
+#define CPAR__MAC(fused, a, b, acc) ((fused) ? __builtin_fma((a), (b), (acc)) : (acc) + (a) * (b))
+CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *g, const float *w, int n,
+                                 bool fused) {
     if (n == CPAR__BLK) {
         double s0[8] = {0}, s1[8] = {0}, c0[8] = {0}, c1[8] = {0};
         for (int k = 0; k < CPAR__BLK; k += 16) {
             for (int j = 0; j < 8; j++) {
                 const double v = a[k + j];
-                s0[j] += v * v, c0[j] += (double)(g[k + j] * w[k + j]) * v;
+                s0[j] = CPAR__MAC(fused, v, v, s0[j]), c0[j] = CPAR__MAC(fused, (double)(g[k + j] * w[k + j]), v, c0[j]);
             }
             for (int j = 0; j < 8; j++) {
                 const double v = a[k + 8 + j];
-                s1[j] += v * v, c1[j] += (double)(g[k + 8 + j] * w[k + 8 + j]) * v;
+                s1[j] = CPAR__MAC(fused, v, v, s1[j]), c1[j] = CPAR__MAC(fused, (double)(g[k + 8 + j] * w[k + 8 + j]), v, c1[j]);
             }
         }
         for (int j = 0; j < 8; j++) s[j] += s0[j], s[8 + j] += s1[j], c[j] += c0[j], c[8 + j] += c1[j];
@@ -1124,6 +1303,24 @@ CPAR__INLINE double cpar__lanes_sum(const double *acc) {
     }
 #else
 #define CPAR__VARIANTS(name, params, args) static void name params { name##_body args; }
+#endif
+
+/* CPAR__VARIANTS for a body whose last parameter is `bool fused`: false in
+ * the baseline, true in the AVX2+FMA twin (where a C fma is one
+ * instruction; the baseline's would be a libm call). */
+#define CPAR__UNPAREN(...) __VA_ARGS__
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(CPAR_PORTABLE)
+#define CPAR__VARIANTS_FMA(name, params, args)                                                               \
+    static void name##_base params { name##_body(CPAR__UNPAREN args, false); }                              \
+    __attribute__((target("avx2,fma"))) static void name##_avx2 params {                                     \
+        name##_body(CPAR__UNPAREN args, true);                                                               \
+    }                                                                                                        \
+    static void name params {                                                                                \
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) name##_avx2 args;              \
+        else name##_base args;                                                                               \
+    }
+#else
+#define CPAR__VARIANTS_FMA(name, params, args) static void name params { name##_body(CPAR__UNPAREN args, false); }
 #endif
 
 /* e^x in fp32 for the vector loops (glibc's expf does not vectorise at -O2):
@@ -1588,20 +1785,232 @@ static cpar_status cpar__grow_host(cpar_ctx *ctx, const char *fn, void **buf, si
     return CPAR_OK;
 }
 
+/* ---- CPAR_HOST_THREADS: a rank's worker threads for big host GEMMs ------------
+ * With ctx->host_threads = N > 1 the GEMM driver splits its outer loop (the
+ * larger of op(B)'s columns and op(A)'s rows) into N chunks, whole
+ * micro-tiles each, run by the calling thread and a pool of N - 1 workers
+ * the context owns. A chunk is the serial product's own sub-problem: every
+ * element of C is computed by one thread, with the same tiles (chunk edges
+ * fall on micro-tile edges, as the serial MC and NC blocks do) and the same
+ * k order, so the result is bit-identical to N = 1. Each thread packs into
+ * its own slot of ctx->gemm_ws. The pool is made at the first product big
+ * enough to gain (CPAR__GEMM_POOL_MIN multiply-adds) and joined by
+ * cpar_finalize; a call allocates nothing. Chunks are claimed from one
+ * counter that carries the job's generation, so a worker that wakes late
+ * claims nothing of a finished job; the caller claims chunks too and then
+ * waits only for the ones in flight. Fork: the pool remembers the pid that
+ * made it; a child (whose copy has no threads) drops it and makes its own. */
+
+enum { CPAR__POOL_MAX = 256 };
+#define CPAR__GEMM_POOL_MIN ((int64_t)1 << 23)
+
+typedef void (*cpar__pool_fn)(void *job, int64_t chunk, int slot);
+
+typedef struct cpar__pool {
+    pid_t pid;                  /* the process whose threads these are */
+    int nworkers;               /* threads made (slots 1..nworkers) */
+    bool stop, stuck;           /* stuck: a wait timed out; the threads are left running */
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;    /* a new job; the job's last chunk finished */
+    uint32_t gen;               /* the current job's generation */
+    cpar__pool_fn fn;
+    void *job;
+    int64_t nchunks;
+    _Atomic uint64_t claim;     /* gen << 32 | next chunk to claim */
+    _Atomic int64_t finished;   /* chunks of the current job done */
+    pthread_t threads[];
+} cpar__pool;
+
+typedef struct {
+    cpar__pool *pool;
+    int slot;
+} cpar__pool_worker;
+
+/* The next chunk of job generation gen, or -1 when none is left. */
+static int64_t cpar__pool_claim(cpar__pool *p, uint32_t gen, int64_t nchunks) {
+    uint64_t c = atomic_load(&p->claim);
+    for (;;) {
+        if ((uint32_t)(c >> 32) != gen || (int64_t)(c & 0xffffffffu) >= nchunks) return -1;
+        if (atomic_compare_exchange_weak(&p->claim, &c, c + 1)) return (int64_t)(c & 0xffffffffu);
+    }
+}
+
+/* Run chunks of job generation gen until none is left. */
+static void cpar__pool_work(cpar__pool *p, uint32_t gen, cpar__pool_fn fn, void *job, int64_t nchunks, int slot) {
+    for (int64_t c; (c = cpar__pool_claim(p, gen, nchunks)) >= 0;) {
+        fn(job, c, slot);
+        if (atomic_fetch_add(&p->finished, 1) + 1 == nchunks) {
+            pthread_mutex_lock(&p->mu);
+            pthread_cond_signal(&p->done);
+            pthread_mutex_unlock(&p->mu);
+        }
+    }
+}
+
+static void *cpar__pool_main(void *arg) {
+    cpar__pool_worker *w = arg;
+    cpar__pool *p = w->pool;
+    const int slot = w->slot;
+    free(w);
+    pthread_mutex_lock(&p->mu);
+    uint32_t seen = p->gen;
+    for (;;) {
+        while (p->gen == seen && !p->stop) pthread_cond_wait(&p->go, &p->mu); /* idle: no deadline to keep */
+        if (p->stop) break;
+        seen = p->gen;
+        cpar__pool_fn fn = p->fn;
+        void *job = p->job;
+        const int64_t nchunks = p->nchunks;
+        pthread_mutex_unlock(&p->mu);
+        cpar__pool_work(p, seen, fn, job, nchunks, slot);
+        pthread_mutex_lock(&p->mu);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+/* Stop and join the workers and free the pool. A forked child's copy has no
+ * threads and may hold a locked mutex: only its memory is freed. A stuck
+ * pool's threads may still touch it: it is left to them (leaked). */
+static void cpar__pool_destroy(cpar__pool *p) {
+    if (!p) return;
+    if (p->pid != getpid()) {
+        free(p);
+        return;
+    }
+    pthread_mutex_lock(&p->mu);
+    p->stop = true;
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+    if (p->stuck) {
+        for (int i = 0; i < p->nworkers; i++) pthread_detach(p->threads[i]);
+        return;
+    }
+    for (int i = 0; i < p->nworkers; i++) pthread_join(p->threads[i], NULL);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->go);
+    pthread_cond_destroy(&p->done);
+    free(p);
+}
+
+/* ctx's pool of ctx->host_threads - 1 workers in this process, made now if
+ * needed; NULL (run single-threaded) when no thread could be made. The
+ * workers block every signal (signals stay with the rank's own threads)
+ * and are named "cpar-gemm". */
+static cpar__pool *cpar__pool_get(cpar_ctx *ctx) {
+    cpar__pool *p = ctx->gemm_pool;
+    if (p && p->pid == getpid()) return p->stuck || p->nworkers == 0 ? NULL : p;
+    if (p) cpar__pool_destroy(p); /* inherited through fork: its threads are the parent's */
+    ctx->gemm_pool = NULL;
+    const int want = ctx->host_threads - 1;
+    p = calloc(1, sizeof *p + sizeof(pthread_t) * (size_t)want);
+    if (!p) return NULL;
+    p->pid = getpid();
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->go, NULL);
+    pthread_cond_init(&p->done, NULL);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    for (int i = 0; i < want; i++) {
+        cpar__pool_worker *w = malloc(sizeof *w);
+        if (!w) break;
+        *w = (cpar__pool_worker){p, i + 1};
+        if (pthread_create(&p->threads[i], NULL, cpar__pool_main, w) != 0) {
+            free(w);
+            break;
+        }
+#ifdef __linux__
+        pthread_setname_np(p->threads[i], "cpar-gemm"); /* what top, gdb and the tests see */
+#endif
+        p->nworkers++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (p->nworkers < want)
+        cpar__log(CPAR__LOG_WARN, ctx->rank, "CPAR_HOST_THREADS=%d: only %d of %d worker threads could be made",
+                  ctx->host_threads, p->nworkers, want);
+    ctx->gemm_pool = p;
+    return p->nworkers ? p : NULL;
+}
+
+/* fn(job, c, slot) for every chunk c < nchunks, on the calling thread (slot
+ * 0) and p's workers (slots 1..), each chunk once; returns when all are done.
+ * The wait has the context's deadline; past it the pool is marked stuck
+ * (later products run on the calling thread alone) and the scratch the
+ * workers write is left to them. */
+static cpar_status cpar__pool_run(cpar_ctx *ctx, const char *fn_name, cpar__pool *p, cpar__pool_fn fn, void *job,
+                                  int64_t nchunks) {
+    pthread_mutex_lock(&p->mu);
+    const uint32_t gen = ++p->gen;
+    p->fn = fn, p->job = job, p->nchunks = nchunks;
+    atomic_store(&p->finished, 0);
+    atomic_store(&p->claim, (uint64_t)gen << 32);
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+    cpar__pool_work(p, gen, fn, job, nchunks, 0);
+    const struct timespec dl = cpar__abs_deadline(ctx->timeout_ms);
+    int rc = 0;
+    pthread_mutex_lock(&p->mu);
+    while (atomic_load(&p->finished) < nchunks && rc != ETIMEDOUT) rc = pthread_cond_timedwait(&p->done, &p->mu, &dl);
+    const bool late = atomic_load(&p->finished) < nchunks;
+    if (late) p->stuck = true;
+    pthread_mutex_unlock(&p->mu);
+    if (!late) return CPAR_OK;
+    ctx->gemm_ws = NULL, ctx->gemm_ws_bytes = 0; /* still the workers' scratch: never freed */
+    return cpar__fail(ctx, CPAR_ERR_TIMEOUT,
+                      "%s: the host GEMM's worker threads (CPAR_HOST_THREADS=%d) did not finish within %d ms", fn_name,
+                      ctx->host_threads, ctx->timeout_ms);
+}
+
+/* One product cut into chunks of `step` columns of op(B) and C (split_n)
+ * or rows of op(A) and C, each a multiple of the micro-tile. */
+typedef struct {
+    const cpar__gemm_kernel *K;
+    int ta, tb;
+    bool split_n;
+    int64_t m, n, k, step, ldc, lda, ldb;
+    float alpha, beta;
+    const void *A, *B;
+    cpar_dtype adt, bdt;
+    float *C;
+    float *ws;         /* slot s packs into ws + s * slot_floats */
+    int64_t slot_floats, acap; /* a slot: acap floats of A panel, then B's */
+} cpar__gemm_job;
+
+static void cpar__gemm_chunk(void *arg, int64_t chunk, int slot) {
+    const cpar__gemm_job *g = arg;
+    const int64_t lo = chunk * g->step, len = cpar__min64(g->step, (g->split_n ? g->n : g->m) - lo);
+    float *ap = g->ws + slot * g->slot_floats, *bp = ap + g->acap;
+    const size_t ae = cpar_dtype_size(g->adt), be = cpar_dtype_size(g->bdt);
+    if (g->split_n) /* op(B)(p, j) = B[p*brs + j*bcs], bcs = tb ? 1 : ldb */
+        cpar__gemm_blocked(g->K, g->ta, g->tb, g->m, len, g->k, g->alpha, g->A, g->adt, g->lda,
+                           (const char *)g->B + (size_t)(lo * (g->tb ? 1 : g->ldb)) * be, g->bdt, g->ldb, g->beta,
+                           g->C + lo * g->ldc, g->ldc, ap, bp);
+    else /* op(A)(i, p) = A[i*ars + p*acs], ars = ta ? lda : 1 */
+        cpar__gemm_blocked(g->K, g->ta, g->tb, len, g->n, g->k, g->alpha,
+                           (const char *)g->A + (size_t)(lo * (g->ta ? g->lda : 1)) * ae, g->adt, g->lda, g->B, g->bdt,
+                           g->ldb, g->beta, g->C + lo, g->ldc, ap, bp);
+}
+
 #ifdef CPAR_WITH_CBLAS
 /* cpar's ranks are the parallelism: a multi-threaded OpenBLAS inside each
  * rank oversubscribes the cores (and spins in sched_yield between small
  * products). Unless the user chose (OPENBLAS_NUM_THREADS, OMP_NUM_THREADS),
- * OpenBLAS runs one thread per calling rank. */
-static void cpar__blas_threads_init(void) {
+ * OpenBLAS runs CPAR_HOST_THREADS threads per call (default 1). Its count is
+ * the process's, not a context's: the first context to run a product sets
+ * it. Another CBLAS (BLIS) is left as it is. */
+static void cpar__blas_threads_once(int n) {
 #ifdef OPENBLAS_VERSION
-    if (!getenv("OPENBLAS_NUM_THREADS") && !getenv("OMP_NUM_THREADS")) openblas_set_num_threads(1);
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    static _Atomic bool done;
+    if (atomic_load(&done)) return;
+    pthread_mutex_lock(&mu);
+    if (!done && !getenv("OPENBLAS_NUM_THREADS") && !getenv("OMP_NUM_THREADS")) openblas_set_num_threads(n);
+    done = true;
+    pthread_mutex_unlock(&mu);
+#else
+    (void)n;
 #endif
-}
-
-static void cpar__blas_threads_once(void) {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, cpar__blas_threads_init);
 }
 #endif
 
@@ -1610,9 +2019,9 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
                                    cpar_dtype bdt, int64_t ldb, float beta, void *C, cpar_dtype cdt, int64_t ldc) {
     if (m <= 0 || n <= 0) return CPAR_OK;
 #ifdef CPAR_WITH_CBLAS
-    cpar__blas_threads_once();
     if (!ctx->gemm_builtin && adt == CPAR_F32 && bdt == CPAR_F32 && cdt == CPAR_F32 && m <= INT_MAX && n <= INT_MAX && k <= INT_MAX &&
         lda <= INT_MAX && ldb <= INT_MAX && ldc <= INT_MAX) {
+        cpar__blas_threads_once(ctx->host_threads);
         cblas_sgemm(CblasColMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (int)m, (int)n,
                     (int)k, alpha, A, (int)lda, B, (int)ldb, beta, C, (int)ldc);
         return CPAR_OK;
@@ -1622,7 +2031,19 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
     if (!K.run) K = cpar__gemm_kernel_pick();
     const int64_t mcap = cpar__min64(CPAR__GEMM_MC, (m + K.mr - 1) / K.mr * K.mr);
     const int64_t ncap = cpar__min64(CPAR__GEMM_NC, (n + K.nr - 1) / K.nr * K.nr), kcap = cpar__min64(CPAR__GEMM_KC, k);
-    const size_t panels = (size_t)((mcap + ncap) * kcap) * sizeof(float) + 64;
+    /* CPAR_HOST_THREADS: chunks of whole micro-tiles along the larger of m and n */
+    const bool split_n = n >= m;
+    const int64_t tile = split_n ? K.nr : K.mr, tiles = ((split_n ? n : m) + tile - 1) / tile;
+    cpar__pool *pool = NULL;
+    int64_t step = 0, nchunks = 1;
+    if (ctx->host_threads > 1 && k > 0 && tiles > 1 && (double)m * (double)n * (double)k >= (double)CPAR__GEMM_POOL_MIN &&
+        (pool = cpar__pool_get(ctx)) != NULL) {
+        const int64_t nt = cpar__min64(pool->nworkers + 1, tiles);
+        step = (tiles + nt - 1) / nt * tile;
+        nchunks = ((split_n ? n : m) + step - 1) / step;
+    }
+    const int64_t slot_floats = ((mcap + ncap) * kcap + 15) / 16 * 16; /* 64-byte slots: the A panel stays aligned */
+    const size_t panels = (size_t)(slot_floats * (pool ? pool->nworkers + 1 : 1)) * sizeof(float);
     const bool wide_c = cdt != CPAR_F32; /* a 16-bit C accumulates in an fp32 copy */
     CPAR_TRY(cpar__grow_host(ctx, fn, &ctx->gemm_ws, &ctx->gemm_ws_bytes,
                              panels + (wide_c ? (size_t)(m * n) * sizeof(float) : 0)));
@@ -1636,7 +2057,12 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
     if (wide_c && beta != 0.f) /* beta 0: C is never read (it may hold NaN) */
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < m; i++) wc[i + j * ldw] = cpar__load_f(C, cdt, i + j * ldc);
-    if (k > 0) {
+    if (pool && nchunks > 1) {
+        cpar__gemm_job job = {.K = &K, .ta = ta, .tb = tb, .split_n = split_n, .m = m, .n = n, .k = k, .step = step,
+                              .ldc = ldw, .lda = lda, .ldb = ldb, .alpha = alpha, .beta = beta, .A = A, .B = B,
+                              .adt = adt, .bdt = bdt, .C = cf, .ws = ap, .slot_floats = slot_floats, .acap = mcap * kcap};
+        CPAR_TRY(cpar__pool_run(ctx, fn, pool, cpar__gemm_chunk, &job, nchunks));
+    } else if (k > 0) {
         cpar__gemm_blocked(&K, ta, tb, m, n, k, alpha, A, adt, lda, B, bdt, ldb, beta, cf, ldw, ap, bp);
     } else { /* no product: C = beta C */
         for (int64_t j = 0; j < n; j++)
@@ -4222,24 +4648,18 @@ static cpar_status cpar__hc_copy(cpar_ctx *ctx, const char *fn, void *dst, const
     return cpar__copy_bytes_on(ctx, fn, cpar__coll_stream(ctx), dst, dev, src, dev, bytes);
 }
 
-/* Post, meet, check agreement, move this member's share, meet again. Every
- * member moves its own part in parallel with the others: all-reduce and
+/* Move this member's share of a collective whose members' slots sl (every
+ * buffer addressable here, descriptors validated) are published: every
+ * member moves its own part in parallel with the others. All-reduce and
  * reduce-scatter reduce a 1/n share each (in rank order, so every member and
  * every run sums the same way), all-gather, all-to-all and broadcast pull
- * what the member receives. */
-static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar__slot *mine) {
+ * what the member receives. Ranks as threads and ranks as processes whose
+ * buffers are in arenas (cpar__pc_collective) share it, so both give the
+ * same bits. */
+static cpar_status cpar__hc_move(cpar_group *g, const char *fn, const cpar__slot *mine, const cpar__slot *sl) {
     cpar_ctx *ctx = g->ctx;
-    cpar__hcomm *hc = g->hc;
     int n = g->size, me = g->rank, dev = ctx->device;
-    const cpar_dev_stream cs = cpar__coll_stream(ctx);
-    /* On the communication stream: peers read our buffers as soon as the
-     * rendezvous publishes them, so work already queued on compute (which may
-     * produce them) must be finished first. On compute, stream order does it. */
-    if (cpar__on_device(dev) && cs != ctx->compute) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
-    cpar__hc_post(g, mine);
-    CPAR_TRY(cpar__hc_rendezvous(g, fn));
-    cpar_status st = cpar__hc_validate(g, fn);
-    const cpar__slot *sl = hc->slot;
+    cpar_status st = CPAR_OK;
     size_t es = cpar_dtype_size(mine->dtype), row = (size_t)mine->row_elems * es;
     const void *ins[256];
     void *outs[256];
@@ -4306,6 +4726,23 @@ static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar
     default: break;
     }
     if (stream && !cpar__on_device(dev)) cpar__host_stream_fence();
+    return st;
+}
+
+/* Post, meet, check agreement, move this member's share (cpar__hc_move),
+ * meet again. */
+static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar__slot *mine) {
+    cpar_ctx *ctx = g->ctx;
+    int dev = ctx->device;
+    const cpar_dev_stream cs = cpar__coll_stream(ctx);
+    /* On the communication stream: peers read our buffers as soon as the
+     * rendezvous publishes them, so work already queued on compute (which may
+     * produce them) must be finished first. On compute, stream order does it. */
+    if (cpar__on_device(dev) && cs != ctx->compute) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+    cpar__hc_post(g, mine);
+    CPAR_TRY(cpar__hc_rendezvous(g, fn));
+    cpar_status st = cpar__hc_validate(g, fn);
+    if (st == CPAR_OK) st = cpar__hc_move(g, fn, mine, g->hc->slot);
     /* Device work reads peers' buffers: finish it before releasing them. */
     if (st == CPAR_OK && cpar__on_device(dev)) {
         cpar_status ds = cpar_dev_stream_sync(cs);
@@ -4385,10 +4822,14 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
             pthread_cond_broadcast(&job->cv);
         }
     }
-    if (st == CPAR_OK && to >= 0) {
+    /* Our send stays readable until the receiver took it, even when this
+     * rank refused its own receive (CPAR_ERR_INVALID): the receiver may be
+     * copying from it right now. */
+    if ((st == CPAR_OK || st == CPAR_ERR_INVALID) && to >= 0) {
         cpar__wait w = {CPAR__WAIT_TAKEN, to, sent_no};
-        st = cpar__wait_locked(g, fn, &w, deadline);
+        cpar_status ws = cpar__wait_locked(g, fn, &w, deadline);
         const cpar__mailbox *b = &hc->box[(size_t)me * (size_t)n + (size_t)to];
+        if (st == CPAR_OK || ws != CPAR_OK) st = ws; /* a failed wait says why last */
         if (st == CPAR_OK && b->rejected)
             st = cpar__fail(ctx, CPAR_ERR_INVALID, "%s: rank %d expected %lld elements of %s, this rank sent it %lld "
                             "elements of %s", fn, hc->world_ranks[to], (long long)b->want_numel,
@@ -4407,7 +4848,10 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
  * in /dev/shm even when a rank is killed (the mappings live on until the
  * processes end).
  *
- * The algorithms are the threaded ones, with a staging area between: each
+ * When every member's buffers lie in its arena (section 1), which every
+ * member maps at start-up, a collective runs the threaded backend's data
+ * movement on the peers' buffers in place (cpar__pc_direct). Otherwise the
+ * algorithms are the threaded ones, with a staging area between: each
  * member has a slot of two halves of `chunk` bytes (used in turn, stage after
  * stage), cut into one sub-slot per member where the data has a destination.
  * A stage copies this member's pieces into its slot, meets the others, then
@@ -4445,12 +4889,16 @@ typedef struct cpar__pc_member {
     _Atomic uint64_t entered;   /* barriers this member entered */
     _Atomic int32_t exited;     /* finalized */
     _Atomic uint32_t bell;      /* bumped when a mailbox of this member changes (a futex word) */
-    char pad[40];
+    int32_t arena_fd, pad;      /* its arena's descriptor in its process (-1: none), which peers open */
+    uint64_t arena_bytes;       /* through /proc/<pid>/fd, and its size */
+    char pad2[24];
 } cpar__pc_member;
 
 typedef struct cpar__pc_desc {  /* a member's cpar__slot without its pointers */
-    int32_t kind, dtype, op, root, has_sizes, pad;
+    int32_t kind, dtype, op, root, has_sizes;
+    int32_t direct;             /* its in (and an all-reduce's out) lie in its arena, and it mapped every peer's */
     int64_t rows, row_elems;
+    int64_t in_off, out_off;    /* where in its arena */
 } cpar__pc_desc;
 
 typedef struct cpar__pc_box {   /* mailbox src -> dst */
@@ -4476,8 +4924,6 @@ struct cpar__pcomm {
     uint64_t stages, colls;     /* so far, the same on every member */
     cpar__slot *sl;             /* [n] the members' descriptors as slots, for validation */
 };
-
-static size_t cpar__round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 /* The segment of pc's n members and chunk sizes: its size, and (base set)
  * pc's tables pointed into the mapping. */
@@ -4596,6 +5042,10 @@ static cpar_status cpar__pc_wait(cpar_group *g, const char *fn, const char *what
     int me = g->rank;
     bool spin = pc->n <= cpar__online_cpus();
     int64_t spin_until = cpar__now_ns() + 50000;
+    /* Whether a process is gone takes system calls (kill, /proc): asked once
+     * a wait has lasted a sleep slice, then once a slice, not at every wake-up
+     * (a meeting of more ranks than cores would pay them every time). */
+    int64_t probe_at = cpar__now_ms() + 10;
     for (unsigned i = 1;; i++) {
         uint32_t seen = atomic_load(word);
         if (ready(pc, arg)) return CPAR_OK;
@@ -4608,10 +5058,13 @@ static cpar_status cpar__pc_wait(cpar_group *g, const char *fn, const char *what
         }
         if (atomic_load(&pc->hdr->failed)) return cpar__pc_failed(g, fn, what);
         char msg[CPAR_ERR_LEN];
+        int64_t now = cpar__now_ms();
+        bool probe = now >= probe_at;
+        if (probe) probe_at = now + 10;
         for (int m = 0; m < pc->n; m++) {
             if (!cpar__pc_needs(pc, me, peer_a, peer_b, m)) continue;
             int64_t pid = atomic_load(&pc->mem[m].pid);
-            bool exited = atomic_load(&pc->mem[m].exited), gone = !exited && cpar__pid_gone(pid);
+            bool exited = atomic_load(&pc->mem[m].exited), gone = !exited && probe && cpar__pid_gone(pid);
             if (!exited && !gone) continue;
             /* It may have done its part, then left, since ready() was read. */
             if (ready(pc, arg)) return CPAR_OK;
@@ -4761,8 +5214,41 @@ static uint64_t cpar__pc_stages(const cpar__pcomm *pc, const cpar__slot *sl) {
     return stages ? stages : 1;
 }
 
-/* Post, meet, compare descriptors, then stage after stage pull this member's
- * part (module comment above). mine->in and mine->out are this process's. */
+/* A collective whose members' buffers all lie in their arenas (every member
+ * mapped every peer's): the threaded backend's data movement on the peers'
+ * buffers as this process maps them, then a meeting so no member frees or
+ * reuses a buffer a peer still reads. The descriptors are validated. */
+static cpar_status cpar__pc_direct(cpar_group *g, const char *fn, const cpar__slot *mine, int par, int64_t deadline) {
+    cpar_ctx *ctx = g->ctx;
+    cpar__pcomm *pc = g->pc;
+    int n = pc->n;
+    size_t es = cpar_dtype_size(mine->dtype);
+    for (int m = 0; m < n; m++) {
+        const cpar__pc_desc *e = &pc->desc[par * n + m];
+        int w = g->world_ranks[m];
+        char *base = ctx->arena_peer[w];
+        size_t cap = ctx->arena_peer_bytes[w], bytes = (size_t)e->rows * (size_t)e->row_elems * es;
+        /* The offsets come from another process: trust them only inside its arena. */
+        bool in_ok = (uint64_t)e->in_off <= cap && bytes <= cap - (size_t)e->in_off;
+        bool out_ok = e->out_off >= 0 && (uint64_t)e->out_off <= cap && bytes <= cap - (size_t)e->out_off;
+        if (!in_ok) {
+            char msg[CPAR_ERR_LEN];
+            snprintf(msg, sizeof msg, "rank %d described a buffer outside its arena", w);
+            cpar__pc_record_all(ctx, msg);
+            return cpar__fail(ctx, CPAR_ERR_PEER, "%s: %s", fn, msg);
+        }
+        pc->sl[m].in = m == g->rank ? mine->in : base + e->in_off;
+        pc->sl[m].out = m == g->rank ? mine->out : out_ok ? base + e->out_off : NULL;
+    }
+    cpar_status st = cpar__hc_move(g, fn, mine, pc->sl);
+    cpar_status st2 = cpar__pc_barrier(g, fn, deadline); /* as every member: the peers meet here either way */
+    return st != CPAR_OK ? st : st2;
+}
+
+/* Post, meet, compare descriptors, then either move the data in place
+ * (cpar__pc_direct: every member's buffers are in its arena) or stage after
+ * stage pull this member's part (module comment above). mine->in and
+ * mine->out are this process's. */
 static cpar_status cpar__pc_collective(cpar_group *g, const char *fn, const cpar__slot *mine) {
     cpar_ctx *ctx = g->ctx;
     cpar__pcomm *pc = g->pc;
@@ -4771,23 +5257,39 @@ static cpar_status cpar__pc_collective(cpar_group *g, const char *fn, const cpar
     if (atomic_load(&pc->hdr->failed)) return cpar__pc_failed(g, fn, "collective");
     int par = (int)(pc->colls++ & 1);
     cpar__pc_desc *d = &pc->desc[par * n + me];
+    /* Buffers in the arena are read (and an all-reduce's written) by the
+     * peers in place; then nothing is staged. */
+    size_t in_bytes = (size_t)mine->rows * (size_t)mine->row_elems * cpar_dtype_size(mine->dtype);
+    int64_t in_off = cpar__arena_offset(ctx->arena, mine->in, in_bytes);
+    int64_t out_off = cpar__arena_offset(ctx->arena, mine->out, in_bytes);
+    bool direct = ctx->arena_all && mine->kind != CPAR__KIND_EXCHANGE && in_off >= 0 && in_bytes > 0 &&
+                  (mine->kind != CPAR_COLL_ALL_REDUCE || out_off >= 0);
     *d = (cpar__pc_desc){.kind = mine->kind, .dtype = (int32_t)mine->dtype, .op = mine->op, .root = mine->root,
-                         .has_sizes = mine->sizes != NULL, .rows = mine->rows, .row_elems = mine->row_elems};
+                         .has_sizes = mine->sizes != NULL, .direct = direct, .rows = mine->rows,
+                         .row_elems = mine->row_elems, .in_off = in_off, .out_off = out_off};
     int64_t *sp = pc->splits + ((size_t)par * (size_t)n + (size_t)me) * 3 * (size_t)n;
     if (mine->sizes) memcpy(sp, mine->sizes, (size_t)n * sizeof *sp);
     if (mine->in_splits) memcpy(sp + n, mine->in_splits, (size_t)n * sizeof *sp);
     if (mine->out_splits) memcpy(sp + 2 * n, mine->out_splits, (size_t)n * sizeof *sp);
     uint64_t stage = pc->stages++;
-    cpar__pc_post(pc, mine, me, 0, stage);
+    if (!direct) cpar__pc_post(pc, mine, me, 0, stage);
     CPAR_TRY(cpar__pc_barrier(g, fn, deadline));
+    int ndirect = 0;
     for (int m = 0; m < n; m++) {
         const cpar__pc_desc *e = &pc->desc[par * n + m];
         const int64_t *ms = pc->splits + ((size_t)par * (size_t)n + (size_t)m) * 3 * (size_t)n;
         pc->sl[m] = (cpar__slot){.kind = e->kind, .dtype = (cpar_dtype)e->dtype, .op = e->op, .root = e->root,
                                  .rows = e->rows, .row_elems = e->row_elems, .sizes = e->has_sizes ? ms : NULL,
                                  .in_splits = ms + n, .out_splits = ms + 2 * n};
+        ndirect += e->direct != 0;
     }
     CPAR_TRY(cpar__slots_validate(g, fn, pc->sl));
+    if (ndirect == n) return cpar__pc_direct(g, fn, mine, par, deadline);
+    if (ndirect) {
+        /* Some members skipped staging for nothing: they stage now, and everyone meets again. */
+        if (direct) cpar__pc_post(pc, mine, me, 0, stage);
+        CPAR_TRY(cpar__pc_barrier(g, fn, deadline));
+    }
     const cpar__slot *sl = pc->sl;
     uint64_t stages = cpar__pc_stages(pc, sl);
     size_t es = cpar_dtype_size(mine->dtype), row = (size_t)mine->row_elems * es;
@@ -5008,6 +5510,9 @@ static void cpar__pc_mapped(cpar_group *g) {
     cpar__pcomm *pc = g->pc;
     cpar__pc_layout(pc);
     pc->sub = (pc->chunk / (size_t)pc->n) & ~(size_t)63;
+    const cpar__arena *a = g->ctx->arena;
+    pc->mem[g->rank].arena_fd = a ? a->fd : -1;
+    pc->mem[g->rank].arena_bytes = a ? a->cap : 0;
     atomic_store(&pc->mem[g->rank].pid, (int64_t)getpid());
 }
 
@@ -5082,6 +5587,59 @@ static cpar_status cpar__pc_map(cpar_group *g, const char *fn, const char *text)
     return CPAR_OK;
 }
 
+/* Map every peer's arena through /proc/<pid>/fd/<fd> (w is the world group,
+ * whose segment names them, every member having published its own before
+ * the barrier that precedes this). ctx->arena_all says whether every one is
+ * mapped; where one is not (a peer without an arena, a /proc this process
+ * may not open), collectives stage through the segment as before. */
+static void cpar__pc_arenas_map(cpar_ctx *ctx, cpar_group *w) {
+    cpar__pcomm *pc = w->pc;
+    int n = w->size;
+    if (!ctx->arena || !pc || !pc->base) return;
+    ctx->arena_peer = calloc((size_t)n, sizeof *ctx->arena_peer);
+    ctx->arena_peer_bytes = calloc((size_t)n, sizeof *ctx->arena_peer_bytes);
+    if (!ctx->arena_peer || !ctx->arena_peer_bytes) return;
+    bool all = true;
+    for (int m = 0; m < n; m++) {
+        if (m == w->rank) {
+            ctx->arena_peer[m] = ctx->arena->base, ctx->arena_peer_bytes[m] = ctx->arena->cap;
+            continue;
+        }
+        int32_t fd = pc->mem[m].arena_fd;
+        int64_t pid = atomic_load(&pc->mem[m].pid);
+        size_t bytes = (size_t)pc->mem[m].arena_bytes;
+        char path[64];
+        snprintf(path, sizeof path, "/proc/%lld/fd/%d", (long long)pid, (int)fd);
+        int f = fd >= 0 && pid > 0 ? open(path, O_RDWR | O_CLOEXEC) : -1;
+        struct stat sb;
+        void *p = MAP_FAILED;
+        if (f >= 0 && fstat(f, &sb) == 0 && (uint64_t)sb.st_size == (uint64_t)bytes)
+            p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, f, 0);
+        if (f >= 0) close(f);
+        if (p == MAP_FAILED) {
+            cpar__log(CPAR__LOG_INFO, ctx->rank, "cannot map rank %d's arena (%s): collectives stage through shared "
+                      "memory", m, fd < 0 ? "it has none" : strerror(errno));
+            all = false;
+            continue;
+        }
+#ifdef __linux__
+        madvise(p, bytes, MADV_DONTFORK);
+#endif
+        ctx->arena_peer[m] = p, ctx->arena_peer_bytes[m] = bytes;
+    }
+    ctx->arena_all = all;
+}
+
+/* Unmap the peers' arenas (cpar_finalize). */
+static void cpar__pc_arenas_unmap(cpar_ctx *ctx) {
+    for (int m = 0; ctx->arena_peer && m < ctx->world; m++)
+        if (m != ctx->rank && ctx->arena_peer[m]) munmap(ctx->arena_peer[m], ctx->arena_peer_bytes[m]);
+    free(ctx->arena_peer);
+    free(ctx->arena_peer_bytes);
+    ctx->arena_peer = NULL, ctx->arena_peer_bytes = NULL;
+    ctx->arena_all = false;
+}
+
 /* The world group's shared state, through the store (the only channel there
  * is yet): rank 0 creates the segment and publishes its name under the job
  * token's store, the others map it, everyone arrives at a store barrier, and
@@ -5107,6 +5665,7 @@ static cpar_status cpar__pc_open_world(cpar_group *g, const char *fn, cpar_store
      * then fail at their first wait on it), so its creator can unlink it. */
     cpar_status bs = cpar__store_barrier(store, fn, "cpar/shm/world/mapped", g->rank, g->size, false);
     if (g->rank == 0 && g->pc->base) shm_unlink(text);
+    if (st == CPAR_OK && bs == CPAR_OK) cpar__pc_arenas_map(g->ctx, g);
     return st != CPAR_OK ? st : bs;
 }
 
@@ -6027,8 +6586,11 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
         cpar_dev_stream_sync(ctx->comm);
     }
     while (ctx->groups) cpar__group_free(ctx->groups);
+    cpar__pc_arenas_unmap(ctx);
     cpar__mem_free(ctx->device, ctx->ws);
     cpar__mem_free(ctx->device, ctx->coll_ws);
+    cpar__arena_retire(ctx->arena); /* tensors still allocated keep it until they are freed */
+    cpar__pool_destroy(ctx->gemm_pool); /* before its scratch goes */
     free(ctx->gemm_ws);
     if (ctx->blas) cpar_dev_blas_destroy(ctx->blas);
     for (int i = 0; i < 3; i++)
@@ -6051,8 +6613,15 @@ static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg,
     ctx->world = world;
     ctx->backend = cfg->backend;
     ctx->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : cpar__default_timeout_ms();
-    const char *gemm = getenv("CPAR_HOST_GEMM");
+    const char *gemm = getenv("CPAR_HOST_GEMM"), *threads = getenv("CPAR_HOST_THREADS");
     ctx->gemm_builtin = gemm && !strcmp(gemm, "builtin");
+    long nthreads = 1;
+    if (threads && *threads && (!cpar__env_parse_long(threads, &nthreads) || nthreads < 1 || nthreads > CPAR__POOL_MAX)) {
+        free(ctx);
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: CPAR_HOST_THREADS=\"%.32s\", expected an integer from 1 to %d (threads per host GEMM)",
+                          fn, threads, CPAR__POOL_MAX);
+    }
+    ctx->host_threads = (int)nthreads;
     ctx->device = cfg->backend == CPAR_BACKEND_HOST ? CPAR_HOST : device;
     cpar_status st = CPAR_OK;
     if (cpar__on_device(ctx->device)) {
@@ -6327,7 +6896,10 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
     free(ranks);
     if (st != CPAR_OK) goto fail;
     if (procs) {
-        /* Ranks as processes: the store, then the world's shared memory. */
+        /* Ranks as processes: the arena its peers will map (CPAR_HOST_ARENA=0:
+         * none), the store, then the world's shared memory. */
+        const char *arena = getenv("CPAR_HOST_ARENA");
+        if (!arena || strcmp(arena, "0")) ctx->arena = cpar__arena_create(CPAR__ARENA_BYTES);
         CPAR_TRY_GOTO(cpar__init_store(ctx, fn, &env), st, fail);
         CPAR_TRY_GOTO(cpar__check_one_node(ctx, fn, env.world_size), st, fail);
         CPAR_TRY_GOTO(cpar__pc_open_world(ctx->world_group, fn, ctx->store), st, fail);
@@ -11715,6 +12287,11 @@ CPAR__INLINE void cpar__host_rmsnorm_body(void *x, const void *add, const void *
         CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
                      if (r + 1 < rows) cpar__blk_prefetch(x, dt, r0 + h + j0, n);
+                     if (dt == CPAR_BF16) { /* rounded in the same loop, as in the backward */
+                         uint16_t *y16 = (uint16_t *)y + r0 + j0;
+                         CPAR__IVDEP for (int k = 0; k < n; k++) y16[k] = cpar__bf16_bits(xp[k] * inv * wp[k]);
+                         continue;
+                     }
                      float *o = cpar__blk_dst(ob, y, dt, r0 + j0);
                      CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = xp[k] * inv * wp[k];
                      cpar__blk_out(y, dt, r0 + j0, o, n);)
@@ -11778,7 +12355,8 @@ cpar_status cpar_rmsnorm_forward(cpar_ctx *ctx, const cpar_tensor *x, const cpar
  * CPAR__ROW elements: x and dy widened once into xr and gr, the weight once
  * per call into wr (stack: 56 KiB), as in the forward. */
 CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w, const void *dy, cpar_dtype dt,
-                                                   int64_t rows, int64_t h, float eps, void *dx, float *dw) {
+                                                   int64_t rows, int64_t h, float eps, void *dx, float *dw,
+                                                   bool fused) {
     float xb[CPAR__BLK], gb[CPAR__BLK], wb[CPAR__BLK], ob[CPAR__BLK], xr[CPAR__ROW], gr[CPAR__ROW], wr[CPAR__ROW];
     const bool cached = dt != CPAR_F32 && h <= CPAR__ROW;
     if (cached) CPAR__BLOCKS(h, j0, n, cpar__blk_widen(wr + j0, w, dt, j0, n);)
@@ -11788,22 +12366,38 @@ CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w,
         CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(cached ? xr + j0 : xb, x, dt, r0 + j0, n);
                      const float *gp = cpar__blk_in(cached ? gr + j0 : gb, dy, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
-                     cpar__blk_sum2(ss, c, xp, gp, wp, n);)
+                     cpar__blk_sum2(ss, c, xp, gp, wp, n, fused);)
         const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
         const float kk = inv * inv * inv * (float)cpar__lanes_sum(c) / (float)h;
         CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
                      const float *gp = cached ? gr + j0 : cpar__blk_in(gb, dy, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
                      if (r + 1 < rows) cpar__blk_prefetch(x, dt, r0 + h + j0, n), cpar__blk_prefetch(dy, dt, r0 + h + j0, n);
-                     float *o = cpar__blk_dst(ob, dx, dt, r0 + j0); /* dx may be dy: each element read before written */
+                     /* dx may be dy: each element read before written. A bf16 dx is
+                      * rounded in the same loop (no fp32 block to store and reload). */
+                     if (dt == CPAR_BF16) {
+                         uint16_t *d16 = (uint16_t *)dx + r0 + j0;
+                         if (dw) {
+                             CPAR__IVDEP for (int k = 0; k < n; k++) {
+                                 dw[j0 + k] += gp[k] * xp[k] * inv;
+                                 d16[k] = cpar__bf16_bits(inv * wp[k] * gp[k] - xp[k] * kk);
+                             }
+                         } else {
+                             CPAR__IVDEP for (int k = 0; k < n; k++) d16[k] = cpar__bf16_bits(inv * wp[k] * gp[k] - xp[k] * kk);
+                         }
+                         continue;
+                     }
                      if (dw) {
                          CPAR__IVDEP for (int k = 0; k < n; k++) dw[j0 + k] += gp[k] * xp[k] * inv;
                      }
-                     CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = inv * wp[k] * gp[k] - xp[k] * kk;
-                     cpar__blk_out(dx, dt, r0 + j0, o, n);)
+                     {
+                         float *o = cpar__blk_dst(ob, dx, dt, r0 + j0);
+                         CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = inv * wp[k] * gp[k] - xp[k] * kk;
+                         cpar__blk_out(dx, dt, r0 + j0, o, n);
+                     })
     }
 }
-CPAR__VARIANTS(cpar__host_rmsnorm_backward,
+CPAR__VARIANTS_FMA(cpar__host_rmsnorm_backward,
                (const void *x, const void *w, const void *dy, cpar_dtype dt, int64_t rows, int64_t h, float eps,
                 void *dx, float *dw),
                (x, w, dy, dt, rows, h, eps, dx, dw))
