@@ -1039,7 +1039,7 @@ START_TEST(test_token_mismatch)
     cpar_store *c = NULL;
     int64_t t0 = now_ms();
     ck_assert_int_eq(cpar_store_create(&other, &c), CPAR_ERR_SYSTEM);
-    ck_assert_int_lt(now_ms() - t0, 1000);
+    ck_assert_int_lt(now_ms() - t0, 2500); /* half the deadline: slack for a loaded machine */
     ck_assert_ptr_null(c);
     char want[128];
     snprintf(want, sizeof want, "cpar_store_create: the store at 127.0.0.1:%d belongs to another job", port);
@@ -1152,7 +1152,7 @@ START_TEST(test_two_jobs_one_port)
     cpar_store_config cb = {.host = "127.0.0.1", .port = port, .timeout_ms = 5000, .token = "job-B"};
     int64_t t0 = now_ms();
     ck_assert_int_eq(cpar_store_create(&cb, &b1), CPAR_ERR_SYSTEM);
-    ck_assert_int_lt(now_ms() - t0, 1000);
+    ck_assert_int_lt(now_ms() - t0, 2500); /* half the deadline */
     ASSERT_MSG_HAS("belongs to another job");
 
     int64_t n = 0;
