@@ -13,7 +13,8 @@
  *    2. Errors                      status names, last-error lines, argument checks
  *    3. Data types and tensors      dtype table, fp16/bf16 bits, tensor helpers
  *    4. Device dispatch             host-only device layer, workspace, copies
- *    5. Host reference kernels      vector blocks, expf, streaming copy, GEMM; fill, cast, axpby, reduce, gelu
+ *    5. Host reference kernels      vector blocks, expf, row max/scale/softmax-gradient, streaming copy,
+ *                                   GEMM (CPAR_HOST_THREADS pool); fill, cast, axpby, reduce, gelu
  *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
  *    7. Rendezvous store and env    launch environment, TCP key-value store (job token, limits), join
  *    8. Host backend                rendezvous with deadlines; every rank moves its share of a collective;
