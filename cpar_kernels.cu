@@ -2055,6 +2055,13 @@ static __device__ __forceinline__ bool cpar__attn_packed_sees(const cpar_dev_att
     return dq >= 0 && dq == dk && (!causal || kpos <= qpos);
 }
 
+/* Whether weight (query i, key j) is masked out: packed blocks by
+ * cpar__attn_packed_sees, plain ones (causal) by the top-left rule j > i. */
+static __device__ __forceinline__ bool cpar__attn_hidden(const cpar_dev_attn_pos &qp, const cpar_dev_attn_pos &kp,
+                                                         bool packed, bool causal, int64_t i, int64_t j) {
+    return packed ? !cpar__attn_packed_sees(qp, kp, causal, i, j) : causal && j > i;
+}
+
 static __device__ __forceinline__ bool cpar__attn_keep(const cpar_rng_state &rng, float p, uint64_t bh, uint64_t qpos,
                                                        uint64_t kpos) {
     const cpar__u4 w = cpar__philox4_sub(rng.seed, rng.offset + (kpos >> 2), ((bh + 1) << 32) + qpos);
@@ -2134,9 +2141,8 @@ CPAR__UNROLL
 CPAR__UNROLL
                 for (int r = 0; r < 4; r++) {
                     const int64_t j = j0 + nb * 8 + 2 * t + (r & 1);
-                    const bool hidden = packed ? !cpar__attn_packed_sees(a.qp, a.kp, a.causal, row[r >> 1], j)
-                                               : a.causal && j > row[r >> 1];
-                    if (j >= a.sk || hidden) s[nb][r] = -INFINITY;
+                    if (j >= a.sk || cpar__attn_hidden(a.qp, a.kp, packed, a.causal, row[r >> 1], j))
+                        s[nb][r] = -INFINITY;
                 }
         }
 
@@ -2380,6 +2386,31 @@ static __device__ __forceinline__ float cpar__ab_drop(const cpar__ab_args &p, in
     return keep ? dp * p.keep_scale : 0.f;
 }
 
+/* Calls f(nb, e, row, col) for every element acc[nb][e] of this warp's
+ * 16 x 8·NB m16n8k16 C fragments: tile row m0 + g + 8·(e/2), tile column
+ * nb·8 + 2t + e%2 (g = lane/4, t = lane%4). The one statement of that layout
+ * for the passes over S, dP and the accumulators of both kernels. */
+template <int NB, typename F> static __device__ __forceinline__ void cpar__ab_each(int m0, F &&f) {
+    const int lane = (int)(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
+    CPAR__UNROLL
+    for (int nb = 0; nb < NB; nb++)
+        CPAR__UNROLL
+        for (int e = 0; e < 4; e++) f(nb, e, m0 + g + 8 * (e >> 1), nb * 8 + 2 * t + (e & 1));
+}
+
+/* Whether weight (query i, key j) is masked out: rows past sq and, packed,
+ * cpar__attn_hidden's rule (rows past sq are padding of the last tile). */
+static __device__ __forceinline__ bool cpar__ab_hidden(const cpar__ab_args &p, bool packed, int64_t i, int64_t j) {
+    return (packed && i >= p.sq) || cpar__attn_hidden(p.qp, p.kp, packed, p.causal, i, j);
+}
+
+/* log2(e)·lse of query row i, +inf where P must be 0 (past sq, or lse = -inf:
+ * a row that sees no key), so exp2 gives exactly 0 there. */
+static __device__ __forceinline__ float cpar__ab_lse2(const cpar__ab_args &p, int64_t qbh, int64_t i) {
+    const float l = i < p.sq ? p.lse[qbh * p.lse_bh + i] : -INFINITY;
+    return l == -INFINITY ? INFINITY : l * CPAR__AB_LOG2E;
+}
+
 /* Shared bytes of a kernel holding two ROWS_A-row and two ROWS_B-row tiles of
  * T (row pitch D + 8) and two floats per query row. */
 template <typename T, int D> static constexpr size_t cpar__ab_smem(int rows_a, int rows_b, int q_rows) {
@@ -2506,9 +2537,9 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
     CPAR_DYN_SMEM(unsigned char, smem);
     T *sK = reinterpret_cast<T *>(smem), *sV = sK + BC * LD, *sQ = sV + BC * LD, *sdO = sQ + BR * LD;
     float *sL = reinterpret_cast<float *>(sdO + BR * LD), *sD = sL + BR;
-    const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2, t = lane & 3;
+    const int m0 = (int)(threadIdx.x >> 5) * 16;
     const int64_t j0 = (int64_t)blockIdx.x * BC, group = p.hq / p.hkv;
-    const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed;
+    const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed, drop = p.dropout_p > 0.f;
     const int64_t i_first = skip ? j0 / BR * BR : 0; /* earlier query tiles see none of these keys */
     if (i_first >= p.sq) return;                         /* block-uniform: no query sees them at all */
     for (int64_t bh = blockIdx.y; bh < p.b * p.hkv; bh += gridDim.y) {
@@ -2533,8 +2564,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
                     p.sq - i0, p.d);
                 for (int r = (int)threadIdx.x; r < BR; r += (int)blockDim.x) {
                     const int64_t i = i0 + r;
-                    const float l = i < p.sq ? p.lse[qbh * p.lse_bh + i] : -INFINITY;
-                    sL[r] = l == -INFINITY ? INFINITY : l * CPAR__AB_LOG2E;
+                    sL[r] = cpar__ab_lse2(p, qbh, i);
                     sD[r] = i < p.sq ? p.dsum[qbh * p.sq + i] : 0.f;
                 }
                 __syncthreads();
@@ -2542,52 +2572,32 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
                 if (j0 + m0 >= p.sk || (skip && j0 + m0 > i0 + BR - 1)) continue;
                 float s[NQ][4], dp[NQ][4]; /* Sᵀ then Pᵀ; dPᵀ then dSᵀ: [key][query] */
                 cpar__ab_mma_abt<T, NQ, D, LD>(s, sK, m0, sQ, p.d);
-                CPAR__UNROLL
-                for (int nb = 0; nb < NQ; nb++)
-                    CPAR__UNROLL
-                    for (int e = 0; e < 4; e++) {
-                        const int r = nb * 8 + 2 * t + (e & 1);
-                        const int64_t j = j0 + m0 + g + 8 * (e >> 1), i = i0 + r;
-                        const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -sL[r]));
-                        const bool hidden = packed ? i >= p.sq || !cpar__attn_packed_sees(p.qp, p.kp, p.causal, i, j)
-                                                   : p.causal && j > i;
-                        s[nb][e] = (j >= p.sk || hidden) ? 0.f : x;
-                    }
+                cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
+                    const int64_t j = j0 + kr, i = i0 + r;
+                    const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -sL[r]));
+                    s[nb][e] = (j >= p.sk || cpar__ab_hidden(p, packed, i, j)) ? 0.f : x;
+                });
                 cpar__ab_mma_abt<T, NQ, D, LD>(dp, sV, m0, sdO, p.d);
-                if (p.dropout_p > 0.f) {
-                    /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for dV */
-                    CPAR__UNROLL
-                    for (int nb = 0; nb < NQ; nb++)
-                        CPAR__UNROLL
-                        for (int e = 0; e < 4; e++) {
-                            const int r = nb * 8 + 2 * t + (e & 1);
-                            const int64_t j = j0 + m0 + g + 8 * (e >> 1), i = i0 + r;
-                            const float z = cpar__ab_drop(p, qbh, i, j, 1.f);
-                            dp[nb][e] = s[nb][e] * (dp[nb][e] * z - sD[r]);
-                            s[nb][e] *= z;
-                        }
-                } else {
-                    CPAR__UNROLL
-                    for (int nb = 0; nb < NQ; nb++)
-                        CPAR__UNROLL
-                        for (int e = 0; e < 4; e++) dp[nb][e] = s[nb][e] * (dp[nb][e] - sD[nb * 8 + 2 * t + (e & 1)]);
-                }
+                /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for dV.
+                 * Without dropout Z = 1: both products are exact, the bits those
+                 * of P ∘ (dP − D) and P. */
+                cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
+                    const float z = drop ? cpar__ab_drop(p, qbh, i0 + r, j0 + kr, 1.f) : 1.f;
+                    dp[nb][e] = s[nb][e] * (dp[nb][e] * z - sD[r]);
+                    s[nb][e] *= z;
+                });
                 cpar__ab_mma_xb<T, NQ, ND, LD>(dv, s, sdO, p.d);
                 cpar__ab_mma_xb<T, NQ, ND, LD>(dk, dp, sQ, p.d);
             }
         }
         float *gk = p.dk + bh * p.dkv_bh, *gv = p.dv + bh * p.dkv_bh;
-        CPAR__UNROLL
-        for (int nd = 0; nd < ND; nd++)
-            CPAR__UNROLL
-            for (int e = 0; e < 4; e++) {
-                const int64_t j = j0 + m0 + g + 8 * (e >> 1);
-                const int c = nd * 8 + 2 * t + (e & 1);
-                if (j < p.sk && c < p.d) {
-                    gk[j * p.d + c] += p.scale * dk[nd][e];
-                    gv[j * p.d + c] += dv[nd][e];
-                }
+        cpar__ab_each<ND>(m0, [&](int nd, int e, int kr, int c) {
+            const int64_t j = j0 + kr;
+            if (j < p.sk && c < p.d) {
+                gk[j * p.d + c] += p.scale * dk[nd][e];
+                gv[j * p.d + c] += dv[nd][e];
             }
+        });
     }
 }
 
@@ -2599,12 +2609,12 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
     constexpr int BR = CPAR__AB_BRQ, BC = CPAR__AB_BC, LD = D + 8, NK = BC / 8, ND = D / 8;
     CPAR_DYN_SMEM(unsigned char, smem);
     T *sQ = reinterpret_cast<T *>(smem), *sdO = sQ + BR * LD, *sK = sdO + BR * LD, *sV = sK + BC * LD;
-    const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2, t = lane & 3;
+    const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2;
     /* the last query tiles first: causal, they have the most key tiles, so the
      * long CTAs start early and the short ones fill the tail */
     const int64_t i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * BR, group = p.hq / p.hkv;
     /* causal: keys past the tile's last query are seen by none of its rows */
-    const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed;
+    const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed, drop = p.dropout_p > 0.f;
     const int64_t j_end = skip && i0 + BR < p.sk ? i0 + BR : p.sk;
     const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
     for (int64_t bh = blockIdx.y; bh < p.b * p.hq; bh += gridDim.y) {
@@ -2617,8 +2627,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
         CPAR__UNROLL
         for (int h = 0; h < 2; h++) {
             const int64_t i = i0 + m0 + g + 8 * h;
-            const float l = i < p.sq ? p.lse[bh * p.lse_bh + i] : -INFINITY;
-            l2[h] = l == -INFINITY ? INFINITY : l * CPAR__AB_LOG2E;
+            l2[h] = cpar__ab_lse2(p, bh, i);
             ds[h] = i < p.sq ? p.dsum[bh * p.sq + i] : 0.f;
         }
         float dq[ND][4];
@@ -2637,42 +2646,23 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
             if (i0 + m0 >= p.sq || (skip && j0 > i0 + m0 + 15)) continue;
             float s[NK][4], dp[NK][4]; /* S then P; dP then dS: [query][key] */
             cpar__ab_mma_abt<T, NK, D, LD>(s, sQ, m0, sK, p.d);
-            CPAR__UNROLL
-            for (int nb = 0; nb < NK; nb++)
-                CPAR__UNROLL
-                for (int e = 0; e < 4; e++) {
-                    const int64_t i = i0 + m0 + g + 8 * (e >> 1), j = j0 + nb * 8 + 2 * t + (e & 1);
-                    const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
-                    const bool hidden = packed ? i >= p.sq || !cpar__attn_packed_sees(p.qp, p.kp, p.causal, i, j)
-                                               : p.causal && j > i;
-                    s[nb][e] = (j >= p.sk || hidden) ? 0.f : x;
-                }
+            cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
+                const int64_t i = i0 + r, j = j0 + kc;
+                const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
+                s[nb][e] = (j >= p.sk || cpar__ab_hidden(p, packed, i, j)) ? 0.f : x;
+            });
             cpar__ab_mma_abt<T, NK, D, LD>(dp, sdO, m0, sV, p.d);
-            if (p.dropout_p > 0.f) {
-                CPAR__UNROLL
-                for (int nb = 0; nb < NK; nb++)
-                    CPAR__UNROLL
-                    for (int e = 0; e < 4; e++) {
-                        const int64_t i = i0 + m0 + g + 8 * (e >> 1), j = j0 + nb * 8 + 2 * t + (e & 1);
-                        dp[nb][e] = s[nb][e] * (cpar__ab_drop(p, bh, i, j, dp[nb][e]) - ds[e >> 1]);
-                    }
-            } else {
-                CPAR__UNROLL
-                for (int nb = 0; nb < NK; nb++)
-                    CPAR__UNROLL
-                    for (int e = 0; e < 4; e++) dp[nb][e] = s[nb][e] * (dp[nb][e] - ds[e >> 1]);
-            }
+            cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
+                const float dpz = drop ? cpar__ab_drop(p, bh, i0 + r, j0 + kc, dp[nb][e]) : dp[nb][e];
+                dp[nb][e] = s[nb][e] * (dpz - ds[e >> 1]);
+            });
             cpar__ab_mma_xb<T, NK, ND, LD>(dq, dp, sK, p.d);
         }
         float *gq = p.dq + bh * p.dq_bh;
-        CPAR__UNROLL
-        for (int nd = 0; nd < ND; nd++)
-            CPAR__UNROLL
-            for (int e = 0; e < 4; e++) {
-                const int64_t i = i0 + m0 + g + 8 * (e >> 1);
-                const int c = nd * 8 + 2 * t + (e & 1);
-                if (i < p.sq && c < p.d) gq[i * p.d + c] += p.scale * dq[nd][e];
-            }
+        cpar__ab_each<ND>(m0, [&](int nd, int e, int r, int c) {
+            const int64_t i = i0 + r;
+            if (i < p.sq && c < p.d) gq[i * p.d + c] += p.scale * dq[nd][e];
+        });
     }
 }
 
