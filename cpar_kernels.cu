@@ -1450,20 +1450,33 @@ template <typename F> static cudaError_t cpar__with_index_type(cpar_dtype dt, F 
 
 static bool cpar__is_index(cpar_dtype dt) { return dt == CPAR_I32 || dt == CPAR_I64; }
 
+/* The shape and dtype checks of cpar_dev_xent_local and _backward (func:
+ * the caller, named in the message); each checks its own pointers. */
+static cpar_status cpar__xent_check(const char *func, int64_t rows, int64_t cols, int64_t first, int64_t vocab,
+                                    cpar_dtype dt, cpar_dtype tdt) {
+    if (rows < 0) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: rows = %lld, expected >= 0", func, (long long)rows);
+    if (first < 0) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: first = %lld, expected >= 0", func, (long long)first);
+    if (cols < 1) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: cols = %lld, expected >= 1", func, (long long)cols);
+    if (vocab < first + cols)
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: vocab = %lld, expected >= first + cols = %lld", func,
+                              (long long)vocab, (long long)(first + cols));
+    if (!cpar__is_float(dt))
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: dtype %s, expected f32, f16 or bf16", func, cpar__dtype_name(dt));
+    if (!cpar__is_index(tdt))
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: target dtype %s, expected i32 or i64", func,
+                              cpar__dtype_name(tdt));
+    return CPAR_OK;
+}
+
 cpar_status cpar_dev_xent_local(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows,
                                 int64_t cols, int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part,
                                 cpar_dev_stream s) {
-    CPAR__CHECK_COUNT(rows);
-    CPAR__CHECK_COUNT(first);
-    if (cols < 1) return CPAR__INVALID("cols = %lld, expected >= 1", (long long)cols);
-    if (vocab < first + cols)
-        return CPAR__INVALID("vocab = %lld, expected >= first + cols = %lld", (long long)vocab, (long long)(first + cols));
+    const cpar_status st = cpar__xent_check(__func__, rows, cols, first, vocab, dt, tdt);
+    if (st != CPAR_OK) return st;
     CPAR__CHECK_PTR(logits, rows > 0);
     CPAR__CHECK_PTR(target, rows > 0);
     CPAR__CHECK_PTR(m_loc, rows > 0);
     CPAR__CHECK_PTR(part, rows > 0);
-    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
-    if (!cpar__is_index(tdt)) return CPAR__INVALID("target dtype %s, expected i32 or i64", cpar__dtype_name(tdt));
     if (rows == 0) return CPAR_OK;
     cudaStream_t cs = cpar__stream(s);
     cudaError_t e = cpar__with_float_type(dt, [&](auto zt) {
@@ -1578,18 +1591,13 @@ static cudaError_t cpar__launch_xent_backward_v(const void *logits, void *dlogit
 cpar_status cpar_dev_xent_backward(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
                                    cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows, int64_t cols,
                                    int64_t first, int64_t vocab, float s, cpar_dev_stream st) {
-    CPAR__CHECK_COUNT(rows);
-    CPAR__CHECK_COUNT(first);
-    if (cols < 1) return CPAR__INVALID("cols = %lld, expected >= 1", (long long)cols);
-    if (vocab < first + cols)
-        return CPAR__INVALID("vocab = %lld, expected >= first + cols = %lld", (long long)vocab, (long long)(first + cols));
+    const cpar_status stc = cpar__xent_check(__func__, rows, cols, first, vocab, dt, tdt);
+    if (stc != CPAR_OK) return stc;
     CPAR__CHECK_PTR(logits, rows > 0);
     CPAR__CHECK_PTR(dlogits, rows > 0);
     CPAR__CHECK_PTR(target, rows > 0);
     CPAR__CHECK_PTR(stats, rows > 0);
     CPAR__CHECK_PTR(dloss, rows > 0);
-    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
-    if (!cpar__is_index(tdt)) return CPAR__INVALID("target dtype %s, expected i32 or i64", cpar__dtype_name(tdt));
     if (rows == 0) return CPAR_OK;
     const float uniform = (float)((double)s / (double)vocab), hit = 1.f - s;
     cudaStream_t cs = cpar__stream(st);
@@ -2344,15 +2352,7 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * cp.async: no inline PTX outside k_mma.cu, and the simulator has none).
  * Uses: 2 (errors), 4 (widen/narrow, packs), k_mma.cu (tensor-core wrappers). */
 
-/* Full unrolling keeps the fragment arrays in registers under nvcc; g++ (the
- * sim build) does not know the pragma. Same definition as k_attn.cu's. */
-#ifndef CPAR__UNROLL
-#ifdef CPAR_SIM
-#define CPAR__UNROLL
-#else
-#define CPAR__UNROLL _Pragma("unroll")
-#endif
-#endif
+/* CPAR__UNROLL: section 16's (full unrolling under nvcc, nothing under g++). */
 
 static constexpr int CPAR__AB_BC = 64;      /* keys per tile (both kernels) */
 static constexpr int CPAR__AB_BRQ = 64;     /* queries per tile of the dq kernel */
@@ -3324,16 +3324,25 @@ static __global__ void cpar__rmsnorm_kernel(T *x, const T *__restrict__ add, con
     }
 }
 
+/* The size, dtype and eps checks of cpar_dev_rmsnorm and _backward (func:
+ * the caller, named in the message); each checks its own pointers. */
+static cpar_status cpar__rmsnorm_check(const char *func, int64_t rows, int64_t h, cpar_dtype dt, float eps) {
+    if (rows < 0) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: rows = %lld, expected >= 0", func, (long long)rows);
+    if (h < 0) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: h = %lld, expected >= 0", func, (long long)h);
+    if (!cpar__is_float(dt))
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: dtype %s, expected f32, f16 or bf16", func, cpar__dtype_name(dt));
+    if (!(eps >= 0.f)) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: eps = %g, expected >= 0", func, (double)eps);
+    return CPAR_OK;
+}
+
 cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
                              float eps, void *y, cpar_dev_stream s) {
-    CPAR__CHECK_COUNT(rows);
-    CPAR__CHECK_COUNT(h);
+    const cpar_status st = cpar__rmsnorm_check(__func__, rows, h, dt, eps);
+    if (st != CPAR_OK) return st;
     const bool nonempty = rows > 0 && h > 0;
     CPAR__CHECK_PTR(x, nonempty);
     CPAR__CHECK_PTR(weight, nonempty);
     CPAR__CHECK_PTR(y, nonempty);
-    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
-    if (!(eps >= 0.f)) return CPAR__INVALID("eps = %g, expected >= 0", (double)eps);
     if (!nonempty) return CPAR_OK;
     cudaStream_t cs = cpar__stream(s);
     cudaError_t e = cpar__with_float_type(dt, [&](auto tv) {
@@ -3414,16 +3423,14 @@ static __global__ void cpar__rmsnorm_dx_kernel(const T *__restrict__ x, const T 
 cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
                                       int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
                                       cpar_dev_stream s) {
-    CPAR__CHECK_COUNT(rows);
-    CPAR__CHECK_COUNT(h);
+    const cpar_status st = cpar__rmsnorm_check(__func__, rows, h, dt, eps);
+    if (st != CPAR_OK) return st;
     const bool nonempty = rows > 0 && h > 0;
     CPAR__CHECK_PTR(x, nonempty);
     CPAR__CHECK_PTR(weight, nonempty);
     CPAR__CHECK_PTR(dy, nonempty);
     CPAR__CHECK_PTR(dx, nonempty);
     CPAR__CHECK_PTR(stats_scratch, nonempty);
-    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
-    if (!(eps >= 0.f)) return CPAR__INVALID("eps = %g, expected >= 0", (double)eps);
     if (!nonempty) return CPAR_OK;
     cudaStream_t cs = cpar__stream(s);
     cudaError_t e = cpar__with_float_type(dt, [&](auto tv) {
