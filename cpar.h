@@ -780,7 +780,9 @@ cpar_status cpar_rng_set_state(cpar_ctx *ctx, const char *name, const cpar_rng_s
  * then advances by `blocks` (128-bit Philox blocks per subsequence), as
  * PyTorch's generator hands a fused kernel (seed, offset) and advances its
  * offset (philox_cuda_state(increment)). Draws after it never reuse those
- * offsets; under a fork the forked state advances. blocks may be 0. */
+ * offsets; under a fork the forked state advances. blocks may be 0; blocks
+ * that would wrap the offset past 2^64 (a state set far along its stream)
+ * are CPAR_ERR_INVALID and advance nothing. */
 cpar_status cpar_rng_reserve(cpar_ctx *ctx, uint64_t blocks, cpar_rng_state *used);
 /* _get_all_rng_states / _set_all_rng_states: every state at once. set_states
  * replaces the current state and the whole set of named states with the
