@@ -1390,7 +1390,14 @@ cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_conf
  * Packed sequences (cfg->packed, load balancing, b = 1): every step is the
  * whole block masked by document and global position (a document's chunk
  * pairs follow the load-balanced rule above, interleaved along the shard);
- * the communication is the plain ring's.
+ * the communication is the plain ring's. On devices the flash kernels skip
+ * the tiles (64 rows of queries by 64 keys) whose every pair is hidden (in
+ * different documents or, causal, every key after every query): their
+ * weights are exact zeros, so the work follows the documents' blocks
+ * instead of the whole shard and the gradients keep every bit (the
+ * forward too in the simulator; on a GPU a visited hidden tile could only
+ * nudge the running softmax sum by the rounding of nvcc's fused rescale).
+ * The host loop still visits every tile of a packed block and masks it.
  * Block results are merged in fp32 as _SDPAMerger does:
  *   out <- out - sigmoid(lse_b - lse) (out - out_b),  lse <- lse - logsigmoid(lse - lse_b)
  * (a row no block reaches keeps lse = -inf and out = 0). */

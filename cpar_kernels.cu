@@ -1941,10 +1941,15 @@ static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint3
  * Tensor cores only through section 15's wrappers, so the sim runs the very
  * fragment code an H100 runs. Reads b·hq·(sq·d + KV tiles · 2·64·d)
  * elements, writes b·hq·sq·(d + 1).
- * Packed blocks (a.qp.cu and a.kp.cu set): every KV tile is visited and
- * masked per weight by document and global position (cpar__attn_packed_sees;
- * the backward kernels likewise), since a ring block's visible pairs
- * interleave along the shard.
+ * Packed blocks (a.qp.cu and a.kp.cu set): masked per weight by document
+ * and global position (cpar__attn_packed_sees; the backward kernels
+ * likewise), since a ring block's visible pairs interleave along the shard;
+ * the KV tiles that hide every weight from the CTA's rows are skipped
+ * (cpar__attn_visible: a prefix and a suffix of the tiles, found by binary
+ * search). Their weights are exact zeros: the backward's bits do not
+ * change, nor the forward's in the sim (g++ does not contract); under nvcc
+ * a visited hidden tile rescaled o and l by exp2(fma(m, sl2, -m·sl2)), a
+ * rounding step away from 1, which skipping leaves out.
  * Dropout (a.dropout_p > 0): after the online softmax has summed a tile's
  * weights into l, each dropped weight is zeroed before P V (the mask is one
  * Philox block per weight at its global positions, cpar__attn_keep below:
@@ -2021,6 +2026,18 @@ static __device__ __forceinline__ void cpar__attn_stage(T *tile, const T *src, i
  * of offset rng.offset + kpos / 4 in subsequence (bh + 1)·2^32 + qpos, as a
  * uniform (section 12's u01) compared with p. Integer work and one exact
  * multiply, so every build draws the same mask. */
+/* The document whose (padded) local rows hold row i of a packed block's
+ * shard (i < cu[n_docs] / P): the last d with cu[d] / P <= i. */
+static __device__ __forceinline__ int cpar__attn_slot(const cpar_dev_attn_pos &p, int64_t i) {
+    int lo = 0, hi = p.n_docs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (p.cu[mid] / p.P <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Row i's global position, and its document in *doc (packed: -1 for
  * padding; plain: 0); twin of cpar.c §18's cpar__attn_row. */
 static __device__ __forceinline__ int64_t cpar__attn_row(const cpar_dev_attn_pos &p, int64_t i, int *doc) {
@@ -2033,12 +2050,7 @@ static __device__ __forceinline__ int64_t cpar__attn_row(const cpar_dev_attn_pos
         *doc = -1;
         return i;
     }
-    int lo = 0, hi = p.n_docs - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (p.cu[mid] / P <= i) lo = mid;
-        else hi = mid - 1;
-    }
+    const int lo = cpar__attn_slot(p, i);
     int64_t g = i;
     if (P > 1) {
         const int64_t c = ((int64_t)p.cu[lo + 1] - p.cu[lo]) / (2 * P), o = i - p.cu[lo] / P;
@@ -2070,6 +2082,80 @@ static __device__ __forceinline__ bool cpar__attn_hidden(const cpar_dev_attn_pos
     return packed ? !cpar__attn_packed_sees(qp, kp, causal, i, j) : causal && j > i;
 }
 
+/* Packed blocks: skip the tiles that hide every weight (read on the host at
+ * launch, passed to the kernels). Test hook: the sim suite turns it off to
+ * check that the outputs are bit-identical either way. */
+static bool cpar__attn_skip_hidden_tiles = true;
+
+/* Rows [0, n) of a packed block that lie in its shard. */
+static __device__ __forceinline__ int64_t cpar__attn_rows_in(const cpar_dev_attn_pos &p, int64_t n) {
+    const int64_t shard = p.cu[p.n_docs] / p.P;
+    return n < shard ? n : shard;
+}
+
+/* Packed blocks: the tiles [*lo, *hi) of `ts` rows of the other side (tp,
+ * n_t rows) that may show a weight to rows [fa, fb] of this side (fp, rows
+ * of the shard, fa <= fb); KEY_TILES: the tiles are keys and [fa, fb]
+ * queries, else the reverse. Every tile outside hides all its pairs from
+ * all those rows, so skipping it changes no bit (its weights are exact
+ * zeros). Along a shard, documents and global positions never decrease
+ * (chunk r precedes chunk 2P-1-r within a document), so a tile wholly in
+ * earlier documents, wholly in later ones, or (causal) wholly after the last
+ * query or before the first key is hidden, and those tiles form a prefix and
+ * a suffix: two binary searches, O(log tiles · log n_docs) per CTA. Padding
+ * rows count as their document's: that only keeps a tile. */
+template <bool KEY_TILES>
+static __device__ void cpar__attn_tile_span(const cpar_dev_attn_pos &fp, const cpar_dev_attn_pos &tp, bool causal,
+                                            int64_t fa, int64_t fb, int64_t n_t, int ts, int64_t *lo, int64_t *hi) {
+    const int64_t tiles = (n_t + ts - 1) / ts;
+    const int da = cpar__attn_slot(fp, fa), db = cpar__attn_slot(fp, fb);
+    const int64_t pa = cpar__attn_pos(fp, fa), pb = cpar__attn_pos(fp, fb);
+    auto before = [&](int64_t t) { /* the tile ends before any row of [fa, fb] can see it */
+        const int64_t last = (t + 1) * ts < n_t ? (t + 1) * ts - 1 : n_t - 1;
+        return cpar__attn_slot(tp, last) < da || (!KEY_TILES && causal && cpar__attn_pos(tp, last) < pa);
+    };
+    auto after = [&](int64_t t) { /* the tile starts after every row of [fa, fb] is done with it */
+        return cpar__attn_slot(tp, t * ts) > db || (KEY_TILES && causal && cpar__attn_pos(tp, t * ts) > pb);
+    };
+    int64_t a = 0, b = tiles; /* first tile not before */
+    while (a < b) {
+        const int64_t m = (a + b) / 2;
+        if (before(m)) a = m + 1;
+        else b = m;
+    }
+    *lo = a;
+    b = tiles; /* first tile after, from there on */
+    while (a < b) {
+        const int64_t m = (a + b) / 2;
+        if (after(m)) b = m;
+        else a = m + 1;
+    }
+    *hi = a;
+}
+
+/* The row range [*r0, *r1) of the other side's tiles of `ts` rows (n_t
+ * rows) that rows [a, a + n) of this side (n_f rows) may see: everything
+ * unless skip (a packed block, skipping on); empty when none of [a, a + n)
+ * is in the shard. */
+template <bool KEY_TILES>
+static __device__ void cpar__attn_visible(const cpar_dev_attn_pos &fp, const cpar_dev_attn_pos &tp, bool skip,
+                                          bool causal, int64_t a, int64_t n, int64_t n_f, int64_t n_t, int ts,
+                                          int64_t *r0, int64_t *r1) {
+    *r0 = 0, *r1 = n_t;
+    if (!skip) return;
+    const int64_t fv = cpar__attn_rows_in(fp, n_f), tv = cpar__attn_rows_in(tp, n_t);
+    const int64_t fb = (a + n < fv ? a + n : fv) - 1;
+    if (fb < a || tv == 0) {
+        *r1 = 0;
+        return;
+    }
+    int64_t lo, hi;
+    cpar__attn_tile_span<KEY_TILES>(fp, tp, causal, a, fb, tv, ts, &lo, &hi);
+    *r0 = lo * ts;
+    *r1 = hi * ts < tv ? hi * ts : tv;
+    if (*r1 < *r0) *r1 = *r0;
+}
+
 static __device__ __forceinline__ bool cpar__attn_keep(const cpar_rng_state &rng, float p, uint64_t bh, uint64_t qpos,
                                                        uint64_t kpos) {
     const cpar__u4 w = cpar__philox4_sub(rng.seed, rng.offset + (kpos >> 2), ((bh + 1) << 32) + qpos);
@@ -2081,7 +2167,7 @@ static __device__ __forceinline__ bool cpar__attn_keep(const cpar_rng_state &rng
 template <typename T, int DT>
 static __global__ void __launch_bounds__(CPAR__ATTN_THREADS)
     cpar__attn_fwd_kernel(const cpar_dev_attn a, void *__restrict__ out, bool out_f32, int64_t o_bh,
-                          float *__restrict__ lse, int64_t lse_bh, bool vec, float keep_scale) {
+                          float *__restrict__ lse, int64_t lse_bh, bool vec, float keep_scale, bool skip_tiles) {
     constexpr int LD = DT + 8; /* +16 bytes: conflict-free ldmatrix rows */
     constexpr int KSTEPS = DT / 16, NB = CPAR__ATTN_BN / 8, OB = DT / 8;
     __shared__ __align__(16) T sk[CPAR__ATTN_BN * LD]; /* also stages the Q tile */
@@ -2117,11 +2203,15 @@ CPAR__UNROLL
 
     /* Pipeline (FA2's): K(j) and V(j) are separate copy groups; V(j) lands
      * while S(j) is computed, K(j+1) while O += P(j) V(j) is. */
-    const bool packed = a.qp.cu != NULL && a.kp.cu != NULL; /* masks every tile, skips none */
-    const int64_t kv_end = a.causal && !packed ? (a.sk < q0 + CPAR__ATTN_BM ? a.sk : q0 + CPAR__ATTN_BM) : a.sk;
+    /* packed: the key tiles that some row of this tile may see (masked per weight within) */
+    const bool packed = a.qp.cu != NULL && a.kp.cu != NULL;
+    int64_t kv_begin, kv_end;
+    cpar__attn_visible<true>(a.qp, a.kp, packed && skip_tiles, a.causal, q0, CPAR__ATTN_BM, a.sq, a.sk, CPAR__ATTN_BN,
+                             &kv_begin, &kv_end);
+    if (a.causal && !packed && q0 + CPAR__ATTN_BM < kv_end) kv_end = q0 + CPAR__ATTN_BM;
     __syncthreads(); /* every warp has its Q fragments: sk is free for K */
-    if (kv_end > 0) cpar__attn_stage<T, DT, LD>(sk, k, 0, a.sk, d, vec);
-    for (int64_t j0 = 0; j0 < kv_end; j0 += CPAR__ATTN_BN) {
+    if (kv_begin < kv_end) cpar__attn_stage<T, DT, LD>(sk, k, kv_begin, a.sk, d, vec);
+    for (int64_t j0 = kv_begin; j0 < kv_end; j0 += CPAR__ATTN_BN) {
         cpar__attn_stage<T, DT, LD>(sv, v, j0, a.sk, d, vec); /* sv is free: barrier at the end of the last step */
         cpar__attn_cp_wait<1>();                              /* K(j) has landed (V(j) may be in flight) */
         __syncthreads();
@@ -2246,7 +2336,8 @@ static cudaError_t cpar__launch_attn_fwd(const cpar_dev_attn &a, void *out, bool
                                          int64_t lse_bh, bool vec, dim3 grid, cudaStream_t s) {
     auto kernel = cpar__attn_fwd_kernel<T, DT>;
     const float keep_scale = 1.0f / (1.0f - a.dropout_p); /* on the host: cpar.c's cpar__attn_keep_scale */
-    CPAR_LAUNCH(kernel, grid, CPAR__ATTN_THREADS, 0, s)(a, out, out_f32, o_bh, lse, lse_bh, vec, keep_scale);
+    CPAR_LAUNCH(kernel, grid, CPAR__ATTN_THREADS, 0, s)
+    (a, out, out_f32, o_bh, lse, lse_bh, vec, keep_scale, cpar__attn_skip_hidden_tiles);
     return cudaGetLastError();
 }
 
@@ -2371,7 +2462,7 @@ struct cpar__ab_args {
     float *dq, *dk, *dv;
     int64_t b, hq, hkv, sq, sk, q_bh, kv_bh, o_bh, lse_bh, dq_bh, dkv_bh;
     int d;
-    bool dout_f32, causal;
+    bool dout_f32, causal, skip_tiles; /* skip_tiles: cpar__attn_skip_hidden_tiles at launch */
     float scale, scale_log2; /* scale and scale·log2(e): exp(x) = exp2(x·log2 e) */
     float dropout_p, keep_scale; /* keep_scale = 1 / (1 - p) */
     cpar_rng_state rng;
@@ -2540,8 +2631,10 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
     const int m0 = (int)(threadIdx.x >> 5) * 16;
     const int64_t j0 = (int64_t)blockIdx.x * BC, group = p.hq / p.hkv;
     const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed, drop = p.dropout_p > 0.f;
-    const int64_t i_first = skip ? j0 / BR * BR : 0; /* earlier query tiles see none of these keys */
-    if (i_first >= p.sq) return;                         /* block-uniform: no query sees them at all */
+    int64_t i_first, i_end; /* packed: the query tiles that may see a key of this tile */
+    cpar__attn_visible<false>(p.kp, p.qp, packed && p.skip_tiles, p.causal, j0, BC, p.sk, p.sq, BR, &i_first, &i_end);
+    if (skip) i_first = j0 / BR * BR;  /* earlier query tiles see none of these keys */
+    if (skip && i_first >= p.sq) return; /* block-uniform: no query sees them at all */
     for (int64_t bh = blockIdx.y; bh < p.b * p.hkv; bh += gridDim.y) {
         const int64_t bi = bh / p.hkv, hk = bh % p.hkv;
         __syncthreads(); /* the previous slice's readers of sK/sV are done */
@@ -2554,7 +2647,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
             for (int e = 0; e < 4; e++) dk[nd][e] = dv[nd][e] = 0.f;
         for (int64_t hi = hk * group; hi < (hk + 1) * group; hi++) {
             const int64_t qbh = bi * p.hq + hi;
-            for (int64_t i0 = i_first; i0 < p.sq; i0 += BR) {
+            for (int64_t i0 = i_first; i0 < i_end; i0 += BR) {
                 __syncthreads(); /* readers of the previous sQ/sdO/sL/sD are done */
                 const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
                 cpar__ab_load_tile<T, D, BR>(sQ, static_cast<const T *>(p.q) + qbh * p.q_bh + i0 * p.d, false,
@@ -2615,7 +2708,9 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
     const int64_t i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * BR, group = p.hq / p.hkv;
     /* causal: keys past the tile's last query are seen by none of its rows */
     const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed, drop = p.dropout_p > 0.f;
-    const int64_t j_end = skip && i0 + BR < p.sk ? i0 + BR : p.sk;
+    int64_t j_begin, j_end; /* packed: the key tiles that some query of this tile may see */
+    cpar__attn_visible<true>(p.qp, p.kp, packed && p.skip_tiles, p.causal, i0, BR, p.sq, p.sk, BC, &j_begin, &j_end);
+    if (skip && i0 + BR < j_end) j_end = i0 + BR;
     const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
     for (int64_t bh = blockIdx.y; bh < p.b * p.hq; bh += gridDim.y) {
         const int64_t kvbh = (bh / p.hq) * p.hkv + (bh % p.hq) / group;
@@ -2635,7 +2730,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
         for (int nd = 0; nd < ND; nd++)
             CPAR__UNROLL
             for (int e = 0; e < 4; e++) dq[nd][e] = 0.f;
-        for (int64_t j0 = 0; j0 < j_end; j0 += BC) {
+        for (int64_t j0 = j_begin; j0 < j_end; j0 += BC) {
             __syncthreads(); /* readers of the previous sK/sV are done (and sQ/sdO are loaded) */
             cpar__ab_load_tile<T, D, BC>(sK, static_cast<const T *>(p.k) + kvbh * p.kv_bh + j0 * p.d, false,
                                          p.sk - j0, p.d);
@@ -2789,6 +2884,7 @@ cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, cons
     p.d = (int)d;
     p.dout_f32 = out_dt == CPAR_F32;
     p.causal = a->causal;
+    p.skip_tiles = cpar__attn_skip_hidden_tiles;
     p.scale = a->scale;
     p.scale_log2 = a->scale * CPAR__AB_LOG2E;
     p.dropout_p = a->dropout_p;
