@@ -9,7 +9,7 @@
  *   -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL   CUDA build: + NCCL backend
  *
  * Table of contents (later sections call earlier ones, never the reverse)
- *    1. Platform and utilities      time, logging, aligned host memory
+ *    1. Platform and utilities      time, logging, aligned host memory, the shared host arena
  *    2. Errors                      status names, last-error lines, argument checks
  *    3. Data types and tensors      dtype table, fp16/bf16 bits, tensor helpers
  *    4. Device dispatch             host-only device layer, workspace, copies
@@ -17,7 +17,8 @@
  *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
  *    7. Rendezvous store and env    launch environment, TCP key-value store (job token, limits), join
  *    8. Host backend                rendezvous with deadlines; every rank moves its share of a collective;
- *                                   ranks as processes: shared-memory segments, futex waits, dead-peer checks
+ *                                   ranks as processes: shared-memory segments, futex waits, dead-peer checks,
+ *                                   peers' arenas mapped and read in place
  *    9. NCCL backend                communicators, async-error polling, abort
  *   10. Groups                      world group, split, destroy, statistics
  *   11. Collectives                 argument checks, byte accounting, dispatch
@@ -131,6 +132,10 @@ struct cpar_ctx {
     cpar_dev_blas blas;
     struct cpar__rng *rng; /* RNG tracker (section 15); NULL until first use */
     cpar_dev_event ring_ev[3]; /* ring attention's stream fork/join (section 19); created on first use */
+    struct cpar__arena *arena; /* ranks as processes: where large host buffers live (section 1) */
+    char **arena_peer;    /* [world] the peers' arenas mapped here (section 8); NULL: not mapped */
+    size_t *arena_peer_bytes; /* [world] their sizes */
+    bool arena_all;       /* every peer's arena is mapped: collectives may read peers' buffers directly */
     bool aborted;
     char err[CPAR_ERR_LEN];
 };
@@ -301,6 +306,171 @@ static void *cpar__host_alloc(size_t bytes) {
 }
 
 static int64_t cpar__min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static size_t cpar__round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+/* ---- the shared host arena (host backend, ranks as processes) -------------
+ * A process-mode context (section 12) allocates its host tensors and its
+ * workspace of at least CPAR__ARENA_MIN bytes from one memfd of
+ * CPAR__ARENA_BYTES, sparse (pages exist once touched), which its peers map
+ * through /proc/<pid>/fd (section 8): a collective on such buffers reads and
+ * writes the peers' memory directly, as the threaded backend does. A memfd
+ * has no name in /dev/shm, so nothing is ever left there. Blocks are whole
+ * pages, first fit over a sorted list of holes; a freed block's pages go back
+ * to the kernel at once (a hole punched in the file, which also drops them
+ * from the peers' mappings). The mapping is not inherited across fork
+ * (MADV_DONTFORK): a forked child writing its parent's tensors would write
+ * into the job's memory. Arenas are found by address (cpar__mem_free has no
+ * context), in a list under one lock; one retired by cpar_finalize lives on
+ * until its last block is freed. */
+
+#ifndef CPAR__ARENA_BYTES
+#define CPAR__ARENA_BYTES ((size_t)64 << 30) /* address space per rank; memory is what is touched */
+#endif
+#define CPAR__ARENA_MIN ((size_t)16 << 10)   /* smaller allocations stay on the heap (a page each would waste) */
+#define CPAR__PAGE ((size_t)4096)
+
+typedef struct cpar__extent {
+    size_t off, len;
+} cpar__extent;
+
+typedef struct cpar__arena {
+    int fd;
+    char *base;
+    size_t cap, top;             /* the mapping's size; the end of the highest block */
+    cpar__extent *holes, *live;  /* free extents below top, by offset; the blocks handed out */
+    size_t nholes, nlive, holes_cap, live_cap;
+    bool retired;                /* its context is gone: destroyed with its last block */
+    struct cpar__arena *next;
+} cpar__arena;
+
+static pthread_mutex_t cpar__arena_mu = PTHREAD_MUTEX_INITIALIZER;
+static cpar__arena *cpar__arenas;
+
+/* Room for one more entry in a table (under the lock). */
+static bool cpar__extent_reserve(cpar__extent **v, size_t n, size_t *cap) {
+    if (n < *cap) return true;
+    size_t want = *cap ? *cap * 2 : 64;
+    cpar__extent *p = realloc(*v, want * sizeof *p);
+    if (!p) return false;
+    *v = p, *cap = want;
+    return true;
+}
+
+/* A new arena of cap bytes, or NULL (the context then allocates on the heap
+ * and its collectives stage through the segment). */
+static cpar__arena *cpar__arena_create(size_t cap) {
+#ifdef __linux__
+    cpar__arena *a = calloc(1, sizeof *a);
+    if (!a) return NULL;
+    a->fd = (int)syscall(SYS_memfd_create, "cpar-arena", 1u /* MFD_CLOEXEC */);
+    if (a->fd < 0 || ftruncate(a->fd, (off_t)cap) != 0 ||
+        (a->base = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, a->fd, 0)) == MAP_FAILED) {
+        if (a->fd >= 0) close(a->fd);
+        free(a);
+        return NULL;
+    }
+    madvise(a->base, cap, MADV_DONTFORK);
+    a->cap = cap;
+    pthread_mutex_lock(&cpar__arena_mu);
+    a->next = cpar__arenas;
+    cpar__arenas = a;
+    pthread_mutex_unlock(&cpar__arena_mu);
+    return a;
+#else
+    (void)cap;
+    return NULL;
+#endif
+}
+
+/* Unlink a (lock held) and release it. */
+static void cpar__arena_destroy_locked(cpar__arena *a) {
+    for (cpar__arena **p = &cpar__arenas; *p; p = &(*p)->next)
+        if (*p == a) {
+            *p = a->next;
+            break;
+        }
+    munmap(a->base, a->cap);
+    close(a->fd);
+    free(a->holes);
+    free(a->live);
+    free(a);
+}
+
+/* bytes (rounded up to pages) from a, or NULL when no hole or the space above
+ * the top fits them. */
+static void *cpar__arena_alloc(cpar__arena *a, size_t bytes) {
+    size_t len = cpar__round_up(bytes ? bytes : 1, CPAR__PAGE), off = SIZE_MAX;
+    pthread_mutex_lock(&cpar__arena_mu);
+    if (cpar__extent_reserve(&a->live, a->nlive, &a->live_cap)) {
+        for (size_t i = 0; i < a->nholes && off == SIZE_MAX; i++)
+            if (a->holes[i].len >= len) {
+                off = a->holes[i].off;
+                a->holes[i].off += len, a->holes[i].len -= len;
+                if (!a->holes[i].len) memmove(&a->holes[i], &a->holes[i + 1], (a->nholes-- - i - 1) * sizeof *a->holes);
+            }
+        if (off == SIZE_MAX && len <= a->cap - a->top) off = a->top, a->top += len;
+        if (off != SIZE_MAX) a->live[a->nlive++] = (cpar__extent){off, len};
+    }
+    pthread_mutex_unlock(&cpar__arena_mu);
+    return off == SIZE_MAX ? NULL : a->base + off;
+}
+
+/* Give p back if an arena handed it out (true), punching its pages out of the
+ * file and merging its extent with the holes around it. */
+static bool cpar__arena_free(void *p) {
+    bool found = false;
+    pthread_mutex_lock(&cpar__arena_mu);
+    for (cpar__arena *a = cpar__arenas; a && !found; a = a->next) {
+        if ((char *)p < a->base || (char *)p >= a->base + a->top) continue;
+        size_t off = (size_t)((char *)p - a->base), i = 0;
+        while (i < a->nlive && a->live[i].off != off) i++;
+        if (i == a->nlive) break; /* inside the arena but not a block: not ours to free */
+        found = true;
+        cpar__extent e = a->live[i];
+        a->live[i] = a->live[--a->nlive];
+#ifdef __linux__
+        fallocate(a->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)e.off, (off_t)e.len);
+#endif
+        size_t h = 0; /* the first hole after e */
+        while (h < a->nholes && a->holes[h].off < e.off) h++;
+        if (h > 0 && a->holes[h - 1].off + a->holes[h - 1].len == e.off) { /* merge into the one before */
+            e.off = a->holes[h - 1].off, e.len += a->holes[h - 1].len;
+            memmove(&a->holes[h - 1], &a->holes[h], (a->nholes-- - h) * sizeof *a->holes);
+            h--;
+        }
+        if (h < a->nholes && e.off + e.len == a->holes[h].off) { /* and the one after */
+            e.len += a->holes[h].len;
+            memmove(&a->holes[h], &a->holes[h + 1], (a->nholes-- - h - 1) * sizeof *a->holes);
+        }
+        if (e.off + e.len == a->top) a->top = e.off; /* the top comes down instead of a hole there */
+        else if (cpar__extent_reserve(&a->holes, a->nholes, &a->holes_cap)) {
+            memmove(&a->holes[h + 1], &a->holes[h], (a->nholes - h) * sizeof *a->holes);
+            a->holes[h] = e, a->nholes++;
+        } /* else the extent is lost to later allocations (its pages are released all the same) */
+        if (a->retired && !a->nlive) cpar__arena_destroy_locked(a);
+    }
+    pthread_mutex_unlock(&cpar__arena_mu);
+    return found;
+}
+
+/* Its context is finalized: destroy a now, or with its last live block. */
+static void cpar__arena_retire(cpar__arena *a) {
+    if (!a) return;
+    pthread_mutex_lock(&cpar__arena_mu);
+    a->retired = true;
+    if (!a->nlive) cpar__arena_destroy_locked(a);
+    pthread_mutex_unlock(&cpar__arena_mu);
+}
+
+/* Where [p, p + bytes) lies in a's mapping (its offset), or -1 when it does
+ * not. The whole mapping, not just below the top: the peers map all of it,
+ * and the top may move under another thread's allocation. */
+static int64_t cpar__arena_offset(const cpar__arena *a, const void *p, size_t bytes) {
+    if (!a || !p || (const char *)p < a->base) return -1;
+    size_t off = (size_t)((const char *)p - a->base);
+    return off <= a->cap && bytes <= a->cap - off ? (int64_t)off : -1;
+}
 
 /* ==== 2. Errors ==========================================================
  * Every failure leaves one line in the thread's last error and, when a
@@ -838,6 +1008,8 @@ static cpar_status cpar__copy_2d(cpar_ctx *ctx, const char *fn, void *dst, size_
 static cpar_status cpar__mem_alloc(cpar_ctx *ctx, const char *fn, int device, size_t bytes, void **out) {
     *out = NULL;
     if (!cpar__on_device(device)) {
+        /* A process-mode context's peers read its arena: large buffers go there. */
+        if (ctx && ctx->arena && bytes >= CPAR__ARENA_MIN && (*out = cpar__arena_alloc(ctx->arena, bytes))) return CPAR_OK;
         *out = cpar__host_alloc(bytes);
         if (!*out) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: host allocation of %zu bytes failed", fn, bytes);
         return CPAR_OK;
@@ -849,7 +1021,7 @@ static cpar_status cpar__mem_alloc(cpar_ctx *ctx, const char *fn, int device, si
 static void cpar__mem_free(int device, void *p) {
     if (!p) return;
     if (cpar__on_device(device)) cpar_dev_free(p);
-    else free(p);
+    else if (!cpar__arena_free(p)) free(p);
 }
 
 /* At least bytes of a growing buffer on the context's device. It only grows
@@ -4142,24 +4314,18 @@ static cpar_status cpar__hc_copy(cpar_ctx *ctx, const char *fn, void *dst, const
     return cpar__copy_bytes_on(ctx, fn, cpar__coll_stream(ctx), dst, dev, src, dev, bytes);
 }
 
-/* Post, meet, check agreement, move this member's share, meet again. Every
- * member moves its own part in parallel with the others: all-reduce and
+/* Move this member's share of a collective whose members' slots sl (every
+ * buffer addressable here, descriptors validated) are published: every
+ * member moves its own part in parallel with the others. All-reduce and
  * reduce-scatter reduce a 1/n share each (in rank order, so every member and
  * every run sums the same way), all-gather, all-to-all and broadcast pull
- * what the member receives. */
-static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar__slot *mine) {
+ * what the member receives. Ranks as threads and ranks as processes whose
+ * buffers are in arenas (cpar__pc_collective) share it, so both give the
+ * same bits. */
+static cpar_status cpar__hc_move(cpar_group *g, const char *fn, const cpar__slot *mine, const cpar__slot *sl) {
     cpar_ctx *ctx = g->ctx;
-    cpar__hcomm *hc = g->hc;
     int n = g->size, me = g->rank, dev = ctx->device;
-    const cpar_dev_stream cs = cpar__coll_stream(ctx);
-    /* On the communication stream: peers read our buffers as soon as the
-     * rendezvous publishes them, so work already queued on compute (which may
-     * produce them) must be finished first. On compute, stream order does it. */
-    if (cpar__on_device(dev) && cs != ctx->compute) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
-    cpar__hc_post(g, mine);
-    CPAR_TRY(cpar__hc_rendezvous(g, fn));
-    cpar_status st = cpar__hc_validate(g, fn);
-    const cpar__slot *sl = hc->slot;
+    cpar_status st = CPAR_OK;
     size_t es = cpar_dtype_size(mine->dtype), row = (size_t)mine->row_elems * es;
     const void *ins[256];
     void *outs[256];
@@ -4226,6 +4392,23 @@ static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar
     default: break;
     }
     if (stream && !cpar__on_device(dev)) cpar__host_stream_fence();
+    return st;
+}
+
+/* Post, meet, check agreement, move this member's share (cpar__hc_move),
+ * meet again. */
+static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar__slot *mine) {
+    cpar_ctx *ctx = g->ctx;
+    int dev = ctx->device;
+    const cpar_dev_stream cs = cpar__coll_stream(ctx);
+    /* On the communication stream: peers read our buffers as soon as the
+     * rendezvous publishes them, so work already queued on compute (which may
+     * produce them) must be finished first. On compute, stream order does it. */
+    if (cpar__on_device(dev) && cs != ctx->compute) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+    cpar__hc_post(g, mine);
+    CPAR_TRY(cpar__hc_rendezvous(g, fn));
+    cpar_status st = cpar__hc_validate(g, fn);
+    if (st == CPAR_OK) st = cpar__hc_move(g, fn, mine, g->hc->slot);
     /* Device work reads peers' buffers: finish it before releasing them. */
     if (st == CPAR_OK && cpar__on_device(dev)) {
         cpar_status ds = cpar_dev_stream_sync(cs);
@@ -4305,10 +4488,14 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
             pthread_cond_broadcast(&job->cv);
         }
     }
-    if (st == CPAR_OK && to >= 0) {
+    /* Our send stays readable until the receiver took it, even when this
+     * rank refused its own receive (CPAR_ERR_INVALID): the receiver may be
+     * copying from it right now. */
+    if ((st == CPAR_OK || st == CPAR_ERR_INVALID) && to >= 0) {
         cpar__wait w = {CPAR__WAIT_TAKEN, to, sent_no};
-        st = cpar__wait_locked(g, fn, &w, deadline);
+        cpar_status ws = cpar__wait_locked(g, fn, &w, deadline);
         const cpar__mailbox *b = &hc->box[(size_t)me * (size_t)n + (size_t)to];
+        if (st == CPAR_OK || ws != CPAR_OK) st = ws; /* a failed wait says why last */
         if (st == CPAR_OK && b->rejected)
             st = cpar__fail(ctx, CPAR_ERR_INVALID, "%s: rank %d expected %lld elements of %s, this rank sent it %lld "
                             "elements of %s", fn, hc->world_ranks[to], (long long)b->want_numel,
@@ -4327,7 +4514,10 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
  * in /dev/shm even when a rank is killed (the mappings live on until the
  * processes end).
  *
- * The algorithms are the threaded ones, with a staging area between: each
+ * When every member's buffers lie in its arena (section 1), which every
+ * member maps at start-up, a collective runs the threaded backend's data
+ * movement on the peers' buffers in place (cpar__pc_direct). Otherwise the
+ * algorithms are the threaded ones, with a staging area between: each
  * member has a slot of two halves of `chunk` bytes (used in turn, stage after
  * stage), cut into one sub-slot per member where the data has a destination.
  * A stage copies this member's pieces into its slot, meets the others, then
@@ -4365,12 +4555,16 @@ typedef struct cpar__pc_member {
     _Atomic uint64_t entered;   /* barriers this member entered */
     _Atomic int32_t exited;     /* finalized */
     _Atomic uint32_t bell;      /* bumped when a mailbox of this member changes (a futex word) */
-    char pad[40];
+    int32_t arena_fd, pad;      /* its arena's descriptor in its process (-1: none), which peers open */
+    uint64_t arena_bytes;       /* through /proc/<pid>/fd, and its size */
+    char pad2[24];
 } cpar__pc_member;
 
 typedef struct cpar__pc_desc {  /* a member's cpar__slot without its pointers */
-    int32_t kind, dtype, op, root, has_sizes, pad;
+    int32_t kind, dtype, op, root, has_sizes;
+    int32_t direct;             /* its in (and an all-reduce's out) lie in its arena, and it mapped every peer's */
     int64_t rows, row_elems;
+    int64_t in_off, out_off;    /* where in its arena */
 } cpar__pc_desc;
 
 typedef struct cpar__pc_box {   /* mailbox src -> dst */
@@ -4396,8 +4590,6 @@ struct cpar__pcomm {
     uint64_t stages, colls;     /* so far, the same on every member */
     cpar__slot *sl;             /* [n] the members' descriptors as slots, for validation */
 };
-
-static size_t cpar__round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 /* The segment of pc's n members and chunk sizes: its size, and (base set)
  * pc's tables pointed into the mapping. */
@@ -4516,6 +4708,10 @@ static cpar_status cpar__pc_wait(cpar_group *g, const char *fn, const char *what
     int me = g->rank;
     bool spin = pc->n <= cpar__online_cpus();
     int64_t spin_until = cpar__now_ns() + 50000;
+    /* Whether a process is gone takes system calls (kill, /proc): asked once
+     * a wait has lasted a sleep slice, then once a slice, not at every wake-up
+     * (a meeting of more ranks than cores would pay them every time). */
+    int64_t probe_at = cpar__now_ms() + 10;
     for (unsigned i = 1;; i++) {
         uint32_t seen = atomic_load(word);
         if (ready(pc, arg)) return CPAR_OK;
@@ -4528,10 +4724,13 @@ static cpar_status cpar__pc_wait(cpar_group *g, const char *fn, const char *what
         }
         if (atomic_load(&pc->hdr->failed)) return cpar__pc_failed(g, fn, what);
         char msg[CPAR_ERR_LEN];
+        int64_t now = cpar__now_ms();
+        bool probe = now >= probe_at;
+        if (probe) probe_at = now + 10;
         for (int m = 0; m < pc->n; m++) {
             if (!cpar__pc_needs(pc, me, peer_a, peer_b, m)) continue;
             int64_t pid = atomic_load(&pc->mem[m].pid);
-            bool exited = atomic_load(&pc->mem[m].exited), gone = !exited && cpar__pid_gone(pid);
+            bool exited = atomic_load(&pc->mem[m].exited), gone = !exited && probe && cpar__pid_gone(pid);
             if (!exited && !gone) continue;
             /* It may have done its part, then left, since ready() was read. */
             if (ready(pc, arg)) return CPAR_OK;
@@ -4681,8 +4880,41 @@ static uint64_t cpar__pc_stages(const cpar__pcomm *pc, const cpar__slot *sl) {
     return stages ? stages : 1;
 }
 
-/* Post, meet, compare descriptors, then stage after stage pull this member's
- * part (module comment above). mine->in and mine->out are this process's. */
+/* A collective whose members' buffers all lie in their arenas (every member
+ * mapped every peer's): the threaded backend's data movement on the peers'
+ * buffers as this process maps them, then a meeting so no member frees or
+ * reuses a buffer a peer still reads. The descriptors are validated. */
+static cpar_status cpar__pc_direct(cpar_group *g, const char *fn, const cpar__slot *mine, int par, int64_t deadline) {
+    cpar_ctx *ctx = g->ctx;
+    cpar__pcomm *pc = g->pc;
+    int n = pc->n;
+    size_t es = cpar_dtype_size(mine->dtype);
+    for (int m = 0; m < n; m++) {
+        const cpar__pc_desc *e = &pc->desc[par * n + m];
+        int w = g->world_ranks[m];
+        char *base = ctx->arena_peer[w];
+        size_t cap = ctx->arena_peer_bytes[w], bytes = (size_t)e->rows * (size_t)e->row_elems * es;
+        /* The offsets come from another process: trust them only inside its arena. */
+        bool in_ok = (uint64_t)e->in_off <= cap && bytes <= cap - (size_t)e->in_off;
+        bool out_ok = e->out_off >= 0 && (uint64_t)e->out_off <= cap && bytes <= cap - (size_t)e->out_off;
+        if (!in_ok) {
+            char msg[CPAR_ERR_LEN];
+            snprintf(msg, sizeof msg, "rank %d described a buffer outside its arena", w);
+            cpar__pc_record_all(ctx, msg);
+            return cpar__fail(ctx, CPAR_ERR_PEER, "%s: %s", fn, msg);
+        }
+        pc->sl[m].in = m == g->rank ? mine->in : base + e->in_off;
+        pc->sl[m].out = m == g->rank ? mine->out : out_ok ? base + e->out_off : NULL;
+    }
+    cpar_status st = cpar__hc_move(g, fn, mine, pc->sl);
+    cpar_status st2 = cpar__pc_barrier(g, fn, deadline); /* as every member: the peers meet here either way */
+    return st != CPAR_OK ? st : st2;
+}
+
+/* Post, meet, compare descriptors, then either move the data in place
+ * (cpar__pc_direct: every member's buffers are in its arena) or stage after
+ * stage pull this member's part (module comment above). mine->in and
+ * mine->out are this process's. */
 static cpar_status cpar__pc_collective(cpar_group *g, const char *fn, const cpar__slot *mine) {
     cpar_ctx *ctx = g->ctx;
     cpar__pcomm *pc = g->pc;
@@ -4691,23 +4923,39 @@ static cpar_status cpar__pc_collective(cpar_group *g, const char *fn, const cpar
     if (atomic_load(&pc->hdr->failed)) return cpar__pc_failed(g, fn, "collective");
     int par = (int)(pc->colls++ & 1);
     cpar__pc_desc *d = &pc->desc[par * n + me];
+    /* Buffers in the arena are read (and an all-reduce's written) by the
+     * peers in place; then nothing is staged. */
+    size_t in_bytes = (size_t)mine->rows * (size_t)mine->row_elems * cpar_dtype_size(mine->dtype);
+    int64_t in_off = cpar__arena_offset(ctx->arena, mine->in, in_bytes);
+    int64_t out_off = cpar__arena_offset(ctx->arena, mine->out, in_bytes);
+    bool direct = ctx->arena_all && mine->kind != CPAR__KIND_EXCHANGE && in_off >= 0 && in_bytes > 0 &&
+                  (mine->kind != CPAR_COLL_ALL_REDUCE || out_off >= 0);
     *d = (cpar__pc_desc){.kind = mine->kind, .dtype = (int32_t)mine->dtype, .op = mine->op, .root = mine->root,
-                         .has_sizes = mine->sizes != NULL, .rows = mine->rows, .row_elems = mine->row_elems};
+                         .has_sizes = mine->sizes != NULL, .direct = direct, .rows = mine->rows,
+                         .row_elems = mine->row_elems, .in_off = in_off, .out_off = out_off};
     int64_t *sp = pc->splits + ((size_t)par * (size_t)n + (size_t)me) * 3 * (size_t)n;
     if (mine->sizes) memcpy(sp, mine->sizes, (size_t)n * sizeof *sp);
     if (mine->in_splits) memcpy(sp + n, mine->in_splits, (size_t)n * sizeof *sp);
     if (mine->out_splits) memcpy(sp + 2 * n, mine->out_splits, (size_t)n * sizeof *sp);
     uint64_t stage = pc->stages++;
-    cpar__pc_post(pc, mine, me, 0, stage);
+    if (!direct) cpar__pc_post(pc, mine, me, 0, stage);
     CPAR_TRY(cpar__pc_barrier(g, fn, deadline));
+    int ndirect = 0;
     for (int m = 0; m < n; m++) {
         const cpar__pc_desc *e = &pc->desc[par * n + m];
         const int64_t *ms = pc->splits + ((size_t)par * (size_t)n + (size_t)m) * 3 * (size_t)n;
         pc->sl[m] = (cpar__slot){.kind = e->kind, .dtype = (cpar_dtype)e->dtype, .op = e->op, .root = e->root,
                                  .rows = e->rows, .row_elems = e->row_elems, .sizes = e->has_sizes ? ms : NULL,
                                  .in_splits = ms + n, .out_splits = ms + 2 * n};
+        ndirect += e->direct != 0;
     }
     CPAR_TRY(cpar__slots_validate(g, fn, pc->sl));
+    if (ndirect == n) return cpar__pc_direct(g, fn, mine, par, deadline);
+    if (ndirect) {
+        /* Some members skipped staging for nothing: they stage now, and everyone meets again. */
+        if (direct) cpar__pc_post(pc, mine, me, 0, stage);
+        CPAR_TRY(cpar__pc_barrier(g, fn, deadline));
+    }
     const cpar__slot *sl = pc->sl;
     uint64_t stages = cpar__pc_stages(pc, sl);
     size_t es = cpar_dtype_size(mine->dtype), row = (size_t)mine->row_elems * es;
@@ -4928,6 +5176,9 @@ static void cpar__pc_mapped(cpar_group *g) {
     cpar__pcomm *pc = g->pc;
     cpar__pc_layout(pc);
     pc->sub = (pc->chunk / (size_t)pc->n) & ~(size_t)63;
+    const cpar__arena *a = g->ctx->arena;
+    pc->mem[g->rank].arena_fd = a ? a->fd : -1;
+    pc->mem[g->rank].arena_bytes = a ? a->cap : 0;
     atomic_store(&pc->mem[g->rank].pid, (int64_t)getpid());
 }
 
@@ -5002,6 +5253,59 @@ static cpar_status cpar__pc_map(cpar_group *g, const char *fn, const char *text)
     return CPAR_OK;
 }
 
+/* Map every peer's arena through /proc/<pid>/fd/<fd> (w is the world group,
+ * whose segment names them, every member having published its own before
+ * the barrier that precedes this). ctx->arena_all says whether every one is
+ * mapped; where one is not (a peer without an arena, a /proc this process
+ * may not open), collectives stage through the segment as before. */
+static void cpar__pc_arenas_map(cpar_ctx *ctx, cpar_group *w) {
+    cpar__pcomm *pc = w->pc;
+    int n = w->size;
+    if (!ctx->arena || !pc || !pc->base) return;
+    ctx->arena_peer = calloc((size_t)n, sizeof *ctx->arena_peer);
+    ctx->arena_peer_bytes = calloc((size_t)n, sizeof *ctx->arena_peer_bytes);
+    if (!ctx->arena_peer || !ctx->arena_peer_bytes) return;
+    bool all = true;
+    for (int m = 0; m < n; m++) {
+        if (m == w->rank) {
+            ctx->arena_peer[m] = ctx->arena->base, ctx->arena_peer_bytes[m] = ctx->arena->cap;
+            continue;
+        }
+        int32_t fd = pc->mem[m].arena_fd;
+        int64_t pid = atomic_load(&pc->mem[m].pid);
+        size_t bytes = (size_t)pc->mem[m].arena_bytes;
+        char path[64];
+        snprintf(path, sizeof path, "/proc/%lld/fd/%d", (long long)pid, (int)fd);
+        int f = fd >= 0 && pid > 0 ? open(path, O_RDWR | O_CLOEXEC) : -1;
+        struct stat sb;
+        void *p = MAP_FAILED;
+        if (f >= 0 && fstat(f, &sb) == 0 && (uint64_t)sb.st_size == (uint64_t)bytes)
+            p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, f, 0);
+        if (f >= 0) close(f);
+        if (p == MAP_FAILED) {
+            cpar__log(CPAR__LOG_INFO, ctx->rank, "cannot map rank %d's arena (%s): collectives stage through shared "
+                      "memory", m, fd < 0 ? "it has none" : strerror(errno));
+            all = false;
+            continue;
+        }
+#ifdef __linux__
+        madvise(p, bytes, MADV_DONTFORK);
+#endif
+        ctx->arena_peer[m] = p, ctx->arena_peer_bytes[m] = bytes;
+    }
+    ctx->arena_all = all;
+}
+
+/* Unmap the peers' arenas (cpar_finalize). */
+static void cpar__pc_arenas_unmap(cpar_ctx *ctx) {
+    for (int m = 0; ctx->arena_peer && m < ctx->world; m++)
+        if (m != ctx->rank && ctx->arena_peer[m]) munmap(ctx->arena_peer[m], ctx->arena_peer_bytes[m]);
+    free(ctx->arena_peer);
+    free(ctx->arena_peer_bytes);
+    ctx->arena_peer = NULL, ctx->arena_peer_bytes = NULL;
+    ctx->arena_all = false;
+}
+
 /* The world group's shared state, through the store (the only channel there
  * is yet): rank 0 creates the segment and publishes its name under the job
  * token's store, the others map it, everyone arrives at a store barrier, and
@@ -5027,6 +5331,7 @@ static cpar_status cpar__pc_open_world(cpar_group *g, const char *fn, cpar_store
      * then fail at their first wait on it), so its creator can unlink it. */
     cpar_status bs = cpar__store_barrier(store, fn, "cpar/shm/world/mapped", g->rank, g->size, false);
     if (g->rank == 0 && g->pc->base) shm_unlink(text);
+    if (st == CPAR_OK && bs == CPAR_OK) cpar__pc_arenas_map(g->ctx, g);
     return st != CPAR_OK ? st : bs;
 }
 
@@ -5947,8 +6252,10 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
         cpar_dev_stream_sync(ctx->comm);
     }
     while (ctx->groups) cpar__group_free(ctx->groups);
+    cpar__pc_arenas_unmap(ctx);
     cpar__mem_free(ctx->device, ctx->ws);
     cpar__mem_free(ctx->device, ctx->coll_ws);
+    cpar__arena_retire(ctx->arena); /* tensors still allocated keep it until they are freed */
     free(ctx->gemm_ws);
     if (ctx->blas) cpar_dev_blas_destroy(ctx->blas);
     for (int i = 0; i < 3; i++)
@@ -6247,7 +6554,10 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
     free(ranks);
     if (st != CPAR_OK) goto fail;
     if (procs) {
-        /* Ranks as processes: the store, then the world's shared memory. */
+        /* Ranks as processes: the arena its peers will map (CPAR_HOST_ARENA=0:
+         * none), the store, then the world's shared memory. */
+        const char *arena = getenv("CPAR_HOST_ARENA");
+        if (!arena || strcmp(arena, "0")) ctx->arena = cpar__arena_create(CPAR__ARENA_BYTES);
         CPAR_TRY_GOTO(cpar__init_store(ctx, fn, &env), st, fail);
         CPAR_TRY_GOTO(cpar__check_one_node(ctx, fn, env.world_size), st, fail);
         CPAR_TRY_GOTO(cpar__pc_open_world(ctx->world_group, fn, ctx->store), st, fail);

@@ -147,7 +147,12 @@ size_t cpar_tensor_nbytes(const cpar_tensor *t);
 
 /* Allocate on the context's device (host memory on the host backend,
  * simulated device memory on the sim backend, the rank's GPU on NCCL).
- * The memory is uninitialised. Free with cpar_tensor_free (NULL data is fine). */
+ * The memory is uninitialised. Free with cpar_tensor_free (NULL data is fine).
+ * With ranks as processes (cpar_init_from_env on the host backend), tensors
+ * of 16 KiB or more come from the rank's shared arena, which its peers map:
+ * collectives on them read the peers' tensors in place, as threads do (see
+ * cpar_init_from_env). A process forked from a rank does not inherit the
+ * arena (as it would not inherit GPU memory). */
 cpar_status cpar_tensor_alloc(cpar_ctx *ctx, cpar_dtype dtype, int ndim, const int64_t *shape, cpar_tensor *out);
 cpar_status cpar_tensor_free(cpar_ctx *ctx, cpar_tensor *t);
 
@@ -213,8 +218,15 @@ cpar_status cpar_spawn_with(int nranks, const cpar_init_config *cfg, cpar_rank_f
  * POSIX shared-memory segment whose name travels through the store; it is
  * unlinked as soon as every member has mapped it, so no segment outlives the
  * job. Collectives give the threaded host backend's results bit for bit and
- * its byte statistics; they are staged through the segment in pieces of
- * CPAR_HOST_CHUNK bytes per rank (default 1 MiB). A rank that dies makes its
+ * its byte statistics. Every rank also has an arena: one anonymous memfd
+ * (never in /dev/shm), sparse, that its peers map through /proc/<pid>/fd,
+ * from which cpar_tensor_alloc and the workspace take buffers of 16 KiB or
+ * more. A collective whose members' buffers all lie in their arenas moves
+ * the data in place exactly as the threaded backend does; any other is
+ * staged through the segment in pieces of CPAR_HOST_CHUNK bytes per rank
+ * (default 1 MiB). CPAR_HOST_ARENA=0 turns the arena off (every collective
+ * stages); a rank that cannot map a peer's arena stages likewise, with one
+ * CPAR_LOG=info line saying why. A rank that dies makes its
  * peers fail with CPAR_ERR_PEER naming it, well before the deadline. The sim
  * backend runs ranks as threads only (WORLD_SIZE > 1: CPAR_ERR_UNSUPPORTED). */
 cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out);

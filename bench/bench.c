@@ -12,8 +12,11 @@
  * CPAR_BENCH_ONLY (comma-separated sections: coll, procs, map, xent, gemm, mlp,
  * attn, mamba, mb; default all). procs: the host backend with ranks as
  * processes (as under cparrun without GPUs) against its threads, at 2 and 4
- * ranks, for all-reduce, all-gather and reduce-scatter. CPAR_BENCH_MB: only
- * the mb rows whose kernel name contains it.
+ * ranks, for all-reduce, all-gather and reduce-scatter; the tensors come from
+ * cpar_tensor_alloc, so they lie in the ranks' arenas and the collectives
+ * move them in place (CPAR_HOST_ARENA=0 measures the path staged through
+ * the shared segment instead). CPAR_BENCH_MB: only the mb rows whose kernel
+ * name contains it.
  *
  * Flags (build/bench --help): --csv FILE and --json FILE write every row of
  * every table, with its section, for plots and regression tracking; -b, -e,

@@ -12,12 +12,21 @@
  *                         attention forward and backward on the cp groups
  *                         (both rotate methods, load balanced) against
  *                         attention over the whole sequence on one rank
+ *   hostmp_prog arena     random allocations and frees (HOSTMP_ALLOC=tensor:
+ *                         the arena), each buffer's pattern intact until it
+ *                         is freed; then an exact all-reduce
  *   hostmp_prog late K    rank K joins an all-reduce after its peers' deadline:
  *                         they time out naming it; it then sees their failure
  *   hostmp_prog die K     rank K is killed (SIGKILL) while its peers are in an
  *                         all-reduce: they fail at once, naming it
  *   hostmp_prog abort K   rank K calls cpar_abort while its peers are in an
  *                         all-reduce: they (and its own next call) fail naming it
+ *
+ * HOSTMP_ALLOC picks where the buffers live: heap (default; collectives
+ * stage through the segment), tensor (cpar_tensor_alloc: the rank's arena,
+ * read by the peers in place), mixed (tensor on even ranks only) or noarena1
+ * (tensor everywhere, but rank 1 runs without an arena: CPAR_HOST_ARENA=0,
+ * so no rank can map every peer's and everything stages).
  *
  * Prints "rank R ok" (coll, ring) or "rank R: <status>: <message>" (faults).
  * Exit status: 0 when every check passed, 1 when a cpar call failed
@@ -40,11 +49,31 @@
 
 static float fval(uint64_t seed, int64_t i) { return (float)value(seed, i); }
 
+/* Where buffers come from (HOSTMP_ALLOC): "heap" (malloc: collectives stage
+ * through the segment), "tensor" (cpar_tensor_alloc: large ones lie in the
+ * rank's arena, which the peers read in place), "mixed" (tensor on even
+ * ranks, heap on odd: the members disagree, so everything stages). */
+static cpar_ctx *alloc_ctx;
+static bool alloc_tensor;
+
 static void *alloc(size_t bytes) {
-    void *p = malloc(bytes ? bytes : 1);
+    void *p = NULL;
+    if (alloc_tensor) {
+        int64_t shape[1] = {(int64_t)(bytes ? bytes : 1)};
+        cpar_tensor t;
+        if (cpar_tensor_alloc(alloc_ctx, CPAR_U8, 1, shape, &t) == CPAR_OK) p = t.data;
+    } else {
+        p = malloc(bytes ? bytes : 1);
+    }
     if (!p) abort();
     memset(p, 0xA5, bytes); /* poison: an unwritten element fails the checks */
     return p;
+}
+
+static void release(void *p) {
+    cpar_tensor t = cpar_tensor_make(p, CPAR_U8, 0, NULL, CPAR_HOST);
+    if (alloc_tensor) cpar_tensor_free(alloc_ctx, &t);
+    else free(p);
 }
 
 static cpar_tensor t1(void *data, cpar_dtype dt, int64_t n) {
@@ -83,7 +112,7 @@ static int check_group(cpar_ctx *ctx, cpar_group *g, uint64_t seed, int64_t big)
             for (int m = 1; m < n; m++) mx = fmaxf(mx, fval(seed + (uint64_t)m, i));
             CHECK(in[i] == mx, "all_reduce in place max [%lld] = %g, expected %g", (long long)i, in[i], mx);
         }
-        free(in), free(out);
+        release(in), release(out);
     }
     /* all-reduce, bf16 sum: fp32 accumulation in rank order, then one rounding */
     {
@@ -104,12 +133,12 @@ static int check_group(cpar_ctx *ctx, cpar_group *g, uint64_t seed, int64_t big)
         cpar_tensor ti = t1(in, CPAR_BF16, N), to = t1(out, CPAR_BF16, N);
         TRY(cpar_all_reduce(g, &ti, &to, CPAR_SUM));
         CHECK(memcmp(out, want, (size_t)N * 2) == 0, "all_reduce bf16 differs from the rank-order fp32 sum");
-        free(f), free(acc), free(in), free(out), free(want), free(peer);
+        release(f), release(acc), release(in), release(out), release(want), release(peer);
     }
-    /* all-gather with uneven sizes: rank m has m + 1 rows of 3 */
+    /* all-gather with uneven sizes: rank m has m + 1 rows of 3 (and a share of big) */
     {
         int64_t sizes[256], total = 0, C = 3;
-        for (int m = 0; m < n; m++) sizes[m] = m + 1 + (m == n - 1 ? big / 3 : 0), total += sizes[m];
+        for (int m = 0; m < n; m++) sizes[m] = m + 1 + big / (3 * (m + 1)), total += sizes[m];
         int32_t *in = alloc((size_t)sizes[r] * C * 4), *out = alloc((size_t)total * C * 4);
         for (int64_t i = 0; i < sizes[r] * C; i++) in[i] = r * 1000003 + (int32_t)i;
         cpar_tensor ti = t2(in, CPAR_I32, sizes[r], C), to = t2(out, CPAR_I32, total, C);
@@ -119,7 +148,7 @@ static int check_group(cpar_ctx *ctx, cpar_group *g, uint64_t seed, int64_t big)
             for (int64_t i = 0; i < sizes[m] * C; i++, k++)
                 CHECK(out[k] == m * 1000003 + (int32_t)i, "all_gather [%lld] = %d, expected %d", (long long)k, out[k],
                       m * 1000003 + (int32_t)i);
-        free(in), free(out);
+        release(in), release(out);
     }
     /* reduce-scatter with uneven sizes, f32 sum in rank order */
     {
@@ -135,12 +164,13 @@ static int check_group(cpar_ctx *ctx, cpar_group *g, uint64_t seed, int64_t big)
             for (int m = 1; m < n; m++) acc += fval(seed + 200 + (uint64_t)m, off * C + i);
             CHECK(memcmp(&acc, &out[i], 4) == 0, "reduce_scatter [%lld] = %.9g, expected %.9g", (long long)i, out[i], acc);
         }
-        free(in), free(out);
+        release(in), release(out);
     }
-    /* all-to-all with uneven splits: rank s sends (s + d) % 3 + (s == d) rows to d */
+    /* all-to-all with uneven splits: rank s sends (s + d) % 3 + (s == d) rows to d (and a share of big to
+     * its successor) */
     {
         int64_t ins[256], outs[256], tin = 0, tout = 0, C = 2;
-#define SPLIT(s, d) ((int64_t)(((s) + (d)) % 3 + ((s) == (d)) + ((s) == 0 && (d) == n - 1 ? big / 2 : 0)))
+#define SPLIT(s, d) ((int64_t)(((s) + (d)) % 3 + ((s) == (d)) + ((d) == ((s) + 1) % n ? big / (2 * ((s) + 1)) : 0)))
         for (int d = 0; d < n; d++) ins[d] = SPLIT(r, d), tin += ins[d];
         for (int s = 0; s < n; s++) outs[s] = SPLIT(s, r), tout += outs[s];
         int64_t *in = alloc((size_t)tin * C * 8), *out = alloc((size_t)(tout ? tout : 1) * C * 8);
@@ -155,7 +185,7 @@ static int check_group(cpar_ctx *ctx, cpar_group *g, uint64_t seed, int64_t big)
                 CHECK(out[k] == ((int64_t)s << 40) + ((int64_t)r << 20) + i, "all_to_all [%lld] from rank %d",
                       (long long)k, s);
 #undef SPLIT
-        free(in), free(out);
+        release(in), release(out);
     }
     /* broadcast from the last rank */
     {
@@ -166,7 +196,7 @@ static int check_group(cpar_ctx *ctx, cpar_group *g, uint64_t seed, int64_t big)
         cpar_tensor tb = t1(buf, CPAR_F32, N);
         TRY(cpar_broadcast(g, &tb, n - 1));
         for (int64_t i = 0; i < N; i++) CHECK(buf[i] == fval(seed + 300, i), "broadcast [%lld]", (long long)i);
-        free(buf);
+        release(buf);
     }
     /* ring shift by one, then by -1 (point-to-point through the mailboxes) */
     for (int shift = 1; shift >= -1; shift -= 2) {
@@ -178,7 +208,7 @@ static int check_group(cpar_ctx *ctx, cpar_group *g, uint64_t seed, int64_t big)
         int from = ((r - shift) % n + n) % n;
         for (int64_t i = 0; i < N; i++)
             CHECK(out[i] == fval(seed + 400 + (uint64_t)from, i), "ring_shift %d [%lld]", shift, (long long)i);
-        free(in), free(out);
+        release(in), release(out);
     }
     TRY(cpar_barrier(g));
     return 0;
@@ -243,6 +273,55 @@ static int run_coll(cpar_ctx *ctx) {
     return 0;
 }
 
+/* ---- the arena under churn ------------------------------------------------- */
+
+/* Random allocations (most in the arena, some on the heap) and frees in
+ * random order, each buffer filled with its own pattern and checked before
+ * it is freed: blocks that overlapped, or memory the arena handed out twice,
+ * would break a pattern. Then a collective on buffers the churn left. */
+static int run_arena(cpar_ctx *ctx) {
+    enum { SLOTS = 48 };
+    uint8_t *buf[SLOTS] = {0};
+    size_t len[SLOTS] = {0};
+    uint64_t tag[SLOTS] = {0}, z = 0x2545f4914f6cdd1dull + (uint64_t)rank;
+    for (int it = 0; it < 4000; it++) {
+        z ^= z << 13, z ^= z >> 7, z ^= z << 17;
+        int k = (int)(z % SLOTS);
+        if (buf[k]) {
+            for (size_t i = 0; i < len[k]; i++)
+                CHECK(buf[k][i] == (uint8_t)(tag[k] + i * 7), "buffer %d (%zu bytes) byte %zu was overwritten", k,
+                      len[k], i);
+            release(buf[k]);
+            buf[k] = NULL;
+            continue;
+        }
+        len[k] = (size_t)(z >> 20) % (z % 5 ? 300000 : 20000) + 1;
+        buf[k] = alloc(len[k]);
+        tag[k] = (uint64_t)it;
+        for (size_t i = 0; i < len[k]; i++) buf[k][i] = (uint8_t)(tag[k] + i * 7);
+    }
+    /* every buffer still holds its pattern */
+    for (int k = 0; k < SLOTS; k++)
+        for (size_t i = 0; buf[k] && i < len[k]; i++)
+            CHECK(buf[k][i] == (uint8_t)(tag[k] + i * 7), "buffer %d byte %zu was overwritten", k, i);
+    /* an all-reduce on buffers allocated after the churn */
+    int64_t N = 100003;
+    float *in = alloc((size_t)N * 4), *out = alloc((size_t)N * 4);
+    for (int64_t i = 0; i < N; i++) in[i] = fval(31 + (uint64_t)rank, i);
+    cpar_tensor ti = t1(in, CPAR_F32, N), to = t1(out, CPAR_F32, N);
+    TRY(cpar_all_reduce(cpar_world_group(ctx), &ti, &to, CPAR_SUM));
+    for (int64_t i = 0; i < N; i++) {
+        float acc = fval(31, i);
+        for (int m = 1; m < cpar_world_size(ctx); m++) acc += fval(31 + (uint64_t)m, i);
+        CHECK(memcmp(&acc, &out[i], 4) == 0, "all_reduce after the churn [%lld] = %.9g, expected %.9g", (long long)i,
+              out[i], acc);
+    }
+    release(in), release(out);
+    for (int k = 0; k < SLOTS; k++)
+        if (buf[k]) release(buf[k]);
+    return 0;
+}
+
 /* ---- ring attention on the cp groups against one rank ---------------------- */
 
 static int run_ring(cpar_ctx *ctx) {
@@ -294,8 +373,8 @@ static int run_ring(cpar_ctx *ctx) {
                       want[t][i]);
     }
     float *bufs[] = {q, k, v, o, dout, lse, dq, dk, dv, ro, rl, rq, rk, rv};
-    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
-    for (int i = 0; i < 8; i++) free(sh[i]);
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) release(bufs[i]);
+    for (int i = 0; i < 8; i++) release(sh[i]);
     return 0;
 }
 
@@ -303,9 +382,10 @@ static int run_ring(cpar_ctx *ctx) {
 
 static int run_fault(cpar_ctx *ctx, const char *mode, int k) {
     cpar_group *w = cpar_world_group(ctx);
-    float in[64], out[64];
-    for (int i = 0; i < 64; i++) in[i] = (float)i;
-    cpar_tensor ti = t1(in, CPAR_F32, 64), to = t1(out, CPAR_F32, 64);
+    int64_t N = 64 << 10; /* big enough for the arena */
+    float *in = alloc((size_t)N * 4), *out = alloc((size_t)N * 4);
+    for (int64_t i = 0; i < N; i++) in[i] = (float)i;
+    cpar_tensor ti = t1(in, CPAR_F32, N), to = t1(out, CPAR_F32, N);
     TRY(cpar_all_reduce(w, &ti, &to, CPAR_SUM)); /* everyone is up */
     if (rank == k) {
         struct timespec ts = {0, 300 * 1000000L};
@@ -317,6 +397,7 @@ static int run_fault(cpar_ctx *ctx, const char *mode, int k) {
     }
     cpar_status st = cpar_all_reduce(w, &ti, &to, CPAR_SUM);
     printf("rank %d: %s: %s\n", rank, cpar_status_string(st), st == CPAR_OK ? "" : cpar_thread_last_error());
+    release(in), release(out);
     return st == CPAR_OK ? 0 : 1;
 }
 
@@ -324,19 +405,25 @@ int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "coll";
     int k = argc > 2 ? atoi(argv[2]) : -1;
     setvbuf(stdout, NULL, _IOLBF, 0);
+    const char *how = getenv("HOSTMP_ALLOC"), *r = getenv("RANK");
+    if (how && !strcmp(how, "noarena1") && r && !strcmp(r, "1")) setenv("CPAR_HOST_ARENA", "0", 1);
     cpar_init_config cfg = {.backend = CPAR_BACKEND_HOST};
     cpar_ctx *ctx = NULL;
     TRY(cpar_init_from_env(&cfg, &ctx));
     rank = cpar_rank(ctx);
+    alloc_ctx = ctx;
+    alloc_tensor = how && (!strcmp(how, "tensor") || !strcmp(how, "noarena1") || (!strcmp(how, "mixed") && rank % 2 == 0));
     int rc;
     if (!strcmp(mode, "coll")) rc = run_coll(ctx);
     else if (!strcmp(mode, "ring")) rc = run_ring(ctx);
+    else if (!strcmp(mode, "arena")) rc = run_arena(ctx);
     else if (!strcmp(mode, "late") || !strcmp(mode, "die") || !strcmp(mode, "abort")) rc = run_fault(ctx, mode, k);
     else {
-        fprintf(stderr, "hostmp_prog: unknown mode \"%s\" (coll, ring, late K, die K, abort K)\n", mode);
+        fprintf(stderr, "hostmp_prog: unknown mode \"%s\" (coll, ring, arena, late K, die K, abort K)\n", mode);
         rc = 2;
     }
-    if (rc == 0 && (!strcmp(mode, "coll") || !strcmp(mode, "ring"))) printf("rank %d ok\n", rank);
+    if (rc == 0 && (!strcmp(mode, "coll") || !strcmp(mode, "ring") || !strcmp(mode, "arena")))
+        printf("rank %d ok\n", rank);
     TRY(cpar_finalize(ctx));
     return rc;
 }

@@ -5,12 +5,14 @@
  *
  * Under cparrun: every collective at 1, 2, 3, 4 and 8 ranks with uneven
  * splits, on the world and on split groups, exact against the rank-order
- * reduction (tests/hostmp_prog.c), also in many small stages; ring attention
+ * reduction (tests/hostmp_prog.c), also in many small stages, also on
+ * tensors in the ranks' arenas (moved in place) and with arenas on some
+ * ranks only (staged); the arena under random allocations and frees; ring attention
  * on a tp x cp grid and a tp=2 x cp=2 sequence-parallel MLP (tests/mp_prog.c,
  * with CPAR_BACKEND=host) against one rank; the main job
  * (cparrun -n 4 build/train --tp 2 --cp 2) against the threaded run's losses.
- * Launched here with torchrun's variables: a rank killed mid-collective, one
- * that calls cpar_abort and one that comes late make the others fail within
+ * Launched here with torchrun's variables: a rank killed mid-collective (on
+ * heap buffers and on arena ones), one that calls cpar_abort (likewise) and one that comes late make the others fail within
  * the deadline naming it;
  * several nodes are refused. No job leaves a segment in /dev/shm.
  *
@@ -92,10 +94,39 @@ START_TEST(test_coll) {
 }
 END_TEST
 
-/* Big tensors through 8 KiB stages and 64 KiB mailboxes: many stages each. */
+/* Big tensors through 8 KiB stages and 64 KiB mailboxes: many stages each;
+ * the last run with the even ranks' buffers in their arenas, which they do
+ * not stage until they see that the odd ranks' are not. */
 START_TEST(test_coll_stages) {
     job_ok(prog_path(), _i == 0 ? 3 : 4, (const char *const[]){"coll", NULL},
-           (const char *const[]){"CPAR_TIMEOUT_MS=60000", "CPAR_HOST_CHUNK=8192", "HOSTMP_BIG=200000", NULL});
+           (const char *const[]){"CPAR_TIMEOUT_MS=60000", "CPAR_HOST_CHUNK=8192", "HOSTMP_BIG=200000",
+                                 _i == 2 ? "HOSTMP_ALLOC=mixed" : "HOSTMP_ALLOC=heap", NULL});
+}
+END_TEST
+
+/* Tensors from cpar_tensor_alloc: the large ones in the ranks' arenas, which
+ * the peers read (and an all-reduce writes) in place; small ones and the
+ * mismatch checks' stack buffers still stage. The same exact checks. */
+START_TEST(test_coll_arena) {
+    job_ok(prog_path(), sizes[_i], (const char *const[]){"coll", NULL},
+           (const char *const[]){"CPAR_TIMEOUT_MS=60000", "HOSTMP_BIG=200000", "HOSTMP_ALLOC=tensor", NULL});
+}
+END_TEST
+
+/* Arena buffers on the even ranks only: the world's collectives stage, the
+ * even ranks' split group moves in place. Last: rank 1 without an arena
+ * (CPAR_HOST_ARENA=0), so nobody maps every peer's and everything stages. */
+START_TEST(test_coll_arena_mixed) {
+    job_ok(prog_path(), _i == 1 ? 4 : 3, (const char *const[]){"coll", NULL},
+           (const char *const[]){"CPAR_TIMEOUT_MS=60000", "HOSTMP_BIG=200000",
+                                 _i == 2 ? "HOSTMP_ALLOC=noarena1" : "HOSTMP_ALLOC=mixed", NULL});
+}
+END_TEST
+
+/* The arena under random allocations and frees keeps every buffer intact. */
+START_TEST(test_arena_churn) {
+    job_ok(prog_path(), 2, (const char *const[]){"arena", NULL},
+           (const char *const[]){"CPAR_TIMEOUT_MS=60000", "HOSTMP_ALLOC=tensor", NULL});
 }
 END_TEST
 
@@ -159,6 +190,7 @@ END_TEST
 /* The peers of a killed rank fail fast, naming it, though their deadline is
  * far away: the death is detected, not timed out. */
 START_TEST(test_rank_dies) {
+    if (_i) setenv("HOSTMP_ALLOC", "tensor", 1); /* the peers wait in an in-place all-reduce */
     proc ps[NP];
     torchrun_start(ps, NP, NP, prog_path(), (const char *const[]){"die", "2", NULL}, "30000");
     torchrun_rank_died(ps, NP, 2, 0); /* "rank 2 (pid N) died during the collective" */
@@ -227,6 +259,7 @@ END_TEST
 /* cpar_abort on one rank: every rank's call fails with CPAR_ERR_PEER saying
  * which rank aborted, at once. */
 START_TEST(test_rank_aborts) {
+    if (_i) setenv("HOSTMP_ALLOC", "tensor", 1);
     proc ps[NP];
     torchrun_start(ps, NP, NP, prog_path(), (const char *const[]){"abort", "3", NULL}, "30000");
     for (int r = 0; r < NP; r++) proc_finish(&ps[r], 40000);
@@ -264,7 +297,10 @@ int main(void) {
     Suite *s = suite_create("hostmp: multi-process jobs on the host backend (shared memory)");
     TCase *tc = tcase_create("collectives");
     tcase_add_loop_test(tc, test_coll, 0, (int)(sizeof sizes / sizeof *sizes));
-    tcase_add_loop_test(tc, test_coll_stages, 0, 2);
+    tcase_add_loop_test(tc, test_coll_stages, 0, 3);
+    tcase_add_loop_test(tc, test_coll_arena, 1, 4);
+    tcase_add_loop_test(tc, test_coll_arena_mixed, 0, 3);
+    tcase_add_test(tc, test_arena_churn);
     tcase_set_timeout(tc, 180);
     suite_add_tcase(s, tc);
     tc = tcase_create("layers");
@@ -274,10 +310,10 @@ int main(void) {
     tcase_set_timeout(tc, 600);
     suite_add_tcase(s, tc);
     tc = tcase_create("faults");
-    tcase_add_test(tc, test_rank_dies);
+    tcase_add_loop_test(tc, test_rank_dies, 0, 2);
     tcase_add_test(tc, test_cparrun_rank_dies);
     tcase_add_test(tc, test_rank_late);
-    tcase_add_test(tc, test_rank_aborts);
+    tcase_add_loop_test(tc, test_rank_aborts, 0, 2);
     tcase_add_test(tc, test_several_nodes);
     tcase_add_test(tc, test_cparrun_sweeps);
     tcase_set_timeout(tc, 120);
