@@ -126,6 +126,8 @@ struct cpar_ctx {
     void *gemm_ws;        /* host memory: the host GEMM's packed panels (section 5) */
     size_t gemm_ws_bytes;
     bool gemm_builtin;    /* CPAR_HOST_GEMM=builtin: never the CBLAS (section 5) */
+    int host_threads;     /* CPAR_HOST_THREADS: threads per host GEMM, >= 1 (section 5) */
+    struct cpar__pool *gemm_pool; /* its worker threads, made at the first big product (section 5) */
     cpar_dev_stream compute, comm;
     cpar_dev_stream coll_stream; /* where the collectives enqueue: NULL = compute; set only
                                   * between cpar__on_comm_stream and cpar__on_compute_stream */
@@ -1252,18 +1254,23 @@ CPAR__INLINE void cpar__blk_sum(double *acc, const float *a, const float *b, int
 }
 
 /* cpar__blk_sum(s, a, a, n) and cpar__blk_sum(c, gw, a, n) in one pass,
- * gw[k] = g[k] * w[k] rounded to fp32 (formed here: no buffer round trip). */
-CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *g, const float *w, int n) {
+ * gw[k] = g[k] * w[k] rounded to fp32 (formed here: no buffer round trip).
+ * fused (a constant in each caller's twin): the adds as fp64 FMAs, one
+ * instruction for two; the same bits, since each product of two floats is
+ * exact in fp64, so rounding it first changes nothing. */
+#define CPAR__MAC(fused, a, b, acc) ((fused) ? __builtin_fma((a), (b), (acc)) : (acc) + (a) * (b))
+CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *g, const float *w, int n,
+                                 bool fused) {
     if (n == CPAR__BLK) {
         double s0[8] = {0}, s1[8] = {0}, c0[8] = {0}, c1[8] = {0};
         for (int k = 0; k < CPAR__BLK; k += 16) {
             for (int j = 0; j < 8; j++) {
                 const double v = a[k + j];
-                s0[j] += v * v, c0[j] += (double)(g[k + j] * w[k + j]) * v;
+                s0[j] = CPAR__MAC(fused, v, v, s0[j]), c0[j] = CPAR__MAC(fused, (double)(g[k + j] * w[k + j]), v, c0[j]);
             }
             for (int j = 0; j < 8; j++) {
                 const double v = a[k + 8 + j];
-                s1[j] += v * v, c1[j] += (double)(g[k + 8 + j] * w[k + 8 + j]) * v;
+                s1[j] = CPAR__MAC(fused, v, v, s1[j]), c1[j] = CPAR__MAC(fused, (double)(g[k + 8 + j] * w[k + 8 + j]), v, c1[j]);
             }
         }
         for (int j = 0; j < 8; j++) s[j] += s0[j], s[8 + j] += s1[j], c[j] += c0[j], c[8 + j] += c1[j];
@@ -1296,6 +1303,24 @@ CPAR__INLINE double cpar__lanes_sum(const double *acc) {
     }
 #else
 #define CPAR__VARIANTS(name, params, args) static void name params { name##_body args; }
+#endif
+
+/* CPAR__VARIANTS for a body whose last parameter is `bool fused`: false in
+ * the baseline, true in the AVX2+FMA twin (where a C fma is one
+ * instruction; the baseline's would be a libm call). */
+#define CPAR__UNPAREN(...) __VA_ARGS__
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(CPAR_PORTABLE)
+#define CPAR__VARIANTS_FMA(name, params, args)                                                               \
+    static void name##_base params { name##_body(CPAR__UNPAREN args, false); }                              \
+    __attribute__((target("avx2,fma"))) static void name##_avx2 params {                                     \
+        name##_body(CPAR__UNPAREN args, true);                                                               \
+    }                                                                                                        \
+    static void name params {                                                                                \
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) name##_avx2 args;              \
+        else name##_base args;                                                                               \
+    }
+#else
+#define CPAR__VARIANTS_FMA(name, params, args) static void name params { name##_body(CPAR__UNPAREN args, false); }
 #endif
 
 /* e^x in fp32 for the vector loops (glibc's expf does not vectorise at -O2):
@@ -1760,20 +1785,232 @@ static cpar_status cpar__grow_host(cpar_ctx *ctx, const char *fn, void **buf, si
     return CPAR_OK;
 }
 
+/* ---- CPAR_HOST_THREADS: a rank's worker threads for big host GEMMs ------------
+ * With ctx->host_threads = N > 1 the GEMM driver splits its outer loop (the
+ * larger of op(B)'s columns and op(A)'s rows) into N chunks, whole
+ * micro-tiles each, run by the calling thread and a pool of N - 1 workers
+ * the context owns. A chunk is the serial product's own sub-problem: every
+ * element of C is computed by one thread, with the same tiles (chunk edges
+ * fall on micro-tile edges, as the serial MC and NC blocks do) and the same
+ * k order, so the result is bit-identical to N = 1. Each thread packs into
+ * its own slot of ctx->gemm_ws. The pool is made at the first product big
+ * enough to gain (CPAR__GEMM_POOL_MIN multiply-adds) and joined by
+ * cpar_finalize; a call allocates nothing. Chunks are claimed from one
+ * counter that carries the job's generation, so a worker that wakes late
+ * claims nothing of a finished job; the caller claims chunks too and then
+ * waits only for the ones in flight. Fork: the pool remembers the pid that
+ * made it; a child (whose copy has no threads) drops it and makes its own. */
+
+enum { CPAR__POOL_MAX = 256 };
+#define CPAR__GEMM_POOL_MIN ((int64_t)1 << 23)
+
+typedef void (*cpar__pool_fn)(void *job, int64_t chunk, int slot);
+
+typedef struct cpar__pool {
+    pid_t pid;                  /* the process whose threads these are */
+    int nworkers;               /* threads made (slots 1..nworkers) */
+    bool stop, stuck;           /* stuck: a wait timed out; the threads are left running */
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;    /* a new job; the job's last chunk finished */
+    uint32_t gen;               /* the current job's generation */
+    cpar__pool_fn fn;
+    void *job;
+    int64_t nchunks;
+    _Atomic uint64_t claim;     /* gen << 32 | next chunk to claim */
+    _Atomic int64_t finished;   /* chunks of the current job done */
+    pthread_t threads[];
+} cpar__pool;
+
+typedef struct {
+    cpar__pool *pool;
+    int slot;
+} cpar__pool_worker;
+
+/* The next chunk of job generation gen, or -1 when none is left. */
+static int64_t cpar__pool_claim(cpar__pool *p, uint32_t gen, int64_t nchunks) {
+    uint64_t c = atomic_load(&p->claim);
+    for (;;) {
+        if ((uint32_t)(c >> 32) != gen || (int64_t)(c & 0xffffffffu) >= nchunks) return -1;
+        if (atomic_compare_exchange_weak(&p->claim, &c, c + 1)) return (int64_t)(c & 0xffffffffu);
+    }
+}
+
+/* Run chunks of job generation gen until none is left. */
+static void cpar__pool_work(cpar__pool *p, uint32_t gen, cpar__pool_fn fn, void *job, int64_t nchunks, int slot) {
+    for (int64_t c; (c = cpar__pool_claim(p, gen, nchunks)) >= 0;) {
+        fn(job, c, slot);
+        if (atomic_fetch_add(&p->finished, 1) + 1 == nchunks) {
+            pthread_mutex_lock(&p->mu);
+            pthread_cond_signal(&p->done);
+            pthread_mutex_unlock(&p->mu);
+        }
+    }
+}
+
+static void *cpar__pool_main(void *arg) {
+    cpar__pool_worker *w = arg;
+    cpar__pool *p = w->pool;
+    const int slot = w->slot;
+    free(w);
+    pthread_mutex_lock(&p->mu);
+    uint32_t seen = p->gen;
+    for (;;) {
+        while (p->gen == seen && !p->stop) pthread_cond_wait(&p->go, &p->mu); /* idle: no deadline to keep */
+        if (p->stop) break;
+        seen = p->gen;
+        cpar__pool_fn fn = p->fn;
+        void *job = p->job;
+        const int64_t nchunks = p->nchunks;
+        pthread_mutex_unlock(&p->mu);
+        cpar__pool_work(p, seen, fn, job, nchunks, slot);
+        pthread_mutex_lock(&p->mu);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+/* Stop and join the workers and free the pool. A forked child's copy has no
+ * threads and may hold a locked mutex: only its memory is freed. A stuck
+ * pool's threads may still touch it: it is left to them (leaked). */
+static void cpar__pool_destroy(cpar__pool *p) {
+    if (!p) return;
+    if (p->pid != getpid()) {
+        free(p);
+        return;
+    }
+    pthread_mutex_lock(&p->mu);
+    p->stop = true;
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+    if (p->stuck) {
+        for (int i = 0; i < p->nworkers; i++) pthread_detach(p->threads[i]);
+        return;
+    }
+    for (int i = 0; i < p->nworkers; i++) pthread_join(p->threads[i], NULL);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->go);
+    pthread_cond_destroy(&p->done);
+    free(p);
+}
+
+/* ctx's pool of ctx->host_threads - 1 workers in this process, made now if
+ * needed; NULL (run single-threaded) when no thread could be made. The
+ * workers block every signal (signals stay with the rank's own threads)
+ * and are named "cpar-gemm". */
+static cpar__pool *cpar__pool_get(cpar_ctx *ctx) {
+    cpar__pool *p = ctx->gemm_pool;
+    if (p && p->pid == getpid()) return p->stuck || p->nworkers == 0 ? NULL : p;
+    if (p) cpar__pool_destroy(p); /* inherited through fork: its threads are the parent's */
+    ctx->gemm_pool = NULL;
+    const int want = ctx->host_threads - 1;
+    p = calloc(1, sizeof *p + sizeof(pthread_t) * (size_t)want);
+    if (!p) return NULL;
+    p->pid = getpid();
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->go, NULL);
+    pthread_cond_init(&p->done, NULL);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    for (int i = 0; i < want; i++) {
+        cpar__pool_worker *w = malloc(sizeof *w);
+        if (!w) break;
+        *w = (cpar__pool_worker){p, i + 1};
+        if (pthread_create(&p->threads[i], NULL, cpar__pool_main, w) != 0) {
+            free(w);
+            break;
+        }
+#ifdef __linux__
+        pthread_setname_np(p->threads[i], "cpar-gemm"); /* what top, gdb and the tests see */
+#endif
+        p->nworkers++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (p->nworkers < want)
+        cpar__log(CPAR__LOG_WARN, ctx->rank, "CPAR_HOST_THREADS=%d: only %d of %d worker threads could be made",
+                  ctx->host_threads, p->nworkers, want);
+    ctx->gemm_pool = p;
+    return p->nworkers ? p : NULL;
+}
+
+/* fn(job, c, slot) for every chunk c < nchunks, on the calling thread (slot
+ * 0) and p's workers (slots 1..), each chunk once; returns when all are done.
+ * The wait has the context's deadline; past it the pool is marked stuck
+ * (later products run on the calling thread alone) and the scratch the
+ * workers write is left to them. */
+static cpar_status cpar__pool_run(cpar_ctx *ctx, const char *fn_name, cpar__pool *p, cpar__pool_fn fn, void *job,
+                                  int64_t nchunks) {
+    pthread_mutex_lock(&p->mu);
+    const uint32_t gen = ++p->gen;
+    p->fn = fn, p->job = job, p->nchunks = nchunks;
+    atomic_store(&p->finished, 0);
+    atomic_store(&p->claim, (uint64_t)gen << 32);
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+    cpar__pool_work(p, gen, fn, job, nchunks, 0);
+    const struct timespec dl = cpar__abs_deadline(ctx->timeout_ms);
+    int rc = 0;
+    pthread_mutex_lock(&p->mu);
+    while (atomic_load(&p->finished) < nchunks && rc != ETIMEDOUT) rc = pthread_cond_timedwait(&p->done, &p->mu, &dl);
+    const bool late = atomic_load(&p->finished) < nchunks;
+    if (late) p->stuck = true;
+    pthread_mutex_unlock(&p->mu);
+    if (!late) return CPAR_OK;
+    ctx->gemm_ws = NULL, ctx->gemm_ws_bytes = 0; /* still the workers' scratch: never freed */
+    return cpar__fail(ctx, CPAR_ERR_TIMEOUT,
+                      "%s: the host GEMM's worker threads (CPAR_HOST_THREADS=%d) did not finish within %d ms", fn_name,
+                      ctx->host_threads, ctx->timeout_ms);
+}
+
+/* One product cut into chunks of `step` columns of op(B) and C (split_n)
+ * or rows of op(A) and C, each a multiple of the micro-tile. */
+typedef struct {
+    const cpar__gemm_kernel *K;
+    int ta, tb;
+    bool split_n;
+    int64_t m, n, k, step, ldc, lda, ldb;
+    float alpha, beta;
+    const void *A, *B;
+    cpar_dtype adt, bdt;
+    float *C;
+    float *ws;         /* slot s packs into ws + s * slot_floats */
+    int64_t slot_floats, acap; /* a slot: acap floats of A panel, then B's */
+} cpar__gemm_job;
+
+static void cpar__gemm_chunk(void *arg, int64_t chunk, int slot) {
+    const cpar__gemm_job *g = arg;
+    const int64_t lo = chunk * g->step, len = cpar__min64(g->step, (g->split_n ? g->n : g->m) - lo);
+    float *ap = g->ws + slot * g->slot_floats, *bp = ap + g->acap;
+    const size_t ae = cpar_dtype_size(g->adt), be = cpar_dtype_size(g->bdt);
+    if (g->split_n) /* op(B)(p, j) = B[p*brs + j*bcs], bcs = tb ? 1 : ldb */
+        cpar__gemm_blocked(g->K, g->ta, g->tb, g->m, len, g->k, g->alpha, g->A, g->adt, g->lda,
+                           (const char *)g->B + (size_t)(lo * (g->tb ? 1 : g->ldb)) * be, g->bdt, g->ldb, g->beta,
+                           g->C + lo * g->ldc, g->ldc, ap, bp);
+    else /* op(A)(i, p) = A[i*ars + p*acs], ars = ta ? lda : 1 */
+        cpar__gemm_blocked(g->K, g->ta, g->tb, len, g->n, g->k, g->alpha,
+                           (const char *)g->A + (size_t)(lo * (g->ta ? g->lda : 1)) * ae, g->adt, g->lda, g->B, g->bdt,
+                           g->ldb, g->beta, g->C + lo, g->ldc, ap, bp);
+}
+
 #ifdef CPAR_WITH_CBLAS
 /* cpar's ranks are the parallelism: a multi-threaded OpenBLAS inside each
  * rank oversubscribes the cores (and spins in sched_yield between small
  * products). Unless the user chose (OPENBLAS_NUM_THREADS, OMP_NUM_THREADS),
- * OpenBLAS runs one thread per calling rank. */
-static void cpar__blas_threads_init(void) {
+ * OpenBLAS runs CPAR_HOST_THREADS threads per call (default 1). Its count is
+ * the process's, not a context's: the first context to run a product sets
+ * it. Another CBLAS (BLIS) is left as it is. */
+static void cpar__blas_threads_once(int n) {
 #ifdef OPENBLAS_VERSION
-    if (!getenv("OPENBLAS_NUM_THREADS") && !getenv("OMP_NUM_THREADS")) openblas_set_num_threads(1);
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    static _Atomic bool done;
+    if (atomic_load(&done)) return;
+    pthread_mutex_lock(&mu);
+    if (!done && !getenv("OPENBLAS_NUM_THREADS") && !getenv("OMP_NUM_THREADS")) openblas_set_num_threads(n);
+    done = true;
+    pthread_mutex_unlock(&mu);
+#else
+    (void)n;
 #endif
-}
-
-static void cpar__blas_threads_once(void) {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, cpar__blas_threads_init);
 }
 #endif
 
@@ -1782,9 +2019,9 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
                                    cpar_dtype bdt, int64_t ldb, float beta, void *C, cpar_dtype cdt, int64_t ldc) {
     if (m <= 0 || n <= 0) return CPAR_OK;
 #ifdef CPAR_WITH_CBLAS
-    cpar__blas_threads_once();
     if (!ctx->gemm_builtin && adt == CPAR_F32 && bdt == CPAR_F32 && cdt == CPAR_F32 && m <= INT_MAX && n <= INT_MAX && k <= INT_MAX &&
         lda <= INT_MAX && ldb <= INT_MAX && ldc <= INT_MAX) {
+        cpar__blas_threads_once(ctx->host_threads);
         cblas_sgemm(CblasColMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (int)m, (int)n,
                     (int)k, alpha, A, (int)lda, B, (int)ldb, beta, C, (int)ldc);
         return CPAR_OK;
@@ -1794,7 +2031,19 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
     if (!K.run) K = cpar__gemm_kernel_pick();
     const int64_t mcap = cpar__min64(CPAR__GEMM_MC, (m + K.mr - 1) / K.mr * K.mr);
     const int64_t ncap = cpar__min64(CPAR__GEMM_NC, (n + K.nr - 1) / K.nr * K.nr), kcap = cpar__min64(CPAR__GEMM_KC, k);
-    const size_t panels = (size_t)((mcap + ncap) * kcap) * sizeof(float) + 64;
+    /* CPAR_HOST_THREADS: chunks of whole micro-tiles along the larger of m and n */
+    const bool split_n = n >= m;
+    const int64_t tile = split_n ? K.nr : K.mr, tiles = ((split_n ? n : m) + tile - 1) / tile;
+    cpar__pool *pool = NULL;
+    int64_t step = 0, nchunks = 1;
+    if (ctx->host_threads > 1 && k > 0 && tiles > 1 && (double)m * (double)n * (double)k >= (double)CPAR__GEMM_POOL_MIN &&
+        (pool = cpar__pool_get(ctx)) != NULL) {
+        const int64_t nt = cpar__min64(pool->nworkers + 1, tiles);
+        step = (tiles + nt - 1) / nt * tile;
+        nchunks = ((split_n ? n : m) + step - 1) / step;
+    }
+    const int64_t slot_floats = ((mcap + ncap) * kcap + 15) / 16 * 16; /* 64-byte slots: the A panel stays aligned */
+    const size_t panels = (size_t)(slot_floats * (pool ? pool->nworkers + 1 : 1)) * sizeof(float);
     const bool wide_c = cdt != CPAR_F32; /* a 16-bit C accumulates in an fp32 copy */
     CPAR_TRY(cpar__grow_host(ctx, fn, &ctx->gemm_ws, &ctx->gemm_ws_bytes,
                              panels + (wide_c ? (size_t)(m * n) * sizeof(float) : 0)));
@@ -1808,7 +2057,12 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
     if (wide_c && beta != 0.f) /* beta 0: C is never read (it may hold NaN) */
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < m; i++) wc[i + j * ldw] = cpar__load_f(C, cdt, i + j * ldc);
-    if (k > 0) {
+    if (pool && nchunks > 1) {
+        cpar__gemm_job job = {.K = &K, .ta = ta, .tb = tb, .split_n = split_n, .m = m, .n = n, .k = k, .step = step,
+                              .ldc = ldw, .lda = lda, .ldb = ldb, .alpha = alpha, .beta = beta, .A = A, .B = B,
+                              .adt = adt, .bdt = bdt, .C = cf, .ws = ap, .slot_floats = slot_floats, .acap = mcap * kcap};
+        CPAR_TRY(cpar__pool_run(ctx, fn, pool, cpar__gemm_chunk, &job, nchunks));
+    } else if (k > 0) {
         cpar__gemm_blocked(&K, ta, tb, m, n, k, alpha, A, adt, lda, B, bdt, ldb, beta, cf, ldw, ap, bp);
     } else { /* no product: C = beta C */
         for (int64_t j = 0; j < n; j++)
@@ -6256,6 +6510,7 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
     cpar__mem_free(ctx->device, ctx->ws);
     cpar__mem_free(ctx->device, ctx->coll_ws);
     cpar__arena_retire(ctx->arena); /* tensors still allocated keep it until they are freed */
+    cpar__pool_destroy(ctx->gemm_pool); /* before its scratch goes */
     free(ctx->gemm_ws);
     if (ctx->blas) cpar_dev_blas_destroy(ctx->blas);
     for (int i = 0; i < 3; i++)
@@ -6278,8 +6533,15 @@ static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg,
     ctx->world = world;
     ctx->backend = cfg->backend;
     ctx->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : cpar__default_timeout_ms();
-    const char *gemm = getenv("CPAR_HOST_GEMM");
+    const char *gemm = getenv("CPAR_HOST_GEMM"), *threads = getenv("CPAR_HOST_THREADS");
     ctx->gemm_builtin = gemm && !strcmp(gemm, "builtin");
+    long nthreads = 1;
+    if (threads && *threads && (!cpar__env_parse_long(threads, &nthreads) || nthreads < 1 || nthreads > CPAR__POOL_MAX)) {
+        free(ctx);
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: CPAR_HOST_THREADS=\"%.32s\", expected an integer from 1 to %d (threads per host GEMM)",
+                          fn, threads, CPAR__POOL_MAX);
+    }
+    ctx->host_threads = (int)nthreads;
     ctx->device = cfg->backend == CPAR_BACKEND_HOST ? CPAR_HOST : device;
     cpar_status st = CPAR_OK;
     if (cpar__on_device(ctx->device)) {
@@ -11901,6 +12163,11 @@ CPAR__INLINE void cpar__host_rmsnorm_body(void *x, const void *add, const void *
         CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
                      if (r + 1 < rows) cpar__blk_prefetch(x, dt, r0 + h + j0, n);
+                     if (dt == CPAR_BF16) { /* rounded in the same loop, as in the backward */
+                         uint16_t *y16 = (uint16_t *)y + r0 + j0;
+                         CPAR__IVDEP for (int k = 0; k < n; k++) y16[k] = cpar__bf16_bits(xp[k] * inv * wp[k]);
+                         continue;
+                     }
                      float *o = cpar__blk_dst(ob, y, dt, r0 + j0);
                      CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = xp[k] * inv * wp[k];
                      cpar__blk_out(y, dt, r0 + j0, o, n);)
@@ -11964,7 +12231,8 @@ cpar_status cpar_rmsnorm_forward(cpar_ctx *ctx, const cpar_tensor *x, const cpar
  * CPAR__ROW elements: x and dy widened once into xr and gr, the weight once
  * per call into wr (stack: 56 KiB), as in the forward. */
 CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w, const void *dy, cpar_dtype dt,
-                                                   int64_t rows, int64_t h, float eps, void *dx, float *dw) {
+                                                   int64_t rows, int64_t h, float eps, void *dx, float *dw,
+                                                   bool fused) {
     float xb[CPAR__BLK], gb[CPAR__BLK], wb[CPAR__BLK], ob[CPAR__BLK], xr[CPAR__ROW], gr[CPAR__ROW], wr[CPAR__ROW];
     const bool cached = dt != CPAR_F32 && h <= CPAR__ROW;
     if (cached) CPAR__BLOCKS(h, j0, n, cpar__blk_widen(wr + j0, w, dt, j0, n);)
@@ -11974,22 +12242,38 @@ CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w,
         CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(cached ? xr + j0 : xb, x, dt, r0 + j0, n);
                      const float *gp = cpar__blk_in(cached ? gr + j0 : gb, dy, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
-                     cpar__blk_sum2(ss, c, xp, gp, wp, n);)
+                     cpar__blk_sum2(ss, c, xp, gp, wp, n, fused);)
         const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
         const float kk = inv * inv * inv * (float)cpar__lanes_sum(c) / (float)h;
         CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
                      const float *gp = cached ? gr + j0 : cpar__blk_in(gb, dy, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
                      if (r + 1 < rows) cpar__blk_prefetch(x, dt, r0 + h + j0, n), cpar__blk_prefetch(dy, dt, r0 + h + j0, n);
-                     float *o = cpar__blk_dst(ob, dx, dt, r0 + j0); /* dx may be dy: each element read before written */
+                     /* dx may be dy: each element read before written. A bf16 dx is
+                      * rounded in the same loop (no fp32 block to store and reload). */
+                     if (dt == CPAR_BF16) {
+                         uint16_t *d16 = (uint16_t *)dx + r0 + j0;
+                         if (dw) {
+                             CPAR__IVDEP for (int k = 0; k < n; k++) {
+                                 dw[j0 + k] += gp[k] * xp[k] * inv;
+                                 d16[k] = cpar__bf16_bits(inv * wp[k] * gp[k] - xp[k] * kk);
+                             }
+                         } else {
+                             CPAR__IVDEP for (int k = 0; k < n; k++) d16[k] = cpar__bf16_bits(inv * wp[k] * gp[k] - xp[k] * kk);
+                         }
+                         continue;
+                     }
                      if (dw) {
                          CPAR__IVDEP for (int k = 0; k < n; k++) dw[j0 + k] += gp[k] * xp[k] * inv;
                      }
-                     CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = inv * wp[k] * gp[k] - xp[k] * kk;
-                     cpar__blk_out(dx, dt, r0 + j0, o, n);)
+                     {
+                         float *o = cpar__blk_dst(ob, dx, dt, r0 + j0);
+                         CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = inv * wp[k] * gp[k] - xp[k] * kk;
+                         cpar__blk_out(dx, dt, r0 + j0, o, n);
+                     })
     }
 }
-CPAR__VARIANTS(cpar__host_rmsnorm_backward,
+CPAR__VARIANTS_FMA(cpar__host_rmsnorm_backward,
                (const void *x, const void *w, const void *dy, cpar_dtype dt, int64_t rows, int64_t h, float eps,
                 void *dx, float *dw),
                (x, w, dy, dt, rows, h, eps, dx, dw))

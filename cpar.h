@@ -23,6 +23,20 @@
  *    (AVX2+FMA where the CPU has it), or a CBLAS for F32 when the build found
  *    one (OpenBLAS or BLIS; `make CPAR_BLAS=0` turns that off, and
  *    CPAR_HOST_GEMM=builtin at context creation picks cpar's own anyway).
+ *  - CPAR_HOST_THREADS=N (read at context creation; default 1) lets one rank
+ *    use N threads for its host GEMMs, for when ranks < cores (1-rank
+ *    reference runs gain most): cpar's GEMM splits the larger of C's
+ *    dimensions over the caller and a pool of N - 1 worker threads
+ *    ("cpar-gemm") the context owns, made at its first product of 2^23
+ *    multiply-adds or more and joined by cpar_finalize. Results are
+ *    bit-identical to N = 1 (each element of C is computed by one thread in
+ *    the same order); no call allocates after warm-up; a forked child makes
+ *    its own pool. The CBLAS path gives OpenBLAS N threads (its count is the
+ *    process's: the first context to run a product sets it, and
+ *    OPENBLAS_NUM_THREADS or OMP_NUM_THREADS, when set, win); BLIS stays as
+ *    configured. Device products ignore it. A value other than an integer in
+ *    1..256 fails context creation (cpar_spawn, cpar_init_from_env) with
+ *    CPAR_ERR_INVALID naming the variable.
  *
  * Contents
  *   1. Status codes and errors

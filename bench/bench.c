@@ -575,10 +575,12 @@ static cpar_status run_gemm(cpar_ctx *ctx, void *arg) {
  * through a 1-rank column-parallel linear forward on the host backend, once
  * with its built-in kernel (CPAR_HOST_GEMM=builtin) and, when libcpar was
  * built with a CBLAS, once on that path. */
-static double blas_sgemm_flops(int iters, int64_t T, int64_t K, int64_t N) {
+static double blas_sgemm_flops(int iters, int64_t T, int64_t K, int64_t N, int threads) {
 #ifdef CPAR_BENCH_CBLAS
 #ifdef OPENBLAS_VERSION
-    openblas_set_num_threads(1); /* a single-threaded ceiling for a single-threaded rank */
+    openblas_set_num_threads(threads); /* 1: a single-threaded ceiling for a single-threaded rank */
+#else
+    if (threads != 1) return 0.0; /* another CBLAS: its thread count is not ours to set */
 #endif
     float *x = malloc(sizeof(float) * (size_t)(T * K)), *w = malloc(sizeof(float) * (size_t)(N * K));
     float *y = malloc(sizeof(float) * (size_t)(T * N));
@@ -596,20 +598,30 @@ static double blas_sgemm_flops(int iters, int64_t T, int64_t K, int64_t N) {
     free(x), free(w), free(y), free(t);
     return flops;
 #else
-    (void)iters, (void)T, (void)K, (void)N;
+    (void)iters, (void)T, (void)K, (void)N, (void)threads;
     return 0.0; /* no BLAS to compare with */
 #endif
 }
 
 /* cpar's host GEMM on the shape (host backend, one rank): its built-in kernel,
- * or the CBLAS path when libcpar has one. 0 when the run failed. */
-static double cpar_gemm_flops(int iters, int64_t T, int64_t K, int64_t N, cpar_dtype dt, bool builtin) {
+ * or the CBLAS path when libcpar has one, with CPAR_HOST_THREADS = threads.
+ * 0 when the run failed. */
+static double cpar_gemm_flops_threads(int iters, int64_t T, int64_t K, int64_t N, cpar_dtype dt, bool builtin,
+                                      int threads) {
     gemm_case c = {.iters = iters, .tokens = T, .k = K, .n = N, .dt = dt};
+    char tv[16];
+    snprintf(tv, sizeof tv, "%d", threads);
     setenv("CPAR_HOST_GEMM", builtin ? "builtin" : "default", 1); /* read when the context is made */
+    setenv("CPAR_HOST_THREADS", tv, 1);
     cpar_status st = cpar_spawn(1, CPAR_BACKEND_HOST, run_gemm, &c);
     unsetenv("CPAR_HOST_GEMM");
+    unsetenv("CPAR_HOST_THREADS");
     if (st != CPAR_OK) fprintf(stderr, "bench: host GEMM: %s\n", cpar_thread_last_error());
     return st == CPAR_OK ? c.flops : 0.0;
+}
+
+static double cpar_gemm_flops(int iters, int64_t T, int64_t K, int64_t N, cpar_dtype dt, bool builtin) {
+    return cpar_gemm_flops_threads(iters, T, K, N, dt, builtin, 1);
 }
 
 typedef struct {
@@ -641,7 +653,7 @@ static void bench_host_gemm(int iters) {
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
         const gemm_shape *g = &shapes[i];
         double mine = cpar_gemm_flops(iters, g->T, g->K, g->N, CPAR_F32, true);
-        double blas = blas_sgemm_flops(iters, g->T, g->K, g->N);
+        double blas = blas_sgemm_flops(iters, g->T, g->K, g->N, 1);
         double ceil = blas > 0 ? blas : mine;
         double via = cblas ? cpar_gemm_flops(iters, g->T, g->K, g->N, CPAR_F32, false) : 0.0;
         double half = cpar_gemm_flops(iters, g->T, g->K, g->N, CPAR_BF16, true);
@@ -660,11 +672,38 @@ static void bench_host_gemm(int iters) {
         if (cblas) rec_f("cblas_path_gflops", via / 1e9), rec_f("cblas_path_per_ceiling", via / ceil);
         rec_f("builtin_bf16_gflops", half / 1e9), rec_f("builtin_bf16_per_ceiling", half / ceil);
     }
+    /* CPAR_HOST_THREADS: one rank's product on 2 threads against 1, and
+     * against OpenBLAS on 2 threads (run on a quiet machine: every thread
+     * wants a core of its own) */
+    printf("\nhost GEMM with CPAR_HOST_THREADS=2 (built-in kernel, f32), 1 rank\n");
+    printf("%-18s %18s %12s %12s %7s %12s %12s %7s\n", "shape", "T x K x N", "1 thread", "2 threads", "2/1",
+           "OpenBLAS 1", "OpenBLAS 2", "2/OB2");
+    for (size_t i = 0; i < 2; i++) {
+        const gemm_shape *g = &shapes[i];
+        double one = cpar_gemm_flops_threads(iters, g->T, g->K, g->N, CPAR_F32, true, 1);
+        double two = cpar_gemm_flops_threads(iters, g->T, g->K, g->N, CPAR_F32, true, 2);
+        double ob1 = blas_sgemm_flops(iters, g->T, g->K, g->N, 1), ob2 = blas_sgemm_flops(iters, g->T, g->K, g->N, 2);
+        char shape[40], b1[16] = "-", b2[16] = "-", r2[16] = "-";
+        snprintf(shape, sizeof shape, "%lldx%lldx%lld", (long long)g->T, (long long)g->K, (long long)g->N);
+        if (ob1 > 0) snprintf(b1, sizeof b1, "%.1f GF/s", ob1 / 1e9);
+        if (ob2 > 0) snprintf(b2, sizeof b2, "%.1f GF/s", ob2 / 1e9), snprintf(r2, sizeof r2, "%.2f", two / ob2);
+        printf("%-18s %18s %7.1f GF/s %7.1f GF/s %7.2f %12s %12s %7s\n", g->what, shape, one / 1e9, two / 1e9,
+               one > 0 ? two / one : 0.0, b1, b2, r2);
+        rec_begin("host_gemm_threads");
+        rec_s("name", g->what);
+        rec_i("T", g->T), rec_i("K", g->K), rec_i("N", g->N);
+        rec_f("builtin_1_thread_gflops", one / 1e9), rec_f("builtin_2_threads_gflops", two / 1e9);
+        if (ob1 > 0) rec_f("openblas_1_thread_gflops", ob1 / 1e9);
+        if (ob2 > 0) rec_f("openblas_2_threads_gflops", ob2 / 1e9), rec_f("builtin_2_per_openblas_2", two / ob2);
+    }
+#ifdef OPENBLAS_VERSION
+    openblas_set_num_threads(1); /* back to the single-threaded ceiling */
+#endif
 }
 
 /* The f32 GEMM ceiling of one shape: OpenBLAS when installed, else cpar's own. */
 static double gemm_ceiling(int iters, int64_t T, int64_t K, int64_t N) {
-    double blas = blas_sgemm_flops(iters, T, K, N);
+    double blas = blas_sgemm_flops(iters, T, K, N, 1);
     return blas > 0 ? blas : cpar_gemm_flops(iters, T, K, N, CPAR_F32, true);
 }
 
@@ -849,7 +888,10 @@ static cpar_status run_mamba(cpar_ctx *ctx, void *arg) {
  * before the kernel, and a row's ratio uses the median of those. Cross
  * entropy and GeLU also against a glibc loop over as many elements (expf;
  * tanhf), timed here: one transcendental per element may bound them below
- * memcpy. */
+ * memcpy. /cached: the same call on the first 16 rows of every operand,
+ * cache-resident, over the full call, per element: the kernel's compute
+ * rate as a ceiling. Near 1, the row runs at its exp/tanh-bound speed and
+ * memory is not what holds it below /memcpy 0.5. */
 enum { MB_FILL, MB_CAST, MB_AXPBY, MB_GELU, MB_NORM, MB_XENT, MB_LB_UNDO, MB_LB_REDO, MB_CP2HP, MB_PRE_SSM };
 
 typedef struct {
@@ -870,6 +912,7 @@ typedef struct {
     double bytes[2];     /* bytes one call must move on rank 0 */
     double copy_gbps;    /* the interleaved memcpy, GB/s copied (median) */
     double libm_s;       /* xent, gelu: the glibc loop over rows * cols elements */
+    double cached_s[2];  /* xent, gelu: seconds per element from cache (mb_cached) */
 } mb_case;
 
 /* A glibc expf (tanh: tanhf) over x[0..n), four independent sums so the adds never bound it; median of 5. */
@@ -892,6 +935,52 @@ static cpar_status mb_alloc(cpar_ctx *ctx, cpar_tensor *t, int *nt, cpar_dtype d
                             cpar_tensor **out) {
     TRY(cpar_tensor_alloc(ctx, dt, nd, sh, &t[*nt]));
     *out = &t[(*nt)++];
+    return CPAR_OK;
+}
+
+/* One call of row w's operation, phase ph (0 forward, 1 backward). */
+static cpar_status mb_call(cpar_ctx *ctx, const mb_row *w, int ph, cpar_tensor *a, cpar_tensor *b, cpar_tensor *d,
+                           cpar_tensor *e, cpar_tensor *f, cpar_tensor *h, cpar_mamba_cp *m) {
+    cpar_group *g = cpar_world_group(ctx);
+    switch (w->kind) {
+    case MB_FILL: return cpar_fill(ctx, a, 0.5);
+    case MB_CAST: return cpar_cast(ctx, a, b);
+    case MB_AXPBY: return cpar_axpby(ctx, 1.5f, a, w->beta, b);
+    case MB_GELU: return ph ? cpar_gelu_backward(ctx, a, b, d) : cpar_gelu_forward(ctx, a, b);
+    case MB_NORM: return ph ? cpar_rmsnorm_backward(ctx, a, f, 1e-5f, b, d, e) : cpar_rmsnorm_forward(ctx, a, f, 1e-5f, b);
+    case MB_XENT:
+        return ph ? cpar_vocab_parallel_cross_entropy_backward(g, a, b, 0.0f, e, f, h)
+                  : cpar_vocab_parallel_cross_entropy_forward(g, a, b, 0.0f, d, e);
+    case MB_LB_UNDO: return cpar_undo_attention_load_balancing(ctx, 2, a, b);
+    case MB_LB_REDO: return cpar_redo_attention_load_balancing(ctx, 2, a, b);
+    case MB_CP2HP: return cpar_all_to_all_cp2hp(g, ph ? b : a, ph ? d : b, ph ? CPAR_BWD : CPAR_FWD);
+    default: return cpar_mamba_cp_pre_conv_ssm(m, ph ? b : a, ph ? d : b, ph ? CPAR_BWD : CPAR_FWD);
+    }
+}
+
+/* The seconds per element of phase ph on the first MB_CACHED_ROWS rows of
+ * every operand (views, cache-resident after the first call): the kernel's
+ * own compute rate, memory out of the way. Median of 15 calls. */
+enum { MB_CACHED_ROWS = 16 };
+static cpar_status mb_cached(cpar_ctx *ctx, const mb_row *w, int ph, int64_t rows, int64_t cols, cpar_tensor *t, int nt,
+                             double *out) {
+    cpar_tensor v[10];
+    cpar_tensor *p[10] = {NULL};
+    for (int i = 0; i < nt; i++) {
+        v[i] = t[i];
+        if (v[i].ndim >= 1 && v[i].shape[0] == rows) v[i].shape[0] = MB_CACHED_ROWS;
+        p[i] = &v[i];
+    }
+    /* t[0], t[1] are the memcpy buffers; then a and the row's own, as run_mb allocates them */
+    cpar_tensor *a = p[2], *b = p[3], *d = p[4], *e = p[5], *f = p[6], *h = p[7];
+    if (w->kind == MB_GELU) e = f = h = NULL;
+    double ts[15];
+    for (int r = -1; r < 15; r++) {
+        double t0 = now_s();
+        TRY(mb_call(ctx, w, ph, a, b, d, e, f, h, NULL));
+        if (r >= 0) ts[r] = now_s() - t0;
+    }
+    *out = median_of(ts, 15) / (double)(MB_CACHED_ROWS * cols);
     return CPAR_OK;
 }
 
@@ -1007,28 +1096,14 @@ static cpar_status run_mb(cpar_ctx *ctx, void *arg) {
         for (int ph = 0; ph < c->nt; ph++) {
             if (p > 1) TRY(cpar_barrier(g));
             double t0 = now_s();
-            switch (w->kind) {
-            case MB_FILL: TRY(cpar_fill(ctx, a, 0.5)); break;
-            case MB_CAST: TRY(cpar_cast(ctx, a, b)); break;
-            case MB_AXPBY: TRY(cpar_axpby(ctx, 1.5f, a, w->beta, b)); break;
-            case MB_GELU: TRY(ph ? cpar_gelu_backward(ctx, a, b, d) : cpar_gelu_forward(ctx, a, b)); break;
-            case MB_NORM:
-                TRY(ph ? cpar_rmsnorm_backward(ctx, a, f, 1e-5f, b, d, e) : cpar_rmsnorm_forward(ctx, a, f, 1e-5f, b));
-                break;
-            case MB_XENT:
-                if (ph) TRY(cpar_vocab_parallel_cross_entropy_backward(g, a, b, 0.0f, e, f, h));
-                else TRY(cpar_vocab_parallel_cross_entropy_forward(g, a, b, 0.0f, d, e));
-                break;
-            case MB_LB_UNDO: TRY(cpar_undo_attention_load_balancing(ctx, 2, a, b)); break;
-            case MB_LB_REDO: TRY(cpar_redo_attention_load_balancing(ctx, 2, a, b)); break;
-            case MB_CP2HP: TRY(cpar_all_to_all_cp2hp(g, ph ? b : a, ph ? d : b, ph ? CPAR_BWD : CPAR_FWD)); break;
-            default: TRY(cpar_mamba_cp_pre_conv_ssm(m, ph ? b : a, ph ? d : b, ph ? CPAR_BWD : CPAR_FWD)); break;
-            }
+            TRY(mb_call(ctx, w, ph, a, b, d, e, f, h, m));
             TRY(cpar_sync(ctx));
             if (it >= 0) ts[ph][it] = now_s() - t0;
         }
     }
     for (int ph = 0; ph < c->nt; ph++) c->t[ph] = median_of(ts[ph], c->iters);
+    if (r0 && p == 1 && (w->kind == MB_XENT || w->kind == MB_GELU))
+        for (int ph = 0; ph < c->nt; ph++) TRY(mb_cached(ctx, w, ph, rows, cols, t, nt, &c->cached_s[ph]));
     if (r0) c->copy_gbps = (double)c->copy_bytes / median_of(ts[2], c->iters) / 1e9;
     for (int i = 0; i < 3; i++) free(ts[i]);
     if (m) TRY(cpar_mamba_cp_destroy(m));
@@ -1063,8 +1138,8 @@ static int bench_memory_bound(int iters, int max_mib) {
     printf("\nmemory-bound kernels on host tensors; ceiling: a host memcpy of %d MiB timed before every call "
            "(GB/s copied; it moves twice that)\n",
            max_mib);
-    printf("%-26s %5s %-10s %12s %5s %10s %12s %10s %10s %8s %6s\n", "kernel", "ranks", "dtype", "[rows,cols]", "dir",
-           "time", "bytes moved", "GB/s", "memcpy", "/memcpy", "/libm");
+    printf("%-26s %5s %-10s %12s %5s %10s %12s %10s %10s %8s %6s %7s\n", "kernel", "ranks", "dtype", "[rows,cols]", "dir",
+           "time", "bytes moved", "GB/s", "memcpy", "/memcpy", "/libm", "/cached");
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         const mb_row *w = &rows[i];
         const char *pick = getenv("CPAR_BENCH_MB"); /* rows whose name contains it (unset: all) */
@@ -1080,17 +1155,20 @@ static int bench_memory_bound(int iters, int max_mib) {
         else snprintf(dts, sizeof dts, "%s", cpar_dtype_name(w->dt));
         for (int ph = 0; ph < c.nt; ph++) {
             double gbs = c.bytes[ph] / c.t[ph] / 1e9;
-            char lm[16] = "";
+            char lm[16] = "", cs[16] = "";
+            const double cached = c.cached_s[ph] * (double)(c.rows * c.cols) / c.t[ph];
             if (c.libm_s > 0) snprintf(lm, sizeof lm, "%6.2f", c.libm_s / c.t[ph]);
-            printf("%-26s %5d %-10s %5lldx%-6lld %5s %7.3f ms %12.0f %5.2f GB/s %5.2f GB/s %8.2f %6s\n", w->name,
+            if (c.cached_s[ph] > 0) snprintf(cs, sizeof cs, "%7.2f", cached);
+            printf("%-26s %5d %-10s %5lldx%-6lld %5s %7.3f ms %12.0f %5.2f GB/s %5.2f GB/s %8.2f %6s %7s\n", w->name,
                    w->ranks, dts, (long long)c.rows, (long long)c.cols, c.nt == 1 ? "" : ph ? "bwd" : "fwd",
-                   c.t[ph] * 1e3, c.bytes[ph], gbs, c.copy_gbps, gbs / (2 * c.copy_gbps), lm);
+                   c.t[ph] * 1e3, c.bytes[ph], gbs, c.copy_gbps, gbs / (2 * c.copy_gbps), lm, cs);
             rec_begin("memory_bound");
             rec_s("name", w->name), rec_i("ranks", w->ranks), rec_s("dtype", dts);
             rec_i("rows", c.rows), rec_i("cols", c.cols), rec_s("dir", c.nt == 1 ? "" : ph ? "bwd" : "fwd");
             rec_f("time_ms", c.t[ph] * 1e3), rec_f("bytes", c.bytes[ph]), rec_f("gbps", gbs);
             rec_f("copy_gbps", c.copy_gbps), rec_f("per_ceiling", gbs / (2 * c.copy_gbps));
             if (c.libm_s > 0) rec_f("speedup_vs_libm", c.libm_s / c.t[ph]);
+            if (c.cached_s[ph] > 0) rec_f("per_cached", cached);
         }
     }
     return 0;

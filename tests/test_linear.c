@@ -28,6 +28,10 @@
 #define CPAR_INTERNAL /* calls device-layer functions (cpar.h §16) directly */
 #include "testutil.h"
 
+#include <dirent.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #define MAX_TP 4
 
 static double gelu(double v) { return 0.5 * v * (1.0 + erf(v / sqrt(2.0))); }
@@ -782,8 +786,61 @@ END_TEST
  * micro-tiles), T = 3100 tokens (> NC in the forward; > KC as the wgrad's
  * depth). Forward, dgrad, wgrad and the bias gradient against fp64. */
 
+/* Live threads of this process named "cpar-gemm" (the pool's workers). */
+static int count_workers(void) {
+    DIR *d = opendir("/proc/self/task");
+    ck_assert_ptr_nonnull(d);
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));) {
+        if (e->d_name[0] == '.') continue;
+        char path[300], comm[32] = "", stat[256] = "";
+        snprintf(path, sizeof path, "/proc/self/task/%s/comm", e->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) continue; /* gone meanwhile */
+        if (!fgets(comm, sizeof comm, f)) comm[0] = 0;
+        fclose(f);
+        snprintf(path, sizeof path, "/proc/self/task/%s/stat", e->d_name);
+        f = fopen(path, "r");
+        if (!f) continue;
+        if (!fgets(stat, sizeof stat, f)) stat[0] = 0;
+        fclose(f);
+        const char *st = strrchr(stat, ')'); /* "tid (comm) S ...": S is the state */
+        n += !strcmp(comm, "cpar-gemm\n") && st && st[1] == ' ' && st[2] != 'Z' && st[2] != 'X';
+    }
+    closedir(d);
+    return n;
+}
+
+typedef struct {
+    cpar_dtype dt;
+    int threads;  /* 0: gemm_blocking (nothing kept); else CPAR_HOST_THREADS, and: */
+    void *out[4]; /* y, dx, dW, db as downloaded */
+    size_t bytes[4];
+    int made;     /* worker threads after the forward */
+} blocking_case;
+
+/* A forked child runs the forward of layer l again into a poisoned y2: the
+ * same bits as y (bytes of them) with threads - 1 workers of its own. */
+static void expect_forked_forward(cpar_ctx *ctx, cpar_linear *l, const cpar_tensor *x, const cpar_tensor *y, size_t bytes,
+                                  int threads) {
+    fflush(NULL);
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        cpar_tensor y2 = tu_alloc_poisoned(ctx, y->dtype, y->ndim, y->shape);
+        bool ok = cpar_linear_forward(l, x, &y2, NULL) == CPAR_OK && !memcmp(y2.data, y->data, bytes) &&
+                  count_workers() == threads - 1;
+        _exit(ok ? 0 : 1);
+    }
+    int status = 0;
+    ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+    ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+                  "CPAR_HOST_THREADS=%d: a forked child's forward failed, differed or had the wrong threads", threads);
+}
+
 static cpar_status rank_blocking(cpar_ctx *ctx, void *arg) {
-    const cpar_dtype dt = *(const cpar_dtype *)arg;
+    blocking_case *c = arg;
+    const cpar_dtype dt = c->dt;
     enum { K = 300, N = 37, T = 3100 };
     cpar_linear_config cfg = {.input_size = K, .output_size = N, .dtype = dt, .bias = true};
     cpar_linear *l;
@@ -797,7 +854,9 @@ static cpar_status rank_blocking(cpar_ctx *ctx, void *arg) {
     cpar_tensor x = upload_sub(ctx, X, K, 0, T, NULL, K, dt, 3, xs), dy = upload_sub(ctx, dY, N, 0, T, NULL, N, dt, 3, ys);
     cpar_tensor y = tu_alloc_poisoned(ctx, dt, 3, ys), dx = tu_alloc_poisoned(ctx, dt, 3, xs);
     TU_OK(cpar_linear_zero_grad(l));
+    if (c->threads) ck_assert_int_eq(count_workers(), 0); /* the pool is made at the first big product */
     TU_OK(cpar_linear_forward(l, &x, &y, NULL));
+    c->made = count_workers();
     TU_OK(cpar_linear_backward(l, &dy, &dx));
     double *yref = malloc(sizeof(double) * T * N), *dxref = malloc(sizeof(double) * T * K);
     double *dwref = malloc(sizeof(double) * N * K), *dbref = malloc(sizeof(double) * N);
@@ -813,6 +872,10 @@ static cpar_status rank_blocking(cpar_ctx *ctx, void *arg) {
     cpar_tensor gw = cpar_linear_weight_grad(l), gb = cpar_linear_bias_grad(l);
     expect_tensor(ctx, &gw, dwref, dw_tol, "blocking: dW (fp32 main grad)");
     expect_tensor(ctx, &gb, dbref, dw_tol, "blocking: db");
+    const cpar_tensor *outs[4] = {&y, &dx, &gw, &gb};
+    for (int i = 0; i < 4 && c->threads; i++) c->out[i] = tu_download(ctx, outs[i]), c->bytes[i] = cpar_tensor_nbytes(outs[i]);
+    if (c->threads > 1 && !tu_on_device()) /* the context's pool is its parent's: the child makes its own */
+        expect_forked_forward(ctx, l, &x, &y, c->bytes[0], c->threads);
     cpar_tensor *ts[] = {&x, &dy, &y, &dx};
     for (int i = 0; i < 4; i++) TU_OK(cpar_tensor_free(ctx, ts[i]));
     TU_OK(cpar_linear_destroy(l));
@@ -825,7 +888,8 @@ START_TEST(test_gemm_blocking) {
      * own kernel (CPAR_HOST_GEMM=builtin, read when the context is made) */
     static const cpar_dtype dts[] = {CPAR_F32, CPAR_F32, CPAR_BF16, CPAR_F16};
     if (_i == 1) setenv("CPAR_HOST_GEMM", "builtin", 1); /* this forked test's own environment */
-    TU_OK(tu_spawn(1, rank_blocking, (void *)&dts[_i]));
+    blocking_case c = {.dt = dts[_i]};
+    TU_OK(tu_spawn(1, rank_blocking, &c));
 }
 END_TEST
 
@@ -1415,6 +1479,68 @@ static cpar_status rank_bad_options(cpar_ctx *ctx, void *arg) {
 START_TEST(test_bad_options) { TU_OK(tu_spawn(2, rank_bad_options, NULL)); }
 END_TEST
 
+/* ==== CPAR_HOST_THREADS =======================================================
+ * rank_blocking's layer (every product of 34M multiply-adds: above the
+ * pool's threshold, split along n in the forward and along m in the wgrad,
+ * K > KC, edge micro-tiles) with 1, 2 and 3 threads, F32 on cpar's own
+ * kernel and BF16 (a 16-bit C): y, dx, dW and db bit-identical to 1 thread
+ * (and right against fp64, as in gemm_blocking). On the host backend the
+ * rank has exactly threads - 1 workers once it has run a product,
+ * cpar_finalize joins them, and a forked child runs the same context's
+ * forward with a pool of its own, with the same bits. Bad values of the
+ * variable fail context creation with a line naming it. */
+
+/* _i: 0 F32 (cpar's kernel), 1 BF16 */
+START_TEST(test_host_threads) {
+    static const char *names[4] = {"y", "dx", "dW", "db"};
+    setenv("CPAR_HOST_GEMM", "builtin", 1); /* this forked test's own environment */
+    blocking_case c[3];
+    for (int t = 0; t < 3; t++) {
+        char v[8];
+        snprintf(v, sizeof v, "%d", t + 1);
+        setenv("CPAR_HOST_THREADS", v, 1); /* read when the context is made */
+        c[t] = (blocking_case){.dt = _i ? CPAR_BF16 : CPAR_F32, .threads = t + 1};
+        TU_OK(tu_spawn(1, rank_blocking, &c[t]));
+        /* joined by cpar_finalize; a joined thread may linger in /proc for a moment */
+        for (int ms = 0; count_workers() > 0 && ms < 20000; ms += 10) usleep(10000);
+        ck_assert_msg(count_workers() == 0, "CPAR_HOST_THREADS=%d: %d workers left after cpar_finalize", t + 1,
+                      count_workers());
+    }
+    for (int t = 1; t < 3 && !tu_on_device(); t++) /* host products: the pool is there */
+        ck_assert_msg(c[t].made == t, "CPAR_HOST_THREADS=%d: %d worker threads, expected %d", t + 1, c[t].made, t);
+    for (int t = 1; t < 3; t++)
+        for (int i = 0; i < 4; i++) {
+            ck_assert_msg(c[t].bytes[i] == c[0].bytes[i] && !memcmp(c[t].out[i], c[0].out[i], c[0].bytes[i]),
+                          "%s: CPAR_HOST_THREADS=%d is not bit-identical to 1 thread (%s)", names[i], t + 1,
+                          cpar_dtype_name(c[t].dt));
+        }
+    for (int t = 0; t < 3; t++)
+        for (int i = 0; i < 4; i++) free(c[t].out[i]);
+    unsetenv("CPAR_HOST_THREADS");
+}
+END_TEST
+
+static cpar_status rank_nothing(cpar_ctx *ctx, void *arg) {
+    (void)ctx, (void)arg;
+    return CPAR_OK;
+}
+
+START_TEST(test_host_threads_bad) {
+    static const char *bad[] = {"0", "-2", "abc", "2x", "257", " 2"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        setenv("CPAR_HOST_THREADS", bad[i], 1);
+        cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
+        cpar_status st = cpar_spawn_with(2, &cfg, rank_nothing, NULL);
+        const char *msg = cpar_thread_last_error();
+        ck_assert_msg(st == CPAR_ERR_INVALID && strstr(msg, "CPAR_HOST_THREADS") && strstr(msg, bad[i]),
+                      "CPAR_HOST_THREADS=\"%s\": status %d, \"%s\", expected CPAR_ERR_INVALID naming it", bad[i], st, msg);
+    }
+    setenv("CPAR_HOST_THREADS", "", 1); /* empty: the default */
+    TU_OK(tu_spawn(2, rank_nothing, NULL));
+    unsetenv("CPAR_HOST_THREADS");
+}
+END_TEST
+
 static Suite *suite(void) {
     Suite *s = suite_create("linear: column- and row-parallel linear layers");
     struct {
@@ -1434,6 +1560,8 @@ static Suite *suite(void) {
         {"runtime_gather_output", test_runtime_gather_output, 1},
         {"wgrad_deferral", test_wgrad_deferral, N_DEFER_MODES},
         {"bad_options", test_bad_options, 1},
+        {"host_threads", test_host_threads, 2},
+        {"host_threads_bad", test_host_threads_bad, 1},
     };
     for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
         TCase *tc = tcase_create(loops[i].name);
