@@ -2119,6 +2119,86 @@ static float cpar__exp_sub_sum(float *p, int64_t n, float sub) {
     return total;
 }
 
+/* ---- attention's row passes ---------------------------------------------------
+ * The host attention's per-row steps around its GEMMs (section 18): the row
+ * maximum, a row scaled in place, and the softmax gradient ds = p (ds - D).
+ * Element-wise or a maximum, so the AVX2 twins give the same bits as the
+ * plain loops (no FMA: a subtract, then a multiply); gcc -O2 vectorises
+ * neither plain loop (their lengths vary), and in attention's tiles they
+ * cost as much as the GEMM's packing. */
+static bool cpar__cpu_avx2(void) {
+#ifdef CPAR__X86_KERNELS
+    static int avx2 = -1; /* every thread computes the same answer */
+    if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return avx2;
+#else
+    return false;
+#endif
+}
+
+#ifdef CPAR__X86_KERNELS
+__attribute__((target("avx2,fma"))) static float cpar__row_max_avx2(const float *p, int64_t n, float init) {
+    __m256 a = _mm256_set1_ps(init), b = a;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        a = _mm256_max_ps(_mm256_loadu_ps(p + i), a); /* (x > a ? x : a), as the plain loop */
+        b = _mm256_max_ps(_mm256_loadu_ps(p + i + 8), b);
+    }
+    float lanes[8], mx = init;
+    _mm256_storeu_ps(lanes, _mm256_max_ps(a, b));
+    for (int k = 0; k < 8; k++) mx = lanes[k] > mx ? lanes[k] : mx;
+    for (; i < n; i++) mx = p[i] > mx ? p[i] : mx;
+    return mx;
+}
+
+__attribute__((target("avx2,fma"))) static void cpar__row_scale_avx2(float *p, int64_t n, float s) {
+    const __m256 vs = _mm256_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, _mm256_mul_ps(_mm256_loadu_ps(p + i), vs));
+    for (; i < n; i++) p[i] *= s;
+}
+
+__attribute__((target("avx2,fma"))) static void cpar__row_dsoftmax_avx2(float *ds, const float *p, int64_t n, float D) {
+    const __m256 vd = _mm256_set1_ps(D);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(ds + i, _mm256_mul_ps(_mm256_loadu_ps(p + i), _mm256_sub_ps(_mm256_loadu_ps(ds + i), vd)));
+    for (; i < n; i++) ds[i] = p[i] * (ds[i] - D);
+}
+#endif
+
+/* The maximum of init and p[0..n) (no NaN among them). */
+static float cpar__row_max(const float *p, int64_t n, float init) {
+#ifdef CPAR__X86_KERNELS
+    if (cpar__cpu_avx2()) return cpar__row_max_avx2(p, n, init);
+#endif
+    float mx = init;
+    for (int64_t i = 0; i < n; i++) mx = p[i] > mx ? p[i] : mx; /* fmaxf is a call */
+    return mx;
+}
+
+/* p[0..n) *= s. */
+static void cpar__row_scale(float *p, int64_t n, float s) {
+#ifdef CPAR__X86_KERNELS
+    if (cpar__cpu_avx2()) {
+        cpar__row_scale_avx2(p, n, s);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) p[i] *= s;
+}
+
+/* ds[i] = p[i] * (ds[i] - D), i < n: softmax's backward through one row. */
+static void cpar__row_dsoftmax(float *ds, const float *p, int64_t n, float D) {
+#ifdef CPAR__X86_KERNELS
+    if (cpar__cpu_avx2()) {
+        cpar__row_dsoftmax_avx2(ds, p, n, D);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) ds[i] = p[i] * (ds[i] - D);
+}
+
 /* ==== 6. Element-wise and layout operations ==============================
  * Public ops that run the host reference on host tensors and the device
  * layer's kernels on device tensors. Split and concat reduce to one pitched
@@ -9862,12 +9942,14 @@ static size_t cpar__attn_round(size_t bytes) { return (bytes + CPAR__ATTN_ALIGN 
  * out = O / l and lse = m + log l. Backward, per (b, h) and key tile, for
  * each query tile that sees it: P = exp(scale Q Kᵀ − lse) recomputed,
  * dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − D) with D = rowsum(dO ∘ O), dQ +=
- * scale dS K, dK += scale dSᵀ Q. Tiles skip what causality hides; the diagonal
- * tile masks j > i. The S / P and dP tiles stay in cache. Dropout: forward
+ * scale dS K, dK += scale dSᵀ Q. Tiles skip what causality hides; a tile on
+ * the diagonal runs in strips (cpar__attn_strip) whose products stop at the
+ * strip's last row, and each row's keys past its diagonal are zeroed, never
+ * exponentiated. The S / P and dP tiles stay in cache. Dropout: forward
  * zeroes the dropped weights after l has summed them (lse is dropout's
  * input) and scales out by 1/(1-p); backward builds the tile's mask
  * Z = keep/(1-p) once, dV += (P∘Z)ᵀ dO and dS = P ∘ (dP∘Z − D). */
-enum { CPAR__HATTN_BQ = 128, CPAR__HATTN_BK = 128 };
+enum { CPAR__HATTN_BQ = 128, CPAR__HATTN_BK = 128, CPAR__HATTN_STRIP = 32 };
 
 /* Scratch floats of the host path (see cpar__attn_scratch_bytes). */
 static size_t cpar__host_attn_floats(const cpar__attn_io *io, bool backward) {
@@ -9965,12 +10047,6 @@ static void cpar__attn_drop_tile(const cpar__attn_io *io, int64_t bh, int64_t i0
     }
 }
 
-/* Top-left causal: -inf where key k0 + j lies after query q0 + i. */
-static void cpar__attn_mask_tile(float *S, int64_t bq, int64_t bk, int64_t q0, int64_t k0) {
-    for (int64_t i = 0; i < bq; i++)
-        for (int64_t j = cpar__min64(bk, i + q0 - k0 + 1 > 0 ? i + q0 - k0 + 1 : 0); j < bk; j++) S[i * bk + j] = -INFINITY;
-}
-
 /* S [bq, bk] (row-major) = alpha · A[bq rows of d] · B[bk rows of d]ᵀ: the
  * GEMM's column-major Sᵀ = op_T(B) A. */
 static cpar_status cpar__attn_qkt(cpar_ctx *ctx, const char *fn, float alpha, const void *A, cpar_dtype adt,
@@ -9980,6 +10056,34 @@ static cpar_status cpar__attn_qkt(cpar_ctx *ctx, const char *fn, float alpha, co
 
 static const void *cpar__attn_at(const void *p, cpar_dtype dt, int64_t off) {
     return (const char *)p + (size_t)off * cpar_dtype_size(dt);
+}
+
+static int64_t cpar__attn_pos0(int64_t x) { return x > 0 ? x : 0; }
+
+/* A plain causal tile [q0, q0 + bq) x [k0, k0 + bk) that crosses the
+ * diagonal runs in strips of CPAR__HATTN_STRIP query rows, each strip's
+ * products stopping at its last row's diagonal, so the GEMMs skip most of the
+ * hidden triangle (whole 128-key tiles would compute a quarter more than
+ * causal attention's work at s = 512); the rows from the first that sees
+ * every key of the tile on run as one strip. For the strip that starts at
+ * tile row r: returns its row count and sets *kn to the keys [k0, k0 + *kn)
+ * its rows may see (0: none). */
+static int64_t cpar__attn_strip(const cpar__attn_io *io, bool packed, int64_t q0, int64_t bq, int64_t r, int64_t k0,
+                                int64_t bk, int64_t *kn) {
+    if (!io->causal || packed || k0 + bk - 1 <= q0 + r) { /* every key of the tile is visible to every row */
+        *kn = bk;
+        return bq - r;
+    }
+    const int64_t rows = cpar__min64(CPAR__HATTN_STRIP, bq - r);
+    *kn = cpar__min64(bk, cpar__attn_pos0(q0 + r + rows - k0)); /* top-left: key k0 + j sees query rows >= k0 + j */
+    return rows;
+}
+
+/* How many of a strip's n keys from k0 query row q sees: a plain causal
+ * row those up to its own position, any other row all n (a packed block's
+ * hidden keys are -inf in S). */
+static int64_t cpar__attn_row_keys(const cpar__attn_io *io, bool packed, int64_t q, int64_t k0, int64_t n) {
+    return io->causal && !packed ? cpar__min64(n, cpar__attn_pos0(q - k0 + 1)) : n;
 }
 
 static cpar_status cpar__host_attn_fwd(cpar_ctx *ctx, const char *fn, const cpar__attn_io *io, void *out,
@@ -10000,39 +10104,63 @@ static cpar_status cpar__host_attn_fwd(cpar_ctx *ctx, const char *fn, const cpar
                 memset(O, 0, sizeof(float) * (size_t)(bq * d));
                 for (int64_t k0 = 0; k0 < kend; k0 += CPAR__HATTN_BK) {
                     const int64_t bk = cpar__min64(CPAR__HATTN_BK, kend - k0);
-                    CPAR_TRY(cpar__attn_qkt(ctx, fn, io->scale, cpar__attn_at(io->q, io->dt, qbase + q0 * d), io->dt,
-                                            cpar__attn_at(io->k, io->dt, kvbase + k0 * d), io->dt, bq, bk, d, S));
-                    if (packed) cpar__attn_mask_packed(io, S, bq, bk, q0, k0);
-                    else if (io->causal && k0 + bk - 1 > q0) cpar__attn_mask_tile(S, bq, bk, q0, k0);
-                    for (int64_t i = 0; i < bq; i++) {
-                        float *srow = S + i * bk, mx = m[i];
-                        for (int64_t j = 0; j < bk; j++) mx = srow[j] > mx ? srow[j] : mx; /* no NaN here; fmaxf is a call */
-                        if (mx == -INFINITY) { /* nothing visible yet: P = 0 */
-                            memset(srow, 0, sizeof(float) * (size_t)bk);
-                            continue;
+                    int64_t kn;
+                    for (int64_t r = 0, rows; r < bq; r += rows) {
+                        rows = cpar__attn_strip(io, packed, q0, bq, r, k0, bk, &kn);
+                        if (kn == 0) continue; /* the strip's rows see none of these keys */
+                        /* S [rows, kn] (row stride kn) = scale Q Kᵀ */
+                        CPAR_TRY(cpar__attn_qkt(ctx, fn, io->scale, cpar__attn_at(io->q, io->dt, qbase + (q0 + r) * d),
+                                                io->dt, cpar__attn_at(io->k, io->dt, kvbase + k0 * d), io->dt, rows,
+                                                kn, d, S));
+                        if (packed) cpar__attn_mask_packed(io, S, rows, kn, q0 + r, k0);
+                        for (int64_t i = 0; i < rows; i++) {
+                            /* the online softmax over the keys the row sees; P = 0 past them */
+                            float *srow = S + i * kn, *mi = m + r + i, *li = l + r + i;
+                            const int64_t nv = cpar__attn_row_keys(io, packed, q0 + r + i, k0, kn);
+                            const float mx = cpar__row_max(srow, nv, *mi);
+                            if (mx == -INFINITY) { /* nothing visible yet: P = 0 */
+                                memset(srow, 0, sizeof(float) * (size_t)kn);
+                                continue;
+                            }
+                            const float corr = *mi == -INFINITY ? 0.f : expf(*mi - mx);
+                            *li = *li * corr + cpar__exp_sub_sum(srow, nv, mx);
+                            if (nv < kn) memset(srow + nv, 0, sizeof(float) * (size_t)(kn - nv));
+                            *mi = mx;
+                            if (corr != 1.f) cpar__row_scale(O + (r + i) * d, d, corr);
                         }
-                        const float corr = m[i] == -INFINITY ? 0.f : expf(m[i] - mx);
-                        l[i] = l[i] * corr + cpar__exp_sub_sum(srow, bk, mx);
-                        m[i] = mx;
-                        if (corr != 1.f)
-                            for (int64_t c = 0; c < d; c++) O[i * d + c] *= corr;
+                        /* l summed the weights before dropout (lse is dropout's input); P V uses the kept ones */
+                        if (drop) cpar__attn_drop_tile(io, bh, q0 + r, k0, rows, kn, S, NULL, 0.f);
+                        /* O [rows, d] += P [rows, kn] V [kn, d]: column-major Oᵀ += Vᵀ Pᵀ */
+                        CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 0, d, rows, kn, 1.f,
+                                                 cpar__attn_at(io->v, io->dt, kvbase + k0 * d), io->dt, d, S, CPAR_F32,
+                                                 kn, 1.f, O + r * d, CPAR_F32, d));
                     }
-                    /* l summed the weights before dropout (lse is dropout's input); P V uses the kept ones */
-                    if (drop) cpar__attn_drop_tile(io, bh, q0, k0, bq, bk, S, NULL, 0.f);
-                    /* O [bq, d] += P [bq, bk] V [bk, d]: column-major Oᵀ += Vᵀ Pᵀ */
-                    CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 0, d, bq, bk, 1.f, cpar__attn_at(io->v, io->dt, kvbase + k0 * d),
-                                             io->dt, d, S, CPAR_F32, bk, 1.f, O, CPAR_F32, d));
                 }
                 for (int64_t i = 0; i < bq; i++) {
-                    float *lrow = lse + bh * lse_bh + q0 + i;
-                    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f; /* l = 0: the row saw no key */
-                    *lrow = l[i] > 0.f ? m[i] + logf(l[i]) : -INFINITY;
-                    for (int64_t c = 0; c < d; c++)
-                        cpar__store_f(out, out_dt, obase + (q0 + i) * d + c, O[i * d + c] * inv * keep_scale);
+                    float *orow = O + i * d;
+                    lse[bh * lse_bh + q0 + i] = l[i] > 0.f ? m[i] + logf(l[i]) : -INFINITY;
+                    cpar__row_scale(orow, d, l[i] > 0.f ? keep_scale / l[i] : 0.f); /* l = 0: the row saw no key */
+                    if (out_dt == CPAR_F32) memcpy((float *)out + obase + (q0 + i) * d, orow, sizeof(float) * (size_t)d);
+                    else cpar__blk_narrow(out, out_dt, obase + (q0 + i) * d, orow, (int)d);
                 }
             }
         }
     return CPAR_OK;
+}
+
+/* D_i = dout_i · out_i (fp64 sums in cpar__blk_sum's fixed order) for the
+ * n rows of d elements at off (16-bit rows widened a block at a time). */
+static void cpar__attn_bwd_delta(const void *out, const void *dout, cpar_dtype dt, int64_t off, int64_t n, int64_t d,
+                                 float *D) {
+    float ba[CPAR__BLK], bb[CPAR__BLK];
+    for (int64_t i = 0; i < n; i++) {
+        double acc[CPAR__LANES] = {0};
+        const int64_t row = off + i * d;
+        CPAR__BLOCKS(d, c0, len,
+                     cpar__blk_sum(acc, cpar__blk_in(ba, dout, dt, row + c0, len),
+                                   cpar__blk_in(bb, out, dt, row + c0, len), len);)
+        D[i] = (float)cpar__lanes_sum(acc);
+    }
 }
 
 static cpar_status cpar__host_attn_bwd(cpar_ctx *ctx, const char *fn, const cpar__attn_io *io, const void *out,
@@ -10050,12 +10178,7 @@ static cpar_status cpar__host_attn_bwd(cpar_ctx *ctx, const char *fn, const cpar
             const int64_t bh = bi * io->hq + hi, hk = bi * io->hkv + hi / group;
             const int64_t qbase = bh * io->q_bh, obase = bh * o_bh, kvbase = hk * io->kv_bh;
             const float *L = lse + bh * lse_bh;
-            for (int64_t i = 0; i < io->sq; i++) { /* D_i = dout_i · out_i */
-                double acc = 0.0;
-                for (int64_t c = 0; c < d; c++)
-                    acc += (double)cpar__load_f(dout, out_dt, obase + i * d + c) * cpar__load_f(out, out_dt, obase + i * d + c);
-                D[i] = (float)acc;
-            }
+            cpar__attn_bwd_delta(out, dout, out_dt, obase, io->sq, d, D);
             for (int64_t k0 = 0; k0 < io->sk; k0 += CPAR__HATTN_BK) {
                 const int64_t bk = cpar__min64(CPAR__HATTN_BK, io->sk - k0);
                 const void *Kt = cpar__attn_at(io->k, io->dt, kvbase + k0 * d), *Vt = cpar__attn_at(io->v, io->dt, kvbase + k0 * d);
@@ -10064,37 +10187,44 @@ static cpar_status cpar__host_attn_bwd(cpar_ctx *ctx, const char *fn, const cpar
                 for (int64_t q0 = skip ? k0 / CPAR__HATTN_BQ * CPAR__HATTN_BQ : 0; q0 < io->sq; q0 += CPAR__HATTN_BQ) {
                     const int64_t bq = cpar__min64(CPAR__HATTN_BQ, io->sq - q0);
                     if (skip && q0 + bq - 1 < k0) continue;
-                    const void *Qt = cpar__attn_at(io->q, io->dt, qbase + q0 * d);
-                    const void *dOt = cpar__attn_at(dout, out_dt, obase + q0 * d);
-                    CPAR_TRY(cpar__attn_qkt(ctx, fn, scale, Qt, io->dt, Kt, io->dt, bq, bk, d, P));
-                    if (packed) cpar__attn_mask_packed(io, P, bq, bk, q0, k0);
-                    else if (io->causal && k0 + bk - 1 > q0) cpar__attn_mask_tile(P, bq, bk, q0, k0);
-                    for (int64_t i = 0; i < bq; i++) {
-                        if (L[q0 + i] == -INFINITY) memset(P + i * bk, 0, sizeof(float) * (size_t)bk); /* saw no key */
-                        else cpar__exp_sub_sum(P + i * bk, bk, L[q0 + i]);
+                    int64_t kn;
+                    for (int64_t r = 0, rows; r < bq; r += rows) {
+                        rows = cpar__attn_strip(io, packed, q0, bq, r, k0, bk, &kn);
+                        if (kn == 0) continue;
+                        const int64_t q = q0 + r, e = rows * kn; /* the strip: rows q.., keys k0 .. k0 + kn - 1 */
+                        const void *Qt = cpar__attn_at(io->q, io->dt, qbase + q * d);
+                        const void *dOt = cpar__attn_at(dout, out_dt, obase + q * d);
+                        CPAR_TRY(cpar__attn_qkt(ctx, fn, scale, Qt, io->dt, Kt, io->dt, rows, kn, d, P));
+                        if (packed) cpar__attn_mask_packed(io, P, rows, kn, q, k0);
+                        for (int64_t i = 0; i < rows; i++) {
+                            float *prow = P + i * kn;
+                            const int64_t nv = L[q + i] == -INFINITY ? 0 /* saw no key */
+                                                                     : cpar__attn_row_keys(io, packed, q + i, k0, kn);
+                            cpar__exp_sub_sum(prow, nv, L[q + i]);
+                            if (nv < kn) memset(prow + nv, 0, sizeof(float) * (size_t)(kn - nv));
+                        }
+                        /* dV [kn, d] += (P ∘ Z)ᵀ dO: column-major dVᵀ += dOᵀ (P ∘ Z); with dropout P ∘ Z
+                         * (Z = mask / (1 - p)) is built in dP, which is free until dP = dO Vᵀ below */
+                        const float *PZ = P;
+                        if (drop) {
+                            cpar__attn_drop_tile(io, bh, q, k0, rows, kn, NULL, Z, cpar__attn_keep_scale(io));
+                            for (int64_t x = 0; x < e; x++) dP[x] = P[x] * Z[x];
+                            PZ = dP;
+                        }
+                        CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 1, d, kn, rows, 1.f, dOt, out_dt, d, PZ, CPAR_F32, kn, 1.f,
+                                                 dVt, CPAR_F32, d));
+                        CPAR_TRY(cpar__attn_qkt(ctx, fn, 1.f, dOt, out_dt, Vt, io->dt, rows, kn, d, dP)); /* dP = dO Vᵀ */
+                        /* dS = P ∘ (dP ∘ Z − D): the gradient reaches the weight before dropout through the mask */
+                        if (drop)
+                            for (int64_t x = 0; x < e; x++) dP[x] *= Z[x];
+                        for (int64_t i = 0; i < rows; i++) cpar__row_dsoftmax(dP + i * kn, P + i * kn, kn, D[q + i]);
+                        /* dQ [rows, d] += scale dS K: column-major dQᵀ += Kᵀ dSᵀ */
+                        CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 0, d, rows, kn, scale, Kt, io->dt, d, dP, CPAR_F32, kn,
+                                                 1.f, dq + bh * dq_bh + q * d, CPAR_F32, d));
+                        /* dK [kn, d] += scale dSᵀ Q: column-major dKᵀ += Qᵀ dS */
+                        CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 1, d, kn, rows, scale, Qt, io->dt, d, dP, CPAR_F32, kn,
+                                                 1.f, dKt, CPAR_F32, d));
                     }
-                    /* dV [bk, d] += (P ∘ Z)ᵀ dO: column-major dVᵀ += dOᵀ (P ∘ Z); with dropout P ∘ Z
-                     * (Z = mask / (1 - p)) is built in dP, which is free until dP = dO Vᵀ below */
-                    const float *PZ = P;
-                    if (drop) {
-                        cpar__attn_drop_tile(io, bh, q0, k0, bq, bk, NULL, Z, cpar__attn_keep_scale(io));
-                        for (int64_t e = 0; e < bq * bk; e++) dP[e] = P[e] * Z[e];
-                        PZ = dP;
-                    }
-                    CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 1, d, bk, bq, 1.f, dOt, out_dt, d, PZ, CPAR_F32, bk, 1.f, dVt,
-                                             CPAR_F32, d));
-                    CPAR_TRY(cpar__attn_qkt(ctx, fn, 1.f, dOt, out_dt, Vt, io->dt, bq, bk, d, dP)); /* dP = dO Vᵀ */
-                    /* dS = P ∘ (dP ∘ Z − D): the gradient reaches the weight before dropout through the mask */
-                    if (drop)
-                        for (int64_t e = 0; e < bq * bk; e++) dP[e] *= Z[e];
-                    for (int64_t i = 0; i < bq; i++)
-                        for (int64_t j = 0; j < bk; j++) dP[i * bk + j] = P[i * bk + j] * (dP[i * bk + j] - D[q0 + i]);
-                    /* dQ [bq, d] += scale dS K: column-major dQᵀ += Kᵀ dSᵀ */
-                    CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 0, d, bq, bk, scale, Kt, io->dt, d, dP, CPAR_F32, bk, 1.f,
-                                             dq + bh * dq_bh + q0 * d, CPAR_F32, d));
-                    /* dK [bk, d] += scale dSᵀ Q: column-major dKᵀ += Qᵀ dS */
-                    CPAR_TRY(cpar__host_gemm(ctx, fn, 0, 1, d, bk, bq, scale, Qt, io->dt, d, dP, CPAR_F32, bk, 1.f, dKt,
-                                             CPAR_F32, d));
                 }
             }
         }

@@ -57,6 +57,15 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* The calling thread's CPU time: on a shared machine the time slices other
+ * processes take stretch the wall clock of a long call (the ceiling's GEMM)
+ * more than that of a short one, which the CPU time does not see. */
+static double cpu_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 static int env_int(const char *name, int dflt) {
     const char *v = getenv(name);
     return v && atoi(v) > 0 ? atoi(v) : dflt;
@@ -575,7 +584,8 @@ static cpar_status run_gemm(cpar_ctx *ctx, void *arg) {
  * through a 1-rank column-parallel linear forward on the host backend, once
  * with its built-in kernel (CPAR_HOST_GEMM=builtin) and, when libcpar was
  * built with a CBLAS, once on that path. */
-static double blas_sgemm_flops(int iters, int64_t T, int64_t K, int64_t N, int threads) {
+static double blas_sgemm_flops(int iters, int64_t T, int64_t K, int64_t N, int threads, double *cpu_flops) {
+    if (cpu_flops) *cpu_flops = 0.0; /* over the median thread CPU time; 0 without a BLAS */
 #ifdef CPAR_BENCH_CBLAS
 #ifdef OPENBLAS_VERSION
     openblas_set_num_threads(threads); /* 1: a single-threaded ceiling for a single-threaded rank */
@@ -586,16 +596,18 @@ static double blas_sgemm_flops(int iters, int64_t T, int64_t K, int64_t N, int t
     float *y = malloc(sizeof(float) * (size_t)(T * N));
     for (int64_t i = 0; i < T * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
     for (int64_t i = 0; i < N * K; i++) w[i] = (float)((i * 104729) % 1000) * 1e-3f - 0.5f;
-    double *t = malloc(sizeof(double) * (size_t)iters);
+    double *t = malloc(sizeof(double) * (size_t)iters), *tc = malloc(sizeof(double) * (size_t)iters);
     for (int it = -1; it < iters; it++) {
-        double t0 = now_s();
+        double t0 = now_s(), c0 = cpu_s();
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)N, (int)K, 1.f, x, (int)K, w, (int)K, 0.f,
                     y, (int)N);
-        if (it >= 0) t[it] = now_s() - t0;
+        if (it >= 0) t[it] = now_s() - t0, tc[it] = cpu_s() - c0;
     }
     qsort(t, (size_t)iters, sizeof *t, cmp_double);
+    qsort(tc, (size_t)iters, sizeof *tc, cmp_double);
     double flops = 2.0 * (double)(T * K * N) / t[iters / 2];
-    free(x), free(w), free(y), free(t);
+    if (cpu_flops) *cpu_flops = 2.0 * (double)(T * K * N) / tc[iters / 2];
+    free(x), free(w), free(y), free(t), free(tc);
     return flops;
 #else
     (void)iters, (void)T, (void)K, (void)N, (void)threads;
@@ -653,7 +665,7 @@ static void bench_host_gemm(int iters) {
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
         const gemm_shape *g = &shapes[i];
         double mine = cpar_gemm_flops(iters, g->T, g->K, g->N, CPAR_F32, true);
-        double blas = blas_sgemm_flops(iters, g->T, g->K, g->N, 1);
+        double blas = blas_sgemm_flops(iters, g->T, g->K, g->N, 1, NULL);
         double ceil = blas > 0 ? blas : mine;
         double via = cblas ? cpar_gemm_flops(iters, g->T, g->K, g->N, CPAR_F32, false) : 0.0;
         double half = cpar_gemm_flops(iters, g->T, g->K, g->N, CPAR_BF16, true);
@@ -682,7 +694,7 @@ static void bench_host_gemm(int iters) {
         const gemm_shape *g = &shapes[i];
         double one = cpar_gemm_flops_threads(iters, g->T, g->K, g->N, CPAR_F32, true, 1);
         double two = cpar_gemm_flops_threads(iters, g->T, g->K, g->N, CPAR_F32, true, 2);
-        double ob1 = blas_sgemm_flops(iters, g->T, g->K, g->N, 1), ob2 = blas_sgemm_flops(iters, g->T, g->K, g->N, 2);
+        double ob1 = blas_sgemm_flops(iters, g->T, g->K, g->N, 1, NULL), ob2 = blas_sgemm_flops(iters, g->T, g->K, g->N, 2, NULL);
         char shape[40], b1[16] = "-", b2[16] = "-", r2[16] = "-";
         snprintf(shape, sizeof shape, "%lldx%lldx%lld", (long long)g->T, (long long)g->K, (long long)g->N);
         if (ob1 > 0) snprintf(b1, sizeof b1, "%.1f GF/s", ob1 / 1e9);
@@ -701,9 +713,10 @@ static void bench_host_gemm(int iters) {
 #endif
 }
 
-/* The f32 GEMM ceiling of one shape: OpenBLAS when installed, else cpar's own. */
-static double gemm_ceiling(int iters, int64_t T, int64_t K, int64_t N) {
-    double blas = blas_sgemm_flops(iters, T, K, N, 1);
+/* The f32 GEMM ceiling of one shape: OpenBLAS when installed, else cpar's
+ * own; *cpu_flops (may be NULL) as blas_sgemm_flops. */
+static double gemm_ceiling(int iters, int64_t T, int64_t K, int64_t N, double *cpu_flops) {
+    double blas = blas_sgemm_flops(iters, T, K, N, 1, cpu_flops);
     return blas > 0 ? blas : cpar_gemm_flops(iters, T, K, N, CPAR_F32, true);
 }
 
@@ -725,14 +738,17 @@ static uint64_t mlp_min_recv(int n, bool sp, int64_t elems) {
  * cp size. FLOPs as FlashAttention counts them: forward 4·b·h·sq·sk·d (two
  * GEMMs), halved when causal; backward 2.5x the forward (five GEMMs, one of
  * them the recomputed q kᵀ). Ceiling: a GEMM of the same dtype measured in this run. Host
- * backend: fp32 host reference; GPUs: bf16 flash kernels. */
+ * backend: fp32 host reference; GPUs: bf16 flash kernels. The host's local
+ * rows also give f+b over thread CPU times (attention's and the ceiling's,
+ * "cpu f+b"): on a loaded machine the wall clock of the ceiling's long GEMM
+ * loses more to other processes than a short attention call does. */
 typedef struct {
     int iters;
     bool causal, load_balance;
     cpar_rotate_method rotate;
     int64_t b, h, s, d; /* s: the global sequence */
     cpar_dtype dt;
-    double fwd, bwd;
+    double fwd, bwd, fwd_cpu, bwd_cpu; /* medians: wall clock, rank 0's thread CPU time */
     uint64_t recv_fwd, recv_bwd;
 } attn_case;
 
@@ -750,22 +766,23 @@ static cpar_status run_attn(cpar_ctx *ctx, void *arg) {
     for (size_t i = 0; i < 4; i++) TRY(cpar_rng_uniform(ctx, ins[i], -1.0f, 1.0f));
     cpar_ring_attention_config cfg = {.causal = c->causal, .load_balance = c->load_balance, .rotate = c->rotate};
     double *tf = malloc(sizeof(double) * (size_t)c->iters), *tb = malloc(sizeof(double) * (size_t)c->iters);
+    double *cf = malloc(sizeof(double) * (size_t)c->iters), *cb = malloc(sizeof(double) * (size_t)c->iters);
     cpar_comm_stats after_fwd = {0};
     for (int it = -1; it < c->iters; it++) {
         TRY(cpar_barrier(g));
         if (it == 0) TRY(cpar_group_stats_reset(g));
-        double t0 = now_s();
+        double t0 = now_s(), c0 = cpu_s();
         if (n == 1) TRY(cpar_attention_forward(ctx, &q, &k, &v, c->causal, 0.0f, &o, &lse));
         else TRY(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &o, &lse));
         TRY(cpar_sync(ctx));
-        double t1 = now_s();
+        double t1 = now_s(), c1 = cpu_s();
         if (it == 0) TRY(cpar_group_stats(g, &after_fwd));
         if (n == 1) TRY(cpar_attention_backward(ctx, &q, &k, &v, &o, &dout, &lse, c->causal, 0.0f, &dq, &dk, &dv));
         else TRY(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &o, &dout, &lse, &dq, &dk, &dv));
         TRY(cpar_sync(ctx));
         if (it >= 0) {
-            tf[it] = t1 - t0;
-            tb[it] = now_s() - t1;
+            tf[it] = t1 - t0, cf[it] = c1 - c0;
+            tb[it] = now_s() - t1, cb[it] = cpu_s() - c1;
         }
         if (it == 0 && cpar_rank(ctx) == 0) {
             cpar_comm_stats st;
@@ -780,11 +797,17 @@ static cpar_status run_attn(cpar_ctx *ctx, void *arg) {
     if (cpar_rank(ctx) == 0) {
         qsort(tf, (size_t)c->iters, sizeof *tf, cmp_double);
         qsort(tb, (size_t)c->iters, sizeof *tb, cmp_double);
+        qsort(cf, (size_t)c->iters, sizeof *cf, cmp_double);
+        qsort(cb, (size_t)c->iters, sizeof *cb, cmp_double);
         c->fwd = tf[c->iters / 2];
         c->bwd = tb[c->iters / 2];
+        c->fwd_cpu = cf[c->iters / 2];
+        c->bwd_cpu = cb[c->iters / 2];
     }
     free(tf);
     free(tb);
+    free(cf);
+    free(cb);
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) TRY(cpar_tensor_free(ctx, ts[i]));
     return cpar_tensor_free(ctx, &lse);
 }
@@ -1379,7 +1402,7 @@ static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, s
             return 1;
         }
     } else {
-        gc.flops = gemm_ceiling(iters, gc.tokens, gc.k, gc.n);
+        gc.flops = gemm_ceiling(iters, gc.tokens, gc.k, gc.n, NULL);
     }
     printf("\nMLP [s,b,h]=[%lld,%lld,%lld] fp32, column h->4h then row 4h->h; GEMM ceiling (%s [%lld x %lld] x "
            "[%lld x %lld]): %.2f GFLOP/s\n",
@@ -1413,6 +1436,7 @@ static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, s
     cpar_dtype adt = nccl ? CPAR_BF16 : CPAR_F32;
     gemm_case ag = {.iters = iters, .tokens = nccl ? 8192 : 1024, .k = nccl ? 8192 : 1024, .n = nccl ? 8192 : 1024,
                     .dt = adt};
+    double ag_cpu = 0.0; /* the host ceiling over its thread CPU time */
     if (!want("attn")) {
         /* not asked for: no ceiling to measure */
     } else if (nccl) {
@@ -1421,14 +1445,14 @@ static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, s
             return 1;
         }
     } else {
-        ag.flops = gemm_ceiling(iters, ag.tokens, ag.k, ag.n);
+        ag.flops = gemm_ceiling(iters, ag.tokens, ag.k, ag.n, &ag_cpu);
     }
     printf("\nattention [b,h,s,d]=[%lld,%lld,%lld,%lld] %s, causal; ring: round-robin load balancing; GEMM ceiling "
            "(%s [%lld x %lld] x [%lld x %lld]): %.2f GFLOP/s\n",
            (long long)ab, (long long)ah, (long long)as, (long long)ad, cpar_dtype_name(adt), cpar_dtype_name(adt),
            (long long)ag.tokens, (long long)ag.k, (long long)ag.k, (long long)ag.n, ag.flops / 1e9);
-    printf("%-26s %5s %6s %10s %10s %12s %12s %12s %9s %9s %9s\n", "attention", "ranks", "s", "forward",
-           "backward", "recv fwd", "minimum", "recv bwd", "fwd/ceil", "bwd/ceil", "f+b/ceil");
+    printf("%-26s %5s %6s %10s %10s %12s %12s %12s %9s %9s %9s %9s\n", "attention", "ranks", "s", "forward",
+           "backward", "recv fwd", "minimum", "recv bwd", "fwd/ceil", "bwd/ceil", "f+b/ceil", "cpu f+b");
     /* one rank at several lengths (the host target: s = 512..2048, d = 64),
      * then the ring at the headline length */
     const int64_t local_s[] = {nccl ? as : 512, nccl ? as : 1024, nccl ? as : 2048};
@@ -1451,11 +1475,16 @@ static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, s
         double fl = 4.0 * (double)(ab * ah * s_row) * (double)s_row * (double)ad / 2.0 / n;
         uint64_t kv = 2 * (uint64_t)(ab * ah * s_row * ad) * cpar_dtype_size(adt);
         uint64_t min = kv / (uint64_t)n * (uint64_t)(n - 1);
-        printf("%-26s %5d %6lld %7.3f ms %7.3f ms %12llu %12llu %12llu %9.2f %9.2f %9.2f\n",
+        /* one rank on the host: f+b over the thread CPU times of both (a ring's ranks wait for each other) */
+        const bool by_cpu = n == 1 && !nccl && ag_cpu > 0.0;
+        const double cpu_fb = by_cpu ? 3.5 * fl / (c.fwd_cpu + c.bwd_cpu) / ag_cpu : 0.0;
+        char cpu_col[16] = "-";
+        if (by_cpu) snprintf(cpu_col, sizeof cpu_col, "%.2f", cpu_fb);
+        printf("%-26s %5d %6lld %7.3f ms %7.3f ms %12llu %12llu %12llu %9.2f %9.2f %9.2f %9s\n",
                n == 1 ? "local (flash)" : rot ? "ring, send/recv" : "ring, all-gather", n, (long long)s_row,
                c.fwd * 1e3, c.bwd * 1e3, (unsigned long long)c.recv_fwd, (unsigned long long)min,
                (unsigned long long)c.recv_bwd, fl / c.fwd / ag.flops, 2.5 * fl / c.bwd / ag.flops,
-               3.5 * fl / (c.fwd + c.bwd) / ag.flops);
+               3.5 * fl / (c.fwd + c.bwd) / ag.flops, cpu_col);
         rec_begin("attention");
         rec_s("name", n == 1 ? "local (flash)" : rot ? "ring, send/recv" : "ring, all-gather");
         rec_i("ranks", n), rec_i("b", ab), rec_i("h", ah), rec_i("s", s_row), rec_i("d", ad), rec_s("dtype", cpar_dtype_name(adt));
@@ -1464,6 +1493,7 @@ static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, s
         rec_i("recv_bwd_bytes", (long long)c.recv_bwd);
         rec_f("fwd_per_ceiling", fl / c.fwd / ag.flops), rec_f("bwd_per_ceiling", 2.5 * fl / c.bwd / ag.flops);
         rec_f("fwd_bwd_per_ceiling", 3.5 * fl / (c.fwd + c.bwd) / ag.flops);
+        if (by_cpu) rec_f("fwd_bwd_per_ceiling_cpu", cpu_fb);
     }
     /* Mamba CP: busbw = the minimum bytes over the time, against the copy ceiling. */
     mamba_case mc0 = {.iters = iters, .s = nccl ? 8192 : 1024, .b = nccl ? 2 : 1, .d_inner = nccl ? 4096 : 1024,

@@ -49,7 +49,10 @@ static const attn_shape shapes[] = {
 static const attn_shape host_shapes[] = {
     {1, 2, 1, 9, 7, 5, true},
     {2, 1, 1, 6, 11, 13, false},
+    {1, 1, 1, 300, 260, 24, true},  /* causal sq > sk over several tiles: the diagonal's strips, partial */
+    {1, 2, 1, 200, 330, 16, true},  /* causal sq < sk: keys past every query's diagonal */
 };
+#define N_HOST_SHAPES (int)(sizeof host_shapes / sizeof host_shapes[0])
 
 typedef struct {
     attn_shape s;
@@ -310,7 +313,7 @@ static const cpar_dtype dtypes16[] = {CPAR_F16, CPAR_BF16};
 /* _i = shape; F32 on host tensors, forward and backward. */
 START_TEST(test_attn_f32_host) {
     run(&shapes[_i], CPAR_F32, 0.f, true, true, 100 + (uint64_t)_i);
-    if (_i < 2) run(&host_shapes[_i], CPAR_F32, 0.f, true, true, 200 + (uint64_t)_i);
+    if (_i < N_HOST_SHAPES) run(&host_shapes[_i], CPAR_F32, 0.f, true, true, 200 + (uint64_t)_i);
     if (_i == 2) run(&shapes[0], CPAR_F32, 0.3f, true, true, 300); /* explicit scale */
 }
 END_TEST
@@ -358,7 +361,7 @@ START_TEST(test_attn_dropout) {
     schedule(_i % 3);
     run_drop(&shapes[_i], CPAR_F32, 0.f, true, 700 + (uint64_t)_i, 0.25f);
     run_drop(&shapes[_i], dtypes16[_i % 2], _i == 1 ? 0.3f : 0.f, false, 720 + (uint64_t)_i, 0.4f);
-    if (_i < 2) run_drop(&host_shapes[_i], CPAR_F32, 0.f, true, 740 + (uint64_t)_i, 0.6f);
+    if (_i < N_HOST_SHAPES) run_drop(&host_shapes[_i], CPAR_F32, 0.f, true, 740 + (uint64_t)_i, 0.6f);
 }
 END_TEST
 
