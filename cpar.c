@@ -8075,6 +8075,12 @@ cpar_status cpar_rng_reserve(cpar_ctx *ctx, uint64_t blocks, cpar_rng_state *use
     static const char fn[] = "cpar_rng_reserve";
     CPAR__RNG_OF(rng, ctx, fn);
     if (!used) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: used is NULL", fn);
+    /* a wrapped offset would hand out blocks that earlier draws used */
+    if (blocks > UINT64_MAX - rng->s.current.offset)
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: blocks = %llu, expected <= %llu (the current offset %llu would wrap past 2^64)", fn,
+                          (unsigned long long)blocks, (unsigned long long)(UINT64_MAX - rng->s.current.offset),
+                          (unsigned long long)rng->s.current.offset);
     *used = rng->s.current;
     rng->s.current.offset += blocks;
     return CPAR_OK;

@@ -806,7 +806,9 @@ cpar_status cpar_rng_set_state(cpar_ctx *ctx, const char *name, const cpar_rng_s
  * then advances by `blocks` (128-bit Philox blocks per subsequence), as
  * PyTorch's generator hands a fused kernel (seed, offset) and advances its
  * offset (philox_cuda_state(increment)). Draws after it never reuse those
- * offsets; under a fork the forked state advances. blocks may be 0. */
+ * offsets; under a fork the forked state advances. blocks may be 0; blocks
+ * that would wrap the offset past 2^64 (a state set far along its stream)
+ * are CPAR_ERR_INVALID and advance nothing. */
 cpar_status cpar_rng_reserve(cpar_ctx *ctx, uint64_t blocks, cpar_rng_state *used);
 /* _get_all_rng_states / _set_all_rng_states: every state at once. set_states
  * replaces the current state and the whole set of named states with the
@@ -1414,7 +1416,14 @@ cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_conf
  * Packed sequences (cfg->packed, load balancing, b = 1): every step is the
  * whole block masked by document and global position (a document's chunk
  * pairs follow the load-balanced rule above, interleaved along the shard);
- * the communication is the plain ring's.
+ * the communication is the plain ring's. On devices the flash kernels skip
+ * the tiles (64 rows of queries by 64 keys) whose every pair is hidden (in
+ * different documents or, causal, every key after every query): their
+ * weights are exact zeros, so the work follows the documents' blocks
+ * instead of the whole shard and the gradients keep every bit (the
+ * forward too in the simulator; on a GPU a visited hidden tile could only
+ * nudge the running softmax sum by the rounding of nvcc's fused rescale).
+ * The host loop still visits every tile of a packed block and masks it.
  * Block results are merged in fp32 as _SDPAMerger does:
  *   out <- out - sigmoid(lse_b - lse) (out - out_b),  lse <- lse - logsigmoid(lse - lse_b)
  * (a row no block reaches keeps lse = -inf and out = 0). */

@@ -1450,20 +1450,33 @@ template <typename F> static cudaError_t cpar__with_index_type(cpar_dtype dt, F 
 
 static bool cpar__is_index(cpar_dtype dt) { return dt == CPAR_I32 || dt == CPAR_I64; }
 
+/* The shape and dtype checks of cpar_dev_xent_local and _backward (func:
+ * the caller, named in the message); each checks its own pointers. */
+static cpar_status cpar__xent_check(const char *func, int64_t rows, int64_t cols, int64_t first, int64_t vocab,
+                                    cpar_dtype dt, cpar_dtype tdt) {
+    if (rows < 0) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: rows = %lld, expected >= 0", func, (long long)rows);
+    if (first < 0) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: first = %lld, expected >= 0", func, (long long)first);
+    if (cols < 1) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: cols = %lld, expected >= 1", func, (long long)cols);
+    if (vocab < first + cols)
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: vocab = %lld, expected >= first + cols = %lld", func,
+                              (long long)vocab, (long long)(first + cols));
+    if (!cpar__is_float(dt))
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: dtype %s, expected f32, f16 or bf16", func, cpar__dtype_name(dt));
+    if (!cpar__is_index(tdt))
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: target dtype %s, expected i32 or i64", func,
+                              cpar__dtype_name(tdt));
+    return CPAR_OK;
+}
+
 cpar_status cpar_dev_xent_local(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows,
                                 int64_t cols, int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part,
                                 cpar_dev_stream s) {
-    CPAR__CHECK_COUNT(rows);
-    CPAR__CHECK_COUNT(first);
-    if (cols < 1) return CPAR__INVALID("cols = %lld, expected >= 1", (long long)cols);
-    if (vocab < first + cols)
-        return CPAR__INVALID("vocab = %lld, expected >= first + cols = %lld", (long long)vocab, (long long)(first + cols));
+    const cpar_status st = cpar__xent_check(__func__, rows, cols, first, vocab, dt, tdt);
+    if (st != CPAR_OK) return st;
     CPAR__CHECK_PTR(logits, rows > 0);
     CPAR__CHECK_PTR(target, rows > 0);
     CPAR__CHECK_PTR(m_loc, rows > 0);
     CPAR__CHECK_PTR(part, rows > 0);
-    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
-    if (!cpar__is_index(tdt)) return CPAR__INVALID("target dtype %s, expected i32 or i64", cpar__dtype_name(tdt));
     if (rows == 0) return CPAR_OK;
     cudaStream_t cs = cpar__stream(s);
     cudaError_t e = cpar__with_float_type(dt, [&](auto zt) {
@@ -1578,18 +1591,13 @@ static cudaError_t cpar__launch_xent_backward_v(const void *logits, void *dlogit
 cpar_status cpar_dev_xent_backward(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
                                    cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows, int64_t cols,
                                    int64_t first, int64_t vocab, float s, cpar_dev_stream st) {
-    CPAR__CHECK_COUNT(rows);
-    CPAR__CHECK_COUNT(first);
-    if (cols < 1) return CPAR__INVALID("cols = %lld, expected >= 1", (long long)cols);
-    if (vocab < first + cols)
-        return CPAR__INVALID("vocab = %lld, expected >= first + cols = %lld", (long long)vocab, (long long)(first + cols));
+    const cpar_status stc = cpar__xent_check(__func__, rows, cols, first, vocab, dt, tdt);
+    if (stc != CPAR_OK) return stc;
     CPAR__CHECK_PTR(logits, rows > 0);
     CPAR__CHECK_PTR(dlogits, rows > 0);
     CPAR__CHECK_PTR(target, rows > 0);
     CPAR__CHECK_PTR(stats, rows > 0);
     CPAR__CHECK_PTR(dloss, rows > 0);
-    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
-    if (!cpar__is_index(tdt)) return CPAR__INVALID("target dtype %s, expected i32 or i64", cpar__dtype_name(tdt));
     if (rows == 0) return CPAR_OK;
     const float uniform = (float)((double)s / (double)vocab), hit = 1.f - s;
     cudaStream_t cs = cpar__stream(st);
@@ -1933,10 +1941,15 @@ static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint3
  * Tensor cores only through section 15's wrappers, so the sim runs the very
  * fragment code an H100 runs. Reads b·hq·(sq·d + KV tiles · 2·64·d)
  * elements, writes b·hq·sq·(d + 1).
- * Packed blocks (a.qp.cu and a.kp.cu set): every KV tile is visited and
- * masked per weight by document and global position (cpar__attn_packed_sees;
- * the backward kernels likewise), since a ring block's visible pairs
- * interleave along the shard.
+ * Packed blocks (a.qp.cu and a.kp.cu set): masked per weight by document
+ * and global position (cpar__attn_packed_sees; the backward kernels
+ * likewise), since a ring block's visible pairs interleave along the shard;
+ * the KV tiles that hide every weight from the CTA's rows are skipped
+ * (cpar__attn_visible: a prefix and a suffix of the tiles, found by binary
+ * search). Their weights are exact zeros: the backward's bits do not
+ * change, nor the forward's in the sim (g++ does not contract); under nvcc
+ * a visited hidden tile rescaled o and l by exp2(fma(m, sl2, -m·sl2)), a
+ * rounding step away from 1, which skipping leaves out.
  * Dropout (a.dropout_p > 0): after the online softmax has summed a tile's
  * weights into l, each dropped weight is zeroed before P V (the mask is one
  * Philox block per weight at its global positions, cpar__attn_keep below:
@@ -2013,6 +2026,18 @@ static __device__ __forceinline__ void cpar__attn_stage(T *tile, const T *src, i
  * of offset rng.offset + kpos / 4 in subsequence (bh + 1)·2^32 + qpos, as a
  * uniform (section 12's u01) compared with p. Integer work and one exact
  * multiply, so every build draws the same mask. */
+/* The document whose (padded) local rows hold row i of a packed block's
+ * shard (i < cu[n_docs] / P): the last d with cu[d] / P <= i. */
+static __device__ __forceinline__ int cpar__attn_slot(const cpar_dev_attn_pos &p, int64_t i) {
+    int lo = 0, hi = p.n_docs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (p.cu[mid] / p.P <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Row i's global position, and its document in *doc (packed: -1 for
  * padding; plain: 0); twin of cpar.c §18's cpar__attn_row. */
 static __device__ __forceinline__ int64_t cpar__attn_row(const cpar_dev_attn_pos &p, int64_t i, int *doc) {
@@ -2025,12 +2050,7 @@ static __device__ __forceinline__ int64_t cpar__attn_row(const cpar_dev_attn_pos
         *doc = -1;
         return i;
     }
-    int lo = 0, hi = p.n_docs - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (p.cu[mid] / P <= i) lo = mid;
-        else hi = mid - 1;
-    }
+    const int lo = cpar__attn_slot(p, i);
     int64_t g = i;
     if (P > 1) {
         const int64_t c = ((int64_t)p.cu[lo + 1] - p.cu[lo]) / (2 * P), o = i - p.cu[lo] / P;
@@ -2055,6 +2075,87 @@ static __device__ __forceinline__ bool cpar__attn_packed_sees(const cpar_dev_att
     return dq >= 0 && dq == dk && (!causal || kpos <= qpos);
 }
 
+/* Whether weight (query i, key j) is masked out: packed blocks by
+ * cpar__attn_packed_sees, plain ones (causal) by the top-left rule j > i. */
+static __device__ __forceinline__ bool cpar__attn_hidden(const cpar_dev_attn_pos &qp, const cpar_dev_attn_pos &kp,
+                                                         bool packed, bool causal, int64_t i, int64_t j) {
+    return packed ? !cpar__attn_packed_sees(qp, kp, causal, i, j) : causal && j > i;
+}
+
+/* Packed blocks: skip the tiles that hide every weight (read on the host at
+ * launch, passed to the kernels). Test hook: the sim suite turns it off to
+ * check that the outputs are bit-identical either way. */
+static bool cpar__attn_skip_hidden_tiles = true;
+
+/* Rows [0, n) of a packed block that lie in its shard. */
+static __device__ __forceinline__ int64_t cpar__attn_rows_in(const cpar_dev_attn_pos &p, int64_t n) {
+    const int64_t shard = p.cu[p.n_docs] / p.P;
+    return n < shard ? n : shard;
+}
+
+/* Packed blocks: the tiles [*lo, *hi) of `ts` rows of the other side (tp,
+ * n_t rows) that may show a weight to rows [fa, fb] of this side (fp, rows
+ * of the shard, fa <= fb); KEY_TILES: the tiles are keys and [fa, fb]
+ * queries, else the reverse. Every tile outside hides all its pairs from
+ * all those rows, so skipping it changes no bit (its weights are exact
+ * zeros). Along a shard, documents and global positions never decrease
+ * (chunk r precedes chunk 2P-1-r within a document), so a tile wholly in
+ * earlier documents, wholly in later ones, or (causal) wholly after the last
+ * query or before the first key is hidden, and those tiles form a prefix and
+ * a suffix: two binary searches, O(log tiles · log n_docs) per CTA. Padding
+ * rows count as their document's: that only keeps a tile. */
+template <bool KEY_TILES>
+static __device__ void cpar__attn_tile_span(const cpar_dev_attn_pos &fp, const cpar_dev_attn_pos &tp, bool causal,
+                                            int64_t fa, int64_t fb, int64_t n_t, int ts, int64_t *lo, int64_t *hi) {
+    const int64_t tiles = (n_t + ts - 1) / ts;
+    const int da = cpar__attn_slot(fp, fa), db = cpar__attn_slot(fp, fb);
+    const int64_t pa = cpar__attn_pos(fp, fa), pb = cpar__attn_pos(fp, fb);
+    auto before = [&](int64_t t) { /* the tile ends before any row of [fa, fb] can see it */
+        const int64_t last = (t + 1) * ts < n_t ? (t + 1) * ts - 1 : n_t - 1;
+        return cpar__attn_slot(tp, last) < da || (!KEY_TILES && causal && cpar__attn_pos(tp, last) < pa);
+    };
+    auto after = [&](int64_t t) { /* the tile starts after every row of [fa, fb] is done with it */
+        return cpar__attn_slot(tp, t * ts) > db || (KEY_TILES && causal && cpar__attn_pos(tp, t * ts) > pb);
+    };
+    int64_t a = 0, b = tiles; /* first tile not before */
+    while (a < b) {
+        const int64_t m = (a + b) / 2;
+        if (before(m)) a = m + 1;
+        else b = m;
+    }
+    *lo = a;
+    b = tiles; /* first tile after, from there on */
+    while (a < b) {
+        const int64_t m = (a + b) / 2;
+        if (after(m)) b = m;
+        else a = m + 1;
+    }
+    *hi = a;
+}
+
+/* The row range [*r0, *r1) of the other side's tiles of `ts` rows (n_t
+ * rows) that rows [a, a + n) of this side (n_f rows) may see: everything
+ * unless skip (a packed block, skipping on); empty when none of [a, a + n)
+ * is in the shard. */
+template <bool KEY_TILES>
+static __device__ void cpar__attn_visible(const cpar_dev_attn_pos &fp, const cpar_dev_attn_pos &tp, bool skip,
+                                          bool causal, int64_t a, int64_t n, int64_t n_f, int64_t n_t, int ts,
+                                          int64_t *r0, int64_t *r1) {
+    *r0 = 0, *r1 = n_t;
+    if (!skip) return;
+    const int64_t fv = cpar__attn_rows_in(fp, n_f), tv = cpar__attn_rows_in(tp, n_t);
+    const int64_t fb = (a + n < fv ? a + n : fv) - 1;
+    if (fb < a || tv == 0) {
+        *r1 = 0;
+        return;
+    }
+    int64_t lo, hi;
+    cpar__attn_tile_span<KEY_TILES>(fp, tp, causal, a, fb, tv, ts, &lo, &hi);
+    *r0 = lo * ts;
+    *r1 = hi * ts < tv ? hi * ts : tv;
+    if (*r1 < *r0) *r1 = *r0;
+}
+
 static __device__ __forceinline__ bool cpar__attn_keep(const cpar_rng_state &rng, float p, uint64_t bh, uint64_t qpos,
                                                        uint64_t kpos) {
     const cpar__u4 w = cpar__philox4_sub(rng.seed, rng.offset + (kpos >> 2), ((bh + 1) << 32) + qpos);
@@ -2066,7 +2167,7 @@ static __device__ __forceinline__ bool cpar__attn_keep(const cpar_rng_state &rng
 template <typename T, int DT>
 static __global__ void __launch_bounds__(CPAR__ATTN_THREADS)
     cpar__attn_fwd_kernel(const cpar_dev_attn a, void *__restrict__ out, bool out_f32, int64_t o_bh,
-                          float *__restrict__ lse, int64_t lse_bh, bool vec, float keep_scale) {
+                          float *__restrict__ lse, int64_t lse_bh, bool vec, float keep_scale, bool skip_tiles) {
     constexpr int LD = DT + 8; /* +16 bytes: conflict-free ldmatrix rows */
     constexpr int KSTEPS = DT / 16, NB = CPAR__ATTN_BN / 8, OB = DT / 8;
     __shared__ __align__(16) T sk[CPAR__ATTN_BN * LD]; /* also stages the Q tile */
@@ -2102,11 +2203,15 @@ CPAR__UNROLL
 
     /* Pipeline (FA2's): K(j) and V(j) are separate copy groups; V(j) lands
      * while S(j) is computed, K(j+1) while O += P(j) V(j) is. */
-    const bool packed = a.qp.cu != NULL && a.kp.cu != NULL; /* masks every tile, skips none */
-    const int64_t kv_end = a.causal && !packed ? (a.sk < q0 + CPAR__ATTN_BM ? a.sk : q0 + CPAR__ATTN_BM) : a.sk;
+    /* packed: the key tiles that some row of this tile may see (masked per weight within) */
+    const bool packed = a.qp.cu != NULL && a.kp.cu != NULL;
+    int64_t kv_begin, kv_end;
+    cpar__attn_visible<true>(a.qp, a.kp, packed && skip_tiles, a.causal, q0, CPAR__ATTN_BM, a.sq, a.sk, CPAR__ATTN_BN,
+                             &kv_begin, &kv_end);
+    if (a.causal && !packed && q0 + CPAR__ATTN_BM < kv_end) kv_end = q0 + CPAR__ATTN_BM;
     __syncthreads(); /* every warp has its Q fragments: sk is free for K */
-    if (kv_end > 0) cpar__attn_stage<T, DT, LD>(sk, k, 0, a.sk, d, vec);
-    for (int64_t j0 = 0; j0 < kv_end; j0 += CPAR__ATTN_BN) {
+    if (kv_begin < kv_end) cpar__attn_stage<T, DT, LD>(sk, k, kv_begin, a.sk, d, vec);
+    for (int64_t j0 = kv_begin; j0 < kv_end; j0 += CPAR__ATTN_BN) {
         cpar__attn_stage<T, DT, LD>(sv, v, j0, a.sk, d, vec); /* sv is free: barrier at the end of the last step */
         cpar__attn_cp_wait<1>();                              /* K(j) has landed (V(j) may be in flight) */
         __syncthreads();
@@ -2134,9 +2239,8 @@ CPAR__UNROLL
 CPAR__UNROLL
                 for (int r = 0; r < 4; r++) {
                     const int64_t j = j0 + nb * 8 + 2 * t + (r & 1);
-                    const bool hidden = packed ? !cpar__attn_packed_sees(a.qp, a.kp, a.causal, row[r >> 1], j)
-                                               : a.causal && j > row[r >> 1];
-                    if (j >= a.sk || hidden) s[nb][r] = -INFINITY;
+                    if (j >= a.sk || cpar__attn_hidden(a.qp, a.kp, packed, a.causal, row[r >> 1], j))
+                        s[nb][r] = -INFINITY;
                 }
         }
 
@@ -2232,7 +2336,8 @@ static cudaError_t cpar__launch_attn_fwd(const cpar_dev_attn &a, void *out, bool
                                          int64_t lse_bh, bool vec, dim3 grid, cudaStream_t s) {
     auto kernel = cpar__attn_fwd_kernel<T, DT>;
     const float keep_scale = 1.0f / (1.0f - a.dropout_p); /* on the host: cpar.c's cpar__attn_keep_scale */
-    CPAR_LAUNCH(kernel, grid, CPAR__ATTN_THREADS, 0, s)(a, out, out_f32, o_bh, lse, lse_bh, vec, keep_scale);
+    CPAR_LAUNCH(kernel, grid, CPAR__ATTN_THREADS, 0, s)
+    (a, out, out_f32, o_bh, lse, lse_bh, vec, keep_scale, cpar__attn_skip_hidden_tiles);
     return cudaGetLastError();
 }
 
@@ -2338,15 +2443,7 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * cp.async: no inline PTX outside k_mma.cu, and the simulator has none).
  * Uses: 2 (errors), 4 (widen/narrow, packs), k_mma.cu (tensor-core wrappers). */
 
-/* Full unrolling keeps the fragment arrays in registers under nvcc; g++ (the
- * sim build) does not know the pragma. Same definition as k_attn.cu's. */
-#ifndef CPAR__UNROLL
-#ifdef CPAR_SIM
-#define CPAR__UNROLL
-#else
-#define CPAR__UNROLL _Pragma("unroll")
-#endif
-#endif
+/* CPAR__UNROLL: section 16's (full unrolling under nvcc, nothing under g++). */
 
 static constexpr int CPAR__AB_BC = 64;      /* keys per tile (both kernels) */
 static constexpr int CPAR__AB_BRQ = 64;     /* queries per tile of the dq kernel */
@@ -2365,7 +2462,7 @@ struct cpar__ab_args {
     float *dq, *dk, *dv;
     int64_t b, hq, hkv, sq, sk, q_bh, kv_bh, o_bh, lse_bh, dq_bh, dkv_bh;
     int d;
-    bool dout_f32, causal;
+    bool dout_f32, causal, skip_tiles; /* skip_tiles: cpar__attn_skip_hidden_tiles at launch */
     float scale, scale_log2; /* scale and scale·log2(e): exp(x) = exp2(x·log2 e) */
     float dropout_p, keep_scale; /* keep_scale = 1 / (1 - p) */
     cpar_rng_state rng;
@@ -2378,6 +2475,31 @@ static __device__ __forceinline__ float cpar__ab_drop(const cpar__ab_args &p, in
     const bool keep = cpar__attn_keep(p.rng, p.dropout_p, (uint64_t)bh, (uint64_t)cpar__attn_pos(p.qp, i),
                                       (uint64_t)cpar__attn_pos(p.kp, j));
     return keep ? dp * p.keep_scale : 0.f;
+}
+
+/* Calls f(nb, e, row, col) for every element acc[nb][e] of this warp's
+ * 16 x 8·NB m16n8k16 C fragments: tile row m0 + g + 8·(e/2), tile column
+ * nb·8 + 2t + e%2 (g = lane/4, t = lane%4). The one statement of that layout
+ * for the passes over S, dP and the accumulators of both kernels. */
+template <int NB, typename F> static __device__ __forceinline__ void cpar__ab_each(int m0, F &&f) {
+    const int lane = (int)(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
+    CPAR__UNROLL
+    for (int nb = 0; nb < NB; nb++)
+        CPAR__UNROLL
+        for (int e = 0; e < 4; e++) f(nb, e, m0 + g + 8 * (e >> 1), nb * 8 + 2 * t + (e & 1));
+}
+
+/* Whether weight (query i, key j) is masked out: rows past sq and, packed,
+ * cpar__attn_hidden's rule (rows past sq are padding of the last tile). */
+static __device__ __forceinline__ bool cpar__ab_hidden(const cpar__ab_args &p, bool packed, int64_t i, int64_t j) {
+    return (packed && i >= p.sq) || cpar__attn_hidden(p.qp, p.kp, packed, p.causal, i, j);
+}
+
+/* log2(e)·lse of query row i, +inf where P must be 0 (past sq, or lse = -inf:
+ * a row that sees no key), so exp2 gives exactly 0 there. */
+static __device__ __forceinline__ float cpar__ab_lse2(const cpar__ab_args &p, int64_t qbh, int64_t i) {
+    const float l = i < p.sq ? p.lse[qbh * p.lse_bh + i] : -INFINITY;
+    return l == -INFINITY ? INFINITY : l * CPAR__AB_LOG2E;
 }
 
 /* Shared bytes of a kernel holding two ROWS_A-row and two ROWS_B-row tiles of
@@ -2506,11 +2628,13 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
     CPAR_DYN_SMEM(unsigned char, smem);
     T *sK = reinterpret_cast<T *>(smem), *sV = sK + BC * LD, *sQ = sV + BC * LD, *sdO = sQ + BR * LD;
     float *sL = reinterpret_cast<float *>(sdO + BR * LD), *sD = sL + BR;
-    const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2, t = lane & 3;
+    const int m0 = (int)(threadIdx.x >> 5) * 16;
     const int64_t j0 = (int64_t)blockIdx.x * BC, group = p.hq / p.hkv;
-    const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed;
-    const int64_t i_first = skip ? j0 / BR * BR : 0; /* earlier query tiles see none of these keys */
-    if (i_first >= p.sq) return;                         /* block-uniform: no query sees them at all */
+    const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed, drop = p.dropout_p > 0.f;
+    int64_t i_first, i_end; /* packed: the query tiles that may see a key of this tile */
+    cpar__attn_visible<false>(p.kp, p.qp, packed && p.skip_tiles, p.causal, j0, BC, p.sk, p.sq, BR, &i_first, &i_end);
+    if (skip) i_first = j0 / BR * BR;  /* earlier query tiles see none of these keys */
+    if (skip && i_first >= p.sq) return; /* block-uniform: no query sees them at all */
     for (int64_t bh = blockIdx.y; bh < p.b * p.hkv; bh += gridDim.y) {
         const int64_t bi = bh / p.hkv, hk = bh % p.hkv;
         __syncthreads(); /* the previous slice's readers of sK/sV are done */
@@ -2523,7 +2647,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
             for (int e = 0; e < 4; e++) dk[nd][e] = dv[nd][e] = 0.f;
         for (int64_t hi = hk * group; hi < (hk + 1) * group; hi++) {
             const int64_t qbh = bi * p.hq + hi;
-            for (int64_t i0 = i_first; i0 < p.sq; i0 += BR) {
+            for (int64_t i0 = i_first; i0 < i_end; i0 += BR) {
                 __syncthreads(); /* readers of the previous sQ/sdO/sL/sD are done */
                 const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
                 cpar__ab_load_tile<T, D, BR>(sQ, static_cast<const T *>(p.q) + qbh * p.q_bh + i0 * p.d, false,
@@ -2533,8 +2657,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
                     p.sq - i0, p.d);
                 for (int r = (int)threadIdx.x; r < BR; r += (int)blockDim.x) {
                     const int64_t i = i0 + r;
-                    const float l = i < p.sq ? p.lse[qbh * p.lse_bh + i] : -INFINITY;
-                    sL[r] = l == -INFINITY ? INFINITY : l * CPAR__AB_LOG2E;
+                    sL[r] = cpar__ab_lse2(p, qbh, i);
                     sD[r] = i < p.sq ? p.dsum[qbh * p.sq + i] : 0.f;
                 }
                 __syncthreads();
@@ -2542,52 +2665,32 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_k
                 if (j0 + m0 >= p.sk || (skip && j0 + m0 > i0 + BR - 1)) continue;
                 float s[NQ][4], dp[NQ][4]; /* Sᵀ then Pᵀ; dPᵀ then dSᵀ: [key][query] */
                 cpar__ab_mma_abt<T, NQ, D, LD>(s, sK, m0, sQ, p.d);
-                CPAR__UNROLL
-                for (int nb = 0; nb < NQ; nb++)
-                    CPAR__UNROLL
-                    for (int e = 0; e < 4; e++) {
-                        const int r = nb * 8 + 2 * t + (e & 1);
-                        const int64_t j = j0 + m0 + g + 8 * (e >> 1), i = i0 + r;
-                        const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -sL[r]));
-                        const bool hidden = packed ? i >= p.sq || !cpar__attn_packed_sees(p.qp, p.kp, p.causal, i, j)
-                                                   : p.causal && j > i;
-                        s[nb][e] = (j >= p.sk || hidden) ? 0.f : x;
-                    }
+                cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
+                    const int64_t j = j0 + kr, i = i0 + r;
+                    const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -sL[r]));
+                    s[nb][e] = (j >= p.sk || cpar__ab_hidden(p, packed, i, j)) ? 0.f : x;
+                });
                 cpar__ab_mma_abt<T, NQ, D, LD>(dp, sV, m0, sdO, p.d);
-                if (p.dropout_p > 0.f) {
-                    /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for dV */
-                    CPAR__UNROLL
-                    for (int nb = 0; nb < NQ; nb++)
-                        CPAR__UNROLL
-                        for (int e = 0; e < 4; e++) {
-                            const int r = nb * 8 + 2 * t + (e & 1);
-                            const int64_t j = j0 + m0 + g + 8 * (e >> 1), i = i0 + r;
-                            const float z = cpar__ab_drop(p, qbh, i, j, 1.f);
-                            dp[nb][e] = s[nb][e] * (dp[nb][e] * z - sD[r]);
-                            s[nb][e] *= z;
-                        }
-                } else {
-                    CPAR__UNROLL
-                    for (int nb = 0; nb < NQ; nb++)
-                        CPAR__UNROLL
-                        for (int e = 0; e < 4; e++) dp[nb][e] = s[nb][e] * (dp[nb][e] - sD[nb * 8 + 2 * t + (e & 1)]);
-                }
+                /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for dV.
+                 * Without dropout Z = 1: both products are exact, the bits those
+                 * of P ∘ (dP − D) and P. */
+                cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
+                    const float z = drop ? cpar__ab_drop(p, qbh, i0 + r, j0 + kr, 1.f) : 1.f;
+                    dp[nb][e] = s[nb][e] * (dp[nb][e] * z - sD[r]);
+                    s[nb][e] *= z;
+                });
                 cpar__ab_mma_xb<T, NQ, ND, LD>(dv, s, sdO, p.d);
                 cpar__ab_mma_xb<T, NQ, ND, LD>(dk, dp, sQ, p.d);
             }
         }
         float *gk = p.dk + bh * p.dkv_bh, *gv = p.dv + bh * p.dkv_bh;
-        CPAR__UNROLL
-        for (int nd = 0; nd < ND; nd++)
-            CPAR__UNROLL
-            for (int e = 0; e < 4; e++) {
-                const int64_t j = j0 + m0 + g + 8 * (e >> 1);
-                const int c = nd * 8 + 2 * t + (e & 1);
-                if (j < p.sk && c < p.d) {
-                    gk[j * p.d + c] += p.scale * dk[nd][e];
-                    gv[j * p.d + c] += dv[nd][e];
-                }
+        cpar__ab_each<ND>(m0, [&](int nd, int e, int kr, int c) {
+            const int64_t j = j0 + kr;
+            if (j < p.sk && c < p.d) {
+                gk[j * p.d + c] += p.scale * dk[nd][e];
+                gv[j * p.d + c] += dv[nd][e];
             }
+        });
     }
 }
 
@@ -2599,13 +2702,15 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
     constexpr int BR = CPAR__AB_BRQ, BC = CPAR__AB_BC, LD = D + 8, NK = BC / 8, ND = D / 8;
     CPAR_DYN_SMEM(unsigned char, smem);
     T *sQ = reinterpret_cast<T *>(smem), *sdO = sQ + BR * LD, *sK = sdO + BR * LD, *sV = sK + BC * LD;
-    const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2, t = lane & 3;
+    const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2;
     /* the last query tiles first: causal, they have the most key tiles, so the
      * long CTAs start early and the short ones fill the tail */
     const int64_t i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * BR, group = p.hq / p.hkv;
     /* causal: keys past the tile's last query are seen by none of its rows */
-    const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed;
-    const int64_t j_end = skip && i0 + BR < p.sk ? i0 + BR : p.sk;
+    const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed, drop = p.dropout_p > 0.f;
+    int64_t j_begin, j_end; /* packed: the key tiles that some query of this tile may see */
+    cpar__attn_visible<true>(p.qp, p.kp, packed && p.skip_tiles, p.causal, i0, BR, p.sq, p.sk, BC, &j_begin, &j_end);
+    if (skip && i0 + BR < j_end) j_end = i0 + BR;
     const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
     for (int64_t bh = blockIdx.y; bh < p.b * p.hq; bh += gridDim.y) {
         const int64_t kvbh = (bh / p.hq) * p.hkv + (bh % p.hq) / group;
@@ -2617,8 +2722,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
         CPAR__UNROLL
         for (int h = 0; h < 2; h++) {
             const int64_t i = i0 + m0 + g + 8 * h;
-            const float l = i < p.sq ? p.lse[bh * p.lse_bh + i] : -INFINITY;
-            l2[h] = l == -INFINITY ? INFINITY : l * CPAR__AB_LOG2E;
+            l2[h] = cpar__ab_lse2(p, bh, i);
             ds[h] = i < p.sq ? p.dsum[bh * p.sq + i] : 0.f;
         }
         float dq[ND][4];
@@ -2626,7 +2730,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
         for (int nd = 0; nd < ND; nd++)
             CPAR__UNROLL
             for (int e = 0; e < 4; e++) dq[nd][e] = 0.f;
-        for (int64_t j0 = 0; j0 < j_end; j0 += BC) {
+        for (int64_t j0 = j_begin; j0 < j_end; j0 += BC) {
             __syncthreads(); /* readers of the previous sK/sV are done (and sQ/sdO are loaded) */
             cpar__ab_load_tile<T, D, BC>(sK, static_cast<const T *>(p.k) + kvbh * p.kv_bh + j0 * p.d, false,
                                          p.sk - j0, p.d);
@@ -2637,42 +2741,23 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
             if (i0 + m0 >= p.sq || (skip && j0 > i0 + m0 + 15)) continue;
             float s[NK][4], dp[NK][4]; /* S then P; dP then dS: [query][key] */
             cpar__ab_mma_abt<T, NK, D, LD>(s, sQ, m0, sK, p.d);
-            CPAR__UNROLL
-            for (int nb = 0; nb < NK; nb++)
-                CPAR__UNROLL
-                for (int e = 0; e < 4; e++) {
-                    const int64_t i = i0 + m0 + g + 8 * (e >> 1), j = j0 + nb * 8 + 2 * t + (e & 1);
-                    const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
-                    const bool hidden = packed ? i >= p.sq || !cpar__attn_packed_sees(p.qp, p.kp, p.causal, i, j)
-                                               : p.causal && j > i;
-                    s[nb][e] = (j >= p.sk || hidden) ? 0.f : x;
-                }
+            cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
+                const int64_t i = i0 + r, j = j0 + kc;
+                const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
+                s[nb][e] = (j >= p.sk || cpar__ab_hidden(p, packed, i, j)) ? 0.f : x;
+            });
             cpar__ab_mma_abt<T, NK, D, LD>(dp, sdO, m0, sV, p.d);
-            if (p.dropout_p > 0.f) {
-                CPAR__UNROLL
-                for (int nb = 0; nb < NK; nb++)
-                    CPAR__UNROLL
-                    for (int e = 0; e < 4; e++) {
-                        const int64_t i = i0 + m0 + g + 8 * (e >> 1), j = j0 + nb * 8 + 2 * t + (e & 1);
-                        dp[nb][e] = s[nb][e] * (cpar__ab_drop(p, bh, i, j, dp[nb][e]) - ds[e >> 1]);
-                    }
-            } else {
-                CPAR__UNROLL
-                for (int nb = 0; nb < NK; nb++)
-                    CPAR__UNROLL
-                    for (int e = 0; e < 4; e++) dp[nb][e] = s[nb][e] * (dp[nb][e] - ds[e >> 1]);
-            }
+            cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
+                const float dpz = drop ? cpar__ab_drop(p, bh, i0 + r, j0 + kc, dp[nb][e]) : dp[nb][e];
+                dp[nb][e] = s[nb][e] * (dpz - ds[e >> 1]);
+            });
             cpar__ab_mma_xb<T, NK, ND, LD>(dq, dp, sK, p.d);
         }
         float *gq = p.dq + bh * p.dq_bh;
-        CPAR__UNROLL
-        for (int nd = 0; nd < ND; nd++)
-            CPAR__UNROLL
-            for (int e = 0; e < 4; e++) {
-                const int64_t i = i0 + m0 + g + 8 * (e >> 1);
-                const int c = nd * 8 + 2 * t + (e & 1);
-                if (i < p.sq && c < p.d) gq[i * p.d + c] += p.scale * dq[nd][e];
-            }
+        cpar__ab_each<ND>(m0, [&](int nd, int e, int r, int c) {
+            const int64_t i = i0 + r;
+            if (i < p.sq && c < p.d) gq[i * p.d + c] += p.scale * dq[nd][e];
+        });
     }
 }
 
@@ -2799,6 +2884,7 @@ cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, cons
     p.d = (int)d;
     p.dout_f32 = out_dt == CPAR_F32;
     p.causal = a->causal;
+    p.skip_tiles = cpar__attn_skip_hidden_tiles;
     p.scale = a->scale;
     p.scale_log2 = a->scale * CPAR__AB_LOG2E;
     p.dropout_p = a->dropout_p;
@@ -3334,16 +3420,25 @@ static __global__ void cpar__rmsnorm_kernel(T *x, const T *__restrict__ add, con
     }
 }
 
+/* The size, dtype and eps checks of cpar_dev_rmsnorm and _backward (func:
+ * the caller, named in the message); each checks its own pointers. */
+static cpar_status cpar__rmsnorm_check(const char *func, int64_t rows, int64_t h, cpar_dtype dt, float eps) {
+    if (rows < 0) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: rows = %lld, expected >= 0", func, (long long)rows);
+    if (h < 0) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: h = %lld, expected >= 0", func, (long long)h);
+    if (!cpar__is_float(dt))
+        return cpar__dev_fail(CPAR_ERR_INVALID, "%s: dtype %s, expected f32, f16 or bf16", func, cpar__dtype_name(dt));
+    if (!(eps >= 0.f)) return cpar__dev_fail(CPAR_ERR_INVALID, "%s: eps = %g, expected >= 0", func, (double)eps);
+    return CPAR_OK;
+}
+
 cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
                              float eps, void *y, cpar_dev_stream s) {
-    CPAR__CHECK_COUNT(rows);
-    CPAR__CHECK_COUNT(h);
+    const cpar_status st = cpar__rmsnorm_check(__func__, rows, h, dt, eps);
+    if (st != CPAR_OK) return st;
     const bool nonempty = rows > 0 && h > 0;
     CPAR__CHECK_PTR(x, nonempty);
     CPAR__CHECK_PTR(weight, nonempty);
     CPAR__CHECK_PTR(y, nonempty);
-    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
-    if (!(eps >= 0.f)) return CPAR__INVALID("eps = %g, expected >= 0", (double)eps);
     if (!nonempty) return CPAR_OK;
     cudaStream_t cs = cpar__stream(s);
     cudaError_t e = cpar__with_float_type(dt, [&](auto tv) {
@@ -3424,16 +3519,14 @@ static __global__ void cpar__rmsnorm_dx_kernel(const T *__restrict__ x, const T 
 cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
                                       int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
                                       cpar_dev_stream s) {
-    CPAR__CHECK_COUNT(rows);
-    CPAR__CHECK_COUNT(h);
+    const cpar_status st = cpar__rmsnorm_check(__func__, rows, h, dt, eps);
+    if (st != CPAR_OK) return st;
     const bool nonempty = rows > 0 && h > 0;
     CPAR__CHECK_PTR(x, nonempty);
     CPAR__CHECK_PTR(weight, nonempty);
     CPAR__CHECK_PTR(dy, nonempty);
     CPAR__CHECK_PTR(dx, nonempty);
     CPAR__CHECK_PTR(stats_scratch, nonempty);
-    if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
-    if (!(eps >= 0.f)) return CPAR__INVALID("eps = %g, expected >= 0", (double)eps);
     if (!nonempty) return CPAR_OK;
     cudaStream_t cs = cpar__stream(s);
     cudaError_t e = cpar__with_float_type(dt, [&](auto tv) {

@@ -404,6 +404,121 @@ START_TEST(deterministic) {
 }
 END_TEST
 
+/* Packed (THD) blocks skip the tiles that hide every weight (§16's
+ * cpar__attn_tile_span). Two checks per case, a packing of documents with
+ * padding over P ranks, the query block of rank rq against the key block
+ * of rank rk (a ring step), causal or not, with and without dropout:
+ *  1. the span is exact where it skips: every weight of every skipped
+ *     (query tile, key tile) pair is hidden (cpar__attn_packed_sees per
+ *     weight), for the forward and dq kernels' key tiles of each 64-query
+ *     tile and the dkdv kernel's query tiles of each 64-key tile; and it
+ *     does skip (fewer tiles than all, for these multi-document packings);
+ *  2. forward (out, lse) and backward (dq, dk, dv added onto random values)
+ *     are bit-identical with skipping on and off (cpar__attn_skip_hidden_tiles). */
+struct PackedCase {
+    cpar_dtype dt;
+    int P, rq, rk, d;
+    bool causal;
+    float p;
+    std::vector<int32_t> padded, real; /* document lengths */
+};
+
+static void packed_skip_case(const PackedCase &c, unsigned seed) {
+    const int n_docs = (int)c.padded.size();
+    std::vector<int32_t> cu(n_docs + 1, 0), cur(n_docs + 1, 0);
+    for (int i = 0; i < n_docs; i++) cu[i + 1] = cu[i] + c.padded[i], cur[i + 1] = cur[i] + c.real[i];
+    const int64_t n = cu[n_docs] / c.P, d = c.d, hq = 2, hkv = 1;
+    cpar_dev_attn a = {c.dt, 1, hq, hkv, n, n, d, NULL, NULL, NULL, n * d, n * d, c.causal, 0.125f, c.p, {7, 3}, {}, {}};
+    a.qp = {0, 0, 0, cu.data(), cur.data(), n_docs, c.P, c.rq};
+    a.kp = a.qp;
+    a.kp.rank = c.rk;
+
+    /* 1. the spans, against every weight */
+    int64_t visits = 0, all = 0;
+    for (int side = 0; side < 3; side++) { /* forward (64-query tiles), dq (64), dkdv (64-key tiles over BR queries) */
+        const bool key_tiles = side < 2;
+        const int fts = 64, ts = key_tiles ? 64 : cpar__ab_brkv<64>;
+        for (int64_t f0 = 0; f0 < n; f0 += fts) {
+            int64_t r0, r1;
+            if (key_tiles)
+                cpar__attn_visible<true>(a.qp, a.kp, true, c.causal, f0, fts, n, n, ts, &r0, &r1);
+            else
+                cpar__attn_visible<false>(a.kp, a.qp, true, c.causal, f0, fts, n, n, ts, &r0, &r1);
+            REQUIRE(r0 % ts == 0 && r0 <= r1 && r1 <= n, "span [%lld, %lld) of tile %lld", (long long)r0,
+                    (long long)r1, (long long)f0);
+            for (int64_t t0 = 0; t0 < n; t0 += ts) {
+                all++;
+                const bool visited = t0 >= r0 && t0 < r1;
+                visits += visited;
+                if (visited) continue;
+                for (int64_t x = f0; x < f0 + fts && x < n; x++)
+                    for (int64_t y = t0; y < t0 + ts && y < n; y++) {
+                        const int64_t i = key_tiles ? x : y, j = key_tiles ? y : x;
+                        REQUIRE(!cpar__attn_packed_sees(a.qp, a.kp, c.causal, i, j),
+                                "P %d ranks %d/%d%s: skipped a tile where query %lld sees key %lld", c.P, c.rq, c.rk,
+                                c.causal ? " causal" : "", (long long)i, (long long)j);
+                    }
+            }
+        }
+    }
+    REQUIRE(visits < all, "P %d ranks %d/%d: no tile skipped (%lld of %lld)", c.P, c.rq, c.rk, (long long)visits,
+            (long long)all);
+
+    /* 2. bit-identical results with skipping on and off */
+    unsigned s = seed;
+    void *q = dalloc(hq * n * d, c.dt), *k = dalloc(hkv * n * d, c.dt), *v = dalloc(hkv * n * d, c.dt);
+    void *dout = dalloc(hq * n * d, F32);
+    for (int64_t e = 0; e < hq * n * d; e++) put(q, c.dt, e, urand(&s)), put(dout, F32, e, urand(&s));
+    for (int64_t e = 0; e < hkv * n * d; e++) put(k, c.dt, e, urand(&s)), put(v, c.dt, e, urand(&s));
+    std::vector<float> init(hq * n * d + 2 * hkv * n * d);
+    for (float &x : init) x = (float)urand(&s);
+    a.q = q, a.k = k, a.v = v;
+    std::vector<float> got[2];
+    for (int mode = 0; mode < 2; mode++) {
+        cpar__attn_skip_hidden_tiles = mode == 0;
+        float *out = (float *)dalloc(hq * n * d, F32), *lse = (float *)dalloc(hq * n, F32);
+        float *g = (float *)dalloc(init.size(), F32);
+        void *scratch = dalloc(cpar_dev_attention_bwd_scratch_bytes(&a) / 4, F32);
+        memcpy(g, init.data(), sizeof(float) * init.size());
+        ck_assert_int_eq(cpar_dev_attention_fwd(&a, out, F32, n * d, lse, n, NULL), CPAR_OK);
+        ck_assert_int_eq(cpar_dev_attention_bwd(&a, out, dout, F32, n * d, lse, n, g, n * d, g + hq * n * d,
+                                                g + (hq + hkv) * n * d, n * d, scratch, NULL),
+                         CPAR_OK);
+        ck_assert_int_eq(cudaDeviceSynchronize(), cudaSuccess);
+        got[mode].assign(out, out + hq * n * d);
+        got[mode].insert(got[mode].end(), lse, lse + hq * n);
+        got[mode].insert(got[mode].end(), g, g + init.size());
+        void *bufs[] = {out, lse, g, scratch};
+        for (void *b : bufs) cudaFree(b);
+    }
+    cpar__attn_skip_hidden_tiles = true;
+    size_t seen = 0; /* the outputs are not all zero or poison: the comparison means something */
+    for (size_t e = 0; e < got[0].size(); e++) seen += got[0][e] != 0.f && !is_poison(got[0].data(), e);
+    REQUIRE(seen > got[0].size() / 4, "P %d ranks %d/%d: only %zu of %zu outputs set", c.P, c.rq, c.rk, seen,
+            got[0].size());
+    REQUIRE(memcmp(got[0].data(), got[1].data(), sizeof(float) * got[0].size()) == 0,
+            "P %d ranks %d/%d%s p %g: results differ with tile skipping", c.P, c.rq, c.rk, c.causal ? " causal" : "",
+            (double)c.p);
+    void *bufs[] = {q, k, v, dout};
+    for (void *b : bufs) cudaFree(b);
+}
+
+START_TEST(packed_skip) {
+    /* P = 1 local THD; P = 2 and 3 ring steps (own block, an earlier and a later rank's) */
+    const PackedCase cases[] = {
+        {F16, 1, 0, 0, 64, true, 0.f, {64, 100, 8, 120, 30}, {60, 100, 3, 117, 30}},
+        {BF16, 1, 0, 0, 64, false, 0.2f, {40, 150, 2, 90}, {40, 149, 0, 90}},
+        {F16, 2, 1, 1, 64, true, 0.f, {64, 200, 8, 120}, {60, 200, 5, 117}},
+        {F16, 2, 0, 1, 64, true, 0.1f, {64, 200, 8, 120}, {64, 190, 8, 120}},
+        {BF16, 2, 1, 0, 64, false, 0.f, {128, 0, 96, 180}, {100, 0, 96, 171}},
+        {F16, 3, 2, 0, 64, true, 0.f, {96, 252, 12, 66}, {96, 250, 12, 60}},
+    };
+    const PackedCase &c = cases[_i];
+    cudasim_set_schedule(_i % 2 ? CUDASIM_SCHED_REVERSE : CUDASIM_SCHED_FORWARD, 77);
+    packed_skip_case(c, 500 + (unsigned)_i);
+}
+END_TEST
+
 /* Bad arguments: CPAR_ERR_INVALID naming the argument; zero-sized work is a no-op. */
 static void expect_invalid(cpar_status st, const char *what, const char *word) {
     ck_assert_msg(st == CPAR_ERR_INVALID, "%s -> %d, expected CPAR_ERR_INVALID (%s)", what, (int)st,
@@ -506,6 +621,7 @@ int main(void) {
     tcase_add_loop_test(tc, strided, 0, 3);
     tcase_add_loop_test(tc, dropout, 0, 3);
     tcase_add_test(tc, deterministic);
+    tcase_add_loop_test(tc, packed_skip, 0, 6);
     tcase_add_test(tc, bad_args);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);

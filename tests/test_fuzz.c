@@ -19,7 +19,13 @@
  *                      that are negative or overflow) that returned CPAR_OK;
  *   mismatch missed    collectives whose ranks disagree (dtype, count, op,
  *                      root, kind, sizes, a send/recv dtype) where some rank
- *                      did not return CPAR_ERR_INVALID.
+ *                      did not return CPAR_ERR_INVALID;
+ *   misreported        calls of the entries checked strictly (fz_expect: the
+ *                      packed-sequence, RNG-reserve, per-call-weight and
+ *                      deferred-wgrad APIs) whose one injected defect did not
+ *                      give CPAR_ERR_INVALID with a message naming the
+ *                      function, or whose valid arguments were refused or
+ *                      gave a wrong result.
  * Each must be 0. Calls with valid but inconsistent arguments (wrong shapes)
  * may fail or succeed; they are there to reach deeper code. */
 #define _GNU_SOURCE
@@ -34,8 +40,9 @@
 #define FZ_MAX_T 8      /* tensors per call */
 
 typedef struct fz_counts {
-    long calls, ok, rejected, invalid_accepted, mismatch_missed;
-    char first[256]; /* the first failure, for the message */
+    long calls, ok, rejected, invalid_accepted, mismatch_missed, misreported;
+    char first[256];     /* the first failure, for the message */
+    char first_mis[256]; /* the first misreported call */
 } fz_counts;
 
 typedef struct fz {
@@ -153,6 +160,72 @@ static void fz_note(fz *f, const char *name, bool invalid, cpar_status st) {
     }
 }
 
+/* Account one call of an entry checked strictly: with `defect` (exactly one
+ * injected) it must return CPAR_ERR_INVALID and its message must name fn;
+ * without, it must succeed (and `wrong`, a result check, must be false).
+ * fz_note still counts the call (the caller's, once per call). */
+static void fz_expect(fz *f, const char *fn, bool defect, cpar_status st, bool wrong) {
+    const char *msg = st == CPAR_OK ? "" : cpar_thread_last_error();
+    if (getenv("CPAR_FUZZ_VERBOSE") && atoi(getenv("CPAR_FUZZ_VERBOSE")) > 2) /* coverage: every strict call */
+        fprintf(stderr, "fuzz strict: %s %s -> %s%s\n", fn, defect ? "defect" : "valid", cpar_status_string(st),
+                wrong ? " (wrong result)" : "");
+    char why[160] = "";
+    if (defect && st != CPAR_ERR_INVALID) snprintf(why, sizeof why, "returned %s for a defect", cpar_status_string(st));
+    else if (defect && !strstr(msg, fn)) snprintf(why, sizeof why, "message \"%.100s\" does not name it", msg);
+    else if (!defect && st != CPAR_OK) snprintf(why, sizeof why, "refused valid arguments: %.110s", msg);
+    else if (!defect && wrong) snprintf(why, sizeof why, "gave a wrong result");
+    if (why[0] && !f->c->misreported++)
+        snprintf(f->c->first_mis, sizeof f->c->first_mis, "%s %s (call %ld, rank %d)", fn, why, f->c->calls, f->rank);
+}
+
+/* A packing of 1..4 documents valid for P ranks (P = 0: any lengths):
+ * padded lengths multiples of 2P, real lengths within them, the padded
+ * array given half the time. */
+typedef struct fz_pack {
+    int32_t cu[5], cup[5];
+    cpar_packed_seqs s;
+    int64_t total; /* the packed length */
+} fz_pack;
+
+static void fz_packing(fz *f, fz_pack *p, int P) {
+    const int n = 1 + (int)fz_u(f, 4), unit = P > 0 ? 2 * P : 1;
+    const bool padded = fz_u(f, 2);
+    p->cu[0] = p->cup[0] = 0;
+    for (int i = 1; i <= n; i++) {
+        const int32_t len = unit * (fz_p(f, 15) ? 0 : 1 + (int32_t)fz_u(f, 2));
+        p->cup[i] = p->cup[i - 1] + len;
+        p->cu[i] = p->cu[i - 1] + (padded ? (int32_t)fz_u(f, (uint64_t)len + 1) : len);
+    }
+    p->s = (cpar_packed_seqs){.n_docs = n, .cu_seqlens = p->cu, .cu_seqlens_padded = padded ? p->cup : NULL};
+    p->total = p->cup[n];
+}
+
+/* Exactly one defect the packing checks must refuse (P >= 1 ranks). */
+static void fz_pack_defect(fz *f, fz_pack *p, int P) {
+    const int n = p->s.n_docs;
+    int32_t *len_of = p->s.cu_seqlens_padded ? p->cup : p->cu; /* the array that sets the lengths */
+    switch (fz_u(f, 6)) {
+    case 0: p->s.n_docs = fz_p(f, 50) ? 0 : -1 - (int)fz_u(f, 3); break;
+    case 1: p->s.cu_seqlens = NULL; break;
+    case 2: p->cu[0] = p->cup[0] = 1 + (int32_t)fz_u(f, 3); break;
+    case 3: { /* a boundary below the one before it */
+        const int i = 1 + (int)fz_u(f, (uint64_t)n);
+        len_of[i] = len_of[i - 1] - 1 - (int32_t)fz_u(f, 3);
+        break;
+    }
+    case 4: /* the last document's real length beyond its padded one */
+        if (!p->s.cu_seqlens_padded) {
+            memcpy(p->cup, p->cu, sizeof p->cup);
+            p->s.cu_seqlens_padded = p->cup;
+        }
+        p->cu[n] = p->cu[n - 1] + (p->cup[n] - p->cup[n - 1]) + 1 + (int32_t)fz_u(f, 3);
+        break;
+    default: /* the last (padded) length not divisible by 2P */
+        len_of[n] += 1 + (int32_t)fz_u(f, (uint64_t)(2 * P - 1));
+        break;
+    }
+}
+
 /* ---- functions without a context --------------------------------------------- */
 
 static void fz_pure(fz *f) {
@@ -162,7 +235,7 @@ static void fz_pure(fz *f) {
     int64_t a = fz_p(f, 70) ? edge[fz_u(f, ne)] : (int64_t)tu_next(&f->s);
     int64_t b = fz_p(f, 70) ? edge[fz_u(f, ne)] : (int64_t)(tu_next(&f->s) % 9) - 4;
     int64_t q = 12345, first = 0, last = 0;
-    switch (fz_u(f, 6)) {
+    switch (fz_u(f, 7)) {
     case 0: {
         cpar_status st = cpar_divide(a, b, &q);
         bool bad = b == 0 || (a == INT64_MIN && b == -1);
@@ -197,6 +270,43 @@ static void fz_pure(fz *f) {
             fz_note(f, "cpar_tensor_nbytes (value)", true, CPAR_OK);
         break;
     }
+    case 5: { /* the THD index map: every rank's, a permutation of the packing when valid */
+        static const char fn[] = "cpar_cp_packed_indices";
+        const int P = 1 + (int)fz_u(f, 4);
+        fz_pack pk;
+        fz_packing(f, &pk, P);
+        const int64_t n = pk.total / P;
+        int64_t *idx = malloc(((size_t)pk.total + 1) * sizeof *idx);
+        uint8_t *hit = calloc((size_t)pk.total + 1, 1);
+        int rank = (int)fz_u(f, (uint64_t)P), size = P;
+        int64_t n_arg = n;
+        int64_t *out = idx;
+        const bool defect = fz_p(f, 40);
+        if (defect) switch (fz_u(f, 5)) {
+            case 0: fz_pack_defect(f, &pk, P); break;
+            case 1: size = fz_p(f, 50) ? 0 : -1 - (int)fz_u(f, 3); break;
+            case 2: rank = fz_p(f, 50) ? -1 : P + (int)fz_u(f, 3); break;
+            case 3: n_arg = n + 1 + (int64_t)fz_u(f, 3); break;
+            default:
+                if (n == 0) n_arg = -1; /* NULL indices are fine for no rows: break n instead */
+                else out = NULL;
+                break;
+            }
+        bool wrong = false;
+        for (int r = defect ? rank : 0; r < (defect ? rank + 1 : P); r++) {
+            cpar_status st = cpar_cp_packed_indices(&pk.s, size, r, out, n_arg);
+            if (st == CPAR_OK && !defect)
+                for (int64_t l = 0; l < n; l++) {
+                    if (idx[l] < 0 || idx[l] >= pk.total || hit[idx[l]]) wrong = true;
+                    else hit[idx[l]] = 1;
+                }
+            fz_note(f, fn, defect, st);
+            fz_expect(f, fn, defect, st, wrong);
+        }
+        free(idx);
+        free(hit);
+        break;
+    }
     default: { /* the two view functions */
         cpar_tensor *t = fz_tensor(f, NULL, 0, 30, false), view;
         if (t->device != CPAR_HOST) t->device = CPAR_HOST, f->bad[t - f->t] = false; /* views take any device */
@@ -220,7 +330,7 @@ static void fz_local(fz *f) {
     cpar_status st;
     const char *name;
     bool extra_bad = false; /* a non-tensor argument is clearly invalid */
-    switch (fz_u(f, 17)) {
+    switch (fz_u(f, 18)) {
     case 0: {
         name = "cpar_tensor_alloc";
         int64_t shape[CPAR_MAX_DIMS] = {0};
@@ -419,6 +529,32 @@ static void fz_local(fz *f) {
         st = fwd ? cpar_rmsnorm_forward(ctx, x, w, eps, y) : cpar_rmsnorm_backward(ctx, x, w, eps, y, dx, fz_p(f, 30) ? NULL : dw);
         break;
     }
+    case 16: { /* the fused-kernel RNG handout: *used = current, offset += blocks, never wrapping */
+        static const char fn[] = "cpar_rng_reserve";
+        static const uint64_t edge[] = {0, 1, 2, 5, 1ull << 32, UINT64_MAX / 2, UINT64_MAX - 1, UINT64_MAX};
+        name = fn;
+        cpar_rng_state before, saved, used, after;
+        memset(&used, 0, sizeof used);
+        TU_OK(cpar_rng_get_state(ctx, NULL, &saved));
+        before = saved;
+        if (fz_p(f, 30)) { /* a state far along its stream */
+            before.offset = UINT64_MAX - fz_u(f, 8);
+            TU_OK(cpar_rng_set_state(ctx, NULL, &before));
+        }
+        uint64_t blocks = fz_p(f, 70) ? fz_u(f, 100) : edge[fz_u(f, 8)];
+        const bool wraps = blocks > UINT64_MAX - before.offset;
+        const int defect = wraps ? 3 : fz_p(f, 20) ? 1 + (int)fz_u(f, 2) : 0; /* 1 NULL used, 2 NULL ctx */
+        st = cpar_rng_reserve(defect == 2 ? NULL : ctx, blocks, defect == 1 ? NULL : &used);
+        TU_OK(cpar_rng_get_state(ctx, NULL, &after));
+        /* valid: used is the old state and the offset moved by blocks; refused: nothing moved */
+        const bool wrong = st == CPAR_OK ? memcmp(&used, &before, sizeof used) || after.seed != before.seed ||
+                                               after.offset != before.offset + blocks
+                                         : memcmp(&after, &before, sizeof after) != 0;
+        fz_expect(f, fn, defect != 0, st, wrong);
+        extra_bad = defect != 0;
+        TU_OK(cpar_rng_set_state(ctx, NULL, &saved));
+        break;
+    }
     default: {
         bool undo = fz_u(f, 2);
         name = undo ? "cpar_undo_attention_load_balancing" : "cpar_redo_attention_load_balancing";
@@ -465,8 +601,195 @@ typedef struct fz_call {
     fz_counts *c;
     cpar_status st[4];
     bool bad[4];       /* the rank's own arguments were clearly invalid */
+    long mis[4];       /* the rank's misreported calls (fz_expect) */
+    char first_mis[4][256];
     const char *name;
 } fz_call;
+
+/* Whether two tensors hold the same bytes (round trips of pure data movement). */
+static bool fz_same(const cpar_tensor *a, const cpar_tensor *b) {
+    const size_t n = cpar_tensor_nbytes(a);
+    return n == cpar_tensor_nbytes(b) && (n == 0 || memcmp(a->data, b->data, n) == 0);
+}
+
+/* cpar_cp_shard_packed / cpar_cp_unshard_packed on the n ranks of g: valid
+ * calls must round-trip (shard then unshard gives full back on every rank,
+ * unshard then shard gives each rank its shard back). */
+static cpar_status fz_cp_packed(fz *f, cpar_group *g, int n, bool shard, bool *defect) {
+    const char *fn = shard ? "cpar_cp_shard_packed" : "cpar_cp_unshard_packed";
+    fz_pack pk;
+    fz_packing(f, &pk, n);
+    const bool thd = fz_u(f, 2); /* THD [t, h] along dim 0, or [b, h, t, d] along dim 2 (or -2) */
+    const int nd = thd ? 2 : 4, at = thd ? 0 : 2;
+    int sd = thd ? 0 : fz_u(f, 2) ? 2 : -2;
+    int64_t fs[4] = {1, 1 + (int64_t)fz_u(f, 2), 1 + (int64_t)fz_u(f, 2), 1 + (int64_t)fz_u(f, 3)}, ls[4];
+    fs[at] = pk.total;
+    memcpy(ls, fs, sizeof ls);
+    ls[at] = pk.total / n;
+    const cpar_dtype dt = fz_dtype(f);
+    cpar_tensor *full = fz_valid(f, dt, nd, fs), *local = fz_valid(f, dt, nd, ls);
+    const cpar_packed_seqs *seqs = &pk.s;
+    *defect = fz_p(f, 40); /* the same draw on every rank: all refuse before communicating */
+    if (*defect) switch (fz_u(f, 6)) {
+        case 0: fz_pack_defect(f, &pk, n); break;
+        case 1: seqs = NULL; break;
+        case 2: sd = fz_p(f, 50) ? nd + (int)fz_u(f, 3) : -nd - 1 - (int)fz_u(f, 3); break;
+        case 3: { /* the shard's sequence length is not the packing's / n */
+            ls[at] += 1 + (int64_t)fz_u(f, 2);
+            local = fz_valid(f, dt, nd, ls);
+            break;
+        }
+        case 4: { /* the two tensors' dtypes differ */
+            cpar_tensor *t = fz_valid(f, (cpar_dtype)((dt + 1 + fz_u(f, CPAR_DTYPE_COUNT - 1)) % CPAR_DTYPE_COUNT), nd,
+                                      ls);
+            local = t;
+            break;
+        }
+        default: fz_break(f, fz_u(f, 2) ? full : local); break;
+        }
+    cpar_status st = shard ? cpar_cp_shard_packed(g, seqs, full, sd, local) : cpar_cp_unshard_packed(g, seqs, local, sd, full);
+    if (st == CPAR_OK && !*defect) { /* the other direction into a fresh tensor */
+        cpar_tensor *back = fz_valid(f, dt, nd, shard ? fs : ls);
+        const cpar_status st2 = shard ? cpar_cp_unshard_packed(g, seqs, local, sd, back)
+                                      : cpar_cp_shard_packed(g, seqs, full, sd, back);
+        fz_expect(f, shard ? "cpar_cp_unshard_packed" : "cpar_cp_shard_packed", false, st2,
+                  st2 == CPAR_OK && !fz_same(back, shard ? full : local));
+    }
+    fz_expect(f, fn, *defect, st, false);
+    return st;
+}
+
+/* cpar_mamba_cp_pre/post_conv_ssm_packed on the n ranks of g, CPAR_FWD or
+ * CPAR_BWD; valid calls must round-trip where the pair is pure data movement
+ * (post always, pre without replicated groups). */
+static cpar_status fz_mamba_packed(fz *f, cpar_group *g, int n, bool pre, bool *defect) {
+    const char *fn = pre ? "cpar_mamba_cp_pre_conv_ssm_packed" : "cpar_mamba_cp_post_conv_ssm_packed";
+    cpar_mamba_cp_config cfg = {.nheads_local_tp = n * (1 + (int64_t)fz_u(f, 2)), .d_state = 1 + (int64_t)fz_u(f, 2)};
+    cfg.d_inner_local_tp = cfg.nheads_local_tp * (1 + (int64_t)fz_u(f, 2));
+    cfg.ngroups_local_tp = fz_u(f, 2) ? 1 : n * (1 + (int64_t)fz_u(f, 2)); /* replicated (R = n) or split groups */
+    cpar_mamba_cp *m = NULL;
+    cpar_status st = cpar_mamba_cp_create(g, &cfg, &m);
+    fz_expect(f, "cpar_mamba_cp_create", false, st, false);
+    *defect = false;
+    if (st != CPAR_OK) return st;
+    cpar_mamba_cp_info in;
+    TU_OK(cpar_mamba_cp_get_info(m, &in));
+    fz_pack pk;
+    fz_packing(f, &pk, n);
+    const int64_t s = pk.total, b = 1 + (int64_t)fz_u(f, 2), h = 1 + (int64_t)fz_u(f, 3);
+    const int64_t wide = pre ? in.out_width : h, narrow = pre ? in.in_width : n * h; /* [s, b, wide] <-> [s/n, b, narrow] */
+    const cpar_dir dir = fz_u(f, 2) ? CPAR_FWD : CPAR_BWD;
+    const bool to_whole = pre == (dir == CPAR_FWD); /* pre FWD and post BWD make the whole packing */
+    int64_t ws[3] = {s, b, wide}, ns[3] = {s / n, b, narrow};
+    const cpar_dtype dt = fz_fdtype(f);
+    cpar_tensor *src = fz_valid(f, dt, 3, to_whole ? ns : ws), *dst = fz_valid(f, dt, 3, to_whole ? ws : ns);
+    const cpar_packed_seqs *seqs = &pk.s;
+    cpar_mamba_cp *mm = m;
+    int d = (int)dir;
+    *defect = fz_p(f, 40);
+    if (*defect) switch (fz_u(f, 6)) {
+        case 0: fz_pack_defect(f, &pk, n); break;
+        case 1: seqs = NULL; break;
+        case 2: mm = NULL; break;
+        case 3: d = fz_p(f, 50) ? -1 : 2 + (int)fz_u(f, 5); break;
+        case 4: { /* the output's last dim is not the mixer's */
+            int64_t *shp = to_whole ? ws : ns;
+            shp[2] += 1 + (int64_t)fz_u(f, 2);
+            dst = fz_valid(f, dt, 3, shp);
+            break;
+        }
+        default: fz_break(f, fz_u(f, 2) ? src : dst); break;
+        }
+    st = pre ? cpar_mamba_cp_pre_conv_ssm_packed(mm, seqs, src, dst, (cpar_dir)d)
+             : cpar_mamba_cp_post_conv_ssm_packed(mm, seqs, src, dst, (cpar_dir)d);
+    fz_expect(f, fn, *defect, st, false);
+    if (st == CPAR_OK && !*defect && (!pre || in.group_repeat_count == 1)) {
+        cpar_tensor *back = fz_valid(f, dt, 3, to_whole ? ns : ws);
+        const cpar_dir inv = dir == CPAR_FWD ? CPAR_BWD : CPAR_FWD;
+        const cpar_status st2 = pre ? cpar_mamba_cp_pre_conv_ssm_packed(m, seqs, dst, back, inv)
+                                    : cpar_mamba_cp_post_conv_ssm_packed(m, seqs, dst, back, inv);
+        fz_expect(f, fn, false, st2, st2 == CPAR_OK && !fz_same(back, src));
+    }
+    TU_OK(cpar_mamba_cp_destroy(m));
+    return st;
+}
+
+/* A column layer over the n ranks of g through cpar_linear_forward_ex
+ * (a supplied weight, runtime_gather_output), backward, cpar_linear_deferred
+ * and cpar_linear_drain_wgrad, with at most one defect in one of those calls
+ * (*name: the call that has it, or the forward). */
+static cpar_status fz_linear(fz *f, cpar_group *g, int n, const char **name, bool *defect) {
+    const int kind = fz_p(f, 50) ? -1 : (int)fz_u(f, 10);
+    *defect = kind >= 0;
+    const bool row = kind == 9; /* a row layer given column-only arguments */
+    cpar_linear_config cfg = {.input_size = (row ? n : 1) * (1 + (int64_t)fz_u(f, 4)),
+                              .output_size = n * (1 + (int64_t)fz_u(f, 3)),
+                              .dtype = fz_fdtype(f),
+                              .bias = fz_u(f, 2),
+                              .skip_bias_add = fz_u(f, 2),
+                              .gather_output = !row && fz_u(f, 2),
+                              .input_is_parallel = row,
+                              .skip_weight_param_allocation = !row && fz_p(f, 30),
+                              .defer_embedding_wgrad_compute = kind == 7 || (!row && kind != 6 && fz_p(f, 50))};
+    if (cfg.defer_embedding_wgrad_compute && kind != 7) cfg.wgrad_deferral_limit = (int)fz_u(f, 3);
+    cpar_linear *l = NULL;
+    *name = row ? "cpar_row_parallel_linear_create" : "cpar_column_parallel_linear_create";
+    cpar_status st = row ? cpar_row_parallel_linear_create(g, &cfg, &l) : cpar_column_parallel_linear_create(g, &cfg, &l);
+    fz_expect(f, *name, false, st, false);
+    if (st != CPAR_OK) return st;
+    const int64_t out_l = cfg.output_size / n, in_l = row ? cfg.input_size / n : cfg.input_size;
+    cpar_tensor *mw = fz_valid(f, CPAR_F32, 2, (int64_t[]){cfg.output_size, cfg.input_size});
+    cpar_tensor *mb = fz_valid(f, CPAR_F32, 1, &cfg.output_size);
+    *name = "cpar_linear_init_from_master";
+    st = cpar_linear_init_from_master(l, cfg.skip_weight_param_allocation ? NULL : mw, cfg.bias ? mb : NULL);
+    fz_expect(f, *name, false, st, false);
+    fz_reset(f);
+    /* the per-call arguments: a weight of our own (required without one in the layer) */
+    const bool supply = !row && (cfg.skip_weight_param_allocation || fz_p(f, 30) || kind == 2 || kind == 3);
+    const int64_t T = 1 + (int64_t)fz_u(f, 3), B = 1 + (int64_t)fz_u(f, 2);
+    cpar_linear_forward_args args = {.runtime_gather_output = row ? CPAR_RUNTIME_GATHER_TRUE
+                                                                  : (cpar_runtime_gather)fz_u(f, 3)};
+    int64_t wsh[2] = {out_l + (kind == 2), in_l};
+    cpar_tensor *w = fz_valid(f, cfg.dtype, 2, wsh), *wg = fz_valid(f, CPAR_F32, 2, (int64_t[]){out_l, in_l});
+    if (supply) args.weight = w, args.weight_grad = kind == 3 ? NULL : wg;
+    if (kind == 4) args.weight = NULL, args.weight_grad = wg;
+    if (kind == 1) args.runtime_gather_output = (cpar_runtime_gather)(3 + (int)fz_u(f, 5));
+    const bool go = args.runtime_gather_output == CPAR_RUNTIME_GATHER_NONE
+                        ? cfg.gather_output
+                        : args.runtime_gather_output == CPAR_RUNTIME_GATHER_TRUE;
+    const int64_t xs[3] = {T, B, in_l}, ys[3] = {T, B, row || go ? cfg.output_size : out_l};
+    cpar_tensor *x = fz_valid(f, cfg.dtype, 3, xs), *y = fz_valid(f, cfg.dtype, 3, ys);
+    cpar_tensor *bias_out = fz_valid(f, cfg.dtype, 1, &out_l);
+    if (kind == 5) fz_break(f, x);
+    *name = "cpar_linear_forward_ex";
+    st = cpar_linear_forward_ex(kind == 0 ? NULL : l, x, y, bias_out, &args);
+    const bool fwd_defect = (kind >= 0 && kind <= 5) || kind == 9;
+    fz_expect(f, *name, fwd_defect, st, false);
+    if (fwd_defect || st != CPAR_OK) goto done;
+    if (kind != 7) { /* kind 7 drains with this forward's backward still to run */
+        cpar_tensor *dy = fz_valid(f, cfg.dtype, 3, ys), *dx = fz_valid(f, cfg.dtype, 3, xs);
+        *name = "cpar_linear_backward";
+        st = cpar_linear_backward(l, dy, fz_p(f, 20) ? NULL : dx);
+        fz_expect(f, *name, false, st, false);
+        if (st != CPAR_OK) goto done;
+    }
+    int na = -1, ngr = -1;
+    *name = "cpar_linear_deferred";
+    st = cpar_linear_deferred(kind == 8 ? NULL : l, &na, fz_p(f, 20) ? NULL : &ngr);
+    const int deferred = cfg.defer_embedding_wgrad_compute ? 1 : 0; /* any limit (0: none, else >= 1) keeps one */
+    fz_expect(f, *name, kind == 8, st, st == CPAR_OK && (na != deferred || (ngr != -1 && ngr != (kind == 7 ? 0 : deferred))));
+    if (kind == 8) goto done;
+    if (cfg.defer_embedding_wgrad_compute || kind == 6) {
+        *name = "cpar_linear_drain_wgrad";
+        st = cpar_linear_drain_wgrad(l);
+        na = ngr = -1;
+        const bool emptied = cpar_linear_deferred(l, &na, &ngr) == CPAR_OK && na == 0 && ngr == 0;
+        fz_expect(f, *name, kind == 6 || kind == 7, st, st == CPAR_OK && !emptied);
+    }
+done:
+    TU_OK(cpar_linear_destroy(l));
+    return st;
+}
 
 static cpar_status rank_coll(cpar_ctx *ctx, void *arg) {
     fz_call *call = arg;
@@ -484,7 +807,7 @@ static cpar_status rank_coll(cpar_ctx *ctx, void *arg) {
     cpar_dtype dt = fz_fdtype(f);
     int64_t shape[CPAR_MAX_DIMS];
     int nd = fz_shape(f, shape, 1);
-    int which = mism ? call->mismatch_kind : (int)fz_u(f, 16);
+    int which = mism ? call->mismatch_kind : (int)fz_u(f, 19);
     int op = fz_p(f, 92) ? (int)fz_u(f, 3) : fz_p(f, 50) ? -1 : 3 + (int)fz_u(f, 5);
     switch (which) {
     case 0: {
@@ -697,7 +1020,20 @@ static cpar_status rank_coll(cpar_ctx *ctx, void *arg) {
         st = cpar_embedding_forward(g, w, ids, out, rs);
         break;
     }
-    default: {
+    case 16: {
+        bool shard = fz_u(f, 2);
+        name = shard ? "cpar_cp_shard_packed" : "cpar_cp_unshard_packed";
+        st = fz_cp_packed(f, g, n, shard, &extra_bad);
+        break;
+    }
+    case 17: {
+        bool pre = fz_u(f, 2);
+        name = pre ? "cpar_mamba_cp_pre_conv_ssm_packed" : "cpar_mamba_cp_post_conv_ssm_packed";
+        st = fz_mamba_packed(f, g, n, pre, &extra_bad);
+        break;
+    }
+    case 18: st = fz_linear(f, g, n, &name, &extra_bad); break;
+    default: { /* 15 */
         bool ar = fz_u(f, 2);
         name = ar ? "cpar_grads_all_reduce" : "cpar_grad_norm";
         cpar_tensor *gr[3];
@@ -718,6 +1054,8 @@ static cpar_status rank_coll(cpar_ctx *ctx, void *arg) {
     call->name = name;
     call->bad[r] = extra_bad || fz_any_bad(f);
     call->st[r] = st;
+    call->mis[r] = local.misreported;
+    memcpy(call->first_mis[r], local.first_mis, sizeof local.first_mis);
     fz_reset(f);
     return CPAR_OK;
 }
@@ -746,6 +1084,8 @@ static void fz_collectives(fz_counts *c, uint64_t seed, int calls, bool mismatch
         for (int r = 0; r < call.n; r++) {
             fz f = {.c = c, .rank = r};
             fz_note(&f, call.name, call.bad[r], call.st[r]);
+            if (call.mis[r] && !c->misreported) memcpy(c->first_mis, call.first_mis[r], sizeof c->first_mis);
+            c->misreported += call.mis[r];
             if (mismatches && call.st[r] != CPAR_ERR_INVALID && !c->mismatch_missed++)
                 snprintf(c->first, sizeof c->first, "%s with rank %d diverging (kind %d, %d ranks): rank %d returned %s",
                          call.name, call.diverge_rank, call.mismatch_kind, call.n, r, cpar_status_string(call.st[r]));
@@ -815,18 +1155,45 @@ static void fz_run(fz_family fam, const char *what) {
         if (c.mismatch_missed && !total.mismatch_missed && !total.invalid_accepted) memcpy(total.first, c.first, sizeof c.first);
         total.invalid_accepted += c.invalid_accepted;
         total.mismatch_missed += c.mismatch_missed;
+        if (c.misreported && !total.misreported) memcpy(total.first_mis, c.first_mis, sizeof c.first_mis);
+        total.misreported += c.misreported;
     }
     printf("fuzz %-11s %6ld calls: %6ld ok, %6ld rejected; %ld crashes, %ld invalid inputs accepted, %ld mismatches "
-           "missed\n", what, total.calls, total.ok, total.rejected, crashes, total.invalid_accepted,
-           total.mismatch_missed);
+           "missed, %ld misreported\n", what, total.calls, total.ok, total.rejected, crashes, total.invalid_accepted,
+           total.mismatch_missed, total.misreported);
     fflush(stdout);
     ck_assert_msg(crashes == 0, "fuzz %s: %ld crashed batches, first %s", what, crashes, first_crash);
     ck_assert_msg(total.invalid_accepted == 0, "fuzz %s: %ld invalid inputs accepted; first: %s", what,
                   total.invalid_accepted, total.first);
     ck_assert_msg(total.mismatch_missed == 0, "fuzz %s: %ld mismatches missed; first: %s", what, total.mismatch_missed,
                   total.first);
+    ck_assert_msg(total.misreported == 0, "fuzz %s: %ld calls misreported; first: %s", what, total.misreported,
+                  total.first_mis);
     ck_assert_int_gt(total.calls, 0);
 }
+
+/* ---- what the fuzzer found, pinned --------------------------------------------- */
+
+/* cpar_rng_reserve wrapped the offset past 2^64 (later draws would reuse
+ * the reserved blocks): now refused, and nothing advances. */
+static cpar_status rank_reserve_wrap(cpar_ctx *ctx, void *arg) {
+    (void)arg;
+    cpar_rng_state far = {.seed = 7, .offset = UINT64_MAX - 3}, used, now;
+    TU_OK(cpar_rng_set_state(ctx, NULL, &far));
+    TU_FAILS(cpar_rng_reserve(ctx, 4, &used), CPAR_ERR_INVALID, "cpar_rng_reserve: blocks = 4, expected <= 3");
+    TU_OK(cpar_rng_get_state(ctx, NULL, &now));
+    ck_assert(now.seed == far.seed && now.offset == far.offset);
+    TU_OK(cpar_rng_reserve(ctx, 3, &used)); /* up to the last block is fine */
+    ck_assert(used.offset == far.offset);
+    TU_OK(cpar_rng_get_state(ctx, NULL, &now));
+    ck_assert(now.offset == UINT64_MAX);
+    TU_OK(cpar_rng_reserve(ctx, 0, &used));
+    TU_FAILS(cpar_rng_reserve(ctx, 1, &used), CPAR_ERR_INVALID, "would wrap past 2^64");
+    return CPAR_OK;
+}
+
+START_TEST(test_fuzz_found) { TU_OK(tu_spawn(1, rank_reserve_wrap, NULL)); }
+END_TEST
 
 START_TEST(test_fuzz_pure) { fz_run(FZ_PURE, "pure"); }
 END_TEST
@@ -841,6 +1208,7 @@ int main(void) {
     Suite *s = suite_create("fuzz: random and extreme arguments over the public API");
     TCase *tc = tcase_create("fuzz");
     const char *only = getenv("CPAR_FUZZ_ONLY"); /* debugging: one family */
+    if (!only) tcase_add_test(tc, test_fuzz_found);
     if (!only || !strcmp(only, "pure")) tcase_add_test(tc, test_fuzz_pure);
     if (!only || !strcmp(only, "local")) tcase_add_test(tc, test_fuzz_local);
     if (!only || !strcmp(only, "collectives")) tcase_add_test(tc, test_fuzz_collectives);
