@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /* tests/proc.h — child processes with captured output, for the suites that
- * launch programs (test_cparrun: cparrun and store_prog; test_mp: cparrun and
- * torchrun-style jobs of mp_prog on nccl-sim). Include once, after check.h. */
+ * launch programs (test_cparrun: cparrun and store_prog; test_mp and
+ * test_hostmp: cparrun and torchrun-style jobs of mp_prog and hostmp_prog;
+ * test_trainjob: the main job). Include once, after testutil.h. */
 #ifndef CPAR_TESTS_PROC_H
 #define CPAR_TESTS_PROC_H
 
@@ -25,6 +26,21 @@ static const char *path_from_env(const char *name, const char *dflt, char *buf, 
         return p;
     snprintf(buf, n, "%s/%s", b && *b ? b : "build", dflt);
     return buf;
+}
+
+/* A function fn() returning $VAR, else $B/dflt (path_from_env), for the
+ * programs a suite launches. */
+#define PROC_PATH_FN(fn, var, dflt)                                                                          \
+    static const char *fn(void) {                                                                            \
+        static char buf_[4096];                                                                              \
+        return path_from_env(var, dflt, buf_, sizeof buf_);                                                  \
+    }
+
+/* $CPARRUN, else $B/cparrun. */
+static inline const char *cparrun_path(void)
+{
+    static char buf[4096];
+    return path_from_env("CPARRUN", "cparrun", buf, sizeof buf);
 }
 
 static int64_t now_ms(void)
@@ -164,6 +180,31 @@ static void proc_run(proc *p, const char *exe, const char *prog, const char *con
 /* cond about a finished proc p, with its status and output when it fails. */
 #define ASSERT_OUT(p, cond)                                                                                  \
     ck_assert_msg((cond), "%s\nstatus %d\nstdout:\n%s\nstderr:\n%s", #cond, (p)->status, (p)->text[0], (p)->text[1])
+
+/* cparrun -n np prog args... with env (NULL: none) succeeds, and every rank
+ * prints "[R] rank R ok" (cparrun's "[R] " prefix, then the program's line). */
+static inline void cparrun_job_ok(const char *prog, int np, const char *const *args, const char *const *env)
+{
+    const char *argv[16] = {"-n", NULL, "PROG"};
+    char nps[16];
+    snprintf(nps, sizeof nps, "%d", np);
+    argv[1] = nps;
+    int k = 3;
+    for (; args && *args; args++) {
+        ck_assert_msg(k < 15, "cparrun_job_ok: more than 12 arguments");
+        argv[k++] = *args;
+    }
+    argv[k] = NULL;
+    proc p;
+    proc_run(&p, cparrun_path(), prog, argv, env, 120000);
+    ASSERT_OUT(&p, p.status == 0);
+    char want[48];
+    for (int r = 0; r < np; r++) {
+        snprintf(want, sizeof want, "[%d] rank %d ok\n", r, r);
+        ASSERT_OUT(&p, strstr(p.text[0], want) != NULL);
+    }
+    proc_free(&p);
+}
 
 /* cparrun -n np prog die K, where rank K kills itself mid-collective: the
  * job ends within 10 s (not at the 20 s deadline) with that rank's status,

@@ -22,6 +22,7 @@
  * shuffled), so a missing barrier shows up as a wrong result.
  * AB_VERBOSE=1 in the environment prints every case's errors. */
 #include "cpar_kernels.cu"
+#include "tests/suite.h"
 
 #include <check.h>
 #include <math.h>
@@ -624,9 +625,5 @@ int main(void) {
     tcase_add_loop_test(tc, packed_skip, 0, 6);
     tcase_add_test(tc, bad_args);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    const int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return tu_run_suite(s);
 }

@@ -27,7 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cpar.h"
+#include "testutil.h"
 #include "proc.h"
 #include "net.h"
 
@@ -37,17 +37,7 @@
 #define CPAR__TEST_VERSION                                                                                   \
     CPAR__TEST_STR(CPAR_VERSION_MAJOR) "." CPAR__TEST_STR(CPAR_VERSION_MINOR) "." CPAR__TEST_STR(CPAR_VERSION_PATCH) "\n"
 
-static const char *cparrun_path(void)
-{
-    static char buf[4096];
-    return path_from_env("CPARRUN", "cparrun", buf, sizeof buf);
-}
-
-static const char *prog_path(void)
-{
-    static char buf[4096];
-    return path_from_env("STORE_PROG", "host/store_prog", buf, sizeof buf);
-}
+PROC_PATH_FN(prog_path, "STORE_PROG", "host/store_prog")
 
 /* cparrun with args ("PROG": store_prog). */
 static void start(proc *p, const char *const *args, const char *const *env)
@@ -571,9 +561,5 @@ int main(void)
     tcase_add_test(tc, test_master_addr_port);
     tcase_add_test(tc, test_log_dir);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return tu_run_suite(s);
 }

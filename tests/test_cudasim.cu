@@ -14,6 +14,7 @@
  *   4. warp intrinsics    8. failures, configs  12. host threads, schedules, timing
  */
 #include "tests/cudasim.h"
+#include "tests/suite.h"
 
 #include <check.h>
 #include <fcntl.h>
@@ -1702,9 +1703,5 @@ int main(void) {
     tc = make_tcase(s, "timing");
     tcase_add_test(tc, test_timing_report);
 
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return tu_run_suite(s);
 }

@@ -27,6 +27,7 @@
 #define CPAR_INTERNAL /* drives the device layer (cpar.h §16) directly */
 #include "cpar.h"
 #include "tests/cudasim.h"
+#include "tests/suite.h"
 
 #include <check.h>
 #include <math.h>
@@ -947,10 +948,5 @@ static Suite *devlayer_suite(void) {
 }
 
 int main(void) {
-    int failed = 0;
-    SRunner *sr = srunner_create(devlayer_suite());
-    srunner_run_all(sr, CK_NORMAL);
-    failed += srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return tu_run_suite(devlayer_suite());
 }

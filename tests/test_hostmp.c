@@ -22,30 +22,14 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
-#include <check.h>
 #include <errno.h>
 
+#include "testutil.h"
 #include "proc.h"
 
-static const char *cparrun_path(void) {
-    static char buf[4096];
-    return path_from_env("CPARRUN", "cparrun", buf, sizeof buf);
-}
-
-static const char *prog_path(void) {
-    static char buf[4096];
-    return path_from_env("HOSTMP_PROG", "host/hostmp_prog", buf, sizeof buf);
-}
-
-static const char *mp_path(void) {
-    static char buf[4096];
-    return path_from_env("MP_PROG", "host/mp_prog", buf, sizeof buf);
-}
-
-static const char *train_path(void) {
-    static char buf[4096];
-    return path_from_env("TRAIN", "host/train", buf, sizeof buf);
-}
+PROC_PATH_FN(prog_path, "HOSTMP_PROG", "host/hostmp_prog")
+PROC_PATH_FN(mp_path, "MP_PROG", "host/mp_prog")
+PROC_PATH_FN(train_path, "TRAIN", "host/train")
 
 /* The host backend's segments in /dev/shm ("cpar-<token hash>-<pid>-<n>")
  * whose creator has ended: leftovers. (A live job's, another suite's on this
@@ -63,24 +47,10 @@ static int shm_leftovers(void) {
     return n;
 }
 
-/* cparrun -n np PROG args... with env; every rank must print "rank R ok". */
+/* cparrun -n np PROG args... with env; every rank must print "rank R ok",
+ * and the job leaves no segment behind. */
 static void job_ok(const char *prog, int np, const char *const *args, const char *const *env) {
-    const char *argv[16] = {"-n", NULL, "PROG"};
-    char nps[16];
-    snprintf(nps, sizeof nps, "%d", np);
-    argv[1] = nps;
-    int k = 3;
-    for (; args && *args && k < 15; args++) argv[k++] = *args;
-    argv[k] = NULL;
-    proc p;
-    proc_run(&p, cparrun_path(), prog, argv, env, 120000);
-    ASSERT_OUT(&p, p.status == 0);
-    char want[48];
-    for (int r = 0; r < np; r++) {
-        snprintf(want, sizeof want, "[%d] rank %d ok\n", r, r);
-        ASSERT_OUT(&p, strstr(p.text[0], want) != NULL);
-    }
-    proc_free(&p);
+    cparrun_job_ok(prog, np, args, env);
     ck_assert_int_eq(shm_leftovers(), 0);
 }
 
@@ -318,9 +288,5 @@ int main(void) {
     tcase_add_test(tc, test_cparrun_sweeps);
     tcase_set_timeout(tc, 120);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return tu_run_suite(s);
 }

@@ -13,6 +13,7 @@
  * through the documented C layout, so a layout mistake in either the
  * emulation or the test shows up. Every case runs in three fiber schedules. */
 #include "cpar_kernels.cu"
+#include "tests/suite.h"
 
 #include <check.h>
 #include <math.h>
@@ -139,9 +140,5 @@ int main(void) {
     tcase_add_loop_test(tc, mma_bf16, 0, 3);
     tcase_add_test(tc, pack_order);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    const int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return tu_run_suite(s);
 }

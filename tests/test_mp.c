@@ -16,21 +16,12 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
-#include <check.h>
-
+#include "testutil.h"
 #include "proc.h"
 
 #define NP 4
 
-static const char *cparrun_path(void) {
-    static char buf[4096];
-    return path_from_env("CPARRUN", "cparrun", buf, sizeof buf);
-}
-
-static const char *prog_path(void) {
-    static char buf[4096];
-    return path_from_env("MP_PROG", "ncclsim/mp_prog", buf, sizeof buf);
-}
+PROC_PATH_FN(prog_path, "MP_PROG", "ncclsim/mp_prog")
 
 /* The NCCL simulator's segments in /dev/shm left by this suite's jobs (not
  * those of a suite running beside it): tests/ncclsim/nccl.h, whose header
@@ -41,15 +32,7 @@ static int shm_leftovers(void) { return ncclsim_leftover_segments(); }
 /* ---- under cparrun ------------------------------------------------------------ */
 
 START_TEST(test_cparrun_job) {
-    proc p;
-    proc_run(&p, cparrun_path(), prog_path(), (const char *const[]){"-n", "4", "PROG", "ok", NULL}, NULL, 120000);
-    ASSERT_OUT(&p, p.status == 0);
-    char want[32];
-    for (int r = 0; r < NP; r++) {
-        snprintf(want, sizeof want, "[%d] rank %d ok\n", r, r);
-        ASSERT_OUT(&p, strstr(p.text[0], want) != NULL);
-    }
-    proc_free(&p);
+    cparrun_job_ok(prog_path(), NP, (const char *const[]){"ok", NULL}, NULL);
     ck_assert_int_eq(shm_leftovers(), 0);
 }
 END_TEST
@@ -168,9 +151,5 @@ int main(void) {
     tcase_add_test(tc, test_torchrun_duplicate_rank0);
     tcase_set_timeout(tc, 120);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return tu_run_suite(s);
 }

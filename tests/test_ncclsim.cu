@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "tests/cudasim.h"
+#include "tests/suite.h"
 #include "nccl.h"
 
 #define MAXR 8
@@ -869,9 +870,5 @@ Suite *suite(void) {
 }
 
 int main(void) {
-    SRunner *sr = srunner_create(suite());
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return tu_run_suite(suite());
 }

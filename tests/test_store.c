@@ -8,7 +8,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* POSIX and Linux APIs under -std=c11, as in cpar.c */
 #endif
-#include "cpar.h"
+#include "testutil.h"
 #include "net.h"
 
 #include <arpa/inet.h>
@@ -1606,9 +1606,5 @@ int main(void)
     /* One job token for every store of this suite unless a test says otherwise. */
     setenv("CPAR_JOB_TOKEN", TOKEN, 1);
     unsetenv("CPAR_STORE_BIND");
-    SRunner *sr = srunner_create(store_suite());
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return tu_run_suite(store_suite());
 }

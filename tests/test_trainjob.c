@@ -18,8 +18,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
-#include <check.h>
-
+#include "testutil.h"
 #include "proc.h"
 
 static const char *flavour(void) {
@@ -32,11 +31,6 @@ static const char *train_path(void) {
     const char *f = flavour();
     return path_from_env("TRAIN", !strcmp(f, "sim") ? "sim/train" : !strcmp(f, "nccl") ? "ncclsim/train" : "train",
                          buf, sizeof buf);
-}
-
-static const char *cparrun_path(void) {
-    static char buf[4096];
-    return path_from_env("CPARRUN", "cparrun", buf, sizeof buf);
 }
 
 #define ASSERT_RUN(p, cond)                                                                                  \
@@ -211,9 +205,5 @@ int main(void) {
     }
     tcase_set_timeout(tc, 600);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return tu_run_suite(s);
 }

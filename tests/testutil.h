@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "cpar.h"
+#include "suite.h" /* tu_run_suite */
 
 #define TU_TIMEOUT_MS 20000 /* collective deadline inside tests */
 
@@ -295,15 +296,6 @@ static inline void tu_add_loops(Suite *s, const tu_loop *loops, size_t n, double
         tcase_set_timeout(tc, timeout_s);
         suite_add_tcase(s, tc);
     }
-}
-
-/* Run every test of a suite and return the process exit status. */
-static inline int tu_run_suite(Suite *s) {
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
 }
 
 #endif /* CPAR_TESTUTIL_H */
