@@ -21,6 +21,8 @@
 # suites), build/sim (the CUDA simulator build: cpar_kernels.cu compiled by
 # g++ with tests/cudasim.h), build/ncclsim (cpar.c compiled exactly as for
 # GPUs, linked with the sim kernels and the NCCL simulator of tests/ncclsim).
+# build/obj holds the objects of the suites and programs that see cpar only
+# through cpar.h, compiled once and linked into every flavour.
 # build/train, build/collectives and build/bench are links to the programs of
 # the mode this make picked. Each CUDA object is compiled once.
 
@@ -105,7 +107,8 @@ CHECK_FLAGS := $(shell pkg-config --cflags check 2>/dev/null)
 CHECK_LIBS  := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsubunit -lrt -lm -pthread)
 CUDA_LIBS   := -L$(CUDA_HOME)/lib64 $(if $(NCCL_LIBDIR),-L$(NCCL_LIBDIR)) -lnccl -lcublas -lcudart \
                -Wl$(comma)-rpath$(comma)$(CUDA_HOME)/lib64 $(if $(NCCL_LIBDIR),-Wl$(comma)-rpath$(comma)$(NCCL_LIBDIR))
-LIBS        := -pthread -lm $(BLAS_LIBS)
+# -lrt: shm_open (the process-mode host backend) lives in librt before glibc 2.34.
+LIBS        := -pthread -lm -lrt $(BLAS_LIBS)
 
 B := build
 
@@ -162,7 +165,7 @@ TEST_PROGS := $(B)/host/store_prog
 all: lib $(B)/cparrun $(B)/train
 lib: $(LIB) $(if $(filter 1,$(SHARED)),$(SOLIB))
 
-$(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda $(B)/asan $(M)/pic:
+$(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda $(B)/asan $(B)/obj $(M)/pic:
 	@mkdir -p $@
 
 # ---- library -------------------------------------------------------------
@@ -213,50 +216,53 @@ $(B)/sim/cpar_kernels.o: cpar_kernels.cu tests/cudasim.h $(HDR) | $(B)/sim
 SIM_OBJS := $(B)/sim/cpar.o $(B)/sim/cpar_kernels.o
 
 # ---- tests -----------------------------------------------------------------
-$(B)/host/test_%: tests/test_%.c $(B)/host/cpar.o tests/testutil.h tests/proc.h tests/net.h tests/packed.h | $(B)/host
-	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) $< $(B)/host/cpar.o -o $@ $(CHECK_LIBS) $(LIBS)
+# The headers the C suites share (tests/suite.h also serves the C++ ones).
+TEST_HDRS := tests/testutil.h tests/suite.h tests/proc.h tests/net.h tests/packed.h
 
-$(B)/host/store_prog: tests/store_prog.c $(B)/host/cpar.o | $(B)/host
-	$(CC) $(ALL_CFLAGS) $< $(B)/host/cpar.o -o $@ $(LIBS)
-
-# The ranks of test_hostmp's multi-process jobs on the host backend (mp_prog
-# is the nccl-sim suite's program, here with CPAR_BACKEND=host).
-$(B)/host/hostmp_prog $(B)/host/mp_prog: $(B)/host/%: tests/%.c tests/rank_prog.h $(B)/host/cpar.o | $(B)/host
-	$(CC) $(ALL_CFLAGS) $< $(B)/host/cpar.o -o $@ $(LIBS)
-
-$(B)/sim/test_%.o: tests/test_%.c tests/testutil.h tests/proc.h tests/net.h tests/packed.h $(HDR) | $(B)/sim
+# The suites and programs in C see cpar only through cpar.h, which reads no
+# build flag: each is compiled once, into $(B)/obj, and linked with every
+# flavour's library (host, sim, nccl-sim, CUDA). Only the sanitizer build
+# compiles them again, with its own flags.
+$(B)/obj/%.o: tests/%.c tests/rank_prog.h $(TEST_HDRS) $(HDR) | $(B)/obj
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) -c $< -o $@
 
-$(B)/sim/test_%: $(B)/sim/test_%.o $(SIM_OBJS)
+$(B)/obj/train.o: examples/train.c $(HDR) | $(B)/obj
+	$(CC) $(ALL_CFLAGS) -c $< -o $@
+
+$(B)/obj/bench.o: bench/bench.c $(HDR) | $(B)/obj
+	$(CC) $(ALL_CFLAGS) $(BENCH_BLAS) -c $< -o $@
+
+$(B)/host/test_%: $(B)/obj/test_%.o $(B)/host/cpar.o | $(B)/host
+	$(CC) $^ -o $@ $(CHECK_LIBS) $(LIBS)
+
+# The ranks of test_hostmp's multi-process jobs on the host backend (mp_prog
+# is the nccl-sim suite's program, here with CPAR_BACKEND=host), test_cparrun's
+# store_prog, and lm_check (below).
+$(B)/host/store_prog $(B)/host/hostmp_prog $(B)/host/mp_prog $(B)/host/lm_check: $(B)/host/%: $(B)/obj/%.o \
+        $(B)/host/cpar.o | $(B)/host
+	$(CC) $^ -o $@ $(LIBS)
+
+$(B)/sim/test_%: $(B)/obj/test_%.o $(SIM_OBJS)
 	$(CXX) $^ -o $@ $(CHECK_LIBS) $(LIBS)
 
 # Programs linked against the sim build: make test runs them with every
 # kernel (flash attention, RMSNorm, GeLU, ...) on the CPU. lm_check trains a
 # small LM on a synthetic language and checks tp x cp against 1 rank; train
 # is the main job (examples/train.c).
-$(B)/sim/lm_check.o: tests/lm_check.c $(HDR) | $(B)/sim
-	$(CC) $(ALL_CFLAGS) -c $< -o $@
-
-$(B)/sim/train.o: examples/train.c $(HDR) | $(B)/sim
-	$(CC) $(ALL_CFLAGS) -c $< -o $@
-
-$(B)/sim/lm_check $(B)/sim/train: $(B)/sim/%: $(B)/sim/%.o $(SIM_OBJS)
+$(B)/sim/lm_check $(B)/sim/train: $(B)/sim/%: $(B)/obj/%.o $(SIM_OBJS)
 	$(CXX) $^ -o $@ $(LIBS)
 
-$(B)/host/lm_check: tests/lm_check.c $(B)/host/cpar.o | $(B)/host
-	$(CC) $(ALL_CFLAGS) $< $(B)/host/cpar.o -o $@ $(LIBS)
-
 # Suites written in the CUDA dialect run only on the simulator.
-$(B)/sim/test_cudasim: tests/test_cudasim.cu tests/cudasim.h | $(B)/sim
+$(B)/sim/test_cudasim: tests/test_cudasim.cu tests/cudasim.h tests/suite.h | $(B)/sim
 	$(CXX) $(SIM_CXXFLAGS) $(CHECK_FLAGS) -x c++ $< -o $@ $(CHECK_LIBS) $(LIBS)
 
-$(B)/sim/test_devlayer: tests/test_devlayer.cu $(B)/sim/cpar_kernels.o tests/cudasim.h $(HDR) | $(B)/sim
+$(B)/sim/test_devlayer: tests/test_devlayer.cu $(B)/sim/cpar_kernels.o tests/cudasim.h tests/suite.h $(HDR) | $(B)/sim
 	$(CXX) $(SIM_CXXFLAGS) $(CHECK_FLAGS) -x c++ $< -x none $(B)/sim/cpar_kernels.o -o $@ $(CHECK_LIBS) $(LIBS)
 
 # The tensor-core wrappers and the attention kernels' internals are static
 # device functions: these suites include cpar_kernels.cu themselves and link
 # nothing else from cpar.
-$(B)/sim/test_mma $(B)/sim/test_attn_bwd: $(B)/sim/test_%: tests/test_%.cu cpar_kernels.cu tests/cudasim.h $(HDR) | $(B)/sim
+$(B)/sim/test_mma $(B)/sim/test_attn_bwd: $(B)/sim/test_%: tests/test_%.cu cpar_kernels.cu tests/cudasim.h tests/suite.h $(HDR) | $(B)/sim
 	$(CXX) $(SIM_CXXFLAGS) $(CHECK_FLAGS) -x c++ $< -o $@ $(CHECK_LIBS) $(LIBS)
 
 # ---- nccl-sim build ----------------------------------------------------------
@@ -276,24 +282,18 @@ $(B)/ncclsim/ncclsim.o: tests/ncclsim/ncclsim.c $(NCCLSIM_HDRS) | $(B)/ncclsim
 $(B)/ncclsim/ncclsim_cudasim.o: tests/ncclsim/ncclsim_cudasim.cc $(NCCLSIM_HDRS) tests/cudasim.h | $(B)/ncclsim
 	$(CXX) $(SIM_CXXFLAGS) $(NCCLSIM_INC) -x c++ -c $< -o $@
 
-# The same test objects as the sim build, linked with the production path.
-$(B)/ncclsim/test_%: $(B)/sim/test_%.o $(NCCLSIM_OBJS)
+# The same test objects as the other flavours, linked with the production path.
+$(B)/ncclsim/test_%: $(B)/obj/test_%.o $(NCCLSIM_OBJS)
 	$(CXX) $^ -o $@ $(CHECK_LIBS) $(LIBS)
 
-$(B)/ncclsim/test_ncclsim: tests/test_ncclsim.cu $(NCCLSIM_LIB) $(NCCLSIM_HDRS) tests/cudasim.h | $(B)/ncclsim
+$(B)/ncclsim/test_ncclsim: tests/test_ncclsim.cu $(NCCLSIM_LIB) $(NCCLSIM_HDRS) tests/cudasim.h tests/suite.h | $(B)/ncclsim
 	$(CXX) $(SIM_CXXFLAGS) $(NCCLSIM_INC) $(CHECK_FLAGS) -x c++ $< -x none $(NCCLSIM_LIB) -o $@ $(CHECK_LIBS) $(LIBS)
 
-$(B)/ncclsim/mp_prog: $(B)/sim/mp_prog.o $(NCCLSIM_OBJS)
+$(B)/ncclsim/mp_prog $(B)/ncclsim/lm_check $(B)/ncclsim/train: $(B)/ncclsim/%: $(B)/obj/%.o $(NCCLSIM_OBJS)
 	$(CXX) $^ -o $@ $(LIBS)
 
-$(B)/sim/mp_prog.o: tests/mp_prog.c tests/rank_prog.h tests/testutil.h $(HDR) | $(B)/sim
-	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) -c $< -o $@
-
-$(B)/ncclsim/lm_check $(B)/ncclsim/train: $(B)/ncclsim/%: $(B)/sim/%.o $(NCCLSIM_OBJS)
-	$(CXX) $^ -o $@ $(LIBS)
-
-$(B)/cuda/test_gpu: tests/test_gpu.c $(B)/cuda/libcpar.a tests/testutil.h | $(B)/cuda
-	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) $< $(B)/cuda/libcpar.a -o $@ $(CHECK_LIBS) $(CUDA_LIBS) $(LIBS) -lstdc++
+$(B)/cuda/test_gpu: $(B)/obj/test_gpu.o $(B)/cuda/libcpar.a | $(B)/cuda
+	$(CC) $^ -o $@ $(CHECK_LIBS) $(CUDA_LIBS) $(LIBS) -lstdc++
 
 # The programs each flavour's suites need besides the test binaries.
 HOST_PROGS    := $(TEST_PROGS) $(B)/cparrun $(B)/host/lm_check $(B)/train
@@ -307,9 +307,13 @@ RUN_TESTS = B=$(B) HOST_SUITES="$(1)" SIM_SUITES="$(2)" NCCLSIM_SUITES="$(3)" GP
 # The drop-in and install checks (scripts that build programs the ways the
 # README tells users to) run after the suites; PKG_ENV is what they need.
 PKG_ENV = MAKE="$(MAKE)" CC="$(CC)" CUDA_HOME="$(CUDA_HOME)" CPAR_CUDA=$(CPAR_CUDA) CPAR_MODE=$(MODE) \
-          DROPIN_ARCH="$(PTX_ARCH)"
+          DROPIN_ARCH="$(PTX_ARCH)" DROPIN_KERNELS="$(abspath $(DROPIN_KERNELS))"
+# The drop-in check's stand-in for its nvcc pass (tests/check_dropin.sh):
+# the CUDA build's kernels, compiled for PTX_ARCH among others.
+DROPIN_KERNELS := $(if $(filter 1,$(CPAR_CUDA)),$(B)/cuda/cpar_kernels.o)
 
-TEST_DEPS := $(HOST_TESTS) $(SIM_TESTS) $(NCCLSIM_TESTS) $(GPU_TEST) $(HOST_PROGS) $(SIM_PROGS) $(NCCLSIM_PROGS)
+TEST_DEPS := $(HOST_TESTS) $(SIM_TESTS) $(NCCLSIM_TESTS) $(GPU_TEST) $(HOST_PROGS) $(SIM_PROGS) $(NCCLSIM_PROGS) \
+             $(DROPIN_KERNELS)
 test: $(TEST_DEPS)
 	+@$(PKG_ENV) $(call RUN_TESTS,$(HOST_SUITES),$(SIM_SUITES),$(NCCLSIM_SUITES),$(GPU_TEST),dropin install)
 
@@ -339,7 +343,7 @@ SAN_ENV    := ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1:abort_on_e
 $(B)/asan/cpar.o: cpar.c $(HDR) | $(B)/asan
 	$(CC) $(ALL_CFLAGS) $(SAN_FLAGS) -c $< -o $@
 
-$(B)/asan/test_%: tests/test_%.c $(B)/asan/cpar.o tests/testutil.h tests/proc.h tests/net.h tests/packed.h | $(B)/asan
+$(B)/asan/test_%: tests/test_%.c $(B)/asan/cpar.o $(TEST_HDRS) | $(B)/asan
 	$(CC) $(ALL_CFLAGS) $(SAN_FLAGS) $(CHECK_FLAGS) $< $(B)/asan/cpar.o -o $@ $(CHECK_LIBS) $(LIBS)
 
 test-sanitize: $(SAN_TESTS)
@@ -355,14 +359,14 @@ test-build: $(TEST_DEPS) $(SAN_TESTS) $(SO_OBJS)
 # Each mode's programs live in its directory, linked with its library;
 # build/train, build/collectives and build/bench point at this make's mode
 # (re-pointed on every make, since the other mode's program may be newer).
-$(M)/train: examples/train.c $(LIB)
-	$(CC) $(ALL_CFLAGS) $< $(LIB) -o $@ $(LIB_LIBS)
+$(M)/train: $(B)/obj/train.o $(LIB)
+	$(CC) $^ -o $@ $(LIB_LIBS)
 
 $(M)/collectives: examples/collectives.c $(LIB)
 	$(CC) $(ALL_CFLAGS) $< $(LIB) -o $@ $(LIB_LIBS)
 
-$(M)/bench: bench/bench.c $(LIB)
-	$(CC) $(ALL_CFLAGS) $(BENCH_BLAS) $< $(LIB) -o $@ $(LIB_LIBS) $(if $(BLAS_LIBS),,$(BENCH_BLAS_LIBS))
+$(M)/bench: $(B)/obj/bench.o $(LIB)
+	$(CC) $^ -o $@ $(LIB_LIBS) $(if $(BLAS_LIBS),,$(BENCH_BLAS_LIBS))
 
 $(B)/train $(B)/collectives $(B)/bench: $(B)/%: $(M)/% FORCE
 	@[ "$$(readlink $@)" = "$(MODE)/$*" ] || ln -sfn $(MODE)/$* $@
@@ -381,12 +385,12 @@ bench: $(B)/bench
 # The host flavour of the bench, for tests/run.sh's check of --csv/--json
 # (in a host-mode make it is the mode's own bench, built above).
 ifneq ($(MODE),host)
-$(B)/host/bench: bench/bench.c $(B)/host/cpar.o | $(B)/host
-	$(CC) $(ALL_CFLAGS) $(BENCH_BLAS) $< $(B)/host/cpar.o -o $@ $(LIBS) $(if $(BLAS_LIBS),,$(BENCH_BLAS_LIBS))
+$(B)/host/bench: $(B)/obj/bench.o $(B)/host/cpar.o | $(B)/host
+	$(CC) $^ -o $@ $(LIBS) $(if $(BLAS_LIBS),,$(BENCH_BLAS_LIBS))
 
 # The main job on the host flavour, for test_hostmp's cparrun run of it.
-$(B)/host/train: examples/train.c $(B)/host/cpar.o | $(B)/host
-	$(CC) $(ALL_CFLAGS) $< $(B)/host/cpar.o -o $@ $(LIBS)
+$(B)/host/train: $(B)/obj/train.o $(B)/host/cpar.o | $(B)/host
+	$(CC) $^ -o $@ $(LIBS)
 endif
 
 # Bus bandwidth against message size, one PNG per collective, from a sweep
@@ -403,10 +407,12 @@ plots: $(B)/bench $(B)/train
 # ---- drop-in, install ----------------------------------------------------------
 # check-dropin: the README's command lines for the three copied files, in a
 # temporary directory, host-only and (with nvcc and NCCL) CUDA; the CUDA
-# program runs only where there is a GPU. check-install: make install into a
+# program runs only where there is a GPU. Its nvcc line is checked by nvcc
+# (options, preprocessing) and the CUDA build's cpar_kernels.o stands in for
+# its output (CPAR_DROPIN_NVCC=1: it runs as written). check-install: make install into a
 # temporary DESTDIR (static, then SHARED=1) and build tests/pkg_prog.c with
 # pkg-config. make test runs both.
-check-dropin:
+check-dropin: $(DROPIN_KERNELS)
 	@$(PKG_ENV) sh tests/check_dropin.sh
 
 check-install:
