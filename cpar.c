@@ -10039,7 +10039,18 @@ static size_t cpar__host_attn_floats(const cpar__attn_io *io, bool backward) {
  * *doc (packed rows: -1 for padding; plain rows: 0). A packed shard's local
  * row i lies in the last document d with cu[d] / P <= i (an empty document
  * never: the next one starts at the same row), in its slot 0 (chunk rank)
- * or slot 1 (chunk 2P-1-rank). Twin of cpar_kernels.cu §16's cpar__attn_row. */
+ * or slot 1 (chunk 2P-1-rank). Twin of cpar_kernels.cu §16's cpar__attn_row;
+ * cpar__attn_slot finds d. */
+static int cpar__attn_slot(const cpar_dev_attn_pos *p, int64_t i) {
+    int lo = 0, hi = p->n_docs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (p->cu[mid] / p->P <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 static int64_t cpar__attn_row(const cpar_dev_attn_pos *p, int64_t i, int *doc) {
     if (!p->cu) {
         *doc = 0;
@@ -10051,12 +10062,7 @@ static int64_t cpar__attn_row(const cpar_dev_attn_pos *p, int64_t i, int *doc) {
         *doc = -1;
         return i;
     }
-    int lo = 0, hi = p->n_docs - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (cu[mid] / P <= i) lo = mid;
-        else hi = mid - 1;
-    }
+    const int lo = cpar__attn_slot(p, i);
     int64_t g = i;
     if (P > 1) {
         const int64_t c = ((int64_t)cu[lo + 1] - cu[lo]) / (2 * P), o = i - cu[lo] / P;
@@ -10091,6 +10097,22 @@ static void cpar__attn_mask_packed(const cpar__attn_io *io, float *S, int64_t bq
             if (!(dq >= 0 && dq == dk && (!io->causal || kpos <= qpos))) S[i * bk + j] = -INFINITY;
         }
     }
+}
+
+/* Whether a packed block's tile, query rows [q0, q0 + bq) by keys [k0,
+ * k0 + bk), hides every weight (twin of the kernels' cpar__attn_tile_span).
+ * Along a shard documents and global positions never decrease (chunk r
+ * precedes chunk 2P-1-r within a document), so the tile is hidden when its
+ * keys all lie in earlier documents than its first query, in later ones than
+ * its last, or (causal) after its last query; rows past a shard are nobody's.
+ * A hidden tile's weights are exact zeros: skipping it changes no bit. */
+static bool cpar__attn_tile_hidden(const cpar__attn_io *io, int64_t q0, int64_t bq, int64_t k0, int64_t bk) {
+    const int64_t q1 = cpar__min64(q0 + bq, io->qp.cu[io->qp.n_docs] / io->qp.P) - 1; /* last row in the shard */
+    const int64_t k1 = cpar__min64(k0 + bk, io->kp.cu[io->kp.n_docs] / io->kp.P) - 1;
+    if (q1 < q0 || k1 < k0) return true;
+    if (cpar__attn_slot(&io->kp, k1) < cpar__attn_slot(&io->qp, q0)) return true;
+    if (cpar__attn_slot(&io->kp, k0) > cpar__attn_slot(&io->qp, q1)) return true;
+    return io->causal && cpar__attn_pos(&io->kp, k0) > cpar__attn_pos(&io->qp, q1);
 }
 
 /* Whether attention weight (bh, qpos, kpos) survives dropout p (cpar.h §12). */
@@ -10173,12 +10195,13 @@ static cpar_status cpar__host_attn_fwd(cpar_ctx *ctx, const char *fn, const cpar
             const int64_t kvbase = (bi * io->hkv + hi / group) * io->kv_bh;
             for (int64_t q0 = 0; q0 < io->sq; q0 += CPAR__HATTN_BQ) {
                 const int64_t bq = cpar__min64(CPAR__HATTN_BQ, io->sq - q0);
-                /* plain causal: the tile's last row sees keys < kend; packed blocks mask every tile */
+                /* plain causal: the tile's last row sees keys < kend; packed: hidden tiles are skipped below */
                 const int64_t kend = io->causal && !packed ? cpar__min64(io->sk, q0 + bq) : io->sk;
                 for (int64_t i = 0; i < bq; i++) m[i] = -INFINITY, l[i] = 0.f;
                 memset(O, 0, sizeof(float) * (size_t)(bq * d));
                 for (int64_t k0 = 0; k0 < kend; k0 += CPAR__HATTN_BK) {
                     const int64_t bk = cpar__min64(CPAR__HATTN_BK, kend - k0);
+                    if (packed && cpar__attn_tile_hidden(io, q0, bq, k0, bk)) continue;
                     int64_t kn;
                     for (int64_t r = 0, rows; r < bq; r += rows) {
                         rows = cpar__attn_strip(io, packed, q0, bq, r, k0, bk, &kn);
@@ -10262,6 +10285,7 @@ static cpar_status cpar__host_attn_bwd(cpar_ctx *ctx, const char *fn, const cpar
                 for (int64_t q0 = skip ? k0 / CPAR__HATTN_BQ * CPAR__HATTN_BQ : 0; q0 < io->sq; q0 += CPAR__HATTN_BQ) {
                     const int64_t bq = cpar__min64(CPAR__HATTN_BQ, io->sq - q0);
                     if (skip && q0 + bq - 1 < k0) continue;
+                    if (packed && cpar__attn_tile_hidden(io, q0, bq, k0, bk)) continue;
                     int64_t kn;
                     for (int64_t r = 0, rows; r < bq; r += rows) {
                         rows = cpar__attn_strip(io, packed, q0, bq, r, k0, bk, &kn);
