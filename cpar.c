@@ -1790,7 +1790,7 @@ static cpar_status cpar__grow_host(cpar_ctx *ctx, const char *fn, void **buf, si
 
 /* ---- CPAR_HOST_THREADS: a rank's worker threads for big host GEMMs ------------
  * With ctx->host_threads = N > 1 the GEMM driver splits its outer loop (the
- * larger of op(B)'s columns and op(A)'s rows) into N chunks, whole
+ * larger of op(B)'s columns and op(A)'s rows) into CPAR__POOL_CHUNKS·N chunks, whole
  * micro-tiles each, run by the calling thread and a pool of N - 1 workers
  * the context owns. A chunk is the serial product's own sub-problem: every
  * element of C is computed by one thread, with the same tiles (chunk edges
@@ -1804,7 +1804,7 @@ static cpar_status cpar__grow_host(cpar_ctx *ctx, const char *fn, void **buf, si
  * waits only for the ones in flight. Fork: the pool remembers the pid that
  * made it; a child (whose copy has no threads) drops it and makes its own. */
 
-enum { CPAR__POOL_MAX = 256 };
+enum { CPAR__POOL_MAX = 256, CPAR__POOL_CHUNKS = 4 };
 #define CPAR__GEMM_POOL_MIN ((int64_t)1 << 23)
 
 typedef void (*cpar__pool_fn)(void *job, int64_t chunk, int slot);
@@ -2041,7 +2041,10 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
     int64_t step = 0, nchunks = 1;
     if (ctx->host_threads > 1 && k > 0 && tiles > 1 && (double)m * (double)n * (double)k >= (double)CPAR__GEMM_POOL_MIN &&
         (pool = cpar__pool_get(ctx)) != NULL) {
-        const int64_t nt = cpar__min64(pool->nworkers + 1, tiles);
+        /* CPAR__POOL_CHUNKS chunks a thread: a worker that wakes late (a
+         * halted virtual CPU takes a while) then claims a small piece
+         * instead of holding the caller up for a whole share. */
+        const int64_t nt = cpar__min64((int64_t)(pool->nworkers + 1) * CPAR__POOL_CHUNKS, tiles);
         step = (tiles + nt - 1) / nt * tile;
         nchunks = ((split_n ? n : m) + step - 1) / step;
     }

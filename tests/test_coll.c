@@ -520,6 +520,17 @@ END_TEST
 static int64_t piece_rows(int r) { return r == 1 ? 0 : 1100 * (r + 1) + 7 * r; } /* x 15 elements */
 static int64_t piece_split(int i, int j) { return (i + 2 * j + 1) % 3 * 700 + 3 * i + j; }
 
+/* out holds want's bits; then want, in and out are freed. */
+static void expect_moved(cpar_ctx *ctx, cpar_group *g, cpar_tensor *in, cpar_tensor *out, void *want, cpar_dtype dt,
+                         int64_t count, const char *what) {
+    void *got = tu_download(ctx, out);
+    expect_same(got, want, dt, count, what, g);
+    free(got);
+    free(want);
+    free_tensor(ctx, in);
+    free_tensor(ctx, out);
+}
+
 static cpar_status rank_pieces(cpar_ctx *ctx, void *p) {
     (void)p;
     cpar_group *g = cpar_world_group(ctx);
@@ -578,12 +589,7 @@ static cpar_status rank_pieces(cpar_ctx *ctx, void *p) {
                 memcpy(at, x[r], (size_t)(sizes[r] * ROW_ELEMS) * es);
                 at += sizes[r] * ROW_ELEMS * (int64_t)es;
             }
-            void *got = tu_download(ctx, &out);
-            expect_same(got, want_ag, dt, total * ROW_ELEMS, "pieces all_gather", g);
-            free(got);
-            free(want_ag);
-            free_tensor(ctx, &in);
-            free_tensor(ctx, &out);
+            expect_moved(ctx, g, &in, &out, want_ag, dt, total * ROW_ELEMS, "pieces all_gather");
         }
         /* all-to-all, uneven splits, from the first rows of every rank's input */
         {
@@ -601,12 +607,7 @@ static cpar_status rank_pieces(cpar_ctx *ctx, void *p) {
                 memcpy(at, (char *)x[i] + (size_t)first * row, (size_t)piece_split(i, me) * row);
                 at += (size_t)piece_split(i, me) * row;
             }
-            void *got = tu_download(ctx, &out);
-            expect_same(got, want_a2a, dt, out_rows * ROW_ELEMS, "pieces all_to_all", g);
-            free(got);
-            free(want_a2a);
-            free_tensor(ctx, &in);
-            free_tensor(ctx, &out);
+            expect_moved(ctx, g, &in, &out, want_a2a, dt, out_rows * ROW_ELEMS, "pieces all_to_all");
         }
         free_all(x, n);
     }
