@@ -17,7 +17,8 @@
  *                                   GEMM (CPAR_HOST_THREADS pool); fill, cast, axpby, reduce, gelu
  *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
  *    7. Rendezvous store and env    launch environment, TCP key-value store (job token, limits), join
- *    8. Host backend                rendezvous with deadlines; every rank moves its share of a collective;
+ *    8. Host backend                rendezvous with deadlines; every rank moves its share of a collective
+ *                                   (claimed pieces when ranks outnumber processors);
  *                                   ranks as processes: shared-memory segments, futex waits, dead-peer checks,
  *                                   peers' arenas mapped and read in place
  *    9. NCCL backend                communicators, async-error polling, abort
@@ -51,6 +52,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -1788,7 +1790,7 @@ static cpar_status cpar__grow_host(cpar_ctx *ctx, const char *fn, void **buf, si
 
 /* ---- CPAR_HOST_THREADS: a rank's worker threads for big host GEMMs ------------
  * With ctx->host_threads = N > 1 the GEMM driver splits its outer loop (the
- * larger of op(B)'s columns and op(A)'s rows) into N chunks, whole
+ * larger of op(B)'s columns and op(A)'s rows) into CPAR__POOL_CHUNKS·N chunks, whole
  * micro-tiles each, run by the calling thread and a pool of N - 1 workers
  * the context owns. A chunk is the serial product's own sub-problem: every
  * element of C is computed by one thread, with the same tiles (chunk edges
@@ -1802,7 +1804,7 @@ static cpar_status cpar__grow_host(cpar_ctx *ctx, const char *fn, void **buf, si
  * waits only for the ones in flight. Fork: the pool remembers the pid that
  * made it; a child (whose copy has no threads) drops it and makes its own. */
 
-enum { CPAR__POOL_MAX = 256 };
+enum { CPAR__POOL_MAX = 256, CPAR__POOL_CHUNKS = 4 };
 #define CPAR__GEMM_POOL_MIN ((int64_t)1 << 23)
 
 typedef void (*cpar__pool_fn)(void *job, int64_t chunk, int slot);
@@ -2039,7 +2041,10 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
     int64_t step = 0, nchunks = 1;
     if (ctx->host_threads > 1 && k > 0 && tiles > 1 && (double)m * (double)n * (double)k >= (double)CPAR__GEMM_POOL_MIN &&
         (pool = cpar__pool_get(ctx)) != NULL) {
-        const int64_t nt = cpar__min64(pool->nworkers + 1, tiles);
+        /* CPAR__POOL_CHUNKS chunks a thread: a worker that wakes late (a
+         * halted virtual CPU takes a while) then claims a small piece
+         * instead of holding the caller up for a whole share. */
+        const int64_t nt = cpar__min64((int64_t)(pool->nworkers + 1) * CPAR__POOL_CHUNKS, tiles);
         step = (tiles + nt - 1) / nt * tile;
         nchunks = ((split_n ? n : m) + step - 1) / step;
     }
@@ -4219,7 +4224,8 @@ cpar_status cpar_store_join(cpar_store *s, const cpar_env *env)
  * (cpar_init_from_env: the second part of this section). A job holds one mutex and
  * condition variable; every group has an hcomm with a slot per member and a
  * mailbox per ordered pair. A collective posts its slot, meets the others at
- * a rendezvous, moves data by pulling from the peers' posted buffers, and
+ * a rendezvous, moves data by pulling from the peers' posted buffers (its
+ * own share, or claimed pieces when members outnumber processors), and
  * meets them again so no buffer is released while a peer still reads it.
  * Every wait has the context's deadline; a failed, aborted or finished rank
  * releases its waiting peers with CPAR_ERR_PEER. The sim backend uses the same
@@ -4269,6 +4275,7 @@ struct cpar__hcomm {
     int count;                 /* members waiting in the current one */
     cpar__slot *slot;          /* [n] */
     cpar__mailbox *box;        /* [n*n], box[src*n + dst] */
+    uint64_t claim;            /* next piece of the current collective's movement (cpar__hc_move) */
     atomic_int refs;
 };
 
@@ -4415,9 +4422,19 @@ static cpar_status cpar__wait_locked(cpar_group *g, const char *fn, const cpar__
     }
 }
 
-/* Processors this process may run on (cached; 1 when unknown). */
+/* Processors the calling thread may run on: its affinity mask, which
+ * taskset, cgroups' cpusets and SLURM's binding narrow (the online count
+ * where the mask is unknown, 1 when that is too). Not cached: a job bound to
+ * fewer cores after start-up sees it at its next collective. */
 static int cpar__online_cpus(void) {
-    static atomic_int cpus;
+#ifdef __linux__
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        int n = CPU_COUNT(&set);
+        if (n > 0) return n;
+    }
+#endif
+    static atomic_int cpus; /* sysconf reads /sys: once */
     int n = atomic_load_explicit(&cpus, memory_order_relaxed);
     if (!n) {
         long c = sysconf(_SC_NPROCESSORS_ONLN);
@@ -4457,6 +4474,7 @@ static cpar_status cpar__hc_rendezvous(cpar_group *g, const char *fn) {
         cpar__wait w = {CPAR__WAIT_RENDEZVOUS, -1, hc->gen + 1};
         if (++hc->count == hc->n) {
             hc->count = 0;
+            __atomic_store_n(&hc->claim, 0, __ATOMIC_RELAXED); /* nobody moves data between meetings */
             __atomic_store_n(&hc->gen, hc->gen + 1, __ATOMIC_RELEASE);
             pthread_cond_broadcast(&job->cv);
         } else {
@@ -4649,6 +4667,57 @@ static cpar_status cpar__hc_copy(cpar_ctx *ctx, const char *fn, void *dst, const
     return cpar__copy_bytes_on(ctx, fn, cpar__coll_stream(ctx), dst, dev, src, dev, bytes);
 }
 
+/* A group with more members than this process has processors shares its
+ * movement out in pieces of this many bytes (cpar__hc_move). */
+#ifndef CPAR__HC_PIECE
+#define CPAR__HC_PIECE ((size_t)128 << 10)
+#endif
+
+/* Piece p of a collective's movement, or UINT64_MAX when it is done: with a
+ * claim counter every member takes the next unclaimed piece until none is
+ * left; without one member me does piece me alone (its 1/n share). */
+static uint64_t cpar__hc_next_piece(uint64_t *claim, uint64_t pieces, int me, uint64_t prev) {
+    uint64_t p = claim ? __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED) : prev == UINT64_MAX ? (uint64_t)me : pieces;
+    return p < pieces ? p : UINT64_MAX;
+}
+
+/* The copies of an all-gather or all-to-all: pair (k, m) is what member k
+ * receives from member m. Without a claim counter member me makes the copies
+ * it receives; with one the members split every pair into pieces of
+ * CPAR__HC_PIECE bytes (in pair order k, m) and claim them. */
+static cpar_status cpar__hc_copy_pairs(cpar_ctx *ctx, const char *fn, const cpar__slot *mine, const cpar__slot *sl,
+                                       int n, int me, uint64_t *claim, bool stream) {
+    size_t row = (size_t)mine->row_elems * cpar_dtype_size(mine->dtype);
+    bool a2a = mine->kind == CPAR_COLL_ALL_TO_ALL;
+    uint64_t p = claim ? __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED) : 0, base = 0;
+    cpar_status st = CPAR_OK;
+    for (int k = claim ? 0 : me; k < (claim ? n : me + 1) && st == CPAR_OK; k++) {
+        size_t dst = 0;
+        for (int m = 0; m < n && st == CPAR_OK; m++) {
+            size_t src = 0, bytes = (size_t)sl[m].rows * row;
+            if (a2a) {
+                for (int j = 0; j < k; j++) src += (size_t)sl[m].in_splits[j] * row;
+                bytes = (size_t)sl[k].out_splits[m] * row;
+            }
+            char *out = (char *)sl[k].out + dst;
+            const char *in = (const char *)sl[m].in + src;
+            dst += bytes;
+            if (!claim) {
+                st = cpar__hc_copy(ctx, fn, out, in, bytes, stream);
+                continue;
+            }
+            uint64_t pieces = (bytes + CPAR__HC_PIECE - 1) / CPAR__HC_PIECE;
+            for (; p < base + pieces && st == CPAR_OK; p = __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED)) {
+                size_t at = (size_t)(p - base) * CPAR__HC_PIECE;
+                st = cpar__hc_copy(ctx, fn, out + at, in + at, cpar__min64((int64_t)CPAR__HC_PIECE, (int64_t)(bytes - at)),
+                                   stream);
+            }
+            base += pieces;
+        }
+    }
+    return st;
+}
+
 /* Move this member's share of a collective whose members' slots sl (every
  * buffer addressable here, descriptors validated) are published: every
  * member moves its own part in parallel with the others. All-reduce and
@@ -4656,8 +4725,15 @@ static cpar_status cpar__hc_copy(cpar_ctx *ctx, const char *fn, void *dst, const
  * every run sums the same way), all-gather, all-to-all and broadcast pull
  * what the member receives. Ranks as threads and ranks as processes whose
  * buffers are in arenas (cpar__pc_collective) share it, so both give the
- * same bits. */
-static cpar_status cpar__hc_move(cpar_group *g, const char *fn, const cpar__slot *mine, const cpar__slot *sl) {
+ * same bits.
+ * With claim (host memory, more members than processors) the members
+ * instead claim pieces of CPAR__HC_PIECE bytes from the shared counter until
+ * none is left: with fixed shares the scheduler does not finish them
+ * together, and the last ones run alone on one core while the others wait.
+ * Who moves a piece does not change its rank-order sum: the bits are the
+ * same either way. */
+static cpar_status cpar__hc_move(cpar_group *g, const char *fn, const cpar__slot *mine, const cpar__slot *sl,
+                                 uint64_t *claim) {
     cpar_ctx *ctx = g->ctx;
     int n = g->size, me = g->rank, dev = ctx->device;
     cpar_status st = CPAR_OK;
@@ -4677,49 +4753,48 @@ static cpar_status cpar__hc_move(cpar_group *g, const char *fn, const cpar__slot
         if (mine->kind == CPAR_COLL_ALL_GATHER) total *= (size_t)n;
     }
     bool stream = total >= CPAR__HC_STREAM_BYTES;
-    if (st == CPAR_OK) switch (mine->kind) {
+    int64_t per = (int64_t)(CPAR__HC_PIECE / es); /* elements of a claimed piece */
+    switch (mine->kind) {
     case CPAR_COLL_ALL_REDUCE: {
-        /* Member me reduces its even share of the elements and writes it into
-         * every member's output: nobody else touches those elements, so
-         * in-place (out == in) is safe without a scratch copy. */
-        int64_t lo, hi;
-        cpar__even_share(mine->rows * mine->row_elems, n, me, &lo, &hi);
+        /* Each piece is reduced by one member and written into every
+         * member's output: nobody else touches those elements, so in-place
+         * (out == in) is safe without a scratch copy. */
+        int64_t count = mine->rows * mine->row_elems, lo, hi;
+        uint64_t pieces = claim ? (uint64_t)((count + per - 1) / per) : (uint64_t)n;
         /* In place, the stores hit lines the loads just brought in: keep them cached. */
         bool in_place = false;
         for (int m = 0; m < n; m++) in_place |= sl[m].in == sl[m].out;
-        st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, lo, outs, n, lo, hi - lo,
-                               stream && !in_place);
+        for (uint64_t p = cpar__hc_next_piece(claim, pieces, me, UINT64_MAX); p != UINT64_MAX && st == CPAR_OK;
+             p = cpar__hc_next_piece(claim, pieces, me, p)) {
+            if (claim) lo = (int64_t)p * per, hi = cpar__min64(count, lo + per);
+            else cpar__even_share(count, n, me, &lo, &hi);
+            st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, lo, outs, n, lo,
+                                   hi - lo, stream && !in_place);
+        }
         break;
     }
     case CPAR_COLL_REDUCE_SCATTER: {
-        int64_t off = 0;
-        for (int m = 0; m < me; m++) off += mine->sizes ? mine->sizes[m] : sl[m].rows / n;
-        int64_t rows = mine->sizes ? mine->sizes[me] : mine->rows / n;
-        st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, off * mine->row_elems,
-                               &mine->out, 1, 0, rows * mine->row_elems, stream);
-        break;
-    }
-    case CPAR_COLL_ALL_GATHER: {
-        size_t off = 0;
-        for (int m = 0; m < n && st == CPAR_OK; m++) {
-            size_t bytes = (size_t)sl[m].rows * row;
-            st = cpar__hc_copy(ctx, fn, (char *)mine->out + off, sl[m].in, bytes, stream);
-            off += bytes;
+        /* first[k]: member k's first element of the input; a claimed piece
+         * may span members, and is cut where one's output ends. */
+        int64_t first[257] = {0};
+        for (int k = 0; k < n && k < 256; k++)
+            first[k + 1] = first[k] + (mine->sizes ? mine->sizes[k] : mine->rows / n) * mine->row_elems;
+        uint64_t pieces = claim ? (uint64_t)((first[n] + per - 1) / per) : (uint64_t)n;
+        for (uint64_t p = cpar__hc_next_piece(claim, pieces, me, UINT64_MAX); p != UINT64_MAX && st == CPAR_OK;
+             p = cpar__hc_next_piece(claim, pieces, me, p)) {
+            int64_t lo = claim ? (int64_t)p * per : first[me], hi = claim ? cpar__min64(first[n], lo + per) : first[me + 1];
+            for (int k = 0; k < n && lo < hi && st == CPAR_OK; k++) {
+                if (first[k + 1] <= lo) continue;
+                int64_t end = cpar__min64(hi, first[k + 1]);
+                st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, lo, &outs[k], 1,
+                                       lo - first[k], end - lo, stream);
+                lo = end;
+            }
         }
         break;
     }
-    case CPAR_COLL_ALL_TO_ALL: {
-        size_t off = 0;
-        for (int m = 0; m < n && st == CPAR_OK; m++) {
-            int64_t src_row = 0;
-            for (int j = 0; j < me; j++) src_row += sl[m].in_splits[j];
-            size_t bytes = (size_t)mine->out_splits[m] * row;
-            st = cpar__hc_copy(ctx, fn, (char *)mine->out + off, (const char *)sl[m].in + (size_t)src_row * row,
-                               bytes, stream);
-            off += bytes;
-        }
-        break;
-    }
+    case CPAR_COLL_ALL_GATHER:
+    case CPAR_COLL_ALL_TO_ALL: st = cpar__hc_copy_pairs(ctx, fn, mine, sl, n, me, claim, stream); break;
     case CPAR_COLL_BROADCAST:
         if (me != mine->root)
             st = cpar__hc_copy(ctx, fn, mine->out, sl[mine->root].in, (size_t)mine->rows * row, stream);
@@ -4743,7 +4818,9 @@ static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar
     cpar__hc_post(g, mine);
     CPAR_TRY(cpar__hc_rendezvous(g, fn));
     cpar_status st = cpar__hc_validate(g, fn);
-    if (st == CPAR_OK) st = cpar__hc_move(g, fn, mine, g->hc->slot);
+    /* More members than processors: share the movement out (cpar__hc_move). */
+    uint64_t *claim = !cpar__on_device(dev) && g->size > cpar__online_cpus() ? &g->hc->claim : NULL;
+    if (st == CPAR_OK) st = cpar__hc_move(g, fn, mine, g->hc->slot, claim);
     /* Device work reads peers' buffers: finish it before releasing them. */
     if (st == CPAR_OK && cpar__on_device(dev)) {
         cpar_status ds = cpar_dev_stream_sync(cs);
@@ -5241,7 +5318,7 @@ static cpar_status cpar__pc_direct(cpar_group *g, const char *fn, const cpar__sl
         pc->sl[m].in = m == g->rank ? mine->in : base + e->in_off;
         pc->sl[m].out = m == g->rank ? mine->out : out_ok ? base + e->out_off : NULL;
     }
-    cpar_status st = cpar__hc_move(g, fn, mine, pc->sl);
+    cpar_status st = cpar__hc_move(g, fn, mine, pc->sl, NULL);
     cpar_status st2 = cpar__pc_barrier(g, fn, deadline); /* as every member: the peers meet here either way */
     return st != CPAR_OK ? st : st2;
 }
@@ -9965,7 +10042,18 @@ static size_t cpar__host_attn_floats(const cpar__attn_io *io, bool backward) {
  * *doc (packed rows: -1 for padding; plain rows: 0). A packed shard's local
  * row i lies in the last document d with cu[d] / P <= i (an empty document
  * never: the next one starts at the same row), in its slot 0 (chunk rank)
- * or slot 1 (chunk 2P-1-rank). Twin of cpar_kernels.cu §16's cpar__attn_row. */
+ * or slot 1 (chunk 2P-1-rank). Twin of cpar_kernels.cu §16's cpar__attn_row;
+ * cpar__attn_slot finds d. */
+static int cpar__attn_slot(const cpar_dev_attn_pos *p, int64_t i) {
+    int lo = 0, hi = p->n_docs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (p->cu[mid] / p->P <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 static int64_t cpar__attn_row(const cpar_dev_attn_pos *p, int64_t i, int *doc) {
     if (!p->cu) {
         *doc = 0;
@@ -9977,12 +10065,7 @@ static int64_t cpar__attn_row(const cpar_dev_attn_pos *p, int64_t i, int *doc) {
         *doc = -1;
         return i;
     }
-    int lo = 0, hi = p->n_docs - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (cu[mid] / P <= i) lo = mid;
-        else hi = mid - 1;
-    }
+    const int lo = cpar__attn_slot(p, i);
     int64_t g = i;
     if (P > 1) {
         const int64_t c = ((int64_t)cu[lo + 1] - cu[lo]) / (2 * P), o = i - cu[lo] / P;
@@ -10017,6 +10100,22 @@ static void cpar__attn_mask_packed(const cpar__attn_io *io, float *S, int64_t bq
             if (!(dq >= 0 && dq == dk && (!io->causal || kpos <= qpos))) S[i * bk + j] = -INFINITY;
         }
     }
+}
+
+/* Whether a packed block's tile, query rows [q0, q0 + bq) by keys [k0,
+ * k0 + bk), hides every weight (twin of the kernels' cpar__attn_tile_span).
+ * Along a shard documents and global positions never decrease (chunk r
+ * precedes chunk 2P-1-r within a document), so the tile is hidden when its
+ * keys all lie in earlier documents than its first query, in later ones than
+ * its last, or (causal) after its last query; rows past a shard are nobody's.
+ * A hidden tile's weights are exact zeros: skipping it changes no bit. */
+static bool cpar__attn_tile_hidden(const cpar__attn_io *io, int64_t q0, int64_t bq, int64_t k0, int64_t bk) {
+    const int64_t q1 = cpar__min64(q0 + bq, io->qp.cu[io->qp.n_docs] / io->qp.P) - 1; /* last row in the shard */
+    const int64_t k1 = cpar__min64(k0 + bk, io->kp.cu[io->kp.n_docs] / io->kp.P) - 1;
+    if (q1 < q0 || k1 < k0) return true;
+    if (cpar__attn_slot(&io->kp, k1) < cpar__attn_slot(&io->qp, q0)) return true;
+    if (cpar__attn_slot(&io->kp, k0) > cpar__attn_slot(&io->qp, q1)) return true;
+    return io->causal && cpar__attn_pos(&io->kp, k0) > cpar__attn_pos(&io->qp, q1);
 }
 
 /* Whether attention weight (bh, qpos, kpos) survives dropout p (cpar.h §12). */
@@ -10099,12 +10198,13 @@ static cpar_status cpar__host_attn_fwd(cpar_ctx *ctx, const char *fn, const cpar
             const int64_t kvbase = (bi * io->hkv + hi / group) * io->kv_bh;
             for (int64_t q0 = 0; q0 < io->sq; q0 += CPAR__HATTN_BQ) {
                 const int64_t bq = cpar__min64(CPAR__HATTN_BQ, io->sq - q0);
-                /* plain causal: the tile's last row sees keys < kend; packed blocks mask every tile */
+                /* plain causal: the tile's last row sees keys < kend; packed: hidden tiles are skipped below */
                 const int64_t kend = io->causal && !packed ? cpar__min64(io->sk, q0 + bq) : io->sk;
                 for (int64_t i = 0; i < bq; i++) m[i] = -INFINITY, l[i] = 0.f;
                 memset(O, 0, sizeof(float) * (size_t)(bq * d));
                 for (int64_t k0 = 0; k0 < kend; k0 += CPAR__HATTN_BK) {
                     const int64_t bk = cpar__min64(CPAR__HATTN_BK, kend - k0);
+                    if (packed && cpar__attn_tile_hidden(io, q0, bq, k0, bk)) continue;
                     int64_t kn;
                     for (int64_t r = 0, rows; r < bq; r += rows) {
                         rows = cpar__attn_strip(io, packed, q0, bq, r, k0, bk, &kn);
@@ -10188,6 +10288,7 @@ static cpar_status cpar__host_attn_bwd(cpar_ctx *ctx, const char *fn, const cpar
                 for (int64_t q0 = skip ? k0 / CPAR__HATTN_BQ * CPAR__HATTN_BQ : 0; q0 < io->sq; q0 += CPAR__HATTN_BQ) {
                     const int64_t bq = cpar__min64(CPAR__HATTN_BQ, io->sq - q0);
                     if (skip && q0 + bq - 1 < k0) continue;
+                    if (packed && cpar__attn_tile_hidden(io, q0, bq, k0, bk)) continue;
                     int64_t kn;
                     for (int64_t r = 0, rows; r < bq; r += rows) {
                         rows = cpar__attn_strip(io, packed, q0, bq, r, k0, bk, &kn);

@@ -1423,7 +1423,7 @@ cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_conf
  * instead of the whole shard and the gradients keep every bit (the
  * forward too in the simulator; on a GPU a visited hidden tile could only
  * nudge the running softmax sum by the rounding of nvcc's fused rescale).
- * The host loop still visits every tile of a packed block and masks it.
+ * The host loop skips its hidden 128 x 128 tiles the same way (no bit changes).
  * Block results are merged in fp32 as _SDPAMerger does:
  *   out <- out - sigmoid(lse_b - lse) (out - out_b),  lse <- lse - logsigmoid(lse - lse_b)
  * (a row no block reaches keeps lse = -inf and out = 0). */

@@ -337,9 +337,13 @@ typedef struct {
     double gbps;
 } copy_case;
 
-/* The ceiling: one copy of bytes on the rank's device (median of 5). */
+/* The ceiling: one copy of bytes on the rank's device (median of 5). With
+ * more ranks (threads of one host job) every rank copies its own buffer
+ * between two barriers, as a collective is timed: GB/s copied by all of
+ * them together. */
 static cpar_status run_copy(cpar_ctx *ctx, void *arg) {
     copy_case *c = arg;
+    cpar_group *g = cpar_world_group(ctx);
     int64_t elems = (int64_t)(c->bytes / sizeof(float));
     cpar_tensor a, b;
     TRY(cpar_tensor_alloc(ctx, CPAR_F32, 1, &elems, &a));
@@ -349,15 +353,29 @@ static cpar_status run_copy(cpar_ctx *ctx, void *arg) {
     double t[5];
     for (int it = -1; it < 5; it++) {
         TRY(cpar_sync(ctx));
+        TRY(cpar_barrier(g));
         double t0 = now_s();
         TRY(cpar_tensor_copy(ctx, &a, &b));
         TRY(cpar_sync(ctx));
+        TRY(cpar_barrier(g));
         if (it >= 0) t[it] = now_s() - t0;
     }
     qsort(t, 5, sizeof *t, cmp_double);
-    c->gbps = (double)c->bytes / t[2] / 1e9;
+    if (cpar_rank(ctx) == 0) c->gbps = (double)c->bytes * cpar_group_size(g) / t[2] / 1e9;
     TRY(cpar_tensor_free(ctx, &a));
     return cpar_tensor_free(ctx, &b);
+}
+
+/* Bytes a host collective must copy at least, counted as memcpy counts them
+ * (a copy of N bytes reads N and writes N): all-reduce, all-gather and
+ * all-to-all read n buffers of bytes and write n; reduce-scatter reads n
+ * and writes one; broadcast reads and writes n - 1. */
+static double host_copy_bytes(int op, int n, size_t bytes) {
+    switch (op) {
+    case OP_REDUCE_SCATTER: return (double)bytes * (n + 1) / 2.0;
+    case OP_BROADCAST: return (double)bytes * (n - 1);
+    default: return (double)bytes * n;
+    }
 }
 
 /* ---- tensor-parallel mappings ----------------------------------------------
@@ -1263,8 +1281,27 @@ static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, s
     printf("cpar bench: %s backend, %d iterations per case, ceiling = %s copy of %d MiB: %.2f GB/s\n",
            cpar_backend_name(backend), iters, backend == CPAR_BACKEND_NCCL ? "device-to-device" : "memcpy", max_mib,
            ceiling.gbps);
-    printf("\n%-15s %5s %9s %11s %12s %12s %9s %9s %8s\n", "collective", "ranks", "size", "time/call", "recv/rank",
-           "minimum", "algbw", "busbw", "busbw/ceil");
+    /* Host: the traffic bound of every row, from the copy bandwidth of
+     * min(ranks, processors) threads copying at once, measured here. */
+    double all_gbps[9] = {0};
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    if (backend == CPAR_BACKEND_HOST && want("coll")) {
+        printf("host copy bandwidth, every thread copying %d MiB at once:", max_mib);
+        for (int t = 1; t <= max_ranks && t <= cpus; t++) {
+            copy_case cc = {.bytes = (size_t)max_mib << 20};
+            if (cpar_spawn(t, backend, run_copy, &cc) != CPAR_OK) {
+                fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+                return 1;
+            }
+            all_gbps[t] = cc.gbps;
+            printf(" %d thread%s %.2f GB/s%s", t, t > 1 ? "s" : "", cc.gbps, t < max_ranks && t < cpus ? "," : "\n");
+        }
+        printf("/traffic: the time the row's least traffic (host_copy_bytes: what its ranks must read and write,\n"
+               "counted as memcpy counts a copy) takes at that bandwidth with min(ranks, %ld processors) threads, "
+               "over the row's time\n", cpus);
+    }
+    printf("\n%-15s %5s %9s %11s %12s %12s %9s %9s %8s %8s\n", "collective", "ranks", "size", "time/call", "recv/rank",
+           "minimum", "algbw", "busbw", "busbw/ceil", "/traffic");
     /* Message sizes: the sweep (-b, -e, -f), else 1, 4, 16 MiB up to max_mib. */
     size_t first = sweep_b ? sweep_b : (size_t)1 << 20, last = sweep_b ? sweep_e : (size_t)max_mib << 20;
     size_t factor = sweep_b ? sweep_f : 4;
@@ -1283,15 +1320,18 @@ static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, s
                 size_t bytes = c.bytes / sizeof(float) / (size_t)n * (size_t)n * sizeof(float);
                 uint64_t min = min_recv(op, n, bytes, &bus);
                 double algbw = (double)bytes / c.seconds / 1e9;
-                char sz[24];
-                printf("%-15s %5d %9s %9.3f ms %12llu %12llu %6.2f GB/s %6.2f GB/s %7.2f\n", op_names[op], n,
+                char sz[24], traffic[16] = "-";
+                double bw = all_gbps[n < cpus ? n : cpus > 8 ? 8 : cpus];
+                if (bw > 0) snprintf(traffic, sizeof traffic, "%.2f", host_copy_bytes(op, n, bytes) / bw / 1e9 / c.seconds);
+                printf("%-15s %5d %9s %9.3f ms %12llu %12llu %6.2f GB/s %6.2f GB/s %7.2f %8s\n", op_names[op], n,
                        fmt_size(bytes, sz, sizeof sz), c.seconds * 1e3, (unsigned long long)c.recv,
-                       (unsigned long long)min, algbw, algbw * bus, algbw * bus / ceiling.gbps);
+                       (unsigned long long)min, algbw, algbw * bus, algbw * bus / ceiling.gbps, traffic);
                 rec_begin("collectives");
                 rec_s("name", op_names[op]), rec_i("ranks", n), rec_i("bytes", (long long)bytes);
                 rec_f("time_ms", c.seconds * 1e3), rec_i("recv_bytes", (long long)c.recv);
                 rec_i("min_recv_bytes", (long long)min), rec_f("algbw_gbps", algbw), rec_f("busbw_gbps", algbw * bus);
                 rec_f("busbw_per_ceiling", algbw * bus / ceiling.gbps);
+                if (bw > 0) rec_f("traffic_bound_per_time", host_copy_bytes(op, n, bytes) / bw / 1e9 / c.seconds);
             }
 
     /* The host backend across processes (cparrun without GPUs) against its

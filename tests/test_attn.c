@@ -562,13 +562,17 @@ END_TEST
  * document attends only to itself (causal within it), padding rows get out
  * 0, lse -inf and zero gradients. Documents of any lengths (1, odd, an empty
  * one), with and without padding, a single long document; host F32 and the
- * backend's 16-bit dtypes; one case with dropout. */
+ * backend's 16-bit dtypes; one case with dropout. The last packing spans three
+ * of the host path's 128-row tiles: documents that cross tile edges, tiles
+ * that hide every weight (skipped), and a last tile of one row whose only
+ * visible weight is its own diagonal (row 256, key 256). */
 static const int32_t pk_cu[6] = {0, 5, 22, 23, 56, 64}, pk_real[6] = {0, 3, 15, 15, 45, 52};
-static const int32_t pk_one[2] = {0, 70};
-static const cpar_packed_seqs packings[3] = {
+static const int32_t pk_one[2] = {0, 70}, pk_tiles[5] = {0, 100, 129, 250, 257};
+static const cpar_packed_seqs packings[4] = {
     {.n_docs = 5, .cu_seqlens = pk_cu},                               /* uneven, no padding */
     {.n_docs = 5, .cu_seqlens = pk_real, .cu_seqlens_padded = pk_cu}, /* padded; document 2 empty */
     {.n_docs = 1, .cu_seqlens = pk_one},                              /* one long document */
+    {.n_docs = 4, .cu_seqlens = pk_tiles},                            /* across host tiles */
 };
 
 static void run_packed(const cpar_packed_seqs *pk, bool causal, cpar_dtype dt, bool host, int64_t d, float p,
@@ -1056,7 +1060,7 @@ static Suite *suite(void) {
         {"attn_dropout_stats", test_attn_dropout_stats, 1},
         {"attn_dropout_p0", test_attn_dropout_p0, 1},
         {"attn_rng_reserve", test_attn_rng_reserve, 1},
-        {"attn_packed", test_attn_packed, 6},
+        {"attn_packed", test_attn_packed, 8},
         {"attn_packed_bad_args", test_attn_packed_bad_args, 1},
         {"attn_bad_args", test_attn_bad_args, 1},
     };

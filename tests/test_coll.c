@@ -12,6 +12,8 @@
  * F32 sums within n fp32 roundings; MAX/MIN, integers and data movement are
  * exact, and the host and sim backends give every rank the same bits. After
  * every call the statistics must equal the formulas of cpar.h §5. */
+#define _GNU_SOURCE /* sched_setaffinity: the pieces case binds its ranks to one processor */
+#include <sched.h>
 #include <stdatomic.h>
 
 #include "testutil.h"
@@ -506,6 +508,131 @@ START_TEST(test_large) {
 }
 END_TEST
 
+/* ---- collectives shared out in pieces ----------------------------------------------------- */
+
+/* A host group with more members than processors shares each collective's
+ * movement out in claimed pieces of 128 KiB (cpar.c section 8): every member
+ * may write any member's output, and a piece may span two members' parts of
+ * a reduce-scatter. Uneven row counts (a zero included) put the part and pair
+ * boundaries off the pieces' edges; results must equal the reference in both
+ * modes, ranks bound to one processor (pieces) and not (shares, where every
+ * rank has a core). */
+static int64_t piece_rows(int r) { return r == 1 ? 0 : 1100 * (r + 1) + 7 * r; } /* x 15 elements */
+static int64_t piece_split(int i, int j) { return (i + 2 * j + 1) % 3 * 700 + 3 * i + j; }
+
+/* out holds want's bits; then want, in and out are freed. */
+static void expect_moved(cpar_ctx *ctx, cpar_group *g, cpar_tensor *in, cpar_tensor *out, void *want, cpar_dtype dt,
+                         int64_t count, const char *what) {
+    void *got = tu_download(ctx, out);
+    expect_same(got, want, dt, count, what, g);
+    free(got);
+    free(want);
+    free_tensor(ctx, in);
+    free_tensor(ctx, out);
+}
+
+static cpar_status rank_pieces(cpar_ctx *ctx, void *p) {
+    (void)p;
+    cpar_group *g = cpar_world_group(ctx);
+    int n = cpar_group_size(g), me = cpar_group_rank(g);
+    static const struct {
+        cpar_dtype dt;
+        cpar_reduce_op op;
+    } cases[] = {{CPAR_F32, CPAR_SUM}, {CPAR_BF16, CPAR_SUM}, {CPAR_I32, CPAR_MAX}};
+    char msg[256];
+    for (int c = 0; c < 3; c++) {
+        cpar_dtype dt = cases[c].dt;
+        cpar_reduce_op op = cases[c].op;
+        size_t es = cpar_dtype_size(dt);
+        int64_t sizes[MAX_RANKS], total = 0, off = 0, s[3], rows[MAX_RANKS];
+        for (int r = 0; r < n; r++) {
+            sizes[r] = piece_rows(r);
+            if (r < me) off += sizes[r];
+            total += sizes[r];
+        }
+        for (int r = 0; r < n; r++) rows[r] = total + 6000; /* the all-to-all sends up to 4 x 1412 rows */
+        void *x[MAX_RANKS];
+        gen_inputs(x, n, dt, rows, 900 + c);
+        double *want = malloc((size_t)(total * ROW_ELEMS) * sizeof *want + 1);
+        ref_reduce(dt, op, x, n, 0, total * ROW_ELEMS, want);
+        /* all-reduce, in place */
+        {
+            cpar_tensor t = tu_upload(ctx, x[me], dt, 3, shape3(total, s));
+            TU_OK(cpar_all_reduce(g, &t, &t, op));
+            void *got = tu_download(ctx, &t);
+            ck_assert_msg(reduce_mismatch(got, dt, op, n, want, total * ROW_ELEMS, msg, sizeof msg) < 0,
+                          "pieces all_reduce %s, rank %d of %d: %s", cpar_dtype_name(dt), me, n, msg);
+            free(got);
+            free_tensor(ctx, &t);
+        }
+        /* reduce-scatter, uneven sizes */
+        {
+            cpar_tensor in = tu_upload(ctx, x[me], dt, 3, shape3(total, s));
+            cpar_tensor out = tu_alloc_poisoned(ctx, dt, 3, shape3(sizes[me], s));
+            TU_OK(cpar_reduce_scatter(g, &in, &out, op, sizes));
+            void *got = tu_download(ctx, &out);
+            ck_assert_msg(reduce_mismatch(got, dt, op, n, want + off * ROW_ELEMS, sizes[me] * ROW_ELEMS, msg,
+                                          sizeof msg) < 0,
+                          "pieces reduce_scatter %s, rank %d of %d: %s", cpar_dtype_name(dt), me, n, msg);
+            free(got);
+            free_tensor(ctx, &in);
+            free_tensor(ctx, &out);
+        }
+        free(want);
+        /* all-gather of the first sizes[r] rows of every rank's input */
+        {
+            cpar_tensor in = tu_upload(ctx, x[me], dt, 3, shape3(sizes[me], s));
+            cpar_tensor out = tu_alloc_poisoned(ctx, dt, 3, shape3(total, s));
+            TU_OK(cpar_all_gather(g, &in, &out, sizes));
+            char *want_ag = malloc((size_t)(total * ROW_ELEMS) * es + 1), *at = want_ag;
+            for (int r = 0; r < n; r++) {
+                memcpy(at, x[r], (size_t)(sizes[r] * ROW_ELEMS) * es);
+                at += sizes[r] * ROW_ELEMS * (int64_t)es;
+            }
+            expect_moved(ctx, g, &in, &out, want_ag, dt, total * ROW_ELEMS, "pieces all_gather");
+        }
+        /* all-to-all, uneven splits, from the first rows of every rank's input */
+        {
+            int64_t in_rows = 0, out_rows = 0, in_splits[MAX_RANKS], out_splits[MAX_RANKS];
+            for (int j = 0; j < n; j++) in_rows += in_splits[j] = piece_split(me, j);
+            for (int i = 0; i < n; i++) out_rows += out_splits[i] = piece_split(i, me);
+            cpar_tensor in = tu_upload(ctx, x[me], dt, 3, shape3(in_rows, s));
+            cpar_tensor out = tu_alloc_poisoned(ctx, dt, 3, shape3(out_rows, s));
+            TU_OK(cpar_all_to_all_single(g, &in, &out, out_splits, in_splits));
+            size_t row = ROW_ELEMS * es;
+            char *want_a2a = malloc((size_t)out_rows * row + 1), *at = want_a2a;
+            for (int i = 0; i < n; i++) {
+                int64_t first = 0;
+                for (int j = 0; j < me; j++) first += piece_split(i, j);
+                memcpy(at, (char *)x[i] + (size_t)first * row, (size_t)piece_split(i, me) * row);
+                at += (size_t)piece_split(i, me) * row;
+            }
+            expect_moved(ctx, g, &in, &out, want_a2a, dt, out_rows * ROW_ELEMS, "pieces all_to_all");
+        }
+        free_all(x, n);
+    }
+    return CPAR_OK;
+}
+
+START_TEST(test_pieces) {
+    int n = group_sizes[_i];
+    if (n < 2 || n > 4) return; /* 8 ranks on one processor would take long; 1 rank moves nothing */
+    TU_OK(tu_spawn(n, rank_pieces, NULL)); /* shares where every rank has a core, pieces where not */
+    cpu_set_t all, one;
+    ck_assert(sched_getaffinity(0, sizeof all, &all) == 0);
+    CPU_ZERO(&one);
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &all)) {
+            CPU_SET(c, &one);
+            break;
+        }
+    ck_assert(sched_setaffinity(0, sizeof one, &one) == 0); /* the rank threads inherit it */
+    cpar_status st = tu_spawn(n, rank_pieces, NULL);
+    ck_assert(sched_setaffinity(0, sizeof all, &all) == 0);
+    TU_OK(st);
+}
+END_TEST
+
 /* ---- point to point -------------------------------------------------------------------- */
 
 enum { P2P_SENDRECV, P2P_SEND_THEN_RECV, P2P_RING_SHIFT, P2P_MODES };
@@ -932,6 +1059,7 @@ Suite *suite(void) {
         {"all_reduce", test_all_reduce}, {"all_gather", test_all_gather}, {"reduce_scatter", test_reduce_scatter},
         {"all_to_all", test_all_to_all}, {"broadcast", test_broadcast},   {"p2p", test_p2p},
         {"barrier", test_barrier},       {"split", test_split},             {"large", test_large},
+        {"pieces", test_pieces},
     };
     for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
         TCase *tc = tcase_create(loops[i].name);
