@@ -165,7 +165,7 @@ TEST_PROGS := $(B)/host/store_prog
 all: lib $(B)/cparrun $(B)/train
 lib: $(LIB) $(if $(filter 1,$(SHARED)),$(SOLIB))
 
-$(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda $(B)/asan $(B)/obj $(M)/pic:
+$(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda $(B)/asan $(M)/pic:
 	@mkdir -p $@
 
 # ---- library -------------------------------------------------------------
@@ -174,7 +174,7 @@ HDR := cpar.h
 # Each library directory records the flags its objects were built with, so
 # changing CUDA_ARCH, CFLAGS or CPAR_BLAS rebuilds them instead of linking
 # objects built another way.
-$(B)/host/flags $(B)/cuda/flags: FORCE
+$(B)/host/flags $(B)/cuda/flags $(B)/obj/flags: FORCE
 	@mkdir -p $(@D)
 	@echo '$(CC) $(ALL_CFLAGS) $(if $(filter $(B)/cuda/%,$@),$(NVCC) $(NVCCFLAGS))' | cmp -s - $@ || \
 	    echo '$(CC) $(ALL_CFLAGS) $(if $(filter $(B)/cuda/%,$@),$(NVCC) $(NVCCFLAGS))' > $@
@@ -223,13 +223,13 @@ TEST_HDRS := tests/testutil.h tests/suite.h tests/proc.h tests/net.h tests/packe
 # build flag: each is compiled once, into $(B)/obj, and linked with every
 # flavour's library (host, sim, nccl-sim, CUDA). Only the sanitizer build
 # compiles them again, with its own flags.
-$(B)/obj/%.o: tests/%.c tests/rank_prog.h $(TEST_HDRS) $(HDR) | $(B)/obj
+$(B)/obj/%.o: tests/%.c tests/rank_prog.h $(TEST_HDRS) $(HDR) $(B)/obj/flags
 	$(CC) $(ALL_CFLAGS) $(CHECK_FLAGS) -c $< -o $@
 
-$(B)/obj/train.o: examples/train.c $(HDR) | $(B)/obj
+$(B)/obj/train.o: examples/train.c $(HDR) $(B)/obj/flags
 	$(CC) $(ALL_CFLAGS) -c $< -o $@
 
-$(B)/obj/bench.o: bench/bench.c $(HDR) | $(B)/obj
+$(B)/obj/bench.o: bench/bench.c $(HDR) $(B)/obj/flags
 	$(CC) $(ALL_CFLAGS) $(BENCH_BLAS) -c $< -o $@
 
 $(B)/host/test_%: $(B)/obj/test_%.o $(B)/host/cpar.o | $(B)/host
