@@ -17,8 +17,7 @@
  *                                   GEMM (CPAR_HOST_THREADS pool); fill, cast, axpby, reduce, gelu
  *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
  *    7. Rendezvous store and env    launch environment, TCP key-value store (job token, limits), join
- *    8. Host backend                rendezvous with deadlines; every rank moves its share of a collective
- *                                   (claimed pieces when ranks outnumber processors);
+ *    8. Host backend                rendezvous with deadlines; every rank moves its share of a collective;
  *                                   ranks as processes: shared-memory segments, futex waits, dead-peer checks,
  *                                   peers' arenas mapped and read in place
  *    9. NCCL backend                communicators, async-error polling, abort
@@ -1790,7 +1789,7 @@ static cpar_status cpar__grow_host(cpar_ctx *ctx, const char *fn, void **buf, si
 
 /* ---- CPAR_HOST_THREADS: a rank's worker threads for big host GEMMs ------------
  * With ctx->host_threads = N > 1 the GEMM driver splits its outer loop (the
- * larger of op(B)'s columns and op(A)'s rows) into CPAR__POOL_CHUNKS·N chunks, whole
+ * larger of op(B)'s columns and op(A)'s rows) into N chunks, whole
  * micro-tiles each, run by the calling thread and a pool of N - 1 workers
  * the context owns. A chunk is the serial product's own sub-problem: every
  * element of C is computed by one thread, with the same tiles (chunk edges
@@ -1804,7 +1803,7 @@ static cpar_status cpar__grow_host(cpar_ctx *ctx, const char *fn, void **buf, si
  * waits only for the ones in flight. Fork: the pool remembers the pid that
  * made it; a child (whose copy has no threads) drops it and makes its own. */
 
-enum { CPAR__POOL_MAX = 256, CPAR__POOL_CHUNKS = 4 };
+enum { CPAR__POOL_MAX = 256 };
 #define CPAR__GEMM_POOL_MIN ((int64_t)1 << 23)
 
 typedef void (*cpar__pool_fn)(void *job, int64_t chunk, int slot);
@@ -2041,10 +2040,7 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
     int64_t step = 0, nchunks = 1;
     if (ctx->host_threads > 1 && k > 0 && tiles > 1 && (double)m * (double)n * (double)k >= (double)CPAR__GEMM_POOL_MIN &&
         (pool = cpar__pool_get(ctx)) != NULL) {
-        /* CPAR__POOL_CHUNKS chunks a thread: a worker that wakes late (a
-         * halted virtual CPU takes a while) then claims a small piece
-         * instead of holding the caller up for a whole share. */
-        const int64_t nt = cpar__min64((int64_t)(pool->nworkers + 1) * CPAR__POOL_CHUNKS, tiles);
+        const int64_t nt = cpar__min64(pool->nworkers + 1, tiles);
         step = (tiles + nt - 1) / nt * tile;
         nchunks = ((split_n ? n : m) + step - 1) / step;
     }
@@ -4224,8 +4220,7 @@ cpar_status cpar_store_join(cpar_store *s, const cpar_env *env)
  * (cpar_init_from_env: the second part of this section). A job holds one mutex and
  * condition variable; every group has an hcomm with a slot per member and a
  * mailbox per ordered pair. A collective posts its slot, meets the others at
- * a rendezvous, moves data by pulling from the peers' posted buffers (its
- * own share, or claimed pieces when members outnumber processors), and
+ * a rendezvous, moves data by pulling from the peers' posted buffers, and
  * meets them again so no buffer is released while a peer still reads it.
  * Every wait has the context's deadline; a failed, aborted or finished rank
  * releases its waiting peers with CPAR_ERR_PEER. The sim backend uses the same
@@ -4275,7 +4270,6 @@ struct cpar__hcomm {
     int count;                 /* members waiting in the current one */
     cpar__slot *slot;          /* [n] */
     cpar__mailbox *box;        /* [n*n], box[src*n + dst] */
-    uint64_t claim;            /* next piece of the current collective's movement (cpar__hc_move) */
     atomic_int refs;
 };
 
@@ -4474,7 +4468,6 @@ static cpar_status cpar__hc_rendezvous(cpar_group *g, const char *fn) {
         cpar__wait w = {CPAR__WAIT_RENDEZVOUS, -1, hc->gen + 1};
         if (++hc->count == hc->n) {
             hc->count = 0;
-            __atomic_store_n(&hc->claim, 0, __ATOMIC_RELAXED); /* nobody moves data between meetings */
             __atomic_store_n(&hc->gen, hc->gen + 1, __ATOMIC_RELEASE);
             pthread_cond_broadcast(&job->cv);
         } else {
@@ -4667,57 +4660,6 @@ static cpar_status cpar__hc_copy(cpar_ctx *ctx, const char *fn, void *dst, const
     return cpar__copy_bytes_on(ctx, fn, cpar__coll_stream(ctx), dst, dev, src, dev, bytes);
 }
 
-/* A group with more members than this process has processors shares its
- * movement out in pieces of this many bytes (cpar__hc_move). */
-#ifndef CPAR__HC_PIECE
-#define CPAR__HC_PIECE ((size_t)128 << 10)
-#endif
-
-/* Piece p of a collective's movement, or UINT64_MAX when it is done: with a
- * claim counter every member takes the next unclaimed piece until none is
- * left; without one member me does piece me alone (its 1/n share). */
-static uint64_t cpar__hc_next_piece(uint64_t *claim, uint64_t pieces, int me, uint64_t prev) {
-    uint64_t p = claim ? __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED) : prev == UINT64_MAX ? (uint64_t)me : pieces;
-    return p < pieces ? p : UINT64_MAX;
-}
-
-/* The copies of an all-gather or all-to-all: pair (k, m) is what member k
- * receives from member m. Without a claim counter member me makes the copies
- * it receives; with one the members split every pair into pieces of
- * CPAR__HC_PIECE bytes (in pair order k, m) and claim them. */
-static cpar_status cpar__hc_copy_pairs(cpar_ctx *ctx, const char *fn, const cpar__slot *mine, const cpar__slot *sl,
-                                       int n, int me, uint64_t *claim, bool stream) {
-    size_t row = (size_t)mine->row_elems * cpar_dtype_size(mine->dtype);
-    bool a2a = mine->kind == CPAR_COLL_ALL_TO_ALL;
-    uint64_t p = claim ? __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED) : 0, base = 0;
-    cpar_status st = CPAR_OK;
-    for (int k = claim ? 0 : me; k < (claim ? n : me + 1) && st == CPAR_OK; k++) {
-        size_t dst = 0;
-        for (int m = 0; m < n && st == CPAR_OK; m++) {
-            size_t src = 0, bytes = (size_t)sl[m].rows * row;
-            if (a2a) {
-                for (int j = 0; j < k; j++) src += (size_t)sl[m].in_splits[j] * row;
-                bytes = (size_t)sl[k].out_splits[m] * row;
-            }
-            char *out = (char *)sl[k].out + dst;
-            const char *in = (const char *)sl[m].in + src;
-            dst += bytes;
-            if (!claim) {
-                st = cpar__hc_copy(ctx, fn, out, in, bytes, stream);
-                continue;
-            }
-            uint64_t pieces = (bytes + CPAR__HC_PIECE - 1) / CPAR__HC_PIECE;
-            for (; p < base + pieces && st == CPAR_OK; p = __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED)) {
-                size_t at = (size_t)(p - base) * CPAR__HC_PIECE;
-                st = cpar__hc_copy(ctx, fn, out + at, in + at, cpar__min64((int64_t)CPAR__HC_PIECE, (int64_t)(bytes - at)),
-                                   stream);
-            }
-            base += pieces;
-        }
-    }
-    return st;
-}
-
 /* Move this member's share of a collective whose members' slots sl (every
  * buffer addressable here, descriptors validated) are published: every
  * member moves its own part in parallel with the others. All-reduce and
@@ -4725,15 +4667,8 @@ static cpar_status cpar__hc_copy_pairs(cpar_ctx *ctx, const char *fn, const cpar
  * every run sums the same way), all-gather, all-to-all and broadcast pull
  * what the member receives. Ranks as threads and ranks as processes whose
  * buffers are in arenas (cpar__pc_collective) share it, so both give the
- * same bits.
- * With claim (host memory, more members than processors) the members
- * instead claim pieces of CPAR__HC_PIECE bytes from the shared counter until
- * none is left: with fixed shares the scheduler does not finish them
- * together, and the last ones run alone on one core while the others wait.
- * Who moves a piece does not change its rank-order sum: the bits are the
- * same either way. */
-static cpar_status cpar__hc_move(cpar_group *g, const char *fn, const cpar__slot *mine, const cpar__slot *sl,
-                                 uint64_t *claim) {
+ * same bits. */
+static cpar_status cpar__hc_move(cpar_group *g, const char *fn, const cpar__slot *mine, const cpar__slot *sl) {
     cpar_ctx *ctx = g->ctx;
     int n = g->size, me = g->rank, dev = ctx->device;
     cpar_status st = CPAR_OK;
@@ -4753,48 +4688,49 @@ static cpar_status cpar__hc_move(cpar_group *g, const char *fn, const cpar__slot
         if (mine->kind == CPAR_COLL_ALL_GATHER) total *= (size_t)n;
     }
     bool stream = total >= CPAR__HC_STREAM_BYTES;
-    int64_t per = (int64_t)(CPAR__HC_PIECE / es); /* elements of a claimed piece */
-    switch (mine->kind) {
+    if (st == CPAR_OK) switch (mine->kind) {
     case CPAR_COLL_ALL_REDUCE: {
-        /* Each piece is reduced by one member and written into every
-         * member's output: nobody else touches those elements, so in-place
-         * (out == in) is safe without a scratch copy. */
-        int64_t count = mine->rows * mine->row_elems, lo, hi;
-        uint64_t pieces = claim ? (uint64_t)((count + per - 1) / per) : (uint64_t)n;
+        /* Member me reduces its even share of the elements and writes it into
+         * every member's output: nobody else touches those elements, so
+         * in-place (out == in) is safe without a scratch copy. */
+        int64_t lo, hi;
+        cpar__even_share(mine->rows * mine->row_elems, n, me, &lo, &hi);
         /* In place, the stores hit lines the loads just brought in: keep them cached. */
         bool in_place = false;
         for (int m = 0; m < n; m++) in_place |= sl[m].in == sl[m].out;
-        for (uint64_t p = cpar__hc_next_piece(claim, pieces, me, UINT64_MAX); p != UINT64_MAX && st == CPAR_OK;
-             p = cpar__hc_next_piece(claim, pieces, me, p)) {
-            if (claim) lo = (int64_t)p * per, hi = cpar__min64(count, lo + per);
-            else cpar__even_share(count, n, me, &lo, &hi);
-            st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, lo, outs, n, lo,
-                                   hi - lo, stream && !in_place);
-        }
+        st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, lo, outs, n, lo, hi - lo,
+                               stream && !in_place);
         break;
     }
     case CPAR_COLL_REDUCE_SCATTER: {
-        /* first[k]: member k's first element of the input; a claimed piece
-         * may span members, and is cut where one's output ends. */
-        int64_t first[257] = {0};
-        for (int k = 0; k < n && k < 256; k++)
-            first[k + 1] = first[k] + (mine->sizes ? mine->sizes[k] : mine->rows / n) * mine->row_elems;
-        uint64_t pieces = claim ? (uint64_t)((first[n] + per - 1) / per) : (uint64_t)n;
-        for (uint64_t p = cpar__hc_next_piece(claim, pieces, me, UINT64_MAX); p != UINT64_MAX && st == CPAR_OK;
-             p = cpar__hc_next_piece(claim, pieces, me, p)) {
-            int64_t lo = claim ? (int64_t)p * per : first[me], hi = claim ? cpar__min64(first[n], lo + per) : first[me + 1];
-            for (int k = 0; k < n && lo < hi && st == CPAR_OK; k++) {
-                if (first[k + 1] <= lo) continue;
-                int64_t end = cpar__min64(hi, first[k + 1]);
-                st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, lo, &outs[k], 1,
-                                       lo - first[k], end - lo, stream);
-                lo = end;
-            }
+        int64_t off = 0;
+        for (int m = 0; m < me; m++) off += mine->sizes ? mine->sizes[m] : sl[m].rows / n;
+        int64_t rows = mine->sizes ? mine->sizes[me] : mine->rows / n;
+        st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, off * mine->row_elems,
+                               &mine->out, 1, 0, rows * mine->row_elems, stream);
+        break;
+    }
+    case CPAR_COLL_ALL_GATHER: {
+        size_t off = 0;
+        for (int m = 0; m < n && st == CPAR_OK; m++) {
+            size_t bytes = (size_t)sl[m].rows * row;
+            st = cpar__hc_copy(ctx, fn, (char *)mine->out + off, sl[m].in, bytes, stream);
+            off += bytes;
         }
         break;
     }
-    case CPAR_COLL_ALL_GATHER:
-    case CPAR_COLL_ALL_TO_ALL: st = cpar__hc_copy_pairs(ctx, fn, mine, sl, n, me, claim, stream); break;
+    case CPAR_COLL_ALL_TO_ALL: {
+        size_t off = 0;
+        for (int m = 0; m < n && st == CPAR_OK; m++) {
+            int64_t src_row = 0;
+            for (int j = 0; j < me; j++) src_row += sl[m].in_splits[j];
+            size_t bytes = (size_t)mine->out_splits[m] * row;
+            st = cpar__hc_copy(ctx, fn, (char *)mine->out + off, (const char *)sl[m].in + (size_t)src_row * row,
+                               bytes, stream);
+            off += bytes;
+        }
+        break;
+    }
     case CPAR_COLL_BROADCAST:
         if (me != mine->root)
             st = cpar__hc_copy(ctx, fn, mine->out, sl[mine->root].in, (size_t)mine->rows * row, stream);
@@ -4818,9 +4754,7 @@ static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar
     cpar__hc_post(g, mine);
     CPAR_TRY(cpar__hc_rendezvous(g, fn));
     cpar_status st = cpar__hc_validate(g, fn);
-    /* More members than processors: share the movement out (cpar__hc_move). */
-    uint64_t *claim = !cpar__on_device(dev) && g->size > cpar__online_cpus() ? &g->hc->claim : NULL;
-    if (st == CPAR_OK) st = cpar__hc_move(g, fn, mine, g->hc->slot, claim);
+    if (st == CPAR_OK) st = cpar__hc_move(g, fn, mine, g->hc->slot);
     /* Device work reads peers' buffers: finish it before releasing them. */
     if (st == CPAR_OK && cpar__on_device(dev)) {
         cpar_status ds = cpar_dev_stream_sync(cs);
@@ -5318,7 +5252,7 @@ static cpar_status cpar__pc_direct(cpar_group *g, const char *fn, const cpar__sl
         pc->sl[m].in = m == g->rank ? mine->in : base + e->in_off;
         pc->sl[m].out = m == g->rank ? mine->out : out_ok ? base + e->out_off : NULL;
     }
-    cpar_status st = cpar__hc_move(g, fn, mine, pc->sl, NULL);
+    cpar_status st = cpar__hc_move(g, fn, mine, pc->sl);
     cpar_status st2 = cpar__pc_barrier(g, fn, deadline); /* as every member: the peers meet here either way */
     return st != CPAR_OK ? st : st2;
 }

@@ -508,15 +508,14 @@ START_TEST(test_large) {
 }
 END_TEST
 
-/* ---- collectives shared out in pieces ----------------------------------------------------- */
+/* ---- large uneven collectives, ranks with and without a core each ------------------------- */
 
-/* A host group with more members than processors shares each collective's
- * movement out in claimed pieces of 128 KiB (cpar.c section 8): every member
- * may write any member's output, and a piece may span two members' parts of
- * a reduce-scatter. Uneven row counts (a zero included) put the part and pair
- * boundaries off the pieces' edges; results must equal the reference in both
- * modes, ranks bound to one processor (pieces) and not (shares, where every
- * rank has a core). */
+/* All-reduce, reduce-scatter, all-gather and all-to-all over hundreds of KiB
+ * with uneven row counts (a zero included), so the members' parts and pairs
+ * span many blocks and end off their edges; once as the machine runs the
+ * ranks and once with every rank bound to one processor (members that
+ * outnumber processors: the rendezvous does not poll, and every member's
+ * share runs on the same core, preempted anywhere). */
 static int64_t piece_rows(int r) { return r == 1 ? 0 : 1100 * (r + 1) + 7 * r; } /* x 15 elements */
 static int64_t piece_split(int i, int j) { return (i + 2 * j + 1) % 3 * 700 + 3 * i + j; }
 
@@ -617,7 +616,7 @@ static cpar_status rank_pieces(cpar_ctx *ctx, void *p) {
 START_TEST(test_pieces) {
     int n = group_sizes[_i];
     if (n < 2 || n > 4) return; /* 8 ranks on one processor would take long; 1 rank moves nothing */
-    TU_OK(tu_spawn(n, rank_pieces, NULL)); /* shares where every rank has a core, pieces where not */
+    TU_OK(tu_spawn(n, rank_pieces, NULL));
     cpu_set_t all, one;
     ck_assert(sched_getaffinity(0, sizeof all, &all) == 0);
     CPU_ZERO(&one);
