@@ -51,7 +51,6 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
-#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -4416,19 +4415,9 @@ static cpar_status cpar__wait_locked(cpar_group *g, const char *fn, const cpar__
     }
 }
 
-/* Processors the calling thread may run on: its affinity mask, which
- * taskset, cgroups' cpusets and SLURM's binding narrow (the online count
- * where the mask is unknown, 1 when that is too). Not cached: a job bound to
- * fewer cores after start-up sees it at its next collective. */
+/* Processors this process may run on (cached; 1 when unknown). */
 static int cpar__online_cpus(void) {
-#ifdef __linux__
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0) {
-        int n = CPU_COUNT(&set);
-        if (n > 0) return n;
-    }
-#endif
-    static atomic_int cpus; /* sysconf reads /sys: once */
+    static atomic_int cpus;
     int n = atomic_load_explicit(&cpus, memory_order_relaxed);
     if (!n) {
         long c = sysconf(_SC_NPROCESSORS_ONLN);

@@ -513,8 +513,7 @@ END_TEST
 /* All-reduce, reduce-scatter, all-gather and all-to-all over hundreds of KiB
  * with uneven row counts (a zero included), so the members' parts and pairs
  * span many blocks and end off their edges; once as the machine runs the
- * ranks and once with every rank bound to one processor (members that
- * outnumber processors: the rendezvous does not poll, and every member's
+ * ranks and once with every rank bound to one processor (every member's
  * share runs on the same core, preempted anywhere). */
 static int64_t piece_rows(int r) { return r == 1 ? 0 : 1100 * (r + 1) + 7 * r; } /* x 15 elements */
 static int64_t piece_split(int i, int j) { return (i + 2 * j + 1) % 3 * 700 + 3 * i + j; }
