@@ -1359,10 +1359,26 @@ CPAR__INLINE float cpar__expf(float x) {
 /* tanh(u) = (1 - e)/(1 + e) with e = e^-2|u|, the sign of u put back in
  * its bit: absolute error below 9e-8 (near 0 the cancellation in 1 - e
  * costs relative accuracy; GeLU multiplies t by v, so its own relative
- * error stays at a few ulp). */
+ * error stays at a few ulp). |u| is first clamped to 9.5 as an integer
+ * (past 9.01 tanh rounds to 1), so e lies in [e^-19, 1] and cpar__expf's guards
+ * are not needed: e^x is its polynomial times one power of two. NaN (and
+ * infinity) give ±1: GeLU, the one caller, multiplies by v, which carries
+ * the NaN. */
 CPAR__INLINE float cpar__tanhf(float u) {
-    const float e = cpar__expf(-2.0f * fabsf(u)), t = (1.0f - e) / (1.0f + e);
-    return cpar__bits_f32(cpar__f32_bits(t) | (cpar__f32_bits(u) & 0x80000000u));
+    const uint32_t ub = cpar__f32_bits(u), ab = ub & 0x7fffffffu, top = 0x41180000u; /* 9.5 */
+    const float x = -2.0f * cpar__bits_f32(ab < top ? ab : top); /* in [-19, 0] */
+    const float magic = 0x1.8p23f, fn = x * 1.44269504088896341f + magic;
+    const int32_t n = (int32_t)(cpar__f32_bits(fn) - cpar__f32_bits(magic)); /* in [-28, 0] */
+    const float nf = fn - magic, r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float e = (p * (r * r) + r + 1.0f) * cpar__bits_f32((uint32_t)(n + 127) << 23);
+    const float t = (1.0f - e) / (1.0f + e);
+    return cpar__bits_f32(cpar__f32_bits(t) | (ub & 0x80000000u));
 }
 
 /* p[0..n) = v for 2-, 4- or 8-byte elements (a repeated byte, 0 say: memset). */

@@ -305,6 +305,38 @@ static void gelu_fd_case(cpar_ctx *ctx, int unused) {
 START_TEST(test_gelu_finite_differences) { run_op(gelu_fd_case, 0); }
 END_TEST
 
+/* Large and special inputs (F32), past the [-4, 4) of the random cases: where
+ * tanh saturates (the host's clamps its argument at 9.5), infinities and NaN,
+ * against the fp64 reference; NaN where the reference is NaN (gelu(-inf) is
+ * -inf * 0). The backward skips +-1e30, where x * x overflows fp32 and the
+ * formula gives 0 * inf as PyTorch's does. */
+static void gelu_special_case(cpar_ctx *ctx, int unused) {
+    (void)unused;
+    const float xs[] = {NAN, INFINITY, -INFINITY, 6.f, -6.f, 9.f, -9.f, 9.2f, -9.2f, 20.f, -20.f, 1e30f, -1e30f};
+    enum { N = sizeof xs / sizeof xs[0] };
+    float ones[N];
+    for (int i = 0; i < N; i++) ones[i] = 1.f;
+    const int64_t shape[1] = {N};
+    cpar_tensor tx = tu_upload(ctx, xs, CPAR_F32, 1, shape), tdy = tu_upload(ctx, ones, CPAR_F32, 1, shape);
+    cpar_tensor ty = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape), tg = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape);
+    TU_OK(cpar_gelu_forward(ctx, &tx, &ty));
+    TU_OK(cpar_gelu_backward(ctx, &tx, &tdy, &tg));
+    float *y = tu_download(ctx, &ty), *g = tu_download(ctx, &tg);
+    for (int i = 0; i < N; i++) {
+        const double x = xs[i], wy = gelu_ref(x), wg = gelu_grad_ref(x);
+        ck_assert_msg(isnan(wy) ? isnan(y[i]) : (y[i] == wy || fabs(y[i] - wy) <= 1e-6 * (1.0 + fabs(wy))),
+                      "gelu(%g) = %g, expected %g", x, (double)y[i], wy);
+        if (fabs(x) < 1e29)
+            ck_assert_msg(isnan(wg) ? isnan(g[i]) : (g[i] == wg || fabs(g[i] - wg) <= 1e-6 * (1.0 + fabs(wg))),
+                          "gelu'(%g) = %g, expected %g", x, (double)g[i], wg);
+    }
+    free(y), free(g);
+    free_tensor(ctx, &tx), free_tensor(ctx, &tdy), free_tensor(ctx, &ty), free_tensor(ctx, &tg);
+}
+
+START_TEST(test_gelu_special) { run_op(gelu_special_case, 0); }
+END_TEST
+
 static void gelu_bad_case(cpar_ctx *ctx, int unused) {
     (void)unused;
     cpar_tensor x, y, y16, yshort, xi;
@@ -591,6 +623,7 @@ Suite *suite(void) {
         {"row_reduce", test_row_reduce, N_FLOAT * 3},
         {"gelu", test_gelu, N_FLOAT},
         {"gelu_finite_differences", test_gelu_finite_differences, 1},
+        {"gelu_special", test_gelu_special, 1},
         {"gelu_bad_input", test_gelu_bad_input, 1},
         {"bad_input", test_bad_input, 1},
     };
