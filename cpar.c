@@ -1324,6 +1324,23 @@ CPAR__INLINE double cpar__lanes_sum(const double *acc) {
 #define CPAR__VARIANTS_FMA(name, params, args) static void name params { name##_body(CPAR__UNPAREN args, false); }
 #endif
 
+/* e^x = y 2^n for a clamped x: y = e^r, the reduced argument's polynomial
+ * (cpar__expf and cpar__tanhf scale it as their ranges need). */
+CPAR__INLINE float cpar__exp_reduced(float x, int32_t *n) {
+    const float magic = 0x1.8p23f;
+    const float fn = x * 1.44269504088896341f + magic; /* round(x / ln2) in the low mantissa bits */
+    *n = (int32_t)(cpar__f32_bits(fn) - cpar__f32_bits(magic));
+    const float nf = fn - magic;
+    const float r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    return p * (r * r) + r + 1.0f;
+}
+
 /* e^x in fp32 for the vector loops (glibc's expf does not vectorise at -O2):
  * x = n ln2 + r with |r| <= ln2/2 (Cody-Waite, ln2 in two parts), Cephes'
  * degree-6 polynomial for e^r, then 2^n as two exact power-of-two factors,
@@ -1336,21 +1353,11 @@ CPAR__INLINE double cpar__lanes_sum(const double *acc) {
  * not vectorise), which would turn NaN into a number, so NaN in gives an
  * all-ones NaN out. */
 CPAR__INLINE float cpar__expf(float x) {
-    const float magic = 0x1.8p23f;
     const uint32_t u = cpar__f32_bits(x), lo = 0xc2dc0000u /* -110 */, hi = 0x42b20000u /* 89 */;
     const int32_t c1 = (int32_t)u < (int32_t)hi ? (int32_t)u : (int32_t)hi; /* positives */
     const float xc = cpar__bits_f32((uint32_t)c1 < lo ? (uint32_t)c1 : lo);  /* negatives */
-    const float fn = xc * 1.44269504088896341f + magic; /* round(x / ln2) in the low mantissa bits */
-    const int32_t n = (int32_t)(cpar__f32_bits(fn) - cpar__f32_bits(magic));
-    const float nf = fn - magic;
-    const float r = (xc - nf * 0.693359375f) - nf * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * (r * r) + r + 1.0f;
+    int32_t n;
+    const float y = cpar__exp_reduced(xc, &n);
     const int32_t n1 = n >> 1; /* n in [-159, 128]: both factors are normal floats */
     const float e = y * cpar__bits_f32((uint32_t)(n1 + 127) << 23) * cpar__bits_f32((uint32_t)(n - n1 + 127) << 23);
     return cpar__bits_f32(cpar__f32_bits(e) | (0u - (uint32_t)((u & 0x7fffffffu) > 0x7f800000u)));
@@ -1366,17 +1373,9 @@ CPAR__INLINE float cpar__expf(float x) {
  * the NaN. */
 CPAR__INLINE float cpar__tanhf(float u) {
     const uint32_t ub = cpar__f32_bits(u), ab = ub & 0x7fffffffu, top = 0x41180000u; /* 9.5 */
-    const float x = -2.0f * cpar__bits_f32(ab < top ? ab : top); /* in [-19, 0] */
-    const float magic = 0x1.8p23f, fn = x * 1.44269504088896341f + magic;
-    const int32_t n = (int32_t)(cpar__f32_bits(fn) - cpar__f32_bits(magic)); /* in [-28, 0] */
-    const float nf = fn - magic, r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float e = (p * (r * r) + r + 1.0f) * cpar__bits_f32((uint32_t)(n + 127) << 23);
+    int32_t n; /* in [-28, 0] */
+    const float e = cpar__exp_reduced(-2.0f * cpar__bits_f32(ab < top ? ab : top), &n) * /* x in [-19, 0] */
+                    cpar__bits_f32((uint32_t)(n + 127) << 23);
     const float t = (1.0f - e) / (1.0f + e);
     return cpar__bits_f32(cpar__f32_bits(t) | (ub & 0x80000000u));
 }
