@@ -1120,7 +1120,9 @@ cpar_status cpar_tensor_copy(cpar_ctx *ctx, const cpar_tensor *src, cpar_tensor 
  * dtype switch), the math runs in fixed-count loops that gcc -O2 vectorises,
  * and results are narrowed on the way out. On x86-64 the kernels that gain
  * from it (exp, fmaf) also come in an AVX2+FMA twin chosen at run time
- * (CPAR__VARIANTS); it computes the same bits. Uses: 3. */
+ * (CPAR__VARIANTS); it computes the same bits, except that its exp and
+ * tanh evaluate their polynomials with FMAs (cpar__exp_reduced: the last
+ * bit may differ, within the same error bound). Uses: 3. */
 
 static float cpar__load_f(const void *p, cpar_dtype dt, int64_t i) {
     switch (dt) {
@@ -1324,43 +1326,51 @@ CPAR__INLINE double cpar__lanes_sum(const double *acc) {
 #define CPAR__VARIANTS_FMA(name, params, args) static void name params { name##_body(CPAR__UNPAREN args, false); }
 #endif
 
+/* a b + c for the exp polynomials: one FMA (one rounding) where fused (the
+ * AVX2+FMA twin, a constant there), else a product and a sum. */
+#define CPAR__MADF(fused, a, b, c) ((fused) ? __builtin_fmaf((a), (b), (c)) : (a) * (b) + (c))
+
 /* e^x = y 2^n for a clamped x: y = e^r, the reduced argument's polynomial
- * (cpar__expf and cpar__tanhf scale it as their ranges need). */
-CPAR__INLINE float cpar__exp_reduced(float x, int32_t *n) {
+ * (cpar__expf and cpar__tanhf scale it as their ranges need). fused: every
+ * a b + c one FMA, which shortens the dependency chain by a third (the
+ * AVX2 twins run exp 1.4-1.5x faster); its result may then differ from the
+ * unfused one in the last bit. */
+CPAR__INLINE float cpar__exp_reduced(float x, int32_t *n, bool fused) {
     const float magic = 0x1.8p23f;
-    const float fn = x * 1.44269504088896341f + magic; /* round(x / ln2) in the low mantissa bits */
+    const float fn = CPAR__MADF(fused, x, 1.44269504088896341f, magic); /* round(x / ln2) in the low mantissa bits */
     *n = (int32_t)(cpar__f32_bits(fn) - cpar__f32_bits(magic));
     const float nf = fn - magic;
-    const float r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+    const float r = CPAR__MADF(fused, nf, 2.12194440e-4f, CPAR__MADF(fused, nf, -0.693359375f, x));
     float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    return p * (r * r) + r + 1.0f;
+    p = CPAR__MADF(fused, p, r, 1.3981999507e-3f);
+    p = CPAR__MADF(fused, p, r, 8.3334519073e-3f);
+    p = CPAR__MADF(fused, p, r, 4.1665795894e-2f);
+    p = CPAR__MADF(fused, p, r, 1.6666665459e-1f);
+    p = CPAR__MADF(fused, p, r, 5.0000001201e-1f);
+    return CPAR__MADF(fused, p, r * r, r) + 1.0f;
 }
 
 /* e^x in fp32 for the vector loops (glibc's expf does not vectorise at -O2):
  * x = n ln2 + r with |r| <= ln2/2 (Cody-Waite, ln2 in two parts), Cephes'
  * degree-6 polynomial for e^r, then 2^n as two exact power-of-two factors,
  * so overflow (x > 88.72: +inf) and underflow (x < -87.34: subnormal, then
- * 0) happen in the last multiply as for expf. Max relative error 8.2e-8
- * wherever the result is normal, measured against exp over every float.
- * x is first clamped to [-110, 89] as integers (the float's bits ordered
- * as signed for positives, unsigned for negatives: two min operations; a
- * float ?: stays a branch, since a compare may trap, and the loop would
- * not vectorise), which would turn NaN into a number, so NaN in gives an
- * all-ones NaN out. */
-CPAR__INLINE float cpar__expf(float x) {
+ * 0) happen in the last multiply as for expf. Max relative error wherever
+ * the result is normal, measured against exp over every float: 8.2e-8,
+ * fused 1.2e-7. x is first clamped to [-110, 89] as integers (the float's
+ * bits ordered as signed for positives, unsigned for negatives: two min
+ * operations; a float ?: stays a branch, since a compare may trap, and the
+ * loop would not vectorise), which would turn NaN into a number, so NaN in
+ * gives an all-ones NaN out. */
+CPAR__INLINE float cpar__expf(float x, bool fused) {
     const uint32_t u = cpar__f32_bits(x), lo = 0xc2dc0000u /* -110 */, hi = 0x42b20000u /* 89 */;
     const int32_t c1 = (int32_t)u < (int32_t)hi ? (int32_t)u : (int32_t)hi; /* positives */
     const float xc = cpar__bits_f32((uint32_t)c1 < lo ? (uint32_t)c1 : lo);  /* negatives */
     int32_t n;
-    const float y = cpar__exp_reduced(xc, &n);
+    const float y = cpar__exp_reduced(xc, &n, fused);
     const int32_t n1 = n >> 1; /* n in [-159, 128]: both factors are normal floats */
     const float e = y * cpar__bits_f32((uint32_t)(n1 + 127) << 23) * cpar__bits_f32((uint32_t)(n - n1 + 127) << 23);
-    return cpar__bits_f32(cpar__f32_bits(e) | (0u - (uint32_t)((u & 0x7fffffffu) > 0x7f800000u)));
+    /* |x|'s bits above infinity's: NaN (a signed compare, as |x| < 2^31) */
+    return cpar__bits_f32(cpar__f32_bits(e) | (0u - (uint32_t)((int32_t)(u & 0x7fffffffu) > 0x7f800000)));
 }
 
 /* tanh(u) = (1 - e)/(1 + e) with e = e^-2|u|, the sign of u put back in
@@ -1371,10 +1381,10 @@ CPAR__INLINE float cpar__expf(float x) {
  * are not needed: e^x is its polynomial times one power of two. NaN (and
  * infinity) give ±1: GeLU, the one caller, multiplies by v, which carries
  * the NaN. */
-CPAR__INLINE float cpar__tanhf(float u) {
+CPAR__INLINE float cpar__tanhf(float u, bool fused) {
     const uint32_t ub = cpar__f32_bits(u), ab = ub & 0x7fffffffu, top = 0x41180000u; /* 9.5 */
     int32_t n; /* in [-28, 0] */
-    const float e = cpar__exp_reduced(-2.0f * cpar__bits_f32(ab < top ? ab : top), &n) * /* x in [-19, 0] */
+    const float e = cpar__exp_reduced(-2.0f * cpar__bits_f32(ab < top ? ab : top), &n, fused) * /* x in [-19, 0] */
                     cpar__bits_f32((uint32_t)(n + 127) << 23);
     const float t = (1.0f - e) / (1.0f + e);
     return cpar__bits_f32(cpar__f32_bits(t) | (ub & 0x80000000u));
@@ -1546,12 +1556,12 @@ static void cpar__host_row_reduce(float *out, const void *in, cpar_dtype dt, int
 /* GeLU (tanh approximation) and its gradient: the fp32 formulas of
  * cpar_kernels.cu §20 with tanh from cpar__tanhf. dy == NULL: out =
  * gelu(x); else out = dy gelu'(x). out may be x (forward) or dy (backward). */
-CPAR__INLINE void cpar__host_gelu_body(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n) {
+CPAR__INLINE void cpar__host_gelu_body(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n, bool fused) {
     float xb[CPAR__BLK], gb[CPAR__BLK], ob[CPAR__BLK];
     if (!dy) {
         CPAR__BLOCKS(n, i0, m, const float *xp = cpar__blk_in(xb, x, dt, i0, m); float *o = cpar__blk_dst(ob, out, dt, i0);
                      CPAR__IVDEP for (int k = 0; k < m; k++) {
-                         const float v = xp[k], t = cpar__tanhf(0.79788456f * v * (1.f + 0.044715f * v * v));
+                         const float v = xp[k], t = cpar__tanhf(0.79788456f * v * (1.f + 0.044715f * v * v), fused);
                          o[k] = 0.5f * v * (1.f + t);
                      }
                      cpar__blk_out(out, dt, i0, o, m);)
@@ -1560,13 +1570,13 @@ CPAR__INLINE void cpar__host_gelu_body(const void *x, const void *dy, void *out,
     CPAR__BLOCKS(n, i0, m, const float *xp = cpar__blk_in(xb, x, dt, i0, m), *gp = cpar__blk_in(gb, dy, dt, i0, m);
                  float *o = cpar__blk_dst(ob, out, dt, i0);
                  CPAR__IVDEP for (int k = 0; k < m; k++) {
-                     const float v = xp[k], t = cpar__tanhf(0.79788456f * v * (1.f + 0.044715f * v * v));
+                     const float v = xp[k], t = cpar__tanhf(0.79788456f * v * (1.f + 0.044715f * v * v), fused);
                      const float d = 0.5f * v * ((1.f - t * t) * (0.79788456f + 0.1070322243f * v * v)) + 0.5f * (1.f + t);
                      o[k] = d * gp[k];
                  }
                  cpar__blk_out(out, dt, i0, o, m);)
 }
-CPAR__VARIANTS(cpar__host_gelu, (const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n),
+CPAR__VARIANTS_FMA(cpar__host_gelu, (const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n),
                (x, dy, out, dt, n))
 
 /* ---- GEMM on host memory ---------------------------------------------------
@@ -8514,7 +8524,7 @@ static cpar_status cpar__xent_check(cpar_group *tp, const char *fn, const cpar_t
  * never become the max (fmaxf's rule) and make the sum NaN. */
 CPAR__INLINE void cpar__host_xent_local_body(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt,
                                              int64_t rows, int64_t cols, int64_t first, int64_t vocab, bool smooth,
-                                             float *m_loc, float *part) {
+                                             float *m_loc, float *part, bool fused) {
     float zb[CPAR__BLK], eb[CPAR__BLK];
     for (int64_t r = 0; r < rows; r++) {
         int64_t base = r * cols, t = cpar__xent_target_at(target, tdt, r);
@@ -8535,10 +8545,10 @@ CPAR__INLINE void cpar__host_xent_local_body(const void *logits, cpar_dtype dt, 
                          m = bm;
                      }
                      if (isfinite(m))
-                         for (int j = 0; j < n; j++) eb[j] = cpar__expf(z[j] - m);
+                         for (int j = 0; j < n; j++) eb[j] = cpar__expf(z[j] - m, fused);
                      else /* z - m is NaN where z == m = inf; the select as a mask: see cpar__pick */
                          for (int j = 0; j < n; j++) {
-                             const float e = cpar__expf(z[j] - m);
+                             const float e = cpar__expf(z[j] - m, fused);
                              eb[j] = cpar__bits_f32(cpar__pick(z[j] == m, cpar__f32_bits(1.0f), cpar__f32_bits(e)));
                          }
                      cpar__blk_sum(sum, eb, NULL, n);
@@ -8549,7 +8559,7 @@ CPAR__INLINE void cpar__host_xent_local_body(const void *logits, cpar_dtype dt, 
         if (smooth) part[2 * rows + r] = (float)cpar__lanes_sum(zsum);
     }
 }
-CPAR__VARIANTS(cpar__host_xent_local,
+CPAR__VARIANTS_FMA(cpar__host_xent_local,
                (const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt, int64_t rows, int64_t cols,
                 int64_t first, int64_t vocab, bool smooth, float *m_loc, float *part),
                (logits, dt, target, tdt, rows, cols, first, vocab, smooth, m_loc, part))
@@ -8625,7 +8635,7 @@ cpar_status cpar_vocab_parallel_cross_entropy_forward(cpar_group *tp, const cpar
  * from its logit read before the row is written (dlogits may be logits). */
 CPAR__INLINE void cpar__host_xent_backward_body(const void *logits, void *dlogits, cpar_dtype dt, const void *target,
                                                 cpar_dtype tdt, const float *stats, const float *dloss, int64_t rows,
-                                                int64_t cols, int64_t first, int64_t vocab, float s) {
+                                                int64_t cols, int64_t first, int64_t vocab, float s, bool fused) {
     const double uniform = (double)s / (double)vocab, hit = 1.0 - (double)s;
     const float uf = (float)uniform;
     float zb[CPAR__BLK], ob[CPAR__BLK];
@@ -8637,12 +8647,12 @@ CPAR__INLINE void cpar__host_xent_backward_body(const void *logits, void *dlogit
         if (mine) dt_hit = (exp((double)cpar__load_f(logits, dt, base + t) - (double)lse) - uniform - hit) * (double)dl;
         CPAR__BLOCKS(cols, j0, n, const float *z = cpar__blk_in(zb, logits, dt, base + j0, n);
                      float *o = cpar__blk_dst(ob, dlogits, dt, base + j0);
-                     CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = (cpar__expf(z[k] - lse) - uf) * dl;
+                     CPAR__IVDEP for (int k = 0; k < n; k++) o[k] = (cpar__expf(z[k] - lse, fused) - uf) * dl;
                      cpar__blk_out(dlogits, dt, base + j0, o, n);)
         if (mine) cpar__store_f(dlogits, dt, base + t, (float)dt_hit);
     }
 }
-CPAR__VARIANTS(cpar__host_xent_backward,
+CPAR__VARIANTS_FMA(cpar__host_xent_backward,
                (const void *logits, void *dlogits, cpar_dtype dt, const void *target, cpar_dtype tdt,
                 const float *stats, const float *dloss, int64_t rows, int64_t cols, int64_t first, int64_t vocab,
                 float s),
