@@ -2,7 +2,7 @@
 # cpar — build, test, bench, demo, install.
 #
 #   make              build/<mode>/libcpar.a, build/cparrun and build/train (CUDA + NCCL when found)
-#   make test         host, sim and nccl-sim suites, the GPU suite when a GPU is present,
+#   make test         host (and portable: plain C), sim and nccl-sim suites, the GPU suite when a GPU is present,
 #                     the drop-in and install checks
 #   make test-sanitize  the host suites under ASan + UBSan (build/asan)
 #   make test-build   build all that make test and make test-sanitize run, run nothing
@@ -165,7 +165,7 @@ TEST_PROGS := $(B)/host/store_prog
 all: lib $(B)/cparrun $(B)/train
 lib: $(LIB) $(if $(filter 1,$(SHARED)),$(SOLIB))
 
-$(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda $(B)/asan $(M)/pic:
+$(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda $(B)/asan $(B)/portable $(M)/pic:
 	@mkdir -p $@
 
 # ---- library -------------------------------------------------------------
@@ -205,6 +205,21 @@ $(SOLIB): $(SO_OBJS)
 
 $(B)/cparrun: bootstrap/cparrun.c | $(B)/host
 	$(CC) $(ALL_CFLAGS) $< -o $@
+
+# ---- portable build --------------------------------------------------------
+# cpar.c as plain C (-DCPAR_PORTABLE: no intrinsics, no AVX2 twins, no CBLAS),
+# which is what a CPU without AVX2+FMA, or another architecture, runs. make
+# test runs the suites of the host kernels that have an x86 path on it, so
+# their plain paths run too: the GEMM's portable micro-kernel, the twins'
+# baselines, libm's expf in attention, memcpy for streaming stores.
+PORTABLE_SUITES := ops xent linear attn inference mamba coll train
+PORTABLE_TESTS  := $(PORTABLE_SUITES:%=$(B)/portable/test_%)
+
+$(B)/portable/cpar.o: cpar.c $(HDR) $(B)/obj/flags | $(B)/portable
+	$(CC) -std=c11 $(WARN) $(CFLAGS) -pthread -I. -DCPAR_PORTABLE -c $< -o $@
+
+$(B)/portable/test_%: $(B)/obj/test_%.o $(B)/portable/cpar.o
+	$(CC) $^ -o $@ $(CHECK_LIBS) -pthread -lm -lrt
 
 # ---- sim build -------------------------------------------------------------
 $(B)/sim/cpar.o: cpar.c $(HDR) | $(B)/sim
@@ -302,7 +317,8 @@ NCCLSIM_PROGS := $(B)/cparrun $(B)/ncclsim/lm_check $(B)/ncclsim/train
 HOST_PROGS    += $(B)/host/bench # tests/run.sh checks its --csv and --json output
 HOST_PROGS    += $(B)/host/hostmp_prog $(B)/host/mp_prog $(B)/host/train # test_hostmp's jobs
 
-RUN_TESTS = B=$(B) HOST_SUITES="$(1)" SIM_SUITES="$(2)" NCCLSIM_SUITES="$(3)" GPU_TEST="$(4)" PKG_CHECKS="$(5)" sh tests/run.sh
+RUN_TESTS = B=$(B) HOST_SUITES="$(1)" SIM_SUITES="$(2)" NCCLSIM_SUITES="$(3)" GPU_TEST="$(4)" PKG_CHECKS="$(5)" \
+            PORTABLE_SUITES="$(6)" sh tests/run.sh
 
 # The drop-in and install checks (scripts that build programs the ways the
 # README tells users to) run after the suites; PKG_ENV is what they need.
@@ -312,13 +328,13 @@ PKG_ENV = MAKE="$(MAKE)" CC="$(CC)" CUDA_HOME="$(CUDA_HOME)" CPAR_CUDA=$(CPAR_CU
 # the CUDA build's kernels, compiled for PTX_ARCH among others.
 DROPIN_KERNELS := $(if $(filter 1,$(CPAR_CUDA)),$(B)/cuda/cpar_kernels.o)
 
-TEST_DEPS := $(HOST_TESTS) $(SIM_TESTS) $(NCCLSIM_TESTS) $(GPU_TEST) $(HOST_PROGS) $(SIM_PROGS) $(NCCLSIM_PROGS) \
-             $(DROPIN_KERNELS)
+TEST_DEPS := $(HOST_TESTS) $(PORTABLE_TESTS) $(SIM_TESTS) $(NCCLSIM_TESTS) $(GPU_TEST) $(HOST_PROGS) $(SIM_PROGS) \
+             $(NCCLSIM_PROGS) $(DROPIN_KERNELS)
 test: $(TEST_DEPS)
-	+@$(PKG_ENV) $(call RUN_TESTS,$(HOST_SUITES),$(SIM_SUITES),$(NCCLSIM_SUITES),$(GPU_TEST),dropin install)
+	+@$(PKG_ENV) $(call RUN_TESTS,$(HOST_SUITES),$(SIM_SUITES),$(NCCLSIM_SUITES),$(GPU_TEST),dropin install,$(PORTABLE_SUITES))
 
-test-host: $(HOST_TESTS) $(HOST_PROGS)
-	@$(call RUN_TESTS,$(HOST_SUITES),,,)
+test-host: $(HOST_TESTS) $(PORTABLE_TESTS) $(HOST_PROGS)
+	@$(call RUN_TESTS,$(HOST_SUITES),,,,,$(PORTABLE_SUITES))
 
 test-sim: $(SIM_TESTS) $(SIM_PROGS)
 	@$(call RUN_TESTS,,$(SIM_SUITES),,)

@@ -79,8 +79,11 @@
 #include <cblas.h>
 #undef I /* OpenBLAS's header pulls in <complex.h>, whose I would shadow cpar's names */
 #endif
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h> /* the host GEMM's AVX2 micro-kernel, chosen at run time */
+/* x86-64 intrinsics: the host GEMM's AVX2 micro-kernel and attention's exp
+ * (chosen at run time), streaming stores, the spin-wait pause. -DCPAR_PORTABLE
+ * builds plain C alone, what other CPUs run (make test runs it too). */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(CPAR_PORTABLE)
+#include <immintrin.h>
 #define CPAR__X86_KERNELS 1
 #endif
 
@@ -1291,17 +1294,31 @@ CPAR__INLINE double cpar__lanes_sum(const double *acc) {
     return s;
 }
 
+#ifdef CPAR__X86_KERNELS
+/* Whether the CPU runs the AVX2+FMA code: the kernels' twins, the GEMM's
+ * micro-kernel and packing, attention's row passes. */
+static bool cpar__cpu_avx2(void) {
+    static atomic_int avx2 = -1; /* every thread computes the same answer */
+    int a = atomic_load_explicit(&avx2, memory_order_relaxed);
+    if (a < 0) {
+        a = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        atomic_store_explicit(&avx2, a, memory_order_relaxed);
+    }
+    return a;
+}
+#endif
+
 /* A kernel `name` from the always-inline `name##_body`: on x86-64 gcc/clang
  * also compiled for AVX2+FMA and picked per call from the CPU's features
- * (build with -DCPAR_PORTABLE for the baseline alone). The twin gives the
+ * (-DCPAR_PORTABLE builds the baseline alone). The twin gives the
  * same bits: floating-point contraction is off (above), so FMA appears only
  * where the code calls fmaf. params and args: parenthesised lists. */
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(CPAR_PORTABLE)
+#ifdef CPAR__X86_KERNELS
 #define CPAR__VARIANTS(name, params, args)                                                                   \
     static void name##_base params { name##_body args; }                                                     \
     __attribute__((target("avx2,fma"))) static void name##_avx2 params { name##_body args; }                \
     static void name params {                                                                                \
-        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) name##_avx2 args;              \
+        if (cpar__cpu_avx2()) name##_avx2 args;                                                              \
         else name##_base args;                                                                               \
     }
 #else
@@ -1312,14 +1329,14 @@ CPAR__INLINE double cpar__lanes_sum(const double *acc) {
  * the baseline, true in the AVX2+FMA twin (where a C fma is one
  * instruction; the baseline's would be a libm call). */
 #define CPAR__UNPAREN(...) __VA_ARGS__
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(CPAR_PORTABLE)
+#ifdef CPAR__X86_KERNELS
 #define CPAR__VARIANTS_FMA(name, params, args)                                                               \
     static void name##_base params { name##_body(CPAR__UNPAREN args, false); }                              \
     __attribute__((target("avx2,fma"))) static void name##_avx2 params {                                     \
         name##_body(CPAR__UNPAREN args, true);                                                               \
     }                                                                                                        \
     static void name params {                                                                                \
-        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) name##_avx2 args;              \
+        if (cpar__cpu_avx2()) name##_avx2 args;                                                              \
         else name##_base args;                                                                               \
     }
 #else
@@ -1701,7 +1718,7 @@ __attribute__((target("avx2,fma"))) static void cpar__gemm_pack_rows_avx2(float 
 /* The micro-kernel for this CPU (the same for the life of the process). */
 static cpar__gemm_kernel cpar__gemm_kernel_pick(void) {
 #ifdef CPAR__X86_KERNELS
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    if (cpar__cpu_avx2())
         return (cpar__gemm_kernel){16, 6, cpar__gemm_ukernel_avx2, "avx2+fma 16x6"};
 #endif
     return (cpar__gemm_kernel){8, 4, cpar__gemm_ukernel_c, "portable C 8x4"};
@@ -1715,9 +1732,7 @@ static void cpar__gemm_pack(float *dst, const void *src, cpar_dtype dt, int64_t 
     /* Read along whichever of rows and columns is contiguous in src. */
     const bool by_row = rs != 1 && cs == 1;
 #ifdef CPAR__X86_KERNELS
-    static int avx2 = -1; /* every thread computes the same answer */
-    if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (avx2 && by_row && dt == CPAR_F32 && (w == 16 || w == 6)) {
+    if (cpar__cpu_avx2() && by_row && dt == CPAR_F32 && (w == 16 || w == 6)) {
         for (int64_t r0 = 0; r0 < rows; r0 += w)
             cpar__gemm_pack_rows_avx2(dst + r0 * cols, (const float *)src + r0 * rs, rs, cpar__min64(w, rows - r0), cols, w);
         return;
@@ -2136,9 +2151,7 @@ __attribute__((target("avx2,fma"))) static float cpar__exp_sub_sum_avx2(float *p
 
 static float cpar__exp_sub_sum(float *p, int64_t n, float sub) {
 #ifdef CPAR__X86_KERNELS
-    static int avx2 = -1; /* every thread computes the same answer */
-    if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (avx2) return cpar__exp_sub_sum_avx2(p, n, sub);
+    if (cpar__cpu_avx2()) return cpar__exp_sub_sum_avx2(p, n, sub);
 #endif
     float total = 0.f;
     for (int64_t i = 0; i < n; i++) total += p[i] = expf(p[i] - sub);
@@ -2152,16 +2165,6 @@ static float cpar__exp_sub_sum(float *p, int64_t n, float sub) {
  * plain loops (no FMA: a subtract, then a multiply); gcc -O2 vectorises
  * neither plain loop (their lengths vary), and in attention's tiles they
  * cost as much as the GEMM's packing. */
-static bool cpar__cpu_avx2(void) {
-#ifdef CPAR__X86_KERNELS
-    static int avx2 = -1; /* every thread computes the same answer */
-    if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    return avx2;
-#else
-    return false;
-#endif
-}
-
 #ifdef CPAR__X86_KERNELS
 __attribute__((target("avx2,fma"))) static float cpar__row_max_avx2(const float *p, int64_t n, float init) {
     __m256 a = _mm256_set1_ps(init), b = a;

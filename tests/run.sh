@@ -1,8 +1,9 @@
 #!/bin/sh
 # SPDX-License-Identifier: MIT
-# Run cpar's Check suites: host backend, sim backend, nccl-sim (the NCCL
-# backend over the NCCL simulator), then the GPU suite, then the drop-in and
-# install checks named in PKG_CHECKS (tests/check_*.sh).
+# Run cpar's Check suites: host backend (and the portable build's, named in
+# PORTABLE_SUITES), sim backend, nccl-sim (the NCCL backend over the NCCL
+# simulator), then the GPU suite, then the drop-in and install checks named
+# in PKG_CHECKS (tests/check_*.sh).
 # Prints each suite's Check summary and a closing "N passed, N failed" line
 # over all tests; exits non-zero when any suite fails.
 #
@@ -79,6 +80,8 @@ NCCLSIM_SUITES=$(without_faults $NCCLSIM_SUITES)
 # result per flavour; bf16 on the simulated devices, every kernel on the CPU).
 for s in $HOST_SUITES; do suite "$HOST_FLAVOUR/$s" "\$B/$HOST_FLAVOUR/test_$s" host; done
 [ -z "$HOST_SUITES" ] || [ "$HOST_FLAVOUR" != host ] || suite "host/lm_check" "\$B/host/lm_check" host CPAR_LM_BACKEND=host
+# The portable build (plain C, no intrinsics or AVX2 twins) on the host backend.
+for s in ${PORTABLE_SUITES:-}; do suite "portable/$s" "\$B/portable/test_$s" host; done
 # bench --csv/--json: a tiny sweep of the collectives (a second or two) must
 # give files every row of which parses, with the columns a plot needs.
 bench_check() { # directory for the files
