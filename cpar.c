@@ -4540,18 +4540,34 @@ static void cpar__even_share(int64_t n, int size, int r, int64_t *lo, int64_t *h
 }
 
 /* acc = ins[0] + ins[1] + ... (f32, in rank order) over one block of m
- * elements from off: the all-reduce's common case, vectorised. */
+ * elements from off: the all-reduce's common case, vectorised. Up to four
+ * inputs in a pass, then up to three more per pass: a pass per input reads
+ * a 16 MiB reduce-scatter of four at 0.6-0.7 of this speed (prefetch works
+ * on fewer streams at once). The sum's order, and so its bits, is the same. */
 CPAR__INLINE void cpar__blk_sum_f32(float *restrict acc, const void *const *ins, int nin, int64_t off, int m) {
-    const float *restrict x = (const float *)ins[0] + off;
-    if (nin == 1) {
-        memcpy(acc, x, (size_t)m * sizeof *acc);
+    const float *restrict x = (const float *)ins[0] + off, *restrict y, *restrict z, *restrict w;
+    switch (nin) {
+    case 1: memcpy(acc, x, (size_t)m * sizeof *acc); return;
+    case 2:
+        y = (const float *)ins[1] + off;
+        CPAR__IVDEP for (int k = 0; k < m; k++) acc[k] = x[k] + y[k];
         return;
+    case 3:
+        y = (const float *)ins[1] + off, z = (const float *)ins[2] + off;
+        CPAR__IVDEP for (int k = 0; k < m; k++) acc[k] = (x[k] + y[k]) + z[k];
+        return;
+    default:
+        y = (const float *)ins[1] + off, z = (const float *)ins[2] + off, w = (const float *)ins[3] + off;
+        CPAR__IVDEP for (int k = 0; k < m; k++) acc[k] = ((x[k] + y[k]) + z[k]) + w[k];
     }
-    const float *restrict y = (const float *)ins[1] + off;
-    CPAR__IVDEP for (int k = 0; k < m; k++) acc[k] = x[k] + y[k];
-    for (int j = 2; j < nin; j++) {
-        const float *restrict z = (const float *)ins[j] + off;
-        CPAR__IVDEP for (int k = 0; k < m; k++) acc[k] += z[k];
+    int j = 4;
+    for (; j + 3 <= nin; j += 3) {
+        x = (const float *)ins[j] + off, y = (const float *)ins[j + 1] + off, z = (const float *)ins[j + 2] + off;
+        CPAR__IVDEP for (int k = 0; k < m; k++) acc[k] = ((acc[k] + x[k]) + y[k]) + z[k];
+    }
+    for (; j < nin; j++) {
+        x = (const float *)ins[j] + off;
+        CPAR__IVDEP for (int k = 0; k < m; k++) acc[k] += x[k];
     }
 }
 
