@@ -4571,6 +4571,29 @@ CPAR__INLINE void cpar__blk_sum_f32(float *restrict acc, const void *const *ins,
     }
 }
 
+#ifdef CPAR__X86_KERNELS
+/* dst[i] = ins[0][off + i] + ins[1][off + i] + ... (f32, rank order, the
+ * same bits as cpar__blk_sum_f32), i < n, each sum streamed from its
+ * register past the cache: a large reduce-scatter's one output, with no
+ * block buffer between (dst 32-byte aligned). */
+__attribute__((target("avx2"))) static void cpar__host_stream_sum_f32(float *dst, const void *const *ins, int nin,
+                                                                      int64_t off, int64_t n) {
+    const float *in[256];
+    for (int j = 0; j < nin; j++) in[j] = (const float *)ins[j] + off;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 a = _mm256_loadu_ps(in[0] + i);
+        for (int j = 1; j < nin; j++) a = _mm256_add_ps(a, _mm256_loadu_ps(in[j] + i));
+        _mm256_stream_ps(dst + i, a);
+    }
+    for (; i < n; i++) {
+        float a = in[0][i];
+        for (int j = 1; j < nin; j++) a += in[j][i];
+        dst[i] = a;
+    }
+}
+#endif
+
 /* outs[k][out_off + i] = op over j of ins[j][in_off + i], i < count, in rank
  * order with fp32 accumulation of float types. On host memory it works in
  * blocks through a stack accumulator; on device memory through an fp32 (or
@@ -4588,6 +4611,14 @@ static cpar_status cpar__reduce_rows(cpar_ctx *ctx, const char *fn, cpar_dtype d
         int64_t acc[CPAR__BLK]; /* one block's accumulator, aligned for every accumulator type */
         uint16_t nar[CPAR__BLK]; /* the block narrowed back to a 16-bit dtype, to stream out */
         bool f32_sum = dt == CPAR_F32 && op == CPAR_SUM;
+#ifdef CPAR__X86_KERNELS
+        float *dst0 = (float *)outs[0] + out_off;
+        if (f32_sum && stream && nout == 1 && nin <= 256 && !((uintptr_t)dst0 & 31) && cpar__cpu_avx2()) {
+            cpar__host_stream_sum_f32(dst0, ins, nin, in_off, count);
+            cpar__host_stream_fence();
+            return CPAR_OK;
+        }
+#endif
         CPAR__BLOCKS(count, b, len,
             if (f32_sum) {
                 cpar__blk_sum_f32((float *)acc, ins, nin, in_off + b, len);
