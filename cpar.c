@@ -4542,7 +4542,7 @@ static void cpar__even_share(int64_t n, int size, int r, int64_t *lo, int64_t *h
 /* acc = ins[0] + ins[1] + ... (f32, in rank order) over one block of m
  * elements from off: the all-reduce's common case, vectorised. Up to four
  * inputs in a pass, then up to three more per pass: a pass per input reads
- * a 16 MiB reduce-scatter of four at 0.6-0.7 of this speed (prefetch works
+ * a 16 MiB reduce-scatter of four at 0.55-0.85 of this speed (prefetch works
  * on fewer streams at once). The sum's order, and so its bits, is the same. */
 CPAR__INLINE void cpar__blk_sum_f32(float *restrict acc, const void *const *ins, int nin, int64_t off, int m) {
     const float *restrict x = (const float *)ins[0] + off, *restrict y, *restrict z, *restrict w;
