@@ -1348,7 +1348,7 @@ static bool cpar__cpu_avx2(void) {
 #define CPAR__MADF(fused, a, b, c) ((fused) ? __builtin_fmaf((a), (b), (c)) : (a) * (b) + (c))
 
 /* e^x = y 2^n for a clamped x: y = e^r, the reduced argument's polynomial
- * (cpar__expf and cpar__tanhf scale it as their ranges need). fused: every
+ * (cpar__expf and cpar__exp_m2abs scale it as their ranges need). fused: every
  * a b + c one FMA, which shortens the dependency chain by a third (the
  * AVX2 twins run exp 1.4-1.5x faster); its result may then differ from the
  * unfused one in the last bit. */
@@ -1390,21 +1390,17 @@ CPAR__INLINE float cpar__expf(float x, bool fused) {
     return cpar__bits_f32(cpar__f32_bits(e) | (0u - (uint32_t)((int32_t)(u & 0x7fffffffu) > 0x7f800000)));
 }
 
-/* tanh(u) = (1 - e)/(1 + e) with e = e^-2|u|, the sign of u put back in
- * its bit: absolute error below 9e-8 (near 0 the cancellation in 1 - e
- * costs relative accuracy; GeLU multiplies t by v, so its own relative
- * error stays at a few ulp). |u| is first clamped to 9.5 as an integer
- * (past 9.01 tanh rounds to 1), so e lies in [e^-19, 1] and cpar__expf's guards
- * are not needed: e^x is its polynomial times one power of two. NaN (and
- * infinity) give ±1: GeLU, the one caller, multiplies by v, which carries
- * the NaN. */
-CPAR__INLINE float cpar__tanhf(float u, bool fused) {
-    const uint32_t ub = cpar__f32_bits(u), ab = ub & 0x7fffffffu, top = 0x41180000u; /* 9.5 */
-    int32_t n; /* in [-28, 0] */
-    const float e = cpar__exp_reduced(-2.0f * cpar__bits_f32(ab < top ? ab : top), &n, fused) * /* x in [-19, 0] */
+/* e^-2|u|, the exp that GeLU's tanh(u) = sign(u) (1 - e)/(1 + e) needs: |u|
+ * is clamped to 43 as an integer, so e^x (x in [-86, 0]) is the polynomial
+ * times one power of two and never subnormal, and e is 0 past 43 (NaN and
+ * infinity included: GeLU's v carries them), where e^-86 < 2^-124 no
+ * longer moves an fp32 GeLU or its gradient. */
+CPAR__INLINE float cpar__exp_m2abs(float u, bool fused) {
+    const uint32_t ab = cpar__f32_bits(u) & 0x7fffffffu, top = 0x422c0000u; /* 43 */
+    int32_t n; /* in [-124, 0] */
+    const float e = cpar__exp_reduced(-2.0f * cpar__bits_f32(ab < top ? ab : top), &n, fused) *
                     cpar__bits_f32((uint32_t)(n + 127) << 23);
-    const float t = (1.0f - e) / (1.0f + e);
-    return cpar__bits_f32(cpar__f32_bits(t) | (ub & 0x80000000u));
+    return cpar__bits_f32(cpar__f32_bits(e) & (0u - (uint32_t)(ab < top)));
 }
 
 /* p[0..n) = v for 2-, 4- or 8-byte elements (a repeated byte, 0 say: memset). */
@@ -1570,16 +1566,26 @@ static void cpar__host_row_reduce(float *out, const void *in, cpar_dtype dt, int
     }
 }
 
-/* GeLU (tanh approximation) and its gradient: the fp32 formulas of
- * cpar_kernels.cu §20 with tanh from cpar__tanhf. dy == NULL: out =
+/* GeLU (tanh approximation) and its gradient, the formulas of
+ * cpar_kernels.cu §20 in fp32 written without tanh: with e = e^-2|u| and
+ * q = 1/(1 + e), 0.5 (1 + tanh u) = q (u >= 0) or e q (u < 0), and
+ * 1 - tanh^2 u = 4 e q^2. 1 + tanh u and 1 - tanh^2 u computed from a
+ * rounded tanh lose all accuracy in the tails (gelu'(-5) = -1.0e-6 comes
+ * out 0); these keep a few ulp relative everywhere. dy == NULL: out =
  * gelu(x); else out = dy gelu'(x). out may be x (forward) or dy (backward). */
 CPAR__INLINE void cpar__host_gelu_body(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n, bool fused) {
     float xb[CPAR__BLK], gb[CPAR__BLK], ob[CPAR__BLK];
+#define CPAR__GELU_TERMS(v, e, q, h)                                                                          \
+    const float u = 0.79788456f * v * (1.f + 0.044715f * v * v), e = cpar__exp_m2abs(u, fused),            \
+                q = 1.f / (1.f + e);                                                                         \
+    const uint32_t neg = 0u - (cpar__f32_bits(u) >> 31); /* e where u < 0, else 1 */                       \
+    const float h = q * cpar__bits_f32((cpar__f32_bits(e) & neg) | (0x3f800000u & ~neg))
     if (!dy) {
         CPAR__BLOCKS(n, i0, m, const float *xp = cpar__blk_in(xb, x, dt, i0, m); float *o = cpar__blk_dst(ob, out, dt, i0);
                      CPAR__IVDEP for (int k = 0; k < m; k++) {
-                         const float v = xp[k], t = cpar__tanhf(0.79788456f * v * (1.f + 0.044715f * v * v), fused);
-                         o[k] = 0.5f * v * (1.f + t);
+                         const float v = xp[k];
+                         CPAR__GELU_TERMS(v, e, q, h);
+                         o[k] = v * h;
                      }
                      cpar__blk_out(out, dt, i0, o, m);)
         return;
@@ -1587,11 +1593,13 @@ CPAR__INLINE void cpar__host_gelu_body(const void *x, const void *dy, void *out,
     CPAR__BLOCKS(n, i0, m, const float *xp = cpar__blk_in(xb, x, dt, i0, m), *gp = cpar__blk_in(gb, dy, dt, i0, m);
                  float *o = cpar__blk_dst(ob, out, dt, i0);
                  CPAR__IVDEP for (int k = 0; k < m; k++) {
-                     const float v = xp[k], t = cpar__tanhf(0.79788456f * v * (1.f + 0.044715f * v * v), fused);
-                     const float d = 0.5f * v * ((1.f - t * t) * (0.79788456f + 0.1070322243f * v * v)) + 0.5f * (1.f + t);
+                     const float v = xp[k];
+                     CPAR__GELU_TERMS(v, e, q, h);
+                     const float d = 2.f * v * e * (q * q) * (0.79788456f + 0.1070322243f * v * v) + h;
                      o[k] = d * gp[k];
                  }
                  cpar__blk_out(out, dt, i0, o, m);)
+#undef CPAR__GELU_TERMS
 }
 CPAR__VARIANTS_FMA(cpar__host_gelu, (const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n),
                (x, dy, out, dt, n))

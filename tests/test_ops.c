@@ -337,6 +337,62 @@ static void gelu_special_case(cpar_ctx *ctx, int unused) {
 START_TEST(test_gelu_special) { run_op(gelu_special_case, 0); }
 END_TEST
 
+/* A dense sweep (F32): 2^20 evenly spaced x in [-12, 12), forward and
+ * backward against the fp64 reference within 1e-6 (1 + |want|), the
+ * tolerance of the random cases, everywhere: near 0, across the exp
+ * polynomial's reduction boundaries and into saturation; and relatively,
+ * wherever the result is above 1e-33. On the host it
+ * checks the exp/tanh evaluation that the CPU's kernel twin uses (the
+ * portable build's suites check the plain-C one). The simulated kernels run
+ * CUDA's tanhf: the random cases cover them. */
+static void gelu_dense_case(cpar_ctx *ctx, int unused) {
+    (void)unused;
+    if (tu_on_device()) return;
+    enum { N = 1 << 20 };
+    float *xs = malloc(N * sizeof *xs), *ones = malloc(N * sizeof *ones);
+    for (int i = 0; i < N; i++) xs[i] = -12.f + 24.f * (float)i / (float)N, ones[i] = 1.f;
+    const int64_t shape[1] = {N};
+    cpar_tensor tx = tu_upload(ctx, xs, CPAR_F32, 1, shape), tdy = tu_upload(ctx, ones, CPAR_F32, 1, shape);
+    cpar_tensor ty = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape), tg = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape);
+    TU_OK(cpar_gelu_forward(ctx, &tx, &ty));
+    TU_OK(cpar_gelu_backward(ctx, &tx, &tdy, &tg));
+    float *y = tu_download(ctx, &ty), *g = tu_download(ctx, &tg);
+    double worst_y = 0, worst_g = 0;
+    int at_y = 0, at_g = 0;
+    for (int i = 0; i < N; i++) {
+        const double x = xs[i], wy = gelu_ref(x), wg = gelu_grad_ref(x);
+        const double ey = fabs(y[i] - wy) / (1.0 + fabs(wy)), eg = fabs(g[i] - wg) / (1.0 + fabs(wg));
+        if (!(ey <= worst_y)) worst_y = ey, at_y = i; /* NaN counts as worst */
+        if (!(eg <= worst_g)) worst_g = eg, at_g = i;
+    }
+    ck_assert_msg(worst_y <= 1e-6, "gelu(%.9g) = %.9g, expected %.9g", (double)xs[at_y], (double)y[at_y],
+                  gelu_ref(xs[at_y]));
+    ck_assert_msg(worst_g <= 1e-6, "gelu'(%.9g) = %.9g, expected %.9g", (double)xs[at_g], (double)g[at_g],
+                  gelu_grad_ref(xs[at_g]));
+    /* Relative accuracy in the tail too, down to 1e-33, against the
+     * sigmoid form in fp64 (0.5 (1 + tanh u) = 1/(1 + e^-2u), 1 - tanh^2 u =
+     * 4 e^-2u / (1 + e^-2u)^2: the tanh form cancels to 0 past u = -19 even
+     * in fp64). u's own rounding in fp32 moves e^-2u by 2|u| times it, hence
+     * the bound's (1 + |u|). */
+    for (int i = 0; i < N; i++) {
+        const double x = xs[i], u = 0.7978845608028654 * x * (1.0 + 0.044715 * x * x), E = exp(-2.0 * u);
+        const double h = 1.0 / (1.0 + E), wy = x * h;
+        const double wg = h + 2.0 * x * E * h * h * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x);
+        const double bound = 1e-6 * (1.0 + fabs(u));
+        if (fabs(wy) >= 1e-33)
+            ck_assert_msg(fabs(y[i] - wy) <= bound * fabs(wy), "gelu(%.9g) = %.9g, expected %.9g (relative)", x,
+                          (double)y[i], wy);
+        if (fabs(wg) + h >= 1e-33)
+            ck_assert_msg(fabs(g[i] - wg) <= bound * (fabs(wg) + h), "gelu'(%.9g) = %.9g, expected %.9g (relative)",
+                          x, (double)g[i], wg);
+    }
+    free(xs), free(ones), free(y), free(g);
+    free_tensor(ctx, &tx), free_tensor(ctx, &tdy), free_tensor(ctx, &ty), free_tensor(ctx, &tg);
+}
+
+START_TEST(test_gelu_dense) { run_op(gelu_dense_case, 0); }
+END_TEST
+
 static void gelu_bad_case(cpar_ctx *ctx, int unused) {
     (void)unused;
     cpar_tensor x, y, y16, yshort, xi;
@@ -624,6 +680,7 @@ Suite *suite(void) {
         {"gelu", test_gelu, N_FLOAT},
         {"gelu_finite_differences", test_gelu_finite_differences, 1},
         {"gelu_special", test_gelu_special, 1},
+        {"gelu_dense", test_gelu_dense, 1},
         {"gelu_bad_input", test_gelu_bad_input, 1},
         {"bad_input", test_bad_input, 1},
     };
