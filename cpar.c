@@ -1566,8 +1566,8 @@ static void cpar__host_row_reduce(float *out, const void *in, cpar_dtype dt, int
     }
 }
 
-/* GeLU (tanh approximation) and its gradient, the formulas of
- * cpar_kernels.cu §20 in fp32 written without tanh: with e = e^-2|u| and
+/* GeLU (tanh approximation) and its gradient, cpar_kernels.cu §20's fp32
+ * formulas, which are written without tanh: with e = e^-2|u| and
  * q = 1/(1 + e), 0.5 (1 + tanh u) = q (u >= 0) or e q (u < 0), and
  * 1 - tanh^2 u = 4 e q^2. 1 + tanh u and 1 - tanh^2 u computed from a
  * rounded tanh lose all accuracy in the tails (gelu'(-5) = -1.0e-6 comes

@@ -3554,28 +3554,39 @@ cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const v
 /* ==== 20. GeLU (tanh approximation) =========================================
  * Megatron's fused bias_gelu without the bias (PyTorch's
  * F.gelu(approximate="tanh")), fp32 math:
- *   y  = 0.5 x (1 + tanh(0.79788456 x (1 + 0.044715 x^2)))
+ *   y  = 0.5 x (1 + t),  t = tanh(u),  u = 0.79788456 x (1 + 0.044715 x^2)
  *   dx = dy (0.5 x (1 - t^2)(0.79788456 + 0.1070322243 x^2) + 0.5 (1 + t)),
- *   t the tanh above. x, y, dy, dx: [n] of one float dtype; y may be x and
- * dx may be dy (element-wise, same thread). Launch: 1-D grid-stride, 256
- * threads. Moves 2n (forward) or 3n (backward) elements. Host twin: cpar.c
- * §5. Uses: 2, 4. */
+ * written without t: with e = e^-2|u| and q = 1/(1 + e), 0.5 (1 + t) = q
+ * (u >= 0) or e q (u < 0) and 1 - t^2 = 4 e q^2. 1 + t and 1 - t^2 from a
+ * rounded tanh cancel to 0 in the tails (gelu'(-5) = -1.04e-6 would come
+ * out 0); these keep a few ulp relative. x, y, dy, dx: [n] of one float
+ * dtype; y may be x and dx may be dy (element-wise, same thread). Launch:
+ * 1-D grid-stride, 256 threads. Moves 2n (forward) or 3n (backward)
+ * elements. Host twin: cpar.c §5 (which clamps |u| at 43; e^-86 no longer
+ * moves a result). Uses: 2, 4. */
 
-static __device__ __forceinline__ float cpar__gelu_t(float x) {
-    return tanhf(0.79788456f * x * (1.f + 0.044715f * x * x));
+/* 0.5 (1 + tanh u) in *h; returns e^-2|u| q^2, a quarter of 1 - tanh^2 u. */
+static __device__ __forceinline__ float cpar__gelu_terms(float x, float *h) {
+    const float u = 0.79788456f * x * (1.f + 0.044715f * x * x), e = expf(-2.f * fabsf(u)), q = 1.f / (1.f + e);
+    *h = u >= 0.f ? q : e * q;
+    return e * (q * q);
 }
 
 template <typename T> static __global__ void cpar__gelu_fwd_kernel(const T *x, T *y, int64_t n) {
     for (int64_t i = cpar__thread_id(); i < n; i += cpar__thread_count()) {
         const float v = cpar__widen(x[i]);
-        y[i] = cpar__narrow<T>(0.5f * v * (1.f + cpar__gelu_t(v)));
+        float h;
+        cpar__gelu_terms(v, &h);
+        y[i] = cpar__narrow<T>(v * h);
     }
 }
 
 template <typename T> static __global__ void cpar__gelu_bwd_kernel(const T *x, const T *dy, T *dx, int64_t n) {
     for (int64_t i = cpar__thread_id(); i < n; i += cpar__thread_count()) {
-        const float v = cpar__widen(x[i]), t = cpar__gelu_t(v);
-        const float d = 0.5f * v * ((1.f - t * t) * (0.79788456f + 0.1070322243f * v * v)) + 0.5f * (1.f + t);
+        const float v = cpar__widen(x[i]);
+        float h;
+        const float eq2 = cpar__gelu_terms(v, &h);
+        const float d = 2.f * v * eq2 * (0.79788456f + 0.1070322243f * v * v) + h;
         dx[i] = cpar__narrow<T>(d * cpar__widen(dy[i]));
     }
 }
