@@ -305,6 +305,21 @@ static void gelu_fd_case(cpar_ctx *ctx, int unused) {
 START_TEST(test_gelu_finite_differences) { run_op(gelu_fd_case, 0); }
 END_TEST
 
+/* gelu(xs) and gelu'(xs) (dy = 1) on the backend's F32 tensors, into new
+ * host arrays *y and *g (outputs poisoned first). */
+static void gelu_run_f32(cpar_ctx *ctx, const float *xs, int64_t n, float **y, float **g) {
+    float *ones = malloc((size_t)n * sizeof *ones);
+    for (int64_t i = 0; i < n; i++) ones[i] = 1.f;
+    const int64_t shape[1] = {n};
+    cpar_tensor tx = tu_upload(ctx, xs, CPAR_F32, 1, shape), tdy = tu_upload(ctx, ones, CPAR_F32, 1, shape);
+    cpar_tensor ty = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape), tg = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape);
+    TU_OK(cpar_gelu_forward(ctx, &tx, &ty));
+    TU_OK(cpar_gelu_backward(ctx, &tx, &tdy, &tg));
+    *y = tu_download(ctx, &ty), *g = tu_download(ctx, &tg);
+    free(ones);
+    free_tensor(ctx, &tx), free_tensor(ctx, &tdy), free_tensor(ctx, &ty), free_tensor(ctx, &tg);
+}
+
 /* Large and special inputs (F32), past the [-4, 4) of the random cases: where
  * tanh saturates (the host's clamps its argument at 9.5), infinities and NaN,
  * against the fp64 reference; NaN where the reference is NaN (gelu(-inf) is
@@ -314,14 +329,8 @@ static void gelu_special_case(cpar_ctx *ctx, int unused) {
     (void)unused;
     const float xs[] = {NAN, INFINITY, -INFINITY, 6.f, -6.f, 9.f, -9.f, 9.2f, -9.2f, 20.f, -20.f, 1e30f, -1e30f};
     enum { N = sizeof xs / sizeof xs[0] };
-    float ones[N];
-    for (int i = 0; i < N; i++) ones[i] = 1.f;
-    const int64_t shape[1] = {N};
-    cpar_tensor tx = tu_upload(ctx, xs, CPAR_F32, 1, shape), tdy = tu_upload(ctx, ones, CPAR_F32, 1, shape);
-    cpar_tensor ty = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape), tg = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape);
-    TU_OK(cpar_gelu_forward(ctx, &tx, &ty));
-    TU_OK(cpar_gelu_backward(ctx, &tx, &tdy, &tg));
-    float *y = tu_download(ctx, &ty), *g = tu_download(ctx, &tg);
+    float *y, *g;
+    gelu_run_f32(ctx, xs, N, &y, &g);
     for (int i = 0; i < N; i++) {
         const double x = xs[i], wy = gelu_ref(x), wg = gelu_grad_ref(x);
         ck_assert_msg(isnan(wy) ? isnan(y[i]) : (y[i] == wy || fabs(y[i] - wy) <= 1e-6 * (1.0 + fabs(wy))),
@@ -331,7 +340,6 @@ static void gelu_special_case(cpar_ctx *ctx, int unused) {
                           "gelu'(%g) = %g, expected %g", x, (double)g[i], wg);
     }
     free(y), free(g);
-    free_tensor(ctx, &tx), free_tensor(ctx, &tdy), free_tensor(ctx, &ty), free_tensor(ctx, &tg);
 }
 
 START_TEST(test_gelu_special) { run_op(gelu_special_case, 0); }
@@ -347,14 +355,9 @@ END_TEST
 static void gelu_dense_case(cpar_ctx *ctx, int unused) {
     (void)unused;
     enum { N = 1 << 20 };
-    float *xs = malloc(N * sizeof *xs), *ones = malloc(N * sizeof *ones);
-    for (int i = 0; i < N; i++) xs[i] = -12.f + 24.f * (float)i / (float)N, ones[i] = 1.f;
-    const int64_t shape[1] = {N};
-    cpar_tensor tx = tu_upload(ctx, xs, CPAR_F32, 1, shape), tdy = tu_upload(ctx, ones, CPAR_F32, 1, shape);
-    cpar_tensor ty = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape), tg = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape);
-    TU_OK(cpar_gelu_forward(ctx, &tx, &ty));
-    TU_OK(cpar_gelu_backward(ctx, &tx, &tdy, &tg));
-    float *y = tu_download(ctx, &ty), *g = tu_download(ctx, &tg);
+    float *xs = malloc(N * sizeof *xs), *y, *g;
+    for (int i = 0; i < N; i++) xs[i] = -12.f + 24.f * (float)i / (float)N;
+    gelu_run_f32(ctx, xs, N, &y, &g);
     double worst_y = 0, worst_g = 0;
     int at_y = 0, at_g = 0;
     for (int i = 0; i < N; i++) {
@@ -384,8 +387,7 @@ static void gelu_dense_case(cpar_ctx *ctx, int unused) {
             ck_assert_msg(fabs(g[i] - wg) <= bound * (fabs(wg) + h), "gelu'(%.9g) = %.9g, expected %.9g (relative)",
                           x, (double)g[i], wg);
     }
-    free(xs), free(ones), free(y), free(g);
-    free_tensor(ctx, &tx), free_tensor(ctx, &tdy), free_tensor(ctx, &ty), free_tensor(ctx, &tg);
+    free(xs), free(y), free(g);
 }
 
 START_TEST(test_gelu_dense) { run_op(gelu_dense_case, 0); }
