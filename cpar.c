@@ -1123,9 +1123,9 @@ cpar_status cpar_tensor_copy(cpar_ctx *ctx, const cpar_tensor *src, cpar_tensor 
  * dtype switch), the math runs in fixed-count loops that gcc -O2 vectorises,
  * and results are narrowed on the way out. On x86-64 the kernels that gain
  * from it (exp, fmaf) also come in an AVX2+FMA twin chosen at run time
- * (CPAR__VARIANTS); it computes the same bits, except that its exp and
- * tanh evaluate their polynomials with FMAs (cpar__exp_reduced: the last
- * bit may differ, within the same error bound). Uses: 3. */
+ * (CPAR__VARIANTS); it computes the same bits, except that its exp
+ * evaluates its polynomial with FMAs (cpar__exp_reduced: the last bit may
+ * differ, within the same error bound). Uses: 3. */
 
 static float cpar__load_f(const void *p, cpar_dtype dt, int64_t i) {
     switch (dt) {
@@ -1373,7 +1373,7 @@ CPAR__INLINE float cpar__exp_reduced(float x, int32_t *n, bool fused) {
  * so overflow (x > 88.72: +inf) and underflow (x < -87.34: subnormal, then
  * 0) happen in the last multiply as for expf. Max relative error wherever
  * the result is normal, measured against exp over every float: 8.2e-8,
- * fused 1.2e-7. x is first clamped to [-110, 89] as integers (the float's
+ * fused 8.5e-8. x is first clamped to [-110, 89] as integers (the float's
  * bits ordered as signed for positives, unsigned for negatives: two min
  * operations; a float ?: stays a branch, since a compare may trap, and the
  * loop would not vectorise), which would turn NaN into a number, so NaN in
@@ -1573,19 +1573,23 @@ static void cpar__host_row_reduce(float *out, const void *in, cpar_dtype dt, int
  * rounded tanh lose all accuracy in the tails (gelu'(-5) = -1.0e-6 comes
  * out 0); these keep a few ulp relative everywhere. dy == NULL: out =
  * gelu(x); else out = dy gelu'(x). out may be x (forward) or dy (backward). */
+/* 0.5 (1 + tanh u) in *h for u = 0.79788456 v (1 + 0.044715 v^2); returns
+ * e q^2, a quarter of 1 - tanh^2 u (as cpar_kernels.cu's cpar__gelu_terms). */
+CPAR__INLINE float cpar__gelu_terms(float v, bool fused, float *h) {
+    const float u = 0.79788456f * v * (1.f + 0.044715f * v * v), e = cpar__exp_m2abs(u, fused), q = 1.f / (1.f + e);
+    const uint32_t neg = 0u - (cpar__f32_bits(u) >> 31); /* the factor e where u < 0, else 1 */
+    *h = q * cpar__bits_f32((cpar__f32_bits(e) & neg) | (0x3f800000u & ~neg));
+    return e * (q * q);
+}
+
 CPAR__INLINE void cpar__host_gelu_body(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n, bool fused) {
     float xb[CPAR__BLK], gb[CPAR__BLK], ob[CPAR__BLK];
-#define CPAR__GELU_TERMS(v, e, q, h)                                                                          \
-    const float u = 0.79788456f * v * (1.f + 0.044715f * v * v), e = cpar__exp_m2abs(u, fused),            \
-                q = 1.f / (1.f + e);                                                                         \
-    const uint32_t neg = 0u - (cpar__f32_bits(u) >> 31); /* e where u < 0, else 1 */                       \
-    const float h = q * cpar__bits_f32((cpar__f32_bits(e) & neg) | (0x3f800000u & ~neg))
     if (!dy) {
         CPAR__BLOCKS(n, i0, m, const float *xp = cpar__blk_in(xb, x, dt, i0, m); float *o = cpar__blk_dst(ob, out, dt, i0);
                      CPAR__IVDEP for (int k = 0; k < m; k++) {
-                         const float v = xp[k];
-                         CPAR__GELU_TERMS(v, e, q, h);
-                         o[k] = v * h;
+                         float h;
+                         cpar__gelu_terms(xp[k], fused, &h);
+                         o[k] = xp[k] * h;
                      }
                      cpar__blk_out(out, dt, i0, o, m);)
         return;
@@ -1594,12 +1598,12 @@ CPAR__INLINE void cpar__host_gelu_body(const void *x, const void *dy, void *out,
                  float *o = cpar__blk_dst(ob, out, dt, i0);
                  CPAR__IVDEP for (int k = 0; k < m; k++) {
                      const float v = xp[k];
-                     CPAR__GELU_TERMS(v, e, q, h);
-                     const float d = 2.f * v * e * (q * q) * (0.79788456f + 0.1070322243f * v * v) + h;
+                     float h;
+                     const float eq2 = cpar__gelu_terms(v, fused, &h);
+                     const float d = 2.f * v * eq2 * (0.79788456f + 0.1070322243f * v * v) + h;
                      o[k] = d * gp[k];
                  }
                  cpar__blk_out(out, dt, i0, o, m);)
-#undef CPAR__GELU_TERMS
 }
 CPAR__VARIANTS_FMA(cpar__host_gelu, (const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n),
                (x, dy, out, dt, n))
