@@ -4608,9 +4608,11 @@ __attribute__((target("avx2"))) static void cpar__host_stream_sum_f32(float *dst
 
 /* outs[k][out_off + i] = op over j of ins[j][in_off + i], i < count, in rank
  * order with fp32 accumulation of float types. On host memory it works in
- * blocks through a stack accumulator; on device memory through an fp32 (or
- * integer) accumulator in ctx->coll_ws and the reduce/cast kernels, on the
- * stream the collective runs on (cpar__coll_stream). */
+ * blocks through a stack accumulator (a streamed f32 sum into one aligned
+ * output goes straight from registers: cpar__host_stream_sum_f32); on
+ * device memory through an fp32 (or integer) accumulator in ctx->coll_ws
+ * and the reduce/cast kernels, on the stream the collective runs on
+ * (cpar__coll_stream). */
 static cpar_status cpar__reduce_rows(cpar_ctx *ctx, const char *fn, cpar_dtype dt, cpar_reduce_op op, int device,
                                      const void *const *ins, int nin, int64_t in_off, void *const *outs, int nout,
                                      int64_t out_off, int64_t count, bool stream) {
