@@ -1259,32 +1259,40 @@ CPAR__INLINE void cpar__blk_sum(double *acc, const float *a, const float *b, int
     for (int k = 0; k < n; k++) acc[k % CPAR__LANES] += b ? (double)a[k] * (double)b[k] : (double)a[k];
 }
 
-/* cpar__blk_sum(s, a, a, n) and cpar__blk_sum(c, gw, a, n) in one pass,
- * gw[k] = g[k] * w[k] rounded to fp32 (formed here: no buffer round trip).
- * fused (a constant in each caller's twin): the adds as fp64 FMAs, one
- * instruction for two; the same bits, since each product of two floats is
- * exact in fp64, so rounding it first changes nothing. */
-#define CPAR__MAC(fused, a, b, acc) ((fused) ? __builtin_fma((a), (b), (acc)) : (acc) + (a) * (b))
-CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *g, const float *w, int n,
-                                 bool fused) {
-    if (n == CPAR__BLK) {
-        double s0[8] = {0}, s1[8] = {0}, c0[8] = {0}, c1[8] = {0};
-        for (int k = 0; k < CPAR__BLK; k += 16) {
-            for (int j = 0; j < 8; j++) {
-                const double v = a[k + j];
-                s0[j] = CPAR__MAC(fused, v, v, s0[j]), c0[j] = CPAR__MAC(fused, (double)(g[k + j] * w[k + j]), v, c0[j]);
+/* A norm's row sums: s[0..CPAR__LANES) += the sum of a[k]^2 and, with g,
+ * c[...] += the sum of (g[k] * w[k]) * a[k], k < n, term k into lane k mod
+ * CPAR__LANES. A full block adds each lane's terms in fp32 in runs of
+ * CPAR__PART / CPAR__LANES = 8, then each run into the lane's fp64 sum. A
+ * GPU thread of the norm kernel adds h / 256 terms in fp32, then an fp32
+ * tree, so this is at least as accurate (a run of 8 non-negative terms is
+ * within 8 ulps), and a term costs one fp32 multiply and add: widening
+ * every term to fp64 made the first pass of a norm 1.6x slower. No fma: the
+ * same bits on every ISA. The tail adds in fp64 directly. */
+#define CPAR__PART 128
+CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *g, const float *w, int n) {
+    if (n == CPAR__BLK) { /* the lanes as two 8-lane halves, which gcc keeps in registers */
+        for (int p = 0; p < CPAR__BLK; p += CPAR__PART) {
+            float s0[8] = {0}, s1[8] = {0}, c0[8] = {0}, c1[8] = {0};
+            if (g) { /* one loop for both sums: a is loaded once */
+                for (int k = p; k < p + CPAR__PART; k += 16) {
+                    for (int j = 0; j < 8; j++) s0[j] += a[k + j] * a[k + j], c0[j] += g[k + j] * w[k + j] * a[k + j];
+                    for (int j = 8; j < 16; j++) s1[j - 8] += a[k + j] * a[k + j], c1[j - 8] += g[k + j] * w[k + j] * a[k + j];
+                }
+                for (int j = 0; j < 8; j++) c[j] += c0[j], c[8 + j] += c1[j];
+            } else {
+                for (int k = p; k < p + CPAR__PART; k += 16) {
+                    for (int j = 0; j < 8; j++) s0[j] += a[k + j] * a[k + j];
+                    for (int j = 8; j < 16; j++) s1[j - 8] += a[k + j] * a[k + j];
+                }
             }
-            for (int j = 0; j < 8; j++) {
-                const double v = a[k + 8 + j];
-                s1[j] = CPAR__MAC(fused, v, v, s1[j]), c1[j] = CPAR__MAC(fused, (double)(g[k + 8 + j] * w[k + 8 + j]), v, c1[j]);
-            }
+            for (int j = 0; j < 8; j++) s[j] += s0[j], s[8 + j] += s1[j];
         }
-        for (int j = 0; j < 8; j++) s[j] += s0[j], s[8 + j] += s1[j], c[j] += c0[j], c[8 + j] += c1[j];
         return;
     }
     for (int k = 0; k < n; k++) {
         const double v = a[k];
-        s[k % CPAR__LANES] += v * v, c[k % CPAR__LANES] += (double)(g[k] * w[k]) * v;
+        s[k % CPAR__LANES] += v * v;
+        if (g) c[k % CPAR__LANES] += (double)(g[k] * w[k]) * v;
     }
 }
 
@@ -12378,12 +12386,13 @@ cpar_status cpar_mamba_cp_conv1d_backward(cpar_mamba_cp *m, const cpar_tensor *x
 
 /* The host twin of cpar_dev_rmsnorm: the same rounding points (the residual
  * sum is rounded to dt before the norm reads it), fp32 math except the row's
- * sum of squares, which adds in double (cpar__blk_sum): a sequential fp32
- * sum of h terms drifts by ~sqrt(h) ulps, more than the kernel's tree of
- * partial sums does. Two passes over a row, the second from cache. A 16-bit
- * row of at most CPAR__ROW elements is widened once: the first pass keeps
- * it in xr and the weight is widened once per call into wr (stack: 40 KiB),
- * which halves the conversions of a bf16 norm; wider rows re-widen per block. */
+ * sum of squares, whose runs of 8 fp32 terms add in fp64 (cpar__blk_sum2): a
+ * sequential fp32 sum of h terms drifts by ~sqrt(h) ulps, more than the
+ * kernel's tree of partial sums does. Two passes over a row, the second
+ * from cache. A 16-bit row of at most CPAR__ROW elements is widened once:
+ * the first pass keeps it in xr and the weight is widened once per call
+ * into wr (stack: 40 KiB), which halves the conversions of a bf16 norm;
+ * wider rows re-widen per block. */
 #define CPAR__ROW 4096
 CPAR__INLINE void cpar__host_rmsnorm_body(void *x, const void *add, const void *w, cpar_dtype dt, int64_t rows,
                                           int64_t h, float eps, void *y) {
@@ -12402,7 +12411,7 @@ CPAR__INLINE void cpar__host_rmsnorm_body(void *x, const void *add, const void *
                          cpar__blk_out(x, dt, r0 + j0, o, n);
                          xp = cpar__blk_in(xw, x, dt, r0 + j0, n);
                      }
-                     cpar__blk_sum(ss, xp, xp, n);)
+                     cpar__blk_sum2(ss, NULL, xp, NULL, NULL, n);)
         const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
         CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
@@ -12470,13 +12479,12 @@ cpar_status cpar_rmsnorm_forward(cpar_ctx *ctx, const cpar_tensor *x, const cpar
 }
 
 /* The host twin of cpar_dev_rmsnorm_backward (same formulas, fp32; the two
- * row sums add in double, as in the forward). A row's first pass makes the
+ * row sums as in the forward, cpar__blk_sum2). A row's first pass makes the
  * sums, its second (from cache) dx and dweight. 16-bit rows of at most
  * CPAR__ROW elements: x and dy widened once into xr and gr, the weight once
  * per call into wr (stack: 56 KiB), as in the forward. */
 CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w, const void *dy, cpar_dtype dt,
-                                                   int64_t rows, int64_t h, float eps, void *dx, float *dw,
-                                                   bool fused) {
+                                                   int64_t rows, int64_t h, float eps, void *dx, float *dw) {
     float xb[CPAR__BLK], gb[CPAR__BLK], wb[CPAR__BLK], ob[CPAR__BLK], xr[CPAR__ROW], gr[CPAR__ROW], wr[CPAR__ROW];
     const bool cached = dt != CPAR_F32 && h <= CPAR__ROW;
     if (cached) CPAR__BLOCKS(h, j0, n, cpar__blk_widen(wr + j0, w, dt, j0, n);)
@@ -12486,7 +12494,7 @@ CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w,
         CPAR__BLOCKS(h, j0, n, const float *xp = cpar__blk_in(cached ? xr + j0 : xb, x, dt, r0 + j0, n);
                      const float *gp = cpar__blk_in(cached ? gr + j0 : gb, dy, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
-                     cpar__blk_sum2(ss, c, xp, gp, wp, n, fused);)
+                     cpar__blk_sum2(ss, c, xp, gp, wp, n);)
         const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
         const float kk = inv * inv * inv * (float)cpar__lanes_sum(c) / (float)h;
         CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
@@ -12517,7 +12525,7 @@ CPAR__INLINE void cpar__host_rmsnorm_backward_body(const void *x, const void *w,
                      })
     }
 }
-CPAR__VARIANTS_FMA(cpar__host_rmsnorm_backward,
+CPAR__VARIANTS(cpar__host_rmsnorm_backward,
                (const void *x, const void *w, const void *dy, cpar_dtype dt, int64_t rows, int64_t h, float eps,
                 void *dx, float *dw),
                (x, w, dy, dt, rows, h, eps, dx, dw))
