@@ -231,24 +231,24 @@ START_TEST(test_f16_exhaustive) {
     for (uint32_t h = 0; h < 0x10000u; h++) {
         float f = cpar_f16_to_f32((uint16_t)h);
         if (f16_is_nan((uint16_t)h)) {
-            ck_assert_msg(isnan(f), "f16_to_f32(0x%04x) = %g, expected NaN", h, (double)f);
-            ck_assert_msg(f16_is_nan(cpar_f32_to_f16(f)), "NaN 0x%04x did not stay NaN", h);
+            TU_CHECK(isnan(f), "f16_to_f32(0x%04x) = %g, expected NaN", h, (double)f);
+            TU_CHECK(f16_is_nan(cpar_f32_to_f16(f)), "NaN 0x%04x did not stay NaN", h);
             continue;
         }
-        ck_assert_msg((double)f == ref_f16_value((uint16_t)h), "f16_to_f32(0x%04x) = %a, expected %a", h, (double)f,
-                      ref_f16_value((uint16_t)h));
-        ck_assert_msg(cpar_f32_to_f16(f) == h, "round trip of 0x%04x gave 0x%04x", h, cpar_f32_to_f16(f));
+        TU_CHECK((double)f == ref_f16_value((uint16_t)h), "f16_to_f32(0x%04x) = %a, expected %a", h, (double)f,
+                 ref_f16_value((uint16_t)h));
+        TU_CHECK(cpar_f32_to_f16(f) == h, "round trip of 0x%04x gave 0x%04x", h, cpar_f32_to_f16(f));
         /* Ties with the next pattern up (same sign, finite): to the even one. */
         uint16_t lo = (uint16_t)h;
         if ((lo & 0x7fff) >= 0x7bff) continue;
         float a = f, b = cpar_f16_to_f32((uint16_t)(lo + 1));
         float mid = (float)(((double)a + (double)b) / 2); /* exact: 12 significant bits */
         uint16_t even = (lo & 1) ? (uint16_t)(lo + 1) : lo;
-        ck_assert_msg(cpar_f32_to_f16(mid) == even, "tie %a between 0x%04x and 0x%04x gave 0x%04x", (double)mid, lo,
-                      lo + 1, cpar_f32_to_f16(mid));
+        TU_CHECK(cpar_f32_to_f16(mid) == even, "tie %a between 0x%04x and 0x%04x gave 0x%04x", (double)mid, lo,
+                 lo + 1, cpar_f32_to_f16(mid));
         if (mid != 0.0f) {
-            ck_assert(cpar_f32_to_f16(nextafterf(mid, a)) == lo);
-            ck_assert(cpar_f32_to_f16(nextafterf(mid, b)) == (uint16_t)(lo + 1));
+            TU_CHECK(cpar_f32_to_f16(nextafterf(mid, a)) == lo, "below the tie above 0x%04x", lo);
+            TU_CHECK(cpar_f32_to_f16(nextafterf(mid, b)) == (uint16_t)(lo + 1), "above the tie above 0x%04x", lo);
         }
     }
     /* The tie above the largest finite half rounds to infinity. */
@@ -265,11 +265,11 @@ START_TEST(test_f16_random_vs_reference) {
         float f = bits_f32(u);
         uint16_t got = cpar_f32_to_f16(f);
         if (isnan(f)) {
-            ck_assert_msg(f16_is_nan(got), "f32_to_f16(0x%08x) = 0x%04x, expected NaN", u, got);
+            TU_CHECK(f16_is_nan(got), "f32_to_f16(0x%08x) = 0x%04x, expected NaN", u, got);
             continue;
         }
         uint16_t want = ref_f32_to_f16(f);
-        ck_assert_msg(got == want, "f32_to_f16(%a = 0x%08x) = 0x%04x, expected 0x%04x", (double)f, u, got, want);
+        TU_CHECK(got == want, "f32_to_f16(%a = 0x%08x) = 0x%04x, expected 0x%04x", (double)f, u, got, want);
     }
 }
 END_TEST
@@ -315,25 +315,25 @@ START_TEST(test_bf16_exhaustive) {
     for (uint32_t b = 0; b < 0x10000u; b++) {
         float f = cpar_bf16_to_f32((uint16_t)b);
         if (bf16_is_nan((uint16_t)b)) {
-            ck_assert(isnan(f));
-            ck_assert(bf16_is_nan(cpar_f32_to_bf16(f)));
+            TU_CHECK(isnan(f), "bf16_to_f32(0x%04x) = %g, expected NaN", b, (double)f);
+            TU_CHECK(bf16_is_nan(cpar_f32_to_bf16(f)), "NaN 0x%04x did not stay NaN", b);
             continue;
         }
-        ck_assert_msg(f32_bits(f) == b << 16, "bf16_to_f32(0x%04x) has bits 0x%08x", b, f32_bits(f));
-        ck_assert_msg(cpar_f32_to_bf16(f) == b, "round trip of 0x%04x gave 0x%04x", b, cpar_f32_to_bf16(f));
+        TU_CHECK(f32_bits(f) == b << 16, "bf16_to_f32(0x%04x) has bits 0x%08x", b, f32_bits(f));
+        TU_CHECK(cpar_f32_to_bf16(f) == b, "round trip of 0x%04x gave 0x%04x", b, cpar_f32_to_bf16(f));
         if ((b & 0x7fff) >= 0x7f80) continue; /* inf */
         uint16_t even = (b & 1) ? (uint16_t)(b + 1) : (uint16_t)b;
-        ck_assert_msg(cpar_f32_to_bf16(bits_f32(b << 16 | 0x8000u)) == even, "tie above 0x%04x", b);
-        ck_assert(cpar_f32_to_bf16(bits_f32(b << 16 | 0x7fffu)) == b);
-        ck_assert(cpar_f32_to_bf16(bits_f32(b << 16 | 0x8001u)) == (uint16_t)(b + 1));
+        TU_CHECK(cpar_f32_to_bf16(bits_f32(b << 16 | 0x8000u)) == even, "tie above 0x%04x", b);
+        TU_CHECK(cpar_f32_to_bf16(bits_f32(b << 16 | 0x7fffu)) == b, "below the tie above 0x%04x", b);
+        TU_CHECK(cpar_f32_to_bf16(bits_f32(b << 16 | 0x8001u)) == (uint16_t)(b + 1), "above the tie above 0x%04x", b);
     }
     uint64_t s = 777;
     for (int i = 0; i < 400000; i++) {
         uint32_t u = (uint32_t)tu_next(&s);
         float f = bits_f32(u);
         if (isnan(f)) continue;
-        ck_assert_msg(cpar_f32_to_bf16(f) == ref_f32_to_bf16(f), "f32_to_bf16(0x%08x) = 0x%04x, expected 0x%04x", u,
-                      cpar_f32_to_bf16(f), ref_f32_to_bf16(f));
+        TU_CHECK(cpar_f32_to_bf16(f) == ref_f32_to_bf16(f), "f32_to_bf16(0x%08x) = 0x%04x, expected 0x%04x", u,
+                 cpar_f32_to_bf16(f), ref_f32_to_bf16(f));
     }
 }
 END_TEST

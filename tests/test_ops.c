@@ -169,8 +169,8 @@ static void cast_bits_case(cpar_ctx *ctx, int half) {
         uint32_t wb;
         memcpy(&got, &wide[i], 4);
         memcpy(&wb, &want, 4);
-        ck_assert_msg(wide[i] == wb || (!exact_nan && isnan(got) && isnan(want)),
-                      "%s 0x%04x -> f32 gave 0x%08x, expected 0x%08x", cpar_dtype_name(h), b[i], wide[i], wb);
+        TU_CHECK(wide[i] == wb || (!exact_nan && isnan(got) && isnan(want)),
+                 "%s 0x%04x -> f32 gave 0x%08x, expected 0x%08x", cpar_dtype_name(h), b[i], wide[i], wb);
     }
     for (int64_t i = 0; i < n32; i++) {
         float f;
@@ -178,8 +178,8 @@ static void cast_bits_case(cpar_ctx *ctx, int half) {
         uint16_t want = half ? cpar_f32_to_f16(f) : cpar_f32_to_bf16(f);
         bool nan_ok = !exact_nan && isnan(f) && (half ? (narrow[i] & 0x7c00u) == 0x7c00u && (narrow[i] & 0x3ffu)
                                                       : (narrow[i] & 0x7f80u) == 0x7f80u && (narrow[i] & 0x7fu));
-        ck_assert_msg(narrow[i] == want || nan_ok, "f32 0x%08x -> %s gave 0x%04x, expected 0x%04x", u[i], cpar_dtype_name(h),
-                      narrow[i], want);
+        TU_CHECK(narrow[i] == want || nan_ok, "f32 0x%08x -> %s gave 0x%04x, expected 0x%04x", u[i], cpar_dtype_name(h),
+                 narrow[i], want);
     }
     free(b);
     free(u);
@@ -321,7 +321,7 @@ static void gelu_run_f32(cpar_ctx *ctx, const float *xs, int64_t n, float **y, f
 }
 
 /* Large and special inputs (F32), past the [-4, 4) of the random cases: where
- * tanh saturates (the host's clamps its argument at 9.5), infinities and NaN,
+ * tanh saturates (the host's exp clamps its argument at 43), infinities and NaN,
  * against the fp64 reference; NaN where the reference is NaN (gelu(-inf) is
  * -inf * 0). The backward skips +-1e30, where x * x overflows fp32 and the
  * formula gives 0 * inf as PyTorch's does. */
@@ -381,16 +381,77 @@ static void gelu_dense_case(cpar_ctx *ctx, int unused) {
         const double wg = h + 2.0 * x * E * h * h * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x);
         const double bound = 1e-6 * (1.0 + fabs(u));
         if (fabs(wy) >= 1e-33)
-            ck_assert_msg(fabs(y[i] - wy) <= bound * fabs(wy), "gelu(%.9g) = %.9g, expected %.9g (relative)", x,
-                          (double)y[i], wy);
+            TU_CHECK(fabs(y[i] - wy) <= bound * fabs(wy), "gelu(%.9g) = %.9g, expected %.9g (relative)", x,
+                     (double)y[i], wy);
         if (fabs(wg) + h >= 1e-33)
-            ck_assert_msg(fabs(g[i] - wg) <= bound * (fabs(wg) + h), "gelu'(%.9g) = %.9g, expected %.9g (relative)",
-                          x, (double)g[i], wg);
+            TU_CHECK(fabs(g[i] - wg) <= bound * (fabs(wg) + h), "gelu'(%.9g) = %.9g, expected %.9g (relative)", x,
+                     (double)g[i], wg);
     }
     free(xs), free(y), free(g);
 }
 
 START_TEST(test_gelu_dense) { run_op(gelu_dense_case, 0); }
+END_TEST
+
+/* Every value of a 16-bit dtype (F16, BF16: all 65536 bit patterns, NaN and
+ * infinities included), forward and backward with random dy, in place and
+ * not: each output must have exactly the bits of the F32 call on the same
+ * values, rounded, or be a NaN where that is one (CUDA's conversions give
+ * one NaN for all) (the host computes 16-bit GeLU through a table made from
+ * its F32 computation, one per dtype: both run in one process here, on
+ * three ranks at once, which race to build it; the kernel widens and
+ * rounds). The F32 results are checked against fp64 by the tests above. */
+static bool nan16(uint16_t b, cpar_dtype dt) { return (b & 0x7fffu) > (dt == CPAR_F16 ? 0x7c00u : 0x7f80u); }
+
+static void gelu_all16_dtype(cpar_ctx *ctx, int d) {
+    const cpar_dtype dt = d ? CPAR_F16 : CPAR_BF16;
+    enum { N = 1 << 16 };
+    const int64_t shape[1] = {N};
+    uint16_t *x16 = malloc(N * sizeof *x16), *dy16 = malloc(N * sizeof *dy16);
+    float *xs = malloc(N * sizeof *xs), *dys = malloc(N * sizeof *dys);
+    tu_fill_random(dy16, dt, N, 41 + (uint64_t)d);
+    for (int i = 0; i < N; i++) { /* bit patterns in a scrambled order, so no block is all alike */
+        x16[i] = (uint16_t)((uint32_t)i * 40503u);
+        xs[i] = d ? cpar_f16_to_f32(x16[i]) : cpar_bf16_to_f32(x16[i]);
+        dys[i] = d ? cpar_f16_to_f32(dy16[i]) : cpar_bf16_to_f32(dy16[i]);
+    }
+    cpar_tensor fx = tu_upload(ctx, xs, CPAR_F32, 1, shape), fdy = tu_upload(ctx, dys, CPAR_F32, 1, shape);
+    cpar_tensor fy = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape), fdx = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape);
+    TU_OK(cpar_gelu_forward(ctx, &fx, &fy));
+    TU_OK(cpar_gelu_backward(ctx, &fx, &fdy, &fdx));
+    float *wy = tu_download(ctx, &fy), *wdx = tu_download(ctx, &fdx);
+    for (int in_place = 0; in_place < 2; in_place++) {
+        cpar_tensor tx = tu_upload(ctx, x16, dt, 1, shape), tdy = tu_upload(ctx, dy16, dt, 1, shape);
+        cpar_tensor ty = tu_alloc_poisoned(ctx, dt, 1, shape), tdx = tu_alloc_poisoned(ctx, dt, 1, shape);
+        TU_OK(cpar_gelu_backward(ctx, &tx, &tdy, in_place ? &tdy : &tdx));
+        TU_OK(cpar_gelu_forward(ctx, &tx, in_place ? &tx : &ty));
+        uint16_t *gy = tu_download(ctx, in_place ? &tx : &ty), *gdx = tu_download(ctx, in_place ? &tdy : &tdx);
+        for (int i = 0; i < N; i++) {
+            const uint16_t ey = d ? cpar_f32_to_f16(wy[i]) : cpar_f32_to_bf16(wy[i]);
+            const uint16_t edx = d ? cpar_f32_to_f16(wdx[i]) : cpar_f32_to_bf16(wdx[i]);
+            TU_CHECK(gy[i] == ey || (nan16(ey, dt) && nan16(gy[i], dt)),
+                     "%s gelu(0x%04x = %g) = 0x%04x, expected 0x%04x (in place %d)", cpar_dtype_name(dt), x16[i],
+                     (double)xs[i], gy[i], ey, in_place);
+            TU_CHECK(gdx[i] == edx || (nan16(edx, dt) && nan16(gdx[i], dt)),
+                     "%s gelu'(0x%04x = %g) * %g = 0x%04x, expected 0x%04x (in place %d)", cpar_dtype_name(dt),
+                     x16[i], (double)xs[i], (double)dys[i], gdx[i], edx, in_place);
+        }
+        free(gy), free(gdx);
+        free_tensor(ctx, &tx), free_tensor(ctx, &tdy), free_tensor(ctx, &ty), free_tensor(ctx, &tdx);
+    }
+    free(x16), free(dy16), free(xs), free(dys), free(wy), free(wdx);
+    free_tensor(ctx, &fx), free_tensor(ctx, &fdy), free_tensor(ctx, &fy), free_tensor(ctx, &fdx);
+}
+
+static void gelu_all16_case(cpar_ctx *ctx, int first) {
+    gelu_all16_dtype(ctx, first);
+    gelu_all16_dtype(ctx, !first);
+}
+
+START_TEST(test_gelu_all16) {
+    op_job j = {gelu_all16_case, _i};
+    TU_OK(tu_spawn(3, rank_op, &j));
+}
 END_TEST
 
 static void gelu_bad_case(cpar_ctx *ctx, int unused) {
@@ -681,6 +742,7 @@ Suite *suite(void) {
         {"gelu_finite_differences", test_gelu_finite_differences, 1},
         {"gelu_special", test_gelu_special, 1},
         {"gelu_dense", test_gelu_dense, 1},
+        {"gelu_all16", test_gelu_all16, 2},
         {"gelu_bad_input", test_gelu_bad_input, 1},
         {"bad_input", test_bad_input, 1},
     };
