@@ -1259,40 +1259,56 @@ CPAR__INLINE void cpar__blk_sum(double *acc, const float *a, const float *b, int
     for (int k = 0; k < n; k++) acc[k % CPAR__LANES] += b ? (double)a[k] * (double)b[k] : (double)a[k];
 }
 
-/* A norm's row sums: s[0..CPAR__LANES) += the sum of a[k]^2 and, with g,
- * c[...] += the sum of (g[k] * w[k]) * a[k], k < n, term k into lane k mod
- * CPAR__LANES. A full block adds each lane's terms in fp32 in runs of
- * CPAR__PART / CPAR__LANES = 8, then each run into the lane's fp64 sum. A
- * GPU thread of the norm kernel adds h / 256 terms in fp32, then an fp32
- * tree, so this is at least as accurate (a run of 8 non-negative terms is
- * within 8 ulps), and a term costs one fp32 multiply and add: widening
- * every term to fp64 made the first pass of a norm 1.6x slower. No fma: the
- * same bits on every ISA. The tail adds in fp64 directly. */
-#define CPAR__PART 128
-CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *g, const float *w, int n) {
+/* cpar__blk_sum in fp32 runs, for the row sums of a norm or a cross
+ * entropy, which a kernel makes in fp32: acc[0..CPAR__LANES) += the sum of
+ * a[k] * b[k] (b NULL: of a[k]), term k into lane k mod CPAR__LANES; a full
+ * block adds each lane's terms in fp32 in runs of CPAR__RUN, then each run
+ * into the lane's fp64 sum; the tail adds in fp64 directly. A GPU thread
+ * of those kernels adds its terms in fp32, then an fp32 tree: this is at
+ * least as accurate (a run of 8 non-negative terms is within 8 ulps). A
+ * term costs an fp32 multiply and add; widening each to fp64 made a norm's
+ * backward 1.25x and a cross entropy's forward 1.1x slower. No fma: the
+ * same bits on every ISA. */
+#define CPAR__RUN 8
+CPAR__INLINE void cpar__blk_sum_runs(double *acc, const float *a, const float *b, int n) {
     if (n == CPAR__BLK) { /* the lanes as two 8-lane halves, which gcc keeps in registers */
-        for (int p = 0; p < CPAR__BLK; p += CPAR__PART) {
+        for (int p = 0; p < CPAR__BLK; p += CPAR__RUN * CPAR__LANES) {
+            float l0[8] = {0}, l1[8] = {0};
+            if (b)
+                for (int k = p; k < p + CPAR__RUN * CPAR__LANES; k += 16) {
+                    for (int j = 0; j < 8; j++) l0[j] += a[k + j] * b[k + j];
+                    for (int j = 0; j < 8; j++) l1[j] += a[k + 8 + j] * b[k + 8 + j];
+                }
+            else
+                for (int k = p; k < p + CPAR__RUN * CPAR__LANES; k += 16) {
+                    for (int j = 0; j < 8; j++) l0[j] += a[k + j];
+                    for (int j = 0; j < 8; j++) l1[j] += a[k + 8 + j];
+                }
+            for (int j = 0; j < 8; j++) acc[j] += l0[j], acc[8 + j] += l1[j];
+        }
+        return;
+    }
+    for (int k = 0; k < n; k++) acc[k % CPAR__LANES] += b ? (double)a[k] * (double)b[k] : (double)a[k];
+}
+
+/* cpar__blk_sum_runs(s, a, a, n) and cpar__blk_sum_runs(c, gw, a, n) in one
+ * pass (a is loaded once), gw[k] = g[k] * w[k] rounded to fp32: the
+ * backward of a norm. */
+CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *g, const float *w, int n) {
+    if (n == CPAR__BLK) {
+        for (int p = 0; p < CPAR__BLK; p += CPAR__RUN * CPAR__LANES) {
             float s0[8] = {0}, s1[8] = {0}, c0[8] = {0}, c1[8] = {0};
-            if (g) { /* one loop for both sums: a is loaded once */
-                for (int k = p; k < p + CPAR__PART; k += 16) {
-                    for (int j = 0; j < 8; j++) s0[j] += a[k + j] * a[k + j], c0[j] += g[k + j] * w[k + j] * a[k + j];
-                    for (int j = 8; j < 16; j++) s1[j - 8] += a[k + j] * a[k + j], c1[j - 8] += g[k + j] * w[k + j] * a[k + j];
-                }
-                for (int j = 0; j < 8; j++) c[j] += c0[j], c[8 + j] += c1[j];
-            } else {
-                for (int k = p; k < p + CPAR__PART; k += 16) {
-                    for (int j = 0; j < 8; j++) s0[j] += a[k + j] * a[k + j];
-                    for (int j = 8; j < 16; j++) s1[j - 8] += a[k + j] * a[k + j];
-                }
+            for (int k = p; k < p + CPAR__RUN * CPAR__LANES; k += 16) {
+                for (int j = 0; j < 8; j++) s0[j] += a[k + j] * a[k + j], c0[j] += g[k + j] * w[k + j] * a[k + j];
+                for (int j = 8; j < 16; j++) s1[j - 8] += a[k + j] * a[k + j], c1[j - 8] += g[k + j] * w[k + j] * a[k + j];
             }
-            for (int j = 0; j < 8; j++) s[j] += s0[j], s[8 + j] += s1[j];
+            for (int j = 0; j < 8; j++) s[j] += s0[j], s[8 + j] += s1[j], c[j] += c0[j], c[8 + j] += c1[j];
         }
         return;
     }
     for (int k = 0; k < n; k++) {
         const double v = a[k];
-        s[k % CPAR__LANES] += v * v;
-        if (g) c[k % CPAR__LANES] += (double)(g[k] * w[k]) * v;
+        s[k % CPAR__LANES] += v * v, c[k % CPAR__LANES] += (double)(g[k] * w[k]) * v;
     }
 }
 
@@ -8655,8 +8671,8 @@ static cpar_status cpar__xent_check(cpar_group *tp, const char *fn, const cpar_t
  * L1-sized block of a row gives its max, the running max m moves up to it
  * (the sum so far rescaled by e^(m_old - m) in fp64), then the block adds
  * e^(z - m) (cpar__expf; a logit equal to m adds exactly 1, also when m is
- * infinite) into fp64 lanes, and z into the label-smoothing sum. NaN logits
- * never become the max (fmaxf's rule) and make the sum NaN. */
+ * infinite) into lanes (cpar__blk_sum_runs), and z into the label-smoothing
+ * sum. NaN logits never become the max (fmaxf's rule) and make the sum NaN. */
 CPAR__INLINE void cpar__host_xent_local_body(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt,
                                              int64_t rows, int64_t cols, int64_t first, int64_t vocab, bool smooth,
                                              float *m_loc, float *part, bool fused) {
@@ -8686,8 +8702,8 @@ CPAR__INLINE void cpar__host_xent_local_body(const void *logits, cpar_dtype dt, 
                              const float e = cpar__expf(z[j] - m, fused);
                              eb[j] = cpar__bits_f32(cpar__pick(z[j] == m, cpar__f32_bits(1.0f), cpar__f32_bits(e)));
                          }
-                     cpar__blk_sum(sum, eb, NULL, n);
-                     if (smooth) cpar__blk_sum(zsum, z, NULL, n);)
+                     cpar__blk_sum_runs(sum, eb, NULL, n);
+                     if (smooth) cpar__blk_sum_runs(zsum, z, NULL, n);)
         m_loc[r] = m;
         part[r] = (float)cpar__lanes_sum(sum);
         part[rows + r] = t < 0 || t >= vocab ? NAN : t >= first && t < first + cols ? cpar__load_f(logits, dt, base + t - first) : 0.f;
@@ -12449,7 +12465,7 @@ cpar_status cpar_mamba_cp_conv1d_backward(cpar_mamba_cp *m, const cpar_tensor *x
 
 /* The host twin of cpar_dev_rmsnorm: the same rounding points (the residual
  * sum is rounded to dt before the norm reads it), fp32 math except the row's
- * sum of squares, whose runs of 8 fp32 terms add in fp64 (cpar__blk_sum2): a
+ * sum of squares, in fp32 runs added in fp64 (cpar__blk_sum_runs): a
  * sequential fp32 sum of h terms drifts by ~sqrt(h) ulps, more than the
  * kernel's tree of partial sums does. Two passes over a row, the second
  * from cache. A 16-bit row of at most CPAR__ROW elements is widened once:
@@ -12474,7 +12490,7 @@ CPAR__INLINE void cpar__host_rmsnorm_body(void *x, const void *add, const void *
                          cpar__blk_out(x, dt, r0 + j0, o, n);
                          xp = cpar__blk_in(xw, x, dt, r0 + j0, n);
                      }
-                     cpar__blk_sum2(ss, NULL, xp, NULL, NULL, n);)
+                     cpar__blk_sum_runs(ss, xp, xp, n);)
         const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
         CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
