@@ -1644,7 +1644,7 @@ CPAR__VARIANTS_FMA(cpar__host_gelu, (const void *x, const void *dy, void *out, c
  * no wait, and a child forked mid-build computes directly for good. */
 #define CPAR__GELU_LUT (1 << 16)
 typedef struct {
-    uint16_t y[CPAR__GELU_LUT];
+    uint16_t y[CPAR__GELU_LUT + 2]; /* + 2: a gather of 32 bits at the last entry */
     float d[CPAR__GELU_LUT];
 } cpar__gelu_lut;
 static cpar__gelu_lut cpar__gelu_luts[2]; /* BF16, F16 */
@@ -1672,16 +1672,43 @@ static const cpar__gelu_lut *cpar__gelu_lut_get(cpar_dtype dt) {
     return t;
 }
 
+/* o16[k] = y[x[k]] for k < n (o16 may be x). The AVX2 version gathers 8
+ * entries an instruction, 1.4x the scalar loop's rate here; it returns how
+ * many it did, a multiple of 16, and the caller does the rest. (A gather
+ * of fp32 entries was slower than the scalar loads that gcc vectorises
+ * the backward's lookups into.) */
+#ifdef CPAR__X86_KERNELS
+__attribute__((target("avx2"))) static int64_t cpar__lut16_avx2(const uint16_t *y, const uint16_t *x, uint16_t *o16,
+                                                                int64_t n) {
+    const __m256i low = _mm256_set1_epi32(0xffff);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) { /* 32 bits at y + x[k], the low half kept (y has a spare entry at its end) */
+        const __m256i i0 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + i)));
+        const __m256i i1 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + i + 8)));
+        const __m256i g0 = _mm256_and_si256(_mm256_i32gather_epi32((const int *)(const void *)y, i0, 2), low);
+        const __m256i g1 = _mm256_and_si256(_mm256_i32gather_epi32((const int *)(const void *)y, i1, 2), low);
+        _mm256_storeu_si256((__m256i *)(o16 + i), _mm256_permute4x64_epi64(_mm256_packus_epi32(g0, g1), 0xd8));
+    }
+    return i;
+}
+#endif
+static void cpar__lut16(const uint16_t *y, const uint16_t *x, uint16_t *o16, int64_t n) {
+    int64_t i = 0;
+#ifdef CPAR__X86_KERNELS
+    if (cpar__cpu_avx2()) i = cpar__lut16_avx2(y, x, o16, n);
+#endif
+    for (; i < n; i++) o16[i] = y[x[i]];
+}
+
 /* cpar__host_gelu of a 16-bit tensor through its table t. */
 CPAR__INLINE void cpar__host_gelu_lut_body(const cpar__gelu_lut *t, const void *x, const void *dy, void *out,
                                            cpar_dtype dt, int64_t n) {
-    const uint16_t *x16 = x;
     if (!dy) {
-        uint16_t *o16 = out;
-        for (int64_t i = 0; i < n; i++) o16[i] = t->y[x16[i]];
+        cpar__lut16(t->y, x, out, n);
         return;
     }
     float db[CPAR__BLK], gb[CPAR__BLK], ob[CPAR__BLK];
+    const uint16_t *x16 = x;
     CPAR__BLOCKS(n, i0, m, for (int k = 0; k < m; k++) db[k] = t->d[x16[i0 + k]];
                  const float *gp = cpar__blk_in(gb, dy, dt, i0, m);
                  CPAR__IVDEP for (int k = 0; k < m; k++) ob[k] = db[k] * gp[k];
@@ -1690,6 +1717,7 @@ CPAR__INLINE void cpar__host_gelu_lut_body(const cpar__gelu_lut *t, const void *
 CPAR__VARIANTS(cpar__host_gelu_lut,
                (const cpar__gelu_lut *t, const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n),
                (t, x, dy, out, dt, n))
+
 
 /* ---- GEMM on host memory ---------------------------------------------------
  * C (m x n, column-major, ldc) = alpha op(A) op(B) + beta C, cuBLAS's argument
