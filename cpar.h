@@ -946,8 +946,8 @@ cpar_status cpar_gather_1d_chunks(cpar_group *g, const cpar_tensor *chunk, cpar_
  * loss is identical on every rank and equals the tp = 1 loss (the seed's local
  * mean differs between ranks, Megatron issues #7452/#7464). Log-probabilities
  * are formed as z - lse, never log(softmax): a probability that underflows
- * leaves the loss finite. All arithmetic accumulates in fp32 (fp64 on the host
- * path).
+ * leaves the loss finite. All arithmetic accumulates in fp32 (on the host
+ * path, runs of 8 fp32 terms added in fp64).
  *
  * Target values outside [0, V): on host tensors CPAR_ERR_INVALID naming
  * target (checked before any communication, so every rank of tp fails the
