@@ -1235,43 +1235,21 @@ CPAR__INLINE void cpar__blk_prefetch(const void *p, cpar_dtype dt, int64_t i0, i
     for (size_t b = 0; b < (size_t)n * es; b += 64) __builtin_prefetch(c + b);
 }
 
-/* acc[0..CPAR__LANES) += the fp64 sum of a[k] * b[k] (b NULL: of a[k]), k <
- * n, term k into lane k mod CPAR__LANES, in order: a fixed order that
- * vectorises. A full block sums in two local 8-lane halves, which gcc keeps
- * in registers (one 16-lane array stays in memory, its adds chained through
- * stores). The product of two floats is exact in fp64. */
+/* acc[0..CPAR__LANES) += the sum of a[k] * b[k] (b NULL: of a[k]), k < n,
+ * term k into lane k mod CPAR__LANES, in order: a fixed order that
+ * vectorises, the same bits on every ISA (no fma). A full block adds each
+ * lane's terms in fp32 in runs of CPAR__RUN, then each run into the lane's
+ * fp64 sum, the lanes as two local 8-lane halves, which gcc keeps in
+ * registers (one 16-lane array stays in memory, its adds chained through
+ * stores); the tail adds in fp64 directly. Its callers' sums (a norm's, a
+ * cross entropy's, attention's D) are made in fp32 by the kernels, a
+ * thread's terms in turn and then a tree: this is at least as accurate (a
+ * run of 8 non-negative terms is within 8 ulps). A term costs an fp32
+ * multiply and add; widening each to fp64 made a norm's backward 1.25x and
+ * a cross entropy's forward 1.1x slower. */
+#define CPAR__RUN 8
 CPAR__INLINE void cpar__blk_sum(double *acc, const float *a, const float *b, int n) {
     if (n == CPAR__BLK) {
-        double l0[8] = {0}, l1[8] = {0};
-        if (b)
-            for (int k = 0; k < CPAR__BLK; k += 16) {
-                for (int j = 0; j < 8; j++) l0[j] += (double)a[k + j] * (double)b[k + j];
-                for (int j = 0; j < 8; j++) l1[j] += (double)a[k + 8 + j] * (double)b[k + 8 + j];
-            }
-        else
-            for (int k = 0; k < CPAR__BLK; k += 16) {
-                for (int j = 0; j < 8; j++) l0[j] += (double)a[k + j];
-                for (int j = 0; j < 8; j++) l1[j] += (double)a[k + 8 + j];
-            }
-        for (int j = 0; j < 8; j++) acc[j] += l0[j], acc[8 + j] += l1[j];
-        return;
-    }
-    for (int k = 0; k < n; k++) acc[k % CPAR__LANES] += b ? (double)a[k] * (double)b[k] : (double)a[k];
-}
-
-/* cpar__blk_sum in fp32 runs, for the row sums of a norm or a cross
- * entropy, which a kernel makes in fp32: acc[0..CPAR__LANES) += the sum of
- * a[k] * b[k] (b NULL: of a[k]), term k into lane k mod CPAR__LANES; a full
- * block adds each lane's terms in fp32 in runs of CPAR__RUN, then each run
- * into the lane's fp64 sum; the tail adds in fp64 directly. A GPU thread
- * of those kernels adds its terms in fp32, then an fp32 tree: this is at
- * least as accurate (a run of 8 non-negative terms is within 8 ulps). A
- * term costs an fp32 multiply and add; widening each to fp64 made a norm's
- * backward 1.25x and a cross entropy's forward 1.1x slower. No fma: the
- * same bits on every ISA. */
-#define CPAR__RUN 8
-CPAR__INLINE void cpar__blk_sum_runs(double *acc, const float *a, const float *b, int n) {
-    if (n == CPAR__BLK) { /* the lanes as two 8-lane halves, which gcc keeps in registers */
         for (int p = 0; p < CPAR__BLK; p += CPAR__RUN * CPAR__LANES) {
             float l0[8] = {0}, l1[8] = {0};
             if (b)
@@ -1291,7 +1269,7 @@ CPAR__INLINE void cpar__blk_sum_runs(double *acc, const float *a, const float *b
     for (int k = 0; k < n; k++) acc[k % CPAR__LANES] += b ? (double)a[k] * (double)b[k] : (double)a[k];
 }
 
-/* cpar__blk_sum_runs(s, a, a, n) and cpar__blk_sum_runs(c, gw, a, n) in one
+/* cpar__blk_sum(s, a, a, n) and cpar__blk_sum(c, gw, a, n) in one
  * pass (a is loaded once), gw[k] = g[k] * w[k] rounded to fp32: the
  * backward of a norm. */
 CPAR__INLINE void cpar__blk_sum2(double *s, double *c, const float *a, const float *g, const float *w, int n) {
@@ -8699,7 +8677,7 @@ static cpar_status cpar__xent_check(cpar_group *tp, const char *fn, const cpar_t
  * L1-sized block of a row gives its max, the running max m moves up to it
  * (the sum so far rescaled by e^(m_old - m) in fp64), then the block adds
  * e^(z - m) (cpar__expf; a logit equal to m adds exactly 1, also when m is
- * infinite) into lanes (cpar__blk_sum_runs), and z into the label-smoothing
+ * infinite) into lanes (cpar__blk_sum), and z into the label-smoothing
  * sum. NaN logits never become the max (fmaxf's rule) and make the sum NaN. */
 CPAR__INLINE void cpar__host_xent_local_body(const void *logits, cpar_dtype dt, const void *target, cpar_dtype tdt,
                                              int64_t rows, int64_t cols, int64_t first, int64_t vocab, bool smooth,
@@ -8730,8 +8708,8 @@ CPAR__INLINE void cpar__host_xent_local_body(const void *logits, cpar_dtype dt, 
                              const float e = cpar__expf(z[j] - m, fused);
                              eb[j] = cpar__bits_f32(cpar__pick(z[j] == m, cpar__f32_bits(1.0f), cpar__f32_bits(e)));
                          }
-                     cpar__blk_sum_runs(sum, eb, NULL, n);
-                     if (smooth) cpar__blk_sum_runs(zsum, z, NULL, n);)
+                     cpar__blk_sum(sum, eb, NULL, n);
+                     if (smooth) cpar__blk_sum(zsum, z, NULL, n);)
         m_loc[r] = m;
         part[r] = (float)cpar__lanes_sum(sum);
         part[rows + r] = t < 0 || t >= vocab ? NAN : t >= first && t < first + cols ? cpar__load_f(logits, dt, base + t - first) : 0.f;
@@ -10376,7 +10354,7 @@ static cpar_status cpar__host_attn_fwd(cpar_ctx *ctx, const char *fn, const cpar
     return CPAR_OK;
 }
 
-/* D_i = dout_i · out_i (fp64 sums in cpar__blk_sum's fixed order) for the
+/* D_i = dout_i · out_i (sums in cpar__blk_sum's fixed order) for the
  * n rows of d elements at off (16-bit rows widened a block at a time). */
 static void cpar__attn_bwd_delta(const void *out, const void *dout, cpar_dtype dt, int64_t off, int64_t n, int64_t d,
                                  float *D) {
@@ -12493,7 +12471,7 @@ cpar_status cpar_mamba_cp_conv1d_backward(cpar_mamba_cp *m, const cpar_tensor *x
 
 /* The host twin of cpar_dev_rmsnorm: the same rounding points (the residual
  * sum is rounded to dt before the norm reads it), fp32 math except the row's
- * sum of squares, in fp32 runs added in fp64 (cpar__blk_sum_runs): a
+ * sum of squares, in fp32 runs added in fp64 (cpar__blk_sum): a
  * sequential fp32 sum of h terms drifts by ~sqrt(h) ulps, more than the
  * kernel's tree of partial sums does. Two passes over a row, the second
  * from cache. A 16-bit row of at most CPAR__ROW elements is widened once:
@@ -12518,7 +12496,7 @@ CPAR__INLINE void cpar__host_rmsnorm_body(void *x, const void *add, const void *
                          cpar__blk_out(x, dt, r0 + j0, o, n);
                          xp = cpar__blk_in(xw, x, dt, r0 + j0, n);
                      }
-                     cpar__blk_sum_runs(ss, xp, xp, n);)
+                     cpar__blk_sum(ss, xp, xp, n);)
         const float inv = 1.f / sqrtf((float)(cpar__lanes_sum(ss) / (double)h) + eps);
         CPAR__BLOCKS(h, j0, n, const float *xp = cached ? xr + j0 : cpar__blk_in(xb, x, dt, r0 + j0, n);
                      const float *wp = cached ? wr + j0 : cpar__blk_in(wb, w, dt, j0, n);
