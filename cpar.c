@@ -14,7 +14,7 @@
  *    3. Data types and tensors      dtype table, fp16/bf16 bits, tensor helpers
  *    4. Device dispatch             host-only device layer, workspace, copies
  *    5. Host reference kernels      vector blocks, expf, row max/scale/softmax-gradient, streaming copy,
- *                                   GEMM (CPAR_HOST_THREADS pool); fill, cast, axpby, reduce, gelu
+ *                                   GEMM (CPAR_HOST_THREADS pool); fill, cast, axpby, reduce, gelu (+ table)
  *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
  *    7. Rendezvous store and env    launch environment, TCP key-value store (job token, limits), join
  *    8. Host backend                rendezvous with deadlines; every rank moves its share of a collective;
@@ -1115,17 +1115,19 @@ cpar_status cpar_tensor_copy(cpar_ctx *ctx, const cpar_tensor *src, cpar_tensor 
 /* ==== 5. Host reference kernels ==========================================
  * The loops that define what each CUDA kernel must compute; they run the
  * host backend and are the references of the sim tests. Float math in fp32
- * (row reductions accumulate in fp64 here: the reference must be at least as
- * accurate as the kernel). The memory-bound ones (fill, cast, axpby, gelu;
- * sections 16 and 21 reuse the machinery) make one pass over memory at
- * machine speed: CPAR__BLOCKS cuts the data into L1-sized blocks, a 16-bit
- * block is widened into an fp32 stack buffer once per block (no per-element
- * dtype switch), the math runs in fixed-count loops that gcc -O2 vectorises,
- * and results are narrowed on the way out. On x86-64 the kernels that gain
- * from it (exp, fmaf) also come in an AVX2+FMA twin chosen at run time
- * (CPAR__VARIANTS); it computes the same bits, except that its exp
- * evaluates its polynomial with FMAs (cpar__exp_reduced: the last bit may
- * differ, within the same error bound). Uses: 3. */
+ * (row reductions accumulate in fp64 here, or in fp32 runs added in fp64:
+ * the reference must be at least as accurate as the kernel). The
+ * memory-bound ones (fill, cast, axpby, gelu, whose 16-bit form looks its
+ * results up in a table; sections 16 and 21 reuse the machinery) make one
+ * pass over memory at machine speed: CPAR__BLOCKS cuts the data into
+ * L1-sized blocks, a 16-bit block is widened into an fp32 stack buffer once
+ * per block (no per-element dtype switch), the math runs in fixed-count
+ * loops that gcc -O2 vectorises, and results are narrowed on the way out.
+ * On x86-64 the kernels that gain from it (exp, fmaf) also come in an
+ * AVX2+FMA twin chosen at run time (CPAR__VARIANTS); it computes the same
+ * bits, except that its exp evaluates its polynomial with FMAs
+ * (cpar__exp_reduced: the last bit may differ, within the same error
+ * bound). Uses: 3. */
 
 static float cpar__load_f(const void *p, cpar_dtype dt, int64_t i) {
     switch (dt) {
@@ -1617,7 +1619,7 @@ CPAR__VARIANTS_FMA(cpar__host_gelu, (const void *x, const void *dy, void *out, c
  * forward's output, and the backward's dy * gelu'(x) rounded. It saves the
  * exp and the division that bound a 16-bit call at a quarter of memory
  * speed. 384 KiB per dtype, zero pages until that dtype's GeLU first runs
- * on the host. The first caller builds it (~0.2 ms); a caller that finds
+ * on the host. The first caller builds it (0.7 ms); a caller that finds
  * it being built computes directly instead, with the same bits: no lock,
  * no wait, and a child forked mid-build computes directly for good. */
 #define CPAR__GELU_LUT (1 << 16)
@@ -1695,7 +1697,6 @@ CPAR__INLINE void cpar__host_gelu_lut_body(const cpar__gelu_lut *t, const void *
 CPAR__VARIANTS(cpar__host_gelu_lut,
                (const cpar__gelu_lut *t, const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n),
                (t, x, dy, out, dt, n))
-
 
 /* ---- GEMM on host memory ---------------------------------------------------
  * C (m x n, column-major, ldc) = alpha op(A) op(B) + beta C, cuBLAS's argument
