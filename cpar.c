@@ -2170,8 +2170,10 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
         return CPAR_OK;
     }
 #endif
-    static cpar__gemm_kernel K; /* set once; every thread writes the same value */
-    if (!K.run) K = cpar__gemm_kernel_pick();
+    /* Picked per call (an atomic load). A static set lazily on first use was
+     * a data race between ranks: one could see the kernel's pointer before
+     * its tile sizes and divide by a zero mr. */
+    const cpar__gemm_kernel K = cpar__gemm_kernel_pick();
     const int64_t mcap = cpar__min64(CPAR__GEMM_MC, (m + K.mr - 1) / K.mr * K.mr);
     const int64_t ncap = cpar__min64(CPAR__GEMM_NC, (n + K.nr - 1) / K.nr * K.nr), kcap = cpar__min64(CPAR__GEMM_KC, k);
     /* CPAR_HOST_THREADS: chunks of whole micro-tiles along the larger of m and n */
