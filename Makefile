@@ -10,6 +10,7 @@
 #   make demo         the main job (examples/train.c): train a byte-level GPT with tp x cp (x dp)
 #   make collectives  a tour of the raw collectives on a tp x cp grid (examples/collectives.c)
 #   make bench        benchmarks (bench/)
+#   make gpu-check    the one-shot check of a GPU machine (tools/gpu_check.sh; --prepare and --rehearse there)
 #   make check-dropin  build the README's copy-three-files command lines in a temporary directory
 #   make check-install make install into a temporary DESTDIR, then build a program with pkg-config
 #   make install      PREFIX=/usr/local DESTDIR= SHARED=1 (also libcpar.so); make uninstall
@@ -37,16 +38,52 @@ cpar_version_part = $(shell sed -n 's/^[#]define CPAR_VERSION_$(1) *\([0-9][0-9]
 VERSION_MAJOR := $(call cpar_version_part,MAJOR)
 VERSION  := $(VERSION_MAJOR).$(call cpar_version_part,MINOR).$(call cpar_version_part,PATCH)
 
+# NCCL and cuBLAS: with CUDA or in /usr, or where NCCL_HOME and CUBLAS_HOME
+# say (DIR/include and DIR/lib, as in NCCL's tarball or the pip wheels:
+# nvidia-nccl-cu13's nvidia/nccl, nvidia-cublas's nvidia/cu13). A library
+# there without its unversioned link (the wheels ship libnccl.so.2 and
+# libcublas.so.13 alone) is linked by its soname.
+ifdef NCCL_HOME
+  NCCL_INC := $(wildcard $(NCCL_HOME)/include/nccl.h)
+  ifeq ($(NCCL_INC),)
+    $(error cpar: NCCL_HOME=$(NCCL_HOME) has no include/nccl.h)
+  endif
+  NCCL_LIBDIR := $(NCCL_HOME)/lib
+else
+  NCCL_INC := $(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h /usr/local/include/nccl.h))
+  NCCL_LIBDIR := $(patsubst %/,%,$(dir $(firstword $(wildcard $(CUDA_HOME)/lib64/libnccl.so $(CUDA_HOME)/lib/libnccl.so \
+                   /usr/lib/x86_64-linux-gnu/libnccl.so /usr/lib/aarch64-linux-gnu/libnccl.so /usr/local/lib/libnccl.so))))
+  NCCL_LIBDIR := $(filter-out $(CUDA_HOME)/lib64 /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu,$(NCCL_LIBDIR))
+endif
+CUBLAS_LIBDIR := $(if $(CUBLAS_HOME),$(CUBLAS_HOME)/lib)
+# -lNAME, or -l:libNAME.so.SOVER when DIR has only the versioned file.
+cpar_lib_flag = $(if $(and $(2),$(wildcard $(2)/lib$(1).so.*),$(if $(wildcard $(2)/lib$(1).so),,1)),-l:$(notdir \
+                  $(firstword $(wildcard $(2)/lib$(1).so.*))),-l$(1))
+DEV_INCS := $(if $(NCCL_HOME),-isystem $(NCCL_HOME)/include) $(if $(CUBLAS_HOME),-isystem $(CUBLAS_HOME)/include)
+
+# make demo builds only what it runs: with no GPU visible it runs on the host
+# backend, so it builds the host mode and never calls nvcc; with one, the
+# CUDA mode for the local GPUs (below). CPAR_CUDA on the command line wins.
+GPU_QUERY = { nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null || \
+              $(CUDA_HOME)/bin/__nvcc_device_query 2>/dev/null; } | tr -d . | tr ', ' '\n\n' | grep -E '^[0-9]+$$' | sort -un
+ifeq ($(MAKECMDGOALS)$(origin CPAR_CUDA),demoundefined)
+  ifeq ($(strip $(shell $(GPU_QUERY))),)
+    CPAR_CUDA := 0
+    CUDA_WHY  := no GPU visible: make demo runs on the host backend and compiles no CUDA code
+  endif
+endif
+
 # CUDA is used when nvcc and nccl.h are both found (override with CPAR_CUDA=0/1).
-NCCL_INC := $(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h /usr/local/include/nccl.h))
-CUDA_WHY := CPAR_CUDA=$(CPAR_CUDA)
+CUDA_WHY ?= CPAR_CUDA=$(CPAR_CUDA)
 ifeq ($(origin CPAR_CUDA),undefined)
   CPAR_CUDA := $(if $(and $(wildcard $(NVCC)),$(NCCL_INC)),1,0)
-  CUDA_WHY  := $(if $(wildcard $(NVCC)),$(if $(NCCL_INC),,nccl.h not found in $(CUDA_HOME)/include$(comma) /usr/include or /usr/local/include),nvcc not found at $(NVCC); set CUDA_HOME)
+  CUDA_WHY  := $(if $(wildcard $(NVCC)),$(if $(NCCL_INC),,nccl.h not found in $(CUDA_HOME)/include$(comma) /usr/include or /usr/local/include; set NCCL_HOME),nvcc not found at $(NVCC); set CUDA_HOME)
 endif
-NCCL_LIBDIR := $(patsubst %/,%,$(dir $(firstword $(wildcard $(CUDA_HOME)/lib64/libnccl.so $(CUDA_HOME)/lib/libnccl.so \
-                 /usr/lib/x86_64-linux-gnu/libnccl.so /usr/lib/aarch64-linux-gnu/libnccl.so /usr/local/lib/libnccl.so))))
-NCCL_LIBDIR := $(filter-out $(CUDA_HOME)/lib64 /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu,$(NCCL_LIBDIR))
+# A CUDA build that was asked for and cannot find NCCL stops here, loudly,
+# rather than building something else.
+ifeq ($(CPAR_CUDA)$(NCCL_INC),1)
+  $(error cpar: CPAR_CUDA=1 but nccl.h is not in $(CUDA_HOME)/include$(comma) /usr/include or /usr/local/include: set NCCL_HOME=DIR (DIR/include/nccl.h$(comma) DIR/lib/libnccl.so*))
+endif
 
 # GPU architectures (CUDA builds only). The kernels need sm_80 or newer
 # (mma.sync on bf16, cp.async). By default: the local GPUs when there are any
@@ -58,8 +95,7 @@ NCCL_LIBDIR := $(filter-out $(CUDA_HOME)/lib64 /usr/lib/x86_64-linux-gnu /usr/li
 ifeq ($(CPAR_CUDA),1)
   NVCC_CODES := $(filter-out 1 2 3% 4% 5% 6% 7%,$(shell $(NVCC) --list-gpu-code 2>/dev/null | sed -n 's/^sm_\([0-9][0-9]*\)$$/\1/p'))
   ifeq ($(origin CUDA_ARCH),undefined)
-    LOCAL_ARCH := $(filter $(NVCC_CODES),$(shell { nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null || \
-                    $(CUDA_HOME)/bin/__nvcc_device_query 2>/dev/null; } | tr -d . | tr ', ' '\n\n' | grep -E '^[0-9]+$$' | sort -un))
+    LOCAL_ARCH := $(filter $(NVCC_CODES),$(shell $(GPU_QUERY)))
     FAT_ARCH   := $(shell for c in $(NVCC_CODES); do echo $$c; done | \
                     awk '{ m = int($$1 / 10); if (!(m in b) || $$1 < b[m]) b[m] = $$1 } END { for (m in b) print b[m] }' | sort -n)
     CUDA_ARCH  := $(or $(LOCAL_ARCH),$(FAT_ARCH),80 90)
@@ -70,10 +106,10 @@ ifeq ($(CPAR_CUDA),1)
   PTX_ARCH := $(lastword $(shell for a in $(CUDA_ARCH); do echo $$a; done | sort -n))
   NVCC_VERSION := $(shell $(NVCC) --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
   NCCL_VERSION := $(if $(NCCL_INC),$(shell sed -n 's/^[#]define NCCL_\(MAJOR\|MINOR\|PATCH\) *\([0-9][0-9]*\).*/\2/p' $(NCCL_INC) | paste -sd.))
-  CPAR_BANNER  := cpar: CUDA build in build/cuda (nvcc $(NVCC_VERSION)$(comma) NCCL $(NCCL_VERSION) found; \
+  CPAR_BANNER   = cpar: CUDA build in $(B)/cuda (nvcc $(NVCC_VERSION)$(comma) NCCL $(NCCL_VERSION) found; \
                   $(ARCH_WHY) $(CUDA_ARCH:%=sm_%) + PTX compute_$(PTX_ARCH))
 else
-  CPAR_BANNER  := cpar: host build in build/host ($(CUDA_WHY))
+  CPAR_BANNER   = cpar: host build in $(B)/host ($(CUDA_WHY))
 endif
 
 # A CBLAS for the host GEMM's F32 products: OpenBLAS or BLIS, found like NCCL
@@ -105,8 +141,9 @@ NVCCFLAGS ?= -O3 -std=c++17 $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),
              -gencode arch=compute_$(PTX_ARCH),code=compute_$(PTX_ARCH) --threads 0 -Xcompiler -Wall,-Wextra -I.
 CHECK_FLAGS := $(shell pkg-config --cflags check 2>/dev/null)
 CHECK_LIBS  := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsubunit -lrt -lm -pthread)
-CUDA_LIBS   := -L$(CUDA_HOME)/lib64 $(if $(NCCL_LIBDIR),-L$(NCCL_LIBDIR)) -lnccl -lcublas -lcudart \
-               -Wl$(comma)-rpath$(comma)$(CUDA_HOME)/lib64 $(if $(NCCL_LIBDIR),-Wl$(comma)-rpath$(comma)$(NCCL_LIBDIR))
+CUDA_LIBS   := $(foreach d,$(NCCL_LIBDIR) $(CUBLAS_LIBDIR),-L$(d)) -L$(CUDA_HOME)/lib64 \
+               $(call cpar_lib_flag,nccl,$(NCCL_LIBDIR)) $(call cpar_lib_flag,cublas,$(CUBLAS_LIBDIR)) -lcudart \
+               $(foreach d,$(NCCL_LIBDIR) $(CUBLAS_LIBDIR) $(CUDA_HOME)/lib64,-Wl$(comma)-rpath$(comma)$(d))
 # -lrt: shm_open (the process-mode host backend) lives in librt before glibc 2.34.
 LIBS        := -pthread -lm -lrt $(BLAS_LIBS)
 
@@ -159,7 +196,7 @@ NCCLSIM_TESTS := $(NCCLSIM_SUITES:%=$(B)/ncclsim/test_%) $(B)/ncclsim/mp_prog
 GPU_TEST   := $(if $(filter 1,$(CPAR_CUDA)),$(B)/cuda/test_gpu)
 TEST_PROGS := $(B)/host/store_prog
 
-.PHONY: all lib test test-host test-sim test-ncclsim test-gpu test-sanitize test-build demo collectives bench plots clean \
+.PHONY: all lib test test-host test-sim test-ncclsim test-gpu test-sanitize test-build demo collectives bench plots clean gpu-check \
         install uninstall check-dropin check-install FORCE
 .SECONDARY: # keep the test objects that several flavours link
 all: lib $(B)/cparrun $(B)/train
@@ -176,8 +213,8 @@ HDR := cpar.h
 # objects built another way.
 $(B)/host/flags $(B)/cuda/flags $(B)/obj/flags: FORCE
 	@mkdir -p $(@D)
-	@echo '$(CC) $(ALL_CFLAGS) $(if $(filter $(B)/cuda/%,$@),$(NVCC) $(NVCCFLAGS))' | cmp -s - $@ || \
-	    echo '$(CC) $(ALL_CFLAGS) $(if $(filter $(B)/cuda/%,$@),$(NVCC) $(NVCCFLAGS))' > $@
+	@echo '$(CC) $(ALL_CFLAGS) $(if $(filter $(B)/cuda/%,$@),$(NVCC) $(NVCCFLAGS) $(DEV_INCS))' | cmp -s - $@ || \
+	    echo '$(CC) $(ALL_CFLAGS) $(if $(filter $(B)/cuda/%,$@),$(NVCC) $(NVCCFLAGS) $(DEV_INCS))' > $@
 
 $(B)/host/cpar.o $(B)/host/pic/cpar.o: cpar.c $(HDR) $(B)/host/flags
 	@mkdir -p $(@D)
@@ -185,13 +222,13 @@ $(B)/host/cpar.o $(B)/host/pic/cpar.o: cpar.c $(HDR) $(B)/host/flags
 
 $(B)/cuda/cpar.o $(B)/cuda/pic/cpar.o: cpar.c $(HDR) $(B)/cuda/flags
 	@mkdir -p $(@D)
-	$(CC) $(ALL_CFLAGS) -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL -isystem $(CUDA_HOME)/include \
+	$(CC) $(ALL_CFLAGS) -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL $(DEV_INCS) -isystem $(CUDA_HOME)/include \
 	    $(if $(filter %/pic/cpar.o,$@),-fPIC) -c $< -o $@
 
 # Position-independent, so libcpar.so reuses it: nvcc is slow, and the
 # kernels' host code is launch wrappers that -fPIC does not slow down.
 $(B)/cuda/cpar_kernels.o: cpar_kernels.cu $(HDR) $(B)/cuda/flags
-	$(NVCC) $(NVCCFLAGS) -Xcompiler -fPIC -c $< -o $@
+	$(NVCC) $(NVCCFLAGS) $(DEV_INCS) -Xcompiler -fPIC -c $< -o $@
 
 $(LIB): $(LIB_OBJS)
 	@rm -f $@
@@ -222,13 +259,19 @@ $(B)/portable/test_%: $(B)/obj/test_%.o $(B)/portable/cpar.o
 	$(CC) $^ -o $@ $(CHECK_LIBS) -pthread -lm -lrt
 
 # ---- sim build -------------------------------------------------------------
+# Position-independent, so they also make build/sim/libcpar_sim.so: the sim
+# build as a shared library, which tools/gpu_check.sh --rehearse loads into
+# Python (tools/gpu_bench.py) as the GPU check loads the CUDA build's.
 $(B)/sim/cpar.o: cpar.c $(HDR) | $(B)/sim
-	$(CC) $(ALL_CFLAGS) -DCPAR_WITH_DEVICE -DCPAR_SIM -c $< -o $@
+	$(CC) $(ALL_CFLAGS) -fPIC -DCPAR_WITH_DEVICE -DCPAR_SIM -c $< -o $@
 
 $(B)/sim/cpar_kernels.o: cpar_kernels.cu tests/cudasim.h $(HDR) | $(B)/sim
-	$(CXX) $(SIM_CXXFLAGS) -x c++ -c $< -o $@
+	$(CXX) $(SIM_CXXFLAGS) -fPIC -x c++ -c $< -o $@
 
 SIM_OBJS := $(B)/sim/cpar.o $(B)/sim/cpar_kernels.o
+
+$(B)/sim/libcpar_sim.so: $(SIM_OBJS)
+	$(CXX) -shared $^ -o $@ $(LIBS)
 
 # ---- tests -----------------------------------------------------------------
 # The headers the C suites share (tests/suite.h also serves the C++ ones).
@@ -312,7 +355,7 @@ $(B)/cuda/test_gpu: $(B)/obj/test_gpu.o $(B)/cuda/libcpar.a | $(B)/cuda
 
 # The programs each flavour's suites need besides the test binaries.
 HOST_PROGS    := $(TEST_PROGS) $(B)/cparrun $(B)/host/lm_check $(B)/train
-SIM_PROGS     := $(B)/sim/lm_check $(B)/sim/train
+SIM_PROGS     := $(B)/sim/lm_check $(B)/sim/train $(B)/sim/libcpar_sim.so
 NCCLSIM_PROGS := $(B)/cparrun $(B)/ncclsim/lm_check $(B)/ncclsim/train
 HOST_PROGS    += $(B)/host/bench # tests/run.sh checks its --csv and --json output
 HOST_PROGS    += $(B)/host/hostmp_prog $(B)/host/mp_prog $(B)/host/train # test_hostmp's jobs
@@ -397,6 +440,12 @@ collectives: $(B)/collectives
 
 bench: $(B)/bench
 	./$(B)/bench
+
+# The one-shot check of a lent GPU machine (tools/gpu_check.sh: probe, a
+# build for its GPU, the GPU suite, a short training run, the bench beside
+# torch, a summary last); make test rehearses it on the simulator builds.
+gpu-check:
+	sh tools/gpu_check.sh
 
 # The host flavour of the bench, for tests/run.sh's check of --csv/--json
 # (in a host-mode make it is the mode's own bench, built above).

@@ -110,6 +110,11 @@ for s in $SIM_SUITES; do suite "sim/$s" "\$B/sim/test_$s" sim; done
 # of the first step's, and lm_check asks for half).
 for s in $NCCLSIM_SUITES; do suite "nccl-sim/$s" "\$B/ncclsim/test_$s" nccl CPAR_GPU_SUITE=quick; done
 [ -z "$NCCLSIM_SUITES" ] || suite "nccl-sim/lm_check" "\$B/ncclsim/lm_check" nccl CPAR_LM_BACKEND=nccl CPAR_LM_STEPS=16
+# tools/gpu_check.sh --rehearse: every step of the one-shot GPU check on the
+# simulator builds at small sizes, so the script a lent GPU runs cannot rot.
+if [ -n "$SIM_SUITES" ] && [ -n "$NCCLSIM_SUITES" ]; then
+    add "sim/gpu-check" 'OUT="$tmp/gpu-check" sh tools/gpu_check.sh --rehearse'
+fi
 if [ -n "$GPU_TEST" ]; then
     suite "gpu" "\$GPU_TEST" nccl
 fi
@@ -124,7 +129,7 @@ for c in ${PKG_CHECKS:-}; do add "pkg/$c" "sh \"tests/check_$c.sh\""; done
 # here only starts later.)
 LONG_FIRST="pkg/dropin nccl-sim/trainjob sim/attn sim/attn_bwd sim/lm_check nccl-sim/attn nccl-sim/ring sim/ring
             sim/trainjob host/coll nccl-sim/lm_check sim/inference sim/devlayer nccl-sim/inference host/hostmp
-            host/attn nccl-sim/gpu host/trainjob
+            host/attn nccl-sim/gpu sim/gpu-check host/trainjob
             asan/attn asan/coll asan/ops asan/core asan/ring asan/linear asan/mappings"
 
 # Suite i runs in the background into $tmp/i.out, .rc and .time; then its

@@ -1,0 +1,315 @@
+#!/bin/sh
+# SPDX-License-Identifier: MIT
+# gpu_check.sh — the one-shot device check (make gpu-check): everything a
+# short lease of one GPU should tell, in one command.
+#
+#   tools/gpu_check.sh             on the GPU machine: probe, build for its
+#                                  architecture, the GPU suite, a short
+#                                  training run (f32 and bf16), the bench
+#                                  beside torch; a summary last
+#   tools/gpu_check.sh --prepare   on this side, before the lease: .gpu/
+#                                  (git-ignored) with Check's header and
+#                                  static libraries, which the GPU image
+#                                  lacks, and the kernels prebuilt for sm_90;
+#                                  the device call carries it (carry: .gpu)
+#   tools/gpu_check.sh --rehearse  every step on this machine, on the
+#                                  simulator builds at small sizes (make test
+#                                  runs it, so the script cannot rot)
+#
+# The device call: run(command="sh tools/gpu_check.sh", carry=[".gpu"],
+# timeout_s=540). Logs, the bench's CSV and the summary go to $OUT (the
+# device tool's folder; else build/gpu-check), at most 8 files; the summary
+# prints last, since the reply carries only the output's tail.
+#
+# Time budget (GPU mode), 8 minutes in all, build included; every step has
+# its own limit, so the summary always comes:
+#   probe 10 s; build 120 s with the carried kernels (nvcc's pass over
+#   cpar_kernels.cu for one architecture takes 3-4 minutes of one core, so
+#   without them it has 300 s and the bench what is left); GPU suite 100 s;
+#   training 2 x 45 s; bench the rest, at most 170 s, less 10 s for the
+#   summary. Building on the device was not measured yet (no GPU has been
+#   lent); here nvcc takes about 2.5 minutes for sm_90, and carrying its
+#   object (a few MiB) takes no time, so the script uses the carried one
+#   whenever it was built from the same sources by the same nvcc.
+set -u
+cd "$(dirname "$0")/.." || exit 2
+
+mode=gpu
+case ${1:-} in
+    "") ;;
+    --prepare) mode=prepare ;;
+    --rehearse) mode=rehearse ;;
+    -h | --help) sed -n '2,32p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (--prepare, --rehearse or none)" >&2; exit 2 ;;
+esac
+
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+NVCC=${NVCC:-$CUDA_HOME/bin/nvcc}
+PYTHON=${PYTHON:-python3}
+CARRY=.gpu
+ARCH=${GPU_CHECK_ARCH:-90} # H100, H200; the GPU mode reads the GPU's own
+VERSION=$(awk '/^#define CPAR_VERSION_(MAJOR|MINOR|PATCH) / { printf "%s%s", s, $3; s = "." }' cpar.h)
+t_start=$(date +%s)
+summary=""
+
+note() { summary="$summary$1
+"; }
+elapsed() { echo $(($(date +%s) - t_start)); }
+
+# Run a step with a time limit, its output in a log; record the outcome.
+# step NAME LIMIT_S LOG COMMAND...
+step() {
+    s_name=$1 s_limit=$2 s_log=$3
+    shift 3
+    s_t0=$(date +%s)
+    echo "== $s_name (limit ${s_limit} s, log $s_log)"
+    case $(command -v "$1") in
+        */*) timeout --kill-after=5 "$s_limit" "$@" > "$s_log" 2>&1 ;;
+        *) ("$@") > "$s_log" 2>&1 ;; # a function of this script: quick, no limit
+    esac
+    s_rc=$?
+    s_dt=$(($(date +%s) - s_t0))
+    tail -n 15 "$s_log" | sed 's/^/  /' # indented: a log's Check summary is not this script's
+    case $s_rc in
+        0) s_st=ok ;;
+        124 | 137) s_st="TIMEOUT after ${s_limit} s" ;;
+        *) s_st="FAILED (exit $s_rc)" ;;
+    esac
+    note "$(printf '%-22s %-24s %5d s' "$s_name" "$s_st" "$s_dt")"
+    [ $s_rc -eq 0 ]
+}
+
+# The source of the kernels' object: sources, build rules and the compiler.
+kernels_stamp() {
+    printf 'arch %s\n%s\n' "$ARCH" "$("$NVCC" --version 2> /dev/null | tail -n 1)"
+    cat cpar_kernels.cu cpar.h Makefile | sha256sum | cut -c1-16
+}
+
+# Check's header and static libraries, for a machine without Check.
+prepare_check() { # destination directory
+    mkdir -p "$1/include" "$1/lib"
+    inc=$(printf '#include <check.h>\n' | ${CC:-cc} -E -x c - 2> /dev/null | sed -n 's/^# [0-9]* "\(.*\/check\.h\)".*/\1/p' | head -n 1)
+    [ -n "$inc" ] || { echo "gpu_check.sh: check.h not found here (apt-get install -y check)"; return 1; }
+    cp "$inc" "$(dirname "$inc")/check_stdint.h" "$1/include/" || return 1
+    for l in check subunit; do
+        a=$(${CC:-cc} -print-file-name="lib$l.a")
+        [ -f "$a" ] || { echo "gpu_check.sh: lib$l.a not found (apt-get install -y check libsubunit-dev)"; return 1; }
+        cp "$a" "$1/lib/"
+    done
+    echo "Check: $inc and its static libraries into $1"
+}
+
+# The carry's Check, prepared as --prepare does, links and runs a suite.
+rehearse_check() { # directory
+    prepare_check "$1/check" || return 1
+    printf '%s\n' '#include <check.h>' 'START_TEST(t) { ck_assert_int_eq(1, 1); }' 'END_TEST' \
+        'int main(void) { Suite *s = suite_create("carried"); TCase *c = tcase_create("c"); tcase_add_test(c, t);' \
+        '    suite_add_tcase(s, c); SRunner *r = srunner_create(s); srunner_run_all(r, CK_NORMAL);' \
+        '    return srunner_ntests_failed(r) != 0; }' > "$1/carried.c"
+    ${CC:-cc} -I"$1/check/include" "$1/carried.c" "$1/check/lib/libcheck.a" "$1/check/lib/libsubunit.a" \
+        -lrt -lm -pthread -o "$1/carried" && "$1/carried"
+}
+
+# ---- --prepare -------------------------------------------------------------------
+if [ $mode = prepare ]; then
+    prepare_check "$CARRY/check" || exit 1
+    if [ -x "$NVCC" ]; then
+        echo "kernels for sm_$ARCH (nvcc, one architecture: about 2.5 minutes of one core here)"
+        t0=$(date +%s)
+        make --no-print-directory B="$CARRY/build" CPAR_CUDA=1 CUDA_ARCH="$ARCH" "$CARRY/build/cuda/cpar_kernels.o" || exit 1
+        cp "$CARRY/build/cuda/cpar_kernels.o" "$CARRY/cpar_kernels_sm$ARCH.o"
+        kernels_stamp > "$CARRY/cpar_kernels_sm$ARCH.stamp"
+        rm -rf "$CARRY/build"
+        echo "built in $(($(date +%s) - t0)) s"
+    else
+        echo "no nvcc at $NVCC: the device will compile the kernels itself (3-4 minutes of its budget)"
+    fi
+    du -sh "$CARRY"
+    echo "carry it: run(command=\"sh tools/gpu_check.sh\", carry=[\"$CARRY\"], timeout_s=540)"
+    exit 0
+fi
+
+if [ $mode = rehearse ]; then
+    OUT=${OUT:-$(mktemp -d)}
+else
+    OUT=${OUT:-build/gpu-check}
+fi
+mkdir -p "$OUT"
+B=${B:-build}
+
+# ---- 1. probe ----------------------------------------------------------------------
+probe() {
+    date -u '+%Y-%m-%d %H:%M:%S UTC'
+    uname -srm
+    nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap,clocks.max.sm --format=csv 2>&1 ||
+        echo "nvidia-smi: not found"
+    echo "nvcc: $("$NVCC" --version 2> /dev/null | tail -n 1 || echo none)"
+    for f in "$CUDA_HOME/include/nccl.h" "$CUDA_HOME/include/cublas_v2.h"; do
+        [ -f "$f" ] && echo "found $f" || echo "no $f"
+    done
+    "$PYTHON" - << 'EOF'
+import importlib.util, os
+spec = importlib.util.find_spec("nvidia")
+for p in (list(spec.submodule_search_locations) if spec else []):
+    for sub in ("nccl", "cu13"):
+        if os.path.isdir(os.path.join(p, sub)):
+            print("wheel:", os.path.join(p, sub), sorted(os.listdir(os.path.join(p, sub, "lib")))[:6])
+try:
+    import torch
+    print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+    if torch.cuda.is_available():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        print("device", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+        q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+        for name, b in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(b):
+                    torch.nn.functional.scaled_dot_product_attention(q, q, q)
+                print("sdpa", name, "available")
+            except RuntimeError as e:
+                print("sdpa", name, "unavailable:", str(e).splitlines()[0][:100])
+except ImportError:
+    print("torch: not importable")
+EOF
+}
+echo "== probe"
+probe > "$OUT/probe.log" 2>&1
+cat "$OUT/probe.log"
+note "$(printf '%-22s %-24s %5d s' probe ok "$(elapsed)")"
+
+# Where NCCL and cuBLAS come from: NCCL_HOME and CUBLAS_HOME when set, the
+# CUDA toolkit, else the pip wheels under the python that holds torch
+# (nvidia-nccl-cu13's nvidia/nccl, nvidia-cublas's nvidia/cu13).
+wheel_dir() { # nccl | cu13
+    "$PYTHON" -c "import importlib.util, os, sys
+s = importlib.util.find_spec('nvidia')
+for p in (s.submodule_search_locations if s else []):
+    if os.path.isdir(os.path.join(p, sys.argv[1], 'include')): print(os.path.join(p, sys.argv[1])); break" "$1" 2> /dev/null
+}
+NCCL_DIR=${NCCL_HOME:-}
+if [ -z "$NCCL_DIR" ] && [ ! -f "$CUDA_HOME/include/nccl.h" ] && [ ! -f /usr/include/nccl.h ]; then
+    NCCL_DIR=$(wheel_dir nccl)
+fi
+CUBLAS_DIR=${CUBLAS_HOME:-}
+if [ -z "$CUBLAS_DIR" ] && [ ! -f "$CUDA_HOME/include/cublas_v2.h" ]; then CUBLAS_DIR=$(wheel_dir cu13); fi
+
+# The make variables of the GPU build, one a line (CHECK_LIBS holds spaces).
+make_vars() {
+    set -- CPAR_CUDA=1 CUDA_ARCH="$ARCH"
+    [ -n "$NCCL_DIR" ] && set -- "$@" NCCL_HOME="$NCCL_DIR"
+    [ -n "$CUBLAS_DIR" ] && set -- "$@" CUBLAS_HOME="$CUBLAS_DIR"
+    if ! pkg-config --exists check 2> /dev/null && [ -f "$CARRY/check/include/check.h" ]; then
+        set -- "$@" CHECK_FLAGS="-I$PWD/$CARRY/check/include" \
+            CHECK_LIBS="$PWD/$CARRY/check/lib/libcheck.a $PWD/$CARRY/check/lib/libsubunit.a -lrt -lm -pthread"
+    fi
+    for a in "$@"; do printf '%s\n' "$a"; done
+}
+
+loss_fell() { # log: the last validation loss under 0.85 x the first step's loss
+    awk '/^step +1\/[0-9]+ \| loss/ { first = $5 } /validation loss/ { last = $NF }
+         END { if (first == "" || last == "") { print "no losses in the log"; exit 1 }
+               printf "loss %.4f -> validation %.4f\n", first, last; exit !(last < 0.85 * first) }' "$1"
+}
+
+# ---- 2-5: rehearsal ------------------------------------------------------------------
+if [ $mode = rehearse ]; then
+    # 2. The GPU build: the make line GPU mode would run, as a dry run (no nvcc).
+    if [ -x "$NVCC" ]; then
+        IFS='
+'
+        set -f
+        set -- $(make_vars)
+        unset IFS
+        set +f
+        step "build (dry run)" 60 "$OUT/build.log" env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make -n --no-print-directory "$@" B="$OUT/build" \
+            "$OUT/build/cuda/test_gpu" "$OUT/build/cuda/train" "$OUT/build/cuda/libcpar.so.$VERSION"
+    else
+        note "$(printf '%-22s %-24s' "build (dry run)" "skipped: no nvcc")"
+    fi
+    step "carried Check" 60 "$OUT/check.log" rehearse_check "$OUT/carry"
+    # 3. The GPU suite's bodies on nccl-sim (one case: make test runs them all).
+    step "GPU suite (nccl-sim)" 300 "$OUT/suite.log" env CPAR_GPU_SUITE=quick CK_RUN_CASE=ops "$B/ncclsim/test_gpu"
+    # 4. The main job, short, on simulated GPUs.
+    for dt in bf16 f16; do
+        step "train $dt (sim)" 300 "$OUT/train_$dt.log" "$B/sim/train" --backend sim --tp 1 --cp 1 --dp 1 \
+            --layers 1 --hidden 32 --heads 2 --seq 32 --batch 2 --steps 30 --eval-every 15 --sample 0 --verify 2 \
+            --dtype $dt && step "train $dt: loss fell" 5 "$OUT/loss_$dt.log" loss_fell "$OUT/train_$dt.log"
+    done
+    # 5. The bench beside torch (on the CPU, when torch is importable here).
+    step "bench (sim)" 300 "$OUT/bench.log" "$PYTHON" tools/gpu_bench.py --lib "$B/sim/libcpar_sim.so" \
+        --backend sim --quick --csv "$OUT/bench.csv"
+    echo
+    sed -n '/^== gpu_bench summary/,$p' "$OUT/bench.log"
+    echo "== gpu_check.sh --rehearse: summary ($(elapsed) s)"
+    printf '%s' "$summary"
+    case $summary in *FAILED* | *TIMEOUT*) exit 1 ;; esac
+    exit 0
+fi
+
+# ---- 2. build ------------------------------------------------------------------------
+# The architecture of the GPU here, else sm_90 (H100, H200).
+cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2> /dev/null | head -n 1 | tr -d '. ')
+case $cap in [0-9][0-9] | [0-9][0-9][0-9]) ARCH=$cap ;; esac
+IFS='
+'
+set -f
+set -- $(make_vars) B="$B"
+unset IFS
+set +f
+if ! pkg-config --exists check 2> /dev/null && [ ! -f "$CARRY/check/include/check.h" ]; then
+    echo "no Check here and none carried: the GPU suite is skipped (run tools/gpu_check.sh --prepare, carry .gpu)"
+fi
+build_limit=300
+if [ -f "$CARRY/cpar_kernels_sm$ARCH.o" ] && [ "$(kernels_stamp)" = "$(cat "$CARRY/cpar_kernels_sm$ARCH.stamp" 2> /dev/null)" ]; then
+    echo "kernels: the carried $CARRY/cpar_kernels_sm$ARCH.o (same sources and nvcc)"
+    mkdir -p "$B/cuda"
+    cp "$CARRY/cpar_kernels_sm$ARCH.o" "$B/cuda/cpar_kernels.o"
+    set -- "$@" -o "$B/cuda/cpar_kernels.o"
+    build_limit=120
+else
+    echo "kernels: compiled here for sm_$ARCH (none carried, or from other sources or another nvcc)"
+fi
+jobs=$(nproc 2> /dev/null || echo 8)
+targets="$B/cuda/train $B/cuda/libcpar.so.$VERSION"
+if pkg-config --exists check 2> /dev/null || [ -f "$CARRY/check/include/check.h" ]; then targets="$B/cuda/test_gpu $targets"; fi
+step build $build_limit "$OUT/build.log" make --no-print-directory -j"$jobs" "$@" $targets || {
+    printf '%s' "$summary"
+    exit 1
+}
+# The wheels' libraries are found through the rpath; their own dependencies
+# (libcublasLt next to libcublas) through this.
+for d in "$NCCL_DIR" "$CUBLAS_DIR"; do
+    [ -n "$d" ] && LD_LIBRARY_PATH="$d/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+done
+export LD_LIBRARY_PATH
+
+# ---- 3. the GPU suite -------------------------------------------------------------------
+if [ -x "$B/cuda/test_gpu" ]; then
+    step "GPU suite" 100 "$OUT/suite.log" "$B/cuda/test_gpu"
+fi
+
+# ---- 4. the main job, briefly: 200 steps on one GPU, verified against one rank -------------
+for dt in bf16 f16; do
+    step "train $dt" 45 "$OUT/train_$dt.log" "$B/cuda/train" --backend nccl --tp 1 --cp 1 --dp 1 --steps 200 \
+        --eval-every 100 --sample 0 --verify 5 --dtype $dt &&
+        step "train $dt: loss fell" 5 "$OUT/loss_$dt.log" loss_fell "$OUT/train_$dt.log"
+done
+rm -f "$OUT/loss_bf16.log" "$OUT/loss_f16.log" # their lines are in the summary (8 files come back)
+
+# ---- 5. the bench beside torch ------------------------------------------------------------
+left=$((470 - $(elapsed) - 10))
+[ $left -gt 170 ] && left=170
+if [ $left -gt 20 ]; then
+    step bench $((left + 10)) "$OUT/bench.log" "$PYTHON" tools/gpu_bench.py --lib "$B/cuda/libcpar.so.$VERSION" \
+        --backend nccl --budget-s $left --csv "$OUT/bench.csv"
+else
+    note "bench                  skipped: no time left"
+fi
+
+echo
+sed -n '/^== gpu_bench summary/,$p' "$OUT/bench.log" 2> /dev/null
+echo
+echo "== gpu_check.sh: summary ($(elapsed) s; logs and bench.csv in $OUT)"
+printf '%s' "$summary" | tee "$OUT/summary.txt"
+case $summary in *FAILED* | *TIMEOUT*) exit 1 ;; esac
+exit 0
