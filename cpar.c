@@ -4921,10 +4921,11 @@ static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar
     cpar_ctx *ctx = g->ctx;
     int dev = ctx->device;
     const cpar_dev_stream cs = cpar__coll_stream(ctx);
-    /* On the communication stream: peers read our buffers as soon as the
-     * rendezvous publishes them, so work already queued on compute (which may
-     * produce them) must be finished first. On compute, stream order does it. */
-    if (cpar__on_device(dev) && cs != ctx->compute) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+    /* Peers read our buffers on their own streams as soon as the rendezvous
+     * publishes them, so the work that produces them must have run: what is
+     * queued on the collectives' stream (the communication stream's caller
+     * made it wait for the compute work it depends on). */
+    if (cpar__on_device(dev)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(cs));
     cpar__hc_post(g, mine);
     CPAR_TRY(cpar__hc_rendezvous(g, fn));
     cpar_status st = cpar__hc_validate(g, fn);
@@ -4954,8 +4955,7 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
     int me = g->rank, n = hc->n;
     const cpar_dev_stream cs = cpar__coll_stream(ctx);
     /* As in cpar__hc_collective: our send buffer is read once posted. */
-    if (cpar__on_device(ctx->device) && cs != ctx->compute)
-        CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+    if (cpar__on_device(ctx->device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(cs));
     int64_t deadline = cpar__now_ms() + ctx->timeout_ms;
     cpar_status st = CPAR_OK;
     pthread_mutex_lock(&job->mu);
@@ -5985,6 +5985,26 @@ static cpar_status cpar__nccl_wait(cpar_ctx *ctx, const cpar_group *g, const cha
         CPAR_TRY(cpar__nccl_wait((g)->ctx, (g), (fn), #call, (what), (pcomm), r_));                          \
     } while (0)
 
+/* The calls inside ncclGroupStart/End: the first failure is kept while the
+ * group still ends (NCCL needs the end), then reported naming that call. */
+typedef struct cpar__nccl_group {
+    ncclResult_t r;
+    const char *call;
+} cpar__nccl_group;
+#define CPAR_NCCL_GROUP_CALL(grp, expr)                                                                      \
+    do {                                                                                                     \
+        ncclResult_t r_ = (expr);                                                                            \
+        if (r_ != ncclSuccess && r_ != ncclInProgress && (grp).r == ncclSuccess) (grp).r = r_, (grp).call = #expr; \
+    } while (0)
+static cpar_status cpar__nccl_wait(cpar_ctx *ctx, const cpar_group *g, const char *fn, const char *call,
+                                   const char *what, ncclComm_t *comm, ncclResult_t r);
+static cpar_status cpar__nccl_group_end(cpar_group *g, const char *fn, const char *what, ncclComm_t *pc,
+                                        cpar__nccl_group grp) {
+    ncclResult_t r = ncclGroupEnd();
+    if (grp.r != ncclSuccess) return cpar__nccl_wait(g->ctx, g, fn, grp.call, what, pc, grp.r);
+    return cpar__nccl_wait(g->ctx, g, fn, "ncclGroupEnd()", what, pc, r);
+}
+
 /* Does g communicate through NCCL? (Its communicator may since have been
  * aborted: cpar__nccl_comm says so.) */
 static bool cpar__group_is_nccl(const cpar_group *g) { return g->ctx->backend == CPAR_BACKEND_NCCL; }
@@ -6031,7 +6051,14 @@ static cpar_status cpar__nccl_split(cpar_group *parent, const char *fn, int colo
         cpar__nccl_abort(pc);
         return st;
     }
-    return cpar__nccl_wait(parent->ctx, parent, fn, "ncclCommSplit", NULL, pc, r);
+    CPAR_TRY(cpar__nccl_wait(parent->ctx, parent, fn, "ncclCommSplit", NULL, pc, r));
+    /* The new communicator is non-blocking too: it is ready when its own
+     * state leaves ncclInProgress, which NCCL does not promise by the
+     * parent's. */
+    if (!*out) return CPAR_OK; /* NCCL_SPLIT_NOCOLOR */
+    ncclResult_t state = ncclInProgress;
+    if (ncclCommGetAsyncError(*out, &state) != ncclSuccess) state = ncclInternalError;
+    return cpar__nccl_wait(parent->ctx, parent, fn, "ncclCommSplit (the new communicator)", NULL, out, state);
 }
 
 static void cpar__nccl_destroy(ncclComm_t comm, bool aborted) {
@@ -6076,41 +6103,45 @@ static cpar_status cpar__nccl_collective(cpar_group *g, const char *fn, const cp
             CPAR_NCCL_TRY(g, fn, NULL, pc, ncclAllGather(c->in, c->out, (size_t)(c->rows * c->row_elems), dt, comm, s));
             return CPAR_OK;
         }
-        /* Uneven: every rank broadcasts its rows into its place, in one group call. */
-        CPAR_NCCL_TRY(g, fn, NULL, pc, ncclGroupStart());
-        for (int64_t r = 0, off = 0; r < n; off += c->sizes[r], r++) {
-            char *dst = (char *)c->out + (size_t)off * row;
-            ncclBroadcast(r == me ? c->in : dst, dst, (size_t)(c->sizes[r] * c->row_elems), dt, (int)r, comm, s);
+        { /* Uneven: every rank broadcasts its rows into its place, in one group call. */
+            CPAR_NCCL_TRY(g, fn, NULL, pc, ncclGroupStart());
+            cpar__nccl_group grp = {ncclSuccess, NULL};
+            for (int64_t r = 0, off = 0; r < n; off += c->sizes[r], r++) {
+                char *dst = (char *)c->out + (size_t)off * row;
+                CPAR_NCCL_GROUP_CALL(grp, ncclBroadcast(r == me ? c->in : dst, dst,
+                                                        (size_t)(c->sizes[r] * c->row_elems), dt, (int)r, comm, s));
+            }
+            return cpar__nccl_group_end(g, fn, NULL, pc, grp);
         }
-        CPAR_NCCL_TRY(g, fn, NULL, pc, ncclGroupEnd());
-        return CPAR_OK;
     case CPAR_COLL_REDUCE_SCATTER:
         if (!c->sizes) {
             CPAR_NCCL_TRY(g, fn, NULL, pc, ncclReduceScatter(c->in, c->out, (size_t)(c->rows / n * c->row_elems), dt,
                                                             cpar__nccl_op((cpar_reduce_op)c->op), comm, s));
             return CPAR_OK;
         }
-        /* Uneven: one reduce per rank, rooted at the owner of the rows. */
-        CPAR_NCCL_TRY(g, fn, NULL, pc, ncclGroupStart());
-        for (int64_t r = 0, off = 0; r < n; off += c->sizes[r], r++) {
-            const char *src = (const char *)c->in + (size_t)off * row;
-            ncclReduce(src, r == me ? c->out : (void *)src, (size_t)(c->sizes[r] * c->row_elems), dt,
-                       cpar__nccl_op((cpar_reduce_op)c->op), (int)r, comm, s);
+        { /* Uneven: one reduce per rank, rooted at the owner of the rows. */
+            CPAR_NCCL_TRY(g, fn, NULL, pc, ncclGroupStart());
+            cpar__nccl_group grp = {ncclSuccess, NULL};
+            for (int64_t r = 0, off = 0; r < n; off += c->sizes[r], r++) {
+                const char *src = (const char *)c->in + (size_t)off * row;
+                CPAR_NCCL_GROUP_CALL(grp, ncclReduce(src, r == me ? c->out : (void *)src,
+                                                     (size_t)(c->sizes[r] * c->row_elems), dt,
+                                                     cpar__nccl_op((cpar_reduce_op)c->op), (int)r, comm, s));
+            }
+            return cpar__nccl_group_end(g, fn, NULL, pc, grp);
         }
-        CPAR_NCCL_TRY(g, fn, NULL, pc, ncclGroupEnd());
-        return CPAR_OK;
     case CPAR_COLL_ALL_TO_ALL: {
         CPAR_NCCL_TRY(g, fn, NULL, pc, ncclGroupStart());
+        cpar__nccl_group grp = {ncclSuccess, NULL};
         size_t soff = 0, roff = 0;
         for (int r = 0; r < n; r++) {
             size_t sb = (size_t)c->in_splits[r] * row, rb = (size_t)c->out_splits[r] * row;
-            if (sb) ncclSend((const char *)c->in + soff, sb, ncclUint8, r, comm, s);
-            if (rb) ncclRecv((char *)c->out + roff, rb, ncclUint8, r, comm, s);
+            if (sb) CPAR_NCCL_GROUP_CALL(grp, ncclSend((const char *)c->in + soff, sb, ncclUint8, r, comm, s));
+            if (rb) CPAR_NCCL_GROUP_CALL(grp, ncclRecv((char *)c->out + roff, rb, ncclUint8, r, comm, s));
             soff += sb;
             roff += rb;
         }
-        CPAR_NCCL_TRY(g, fn, NULL, pc, ncclGroupEnd());
-        return CPAR_OK;
+        return cpar__nccl_group_end(g, fn, NULL, pc, grp);
     }
     default: return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: unknown collective kind %d", fn, c->kind);
     }
@@ -6133,10 +6164,11 @@ static cpar_status cpar__nccl_sendrecv(cpar_group *g, const char *fn, const void
         snprintf(what + n, sizeof what - (size_t)n, "%sthe receive from rank %d", n ? " and " : "",
                  g->world_ranks[from]);
     CPAR_NCCL_TRY(g, fn, what, pc, ncclGroupStart());
-    if (to >= 0) ncclSend(send, (size_t)send_numel, cpar__nccl_dtype(send_dt), to, *pc, s);
-    if (from >= 0) ncclRecv(recv, (size_t)recv_numel, cpar__nccl_dtype(recv_dt), from, *pc, s);
-    CPAR_NCCL_TRY(g, fn, what, pc, ncclGroupEnd());
-    return CPAR_OK;
+    cpar__nccl_group grp = {ncclSuccess, NULL};
+    if (to >= 0) CPAR_NCCL_GROUP_CALL(grp, ncclSend(send, (size_t)send_numel, cpar__nccl_dtype(send_dt), to, *pc, s));
+    if (from >= 0)
+        CPAR_NCCL_GROUP_CALL(grp, ncclRecv(recv, (size_t)recv_numel, cpar__nccl_dtype(recv_dt), from, *pc, s));
+    return cpar__nccl_group_end(g, fn, what, pc, grp);
 }
 
 /* Poll every communicator of ctx for asynchronous errors (a peer died). */
@@ -7176,9 +7208,15 @@ cpar_status cpar_sync(cpar_ctx *ctx) {
 #ifdef CPAR_WITH_NCCL
             CPAR_TRY(cpar__nccl_check(ctx, fn));
 #endif
-            if (ctx->job && ctx->job->failed)
+            if (ctx->job && ctx->job->failed) {
+                /* A peer's failure fails only work that cannot finish: this
+                 * rank's may have finished since the query (a peer that
+                 * left after doing its part is no cause). */
+                CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_query(streams[i], &done));
+                if (done) break;
                 return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d failed (%s)", fn, ctx->job->failed_rank,
                                   cpar_status_string(ctx->job->failed_status));
+            }
             if (cpar__now_ms() > deadline) {
                 cpar_abort(ctx);
                 return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: device work unfinished after %d ms; communicators aborted",

@@ -11,8 +11,10 @@
  * error codes are CUDA 13's, so the same source builds with nvcc. One header,
  * everything inline; include it in one translation unit (several also work).
  *
- * Execution model. A launch runs to completion inside CPAR_LAUNCH, its blocks
- * one after another on the calling host thread. Inside a block every CUDA
+ * Execution model. A launch is checked at issue and queued on its stream;
+ * when the stream runs it (section 9: at once, when forced, or at random,
+ * after what it waits for), its blocks run one after another on the host
+ * thread that runs the stream. Inside a block every CUDA
  * thread is a cooperative fiber (hand-written context switch on x86-64,
  * ucontext elsewhere); only __syncthreads*, __syncwarp, the warp shuffles,
  * votes, matches and reductions, and __nanosleep switch fibers. The order in
@@ -39,8 +41,10 @@
  * against the live allocations (out of range or not device memory is
  * cudaErrorInvalidValue, or CUBLAS_STATUS_EXECUTION_FAILED + a pending
  * cudaErrorIllegalAddress for GEMMs), and cudaFree reports overwritten guard
- * bytes (cudaErrorIllegalAddress). Streams and events are ordered host
- * execution: every call has finished when it returns; events record host time.
+ * bytes (cudaErrorIllegalAddress). Streams are queues (section 9): kernels,
+ * copies, memsets, GEMMs and event records run in stream order after what
+ * they wait for, eagerly, lazily or in a seeded random interleaving
+ * (CUDASIM_STREAMS), so a missing wait or synchronisation reads stale memory.
  *
  * All simulator state that CUDA keeps per thread (current device, last error,
  * schedule, fibers) is per host thread, so several host threads (one per
@@ -51,10 +55,12 @@
  *   CUDASIM_DEVICES=n        devices reported (default 8; 0 = "no GPU": cudaErrorNoDevice)
  *   CUDASIM_STACK_KB=n       fiber stack size (default 64, minimum 16)
  *   CUDASIM_MEMORY_MB=n      per-device memory capacity (default 80 GiB)
+ *   CUDASIM_STREAMS=eager|lazy|random[:seed]  when queued stream work runs (default eager)
  * Beyond CUDA (section 3): cudasim_set_schedule, cudasim_get_schedule,
  *   cudasim_schedule_name, cudasim_last_message, cudasim_switch_count,
  *   cudasim_set_device_count, cudasim_set_memory_limit, cudasim_bytes_in_use,
- *   cudasim_check_memory; macros CPAR_LAUNCH, CPAR_DYN_SMEM, CUDASIM.
+ *   cudasim_check_memory, cudasim_set_streams, cudasim_get_streams,
+ *   cudasim_streams_name, cudasim_drain; macros CPAR_LAUNCH, CPAR_DYN_SMEM, CUDASIM.
  *
  * Contents
  *   0. Configuration and includes
@@ -66,7 +72,7 @@
  *   6. Block scheduler: barriers, warp collectives, schedules
  *   7. fp16 and bf16
  *   8. Device API: built-ins, sync, warp intrinsics, atomics, math
- *   9. Fake runtime: devices, memory, copies, streams, events
+ *   9. Fake runtime: devices, memory, streams as queues, copies, events
  *  10. Kernel launch: CPAR_LAUNCH, CPAR_DYN_SMEM, cudaFuncSetAttribute
  *  11. cuBLAS subset: GEMM with cuBLAS's column-major semantics
  *  12. Simulator API definitions
@@ -119,14 +125,18 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdarg>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <set>
@@ -437,6 +447,23 @@ inline size_t cudasim_bytes_in_use(int dev);
  * overwritten (0 = none) and names the first in cudasim_last_message(). */
 inline int cudasim_check_memory(void);
 
+/* When stream work runs (process-wide; default CUDASIM_STREAMS, else eager):
+ * eager at issue; lazy only when a host call forces it, as late as it can;
+ * random at random moments, ready work of different streams interleaved by a
+ * seeded generator (seed 0: drawn from the clock; cudasim_get_streams gives
+ * it). See section 9. */
+typedef enum cudasim_streams {
+    CUDASIM_STREAMS_EAGER = 0,
+    CUDASIM_STREAMS_LAZY = 1,
+    CUDASIM_STREAMS_RANDOM = 2
+} cudasim_streams;
+inline void cudasim_set_streams(cudasim_streams mode, unsigned long long seed);
+inline cudasim_streams cudasim_get_streams(unsigned long long *seed);
+inline const char *cudasim_streams_name(cudasim_streams mode);
+/* Runs every queued operation of every stream (as a cudaDeviceSynchronize on
+ * every device would); returns how many ran. */
+inline int cudasim_drain(void);
+
 /* ==== 4. Per-host-thread state, errors, the global registry ============== */
 
 namespace cudasim {
@@ -525,6 +552,7 @@ struct HostThread {
     uint3 cur_block{0, 0, 0};
     unsigned long long fp_ctl = 0; /* MXCSR | x87 CW << 32 at launch: each fiber starts with them */
     unsigned long long switches = 0;
+    CUstream_st *exec_stream = nullptr; /* the stream whose queued operation this thread runs (section 9) */
 
     HostThread();
     ~HostThread();
@@ -1811,17 +1839,69 @@ inline unsigned long long ullmax(unsigned long long a, unsigned long long b) { r
 
 /* ==== 9. Fake runtime: devices, memory, copies, streams, events ========== */
 /* Device memory is host memory (so a kernel dereferences it directly) with a
- * registry for range checks. Work is executed at issue time, so every stream
- * and event is complete as soon as the call returns; events record host time. */
+ * registry for range checks.
+ *
+ * Streams are queues. Kernels, asynchronous copies and memsets, cuBLAS calls,
+ * event records and stream waits are operations put on their stream's queue
+ * at issue (argument errors are reported then) and run later, in stream
+ * order, after what they depend on: the event a cudaStreamWaitEvent named
+ * (its record as issued before the wait; an event never recorded is no
+ * dependency), and CUDA's legacy default stream rules (work on the legacy
+ * stream of a device waits for every blocking stream's earlier work there,
+ * and work on a blocking stream waits for the legacy stream's; streams made
+ * with cudaStreamNonBlocking do neither). When an operation runs is the
+ * stream mode (cudasim_set_streams, CUDASIM_STREAMS):
+ *   eager        at issue, as if the GPU were infinitely fast;
+ *   lazy         only when a host call forces it, as late as it can;
+ *   random:SEED  at random moments: every runtime call may first run a few
+ *                ready operations of random streams (any thread's).
+ * So memory that queued work will write reads as it was before that work
+ * ran, as on a GPU, and a missing stream wait or host synchronisation shows
+ * up as a stale value under lazy or random.
+ * What forces work, as on a GPU: cudaStreamSynchronize (the stream),
+ * cudaEventSynchronize (up to the record), cudaDeviceSynchronize and cudaFree
+ * (every stream of the device: the allocation's for cudaFree), cudaFreeHost
+ * (every device's: pinned memory is every device's operand), the
+ * synchronous cudaMemcpy and cudaMemcpyPeer (queued on the legacy stream,
+ * then waited for), and a copy into pageable host memory (cudaMemcpyAsync
+ * returns once it has landed, having waited for its stream's earlier work).
+ * A copy from pageable host memory takes the bytes at issue (CUDA stages
+ * them), and lands in stream order. Pinned memory (cudaMallocHost) is a
+ * device-side operand: copies into it land in stream order, so reading it
+ * before a synchronisation reads the old bytes. cudaStreamQuery and
+ * cudaEventQuery answer cudaErrorNotReady while work is pending, and run it,
+ * so a polling loop finishes. A failure inside queued work (a kernel fault,
+ * an illegal GEMM operand) is the stream's: the next synchronisation that
+ * covers it returns it once (and cudaGetLastError after it). Events record
+ * host time when the stream reaches them. */
 
+/* One queued operation: what it depends on besides its stream's earlier work. */
+struct cudasim_op {
+    uint64_t seq;
+    const char *what;
+    std::function<void()> run;
+    std::vector<std::pair<CUstream_st *, uint64_t>> deps; /* (stream, seq) that must have run */
+    bool host_driven; /* finishes through host calls (an NCCL operation): no random thread runs it */
+};
 struct CUstream_st {
     unsigned flags;
     int device;
+    bool legacy = false; /* a device's legacy default stream (stream 0) */
+    bool dead = false;   /* destroyed: never freed, since events and dependencies may name it */
+    /* the queue: operations issued and not yet run; seq numbers from 1 */
+    std::deque<cudasim_op> q;
+    uint64_t issued = 0, done = 0;
+    bool running = false; /* some thread is running its front operation */
+    cudaError_t error = cudaSuccess; /* first failure in its queued work, until a sync reports it */
+    std::string error_message;
+    CUstream_st(unsigned f, int d) : flags(f), device(d) {}
 };
 struct CUevent_st {
     unsigned flags;
-    bool recorded;
-    std::chrono::steady_clock::time_point t;
+    CUstream_st *stream = nullptr; /* its last record: (stream, seq), or none */
+    uint64_t seq = 0;
+    std::shared_ptr<std::chrono::steady_clock::time_point> t; /* set when the record runs */
+    CUevent_st(unsigned f) : flags(f) {}
 };
 
 namespace cudasim {
@@ -1905,6 +1985,286 @@ inline cudaError_t bad_stream(const char *fn, cudaStream_t s) {
     return rt_fail(cudaErrorInvalidResourceHandle, "%s: stream %p is not a live stream", fn, (void *)s);
 }
 
+/* Synchronize calls report a kernel fault once (it is also in cudaGetLastError). */
+inline cudaError_t take_pending() {
+    HostThread &h = host();
+    cudaError_t e = h.pending;
+    h.pending = cudaSuccess;
+    return e;
+}
+
+/* ---- Streams as queues: the scheduler ---------------------------------------- */
+
+struct Sched {
+    std::mutex mu; /* every queue, issued/done count, running flag and the lists below */
+    std::condition_variable cv;
+    int mode = -1; /* cudasim_streams; -1 until CUDASIM_STREAMS is read */
+    unsigned long long seed = 0, rng = 0;
+    std::vector<CUstream_st *> live;    /* streams that may hold work (legacy ones included) */
+    std::map<int, CUstream_st *> legacy; /* per device */
+};
+inline Sched &sched() {
+    static Sched *k = new Sched; /* never destroyed, like the registry */
+    return *k;
+}
+
+inline bool parse_streams(const char *s, int *mode, unsigned long long *seed) {
+    *seed = 0;
+    if (!strcmp(s, "eager")) { *mode = 0; return true; }
+    if (!strcmp(s, "lazy")) { *mode = 1; return true; }
+    if (!strncmp(s, "random", 6) && (s[6] == 0 || s[6] == ':')) {
+        *mode = 2;
+        if (s[6] == ':') {
+            char *end = nullptr;
+            *seed = strtoull(s + 7, &end, 0);
+            if (!end || *end || end == s + 7) return false;
+        }
+        return true;
+    }
+    return false;
+}
+
+/* The mode, read from CUDASIM_STREAMS once. Caller holds k.mu. */
+inline int streams_mode_locked(Sched &k) {
+    if (k.mode < 0) {
+        k.mode = 0;
+        const char *e = getenv("CUDASIM_STREAMS");
+        int m;
+        unsigned long long sd;
+        if (e && *e) {
+            if (parse_streams(e, &m, &sd)) {
+                k.mode = m;
+                k.seed = sd;
+            } else {
+                fprintf(stderr, "cudasim: ignoring CUDASIM_STREAMS=%s (want eager|lazy|random[:seed])\n", e);
+            }
+        }
+        if (k.mode == 2 && !k.seed)
+            k.seed = (unsigned long long)std::chrono::steady_clock::now().time_since_epoch().count() | 1;
+        k.rng = k.seed;
+    }
+    return k.mode;
+}
+inline int streams_mode() {
+    Sched &k = sched();
+    std::lock_guard<std::mutex> lock(k.mu);
+    return streams_mode_locked(k);
+}
+
+/* The legacy stream of a device. Caller holds k.mu. */
+inline CUstream_st *legacy_locked(Sched &k, int device) {
+    CUstream_st *&L = k.legacy[device];
+    if (!L) {
+        L = new CUstream_st(cudaStreamDefault, device);
+        L->legacy = true;
+        k.live.push_back(L);
+    }
+    return L;
+}
+
+/* The queue behind a handle: 0 and cudaStreamLegacy are the current
+ * device's legacy stream; cudaStreamPerThread is this host thread's own
+ * blocking stream on it. */
+inline CUstream_st *resolve(cudaStream_t s) {
+    static thread_local std::map<int, CUstream_st *> per_thread;
+    int dev = host().device;
+    if (s && s != cudaStreamLegacy && s != cudaStreamPerThread) return s;
+    Sched &k = sched();
+    std::lock_guard<std::mutex> lock(k.mu);
+    if (s == cudaStreamPerThread) {
+        CUstream_st *&p = per_thread[dev];
+        if (!p) {
+            p = new CUstream_st(cudaStreamDefault, dev);
+            k.live.push_back(p);
+        }
+        return p;
+    }
+    return legacy_locked(k, dev);
+}
+
+/* Runs op, s's front operation, on this thread: as on the stream's device,
+ * with its failures recorded in the stream. Caller holds lk; it is released
+ * while the operation runs. */
+inline void run_front(Sched &k, CUstream_st *s, std::unique_lock<std::mutex> &lk) {
+    cudasim_op op = std::move(s->q.front());
+    s->q.pop_front();
+    s->running = true;
+    lk.unlock();
+    HostThread &h = host();
+    CUstream_st *prev_stream = h.exec_stream;
+    int prev_device = h.device;
+    h.exec_stream = s;
+    h.device = s->device;
+    op.run();
+    h.exec_stream = prev_stream;
+    h.device = prev_device;
+    lk.lock();
+    s->running = false;
+    s->done = op.seq;
+    k.cv.notify_all();
+}
+
+/* Is s's front operation ready (its dependencies run)? Caller holds k.mu. */
+inline CUstream_st *first_unmet(const cudasim_op &op, uint64_t *seq) {
+    for (auto &d : op.deps)
+        if (d.first->done < d.second) {
+            *seq = d.second;
+            return d.first;
+        }
+    return nullptr;
+}
+
+/* Runs s's queue on this thread until its operation `upto` has run
+ * (dependencies on other streams first, recursively: they always point to
+ * work issued earlier, so this ends). Waits while another thread runs one. */
+inline void force(CUstream_st *s, uint64_t upto) {
+    Sched &k = sched();
+    std::unique_lock<std::mutex> lk(k.mu);
+    while (s->done < upto) {
+        if (s->running) {
+            k.cv.wait(lk);
+            continue;
+        }
+        uint64_t need;
+        if (CUstream_st *d = first_unmet(s->q.front(), &need)) {
+            lk.unlock();
+            force(d, need);
+            lk.lock();
+            continue;
+        }
+        run_front(k, s, lk);
+    }
+}
+inline void force_all(CUstream_st *s) {
+    uint64_t upto;
+    {
+        Sched &k = sched();
+        std::lock_guard<std::mutex> lock(k.mu);
+        upto = s->issued;
+    }
+    force(s, upto);
+}
+
+/* Runs everything queued on every stream (of one device, or all if device <
+ * 0), as issued so far; returns how many operations ran. */
+inline int drain(int device) {
+    Sched &k = sched();
+    std::vector<std::pair<CUstream_st *, uint64_t>> todo;
+    {
+        std::lock_guard<std::mutex> lock(k.mu);
+        for (CUstream_st *s : k.live)
+            if ((device < 0 || s->device == device) && s->issued > s->done) todo.push_back({s, s->issued});
+    }
+    int n = 0;
+    for (auto &t : todo) {
+        uint64_t before;
+        {
+            std::lock_guard<std::mutex> lock(k.mu);
+            before = t.first->done;
+        }
+        force(t.first, t.second);
+        n += (int)(t.second - std::min(before, t.second));
+    }
+    return n;
+}
+
+/* random mode: before a runtime call does its own work, run a few ready
+ * operations of random streams (any thread's), each with probability 1/2. */
+inline void maybe_progress() {
+    Sched &k = sched();
+    std::unique_lock<std::mutex> lk(k.mu);
+    if (streams_mode_locked(k) != 2 || host().exec_stream || host().in_kernel) return;
+    while (splitmix64(k.rng) & 1) {
+        std::vector<CUstream_st *> ready;
+        for (CUstream_st *s : k.live) {
+            uint64_t need;
+            if (!s->running && !s->q.empty() && !s->q.front().host_driven && !first_unmet(s->q.front(), &need))
+                ready.push_back(s);
+        }
+        if (ready.empty()) return;
+        run_front(k, ready[splitmix64(k.rng) % ready.size()], lk);
+    }
+}
+
+/* Queues run on s with the legacy-stream dependencies; eager runs it now.
+ * Returns its sequence number. */
+inline uint64_t enqueue(CUstream_st *s, const char *what, std::function<void()> run,
+                        std::vector<std::pair<CUstream_st *, uint64_t>> deps = {}, bool host_driven = false) {
+    Sched &k = sched();
+    uint64_t seq;
+    int mode;
+    {
+        std::lock_guard<std::mutex> lock(k.mu);
+        mode = streams_mode_locked(k);
+        if (s->legacy) {
+            for (CUstream_st *o : k.live)
+                if (o != s && o->device == s->device && !(o->flags & cudaStreamNonBlocking) && o->issued > o->done)
+                    deps.push_back({o, o->issued});
+        } else if (!(s->flags & cudaStreamNonBlocking)) {
+            auto it = k.legacy.find(s->device);
+            if (it != k.legacy.end() && it->second->issued > it->second->done)
+                deps.push_back({it->second, it->second->issued});
+        }
+        seq = ++s->issued;
+        s->q.push_back(cudasim_op{seq, what, std::move(run), std::move(deps), host_driven});
+    }
+    if (mode == 0) force(s, seq);
+    else if (mode == 2) maybe_progress();
+    return seq;
+}
+
+inline uint64_t enqueue_host_driven(CUstream_st *s, const char *what, std::function<void()> run) {
+    return enqueue(s, what, std::move(run), {}, true);
+}
+
+/* A failure inside queued work: the stream keeps the first until a
+ * synchronisation reports it; eager also reports it at once on this thread,
+ * as before streams were queues (the issuing thread is this one). */
+inline void op_failed(cudaError_t e) {
+    HostThread &h = host();
+    Sched &k = sched();
+    {
+        std::lock_guard<std::mutex> lock(k.mu);
+        CUstream_st *s = h.exec_stream;
+        if (s && streams_mode_locked(k) != 0) {
+            if (s->error == cudaSuccess) {
+                s->error = e;
+                s->error_message = h.message;
+            }
+            return;
+        }
+    }
+    h.last_error = h.pending = e;
+}
+
+/* A synchronisation that covered s: its failure, once, as this thread's. */
+inline cudaError_t take_stream_error(CUstream_st *s) {
+    Sched &k = sched();
+    cudaError_t e;
+    std::string msg;
+    {
+        std::lock_guard<std::mutex> lock(k.mu);
+        e = s->error;
+        msg = s->error_message;
+        s->error = cudaSuccess;
+    }
+    if (e != cudaSuccess) {
+        HostThread &h = host();
+        h.last_error = e;
+        h.message = msg;
+    }
+    return e;
+}
+
+/* Is p pinned host memory (cudaMallocHost)? */
+inline bool is_pinned(const void *p) {
+    Global &g = global();
+    std::lock_guard<std::mutex> lock(g.mu);
+    auto a = find_alloc(g, p);
+    return a && a->second.pinned;
+}
+
+
 /* Checks the guard bytes of one allocation; returns a description or "". */
 inline std::string guard_damage(uintptr_t user, const Alloc &a) {
     const unsigned char *lo = (const unsigned char *)user - kGuard;
@@ -1984,11 +2344,11 @@ inline cudaError_t free_impl(const char *fn, void *p, bool pinned) {
     return cudaSuccess;
 }
 
-/* Validates the device side(s) of a copy, per kind, then copies. */
-inline cudaError_t copy_impl(const char *fn, void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
-    if (n == 0) return cudaSuccess;
+/* Validates the device side(s) of a copy, per kind; says which sides are
+ * device memory. */
+inline cudaError_t copy_check(const char *fn, void *dst, const void *src, size_t n, cudaMemcpyKind kind,
+                              bool &dst_dev, bool &src_dev) {
     if (!dst || !src) return rt_fail(cudaErrorInvalidValue, "%s: NULL %s", fn, !dst ? "dst" : "src");
-    bool dst_dev, src_dev;
     switch (kind) {
     case cudaMemcpyHostToHost: dst_dev = src_dev = false; break;
     case cudaMemcpyHostToDevice: dst_dev = true; src_dev = false; break;
@@ -2003,12 +2363,48 @@ inline cudaError_t copy_impl(const char *fn, void *dst, const void *src, size_t 
     cudaError_t e;
     if (dst_dev && (e = require_device_range(fn, "dst", dst, n)) != cudaSuccess) return e;
     if (src_dev && (e = require_device_range(fn, "src", src, n)) != cudaSuccess) return e;
-    memmove(dst, src, n);
     return cudaSuccess;
 }
 
+/* Queues a (pitched) copy on stream: the bytes of pageable host memory are
+ * taken now; a copy into pageable host memory, or a synchronous one (on the
+ * legacy stream), returns once it has run. */
+inline cudaError_t queue_copy(const char *fn, void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
+                              size_t height, bool dst_dev, bool src_dev, cudaStream_t stream, bool sync) {
+    CUstream_st *s = resolve(stream);
+    size_t sext = spitch * (height - 1) + width;
+    std::function<void()> run;
+    if (!src_dev && !is_pinned(src)) {
+        auto bytes = std::make_shared<std::vector<unsigned char>>((const unsigned char *)src,
+                                                                  (const unsigned char *)src + sext);
+        run = [=] {
+            for (size_t r = 0; r < height; r++) memmove((char *)dst + r * dpitch, bytes->data() + r * spitch, width);
+        };
+    } else {
+        run = [=] {
+            for (size_t r = 0; r < height; r++)
+                memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
+        };
+    }
+    uint64_t seq = enqueue(s, fn, std::move(run));
+    if (sync || (!dst_dev && !is_pinned(dst))) force(s, seq);
+    if (sync) {
+        cudaError_t e = take_stream_error(s);
+        return e != cudaSuccess ? e : take_pending();
+    }
+    return cudaSuccess;
+}
+inline cudaError_t copy_impl(const char *fn, void *dst, const void *src, size_t n, cudaMemcpyKind kind,
+                             cudaStream_t stream, bool sync) {
+    if (n == 0) return cudaSuccess;
+    bool dst_dev = false, src_dev = false;
+    cudaError_t e = copy_check(fn, dst, src, n, kind, dst_dev, src_dev);
+    if (e != cudaSuccess) return e;
+    return queue_copy(fn, dst, n, src, n, n, 1, dst_dev, src_dev, stream, sync);
+}
+
 inline cudaError_t copy2d_impl(const char *fn, void *dst, size_t dpitch, const void *src, size_t spitch,
-                               size_t width, size_t height, cudaMemcpyKind kind) {
+                               size_t width, size_t height, cudaMemcpyKind kind, cudaStream_t stream, bool sync) {
     if ((unsigned)kind > (unsigned)cudaMemcpyDefault)
         return rt_fail(cudaErrorInvalidMemcpyDirection, "%s: invalid cudaMemcpyKind %d", fn, (int)kind);
     if (width == 0 || height == 0) return cudaSuccess;
@@ -2025,18 +2421,9 @@ inline cudaError_t copy2d_impl(const char *fn, void *dst, size_t dpitch, const v
     cudaError_t e;
     if (dst_dev && (e = require_device_range(fn, "dst", dst, dext)) != cudaSuccess) return e;
     if (src_dev && (e = require_device_range(fn, "src", src, sext)) != cudaSuccess) return e;
-    for (size_t r = 0; r < height; r++)
-        memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
-    return cudaSuccess;
+    return queue_copy(fn, dst, dpitch, src, spitch, width, height, dst_dev, src_dev, stream, sync);
 }
 
-/* Synchronize calls report a kernel fault once (it is also in cudaGetLastError). */
-inline cudaError_t take_pending() {
-    HostThread &h = host();
-    cudaError_t e = h.pending;
-    h.pending = cudaSuccess;
-    return e;
-}
 
 } // namespace detail
 } // namespace cudasim
@@ -2132,7 +2519,27 @@ inline cudaError_t cudaSetDeviceFlags(unsigned int flags) {
     return cudaSuccess;
 }
 inline cudaError_t cudaDeviceReset(void) { return cudaSuccess; }
-inline cudaError_t cudaDeviceSynchronize(void) { return cudasim::detail::take_pending(); }
+/* Runs every stream's queued work on the current device; reports the first
+ * failure among them (once), else a pending eager kernel fault. */
+inline cudaError_t cudaDeviceSynchronize(void) {
+    using namespace cudasim::detail;
+    int dev = host().device;
+    drain(dev);
+    cudaError_t first = cudaSuccess;
+    std::vector<CUstream_st *> streams;
+    {
+        Sched &k = sched();
+        std::lock_guard<std::mutex> lock(k.mu);
+        for (CUstream_st *st : k.live)
+            if (st->device == dev) streams.push_back(st);
+    }
+    for (CUstream_st *st : streams) {
+        cudaError_t e = take_stream_error(st);
+        if (first == cudaSuccess) first = e;
+    }
+    cudaError_t p = take_pending();
+    return first != cudaSuccess ? first : p;
+}
 inline cudaError_t cudaDriverGetVersion(int *v) {
     if (!v) return cudasim::detail::rt_fail(cudaErrorInvalidValue, "cudaDriverGetVersion: NULL");
     *v = CUDART_VERSION;
@@ -2184,14 +2591,31 @@ inline cudaError_t cudaMalloc(void **p, size_t size) { return cudasim::detail::a
 template <class T> inline cudaError_t cudaMalloc(T **p, size_t size) { return cudaMalloc((void **)p, size); }
 inline cudaError_t cudaMallocAsync(void **p, size_t size, cudaStream_t s) {
     if (!cudasim::detail::stream_ok(s)) return cudasim::detail::bad_stream("cudaMallocAsync", s);
+    cudasim::detail::maybe_progress();
     return cudasim::detail::alloc_impl("cudaMallocAsync", p, size, false);
 }
 template <class T> inline cudaError_t cudaMallocAsync(T **p, size_t size, cudaStream_t s) {
     return cudaMallocAsync((void **)p, size, s);
 }
-inline cudaError_t cudaFree(void *p) { return cudasim::detail::free_impl("cudaFree", p, false); }
+/* cudaFree synchronises the device on a GPU: the queued work of the
+ * allocation's device runs first. */
+namespace cudasim {
+namespace detail {
+inline int device_of(const void *p) {
+    Global &g = global();
+    std::lock_guard<std::mutex> lock(g.mu);
+    auto a = find_alloc(g, p);
+    return a ? a->second.device : -1;
+}
+} // namespace detail
+} // namespace cudasim
+inline cudaError_t cudaFree(void *p) {
+    if (p) cudasim::detail::drain(cudasim::detail::device_of(p));
+    return cudasim::detail::free_impl("cudaFree", p, false);
+}
 inline cudaError_t cudaFreeAsync(void *p, cudaStream_t s) {
     if (!cudasim::detail::stream_ok(s)) return cudasim::detail::bad_stream("cudaFreeAsync", s);
+    if (p) cudasim::detail::drain(cudasim::detail::device_of(p));
     return cudasim::detail::free_impl("cudaFreeAsync", p, false);
 }
 inline cudaError_t cudaMallocHost(void **p, size_t size) {
@@ -2205,7 +2629,10 @@ inline cudaError_t cudaHostAlloc(void **p, size_t size, unsigned int flags) {
 template <class T> inline cudaError_t cudaHostAlloc(T **p, size_t size, unsigned int flags) {
     return cudaHostAlloc((void **)p, size, flags);
 }
-inline cudaError_t cudaFreeHost(void *p) { return cudasim::detail::free_impl("cudaFreeHost", p, true); }
+inline cudaError_t cudaFreeHost(void *p) {
+    if (p) cudasim::detail::drain(-1);
+    return cudasim::detail::free_impl("cudaFreeHost", p, true);
+}
 inline cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total) {
     using namespace cudasim::detail;
     if (!free_bytes || !total) return rt_fail(cudaErrorInvalidValue, "cudaMemGetInfo: NULL argument");
@@ -2216,44 +2643,56 @@ inline cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total) {
     return cudaSuccess;
 }
 
-inline cudaError_t cudaMemset(void *p, int value, size_t count) {
-    using namespace cudasim::detail;
+/* Memsets and copies are queued (section 9's rules); the synchronous ones
+ * go on the legacy stream and return once they have run. */
+namespace cudasim {
+namespace detail {
+inline cudaError_t memset_impl(const char *fn, void *p, int value, size_t count, cudaStream_t stream) {
     if (count == 0) return cudaSuccess;
-    cudaError_t e = require_device_range("cudaMemset", "devPtr", p, count);
+    cudaError_t e = require_device_range(fn, "devPtr", p, count);
     if (e != cudaSuccess) return e;
-    memset(p, value, count);
+    enqueue(resolve(stream), fn, [=] { memset(p, value, count); });
     return cudaSuccess;
+}
+} // namespace detail
+} // namespace cudasim
+inline cudaError_t cudaMemset(void *p, int value, size_t count) {
+    return cudasim::detail::memset_impl("cudaMemset", p, value, count, 0);
 }
 inline cudaError_t cudaMemsetAsync(void *p, int value, size_t count, cudaStream_t stream = 0) {
     if (!cudasim::detail::stream_ok(stream)) return cudasim::detail::bad_stream("cudaMemsetAsync", stream);
-    return cudaMemset(p, value, count);
+    return cudasim::detail::memset_impl("cudaMemsetAsync", p, value, count, stream);
 }
 inline cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind) {
-    return cudasim::detail::copy_impl("cudaMemcpy", dst, src, count, kind);
+    return cudasim::detail::copy_impl("cudaMemcpy", dst, src, count, kind, 0, true);
 }
 inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind,
                                    cudaStream_t stream = 0) {
     if (!cudasim::detail::stream_ok(stream)) return cudasim::detail::bad_stream("cudaMemcpyAsync", stream);
-    return cudasim::detail::copy_impl("cudaMemcpyAsync", dst, src, count, kind);
+    return cudasim::detail::copy_impl("cudaMemcpyAsync", dst, src, count, kind, stream, false);
 }
 inline cudaError_t cudaMemcpy2D(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
                                 size_t height, enum cudaMemcpyKind kind) {
-    return cudasim::detail::copy2d_impl("cudaMemcpy2D", dst, dpitch, src, spitch, width, height, kind);
+    return cudasim::detail::copy2d_impl("cudaMemcpy2D", dst, dpitch, src, spitch, width, height, kind, 0, true);
 }
 inline cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
                                      size_t height, enum cudaMemcpyKind kind, cudaStream_t stream = 0) {
     if (!cudasim::detail::stream_ok(stream)) return cudasim::detail::bad_stream("cudaMemcpy2DAsync", stream);
-    return cudasim::detail::copy2d_impl("cudaMemcpy2DAsync", dst, dpitch, src, spitch, width, height, kind);
+    return cudasim::detail::copy2d_impl("cudaMemcpy2DAsync", dst, dpitch, src, spitch, width, height, kind, stream,
+                                        false);
 }
 inline cudaError_t cudaMemcpyPeer(void *dst, int dstDevice, const void *src, int srcDevice, size_t count) {
     (void)dstDevice;
     (void)srcDevice;
-    return cudasim::detail::copy_impl("cudaMemcpyPeer", dst, src, count, cudaMemcpyDeviceToDevice);
+    return cudasim::detail::copy_impl("cudaMemcpyPeer", dst, src, count, cudaMemcpyDeviceToDevice, 0, true);
 }
 inline cudaError_t cudaMemcpyPeerAsync(void *dst, int dstDevice, const void *src, int srcDevice, size_t count,
                                        cudaStream_t stream = 0) {
+    (void)dstDevice;
+    (void)srcDevice;
     if (!cudasim::detail::stream_ok(stream)) return cudasim::detail::bad_stream("cudaMemcpyPeerAsync", stream);
-    return cudaMemcpyPeer(dst, dstDevice, src, srcDevice, count);
+    return cudasim::detail::copy_impl("cudaMemcpyPeerAsync", dst, src, count, cudaMemcpyDeviceToDevice, stream,
+                                      false);
 }
 inline cudaError_t cudaDeviceCanAccessPeer(int *can, int device, int peer) {
     using namespace cudasim::detail;
@@ -2275,7 +2714,12 @@ inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags
     if (!s) return rt_fail(cudaErrorInvalidValue, "cudaStreamCreate: NULL stream pointer");
     *s = nullptr; /* written on failure too: callers' -Wmaybe-uninitialized stays quiet */
     if (device_count() == 0) return rt_fail(cudaErrorNoDevice, "cudaStreamCreate: no device (CUDASIM_DEVICES=0)");
-    CUstream_st *st = new CUstream_st{flags, host().device};
+    CUstream_st *st = new CUstream_st(flags, host().device);
+    {
+        Sched &k = sched();
+        std::lock_guard<std::mutex> lock(k.mu);
+        k.live.push_back(st);
+    }
     Global &g = global();
     std::lock_guard<std::mutex> lock(g.mu);
     g.streams.insert(st);
@@ -2292,31 +2736,65 @@ inline cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest) {
     if (greatest) *greatest = -5;
     return cudaSuccess;
 }
+/* A destroyed stream's queued work still runs (here before the call
+ * returns); the object stays, since events and dependencies may name it. */
 inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
     using namespace cudasim::detail;
     Global &g = global();
+    bool found;
     {
         std::lock_guard<std::mutex> lock(g.mu);
-        if (s && g.streams.erase(s)) {
-            delete s;
-            return cudaSuccess;
-        }
+        found = s && g.streams.erase(s);
     }
-    return rt_fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy(%p): not a live stream", (void *)s);
+    if (!found) return rt_fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy(%p): not a live stream", (void *)s);
+    force_all(s);
+    Sched &k = sched();
+    std::lock_guard<std::mutex> lock(k.mu);
+    s->dead = true;
+    k.live.erase(std::remove(k.live.begin(), k.live.end(), s), k.live.end());
+    return cudaSuccess;
 }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-    if (!cudasim::detail::stream_ok(s)) return cudasim::detail::bad_stream("cudaStreamSynchronize", s);
-    return cudasim::detail::take_pending();
+    using namespace cudasim::detail;
+    if (!stream_ok(s)) return bad_stream("cudaStreamSynchronize", s);
+    maybe_progress();
+    CUstream_st *q = resolve(s);
+    force_all(q);
+    cudaError_t e = take_stream_error(q);
+    cudaError_t p = take_pending();
+    return e != cudaSuccess ? e : p;
 }
+/* cudaErrorNotReady while the stream has work left, which then runs: the
+ * next query finds it done. */
 inline cudaError_t cudaStreamQuery(cudaStream_t s) {
-    if (!cudasim::detail::stream_ok(s)) return cudasim::detail::bad_stream("cudaStreamQuery", s);
-    return cudaSuccess;
+    using namespace cudasim::detail;
+    if (!stream_ok(s)) return bad_stream("cudaStreamQuery", s);
+    maybe_progress();
+    CUstream_st *q = resolve(s);
+    bool pending;
+    {
+        Sched &k = sched();
+        std::lock_guard<std::mutex> lock(k.mu);
+        pending = q->done < q->issued;
+    }
+    if (!pending) return cudaSuccess;
+    force_all(q);
+    return host().last_error = cudaErrorNotReady;
 }
 inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags = 0) {
     using namespace cudasim::detail;
     (void)flags;
     if (!stream_ok(s)) return bad_stream("cudaStreamWaitEvent", s);
     if (!event_ok(e)) return rt_fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: event %p is not live", (void *)e);
+    CUstream_st *on;
+    uint64_t seq;
+    {
+        Sched &k = sched();
+        std::lock_guard<std::mutex> lock(k.mu);
+        on = e->stream;
+        seq = e->seq;
+    }
+    if (on) enqueue(resolve(s), "cudaStreamWaitEvent", [] {}, {{on, seq}});
     return cudaSuccess;
 }
 
@@ -2325,7 +2803,7 @@ inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags) 
     if (!e) return rt_fail(cudaErrorInvalidValue, "cudaEventCreate: NULL event pointer");
     *e = nullptr;
     if (device_count() == 0) return rt_fail(cudaErrorNoDevice, "cudaEventCreate: no device (CUDASIM_DEVICES=0)");
-    CUevent_st *ev = new CUevent_st{flags, false, {}};
+    CUevent_st *ev = new CUevent_st(flags);
     Global &g = global();
     std::lock_guard<std::mutex> lock(g.mu);
     g.events.insert(ev);
@@ -2346,24 +2824,58 @@ inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
     }
     return rt_fail(cudaErrorInvalidResourceHandle, "cudaEventDestroy(%p): not a live event", (void *)e);
 }
+/* The event's record is an operation on s; the event completes when s runs it. */
 inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = 0) {
     using namespace cudasim::detail;
     if (!event_ok(e)) return rt_fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: event %p is not live", (void *)e);
     if (!stream_ok(s)) return bad_stream("cudaEventRecord", s);
-    e->recorded = true;
-    e->t = std::chrono::steady_clock::now();
+    CUstream_st *q = resolve(s);
+    auto t = std::make_shared<std::chrono::steady_clock::time_point>();
+    uint64_t seq = enqueue(q, "cudaEventRecord", [t] { *t = std::chrono::steady_clock::now(); });
+    Sched &k = sched();
+    std::lock_guard<std::mutex> lock(k.mu);
+    e->stream = q;
+    e->seq = seq;
+    e->t = t;
     return cudaSuccess;
 }
+/* cudaErrorNotReady while its record has not run, which then runs. */
 inline cudaError_t cudaEventQuery(cudaEvent_t e) {
     using namespace cudasim::detail;
     if (!event_ok(e)) return rt_fail(cudaErrorInvalidResourceHandle, "cudaEventQuery: event %p is not live", (void *)e);
-    return cudaSuccess;
+    maybe_progress();
+    CUstream_st *on;
+    uint64_t seq;
+    {
+        Sched &k = sched();
+        std::lock_guard<std::mutex> lock(k.mu);
+        on = e->stream;
+        seq = e->seq;
+        if (!on || on->done >= seq) return cudaSuccess;
+    }
+    force(on, seq);
+    return host().last_error = cudaErrorNotReady;
 }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     using namespace cudasim::detail;
     if (!event_ok(e))
         return rt_fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize: event %p is not live", (void *)e);
-    return take_pending();
+    maybe_progress();
+    CUstream_st *on;
+    uint64_t seq;
+    {
+        Sched &k = sched();
+        std::lock_guard<std::mutex> lock(k.mu);
+        on = e->stream;
+        seq = e->seq;
+    }
+    cudaError_t err = cudaSuccess;
+    if (on) {
+        force(on, seq);
+        err = take_stream_error(on);
+    }
+    cudaError_t p = take_pending();
+    return err != cudaSuccess ? err : p;
 }
 inline cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
     using namespace cudasim::detail;
@@ -2372,9 +2884,15 @@ inline cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_
         return rt_fail(cudaErrorInvalidResourceHandle, "cudaEventElapsedTime: event not live");
     if ((start->flags | end->flags) & cudaEventDisableTiming)
         return rt_fail(cudaErrorInvalidResourceHandle, "cudaEventElapsedTime: event created with cudaEventDisableTiming");
-    if (!start->recorded || !end->recorded)
+    if (!start->stream || !end->stream)
         return rt_fail(cudaErrorInvalidResourceHandle, "cudaEventElapsedTime: event never recorded");
-    *ms = std::chrono::duration<float, std::milli>(end->t - start->t).count();
+    {
+        Sched &k = sched();
+        std::lock_guard<std::mutex> lock(k.mu);
+        if (start->stream->done < start->seq || end->stream->done < end->seq)
+            return host().last_error = cudaErrorNotReady;
+    }
+    *ms = std::chrono::duration<float, std::milli>(*end->t - *start->t).count();
     return cudaSuccess;
 }
 
@@ -2443,13 +2961,14 @@ inline bool launch_config_ok(HostThread &h, const LaunchInfo &L) {
     return true;
 }
 
-/* Runs a whole grid on the calling host thread. */
+/* Runs a whole grid on the calling host thread (a checked launch, when its
+ * stream reaches it). */
 inline void launch(const LaunchInfo &L, void (*body)(void *), void *ctx) {
     HostThread &h = host();
-    if (!launch_config_ok(h, L)) return;
     unsigned n = L.block.x * L.block.y * L.block.z;
     if (!ensure_stacks(h, n)) {
         rt_fail(cudaErrorLaunchOutOfResources, "CPAR_LAUNCH(%s): cannot map %u fiber stacks", L.name, n);
+        op_failed(cudaErrorLaunchOutOfResources);
         return;
     }
     if (L.smem > h.smem_cap) {
@@ -2459,6 +2978,7 @@ inline void launch(const LaunchInfo &L, void (*body)(void *), void *ctx) {
         h.smem_cap = h.smem ? cap : 0;
         if (!h.smem) {
             rt_fail(cudaErrorLaunchOutOfResources, "CPAR_LAUNCH(%s): cannot allocate shared memory", L.name);
+            op_failed(cudaErrorLaunchOutOfResources);
             return;
         }
     }
@@ -2526,13 +3046,14 @@ inline void launch(const LaunchInfo &L, void (*body)(void *), void *ctx) {
 #ifdef CUDASIM_ASAN
         h.stacks_dirty = true;
 #endif
-        h.last_error = cudaErrorLaunchFailure;
-        h.pending = cudaErrorLaunchFailure;
+        op_failed(cudaErrorLaunchFailure);
     }
 }
 
 /* CPAR_LAUNCH(...) yields one of these; its call operator takes the kernel's
- * own parameter types, so arguments convert exactly as in a kernel call. */
+ * own parameter types, so arguments convert exactly as in a kernel call. The
+ * configuration is checked at issue; the grid is queued on its stream with a
+ * copy of the arguments, as a GPU keeps them. */
 template <class... P> struct Launcher {
     void (*kernel)(P...);
     LaunchInfo info;
@@ -2541,9 +3062,13 @@ template <class... P> struct Launcher {
             void (*k)(P...);
             std::tuple<P...> a;
         };
-        Ctx c{kernel, std::tuple<P...>(args...)};
+        if (!launch_config_ok(host(), info)) return;
+        auto c = std::make_shared<Ctx>(Ctx{kernel, std::tuple<P...>(args...)});
+        LaunchInfo L = info;
         /* each fiber calls the kernel with its own copies of the arguments */
-        launch(info, [](void *p) { Ctx *cc = static_cast<Ctx *>(p); std::apply(cc->k, cc->a); }, &c);
+        enqueue(resolve(info.stream), info.name, [L, c] {
+            launch(L, [](void *p) { Ctx *cc = static_cast<Ctx *>(p); std::apply(cc->k, cc->a); }, c.get());
+        });
     }
 };
 
@@ -2590,7 +3115,7 @@ template <class T> inline cudaError_t cudaFuncSetAttribute(T *entry, enum cudaFu
  * order; beta == 0 never reads C; alpha == 0 or k == 0 never reads A or B.
  * TF32 (CUBLAS_COMPUTE_32F_FAST_TF32, or CUBLAS_TF32_TENSOR_OP_MATH with fp32
  * data) rounds the inputs to 10 mantissa bits as the tensor cores do, so
- * tolerances chosen in the sim hold on the GPU. Runs at issue time. */
+ * tolerances chosen in the sim hold on the GPU. Queued on the handle's stream. */
 
 struct cublasContext {
     cudaStream_t stream;
@@ -2746,76 +3271,85 @@ inline cublasStatus_t gemm(const char *fn, cublasHandle_t handle, cublasOperatio
                    (st = blas_range(fn, "B", B, dtype_size(bt), brows, tb_t ? k : n, ldb, sb, batch))))
         return st;
     if ((st = blas_range(fn, "C", C, dtype_size(ct), m, n, ldc, sc, batch))) return st;
-    /* op(A) packed as m rows of k, op(B) as n columns of k: contiguous dot products */
-    std::vector<float> ap(use_ab ? (size_t)m * k : 0), bp(use_ab ? (size_t)n * k : 0);
-    for (int b = 0; b < batch; b++) {
-        const unsigned char *Ab = (const unsigned char *)A + (long long)b * sa * (long long)dtype_size(at);
-        const unsigned char *Bb = (const unsigned char *)B + (long long)b * sb * (long long)dtype_size(bt);
-        unsigned char *Cb = (unsigned char *)C + (long long)b * sc * (long long)dtype_size(ct);
-        if (use_ab) {
-            for (int i = 0; i < m; i++)
-                for (int p = 0; p < k; p++)
-                    ap[(size_t)i * k + p] =
-                        round_input(load_as_float(Ab, at, ta_t ? p + (long long)i * lda : i + (long long)p * lda),
-                                    rounding);
-            for (int j = 0; j < n; j++)
-                for (int p = 0; p < k; p++)
-                    bp[(size_t)j * k + p] =
-                        round_input(load_as_float(Bb, bt, tb_t ? j + (long long)p * ldb : p + (long long)j * ldb),
-                                    rounding);
+    /* The product itself is queued on the handle's stream; alpha and beta are
+     * taken now, or when it runs with CUBLAS_POINTER_MODE_DEVICE. */
+    bool dev_scalars = handle->pointer_mode == CUBLAS_POINTER_MODE_DEVICE;
+    enqueue(resolve(handle->stream), fn, [=]() mutable {
+        if (dev_scalars) {
+            alpha = *(const float *)alpha_p;
+            beta = *(const float *)beta_p;
         }
-        auto finish = [&](int i, int j, float acc) {
-            long long ci = i + (long long)j * ldc;
-            float out = alpha * acc;
-            if (beta != 0.0f) out += beta * load_as_float(Cb, ct, ci);
-            store_from_float(Cb, ct, ci, out);
-        };
-        if (!use_ab) {
-            for (int j = 0; j < n; j++)
-                for (int i = 0; i < m; i++) finish(i, j, 0.0f);
-            continue;
-        }
-        /* Four rows of op(A) (reused from L1) against a 64-column panel of
-         * op(B) (reused from L2): four independent sums per column. Each
-         * element is still summed in plain index order, so the tiling does not
-         * change results. */
-        volatile float sums[4];
-        for (int j0 = 0; j0 < n; j0 += 64) {
-            int j1 = std::min(n, j0 + 64);
-            int i = 0;
-            for (; i + 4 <= m; i += 4) {
-                const float *x0 = &ap[(size_t)i * k], *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
-                for (int j = j0; j < j1; j++) {
-                    const float *y = &bp[(size_t)j * k];
-                    float c0 = 0, c1 = 0, c2 = 0, c3 = 0;
-                    for (int p = 0; p < k; p++) {
-                        float bv = y[p];
-                        c0 += x0[p] * bv;
-                        c1 += x1[p] * bv;
-                        c2 += x2[p] * bv;
-                        c3 += x3[p] * bv;
+        /* op(A) packed as m rows of k, op(B) as n columns of k: contiguous dot products */
+        std::vector<float> ap(use_ab ? (size_t)m * k : 0), bp(use_ab ? (size_t)n * k : 0);
+        for (int b = 0; b < batch; b++) {
+            const unsigned char *Ab = (const unsigned char *)A + (long long)b * sa * (long long)dtype_size(at);
+            const unsigned char *Bb = (const unsigned char *)B + (long long)b * sb * (long long)dtype_size(bt);
+            unsigned char *Cb = (unsigned char *)C + (long long)b * sc * (long long)dtype_size(ct);
+            if (use_ab) {
+                for (int i = 0; i < m; i++)
+                    for (int p = 0; p < k; p++)
+                        ap[(size_t)i * k + p] =
+                            round_input(load_as_float(Ab, at, ta_t ? p + (long long)i * lda : i + (long long)p * lda),
+                                        rounding);
+                for (int j = 0; j < n; j++)
+                    for (int p = 0; p < k; p++)
+                        bp[(size_t)j * k + p] =
+                            round_input(load_as_float(Bb, bt, tb_t ? j + (long long)p * ldb : p + (long long)j * ldb),
+                                        rounding);
+            }
+            auto finish = [&](int i, int j, float acc) {
+                long long ci = i + (long long)j * ldc;
+                float out = alpha * acc;
+                if (beta != 0.0f) out += beta * load_as_float(Cb, ct, ci);
+                store_from_float(Cb, ct, ci, out);
+            };
+            if (!use_ab) {
+                for (int j = 0; j < n; j++)
+                    for (int i = 0; i < m; i++) finish(i, j, 0.0f);
+                continue;
+            }
+            /* Four rows of op(A) (reused from L1) against a 64-column panel of
+             * op(B) (reused from L2): four independent sums per column. Each
+             * element is still summed in plain index order, so the tiling does not
+             * change results. */
+            volatile float sums[4];
+            for (int j0 = 0; j0 < n; j0 += 64) {
+                int j1 = std::min(n, j0 + 64);
+                int i = 0;
+                for (; i + 4 <= m; i += 4) {
+                    const float *x0 = &ap[(size_t)i * k], *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
+                    for (int j = j0; j < j1; j++) {
+                        const float *y = &bp[(size_t)j * k];
+                        float c0 = 0, c1 = 0, c2 = 0, c3 = 0;
+                        for (int p = 0; p < k; p++) {
+                            float bv = y[p];
+                            c0 += x0[p] * bv;
+                            c1 += x1[p] * bv;
+                            c2 += x2[p] * bv;
+                            c3 += x3[p] * bv;
+                        }
+                        /* via a volatile array: sums still live across the calls
+                         * below would make -O1 keep them on the stack inside the
+                         * loop above (3x slower) */
+                        sums[0] = c0;
+                        sums[1] = c1;
+                        sums[2] = c2;
+                        sums[3] = c3;
+                        for (int r = 0; r < 4; r++) finish(i + r, j, sums[r]);
                     }
-                    /* via a volatile array: sums still live across the calls
-                     * below would make -O1 keep them on the stack inside the
-                     * loop above (3x slower) */
-                    sums[0] = c0;
-                    sums[1] = c1;
-                    sums[2] = c2;
-                    sums[3] = c3;
-                    for (int r = 0; r < 4; r++) finish(i + r, j, sums[r]);
                 }
-            }
-            for (; i < m; i++) {
-                const float *x = &ap[(size_t)i * k];
-                for (int j = j0; j < j1; j++) {
-                    const float *y = &bp[(size_t)j * k];
-                    float c = 0;
-                    for (int p = 0; p < k; p++) c += x[p] * y[p];
-                    finish(i, j, c);
+                for (; i < m; i++) {
+                    const float *x = &ap[(size_t)i * k];
+                    for (int j = j0; j < j1; j++) {
+                        const float *y = &bp[(size_t)j * k];
+                        float c = 0;
+                        for (int p = 0; p < k; p++) c += x[p] * y[p];
+                        finish(i, j, c);
+                    }
                 }
             }
         }
-    }
+    });
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -2976,5 +3510,26 @@ inline int cudasim_check_memory(void) {
     if (bad) cudasim::detail::set_message("cudasim_check_memory: %d damaged allocation(s); first: %s", bad, first.c_str());
     return bad;
 }
+inline void cudasim_set_streams(cudasim_streams mode, unsigned long long seed) {
+    cudasim::detail::drain(-1); /* what was queued runs under the old mode */
+    cudasim::detail::Sched &k = cudasim::detail::sched();
+    std::lock_guard<std::mutex> lock(k.mu);
+    k.mode = mode == CUDASIM_STREAMS_LAZY ? 1 : mode == CUDASIM_STREAMS_RANDOM ? 2 : 0;
+    k.seed = seed;
+    if (k.mode == 2 && !k.seed)
+        k.seed = (unsigned long long)std::chrono::steady_clock::now().time_since_epoch().count() | 1;
+    k.rng = k.seed;
+}
+inline cudasim_streams cudasim_get_streams(unsigned long long *seed) {
+    cudasim::detail::Sched &k = cudasim::detail::sched();
+    std::lock_guard<std::mutex> lock(k.mu);
+    int m = cudasim::detail::streams_mode_locked(k);
+    if (seed) *seed = k.seed;
+    return (cudasim_streams)m;
+}
+inline const char *cudasim_streams_name(cudasim_streams mode) {
+    return mode == CUDASIM_STREAMS_LAZY ? "lazy" : mode == CUDASIM_STREAMS_RANDOM ? "random" : "eager";
+}
+inline int cudasim_drain(void) { return cudasim::detail::drain(-1); }
 
 #endif /* CUDASIM_H */

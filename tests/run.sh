@@ -65,12 +65,21 @@ suite() { # name, binary, backend[, VAR=value ...]
     add "$n" "$* CPAR_TEST_BACKEND=$be \"$bin\""
 }
 
+# The simulators' stream modes (below): the seed of random changes per run.
+seed=${CPAR_TEST_SEED:-$(($(date +%s) % 100000 + 1))}
+case $seed in '' | *[!0-9]*) echo "run.sh: CPAR_TEST_SEED must be a number, not '$seed'" >&2; exit 2 ;; esac
+if [ -n "$SIM_SUITES$NCCLSIM_SUITES" ]; then
+    echo "streams: sim lazy, nccl-sim random:$seed, NAME@MODE the other (CPAR_TEST_SEED=$seed repeats this run)"
+fi
+
 # The fault suites spend their time waiting for deadlines, not computing: the
 # three flavours' copies start at once, beside the others and not counted
 # among the CPAR_TEST_JOBS.
 case " $HOST_SUITES " in *" faults "*) suite "$HOST_FLAVOUR/faults" "\$B/$HOST_FLAVOUR/test_faults" host ;; esac
-case " $SIM_SUITES " in *" faults "*) suite "sim/faults" "\$B/sim/test_faults" sim ;; esac
-case " $NCCLSIM_SUITES " in *" faults "*) suite "nccl-sim/faults" "\$B/ncclsim/test_faults" nccl ;; esac
+case " $SIM_SUITES " in *" faults "*) suite "sim/faults" "\$B/sim/test_faults" sim CUDASIM_STREAMS=lazy ;; esac
+case " $NCCLSIM_SUITES " in *" faults "*)
+    suite "nccl-sim/faults" "\$B/ncclsim/test_faults" nccl CUDASIM_STREAMS=random:$seed ;;
+esac
 without_faults() { for s in "$@"; do [ "$s" = faults ] || printf '%s ' "$s"; done; }
 HOST_SUITES=$(without_faults $HOST_SUITES)
 SIM_SUITES=$(without_faults $SIM_SUITES)
@@ -100,16 +109,32 @@ bench_check() { # directory for the files
 if [ -x "$B/host/bench" ] && [ "$HOST_FLAVOUR" = host ] && [ -n "$HOST_SUITES" ]; then
     add "host/bench-csv" 'mkdir "$tmp/bench" && bench_check "$tmp/bench"'
 fi
-for s in $SIM_SUITES; do suite "sim/$s" "\$B/sim/test_$s" sim; done
-[ -z "$SIM_SUITES" ] || suite "sim/lm_check" "\$B/sim/lm_check" sim CPAR_LM_BACKEND=sim
+# The simulators run stream work late (tests/cudasim.h section 9): the sim
+# suites under lazy (work runs only when a host call forces it), the nccl-sim
+# suites under random (ready work of every stream interleaved by a seed that
+# changes per run; CPAR_TEST_SEED fixes it), and the suites that overlap
+# streams under the other mode too, so a missing stream wait or host
+# synchronisation gives a wrong value. A failure names its mode and seed.
+OVERLAP_SUITES="coll linear ring mamba train"
+for s in $SIM_SUITES; do suite "sim/$s" "\$B/sim/test_$s" sim CUDASIM_STREAMS=lazy; done
+[ -z "$SIM_SUITES" ] || suite "sim/lm_check" "\$B/sim/lm_check" sim CPAR_LM_BACKEND=sim CUDASIM_STREAMS=lazy
+for s in $SIM_SUITES; do
+    case " $OVERLAP_SUITES " in *" $s "*) suite "sim/$s@random" "\$B/sim/test_$s" sim CUDASIM_STREAMS=random:$seed ;; esac
+done
 # nccl-sim: the production path (cpar.c as built for GPUs, NCCL calls) on the
 # CUDA and NCCL simulators. The GPU suite runs here on simulated GPUs, with
 # its smaller sizes (CPAR_GPU_SUITE=quick): its kernels run on the CPU here.
 # lm_check runs 16 steps here, not 30: every step makes the same calls, and
 # sim's run has the long curve (by steps 12-15 the loss averages under a tenth
 # of the first step's, and lm_check asks for half).
-for s in $NCCLSIM_SUITES; do suite "nccl-sim/$s" "\$B/ncclsim/test_$s" nccl CPAR_GPU_SUITE=quick; done
-[ -z "$NCCLSIM_SUITES" ] || suite "nccl-sim/lm_check" "\$B/ncclsim/lm_check" nccl CPAR_LM_BACKEND=nccl CPAR_LM_STEPS=16
+for s in $NCCLSIM_SUITES; do
+    suite "nccl-sim/$s" "\$B/ncclsim/test_$s" nccl CPAR_GPU_SUITE=quick CUDASIM_STREAMS=random:$seed
+done
+[ -z "$NCCLSIM_SUITES" ] || suite "nccl-sim/lm_check" "\$B/ncclsim/lm_check" nccl CPAR_LM_BACKEND=nccl \
+    CPAR_LM_STEPS=16 CUDASIM_STREAMS=random:$seed
+for s in $NCCLSIM_SUITES; do
+    case " $OVERLAP_SUITES " in *" $s "*) suite "nccl-sim/$s@lazy" "\$B/ncclsim/test_$s" nccl CUDASIM_STREAMS=lazy ;; esac
+done
 # tools/gpu_check.sh --rehearse: every step of the one-shot GPU check on the
 # simulator builds at small sizes, so the script a lent GPU runs cannot rot.
 if [ -n "$SIM_SUITES" ] && [ -n "$NCCLSIM_SUITES" ]; then
@@ -195,6 +220,6 @@ while [ $left -gt 0 ]; do finish_one; done
 wait
 
 echo
-[ -z "$bad" ] || echo "failed suites:$bad"
+[ -z "$bad" ] || echo "failed suites:$bad (streams: sim lazy, nccl-sim random:$seed; CPAR_TEST_SEED=$seed repeats it)"
 echo "$passed passed, $failed failed"
 [ -z "$bad" ]

@@ -1664,6 +1664,144 @@ START_TEST(test_timing_report) {
 }
 END_TEST
 
+/* ---- streams as queues (tests/cudasim.h section 9) -------------------------------- */
+
+__global__ void fill_int(int *p, int n, int v) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) p[i] = v;
+}
+__global__ void add_one(const int *in, int *out, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = in[i] + 1;
+}
+
+/* Every element of h equals v? */
+static bool all_eq(const std::vector<int> &h, int v) {
+    for (int x : h)
+        if (x != v) return false;
+    return true;
+}
+
+/* Sets a stream mode for one test and restores eager (this suite's default) after it. */
+struct StreamsMode {
+    explicit StreamsMode(cudasim_streams m, unsigned long long seed = 0) { cudasim_set_streams(m, seed); }
+    ~StreamsMode() { cudasim_set_streams(CUDASIM_STREAMS_EAGER, 0); }
+};
+
+/* Lazy: queued work has not run until something forces it; pinned memory
+ * shows the old bytes before the synchronisation; a query answers NotReady
+ * once, then the work has run. */
+START_TEST(test_streams_lazy_defers) {
+    StreamsMode mode(CUDASIM_STREAMS_LAZY);
+    const int n = 1000;
+    int *d = dev_alloc<int>(n), *pinned = nullptr;
+    CK_CUDA(cudaMallocHost(&pinned, n * sizeof(int)));
+    for (int i = 0; i < n; i++) pinned[i] = -7;
+    cudaStream_t s;
+    CK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CPAR_LAUNCH(fill_int, 4, 64, 0, s)(d, n, 42);
+    CK_CUDA(cudaGetLastError());
+    CK_CUDA(cudaMemcpyAsync(pinned, d, n * sizeof(int), cudaMemcpyDeviceToHost, s));
+    std::vector<int> seen(pinned, pinned + n);
+    ck_assert_msg(all_eq(seen, -7), "lazy: the queued copy into pinned memory ran before any synchronisation");
+    ck_assert_int_eq(cudaStreamQuery(s), cudaErrorNotReady);
+    ck_assert_int_eq(cudaGetLastError(), cudaErrorNotReady);
+    ck_assert_int_eq(cudaStreamQuery(s), cudaSuccess); /* the query ran it */
+    seen.assign(pinned, pinned + n);
+    ck_assert_msg(all_eq(seen, 42), "after the stream finished, pinned memory holds %d", seen[0]);
+    /* A copy into pageable memory returns once it has landed. */
+    CPAR_LAUNCH(fill_int, 4, 64, 0, s)(d, n, 43);
+    std::vector<int> h(n, 0);
+    CK_CUDA(cudaMemcpyAsync(h.data(), d, n * sizeof(int), cudaMemcpyDeviceToHost, s));
+    ck_assert_msg(all_eq(h, 43), "a copy into pageable memory returned before landing");
+    /* A kernel fault is the stream's, reported by the synchronisation. */
+    CPAR_LAUNCH(early_return_barrier, 1, 64, 0, s)(d, 3);
+    ck_assert_int_eq(cudaGetLastError(), cudaSuccess);
+    ck_assert_int_eq(cudaStreamSynchronize(s), cudaErrorLaunchFailure);
+    ck_assert_int_eq(cudaGetLastError(), cudaErrorLaunchFailure);
+    ck_assert_int_eq(cudaStreamSynchronize(s), cudaSuccess); /* reported once */
+    CK_CUDA(cudaStreamDestroy(s));
+    CK_CUDA(cudaFreeHost(pinned));
+    CK_CUDA(cudaFree(d));
+}
+END_TEST
+
+/* Two streams: the consumer reads the producer's output only when it waits
+ * for an event recorded after the producer; without the wait, lazy shows
+ * the old value, as a GPU may. */
+static std::vector<int> producer_consumer(cudasim_streams m, unsigned long long seed, bool wait) {
+    StreamsMode mode(m, seed);
+    const int n = 256;
+    int *x = dev_alloc<int>(n), *y = dev_alloc<int>(n);
+    to_dev(x, std::vector<int>(n, 1));
+    cudaStream_t a, b;
+    cudaEvent_t ev;
+    CK_CUDA(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
+    CK_CUDA(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
+    CK_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    for (int step = 0; step < 8; step++) {
+        CPAR_LAUNCH(fill_int, 2, 64, 0, a)(x, n, 10 * (step + 1));
+        CK_CUDA(cudaEventRecord(ev, a));
+        if (wait) CK_CUDA(cudaStreamWaitEvent(b, ev, 0));
+        CPAR_LAUNCH(add_one, 2, 64, 0, b)(x, y, n);
+        CK_CUDA(cudaStreamSynchronize(b));
+    }
+    std::vector<int> out = from_dev(y, n);
+    CK_CUDA(cudaStreamSynchronize(a));
+    CK_CUDA(cudaEventDestroy(ev));
+    CK_CUDA(cudaStreamDestroy(a));
+    CK_CUDA(cudaStreamDestroy(b));
+    CK_CUDA(cudaFree(x));
+    CK_CUDA(cudaFree(y));
+    return out;
+}
+
+START_TEST(test_streams_missing_wait_is_caught) {
+    ck_assert_msg(all_eq(producer_consumer(CUDASIM_STREAMS_EAGER, 0, false), 81), "eager without the wait");
+    ck_assert_msg(all_eq(producer_consumer(CUDASIM_STREAMS_LAZY, 0, true), 81), "lazy with the wait");
+    std::vector<int> stale = producer_consumer(CUDASIM_STREAMS_LAZY, 0, false);
+    ck_assert_msg(!all_eq(stale, 81), "lazy without the wait read the producer's output");
+    for (unsigned long long seed = 1; seed <= 8; seed++)
+        ck_assert_msg(all_eq(producer_consumer(CUDASIM_STREAMS_RANDOM, seed, true), 81), "random:%llu with the wait",
+                      seed);
+    int caught = 0;
+    for (unsigned long long seed = 1; seed <= 16; seed++)
+        caught += !all_eq(producer_consumer(CUDASIM_STREAMS_RANDOM, seed, false), 81);
+    ck_assert_msg(caught > 0, "random: no seed of 16 showed the missing wait");
+}
+END_TEST
+
+/* The legacy default stream waits for blocking streams' work (and they for
+ * it), not for non-blocking streams': a synchronous cudaMemcpy after a
+ * kernel on a non-blocking stream reads the old bytes under lazy. */
+START_TEST(test_streams_legacy_rules) {
+    StreamsMode mode(CUDASIM_STREAMS_LAZY);
+    const int n = 128;
+    int *x = dev_alloc<int>(n);
+    to_dev(x, std::vector<int>(n, 5));
+    cudaStream_t blocking, nonblocking;
+    CK_CUDA(cudaStreamCreate(&blocking));
+    CK_CUDA(cudaStreamCreateWithFlags(&nonblocking, cudaStreamNonBlocking));
+    CPAR_LAUNCH(fill_int, 2, 64, 0, blocking)(x, n, 6);
+    ck_assert_msg(all_eq(from_dev(x, n), 6), "the legacy stream did not wait for a blocking stream");
+    CPAR_LAUNCH(fill_int, 2, 64, 0, nonblocking)(x, n, 7);
+    ck_assert_msg(all_eq(from_dev(x, n), 6), "the legacy stream waited for a non-blocking stream");
+    CK_CUDA(cudaStreamSynchronize(nonblocking));
+    ck_assert_msg(all_eq(from_dev(x, n), 7), "after its synchronisation");
+    /* Work on a blocking stream waits for the legacy stream's. */
+    CK_CUDA(cudaMemsetAsync(x, 0, n * sizeof(int), 0));
+    CPAR_LAUNCH(add_one, 2, 64, 0, blocking)(x, x, n);
+    CK_CUDA(cudaStreamSynchronize(blocking));
+    ck_assert_msg(all_eq(from_dev(x, n), 1), "a blocking stream did not wait for the legacy stream");
+    /* cudaFree runs every queued operation first. */
+    int *tmp = dev_alloc<int>(n);
+    CPAR_LAUNCH(fill_int, 2, 64, 0, nonblocking)(tmp, n, 9);
+    CK_CUDA(cudaFree(tmp));
+    CK_CUDA(cudaStreamQuery(nonblocking));
+    CK_CUDA(cudaStreamDestroy(blocking));
+    CK_CUDA(cudaStreamDestroy(nonblocking));
+    CK_CUDA(cudaFree(x));
+}
+END_TEST
+
 static TCase *make_tcase(Suite *s, const char *name) {
     TCase *tc = tcase_create(name);
     tcase_set_timeout(tc, 120);
@@ -1672,6 +1810,9 @@ static TCase *make_tcase(Suite *s, const char *name) {
 }
 
 int main(void) {
+    /* These tests state eager semantics (a launch's fault at cudaGetLastError
+     * after it); the streams case switches modes itself. */
+    cudasim_set_streams(CUDASIM_STREAMS_EAGER, 0);
     Suite *s = suite_create("cudasim");
     TCase *tc = make_tcase(s, "barriers");
     tcase_add_test(tc, test_barrier_reverse);
@@ -1700,6 +1841,10 @@ int main(void) {
     tc = make_tcase(s, "threads_schedules");
     tcase_add_test(tc, test_two_host_threads);
     tcase_add_test(tc, test_schedules);
+    tc = make_tcase(s, "streams");
+    tcase_add_test(tc, test_streams_lazy_defers);
+    tcase_add_test(tc, test_streams_missing_wait_is_caught);
+    tcase_add_test(tc, test_streams_legacy_rules);
     tc = make_tcase(s, "timing");
     tcase_add_test(tc, test_timing_report);
 

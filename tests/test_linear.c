@@ -738,6 +738,9 @@ static cpar_status rank_overlap(cpar_ctx *ctx, void *arg) {
         cpar_tensor w = cpar_linear_weight(l);
         TU_OK(cpar_dev_gemm(h, NULL, 0, 0, (int)K, (int)T, (int)Nl, 1.f, w.data, CPAR_F32, (int)K, 0, dy.data,
                             (int)Nl, 0, 0.f, dX.data, CPAR_F32, (int)K, 0, 1));
+        /* That GEMM is on the legacy stream: a peer reads dX on its own
+         * stream (the sim backend meets on the host), so it must have run. */
+        TU_OK(cpar_dev_sync());
         if (sp) TU_OK(cpar_reduce_scatter(g, &dX, &dxs, CPAR_SUM, NULL));
         else {
             TU_OK(cpar_all_reduce(g, &dX, &dX, CPAR_SUM));
@@ -755,12 +758,20 @@ static cpar_status rank_overlap(cpar_ctx *ctx, void *arg) {
         TU_OK(cpar_dev_blas_destroy(h));
     }
 
-    /* no dx: the gather alone (SP), nothing without SP */
+    /* no dx: the gather alone (SP), nothing without SP. The input doubles
+     * between forward and backward, so the weight gradient doubles only if
+     * the wgrad GEMM reads backward's own gather of it (on comm) and not the
+     * forward's bytes left in the same workspace. */
+    TU_OK(cpar_linear_forward(l, &x, &y, NULL));
+    TU_OK(cpar_axpby(ctx, 1.f, &x, 1.f, &x));
+    TU_OK(cpar_linear_zero_grad(l));
     TU_OK(cpar_group_stats_reset(g));
     TU_OK(cpar_linear_backward(l, &dy, NULL));
     TU_OK(cpar_group_stats(g, &st));
     ck_assert(st.kind[CPAR_COLL_ALL_GATHER].calls == (uint64_t)sp && st.kind[CPAR_COLL_REDUCE_SCATTER].calls == 0 &&
               st.kind[CPAR_COLL_ALL_REDUCE].calls == 0);
+    for (int64_t i = 0; i < N * K; i++) dwref[i] *= 2;
+    expect_tensor(ctx, &dW, dwref + r * Nl * K, 1e-5, "overlap dW without dx, doubled input");
 
     free(dx1), free(dw1), free(db1), free(dx2), free(dw2), free(db2);
     free(Wd), free(xd), free(dyd), free(Wf), free(dxref), free(dwref);

@@ -141,8 +141,11 @@ B=${B:-build}
 probe() {
     date -u '+%Y-%m-%d %H:%M:%S UTC'
     uname -srm
-    nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap,clocks.max.sm --format=csv 2>&1 ||
+    if command -v nvidia-smi > /dev/null 2>&1; then
+        nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap,clocks.max.sm --format=csv 2>&1
+    else
         echo "nvidia-smi: not found"
+    fi
     echo "nvcc: $("$NVCC" --version 2> /dev/null | tail -n 1 || echo none)"
     for f in "$CUDA_HOME/include/nccl.h" "$CUDA_HOME/include/cublas_v2.h"; do
         [ -f "$f" ] && echo "found $f" || echo "no $f"
@@ -248,7 +251,7 @@ fi
 
 # ---- 2. build ------------------------------------------------------------------------
 # The architecture of the GPU here, else sm_90 (H100, H200).
-cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2> /dev/null | head -n 1 | tr -d '. ')
+cap=$(command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2> /dev/null | head -n 1 | tr -d ". ")
 case $cap in [0-9][0-9] | [0-9][0-9][0-9]) ARCH=$cap ;; esac
 IFS='
 '

@@ -27,9 +27,18 @@
  *   - reductions add in rank order with fp32 accumulation for fp16/bf16, so
  *     integer results equal a single-threaded reference bit for bit.
  *
- * Execution model. The CUDA simulator runs stream work at issue time, so an
- * operation here is complete (its output written) when the call or the poll
- * that finishes it returns. Every rank stages what it sends in its own area
+ * Execution model. An operation first runs the work its stream was given
+ * before it (the CUDA simulator may have queued it: tests/cudasim.h section
+ * 9), so it reads its inputs in stream order. The exchange itself happens
+ * from the host, in the call or in the polls that finish it, into a landing
+ * buffer of the operation's own; a copy queued on its stream moves that to
+ * the output buffer when the stream reaches it, so the output appears in
+ * stream order, as on a GPU: a consumer that misses its wait for the
+ * operation's stream reads the old bytes (lazy and random stream modes). A
+ * stream that reaches the copy before the operation has finished waits for
+ * it (the host must poll the communicator meanwhile, as cpar does; a
+ * synchronisation instead of the polls waits until NCCLSIM_TIMEOUT_MS and
+ * fails the stream). After a failure or an abort the copy moves nothing. Every rank stages what it sends in its own area
  * of the segment, publishes a descriptor, and reads the peers' areas; an
  * operation completes for a rank once its output is written and every peer
  * has finished reading its area (so the area can be reused). Waiting never
@@ -58,6 +67,7 @@
 #include "ncclsim_hooks.h"
 
 #include <dirent.h>
+#include <pthread.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -306,8 +316,23 @@ static size_t ns_area_bytes_for(int n) {
 
 /* ==== 4. Communicator handles ============================================= */
 
+/* Where an operation's output lands in stream order (see the execution
+ * model): the operation writes buf; when its stream reaches it, a queued copy
+ * moves buf to dst. Shared by the communicator (until the operation ends)
+ * and the queued copy (until it ran): the last of the two frees it. */
+struct ns_landing {
+    void *dst, *buf;
+    size_t bytes;
+    ncclComm_t comm;  /* valid while state is PENDING */
+    pthread_t thread; /* the issuing thread: only it drives the communicator */
+    atomic_int state; /* NCCLSIM_LAND_PENDING, _DONE or _FAILED */
+    atomic_int refs;
+};
+
 typedef struct ns_op {
     ncclComm_t comm;
+    cudaStream_t stream;
+    ns_landing *land; /* NULL: no output, or not yet staged */
     ns_kind kind;
     ncclDataType_t type;
     ncclRedOp_t op;
@@ -347,7 +372,41 @@ struct ncclComm {
 };
 
 /* A failure that sticks to the communicator: every later poll reports it. */
+static ncclResult_t ns_progress(ncclComm_t c);
+
+void ncclsim_land_release(ns_landing *l) {
+    if (atomic_fetch_sub_explicit(&l->refs, 1, memory_order_acq_rel) == 1) {
+        free(l->buf);
+        free(l);
+    }
+}
+int ncclsim_land_state(ns_landing *l) { return atomic_load_explicit(&l->state, memory_order_acquire); }
+/* On the issuing thread (the communicator's user), one pass of progress; 0 elsewhere. */
+int ncclsim_land_drive(ns_landing *l) {
+    if (!pthread_equal(l->thread, pthread_self()) || ncclsim_land_state(l) != NCCLSIM_LAND_PENDING) return 0;
+    ns_progress(l->comm);
+    return 1;
+}
+void ncclsim_land_parts(ns_landing *l, void **dst, const void **buf, size_t *bytes) {
+    *dst = l->dst;
+    *buf = l->buf;
+    *bytes = l->bytes;
+}
+
+/* The communicator lets go of an operation's landing: DONE (its output is
+ * in buf) or FAILED (the queued copy moves nothing). */
+static void ns_land_end(ns_op *op, int state) {
+    if (!op->land) return;
+    atomic_store_explicit(&op->land->state, state, memory_order_release);
+    ncclsim_land_release(op->land);
+    op->land = NULL;
+}
+static void ns_land_end_all(ncclComm_t c, int state) {
+    for (int i = 0; i < c->nops; i++) ns_land_end(&c->ops[i], state);
+}
+
 static ncclResult_t ns_comm_fail(ncclComm_t c, ncclResult_t r, const char *fmt, ...) {
+    ns_land_end_all(c, NCCLSIM_LAND_FAILED);
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(c->msg, sizeof c->msg, fmt, ap);
@@ -418,6 +477,7 @@ static void ns_comm_free(ncclComm_t c, int state) {
         shm_unlink(c->name);
     }
     if (c->fd >= 0) close(c->fd);
+    ns_land_end_all(c, NCCLSIM_LAND_FAILED);
     free(c->ops);
     free(c->sent);
     free(c->taken);
@@ -568,6 +628,14 @@ static ncclResult_t ns_check_buffer(const char *fn, ncclComm_t c, const char *na
     return ncclSuccess;
 }
 
+/* A non-blocking communicator takes one operation (or group) at a time:
+ * the caller polls ncclCommGetAsyncError until ncclSuccess in between. */
+static bool ns_busy(ncclComm_t c) { return c->state == ncclInProgress || c->nops; }
+static ncclResult_t ns_busy_error(const char *fn) {
+    return ns_error(ncclInvalidUsage, "%s: issued while an earlier operation on the communicator is in progress "
+                    "(poll ncclCommGetAsyncError until ncclSuccess first)", fn);
+}
+
 /* Checks one operation and adds it to the group (an implicit group of one
  * outside ncclGroupStart/End). */
 static ncclResult_t ns_submit(ns_op *ops, int n);
@@ -606,9 +674,14 @@ static ncclResult_t ns_enqueue(const char *fn, const ns_op *op, cudaStream_t str
         r = ns_check_buffer(fn, c, "sendbuff", op->sendbuff, in * es);
         if (r == ncclSuccess) r = ns_check_buffer(fn, c, "recvbuff", op->recvbuff, out * es);
     }
+    /* The operation reads its inputs now (section 6): what its stream was
+     * given before it runs first, as on a GPU. */
+    if (r == ncclSuccess && ns_busy(c)) r = ns_busy_error(fn);
+    if (r == ncclSuccess) ncclsim_dev_stream_flush(stream);
     if (ns_group.depth == 0) {
         if (r != ncclSuccess) return r;
         ns_op one = *op;
+        one.stream = stream;
         return ns_submit(&one, 1);
     }
     if (r != ncclSuccess) { /* NCCL reports it here and again from ncclGroupEnd */
@@ -625,7 +698,8 @@ static ncclResult_t ns_enqueue(const char *fn, const ns_op *op, cudaStream_t str
         ns_group.ops = p;
         ns_group.cap = cap;
     }
-    ns_group.ops[ns_group.n++] = *op;
+    ns_group.ops[ns_group.n] = *op;
+    ns_group.ops[ns_group.n++].stream = stream;
     return ncclSuccess;
 }
 
@@ -642,9 +716,7 @@ static size_t ns_staged_bytes(ncclComm_t c, const ns_op *op) {
 
 /* Stage the inputs of c's operations in its area and publish them. */
 static ncclResult_t ns_post(ncclComm_t c, const ns_op *ops, int n) {
-    if (c->state == ncclInProgress || c->nops)
-        return ns_error(ncclInvalidUsage, "%s: issued while an earlier operation on the communicator is in progress "
-                        "(poll ncclCommGetAsyncError until ncclSuccess first)", ns_kind_name(ops[0].kind));
+    if (ns_busy(c)) return ns_busy_error(ns_kind_name(ops[0].kind));
     size_t total = 0;
     int colls = 0, *to_peer = calloc((size_t)c->nranks, sizeof(int));
     if (!to_peer) return ns_error(ncclSystemError, "ncclsim: out of memory");
@@ -941,6 +1013,7 @@ static ncclResult_t ns_progress(ncclComm_t c) {
     if (c->split_out) *c->split_out = c->child;
     c->split_out = NULL;
     c->child = NULL;
+    ns_land_end_all(c, NCCLSIM_LAND_DONE);
     free(c->ops);
     c->ops = NULL;
     c->nops = 0;
@@ -968,12 +1041,68 @@ static ncclResult_t ns_wait(ncclComm_t c) {
     return c->state;
 }
 
+static void ns_land_drop(ns_op *ops, int n);
+
+/* Output bytes of op on this rank. */
+static size_t ns_out_bytes(ncclComm_t c, const ns_op *op) {
+    size_t es = ns_type_size(op->type), cnt = op->count;
+    switch (op->kind) {
+    case NS_ALLREDUCE: case NS_BROADCAST: case NS_REDUCESCATTER: case NS_RECV: return cnt * es;
+    case NS_REDUCE: return c->rank == op->peer ? cnt * es : 0;
+    case NS_ALLGATHER: return cnt * es * (size_t)c->nranks;
+    default: return 0;
+    }
+}
+
+/* Points each output of ops at a landing buffer of its own (not when the
+ * CUDA simulator runs stream work at issue: the output is written at once). */
+static ncclResult_t ns_land_prepare(ncclComm_t c, ns_op *ops, int n) {
+    bool deferred = ncclsim_dev_streams_deferred();
+    for (int i = 0; i < n; i++) {
+        size_t bytes = ns_out_bytes(c, &ops[i]);
+        ops[i].land = NULL;
+        if (!bytes || !deferred) continue;
+        ns_landing *l = malloc(sizeof *l);
+        void *buf = malloc(bytes);
+        if (!l || !buf) {
+            free(l);
+            free(buf);
+            ns_land_drop(ops, i);
+            return ns_error(ncclSystemError, "ncclsim: out of memory");
+        }
+        l->dst = ops[i].recvbuff;
+        l->buf = buf;
+        l->comm = c;
+        l->thread = pthread_self();
+        l->bytes = bytes;
+        atomic_init(&l->state, NCCLSIM_LAND_PENDING);
+        atomic_init(&l->refs, 2);
+        ops[i].land = l;
+        ops[i].recvbuff = buf;
+    }
+    return ncclSuccess;
+}
+/* The landings of ops that were never posted. */
+static void ns_land_drop(ns_op *ops, int n) {
+    for (int i = 0; i < n; i++)
+        if (ops[i].land) {
+            free(ops[i].land->buf);
+            free(ops[i].land);
+            ops[i].land = NULL;
+        }
+}
+
 /* Post every communicator's share of ops, in order of first appearance. */
 static ncclResult_t ns_submit(ns_op *ops, int n) {
     ncclResult_t first = ncclSuccess;
     bool pending = false;
-    ns_op *mine = malloc((size_t)n * sizeof *mine);
-    if (!mine) return ns_error(ncclSystemError, "ncclsim: out of memory");
+    int nland = 0;
+    ns_op *mine = malloc((size_t)n * sizeof *mine), *land = malloc((size_t)n * sizeof *land);
+    if (!mine || !land) {
+        free(mine);
+        free(land);
+        return ns_error(ncclSystemError, "ncclsim: out of memory");
+    }
     for (int i = 0; i < n; i++) {
         ncclComm_t c = ops[i].comm;
         bool seen = false;
@@ -982,11 +1111,20 @@ static ncclResult_t ns_submit(ns_op *ops, int n) {
         int k = 0;
         for (int j = i; j < n; j++)
             if (ops[j].comm == c) mine[k++] = ops[j];
-        ncclResult_t r = ns_post(c, mine, k);
+        ncclResult_t r = ns_land_prepare(c, mine, k);
+        if (r == ncclSuccess) r = ns_post(c, mine, k);
+        if (r != ncclSuccess) ns_land_drop(mine, k);
+        else
+            for (int j = 0; j < k; j++)
+                if (mine[j].land) land[nland++] = mine[j];
         if (r == ncclSuccess) r = c->blocking ? ns_wait(c) : ns_settle(c);
         if (r == ncclInProgress) pending = true;
         else if (r != ncclSuccess && first == ncclSuccess) first = r;
     }
+    /* Every communicator of the group posted: the outputs' landings go on
+     * their streams (eager runs them now, finishing the operations). */
+    for (int j = 0; j < nland; j++) ncclsim_dev_stream_land(land[j].stream, land[j].land);
+    free(land);
     free(mine);
     return first != ncclSuccess ? first : pending ? ncclInProgress : ncclSuccess;
 }

@@ -11,6 +11,8 @@
 
 #include "ncclsim_hooks.h"
 
+#include <thread>
+
 extern "C" int ncclsim_dev_current(void) {
     int d = -1;
     if (cudaGetDevice(&d) != cudaSuccess) {
@@ -43,3 +45,38 @@ extern "C" int ncclsim_dev_stream(cudaStream_t s, int *device) {
     *device = s->device;
     return 1;
 }
+
+extern "C" void ncclsim_dev_stream_flush(cudaStream_t s) {
+    using namespace cudasim::detail;
+    force_all(resolve(s));
+}
+
+/* The landing copy: runs when the stream reaches the operation; waits for it
+ * to end, up to NCCLSIM_TIMEOUT_MS: on the issuing thread (eager: at issue)
+ * by driving the communicator, elsewhere by waiting for the host's polls.
+ * Never run by another thread's random progress (host_driven). */
+extern "C" void ncclsim_dev_stream_land(cudaStream_t s, ns_landing *l) {
+    using namespace cudasim::detail;
+    enqueue_host_driven(resolve(s), "ncclsim: an operation's output", [l] {
+        const char *e = getenv("NCCLSIM_TIMEOUT_MS");
+        long long limit_ms = e && atoll(e) > 0 ? atoll(e) : 300000;
+        auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms);
+        int st;
+        while ((st = ncclsim_land_state(l)) == NCCLSIM_LAND_PENDING && std::chrono::steady_clock::now() < until)
+            if (!ncclsim_land_drive(l)) std::this_thread::sleep_for(std::chrono::microseconds(100));
+        if (st == NCCLSIM_LAND_DONE) {
+            void *dst;
+            const void *buf;
+            size_t bytes;
+            ncclsim_land_parts(l, &dst, &buf, &bytes);
+            memcpy(dst, buf, bytes);
+        } else if (st == NCCLSIM_LAND_PENDING) {
+            set_message("ncclsim: the stream reached an NCCL operation that had not finished after %lld ms: "
+                        "poll ncclCommGetAsyncError until it has (a real GPU would hang here)", limit_ms);
+            op_failed(cudaErrorLaunchTimeout);
+        }
+        ncclsim_land_release(l);
+    });
+}
+
+extern "C" int ncclsim_dev_streams_deferred(void) { return cudasim::detail::streams_mode() != 0; }

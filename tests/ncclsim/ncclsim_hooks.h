@@ -21,6 +21,26 @@ int ncclsim_dev_current(void);
 int ncclsim_dev_buffer(const void *p, size_t bytes, int *device, size_t *alloc_bytes, size_t *offset);
 /* 1 if s is a live stream (or a default stream, device -1), else 0. */
 int ncclsim_dev_stream(cudaStream_t s, int *device);
+/* Runs the work queued on s so far (the CUDA simulator may defer it), so an
+ * operation issued now reads its inputs in stream order. */
+void ncclsim_dev_stream_flush(cudaStream_t s);
+
+/* 1 when stream work runs later than its issue (lazy, random), 0 (eager). */
+int ncclsim_dev_streams_deferred(void);
+/* An operation's output, landing in stream order (ncclsim.c). */
+typedef struct ns_landing ns_landing;
+enum { NCCLSIM_LAND_PENDING = 0, NCCLSIM_LAND_DONE = 1, NCCLSIM_LAND_FAILED = 2 };
+/* Queues on s the copy of l's buffer to its destination, which waits for the
+ * operation to end (ncclsim_land_* below). */
+void ncclsim_dev_stream_land(cudaStream_t s, ns_landing *l);
+/* Drops one reference to l; the last frees it. */
+void ncclsim_land_release(ns_landing *l);
+/* l's fields, for the copy. */
+int ncclsim_land_state(ns_landing *l);
+/* One pass of progress on l's communicator when called on the thread that
+ * issued the operation (1), else nothing (0). */
+int ncclsim_land_drive(ns_landing *l);
+void ncclsim_land_parts(ns_landing *l, void **dst, const void **buf, size_t *bytes);
 
 #ifdef __cplusplus
 }
