@@ -133,6 +133,9 @@ struct cpar_ctx {
     int host_threads;     /* CPAR_HOST_THREADS: threads per host GEMM, >= 1 (section 5) */
     struct cpar__pool *gemm_pool; /* its worker threads, made at the first big product (section 5) */
     cpar_dev_stream compute, comm;
+    /* device contexts: a failure elsewhere that dooms waiting (a failed peer,
+     * an NCCL asynchronous error), asked while polling (section 12) */
+    cpar_status (*async_check)(cpar_ctx *ctx, const char *fn);
     cpar_dev_stream coll_stream; /* where the collectives enqueue: NULL = compute; set only
                                   * between cpar__on_comm_stream and cpar__on_compute_stream */
     cpar_dev_blas blas;
@@ -974,6 +977,44 @@ static void cpar__on_comm_stream(cpar_ctx *ctx) {
 }
 static void cpar__on_compute_stream(cpar_ctx *ctx) { ctx->coll_stream = NULL; }
 
+/* Waits for the work queued on s. A device context polls (the stream, then
+ * ctx->async_check) with its deadline instead of blocking: a dead peer
+ * leaves an NCCL kernel spinning, and a blocking synchronize would never
+ * return. A failure elsewhere fails only work that has not finished. */
+static cpar_status cpar__stream_wait(cpar_ctx *ctx, const char *fn, cpar_dev_stream s) {
+    if (!ctx || !ctx->async_check) {
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(s));
+        return CPAR_OK;
+    }
+    int64_t deadline = cpar__now_ms() + ctx->timeout_ms;
+    for (;;) {
+        bool done = false;
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_query(s, &done));
+        if (done) return CPAR_OK;
+        cpar_status st = ctx->async_check(ctx, fn);
+        if (st != CPAR_OK) {
+            CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_query(s, &done));
+            return done ? CPAR_OK : st;
+        }
+        if (cpar__now_ms() > deadline) {
+            cpar_abort(ctx);
+            return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: device work unfinished after %d ms; communicators aborted",
+                              fn, ctx->timeout_ms);
+        }
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* cpar__stream_wait for calls that report nothing (freeing, finalizing):
+ * the context's last error stays the one the user will read. */
+static void cpar__stream_wait_quiet(cpar_ctx *ctx, cpar_dev_stream s) {
+    char saved[CPAR_ERR_LEN];
+    memcpy(saved, ctx->err, sizeof saved);
+    (void)cpar__stream_wait(ctx, "", s);
+    memcpy(ctx->err, saved, sizeof saved);
+}
+
 /* Copy bytes between any two memories, stream-ordered on stream s; a copy
  * into host memory is complete on return. */
 static cpar_status cpar__copy_bytes_on(cpar_ctx *ctx, const char *fn, cpar_dev_stream s, void *dst, int dst_device,
@@ -985,7 +1026,7 @@ static cpar_status cpar__copy_bytes_on(cpar_ctx *ctx, const char *fn, cpar_dev_s
         return CPAR_OK;
     }
     CPAR_DEV_TRY(ctx, fn, cpar_dev_memcpy(dst, src, bytes, kind, s));
-    if (kind == CPAR_COPY_D2H) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(s));
+    if (kind == CPAR_COPY_D2H) CPAR_TRY(cpar__stream_wait(ctx, fn, s));
     return CPAR_OK;
 }
 
@@ -1007,7 +1048,7 @@ static cpar_status cpar__copy_2d(cpar_ctx *ctx, const char *fn, void *dst, size_
         return CPAR_OK;
     }
     CPAR_DEV_TRY(ctx, fn, cpar_dev_copy_2d(dst, dst_pitch, src, src_pitch, row_bytes, rows, kind, ctx->compute));
-    if (kind == CPAR_COPY_D2H) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+    if (kind == CPAR_COPY_D2H) CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
     return CPAR_OK;
 }
 
@@ -1037,8 +1078,8 @@ static cpar_status cpar__grow_buffer(cpar_ctx *ctx, const char *fn, void **buf, 
     if (bytes > *have) {
         size_t want = bytes + bytes / 4 + 4096;
         if (*buf && cpar__on_device(ctx->device)) {
-            CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
-            if (ctx->comm) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->comm));
+            CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
+            if (ctx->comm) CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->comm));
         }
         cpar__mem_free(ctx->device, *buf);
         *buf = NULL;
@@ -1086,7 +1127,7 @@ cpar_status cpar_tensor_alloc(cpar_ctx *ctx, cpar_dtype dtype, int ndim, const i
 cpar_status cpar_tensor_free(cpar_ctx *ctx, cpar_tensor *t) {
     if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_tensor_free: ctx is NULL");
     if (!t) return cpar__fail(ctx, CPAR_ERR_INVALID, "cpar_tensor_free: t is NULL");
-    if (t->data && cpar__on_device(t->device)) cpar_dev_stream_sync(ctx->compute);
+    if (t->data && cpar__on_device(t->device)) cpar__stream_wait_quiet(ctx, ctx->compute);
     cpar__mem_free(t->device, t->data);
     t->data = NULL;
     return CPAR_OK;
@@ -6272,7 +6313,7 @@ static cpar_status cpar__split_exchange(cpar_group *parent, const char *fn, cons
         CPAR_DEV_TRY(ctx, fn, cpar_dev_memcpy(ws, mine, bytes, CPAR_COPY_H2D, ctx->compute));
         CPAR_NCCL_TRY(parent, fn, NULL, pc, ncclAllGather(ws, d_all, bytes, ncclUint8, *pc, (cudaStream_t)ctx->compute));
         CPAR_DEV_TRY(ctx, fn, cpar_dev_memcpy(all, d_all, bytes * (size_t)parent->size, CPAR_COPY_D2H, ctx->compute));
-        CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+        CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
         return CPAR_OK;
     }
 #endif
@@ -6800,8 +6841,8 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
     if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_finalize: ctx is NULL");
     if (cpar__on_device(ctx->device)) {
         cpar_dev_set(ctx->device);
-        cpar_dev_stream_sync(ctx->compute);
-        cpar_dev_stream_sync(ctx->comm);
+        cpar__stream_wait_quiet(ctx, ctx->compute);
+        cpar__stream_wait_quiet(ctx, ctx->comm);
     }
     while (ctx->groups) cpar__group_free(ctx->groups);
     cpar__pc_arenas_unmap(ctx);
@@ -6823,6 +6864,18 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
 }
 
 /* A context for rank of world on backend; device state ready, no groups. */
+/* ctx->async_check of device contexts: a failed peer of the job, or (NCCL)
+ * an asynchronous error of one of the context's communicators. */
+static cpar_status cpar__ctx_async_check(cpar_ctx *ctx, const char *fn) {
+#ifdef CPAR_WITH_NCCL
+    if (ctx->backend == CPAR_BACKEND_NCCL) CPAR_TRY(cpar__nccl_check(ctx, fn));
+#endif
+    if (ctx->job && ctx->job->failed)
+        return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d failed (%s)", fn, ctx->job->failed_rank,
+                          cpar_status_string(ctx->job->failed_status));
+    return CPAR_OK;
+}
+
 static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg, int rank, int world, int device,
                                     cpar_ctx **out) {
     cpar_ctx *ctx = calloc(1, sizeof *ctx);
@@ -6848,6 +6901,7 @@ static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg,
         if (st == CPAR_OK) st = cpar_dev_stream_create(&ctx->comm);
         if (st == CPAR_OK) st = cpar_dev_blas_create(&ctx->blas);
         if (st != CPAR_OK) st = cpar__dev_fail(ctx, st, fn);
+        ctx->async_check = cpar__ctx_async_check;
     }
     if (st == CPAR_OK && cfg->workspace_bytes) {
         void *ws;
@@ -7196,37 +7250,8 @@ cpar_status cpar_sync(cpar_ctx *ctx) {
     static const char fn[] = "cpar_sync";
     if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
     if (!cpar__on_device(ctx->device)) return CPAR_OK;
-    /* Poll rather than block: a dead peer leaves NCCL kernels spinning, and a
-     * blocking synchronize would never return. */
-    int64_t deadline = cpar__now_ms() + ctx->timeout_ms;
-    cpar_dev_stream streams[2] = {ctx->compute, ctx->comm};
-    for (int i = 0; i < 2; i++) {
-        for (;;) {
-            bool done = false;
-            CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_query(streams[i], &done));
-            if (done) break;
-#ifdef CPAR_WITH_NCCL
-            CPAR_TRY(cpar__nccl_check(ctx, fn));
-#endif
-            if (ctx->job && ctx->job->failed) {
-                /* A peer's failure fails only work that cannot finish: this
-                 * rank's may have finished since the query (a peer that
-                 * left after doing its part is no cause). */
-                CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_query(streams[i], &done));
-                if (done) break;
-                return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d failed (%s)", fn, ctx->job->failed_rank,
-                                  cpar_status_string(ctx->job->failed_status));
-            }
-            if (cpar__now_ms() > deadline) {
-                cpar_abort(ctx);
-                return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: device work unfinished after %d ms; communicators aborted",
-                                  fn, ctx->timeout_ms);
-            }
-            struct timespec ts = {0, 100000};
-            nanosleep(&ts, NULL);
-        }
-    }
-    return CPAR_OK;
+    CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
+    return cpar__stream_wait(ctx, fn, ctx->comm);
 }
 
 int cpar_rank(const cpar_ctx *ctx) { return ctx ? ctx->rank : -1; }
@@ -8591,7 +8616,7 @@ cpar_status cpar_checkpoint_distribute(cpar_ctx *ctx, cpar_checkpoint *ck, cpar_
                           fn, (long long)n, g->size);
     size_t bytes = (size_t)m * cpar_dtype_size(activation->dtype);
     if (ck->chunk && (ck->chunk_cap < bytes || ck->chunk_device != ctx->device)) {
-        if (cpar__on_device(ck->chunk_device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+        if (cpar__on_device(ck->chunk_device)) CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
         cpar__mem_free(ck->chunk_device, ck->chunk);
         ck->chunk = NULL;
         ck->chunk_cap = 0;
@@ -8639,7 +8664,7 @@ cpar_status cpar_checkpoint_release(cpar_ctx *ctx, cpar_checkpoint *ck) {
     if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
     if (!ck) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ck is NULL", fn);
     if (ck->chunk) {
-        if (cpar__on_device(ck->chunk_device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+        if (cpar__on_device(ck->chunk_device)) CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
         cpar__mem_free(ck->chunk_device, ck->chunk);
     }
     memset(ck, 0, sizeof *ck);
@@ -9128,7 +9153,7 @@ cpar_status cpar_embedding_init_from_master(cpar_embedding *e, const cpar_tensor
     CPAR_TRY(cpar__copy_bytes(ctx, fn, stage, ctx->device, src.data, CPAR_HOST, cpar_tensor_nbytes(&src)));
     CPAR_TRY(cpar_cast(ctx, &t_stage, &e->w));
     /* the host-to-device copy may still read the caller's master */
-    CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+    CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
     return CPAR_OK;
 }
 
@@ -9498,8 +9523,8 @@ cpar_status cpar_linear_init_from_master(cpar_linear *l, const cpar_tensor *mast
     if (st == CPAR_OK && bbytes) st = cpar__copy_bytes(ctx, fn, l->b.data, l->b.device, buf + wbytes, CPAR_HOST, bbytes);
     /* a host-to-device copy may still read buf */
     if (st == CPAR_OK && cpar__on_device(ctx->device)) {
-        cpar_status ds = cpar_dev_stream_sync(ctx->compute);
-        if (ds != CPAR_OK) st = cpar__dev_fail(ctx, ds, fn);
+        cpar_status ds = cpar__stream_wait(ctx, fn, ctx->compute);
+        if (ds != CPAR_OK) st = ds;
     }
     free(buf);
     return st;
@@ -12875,8 +12900,8 @@ cpar_status cpar_inference_init_from_master(cpar_inference_linear *l, const cpar
     cpar__host_cast(buf, lin->cfg.dtype, master_norm_weight->data, CPAR_F32, h);
     cpar_status st = cpar__copy_bytes(ctx, fn, l->norm_w.data, l->norm_w.device, buf, CPAR_HOST, bytes);
     if (st == CPAR_OK && cpar__on_device(ctx->device)) { /* the copy may still read buf */
-        cpar_status ds = cpar_dev_stream_sync(ctx->compute);
-        if (ds != CPAR_OK) st = cpar__dev_fail(ctx, ds, fn);
+        cpar_status ds = cpar__stream_wait(ctx, fn, ctx->compute);
+        if (ds != CPAR_OK) st = ds;
     }
     free(buf);
     return st;
@@ -13147,7 +13172,7 @@ static cpar_status cpar__grad_norm(cpar_group *tp, const char *fn, const cpar_te
     CPAR_TRY(cpar__as(ctx, fn, cpar_all_reduce(tp, &total, &total, CPAR_SUM)));
     float sum;
     CPAR_TRY(cpar__copy_bytes(ctx, fn, &sum, CPAR_HOST, ws, ctx->device, sizeof sum));
-    if (cpar__on_device(ctx->device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(ctx->compute));
+    if (cpar__on_device(ctx->device)) CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
     *norm = sqrtf(sum);
     return CPAR_OK;
 }

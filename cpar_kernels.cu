@@ -227,12 +227,16 @@ cpar_status cpar_dev_sync(void) {
     return CPAR_OK;
 }
 
-/* Streams are created blocking (cudaStreamCreate), so work that a caller puts
- * on the legacy NULL stream stays ordered with them. */
+/* Streams are created non-blocking: work that the caller or a library puts
+ * on the legacy NULL stream neither waits for cpar's streams nor holds them
+ * up (a blocking stream would serialise with every such call). The price:
+ * nothing orders cpar's work with the NULL stream's; a caller that hands
+ * cpar data produced there synchronises first (cudaDeviceSynchronize, or
+ * cudaStreamSynchronize(0)), as with any other stream. */
 cpar_status cpar_dev_stream_create(cpar_dev_stream *s) {
     CPAR__CHECK_PTR(s, true);
     cudaStream_t cs = NULL;
-    CPAR__TRY_CUDA(cudaStreamCreate(&cs), "cudaStreamCreate");
+    CPAR__TRY_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
     *s = reinterpret_cast<cpar_dev_stream>(cs);
     return CPAR_OK;
 }

@@ -810,8 +810,12 @@ static cpar_status rank_dev_blocks(cpar_ctx *ctx, void *arg) {
             cpar_dev_attn a = {.dt = dt, .b = B, .hq = HQ, .hkv = HKV, .sq = bsq, .sk = bsk, .d = D,
                                .q = (const char *)q.data + (size_t)(shift + r0 * D) * es, .k = k.data, .v = v.data,
                                .q_bh = SQ * D, .kv_bh = SK * D, .causal = causal, .scale = (float)scale};
+            /* The kernel goes on the legacy stream, which cpar's (non-blocking)
+             * streams are not ordered with: the uploads first, the results after. */
+            TU_OK(cpar_sync(ctx));
             TU_OK(cpar_dev_attention_fwd(&a, (char *)out.data + (size_t)(r0 * D) * oes, odt, SQ * D,
                                          (float *)lse.data + r0, SQ, NULL));
+            TU_OK(cpar_dev_sync());
             void *ho = fetch(ctx, &out);
             float *hl = fetch(ctx, &lse);
             const double tol = dt == CPAR_F16 ? 4e-3 : 2.5e-2;

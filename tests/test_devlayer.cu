@@ -263,6 +263,27 @@ START_TEST(test_runtime) {
     CK_OK(cpar_dev_memcpy(NULL, NULL, 0, CPAR_COPY_D2D, NULL));
     CK_OK(cpar_dev_memset(NULL, 0, 0, NULL));
 
+    /* cpar's streams are non-blocking: they neither wait for the legacy NULL
+     * stream's work nor hold it up, so a caller that hands cpar data made
+     * there synchronises first. The lazy stream mode shows the difference. */
+    unsigned long long seed = 0;
+    cudasim_streams mode = cudasim_get_streams(&seed);
+    cudasim_set_streams(CUDASIM_STREAMS_LAZY, 0);
+    float hv[4];
+    CK_OK(cpar_dev_fill(a, CPAR_F32, 4, 1.0, NULL));
+    CK_OK(cpar_dev_sync());
+    CK_OK(cpar_dev_fill(a, CPAR_F32, 4, 2.0, NULL)); /* legacy stream: not run yet */
+    CK_OK(cpar_dev_memcpy(b, a, 16, CPAR_COPY_D2D, s1));
+    CK_OK(cpar_dev_memcpy(hv, b, 16, CPAR_COPY_D2H, s1));
+    CK_OK(cpar_dev_stream_sync(s1));
+    REQUIRE(hv[0] == 1.0f, "a cpar stream waited for the legacy stream (got %g): it is blocking", hv[0]);
+    CK_OK(cpar_dev_sync());
+    CK_OK(cpar_dev_memcpy(b, a, 16, CPAR_COPY_D2D, s1));
+    CK_OK(cpar_dev_memcpy(hv, b, 16, CPAR_COPY_D2H, s1));
+    CK_OK(cpar_dev_stream_sync(s1));
+    REQUIRE(hv[0] == 2.0f, "after the synchronisation: %g", hv[0]);
+    cudasim_set_streams(mode, seed);
+
     CK_OK(cpar_dev_free(a));
     CK_OK(cpar_dev_free(b));
     CK_OK(cpar_dev_event_destroy(ev));

@@ -736,19 +736,22 @@ static cpar_status rank_overlap(cpar_ctx *ctx, void *arg) {
         if (sp) TU_OK(cpar_all_gather(g, &x, &xg, NULL));
         else TU_OK(cpar_tensor_copy(ctx, &x, &xg));
         cpar_tensor w = cpar_linear_weight(l);
+        /* The GEMMs go on the legacy stream, which cpar's (non-blocking)
+         * streams are not ordered with: what cpar queued first, the GEMM's
+         * result before cpar (or a peer) reads it. */
+        TU_OK(cpar_sync(ctx));
         TU_OK(cpar_dev_gemm(h, NULL, 0, 0, (int)K, (int)T, (int)Nl, 1.f, w.data, CPAR_F32, (int)K, 0, dy.data,
                             (int)Nl, 0, 0.f, dX.data, CPAR_F32, (int)K, 0, 1));
-        /* That GEMM is on the legacy stream: a peer reads dX on its own
-         * stream (the sim backend meets on the host), so it must have run. */
         TU_OK(cpar_dev_sync());
         if (sp) TU_OK(cpar_reduce_scatter(g, &dX, &dxs, CPAR_SUM, NULL));
         else {
             TU_OK(cpar_all_reduce(g, &dX, &dX, CPAR_SUM));
             TU_OK(cpar_tensor_copy(ctx, &dX, &dxs));
         }
+        TU_OK(cpar_sync(ctx));
         TU_OK(cpar_dev_gemm(h, NULL, 0, 1, (int)K, (int)Nl, (int)T, 1.f, xg.data, CPAR_F32, (int)K, 0, dy.data,
                             (int)Nl, 0, 1.f, dWs.data, CPAR_F32, (int)K, 0, 1));
-        TU_OK(cpar_sync(ctx));
+        TU_OK(cpar_dev_sync());
         float *dx3 = tu_download(ctx, &dxs), *dw3 = tu_download(ctx, &dWs);
         ck_assert_msg(!memcmp(dx1, dx3, (size_t)(Tx * K) * 4), "overlap dx differs from the sequential order");
         ck_assert_msg(!memcmp(dw1, dw3, (size_t)(Nl * K) * 4), "overlap dW differs from the sequential order");
