@@ -4,7 +4,8 @@
 #
 # For each stream wait or stream/event/device synchronisation in cpar.c's
 # device paths (cpar_dev_stream_wait_event, cpar_dev_stream_sync,
-# cpar_dev_event_sync, cpar_dev_sync), builds the sim and nccl-sim test
+# cpar_dev_event_sync, cpar_dev_sync, and the polling cpar__stream_wait),
+# builds the sim and nccl-sim test
 # suites with that one call replaced by CPAR_OK, runs the suites that
 # exercise device streams under the simulators' lazy and random stream modes
 # (tests/cudasim.h section 9), and prints which suite caught the removal:
@@ -21,13 +22,13 @@ cd "$(dirname "$0")/.." || exit 2
 B=${B:-build}
 CC=${CC:-cc}
 CXX=${CXX:-g++}
-PATTERN='cpar_dev_(stream_wait_event|stream_sync|event_sync)\([^()]*\)|cpar_dev_sync\(\)'
+PATTERN='cpar_dev_(stream_wait_event|stream_sync|event_sync)\([^()]*\)|cpar_dev_sync\(\)|cpar__stream_wait(_quiet)?\([^()]*\)'
 SUITES=${MUTATE_SUITES:-"linear ring coll mappings mamba inference xent train"}
 SEEDS=${MUTATE_SEEDS:-"1 2"}
 
 # Sites: line numbers of cpar.c whose code (not a comment or a stub) calls one.
 sites() {
-    grep -nE "$PATTERN" cpar.c | grep -v 'CPAR__STUB' | grep -vE '^[0-9]+: *(/\*|\*)' | cut -d: -f1
+    grep -nE "$PATTERN" cpar.c | grep -v 'CPAR__STUB' | grep -vE '^[0-9]+: *(/\*|\*|static )' | cut -d: -f1
 }
 if [ "${1:-}" = --list ]; then
     i=0
