@@ -630,20 +630,24 @@ inline unsigned long long splitmix64(unsigned long long &s) {
     return z ^ (z >> 31);
 }
 
+/* Is s `word` or `word:SEED`? *seed gets SEED when one is given. */
+inline bool parse_word_seed(const char *s, const char *word, unsigned long long *seed) {
+    size_t n = strlen(word);
+    if (strncmp(s, word, n) || (s[n] && s[n] != ':')) return false;
+    if (s[n] == ':') {
+        char *end = nullptr;
+        *seed = strtoull(s + n + 1, &end, 0);
+        if (!end || *end || end == s + n + 1) return false;
+    }
+    return true;
+}
+
 inline bool parse_schedule(const char *s, cudasim_schedule *out, unsigned long long *seed) {
     if (!s || !*s) return false;
     *seed = 1;
     if (!strcmp(s, "forward")) { *out = CUDASIM_SCHED_FORWARD; return true; }
     if (!strcmp(s, "reverse")) { *out = CUDASIM_SCHED_REVERSE; return true; }
-    if (!strncmp(s, "shuffle", 7) && (s[7] == 0 || s[7] == ':')) {
-        *out = CUDASIM_SCHED_SHUFFLE;
-        if (s[7] == ':') {
-            char *end = nullptr;
-            *seed = strtoull(s + 8, &end, 0);
-            if (!end || *end || end == s + 8) return false;
-        }
-        return true;
-    }
+    if (parse_word_seed(s, "shuffle", seed)) { *out = CUDASIM_SCHED_SHUFFLE; return true; }
     return false;
 }
 
@@ -2012,15 +2016,7 @@ inline bool parse_streams(const char *s, int *mode, unsigned long long *seed) {
     *seed = 0;
     if (!strcmp(s, "eager")) { *mode = 0; return true; }
     if (!strcmp(s, "lazy")) { *mode = 1; return true; }
-    if (!strncmp(s, "random", 6) && (s[6] == 0 || s[6] == ':')) {
-        *mode = 2;
-        if (s[6] == ':') {
-            char *end = nullptr;
-            *seed = strtoull(s + 7, &end, 0);
-            if (!end || *end || end == s + 7) return false;
-        }
-        return true;
-    }
+    if (parse_word_seed(s, "random", seed)) { *mode = 2; return true; }
     return false;
 }
 

@@ -1791,7 +1791,7 @@ START_TEST(test_streams_legacy_rules) {
     CPAR_LAUNCH(add_one, 2, 64, 0, blocking)(x, x, n);
     CK_CUDA(cudaStreamSynchronize(blocking));
     ck_assert_msg(all_eq(from_dev(x, n), 1), "a blocking stream did not wait for the legacy stream");
-    /* cudaFree runs every queued operation first. */
+    /* cudaFree runs the queued work of its device first. */
     int *tmp = dev_alloc<int>(n);
     CPAR_LAUNCH(fill_int, 2, 64, 0, nonblocking)(tmp, n, 9);
     CK_CUDA(cudaFree(tmp));
