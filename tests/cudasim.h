@@ -2252,6 +2252,14 @@ inline cudaError_t take_stream_error(CUstream_st *s) {
     return e;
 }
 
+/* The stream and position of e's last record (NULL: never recorded). */
+inline CUstream_st *event_position(cudaEvent_t e, uint64_t *seq) {
+    Sched &k = sched();
+    std::lock_guard<std::mutex> lock(k.mu);
+    *seq = e->seq;
+    return e->stream;
+}
+
 /* Is p pinned host memory (cudaMallocHost)? */
 inline bool is_pinned(const void *p) {
     Global &g = global();
@@ -2782,14 +2790,8 @@ inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned i
     (void)flags;
     if (!stream_ok(s)) return bad_stream("cudaStreamWaitEvent", s);
     if (!event_ok(e)) return rt_fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: event %p is not live", (void *)e);
-    CUstream_st *on;
     uint64_t seq;
-    {
-        Sched &k = sched();
-        std::lock_guard<std::mutex> lock(k.mu);
-        on = e->stream;
-        seq = e->seq;
-    }
+    CUstream_st *on = event_position(e, &seq);
     if (on) enqueue(resolve(s), "cudaStreamWaitEvent", [] {}, {{on, seq}});
     return cudaSuccess;
 }
@@ -2840,13 +2842,11 @@ inline cudaError_t cudaEventQuery(cudaEvent_t e) {
     using namespace cudasim::detail;
     if (!event_ok(e)) return rt_fail(cudaErrorInvalidResourceHandle, "cudaEventQuery: event %p is not live", (void *)e);
     maybe_progress();
-    CUstream_st *on;
     uint64_t seq;
+    CUstream_st *on = event_position(e, &seq);
     {
         Sched &k = sched();
         std::lock_guard<std::mutex> lock(k.mu);
-        on = e->stream;
-        seq = e->seq;
         if (!on || on->done >= seq) return cudaSuccess;
     }
     force(on, seq);
@@ -2857,14 +2857,8 @@ inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     if (!event_ok(e))
         return rt_fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize: event %p is not live", (void *)e);
     maybe_progress();
-    CUstream_st *on;
     uint64_t seq;
-    {
-        Sched &k = sched();
-        std::lock_guard<std::mutex> lock(k.mu);
-        on = e->stream;
-        seq = e->seq;
-    }
+    CUstream_st *on = event_position(e, &seq);
     cudaError_t err = cudaSuccess;
     if (on) {
         force(on, seq);
