@@ -12,7 +12,7 @@
  *    1. Platform and utilities      time, logging, aligned host memory, the shared host arena
  *    2. Errors                      status names, last-error lines, argument checks
  *    3. Data types and tensors      dtype table, fp16/bf16 bits, tensor helpers
- *    4. Device dispatch             host-only device layer, workspace, copies
+ *    4. Device dispatch             host-only device layer, workspace, copies, stream waits
  *    5. Host reference kernels      vector blocks, expf, row max/scale/softmax-gradient, streaming copy,
  *                                   GEMM (CPAR_HOST_THREADS pool); fill, cast, axpby, reduce, gelu (+ table)
  *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
@@ -810,8 +810,9 @@ static bool cpar__ranges_overlap(const void *a, size_t na, const void *b, size_t
  * The bridge to cpar_kernels.cu. In a host-only build the device layer below
  * reports that this build has no device support (cpar_dev_count() is 0), so
  * the rest of the file needs no #ifdefs. Also: the per-context workspace and
- * byte copies between any two memories.
- * Uses: 1, 2, 3. */
+ * byte copies between any two memories, and cpar__stream_wait, the polling
+ * wait for a stream (ctx->async_check, set in section 12, names a failure
+ * elsewhere). Uses: 1, 2, 3. */
 
 #ifndef CPAR_WITH_DEVICE
 /* A program that links this file built without -DCPAR_WITH_DEVICE together
@@ -9809,8 +9810,9 @@ cpar_status cpar_linear_forward(cpar_linear *l, const cpar_tensor *x, cpar_tenso
  * comm), the ones vector (compute); the host/sim accumulator coll_ws is used
  * on comm only. The final join keeps the public contract: everything is
  * stream-ordered on compute when the call returns. Host tensors: the same
- * order, sequentially; the sim backend executes streams at issue time, so
- * it runs this very code with identical results. */
+ * order, sequentially; the sim backend runs this very code with identical
+ * results, its streams queued (lazy or random in make test), so a missing
+ * fork or join there reads stale data. */
 
 /* Record ev on stream from and make stream to wait for it (device only). */
 static cpar_status cpar__lin_order(cpar_linear *l, const char *fn, cpar_dev_event ev, cpar_dev_stream from,

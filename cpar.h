@@ -1950,7 +1950,7 @@ cpar_status cpar_dev_copy_2d(void *dst, size_t dst_pitch, const void *src, size_
                              size_t rows, cpar_copy_kind kind, cpar_dev_stream s);
 cpar_status cpar_dev_sync(void); /* cudaDeviceSynchronize */
 
-cpar_status cpar_dev_stream_create(cpar_dev_stream *s);
+cpar_status cpar_dev_stream_create(cpar_dev_stream *s); /* non-blocking: not ordered with the legacy NULL stream */
 cpar_status cpar_dev_stream_destroy(cpar_dev_stream s);
 cpar_status cpar_dev_stream_sync(cpar_dev_stream s);
 /* *done = whether all work queued on s has completed (cudaStreamQuery); lets
