@@ -146,6 +146,9 @@ struct cpar_ctx {
     size_t *arena_peer_bytes; /* [world] their sizes */
     bool arena_all;       /* every peer's arena is mapped: collectives may read peers' buffers directly */
     bool aborted;
+    /* NCCL: the last communication queued ("cpar_recv's ncclRecv (the receive
+     * from rank 1)"), which a stream wait past its deadline names (section 9) */
+    char last_comm[160];
     char err[CPAR_ERR_LEN];
 };
 
@@ -981,7 +984,10 @@ static void cpar__on_compute_stream(cpar_ctx *ctx) { ctx->coll_stream = NULL; }
 /* Waits for the work queued on s. A device context polls (the stream, then
  * ctx->async_check) with its deadline instead of blocking: a dead peer
  * leaves an NCCL kernel spinning, and a blocking synchronize would never
- * return. A failure elsewhere fails only work that has not finished. */
+ * return. A failed communicator fails the wait even once the stream is done
+ * (an NCCL kernel ended by an abort lets the stream go on); a failed peer
+ * elsewhere fails only work that has not finished. */
+static cpar_status cpar__comm_errors(cpar_ctx *ctx, const char *fn);
 static cpar_status cpar__stream_wait(cpar_ctx *ctx, const char *fn, cpar_dev_stream s) {
     if (!ctx || !ctx->async_check) {
         CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(s));
@@ -991,7 +997,8 @@ static cpar_status cpar__stream_wait(cpar_ctx *ctx, const char *fn, cpar_dev_str
     for (;;) {
         bool done = false;
         CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_query(s, &done));
-        if (done) return CPAR_OK;
+        if (done) return cpar__comm_errors(ctx, fn);
+        CPAR_TRY(cpar__comm_errors(ctx, fn));
         cpar_status st = ctx->async_check(ctx, fn);
         if (st != CPAR_OK) {
             CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_query(s, &done));
@@ -999,8 +1006,9 @@ static cpar_status cpar__stream_wait(cpar_ctx *ctx, const char *fn, cpar_dev_str
         }
         if (cpar__now_ms() > deadline) {
             cpar_abort(ctx);
-            return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: device work unfinished after %d ms; communicators aborted",
-                              fn, ctx->timeout_ms);
+            return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: device work unfinished after %d ms%s%s; communicators "
+                              "aborted", fn, ctx->timeout_ms, *ctx->last_comm ? " (the last communication queued: " : "",
+                              *ctx->last_comm ? ctx->last_comm : "");
         }
         struct timespec ts = {0, 100000};
         nanosleep(&ts, NULL);
@@ -6006,7 +6014,12 @@ static cpar_status cpar__nccl_wait(cpar_ctx *ctx, const cpar_group *g, const cha
         ncclResult_t q = ncclCommGetAsyncError(*comm, &r);
         if (q != ncclSuccess) r = q;
     }
-    if (r == ncclSuccess) return CPAR_OK;
+    if (r == ncclSuccess) {
+        /* Queued: it runs when its stream gets there (a wait names it). */
+        snprintf(ctx->last_comm, sizeof ctx->last_comm, "%s's %.*s%s%s%s)", fn, cpar__nccl_name_len(call), call,
+                 what ? " (" : "", what ? what : "", what ? ")" : "");
+        return CPAR_OK;
+    }
     cpar_status st;
     int gone = r == ncclRemoteError ? cpar__nccl_exited_member(ctx, g) : -1;
     if (gone >= 0) { /* as on the host backend: name the rank that left, for every peer */
@@ -6219,7 +6232,11 @@ static cpar_status cpar__nccl_check(cpar_ctx *ctx, const char *fn) {
         ncclResult_t state = ncclSuccess;
         if (!g->nccl || ncclCommGetAsyncError(g->nccl, &state) != ncclSuccess) continue;
         if (state != ncclSuccess && state != ncclInProgress) {
-            cpar_status st = cpar__nccl_fail(ctx, fn, "ncclCommGetAsyncError", state);
+            const char *detail = ncclGetLastError(NULL);
+            cpar_status st = cpar__fail(ctx, cpar__nccl_status(state), "%s: ncclCommGetAsyncError failed: %s%s%s%s%s%s",
+                                        fn, ncclGetErrorString(state), detail && *detail ? ": " : "",
+                                        detail ? detail : "", *ctx->last_comm ? " (the last communication queued: " : "",
+                                        ctx->last_comm, *ctx->last_comm ? "" : "");
             cpar__nccl_abort(&g->nccl);
             return st;
         }
@@ -6865,12 +6882,17 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
 }
 
 /* A context for rank of world on backend; device state ready, no groups. */
-/* ctx->async_check of device contexts: a failed peer of the job, or (NCCL)
- * an asynchronous error of one of the context's communicators. */
-static cpar_status cpar__ctx_async_check(cpar_ctx *ctx, const char *fn) {
+/* An asynchronous error of one of the context's communicators (NCCL). */
+static cpar_status cpar__comm_errors(cpar_ctx *ctx, const char *fn) {
 #ifdef CPAR_WITH_NCCL
-    if (ctx->backend == CPAR_BACKEND_NCCL) CPAR_TRY(cpar__nccl_check(ctx, fn));
+    if (ctx->backend == CPAR_BACKEND_NCCL) return cpar__nccl_check(ctx, fn);
 #endif
+    (void)ctx, (void)fn;
+    return CPAR_OK;
+}
+/* ctx->async_check of device contexts: that, or a failed peer of the job. */
+static cpar_status cpar__ctx_async_check(cpar_ctx *ctx, const char *fn) {
+    CPAR_TRY(cpar__comm_errors(ctx, fn));
     if (ctx->job && ctx->job->failed)
         return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d failed (%s)", fn, ctx->job->failed_rank,
                           cpar_status_string(ctx->job->failed_status));

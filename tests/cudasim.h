@@ -1886,6 +1886,7 @@ struct cudasim_op {
     std::function<void()> run;
     std::vector<std::pair<CUstream_st *, uint64_t>> deps; /* (stream, seq) that must have run */
     bool host_driven; /* finishes through host calls (an NCCL operation): no random thread runs it */
+    std::function<bool()> ready; /* empty, or: may it run without waiting? (a query runs only such work) */
 };
 struct CUstream_st {
     unsigned flags;
@@ -2112,8 +2113,10 @@ inline CUstream_st *first_unmet(const cudasim_op &op, uint64_t *seq) {
 
 /* Runs s's queue on this thread until its operation `upto` has run
  * (dependencies on other streams first, recursively: they always point to
- * work issued earlier, so this ends). Waits while another thread runs one. */
-inline void force(CUstream_st *s, uint64_t upto) {
+ * work issued earlier, so this ends). Waits while another thread runs one.
+ * `poll` (a query): stops at work that would wait (its `ready` says no), as
+ * a GPU's query does not wait for it; returns whether upto has run. */
+inline bool force(CUstream_st *s, uint64_t upto, bool poll = false) {
     Sched &k = sched();
     std::unique_lock<std::mutex> lk(k.mu);
     while (s->done < upto) {
@@ -2124,12 +2127,23 @@ inline void force(CUstream_st *s, uint64_t upto) {
         uint64_t need;
         if (CUstream_st *d = first_unmet(s->q.front(), &need)) {
             lk.unlock();
-            force(d, need);
+            bool ran = force(d, need, poll);
             lk.lock();
+            if (!ran) return false;
             continue;
+        }
+        if (poll && s->q.front().ready) {
+            std::function<bool()> ready = s->q.front().ready;
+            uint64_t seq = s->q.front().seq;
+            lk.unlock();
+            bool go = ready();
+            lk.lock();
+            if (s->running || s->q.empty() || s->q.front().seq != seq) continue; /* another thread took it */
+            if (!go) return false;
         }
         run_front(k, s, lk);
     }
+    return true;
 }
 inline void force_all(CUstream_st *s) {
     uint64_t upto;
@@ -2185,7 +2199,8 @@ inline void maybe_progress() {
 /* Queues run on s with the legacy-stream dependencies; eager runs it now.
  * Returns its sequence number. */
 inline uint64_t enqueue(CUstream_st *s, const char *what, std::function<void()> run,
-                        std::vector<std::pair<CUstream_st *, uint64_t>> deps = {}, bool host_driven = false) {
+                        std::vector<std::pair<CUstream_st *, uint64_t>> deps = {}, bool host_driven = false,
+                        std::function<bool()> ready = {}) {
     Sched &k = sched();
     uint64_t seq;
     int mode;
@@ -2202,15 +2217,16 @@ inline uint64_t enqueue(CUstream_st *s, const char *what, std::function<void()> 
                 deps.push_back({it->second, it->second->issued});
         }
         seq = ++s->issued;
-        s->q.push_back(cudasim_op{seq, what, std::move(run), std::move(deps), host_driven});
+        s->q.push_back(cudasim_op{seq, what, std::move(run), std::move(deps), host_driven, std::move(ready)});
     }
     if (mode == 0) force(s, seq);
     else if (mode == 2) maybe_progress();
     return seq;
 }
 
-inline uint64_t enqueue_host_driven(CUstream_st *s, const char *what, std::function<void()> run) {
-    return enqueue(s, what, std::move(run), {}, true);
+inline uint64_t enqueue_host_driven(CUstream_st *s, const char *what, std::function<void()> run,
+                                    std::function<bool()> ready = {}) {
+    return enqueue(s, what, std::move(run), {}, true, std::move(ready));
 }
 
 /* A failure inside queued work: the stream keeps the first until a
@@ -2782,7 +2798,13 @@ inline cudaError_t cudaStreamQuery(cudaStream_t s) {
         pending = q->done < q->issued;
     }
     if (!pending) return cudaSuccess;
-    force_all(q);
+    uint64_t upto;
+    {
+        Sched &k = sched();
+        std::lock_guard<std::mutex> lock(k.mu);
+        upto = q->issued;
+    }
+    force(q, upto, true);
     return host().last_error = cudaErrorNotReady;
 }
 inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags = 0) {
@@ -2849,7 +2871,7 @@ inline cudaError_t cudaEventQuery(cudaEvent_t e) {
         std::lock_guard<std::mutex> lock(k.mu);
         if (!on || on->done >= seq) return cudaSuccess;
     }
-    force(on, seq);
+    force(on, seq, true);
     return host().last_error = cudaErrorNotReady;
 }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {

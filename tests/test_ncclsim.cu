@@ -515,6 +515,39 @@ static void rank_stream(int rank, int n, void *arg) {
 START_TEST(test_stream_order) { run_threads(3, rank_stream, NULL); }
 END_TEST
 
+/* Under a deferred stream mode an operation reads its send buffer when its
+ * stream reaches it, not when it is issued: a write on another stream that
+ * runs in between (a race on a GPU; here, under lazy, forced to happen
+ * first) is what the operation sends. */
+static void rank_late_read(int rank, int n, void *arg) {
+    (void)arg;
+    ncclComm_t c = init_nb(n, rank);
+    cudaStream_t s, t;
+    ck_assert_int_eq(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    ck_assert_int_eq(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking), cudaSuccess);
+    float first[4], later[4], got[4];
+    for (int i = 0; i < 4; i++) first[i] = (float)(rank + i), later[i] = (float)(100 * (rank + 1) + i);
+    float *in = (float *)dev_upload(first, sizeof first), *out = (float *)dev_alloc(sizeof got);
+    NB_OK(c, ncclAllReduce(in, out, 4, ncclFloat32, ncclSum, c, s));
+    ck_assert_int_eq(cudaMemcpyAsync(in, later, sizeof later, cudaMemcpyHostToDevice, t), cudaSuccess);
+    ck_assert_int_eq(cudaStreamSynchronize(t), cudaSuccess);
+    ck_assert_int_eq(cudaMemcpyAsync(got, out, sizeof got, cudaMemcpyDeviceToHost, s), cudaSuccess);
+    ck_assert_int_eq(cudaStreamSynchronize(s), cudaSuccess);
+    for (int i = 0; i < 4; i++) ck_assert_float_eq(got[i], (float)(100 * n * (n + 1) / 2 + n * i));
+    cudaStreamDestroy(s);
+    cudaStreamDestroy(t);
+    cudaFree(in);
+    cudaFree(out);
+    ncclCommDestroy(c);
+}
+
+START_TEST(test_inputs_read_at_stream_time) {
+    cudasim_set_streams(CUDASIM_STREAMS_LAZY, 0);
+    run_threads(2, rank_late_read, NULL);
+    cudasim_set_streams(CUDASIM_STREAMS_EAGER, 0);
+}
+END_TEST
+
 /* ---- failures: abort, destroy, disagreement ------------------------------------------------ */
 
 typedef struct {
@@ -841,6 +874,7 @@ Suite *suite(void) {
     tcase_add_loop_test(tc, test_collectives, 0, 4); /* 1..4 ranks */
     tcase_add_loop_test(tc, test_grouped_broadcasts, 0, 4);
     tcase_add_test(tc, test_stream_order);
+    tcase_add_test(tc, test_inputs_read_at_stream_time);
     tcase_set_timeout(tc, 120);
     suite_add_tcase(s, tc);
     tc = tcase_create("semantics");
@@ -870,5 +904,10 @@ Suite *suite(void) {
 }
 
 int main(void) {
+    /* The host-visible semantics below (a call in progress until its peers
+     * join, errors returned by the polls) are those of work run at issue;
+     * test_inputs_read_at_stream_time and the cpar suites under lazy and
+     * random cover the deferred stream modes. */
+    cudasim_set_streams(CUDASIM_STREAMS_EAGER, 0);
     return tu_run_suite(suite());
 }

@@ -329,6 +329,19 @@ struct ns_landing {
     atomic_int refs;
 };
 
+/* A batch's inputs, staged when its stream reaches the batch (see the
+ * execution model): shared by the communicator (until the batch ends) and
+ * the queued staging (until it ran); the last of the two frees it. */
+struct ns_stage {
+    pthread_mutex_t mu; /* held while staging, and by the communicator to let go */
+    ncclComm_t comm;    /* NULL once the communicator let go (the batch ended or failed) */
+    atomic_int posted;  /* the batch has its numbers and area (it may wait behind the one before) */
+    atomic_int refs;
+    pthread_t thread;    /* the issuing thread: only it drives the communicator */
+    cudaStream_t stream; /* where the staging is queued, and its place there */
+    uint64_t seq;
+};
+
 typedef struct ns_op {
     ncclComm_t comm;
     cudaStream_t stream;
@@ -365,6 +378,11 @@ struct ncclComm {
     uint64_t *sent, *taken;  /* [nranks] sends posted to / receives matched from each peer */
     ns_op *ops;              /* the pending batch */
     int nops;
+    bool device_batch;       /* it was issued to a stream: the host need not wait for it */
+    ns_stage *stage;         /* its staging (deferred stream modes), or NULL */
+    ns_op *next;             /* a batch issued while that one is in flight, posted when it ends */
+    int nnext;
+    ns_stage *next_stage;
     uint64_t last_coll;      /* the batch's last collective, 0 if none */
     ncclComm_t child;        /* a split in progress: the new communicator (NULL: no color) */
     ncclComm_t *split_out;
@@ -401,8 +419,14 @@ static void ns_land_end(ns_op *op, int state) {
     ncclsim_land_release(op->land);
     op->land = NULL;
 }
+static void ns_stage_let_go(ns_stage **pst);
+/* Every operation the communicator holds (the pending batch and the one
+ * waiting behind it) fails; their queued stagings do nothing. */
 static void ns_land_end_all(ncclComm_t c, int state) {
     for (int i = 0; i < c->nops; i++) ns_land_end(&c->ops[i], state);
+    for (int i = 0; i < c->nnext; i++) ns_land_end(&c->next[i], state);
+    ns_stage_let_go(&c->stage);
+    ns_stage_let_go(&c->next_stage);
 }
 
 static ncclResult_t ns_comm_fail(ncclComm_t c, ncclResult_t r, const char *fmt, ...) {
@@ -479,6 +503,7 @@ static void ns_comm_free(ncclComm_t c, int state) {
     if (c->fd >= 0) close(c->fd);
     ns_land_end_all(c, NCCLSIM_LAND_FAILED);
     free(c->ops);
+    free(c->next);
     free(c->sent);
     free(c->taken);
     free(c);
@@ -629,8 +654,10 @@ static ncclResult_t ns_check_buffer(const char *fn, ncclComm_t c, const char *na
 }
 
 /* A non-blocking communicator takes one operation (or group) at a time:
- * the caller polls ncclCommGetAsyncError until ncclSuccess in between. */
-static bool ns_busy(ncclComm_t c) { return c->state == ncclInProgress || c->nops; }
+ * the caller polls ncclCommGetAsyncError until ncclSuccess in between. (A
+ * batch issued to a stream in a deferred stream mode is the host's business
+ * no longer once it is posted: the next may be issued behind it.) */
+static bool ns_busy(ncclComm_t c) { return c->state == ncclInProgress || (c->nops && !c->device_batch); }
 static ncclResult_t ns_busy_error(const char *fn) {
     return ns_error(ncclInvalidUsage, "%s: issued while an earlier operation on the communicator is in progress "
                     "(poll ncclCommGetAsyncError until ncclSuccess first)", fn);
@@ -674,10 +701,7 @@ static ncclResult_t ns_enqueue(const char *fn, const ns_op *op, cudaStream_t str
         r = ns_check_buffer(fn, c, "sendbuff", op->sendbuff, in * es);
         if (r == ncclSuccess) r = ns_check_buffer(fn, c, "recvbuff", op->recvbuff, out * es);
     }
-    /* The operation reads its inputs now (section 6): what its stream was
-     * given before it runs first, as on a GPU. */
     if (r == ncclSuccess && ns_busy(c)) r = ns_busy_error(fn);
-    if (r == ncclSuccess) ncclsim_dev_stream_flush(stream);
     if (ns_group.depth == 0) {
         if (r != ncclSuccess) return r;
         ns_op one = *op;
@@ -714,9 +738,10 @@ static size_t ns_staged_bytes(ncclComm_t c, const ns_op *op) {
     }
 }
 
-/* Stage the inputs of c's operations in its area and publish them. */
-static ncclResult_t ns_post(ncclComm_t c, const ns_op *ops, int n) {
-    if (ns_busy(c)) return ns_busy_error(ns_kind_name(ops[0].kind));
+/* Give c's operations their numbers, descriptors and places in its area
+ * (the batch is then c's pending one). Their inputs are staged and
+ * published by ns_stage_inputs: at once, or when their stream reaches them. */
+static ncclResult_t ns_reserve(ncclComm_t c, const ns_op *ops, int n, bool device_batch) {
     size_t total = 0;
     int colls = 0, *to_peer = calloc((size_t)c->nranks, sizeof(int));
     if (!to_peer) return ns_error(ncclSystemError, "ncclsim: out of memory");
@@ -737,17 +762,15 @@ static ncclResult_t ns_post(ncclComm_t c, const ns_op *ops, int n) {
     if (!c->ops) return ns_error(ncclSystemError, "ncclsim: out of memory");
     memcpy(c->ops, ops, (size_t)n * sizeof *ops);
     c->nops = n;
+    c->device_batch = device_batch;
     c->last_coll = 0;
     ns_member *me = ns_member_at(c->sh, c->rank);
-    unsigned char *area = ns_area_at(c->sh, c->rank);
     size_t at = 0;
     for (int i = 0; i < n; i++) {
         ns_op *op = &c->ops[i];
-        size_t bytes = ns_staged_bytes(c, op);
         op->offset = at;
         op->done = false;
-        if (bytes) memcpy(area + at, op->sendbuff, bytes);
-        at += ns_align(bytes, 64);
+        at += ns_align(ns_staged_bytes(c, op), 64);
         if (op->kind <= NS_SPLIT) {
             op->seq = ++c->colls;
             c->last_coll = op->seq;
@@ -764,14 +787,86 @@ static ncclResult_t ns_post(ncclComm_t c, const ns_op *ops, int n) {
             m->count = op->count;
             m->type = op->type;
             atomic_store(&m->rejected, 0);
-            atomic_store_explicit(&ch->posted, op->seq + 1, memory_order_release);
         } else {
             op->seq = c->taken[op->peer]++;
         }
     }
-    if (c->last_coll) atomic_store_explicit(&me->posted, c->colls, memory_order_release);
-    c->state = ncclInProgress;
+    if (!device_batch) c->state = ncclInProgress;
     return ncclSuccess;
+}
+
+/* Copy the pending batch's inputs into c's area and publish them to the
+ * peers: the moment the operations read their send buffers. */
+static void ns_stage_inputs(ncclComm_t c) {
+    unsigned char *area = ns_area_at(c->sh, c->rank);
+    for (int i = 0; i < c->nops; i++) {
+        const ns_op *op = &c->ops[i];
+        size_t bytes = ns_staged_bytes(c, op);
+        if (bytes) memcpy(area + op->offset, op->sendbuff, bytes);
+        if (op->kind == NS_SEND)
+            atomic_store_explicit(&ns_chan_at(c->sh, c->rank, op->peer)->posted, op->seq + 1, memory_order_release);
+    }
+    if (c->last_coll) atomic_store_explicit(&ns_member_at(c->sh, c->rank)->posted, c->last_coll, memory_order_release);
+}
+
+/* Post and stage at once (eager stream mode, and calls without a stream). */
+static ncclResult_t ns_post(ncclComm_t c, const ns_op *ops, int n) {
+    if (ns_busy(c)) return ns_busy_error(ns_kind_name(ops[0].kind));
+    ncclResult_t r = ns_reserve(c, ops, n, false);
+    if (r == ncclSuccess) ns_stage_inputs(c);
+    return r;
+}
+
+static void ns_stage_release(ns_stage *st) {
+    if (atomic_fetch_sub_explicit(&st->refs, 1, memory_order_acq_rel) == 1) {
+        pthread_mutex_destroy(&st->mu);
+        free(st);
+    }
+}
+
+/* The communicator lets go of a staging: a queued staging that has not run
+ * yet then does nothing (the batch ended without needing it, or failed). */
+static void ns_stage_let_go(ns_stage **pst) {
+    ns_stage *st = *pst;
+    if (!st) return;
+    *pst = NULL;
+    pthread_mutex_lock(&st->mu);
+    st->comm = NULL;
+    pthread_mutex_unlock(&st->mu);
+    ns_stage_release(st);
+}
+
+int ncclsim_stage_ready(ns_stage *st) {
+    pthread_mutex_lock(&st->mu);
+    ncclComm_t c = st->comm;
+    int posted = atomic_load(&st->posted);
+    pthread_mutex_unlock(&st->mu);
+    if (!c || posted) return 1;
+    if (pthread_equal(st->thread, pthread_self())) ns_progress(c); /* only this thread frees c */
+    return atomic_load(&st->posted);
+}
+
+void ncclsim_stage_run(ns_stage *st) {
+    int64_t limit = ns_env_int("NCCLSIM_TIMEOUT_MS", 300000, 1, INT32_MAX), until = ns_now_us() + limit * 1000;
+    pthread_mutex_lock(&st->mu);
+    /* A batch behind another is posted by the issuing thread's polls (this
+     * thread's own, when it is that thread). */
+    while (st->comm && !atomic_load(&st->posted) && ns_now_us() < until) {
+        ncclComm_t c = st->comm;
+        pthread_mutex_unlock(&st->mu);
+        if (pthread_equal(st->thread, pthread_self())) ns_progress(c);
+        else ns_pause();
+        pthread_mutex_lock(&st->mu);
+    }
+    if (st->comm && atomic_load(&st->posted)) ns_stage_inputs(st->comm);
+    pthread_mutex_unlock(&st->mu);
+    ns_stage_release(st);
+}
+
+/* Run the pending device batch's staging on this thread (its stream's work
+ * before it first). */
+static void ns_stage_force(ncclComm_t c) {
+    if (c->stage) ncclsim_dev_stream_force(c->stage->stream, c->stage->seq);
 }
 
 /* ==== 6. Progress ========================================================= */
@@ -919,10 +1014,18 @@ static ncclResult_t ns_run_collective(ncclComm_t c, ns_op *op) {
     return ncclSuccess;
 }
 
+/* What the host sees while the pending batch is unfinished: in progress,
+ * unless the batch went to a stream (then only a batch waiting behind it
+ * keeps the host's call in progress). */
+static ncclResult_t ns_unfinished(ncclComm_t c) { return c->device_batch ? c->state : ncclInProgress; }
+
+static ncclResult_t ns_post_next(ncclComm_t c);
+
 /* One pass over c's pending work. */
 static ncclResult_t ns_progress(ncclComm_t c) {
-    if (c->state != ncclInProgress) return c->state;
+    if (c->state != ncclInProgress && c->state != ncclSuccess) return c->state;
     if (c->init_pending) return ns_try_join(c);
+    if (!c->nops) return c->state;
     ns_shared *sh = c->sh;
     int n = c->nranks;
     bool all_done = true, coll_blocked = false, check_pid = false;
@@ -989,7 +1092,7 @@ static ncclResult_t ns_progress(ncclComm_t c) {
             op->done = true;
         }
     }
-    if (!all_done) return ncclInProgress;
+    if (!all_done) return ns_unfinished(c);
     /* My area is free again once every member has read it. */
     if (c->last_coll) {
         for (int m = 0; m < n; m++) {
@@ -997,7 +1100,7 @@ static ncclResult_t ns_progress(ncclComm_t c) {
             if (ns_check_member(c, m, NULL, c->last_coll, check_pid, &ns_member_at(sh, m)->done, c->last_coll) !=
                 ncclSuccess)
                 return c->state;
-            return ncclInProgress;
+            return ns_unfinished(c);
         }
     }
     if (c->child) { /* a split: done when the new communicator is */
@@ -1013,12 +1116,34 @@ static ncclResult_t ns_progress(ncclComm_t c) {
     if (c->split_out) *c->split_out = c->child;
     c->split_out = NULL;
     c->child = NULL;
-    ns_land_end_all(c, NCCLSIM_LAND_DONE);
+    for (int i = 0; i < c->nops; i++) ns_land_end(&c->ops[i], NCCLSIM_LAND_DONE);
+    ns_stage_let_go(&c->stage);
     free(c->ops);
     c->ops = NULL;
     c->nops = 0;
+    c->device_batch = false;
     c->last_coll = 0;
     c->state = ncclSuccess;
+    return c->next ? ns_post_next(c) : ncclSuccess;
+}
+
+/* The batch that waited behind the one that just ended becomes the pending
+ * one; its queued staging may now run. */
+static ncclResult_t ns_post_next(ncclComm_t c) {
+    ns_op *ops = c->next;
+    int n = c->nnext;
+    c->next = NULL;
+    c->nnext = 0;
+    c->stage = c->next_stage;
+    c->next_stage = NULL;
+    ncclResult_t r = ns_reserve(c, ops, n, true);
+    if (r != ncclSuccess) {
+        for (int i = 0; i < n; i++) ns_land_end(&ops[i], NCCLSIM_LAND_FAILED);
+        free(ops);
+        return ns_comm_fail(c, r, "%s", ns_last_error);
+    }
+    free(ops);
+    atomic_store(&c->stage->posted, 1);
     return ncclSuccess;
 }
 
@@ -1061,10 +1186,12 @@ static ncclResult_t ns_land_prepare(ncclComm_t c, ns_op *ops, int n) {
     for (int i = 0; i < n; i++) {
         size_t bytes = ns_out_bytes(c, &ops[i]);
         ops[i].land = NULL;
-        if (!bytes || !deferred) continue;
+        /* A send lands nothing, but its stream waits for it to end (for its
+         * receiver), as a GPU's does. */
+        if (!deferred || (!bytes && ops[i].kind != NS_SEND)) continue;
         ns_landing *l = malloc(sizeof *l);
-        void *buf = malloc(bytes);
-        if (!l || !buf) {
+        void *buf = bytes ? malloc(bytes) : NULL;
+        if (!l || (bytes && !buf)) {
             free(l);
             free(buf);
             ns_land_drop(ops, i);
@@ -1092,8 +1219,75 @@ static void ns_land_drop(ns_op *ops, int n) {
         }
 }
 
+/* A batch issued to a stream in a deferred stream mode: numbered now (or,
+ * behind a batch still in flight, when that one ends), staged when its
+ * stream reaches it. The batch before has its staging run now, on this
+ * thread, so the wait behind it is for the peers alone. */
+static ncclResult_t ns_post_deferred(ncclComm_t c, ns_op *ops, int n) {
+    if (ns_busy(c)) return ns_busy_error(ns_kind_name(ops[0].kind));
+    /* One staging per batch, on its first operation's stream: the work
+     * queued on the others runs now. */
+    for (int i = 1; i < n; i++)
+        if (ops[i].stream != ops[0].stream) ncclsim_dev_stream_flush(ops[i].stream);
+    if (c->nops) {
+        ns_stage_force(c);
+        ncclResult_t r = ns_progress(c);
+        if (r != ncclSuccess) return r;
+    }
+    ns_stage *st = calloc(1, sizeof *st);
+    if (!st) return ns_error(ncclSystemError, "ncclsim: out of memory");
+    pthread_mutex_init(&st->mu, NULL);
+    st->comm = c;
+    st->thread = pthread_self();
+    atomic_init(&st->refs, 2);
+    atomic_init(&st->posted, 0);
+    if (c->nops) {
+        c->next = malloc((size_t)n * sizeof *ops);
+        if (!c->next) {
+            pthread_mutex_destroy(&st->mu);
+            free(st);
+            return ns_error(ncclSystemError, "ncclsim: out of memory");
+        }
+        memcpy(c->next, ops, (size_t)n * sizeof *ops);
+        c->nnext = n;
+        c->next_stage = st;
+        c->state = ncclInProgress; /* the host polls until the batch before ends */
+    } else {
+        ncclResult_t r = ns_reserve(c, ops, n, true);
+        if (r != ncclSuccess) {
+            pthread_mutex_destroy(&st->mu);
+            free(st);
+            return r;
+        }
+        c->stage = st;
+        atomic_store(&st->posted, 1);
+    }
+    st->seq = ncclsim_dev_stream_stage(ops[0].stream, st, c->next_stage == st, &st->stream);
+    return c->state;
+}
+
+/* A call without a stream (split, finalize) first lets the pending device
+ * batch end: its staging runs now, then the peers are waited for, up to
+ * NCCLSIM_TIMEOUT_MS. */
+static ncclResult_t ns_drain(ncclComm_t c) {
+    if (!c->device_batch) return c->state;
+    int64_t limit = ns_env_int("NCCLSIM_TIMEOUT_MS", 300000, 1, INT32_MAX), until = ns_now_us() + limit * 1000;
+    while (c->nops && c->device_batch) {
+        ns_stage_force(c);
+        ncclResult_t r = ns_progress(c);
+        if (r != ncclSuccess && r != ncclInProgress) return r;
+        if (!c->nops) break;
+        if (ns_now_us() > until)
+            return ns_comm_fail(c, ncclSystemError, "ncclsim: operations issued to a stream are still in progress "
+                                "after %lld ms (NCCLSIM_TIMEOUT_MS)", (long long)limit);
+        ns_pause();
+    }
+    return c->state;
+}
+
 /* Post every communicator's share of ops, in order of first appearance. */
 static ncclResult_t ns_submit(ns_op *ops, int n) {
+    bool deferred = ncclsim_dev_streams_deferred();
     ncclResult_t first = ncclSuccess;
     bool pending = false;
     int nland = 0;
@@ -1112,12 +1306,13 @@ static ncclResult_t ns_submit(ns_op *ops, int n) {
         for (int j = i; j < n; j++)
             if (ops[j].comm == c) mine[k++] = ops[j];
         ncclResult_t r = ns_land_prepare(c, mine, k);
-        if (r == ncclSuccess) r = ns_post(c, mine, k);
-        if (r != ncclSuccess) ns_land_drop(mine, k);
+        if (r == ncclSuccess) r = deferred ? ns_post_deferred(c, mine, k) : ns_post(c, mine, k);
+        if (r != ncclSuccess && r != ncclInProgress) ns_land_drop(mine, k);
         else
             for (int j = 0; j < k; j++)
                 if (mine[j].land) land[nland++] = mine[j];
-        if (r == ncclSuccess) r = c->blocking ? ns_wait(c) : ns_settle(c);
+        if (r == ncclSuccess && !deferred) r = c->blocking ? ns_wait(c) : ns_settle(c);
+        else if (r == ncclInProgress && c->blocking) r = ns_wait(c);
         if (r == ncclInProgress) pending = true;
         else if (r != ncclSuccess && first == ncclSuccess) first = r;
     }
@@ -1230,7 +1425,8 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newc
     /* A collective on the parent whose descriptor carries color and key. */
     ns_op op = {.comm = comm, .kind = NS_SPLIT, .type = ncclUint8, .color = color, .key = key,
                 .child_blocking = blocking};
-    r = ns_post(comm, &op, 1);
+    r = ns_drain(comm);
+    if (r == ncclSuccess) r = ns_post(comm, &op, 1);
     if (r != ncclSuccess) return r;
     comm->split_out = newcomm;
     return comm->blocking ? ns_wait(comm) : ns_settle(comm);
@@ -1242,6 +1438,8 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
         snprintf(ns_last_error, sizeof ns_last_error, "%s", comm->msg);
         return comm->state;
     }
+    ncclResult_t r = ns_drain(comm);
+    if (r != ncclSuccess) return r;
     comm->finalized = true; /* nothing of ours is in flight once pending work completes */
     return comm->blocking ? ns_wait(comm) : ns_settle(comm);
 }

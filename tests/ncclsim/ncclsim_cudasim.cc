@@ -51,12 +51,32 @@ extern "C" void ncclsim_dev_stream_flush(cudaStream_t s) {
     force_all(resolve(s));
 }
 
+extern "C" void ncclsim_dev_stream_force(cudaStream_t s, uint64_t seq) {
+    cudasim::detail::force(s, seq);
+}
+
+/* The staging: runs when the stream reaches the batch, on whichever thread
+ * runs the stream then; other threads' random progress too, unless the
+ * batch waits behind another (then it could wait for the issuing thread's
+ * polls inside that thread's own runtime call). */
+extern "C" uint64_t ncclsim_dev_stream_stage(cudaStream_t s, ns_stage *st, int waits, cudaStream_t *where) {
+    using namespace cudasim::detail;
+    CUstream_st *q = resolve(s);
+    *where = q;
+    return enqueue(q, "ncclsim: an operation's inputs", [st] { ncclsim_stage_run(st); }, {}, waits != 0,
+                   [st] { return ncclsim_stage_ready(st) != 0; });
+}
+
 /* The landing copy: runs when the stream reaches the operation; waits for it
  * to end, up to NCCLSIM_TIMEOUT_MS: on the issuing thread (eager: at issue)
  * by driving the communicator, elsewhere by waiting for the host's polls.
  * Never run by another thread's random progress (host_driven). */
 extern "C" void ncclsim_dev_stream_land(cudaStream_t s, ns_landing *l) {
     using namespace cudasim::detail;
+    auto ready = [l] {
+        if (ncclsim_land_state(l) == NCCLSIM_LAND_PENDING) ncclsim_land_drive(l);
+        return ncclsim_land_state(l) != NCCLSIM_LAND_PENDING;
+    };
     enqueue_host_driven(resolve(s), "ncclsim: an operation's output", [l] {
         const char *e = getenv("NCCLSIM_TIMEOUT_MS");
         long long limit_ms = e && atoll(e) > 0 ? atoll(e) : 300000;
@@ -69,14 +89,14 @@ extern "C" void ncclsim_dev_stream_land(cudaStream_t s, ns_landing *l) {
             const void *buf;
             size_t bytes;
             ncclsim_land_parts(l, &dst, &buf, &bytes);
-            memcpy(dst, buf, bytes);
+            if (bytes) memcpy(dst, buf, bytes);
         } else if (st == NCCLSIM_LAND_PENDING) {
             set_message("ncclsim: the stream reached an NCCL operation that had not finished after %lld ms: "
                         "poll ncclCommGetAsyncError until it has (a real GPU would hang here)", limit_ms);
             op_failed(cudaErrorLaunchTimeout);
         }
         ncclsim_land_release(l);
-    });
+    }, ready);
 }
 
 extern "C" int ncclsim_dev_streams_deferred(void) { return cudasim::detail::streams_mode() != 0; }

@@ -5,6 +5,7 @@
 #define NCCLSIM_HOOKS_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "nccl.h"
 
@@ -21,9 +22,10 @@ int ncclsim_dev_current(void);
 int ncclsim_dev_buffer(const void *p, size_t bytes, int *device, size_t *alloc_bytes, size_t *offset);
 /* 1 if s is a live stream (or a default stream, device -1), else 0. */
 int ncclsim_dev_stream(cudaStream_t s, int *device);
-/* Runs the work queued on s so far (the CUDA simulator may defer it), so an
- * operation issued now reads its inputs in stream order. */
+/* Runs the work queued on s so far (the CUDA simulator may defer it). */
 void ncclsim_dev_stream_flush(cudaStream_t s);
+/* Runs s's queue on this thread until its operation number seq has run. */
+void ncclsim_dev_stream_force(cudaStream_t s, uint64_t seq);
 
 /* 1 when stream work runs later than its issue (lazy, random), 0 (eager). */
 int ncclsim_dev_streams_deferred(void);
@@ -33,6 +35,19 @@ enum { NCCLSIM_LAND_PENDING = 0, NCCLSIM_LAND_DONE = 1, NCCLSIM_LAND_FAILED = 2 
 /* Queues on s the copy of l's buffer to its destination, which waits for the
  * operation to end (ncclsim_land_* below). */
 void ncclsim_dev_stream_land(cudaStream_t s, ns_landing *l);
+/* A batch's staging of its inputs (ncclsim.c). */
+typedef struct ns_stage ns_stage;
+/* Queues on s the staging of st's batch; *where gets the stream that holds it
+ * (s resolved) and the return value its number there. Other threads' random
+ * progress may run it (it takes st's lock) unless `waits`: the batch waits
+ * behind another. */
+uint64_t ncclsim_dev_stream_stage(cudaStream_t s, ns_stage *st, int waits, cudaStream_t *where);
+/* The queued staging's body: waits (up to NCCLSIM_TIMEOUT_MS) until the
+ * batch is posted, stages its inputs and publishes them; then drops st. */
+void ncclsim_stage_run(ns_stage *st);
+/* May the staging run without waiting (the batch is posted, or was let go)?
+ * On the issuing thread it first drives the communicator once. */
+int ncclsim_stage_ready(ns_stage *st);
 /* Drops one reference to l; the last frees it. */
 void ncclsim_land_release(ns_landing *l);
 /* l's fields, for the copy. */
