@@ -1061,6 +1061,12 @@ static cpar_status cpar__copy_2d(cpar_ctx *ctx, const char *fn, void *dst, size_
     return CPAR_OK;
 }
 
+/* Both of the context's streams have run everything queued on them. */
+static cpar_status cpar__streams_quiet(cpar_ctx *ctx, const char *fn) {
+    CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
+    return ctx->comm ? cpar__stream_wait(ctx, fn, ctx->comm) : CPAR_OK;
+}
+
 static cpar_status cpar__mem_alloc(cpar_ctx *ctx, const char *fn, int device, size_t bytes, void **out) {
     *out = NULL;
     if (!cpar__on_device(device)) {
@@ -1070,6 +1076,9 @@ static cpar_status cpar__mem_alloc(cpar_ctx *ctx, const char *fn, int device, si
         if (!*out) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: host allocation of %zu bytes failed", fn, bytes);
         return CPAR_OK;
     }
+    /* cudaMalloc takes a device-wide lock: never with this rank's NCCL work
+     * in flight (it may wait for peers whose launches the lock holds up). */
+    if (ctx && ctx->compute) CPAR_TRY(cpar__streams_quiet(ctx, fn));
     CPAR_DEV_TRY(ctx, fn, cpar_dev_malloc(out, bytes ? bytes : 1));
     return CPAR_OK;
 }
@@ -1086,10 +1095,7 @@ static void cpar__mem_free(int device, void *p) {
 static cpar_status cpar__grow_buffer(cpar_ctx *ctx, const char *fn, void **buf, size_t *have, size_t bytes) {
     if (bytes > *have) {
         size_t want = bytes + bytes / 4 + 4096;
-        if (*buf && cpar__on_device(ctx->device)) {
-            CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
-            if (ctx->comm) CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->comm));
-        }
+        if (*buf && cpar__on_device(ctx->device)) CPAR_TRY(cpar__streams_quiet(ctx, fn));
         cpar__mem_free(ctx->device, *buf);
         *buf = NULL;
         *have = 0;
@@ -1136,7 +1142,10 @@ cpar_status cpar_tensor_alloc(cpar_ctx *ctx, cpar_dtype dtype, int ndim, const i
 cpar_status cpar_tensor_free(cpar_ctx *ctx, cpar_tensor *t) {
     if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_tensor_free: ctx is NULL");
     if (!t) return cpar__fail(ctx, CPAR_ERR_INVALID, "cpar_tensor_free: t is NULL");
-    if (t->data && cpar__on_device(t->device)) cpar__stream_wait_quiet(ctx, ctx->compute);
+    if (t->data && cpar__on_device(t->device)) { /* cudaFree synchronises the device: see cpar__mem_alloc */
+        cpar__stream_wait_quiet(ctx, ctx->compute);
+        if (ctx->comm) cpar__stream_wait_quiet(ctx, ctx->comm);
+    }
     cpar__mem_free(t->device, t->data);
     t->data = NULL;
     return CPAR_OK;
@@ -11253,15 +11262,16 @@ static cpar_status cpar__ring_events(cpar__ring *R) {
     return CPAR_OK;
 }
 
-/* Compute waits for everything queued on comm (also after a failure, so the
- * call leaves both streams ordered). */
+/* After a failure, compute waits for everything queued on comm, so the call
+ * leaves both streams ordered. A call that succeeded needs no join: each
+ * exchange it queued on comm is waited for by a later step (cpar__ring_wait
+ * of ev_kv at the next block, of ev_dkv after the last), so compute is
+ * already behind all of comm (tests/mutate_waits.sh found an unconditional
+ * join here removable, docs/DESIGN.md section 10). */
 static cpar_status cpar__ring_finish(cpar__ring *R, cpar_status st) {
     cpar__on_compute_stream(R->ctx);
-    if (R->forked && R->ev_kv) {
-        cpar_status js = cpar_dev_event_record(R->ev_kv, R->ctx->comm);
-        if (js == CPAR_OK) js = cpar_dev_stream_wait_event(R->ctx->compute, R->ev_kv);
-        if (js != CPAR_OK && st == CPAR_OK) st = cpar__dev_fail(R->ctx, js, R->fn);
-    }
+    if (st != CPAR_OK && R->forked && R->ev_kv && cpar_dev_event_record(R->ev_kv, R->ctx->comm) == CPAR_OK)
+        (void)cpar_dev_stream_wait_event(R->ctx->compute, R->ev_kv); /* st, the first failure, is the one reported */
     return st;
 }
 

@@ -2276,6 +2276,28 @@ inline CUstream_st *event_position(cudaEvent_t e, uint64_t *seq) {
     return e->stream;
 }
 
+/* cudaMalloc and cudaFree take a device-wide lock (cudaFree also
+ * synchronises the device): with NCCL work queued on the device, whose
+ * kernels wait for other threads' NCCL launches that the lock holds up, a
+ * GPU can deadlock. Under the deferred modes a call made then fails (NCCL's
+ * queued work is the host-driven operations). */
+inline bool nccl_queued(const char *fn, int device) {
+    Sched &k = sched();
+    {
+        std::lock_guard<std::mutex> lock(k.mu);
+        if (streams_mode_locked(k) == 0) return false;
+        bool queued = false;
+        for (CUstream_st *s : k.live)
+            if (s->device == device)
+                for (const cudasim_op &op : s->q) queued = queued || op.host_driven;
+        if (!queued) return false;
+    }
+    rt_fail(cudaErrorNotPermitted, "%s on device %d while NCCL work is queued there: it takes a device-wide lock "
+            "(cudaFree also synchronises), which can deadlock with other threads' NCCL kernels; wait for the "
+            "streams first", fn, device);
+    return true;
+}
+
 /* Is p pinned host memory (cudaMallocHost)? */
 inline bool is_pinned(const void *p) {
     Global &g = global();
@@ -2607,7 +2629,10 @@ inline cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, 
     return cudaSuccess;
 }
 
-inline cudaError_t cudaMalloc(void **p, size_t size) { return cudasim::detail::alloc_impl("cudaMalloc", p, size, false); }
+inline cudaError_t cudaMalloc(void **p, size_t size) {
+    if (cudasim::detail::nccl_queued("cudaMalloc", cudasim::detail::host().device)) return cudaErrorNotPermitted;
+    return cudasim::detail::alloc_impl("cudaMalloc", p, size, false);
+}
 template <class T> inline cudaError_t cudaMalloc(T **p, size_t size) { return cudaMalloc((void **)p, size); }
 inline cudaError_t cudaMallocAsync(void **p, size_t size, cudaStream_t s) {
     if (!cudasim::detail::stream_ok(s)) return cudasim::detail::bad_stream("cudaMallocAsync", s);
@@ -2630,6 +2655,7 @@ inline int device_of(const void *p) {
 } // namespace detail
 } // namespace cudasim
 inline cudaError_t cudaFree(void *p) {
+    if (p && cudasim::detail::nccl_queued("cudaFree", cudasim::detail::device_of(p))) return cudaErrorNotPermitted;
     if (p) cudasim::detail::drain(cudasim::detail::device_of(p));
     return cudasim::detail::free_impl("cudaFree", p, false);
 }
