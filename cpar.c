@@ -1034,6 +1034,9 @@ static cpar_status cpar__copy_bytes_on(cpar_ctx *ctx, const char *fn, cpar_dev_s
         memmove(dst, src, bytes);
         return CPAR_OK;
     }
+    /* A copy into pageable memory blocks until the stream's earlier work ran:
+     * that wait polls first (a dead peer's NCCL kernel never ends). */
+    if (kind == CPAR_COPY_D2H) CPAR_TRY(cpar__stream_wait(ctx, fn, s));
     CPAR_DEV_TRY(ctx, fn, cpar_dev_memcpy(dst, src, bytes, kind, s));
     if (kind == CPAR_COPY_D2H) CPAR_TRY(cpar__stream_wait(ctx, fn, s));
     return CPAR_OK;
@@ -1056,6 +1059,7 @@ static cpar_status cpar__copy_2d(cpar_ctx *ctx, const char *fn, void *dst, size_
             memmove((char *)dst + r * dst_pitch, (const char *)src + r * src_pitch, row_bytes);
         return CPAR_OK;
     }
+    if (kind == CPAR_COPY_D2H) CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute)); /* as cpar__copy_bytes_on */
     CPAR_DEV_TRY(ctx, fn, cpar_dev_copy_2d(dst, dst_pitch, src, src_pitch, row_bytes, rows, kind, ctx->compute));
     if (kind == CPAR_COPY_D2H) CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
     return CPAR_OK;

@@ -77,8 +77,11 @@ static cpar_status do_op(cpar_ctx *ctx, peer_op op, int victim) {
     default: st = cpar_recv(w, &out, victim); break;
     }
     /* An NCCL operation returns once queued (a GPU runs it later): its
-     * failure shows at the next synchronisation. */
-    if (st == CPAR_OK) st = cpar_sync(ctx);
+     * failure shows when the result is read (a copy into host memory, which
+     * must poll rather than block: a peer that never joins would hang it). */
+    float host_out[64];
+    cpar_tensor h = cpar_tensor_make(host_out, CPAR_F32, 1, op == OP_ALL_GATHER ? gshape : shape, CPAR_HOST);
+    if (st == CPAR_OK) st = cpar_tensor_copy(ctx, &out, &h);
     TU_OK(cpar_tensor_free(ctx, &in));
     TU_OK(cpar_tensor_free(ctx, &out));
     free(x);

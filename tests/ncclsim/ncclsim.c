@@ -10,9 +10,10 @@
  *   - ranks are threads of one process or separate processes: every
  *     communicator is one POSIX shared-memory segment named by its unique id;
  *   - non-blocking communicators (config.blocking = 0): init, split, group
- *     ends and collectives return ncclInProgress until done, and
- *     ncclCommGetAsyncError drives them; a rank that never joins leaves the
- *     others in progress until the caller's own deadline;
+ *     ends and collectives return ncclInProgress until the host's part is
+ *     done (under eager: the whole operation), and ncclCommGetAsyncError
+ *     drives them; a rank that never joins leaves the others in progress
+ *     until the caller's own deadline;
  *   - ncclGroupStart/End defer every operation until the group ends, so a
  *     ring shift inside a group completes while the same sends outside a
  *     group wait for their receivers (and may deadlock, as on a GPU);
@@ -27,23 +28,31 @@
  *   - reductions add in rank order with fp32 accumulation for fp16/bf16, so
  *     integer results equal a single-threaded reference bit for bit.
  *
- * Execution model. An operation first runs the work its stream was given
- * before it (the CUDA simulator may have queued it: tests/cudasim.h section
- * 9), so it reads its inputs in stream order. The exchange itself happens
- * from the host, in the call or in the polls that finish it, into a landing
- * buffer of the operation's own; a copy queued on its stream moves that to
- * the output buffer when the stream reaches it, so the output appears in
- * stream order, as on a GPU: a consumer that misses its wait for the
- * operation's stream reads the old bytes (lazy and random stream modes). A
- * stream that reaches the copy before the operation has finished waits for
- * it (the host must poll the communicator meanwhile, as cpar does; a
- * synchronisation instead of the polls waits until NCCLSIM_TIMEOUT_MS and
- * fails the stream). After a failure or an abort the copy moves nothing. Every rank stages what it sends in its own area
- * of the segment, publishes a descriptor, and reads the peers' areas; an
- * operation completes for a rank once its output is written and every peer
- * has finished reading its area (so the area can be reused). Waiting never
- * blocks inside a non-blocking call: it is polling, with the caller's
- * deadline. A blocking communicator polls inside the call, up to
+ * Execution model. Under the CUDA simulator's eager stream mode an operation
+ * runs at issue: it stages its inputs, and the exchange happens from the
+ * host, in the call or in the polls that finish it. Under the deferred modes
+ * (lazy, random: tests/cudasim.h section 9) it runs in stream order, as on a
+ * GPU: the call numbers the batch and returns (ncclSuccess: the host's part
+ * is done), and a staging queued on its stream copies the inputs into the
+ * rank's area when the stream reaches it, so a write that runs before then
+ * (a missing fork, or a reuse of the buffer that a GPU would race with) is
+ * what gets sent. A batch issued while the one before is in flight has that
+ * one's staging run at once and waits behind it (the call is in progress
+ * until it ends; the caller polls, as cpar does). Outputs land in a buffer of
+ * the operation's own; a copy queued on its stream moves that to the output
+ * buffer when the stream reaches it, so a consumer that misses its wait reads
+ * the old bytes; a send's stream likewise waits for its receiver. A stream
+ * that reaches an unfinished operation waits for it (the issuing thread
+ * drives the communicator meanwhile; a synchronisation from elsewhere waits
+ * until NCCLSIM_TIMEOUT_MS and fails the stream), but a query does not wait:
+ * it reports the stream not ready, so the caller's deadline and failure
+ * checks run, as on a GPU. After a failure or an abort the copy moves
+ * nothing and the communicator reports the error. Every rank stages what it
+ * sends in its own area of the segment, publishes a descriptor, and reads the
+ * peers' areas; an operation completes for a rank once its output is written
+ * and every peer has finished reading its area (so the area can be reused).
+ * Waiting never blocks inside a non-blocking call: it is polling, with the
+ * caller's deadline. A blocking communicator polls inside the call, up to
  * NCCLSIM_TIMEOUT_MS (default 300000), and then fails instead of hanging.
  *
  * Not modelled: performance, the real transports, multiple nodes,
