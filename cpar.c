@@ -989,22 +989,24 @@ static void cpar__on_compute_stream(cpar_ctx *ctx) { ctx->coll_stream = NULL; }
  * elsewhere fails only work that has not finished. */
 static cpar_status cpar__comm_errors(cpar_ctx *ctx, const char *fn);
 static cpar_status cpar__stream_wait(cpar_ctx *ctx, const char *fn, cpar_dev_stream s) {
-    if (!ctx || !ctx->async_check) {
-        CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(s));
-        return CPAR_OK;
-    }
-    int64_t deadline = cpar__now_ms() + ctx->timeout_ms;
+    /* Without a context (no caller makes one wait so) there is nothing to
+     * ask but the stream, and the default deadline. */
+    const bool checks = ctx && ctx->async_check;
+    int64_t deadline = cpar__now_ms() + (ctx ? ctx->timeout_ms : cpar__default_timeout_ms());
     for (;;) {
         bool done = false;
         CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_query(s, &done));
-        if (done) return cpar__comm_errors(ctx, fn);
-        CPAR_TRY(cpar__comm_errors(ctx, fn));
-        cpar_status st = ctx->async_check(ctx, fn);
+        if (done) return checks ? cpar__comm_errors(ctx, fn) : CPAR_OK;
+        cpar_status st = checks ? cpar__comm_errors(ctx, fn) : CPAR_OK;
+        if (st != CPAR_OK) return st;
+        st = checks ? ctx->async_check(ctx, fn) : CPAR_OK;
         if (st != CPAR_OK) {
             CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_query(s, &done));
             return done ? CPAR_OK : st;
         }
         if (cpar__now_ms() > deadline) {
+            if (!ctx) return cpar__fail(NULL, CPAR_ERR_TIMEOUT, "%s: device work unfinished after %d ms", fn,
+                                        cpar__default_timeout_ms());
             cpar_abort(ctx);
             return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: device work unfinished after %d ms%s%s; communicators "
                               "aborted", fn, ctx->timeout_ms, *ctx->last_comm ? " (the last communication queued: " : "",
@@ -1087,10 +1089,13 @@ static cpar_status cpar__mem_alloc(cpar_ctx *ctx, const char *fn, int device, si
     return CPAR_OK;
 }
 
-static void cpar__mem_free(int device, void *p) {
-    if (!p) return;
-    if (cpar__on_device(device)) cpar_dev_free(p);
-    else if (!cpar__arena_free(p)) free(p);
+/* Frees p; a device free the runtime refused (a bad pointer, or work still
+ * queued where that is not allowed) is reported. */
+static cpar_status cpar__mem_free(int device, void *p) {
+    if (!p) return CPAR_OK;
+    if (cpar__on_device(device)) return cpar_dev_free(p);
+    if (!cpar__arena_free(p)) free(p);
+    return CPAR_OK;
 }
 
 /* At least bytes of a growing buffer on the context's device. It only grows
@@ -1100,8 +1105,9 @@ static cpar_status cpar__grow_buffer(cpar_ctx *ctx, const char *fn, void **buf, 
     if (bytes > *have) {
         size_t want = bytes + bytes / 4 + 4096;
         if (*buf && cpar__on_device(ctx->device)) CPAR_TRY(cpar__streams_quiet(ctx, fn));
-        cpar__mem_free(ctx->device, *buf);
+        cpar_status fs = cpar__mem_free(ctx->device, *buf);
         *buf = NULL;
+        if (fs != CPAR_OK) return cpar__dev_fail(ctx, fs, fn);
         *have = 0;
         CPAR_TRY(cpar__mem_alloc(ctx, fn, ctx->device, want, buf));
         *have = want;
@@ -1150,9 +1156,9 @@ cpar_status cpar_tensor_free(cpar_ctx *ctx, cpar_tensor *t) {
         cpar__stream_wait_quiet(ctx, ctx->compute);
         if (ctx->comm) cpar__stream_wait_quiet(ctx, ctx->comm);
     }
-    cpar__mem_free(t->device, t->data);
+    cpar_status st = cpar__mem_free(t->device, t->data);
     t->data = NULL;
-    return CPAR_OK;
+    return st == CPAR_OK ? CPAR_OK : cpar__dev_fail(ctx, st, "cpar_tensor_free");
 }
 
 cpar_status cpar_tensor_copy(cpar_ctx *ctx, const cpar_tensor *src, cpar_tensor *dst) {
@@ -6877,8 +6883,8 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
     }
     while (ctx->groups) cpar__group_free(ctx->groups);
     cpar__pc_arenas_unmap(ctx);
-    cpar__mem_free(ctx->device, ctx->ws);
-    cpar__mem_free(ctx->device, ctx->coll_ws);
+    (void)cpar__mem_free(ctx->device, ctx->ws); /* the streams are quiet (above); finalize reports nothing */
+    (void)cpar__mem_free(ctx->device, ctx->coll_ws);
     cpar__arena_retire(ctx->arena); /* tensors still allocated keep it until they are freed */
     cpar__pool_destroy(ctx->gemm_pool); /* before its scratch goes */
     free(ctx->gemm_ws);
@@ -8652,8 +8658,8 @@ cpar_status cpar_checkpoint_distribute(cpar_ctx *ctx, cpar_checkpoint *ck, cpar_
                           fn, (long long)n, g->size);
     size_t bytes = (size_t)m * cpar_dtype_size(activation->dtype);
     if (ck->chunk && (ck->chunk_cap < bytes || ck->chunk_device != ctx->device)) {
-        if (cpar__on_device(ck->chunk_device)) CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
-        cpar__mem_free(ck->chunk_device, ck->chunk);
+        if (cpar__on_device(ck->chunk_device)) CPAR_TRY(cpar__streams_quiet(ctx, fn));
+        CPAR_DEV_TRY(ctx, fn, cpar__mem_free(ck->chunk_device, ck->chunk));
         ck->chunk = NULL;
         ck->chunk_cap = 0;
     }
@@ -8700,8 +8706,8 @@ cpar_status cpar_checkpoint_release(cpar_ctx *ctx, cpar_checkpoint *ck) {
     if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
     if (!ck) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: ck is NULL", fn);
     if (ck->chunk) {
-        if (cpar__on_device(ck->chunk_device)) CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
-        cpar__mem_free(ck->chunk_device, ck->chunk);
+        if (cpar__on_device(ck->chunk_device)) CPAR_TRY(cpar__streams_quiet(ctx, fn));
+        CPAR_DEV_TRY(ctx, fn, cpar__mem_free(ck->chunk_device, ck->chunk));
     }
     memset(ck, 0, sizeof *ck);
     return CPAR_OK;
