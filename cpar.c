@@ -1026,6 +1026,20 @@ static void cpar__stream_wait_quiet(cpar_ctx *ctx, cpar_dev_stream s) {
     memcpy(ctx->err, saved, sizeof saved);
 }
 
+/* rows of row_bytes between device memory and anything, on stream s. A copy
+ * into host memory is complete on return: into pageable memory it blocks
+ * until the stream's earlier work ran, so that wait polls first (a dead
+ * peer's NCCL kernel never ends); into pinned memory it is asynchronous, so
+ * the stream is waited for after it too (no suite can make pinned memory:
+ * tests/mutate_waits.sh cannot catch that wait's removal). */
+static cpar_status cpar__dev_copy(cpar_ctx *ctx, const char *fn, cpar_dev_stream s, cpar_copy_kind kind, void *dst,
+                                  size_t dst_pitch, const void *src, size_t src_pitch, size_t row_bytes, size_t rows) {
+    if (kind == CPAR_COPY_D2H) CPAR_TRY(cpar__stream_wait(ctx, fn, s));
+    CPAR_DEV_TRY(ctx, fn, rows == 1 ? cpar_dev_memcpy(dst, src, row_bytes, kind, s)
+                                    : cpar_dev_copy_2d(dst, dst_pitch, src, src_pitch, row_bytes, rows, kind, s));
+    return kind == CPAR_COPY_D2H ? cpar__stream_wait(ctx, fn, s) : CPAR_OK;
+}
+
 /* Copy bytes between any two memories, stream-ordered on stream s; a copy
  * into host memory is complete on return. */
 static cpar_status cpar__copy_bytes_on(cpar_ctx *ctx, const char *fn, cpar_dev_stream s, void *dst, int dst_device,
@@ -1036,12 +1050,7 @@ static cpar_status cpar__copy_bytes_on(cpar_ctx *ctx, const char *fn, cpar_dev_s
         memmove(dst, src, bytes);
         return CPAR_OK;
     }
-    /* A copy into pageable memory blocks until the stream's earlier work ran:
-     * that wait polls first (a dead peer's NCCL kernel never ends). */
-    if (kind == CPAR_COPY_D2H) CPAR_TRY(cpar__stream_wait(ctx, fn, s));
-    CPAR_DEV_TRY(ctx, fn, cpar_dev_memcpy(dst, src, bytes, kind, s));
-    if (kind == CPAR_COPY_D2H) CPAR_TRY(cpar__stream_wait(ctx, fn, s));
-    return CPAR_OK;
+    return cpar__dev_copy(ctx, fn, s, kind, dst, bytes, src, bytes, bytes, 1);
 }
 
 /* Copy bytes between any two memories, stream-ordered on the compute stream;
@@ -1061,10 +1070,7 @@ static cpar_status cpar__copy_2d(cpar_ctx *ctx, const char *fn, void *dst, size_
             memmove((char *)dst + r * dst_pitch, (const char *)src + r * src_pitch, row_bytes);
         return CPAR_OK;
     }
-    if (kind == CPAR_COPY_D2H) CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute)); /* as cpar__copy_bytes_on */
-    CPAR_DEV_TRY(ctx, fn, cpar_dev_copy_2d(dst, dst_pitch, src, src_pitch, row_bytes, rows, kind, ctx->compute));
-    if (kind == CPAR_COPY_D2H) CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
-    return CPAR_OK;
+    return cpar__dev_copy(ctx, fn, ctx->compute, kind, dst, dst_pitch, src, src_pitch, row_bytes, rows);
 }
 
 /* Both of the context's streams have run everything queued on them. */
@@ -1152,10 +1158,11 @@ cpar_status cpar_tensor_alloc(cpar_ctx *ctx, cpar_dtype dtype, int ndim, const i
 cpar_status cpar_tensor_free(cpar_ctx *ctx, cpar_tensor *t) {
     if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_tensor_free: ctx is NULL");
     if (!t) return cpar__fail(ctx, CPAR_ERR_INVALID, "cpar_tensor_free: t is NULL");
-    if (t->data && cpar__on_device(t->device)) { /* cudaFree synchronises the device: see cpar__mem_alloc */
-        cpar__stream_wait_quiet(ctx, ctx->compute);
-        if (ctx->comm) cpar__stream_wait_quiet(ctx, ctx->comm);
-    }
+    /* cudaFree synchronises the device: never with NCCL work queued (see
+     * cpar__mem_alloc). Compute suffices: every call joins comm back into
+     * compute before it returns (tests/mutate_waits.sh: a comm wait here was
+     * never needed). */
+    if (t->data && cpar__on_device(t->device)) cpar__stream_wait_quiet(ctx, ctx->compute);
     cpar_status st = cpar__mem_free(t->device, t->data);
     t->data = NULL;
     return st == CPAR_OK ? CPAR_OK : cpar__dev_fail(ctx, st, "cpar_tensor_free");
@@ -6349,9 +6356,7 @@ static cpar_status cpar__split_exchange(cpar_group *parent, const char *fn, cons
         char *ws = ctx->coll_ws, *d_all = ws + bytes;
         CPAR_DEV_TRY(ctx, fn, cpar_dev_memcpy(ws, mine, bytes, CPAR_COPY_H2D, ctx->compute));
         CPAR_NCCL_TRY(parent, fn, NULL, pc, ncclAllGather(ws, d_all, bytes, ncclUint8, *pc, (cudaStream_t)ctx->compute));
-        CPAR_DEV_TRY(ctx, fn, cpar_dev_memcpy(all, d_all, bytes * (size_t)parent->size, CPAR_COPY_D2H, ctx->compute));
-        CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
-        return CPAR_OK;
+        return cpar__copy_bytes(ctx, fn, all, CPAR_HOST, d_all, ctx->device, bytes * (size_t)parent->size);
     }
 #endif
     return cpar__hc_exchange(parent, fn, mine, sizeof *mine, all);
@@ -6883,8 +6888,12 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
     }
     while (ctx->groups) cpar__group_free(ctx->groups);
     cpar__pc_arenas_unmap(ctx);
-    (void)cpar__mem_free(ctx->device, ctx->ws); /* the streams are quiet (above); finalize reports nothing */
-    (void)cpar__mem_free(ctx->device, ctx->coll_ws);
+    /* A refused free (work still queued: see cpar__mem_alloc) is the one
+     * failure reported, after everything else is released. */
+    char why[CPAR_ERR_LEN] = "";
+    cpar_status fs = cpar__mem_free(ctx->device, ctx->ws), fs2 = cpar__mem_free(ctx->device, ctx->coll_ws);
+    if (fs == CPAR_OK) fs = fs2;
+    if (fs != CPAR_OK) snprintf(why, sizeof why, "%s", cpar_dev_last_error());
     cpar__arena_retire(ctx->arena); /* tensors still allocated keep it until they are freed */
     cpar__pool_destroy(ctx->gemm_pool); /* before its scratch goes */
     free(ctx->gemm_ws);
@@ -6897,6 +6906,8 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
     if (ctx->owns_job) cpar__job_destroy(ctx->job);
     free(ctx->rng);
     free(ctx);
+    if (fs != CPAR_OK)
+        return cpar__fail(NULL, fs, "cpar_finalize: freeing the context's device buffers failed: %s", why);
     return CPAR_OK;
 }
 
@@ -9563,11 +9574,8 @@ cpar_status cpar_linear_init_from_master(cpar_linear *l, const cpar_tensor *mast
         }
     cpar_status st = has_w ? cpar__copy_bytes(ctx, fn, l->w.data, l->w.device, buf, CPAR_HOST, wbytes) : CPAR_OK;
     if (st == CPAR_OK && bbytes) st = cpar__copy_bytes(ctx, fn, l->b.data, l->b.device, buf + wbytes, CPAR_HOST, bbytes);
-    /* a host-to-device copy may still read buf */
-    if (st == CPAR_OK && cpar__on_device(ctx->device)) {
-        cpar_status ds = cpar__stream_wait(ctx, fn, ctx->compute);
-        if (ds != CPAR_OK) st = ds;
-    }
+    /* buf is pageable: a copy from it has read it when the call returns (CUDA
+     * stages pageable sources), so it may go now */
     free(buf);
     return st;
 }
@@ -12943,11 +12951,7 @@ cpar_status cpar_inference_init_from_master(cpar_inference_linear *l, const cpar
     if (!buf) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: host allocation of %zu bytes failed", fn, bytes);
     cpar__host_cast(buf, lin->cfg.dtype, master_norm_weight->data, CPAR_F32, h);
     cpar_status st = cpar__copy_bytes(ctx, fn, l->norm_w.data, l->norm_w.device, buf, CPAR_HOST, bytes);
-    if (st == CPAR_OK && cpar__on_device(ctx->device)) { /* the copy may still read buf */
-        cpar_status ds = cpar__stream_wait(ctx, fn, ctx->compute);
-        if (ds != CPAR_OK) st = ds;
-    }
-    free(buf);
+    free(buf); /* pageable: the copy has read it (see cpar_linear_init_from_master) */
     return st;
 }
 
@@ -13215,8 +13219,7 @@ static cpar_status cpar__grad_norm(cpar_group *tp, const char *fn, const cpar_te
     if (!cpar__on_device(ctx->device)) *(float *)ws = (float)host_sum;
     CPAR_TRY(cpar__as(ctx, fn, cpar_all_reduce(tp, &total, &total, CPAR_SUM)));
     float sum;
-    CPAR_TRY(cpar__copy_bytes(ctx, fn, &sum, CPAR_HOST, ws, ctx->device, sizeof sum));
-    if (cpar__on_device(ctx->device)) CPAR_TRY(cpar__stream_wait(ctx, fn, ctx->compute));
+    CPAR_TRY(cpar__copy_bytes(ctx, fn, &sum, CPAR_HOST, ws, ctx->device, sizeof sum)); /* complete on return */
     *norm = sqrtf(sum);
     return CPAR_OK;
 }

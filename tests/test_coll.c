@@ -713,6 +713,34 @@ START_TEST(test_barrier) {
 }
 END_TEST
 
+/* cpar_sync is the host's one promise that queued work has run: on the
+ * simulated devices (whose memory the host can address) the sum is read
+ * straight from device memory after it, with no copy that would wait by
+ * itself. Under the deferred stream modes a sync that waits for nothing
+ * leaves the poison there. */
+static cpar_status rank_sync_completes(cpar_ctx *ctx, void *p) {
+    (void)p;
+    cpar_group *w = cpar_world_group(ctx);
+    int n = cpar_world_size(ctx), me = cpar_rank(ctx);
+    int64_t shape[] = {7};
+    int32_t x[7];
+    for (int i = 0; i < 7; i++) x[i] = (me + 1) * (i + 2);
+    cpar_tensor in = tu_upload(ctx, x, CPAR_I32, 1, shape), out = tu_alloc_poisoned(ctx, CPAR_I32, 1, shape);
+    TU_OK(cpar_all_reduce(w, &in, &out, CPAR_SUM));
+    TU_OK(cpar_sync(ctx));
+    const int32_t *got = out.data;
+    for (int i = 0; i < 7; i++) ck_assert_int_eq(got[i], n * (n + 1) / 2 * (i + 2));
+    TU_OK(cpar_tensor_free(ctx, &in));
+    TU_OK(cpar_tensor_free(ctx, &out));
+    return CPAR_OK;
+}
+
+START_TEST(test_sync_completes) {
+    if (!tu_on_device()) return; /* host tensors: nothing is queued */
+    TU_OK(tu_spawn(group_sizes[_i], rank_sync_completes, NULL));
+}
+END_TEST
+
 START_TEST(test_coll_kind_names) {
     static const char *const want[] = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                                        "broadcast",  "send_recv",  "barrier"};
@@ -1058,6 +1086,7 @@ Suite *suite(void) {
         {"all_to_all", test_all_to_all}, {"broadcast", test_broadcast},   {"p2p", test_p2p},
         {"barrier", test_barrier},       {"split", test_split},             {"large", test_large},
         {"pieces", test_pieces},
+        {"sync", test_sync_completes},
     };
     for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
         TCase *tc = tcase_create(loops[i].name);

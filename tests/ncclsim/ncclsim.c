@@ -1243,33 +1243,30 @@ static ncclResult_t ns_post_deferred(ncclComm_t c, ns_op *ops, int n) {
         ncclResult_t r = ns_progress(c);
         if (r != ncclSuccess) return r;
     }
+    const bool behind = c->nops != 0; /* waits for the batch in flight */
     ns_stage *st = calloc(1, sizeof *st);
-    if (!st) return ns_error(ncclSystemError, "ncclsim: out of memory");
+    ns_op *next = behind ? malloc((size_t)n * sizeof *ops) : NULL;
+    ncclResult_t r = !st || (behind && !next) ? ns_error(ncclSystemError, "ncclsim: out of memory")
+                     : behind                 ? ncclSuccess
+                                              : ns_reserve(c, ops, n, true);
+    if (r != ncclSuccess) {
+        free(st);
+        free(next);
+        return r;
+    }
     pthread_mutex_init(&st->mu, NULL);
     st->comm = c;
     st->thread = pthread_self();
     atomic_init(&st->refs, 2);
-    atomic_init(&st->posted, 0);
-    if (c->nops) {
-        c->next = malloc((size_t)n * sizeof *ops);
-        if (!c->next) {
-            pthread_mutex_destroy(&st->mu);
-            free(st);
-            return ns_error(ncclSystemError, "ncclsim: out of memory");
-        }
-        memcpy(c->next, ops, (size_t)n * sizeof *ops);
+    atomic_init(&st->posted, !behind);
+    if (behind) {
+        memcpy(next, ops, (size_t)n * sizeof *ops);
+        c->next = next;
         c->nnext = n;
         c->next_stage = st;
         c->state = ncclInProgress; /* the host polls until the batch before ends */
     } else {
-        ncclResult_t r = ns_reserve(c, ops, n, true);
-        if (r != ncclSuccess) {
-            pthread_mutex_destroy(&st->mu);
-            free(st);
-            return r;
-        }
         c->stage = st;
-        atomic_store(&st->posted, 1);
     }
     st->seq = ncclsim_dev_stream_stage(ops[0].stream, st, c->next_stage == st, &st->stream);
     return c->state;
