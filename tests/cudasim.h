@@ -1874,7 +1874,12 @@ inline unsigned long long ullmax(unsigned long long a, unsigned long long b) { r
  * device-side operand: copies into it land in stream order, so reading it
  * before a synchronisation reads the old bytes. cudaStreamQuery and
  * cudaEventQuery answer cudaErrorNotReady while work is pending, and run it,
- * so a polling loop finishes. A failure inside queued work (a kernel fault,
+ * so a polling loop finishes; they stop at work that would wait (an NCCL
+ * operation whose peers have not joined: the operation's `ready` says so),
+ * as a GPU's query does not wait. Under lazy and random, cudaMalloc and
+ * cudaFree fail while NCCL work is queued on the device (both take a
+ * device-wide lock that can deadlock with other threads' NCCL kernels on a
+ * GPU). A failure inside queued work (a kernel fault,
  * an illegal GEMM operand) is the stream's: the next synchronisation that
  * covers it returns it once (and cudaGetLastError after it). Events record
  * host time when the stream reaches them. */
@@ -2283,9 +2288,18 @@ inline CUstream_st *event_position(cudaEvent_t e, uint64_t *seq) {
  * queued work is the host-driven operations). */
 inline bool nccl_queued(const char *fn, int device) {
     Sched &k = sched();
+    /* What can run without waiting (NCCL work that ended, by a failure too)
+     * runs first, as the call's own synchronisation would run it. */
+    std::vector<std::pair<CUstream_st *, uint64_t>> todo;
     {
         std::lock_guard<std::mutex> lock(k.mu);
         if (streams_mode_locked(k) == 0) return false;
+        for (CUstream_st *s : k.live)
+            if (s->device == device && s->issued > s->done) todo.push_back({s, s->issued});
+    }
+    for (auto &t : todo) force(t.first, t.second, true);
+    {
+        std::lock_guard<std::mutex> lock(k.mu);
         bool queued = false;
         for (CUstream_st *s : k.live)
             if (s->device == device)

@@ -735,9 +735,27 @@ static cpar_status rank_sync_completes(cpar_ctx *ctx, void *p) {
     return CPAR_OK;
 }
 
+/* An allocation right after a collective, nothing synchronised: on a GPU
+ * cudaMalloc takes a device-wide lock that can deadlock with NCCL kernels in
+ * flight, so cpar waits for its streams first (the simulator refuses a
+ * cudaMalloc with NCCL work queued on the device). */
+static cpar_status rank_alloc_after_collective(cpar_ctx *ctx, void *p) {
+    (void)p;
+    int64_t shape[] = {5};
+    int32_t x[5] = {1, 2, 3, 4, 5};
+    cpar_tensor in = tu_upload(ctx, x, CPAR_I32, 1, shape), out = tu_alloc_poisoned(ctx, CPAR_I32, 1, shape), more;
+    TU_OK(cpar_all_reduce(cpar_world_group(ctx), &in, &out, CPAR_SUM));
+    TU_OK(cpar_tensor_alloc(ctx, CPAR_I32, 1, shape, &more));
+    TU_OK(cpar_tensor_free(ctx, &more));
+    TU_OK(cpar_tensor_free(ctx, &in));
+    TU_OK(cpar_tensor_free(ctx, &out));
+    return CPAR_OK;
+}
+
 START_TEST(test_sync_completes) {
     if (!tu_on_device()) return; /* host tensors: nothing is queued */
     TU_OK(tu_spawn(group_sizes[_i], rank_sync_completes, NULL));
+    TU_OK(tu_spawn(group_sizes[_i], rank_alloc_after_collective, NULL));
 }
 END_TEST
 
