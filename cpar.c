@@ -1013,9 +1013,9 @@ static cpar_status cpar__stream_wait(cpar_ctx *ctx, const char *fn, cpar_dev_str
             if (!ctx) return cpar__fail(NULL, CPAR_ERR_TIMEOUT, "%s: device work unfinished after %d ms", fn,
                                         cpar__default_timeout_ms());
             cpar_abort(ctx);
-            return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: device work unfinished after %d ms%s%s; communicators "
+            return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: device work unfinished after %d ms%s%s%s; communicators "
                               "aborted", fn, ctx->timeout_ms, *ctx->last_comm ? " (the last communication queued: " : "",
-                              *ctx->last_comm ? ctx->last_comm : "");
+                              ctx->last_comm, *ctx->last_comm ? ")" : "");
         }
         struct timespec ts = {0, 100000};
         nanosleep(&ts, NULL);
@@ -5993,10 +5993,16 @@ static cpar_status cpar__nccl_status(ncclResult_t r) {
  * name the function alone. */
 static int cpar__nccl_name_len(const char *call) { return (int)strcspn(call, "("); }
 
-static cpar_status cpar__nccl_fail(cpar_ctx *ctx, const char *fn, const char *call, ncclResult_t r) {
+/* note, when not NULL, ends the line in parentheses. */
+static cpar_status cpar__nccl_fail_note(cpar_ctx *ctx, const char *fn, const char *call, ncclResult_t r,
+                                        const char *note) {
     const char *detail = ncclGetLastError(NULL); /* NCCL ignores its argument */
-    return cpar__fail(ctx, cpar__nccl_status(r), "%s: %.*s failed: %s%s%s", fn, cpar__nccl_name_len(call), call,
-                      ncclGetErrorString(r), detail && *detail ? ": " : "", detail ? detail : "");
+    return cpar__fail(ctx, cpar__nccl_status(r), "%s: %.*s failed: %s%s%s%s%s%s", fn, cpar__nccl_name_len(call), call,
+                      ncclGetErrorString(r), detail && *detail ? ": " : "", detail ? detail : "", note ? " (" : "",
+                      note ? note : "", note ? ")" : "");
+}
+static cpar_status cpar__nccl_fail(cpar_ctx *ctx, const char *fn, const char *call, ncclResult_t r) {
+    return cpar__nccl_fail_note(ctx, fn, call, r, NULL);
 }
 
 /* Abort *comm and forget it, so no later call (cpar_finalize included) uses
@@ -6051,7 +6057,7 @@ static cpar_status cpar__nccl_wait(cpar_ctx *ctx, const cpar_group *g, const cha
     }
     if (r == ncclSuccess) {
         /* Queued: it runs when its stream gets there (a wait names it). */
-        snprintf(ctx->last_comm, sizeof ctx->last_comm, "%s's %.*s%s%s%s)", fn, cpar__nccl_name_len(call), call,
+        snprintf(ctx->last_comm, sizeof ctx->last_comm, "%s's %.*s%s%s%s", fn, cpar__nccl_name_len(call), call,
                  what ? " (" : "", what ? what : "", what ? ")" : "");
         return CPAR_OK;
     }
@@ -6267,11 +6273,10 @@ static cpar_status cpar__nccl_check(cpar_ctx *ctx, const char *fn) {
         ncclResult_t state = ncclSuccess;
         if (!g->nccl || ncclCommGetAsyncError(g->nccl, &state) != ncclSuccess) continue;
         if (state != ncclSuccess && state != ncclInProgress) {
-            const char *detail = ncclGetLastError(NULL);
-            cpar_status st = cpar__fail(ctx, cpar__nccl_status(state), "%s: ncclCommGetAsyncError failed: %s%s%s%s%s%s",
-                                        fn, ncclGetErrorString(state), detail && *detail ? ": " : "",
-                                        detail ? detail : "", *ctx->last_comm ? " (the last communication queued: " : "",
-                                        ctx->last_comm, *ctx->last_comm ? "" : "");
+            char note[sizeof ctx->last_comm + 40];
+            snprintf(note, sizeof note, "the last communication queued: %s", ctx->last_comm);
+            cpar_status st = cpar__nccl_fail_note(ctx, fn, "ncclCommGetAsyncError", state,
+                                                  *ctx->last_comm ? note : NULL);
             cpar__nccl_abort(&g->nccl);
             return st;
         }

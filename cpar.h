@@ -351,7 +351,9 @@ cpar_status cpar_store_barrier(cpar_store *s, const char *name, int rank, int nr
 cpar_status cpar_store_join(cpar_store *s, const cpar_env *env);
 
 /* Release everything the context owns (groups, workspace, streams, comms).
- * Contexts made by cpar_spawn are finalised by cpar_spawn itself. */
+ * Contexts made by cpar_spawn are finalised by cpar_spawn itself. Everything
+ * is released either way; a device free the runtime refused is reported
+ * (CPAR_ERR_CUDA, read with cpar_thread_last_error: the context is gone). */
 cpar_status cpar_finalize(cpar_ctx *ctx);
 
 /* Mark the job failed: every peer blocked in (or entering) a collective
