@@ -353,9 +353,15 @@ $(B)/ncclsim/mp_prog $(B)/ncclsim/lm_check $(B)/ncclsim/train: $(B)/ncclsim/%: $
 $(B)/cuda/test_gpu: $(B)/obj/test_gpu.o $(B)/cuda/libcpar.a | $(B)/cuda
 	$(CC) $^ -o $@ $(CHECK_LIBS) $(CUDA_LIBS) $(LIBS) -lstdc++
 
+# A backend suite against the GPU library: tools/gpu_check.sh runs the
+# multi-rank ones on the device backend (CPAR_TEST_BACKEND=device), so one
+# GPU checks ring attention, the linear layers' overlap, Mamba CP and training.
+$(B)/cuda/test_%: $(B)/obj/test_%.o $(B)/cuda/libcpar.a | $(B)/cuda
+	$(CC) $^ -o $@ $(CHECK_LIBS) $(CUDA_LIBS) $(LIBS) -lstdc++
+
 # The programs each flavour's suites need besides the test binaries.
 HOST_PROGS    := $(TEST_PROGS) $(B)/cparrun $(B)/host/lm_check $(B)/train
-SIM_PROGS     := $(B)/sim/lm_check $(B)/sim/train $(B)/sim/libcpar_sim.so
+SIM_PROGS     := $(B)/sim/lm_check $(B)/sim/train $(B)/sim/libcpar_sim.so $(B)/train # test_trainjob: device vs host
 NCCLSIM_PROGS := $(B)/cparrun $(B)/ncclsim/lm_check $(B)/ncclsim/train
 HOST_PROGS    += $(B)/host/bench # tests/run.sh checks its --csv and --json output
 HOST_PROGS    += $(B)/host/hostmp_prog $(B)/host/mp_prog $(B)/host/train # test_hostmp's jobs

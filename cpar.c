@@ -5,8 +5,8 @@
  * this file never includes a CUDA header. NCCL calls live behind
  * CPAR_WITH_NCCL. Build flags:
  *   (none)                          host-only build: host backend
- *   -DCPAR_WITH_DEVICE -DCPAR_SIM   sim build: + sim backend (kernels on the CPU)
- *   -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL   CUDA build: + NCCL backend
+ *   -DCPAR_WITH_DEVICE -DCPAR_SIM   sim build: + device backend on the CUDA simulator (kernels on the CPU)
+ *   -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL   CUDA build: + NCCL and device backends
  *
  * Table of contents (later sections call earlier ones, never the reverse)
  *    1. Platform and utilities      time, logging, aligned host memory, the shared host arena
@@ -93,15 +93,15 @@
 
 /* Runtime objects shared by the sections below (their behaviour lives in
  * sections 8-13; they are defined here so every section can read them). */
-typedef struct cpar__job cpar__job;     /* host/sim: shared state of one cpar_spawn */
-typedef struct cpar__hcomm cpar__hcomm; /* host/sim: shared state of one group */
+typedef struct cpar__job cpar__job;     /* host/device: shared state of one cpar_spawn */
+typedef struct cpar__hcomm cpar__hcomm; /* host/device: shared state of one group */
 typedef struct cpar__pcomm cpar__pcomm; /* host, ranks as processes: one group's shared-memory segment */
 
 struct cpar_group {
     cpar_ctx *ctx;
     int rank, size;
     int *world_ranks;     /* [size], world rank of each group rank */
-    cpar__hcomm *hc;      /* host and sim backends, ranks as threads */
+    cpar__hcomm *hc;      /* host and device backends, ranks as threads */
     cpar__pcomm *pc;      /* host backend, ranks as processes (cpar_init_from_env) */
 #ifdef CPAR_WITH_NCCL
     ncclComm_t nccl;
@@ -117,7 +117,7 @@ struct cpar_ctx {
     cpar_backend backend;
     int device;           /* CPAR_HOST on the host backend */
     int timeout_ms;
-    cpar__job *job;       /* host and sim backends */
+    cpar__job *job;       /* host and device backends */
     bool owns_job;        /* a single-rank job made by cpar_init_from_env */
     cpar_store *store;    /* multi-process start-up */
     cpar_group *world_group, *groups;
@@ -125,7 +125,7 @@ struct cpar_ctx {
     int grid_size[CPAR_GROUP_KIND_COUNT], grid_rank[CPAR_GROUP_KIND_COUNT];
     void *ws;             /* workspace on the context's device (Megatron's global memory buffer) */
     size_t ws_bytes;
-    void *coll_ws;        /* the host/sim collectives' device accumulator, apart from ws so a */
+    void *coll_ws;        /* the host/device collectives' accumulator, apart from ws so a */
     size_t coll_ws_bytes; /* caller may keep scratch in ws across a collective */
     void *gemm_ws;        /* host memory: the host GEMM's packed panels (section 5) */
     size_t gemm_ws_bytes;
@@ -839,6 +839,7 @@ CPAR__STUB int cpar_dev_count(void) { return 0; }
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 #endif
 CPAR__STUB cpar_status cpar_dev_set(int device) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_peer_access(int peer) CPAR__NODEV()
 CPAR__STUB cpar_status cpar_dev_malloc(void **p, size_t bytes) CPAR__NODEV()
 CPAR__STUB cpar_status cpar_dev_free(void *p) CPAR__NODEV()
 CPAR__STUB cpar_status cpar_dev_memset(void *p, int byte, size_t bytes, cpar_dev_stream s) CPAR__NODEV()
@@ -4443,8 +4444,9 @@ cpar_status cpar_store_join(cpar_store *s, const cpar_env *env)
  * a rendezvous, moves data by pulling from the peers' posted buffers, and
  * meets them again so no buffer is released while a peer still reads it.
  * Every wait has the context's deadline; a failed, aborted or finished rank
- * releases its waiting peers with CPAR_ERR_PEER. The sim backend uses the same
- * code with device pointers (its copies and reductions go through section 4).
+ * releases its waiting peers with CPAR_ERR_PEER. The device backend uses the
+ * same code with device pointers (its copies and reductions go through
+ * section 4), ordered on the GPUs with events (cpar__hc_collective).
  * Uses: 1-6; the process part also 7 (the store). */
 
 struct cpar__job {
@@ -4479,6 +4481,8 @@ typedef struct cpar__mailbox {
     cpar_dtype want_dtype;
     int64_t want_numel;
     uint64_t posted, taken;
+    cpar_dev_event sent_ev;     /* device backend: the sender's work up to the send (recorded by it) */
+    cpar_dev_event taken_ev;    /* device backend: the receiver's copy (recorded by it; made at its first) */
 } cpar__mailbox;
 
 struct cpar__hcomm {
@@ -4490,6 +4494,12 @@ struct cpar__hcomm {
     int count;                 /* members waiting in the current one */
     cpar__slot *slot;          /* [n] */
     cpar__mailbox *box;        /* [n*n], box[src*n + dst] */
+    /* Device backend: each member's events, made by it at its first
+     * collective or send (on its GPU), published under job->mu and never
+     * changed; they live as long as the hcomm, so a peer may wait on one
+     * after its owner left the group. */
+    cpar_dev_event *ev_ready;  /* [n] recorded after the work that produces the member's inputs */
+    cpar_dev_event *ev_done;   /* [n] recorded after the member's share of the data movement */
     atomic_int refs;
 };
 
@@ -4543,8 +4553,11 @@ static cpar__hcomm *cpar__hcomm_create(cpar__job *job, int n, const int *world_r
     hc->entered = calloc((size_t)n, sizeof *hc->entered);
     hc->slot = calloc((size_t)n, sizeof *hc->slot);
     hc->box = calloc((size_t)n * (size_t)n, sizeof *hc->box);
-    if (!hc->world_ranks || !hc->entered || !hc->slot || !hc->box) {
-        free(hc->world_ranks); free(hc->entered); free(hc->slot); free(hc->box); free(hc);
+    hc->ev_ready = calloc((size_t)n, sizeof *hc->ev_ready);
+    hc->ev_done = calloc((size_t)n, sizeof *hc->ev_done);
+    if (!hc->world_ranks || !hc->entered || !hc->slot || !hc->box || !hc->ev_ready || !hc->ev_done) {
+        free(hc->world_ranks); free(hc->entered); free(hc->slot); free(hc->box);
+        free(hc->ev_ready); free(hc->ev_done); free(hc);
         return NULL;
     }
     memcpy(hc->world_ranks, world_ranks, (size_t)n * sizeof *hc->world_ranks);
@@ -4556,7 +4569,18 @@ static cpar__hcomm *cpar__hcomm_create(cpar__job *job, int n, const int *world_r
 
 static void cpar__hcomm_release(cpar__hcomm *hc) {
     if (!hc || atomic_fetch_sub(&hc->refs, 1) != 1) return;
-    free(hc->world_ranks); free(hc->entered); free(hc->slot); free(hc->box); free(hc);
+    /* Destroying an event that a stream still waits on is legal: CUDA
+     * releases it once the wait is done. */
+    for (int m = 0; m < hc->n; m++) {
+        cpar_dev_event_destroy(hc->ev_ready[m]);
+        cpar_dev_event_destroy(hc->ev_done[m]);
+    }
+    for (size_t b = 0; b < (size_t)hc->n * (size_t)hc->n; b++) {
+        cpar_dev_event_destroy(hc->box[b].sent_ev);
+        cpar_dev_event_destroy(hc->box[b].taken_ev);
+    }
+    free(hc->world_ranks); free(hc->entered); free(hc->slot); free(hc->box);
+    free(hc->ev_ready); free(hc->ev_done); free(hc);
 }
 
 /* What a waiter waits for; all fields read under job->mu. */
@@ -5000,27 +5024,55 @@ static cpar_status cpar__hc_move(cpar_group *g, const char *fn, const cpar__slot
     return st;
 }
 
+/* Device backend: make this member's event *ev on first use (on its GPU)
+ * and publish it under the job's mutex; only this member writes it. */
+static cpar_status cpar__hc_event(cpar_group *g, const char *fn, cpar_dev_event *ev) {
+    if (*ev) return CPAR_OK;
+    cpar_dev_event e;
+    CPAR_DEV_TRY(g->ctx, fn, cpar_dev_event_create(&e));
+    pthread_mutex_lock(&g->hc->job->mu);
+    *ev = e;
+    pthread_mutex_unlock(&g->hc->job->mu);
+    return CPAR_OK;
+}
+
+/* Device backend: the collectives' stream waits for every peer's evs[m]
+ * (read after a rendezvous, which publishes them). */
+static cpar_status cpar__hc_wait_peers(cpar_group *g, const char *fn, cpar_dev_event *evs) {
+    const cpar_dev_stream cs = cpar__coll_stream(g->ctx);
+    for (int m = 0; m < g->size; m++)
+        if (m != g->rank && evs[m]) CPAR_DEV_TRY(g->ctx, fn, cpar_dev_stream_wait_event(cs, evs[m]));
+    return CPAR_OK;
+}
+
 /* Post, meet, check agreement, move this member's share (cpar__hc_move),
- * meet again. */
+ * meet again. On a device the host never waits for the GPU: each member
+ * records ev_ready after the work queued before the collective (what makes
+ * its inputs), its stream waits for every peer's before it reads their
+ * buffers, records ev_done after its share, and waits for every peer's
+ * after the second meeting, so nothing it queues later (a reuse of its
+ * input, a read of its output) runs before the peers' reads and writes. */
 static cpar_status cpar__hc_collective(cpar_group *g, const char *fn, const cpar__slot *mine) {
     cpar_ctx *ctx = g->ctx;
-    int dev = ctx->device;
+    cpar__hcomm *hc = g->hc;
+    const bool dev = cpar__on_device(ctx->device);
     const cpar_dev_stream cs = cpar__coll_stream(ctx);
-    /* Peers read our buffers on their own streams as soon as the rendezvous
-     * publishes them, so the work that produces them must have run: what is
-     * queued on the collectives' stream (the communication stream's caller
-     * made it wait for the compute work it depends on). */
-    if (cpar__on_device(dev)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(cs));
+    if (dev) {
+        CPAR_TRY(cpar__hc_event(g, fn, &hc->ev_ready[g->rank]));
+        CPAR_TRY(cpar__hc_event(g, fn, &hc->ev_done[g->rank]));
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_event_record(hc->ev_ready[g->rank], cs));
+    }
     cpar__hc_post(g, mine);
     CPAR_TRY(cpar__hc_rendezvous(g, fn));
     cpar_status st = cpar__hc_validate(g, fn);
-    if (st == CPAR_OK) st = cpar__hc_move(g, fn, mine, g->hc->slot);
-    /* Device work reads peers' buffers: finish it before releasing them. */
-    if (st == CPAR_OK && cpar__on_device(dev)) {
-        cpar_status ds = cpar_dev_stream_sync(cs);
+    if (st == CPAR_OK && dev) st = cpar__hc_wait_peers(g, fn, hc->ev_ready);
+    if (st == CPAR_OK) st = cpar__hc_move(g, fn, mine, hc->slot);
+    if (st == CPAR_OK && dev) {
+        cpar_status ds = cpar_dev_event_record(hc->ev_done[g->rank], cs);
         if (ds != CPAR_OK) st = cpar__dev_fail(ctx, ds, fn);
     }
     cpar_status st2 = cpar__hc_rendezvous(g, fn);
+    if (st == CPAR_OK && st2 == CPAR_OK && dev) st = cpar__hc_wait_peers(g, fn, hc->ev_done);
     return st != CPAR_OK ? st : st2;
 }
 
@@ -5039,8 +5091,17 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
     cpar_ctx *ctx = g->ctx;
     int me = g->rank, n = hc->n;
     const cpar_dev_stream cs = cpar__coll_stream(ctx);
-    /* As in cpar__hc_collective: our send buffer is read once posted. */
-    if (cpar__on_device(ctx->device)) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_sync(cs));
+    const bool dev = cpar__on_device(ctx->device);
+    /* Device backend, as in cpar__hc_collective: the receiver's stream waits
+     * for sent_ev (our work up to the send) before it copies, ours for its
+     * taken_ev before anything after the send. */
+    cpar__mailbox *out_box = to >= 0 ? &hc->box[(size_t)me * (size_t)n + (size_t)to] : NULL;
+    cpar__mailbox *in_box = from >= 0 ? &hc->box[(size_t)from * (size_t)n + (size_t)me] : NULL;
+    if (dev && out_box) {
+        CPAR_TRY(cpar__hc_event(g, fn, &out_box->sent_ev));
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_event_record(out_box->sent_ev, cs));
+    }
+    if (dev && in_box) CPAR_TRY(cpar__hc_event(g, fn, &in_box->taken_ev));
     int64_t deadline = cpar__now_ms() + ctx->timeout_ms;
     cpar_status st = CPAR_OK;
     pthread_mutex_lock(&job->mu);
@@ -5076,17 +5137,23 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
             }
             cpar_dtype sdt = b->dtype;
             int64_t sn = b->numel;
+            cpar_dev_event sent = b->sent_ev;
             pthread_mutex_unlock(&job->mu);
             if (refuse)
                 st = cpar__fail(ctx, CPAR_ERR_INVALID, "%s: rank %d sent %lld elements of %s, the receive buffer "
                                 "has %lld elements of %s", fn, hc->world_ranks[from], (long long)sn,
                                 cpar_dtype_name(sdt), (long long)recv_numel,
                                 cpar_dtype_name(recv_dt));
-            else
-                st = cpar__copy_bytes_on(ctx, fn, cs, recv, ctx->device, src, ctx->device, bytes);
-            if (st == CPAR_OK && cpar__on_device(ctx->device)) {
-                cpar_status ds = cpar_dev_stream_sync(cs);
-                if (ds != CPAR_OK) st = cpar__dev_fail(ctx, ds, fn);
+            else {
+                if (dev) {
+                    cpar_status ds = cpar_dev_stream_wait_event(cs, sent);
+                    if (ds != CPAR_OK) st = cpar__dev_fail(ctx, ds, fn);
+                }
+                if (st == CPAR_OK) st = cpar__copy_bytes_on(ctx, fn, cs, recv, ctx->device, src, ctx->device, bytes);
+                if (st == CPAR_OK && dev) {
+                    cpar_status ds = cpar_dev_event_record(b->taken_ev, cs);
+                    if (ds != CPAR_OK) st = cpar__dev_fail(ctx, ds, fn);
+                }
             }
             pthread_mutex_lock(&job->mu);
             b->taken++;
@@ -5106,7 +5173,9 @@ static cpar_status cpar__hc_sendrecv(cpar_group *g, const char *fn, const void *
                             "elements of %s", fn, hc->world_ranks[to], (long long)b->want_numel,
                             cpar_dtype_name(b->want_dtype), (long long)send_numel, cpar_dtype_name(send_dt));
     }
+    cpar_dev_event taken = st == CPAR_OK && dev && out_box ? out_box->taken_ev : NULL;
     pthread_mutex_unlock(&job->mu);
+    if (taken) CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_wait_event(cs, taken));
     return st;
 }
 
@@ -6858,8 +6927,15 @@ cpar_status cpar_barrier(cpar_group *g) {
 #define CPAR__NCCL_ID_BYTES 128
 
 const char *cpar_backend_name(cpar_backend b) {
-    static const char *const names[CPAR_BACKEND_COUNT] = {"host", "nccl", "sim"};
+    static const char *const names[CPAR_BACKEND_COUNT] = {"host", "nccl", "device"};
     return (unsigned)b < CPAR_BACKEND_COUNT ? names[b] : "?";
+}
+
+int cpar_backend_parse(const char *s) {
+    if (!s) return -1;
+    for (int k = 0; k < CPAR_BACKEND_COUNT; k++)
+        if (!strcasecmp(s, cpar_backend_name((cpar_backend)k))) return k;
+    return !strcasecmp(s, "sim") ? CPAR_BACKEND_DEVICE : -1; /* the device backend's old name */
 }
 
 bool cpar_backend_available(cpar_backend b) {
@@ -6868,8 +6944,8 @@ bool cpar_backend_available(cpar_backend b) {
 #ifdef CPAR_WITH_NCCL
     case CPAR_BACKEND_NCCL: return cpar_dev_count() > 0;
 #endif
-#ifdef CPAR_SIM
-    case CPAR_BACKEND_SIM: return cpar_dev_count() > 0;
+#ifdef CPAR_WITH_DEVICE
+    case CPAR_BACKEND_DEVICE: return cpar_dev_count() > 0;
 #endif
     default: return false;
     }
@@ -6877,18 +6953,21 @@ bool cpar_backend_available(cpar_backend b) {
 
 static cpar_status cpar__check_backend(const char *fn, cpar_backend b, int nranks) {
     if ((unsigned)b >= CPAR_BACKEND_COUNT)
-        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: backend is %d, expected CPAR_BACKEND_HOST, _NCCL or _SIM", fn, (int)b);
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: backend is %d, expected CPAR_BACKEND_HOST, _NCCL or _DEVICE", fn, (int)b);
     if (!cpar_backend_available(b)) {
-        const char *why = b == CPAR_BACKEND_SIM ? "only test builds (make test) include the CUDA simulator"
-#ifdef CPAR_WITH_NCCL
-                                                : "no GPU is visible (cudaGetDeviceCount found none)";
+#if defined(CPAR_WITH_DEVICE) && defined(CPAR_WITH_NCCL)
+        const char *why = "no GPU is visible (cudaGetDeviceCount found none): use the host backend";
+#elif defined(CPAR_WITH_DEVICE)
+        const char *why = "this build has the device backend on the CUDA simulator, not NCCL (CPAR_SIM)";
 #else
-                                                : "this build has no CUDA/NCCL (cpar.c compiled without -DCPAR_WITH_DEVICE, e.g. make CPAR_CUDA=0)";
+        const char *why = "this build has no CUDA (cpar.c compiled without -DCPAR_WITH_DEVICE, e.g. make "
+                          "CPAR_CUDA=0): use the host backend";
 #endif
         return cpar__fail(NULL, CPAR_ERR_UNSUPPORTED, "%s: backend %s is not available: %s", fn, cpar_backend_name(b), why);
     }
-    if (b != CPAR_BACKEND_HOST && nranks > cpar_dev_count())
-        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: nranks is %d, but only %d GPU%s visible (one per rank)", fn,
+    if (b == CPAR_BACKEND_NCCL && nranks > cpar_dev_count())
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: nranks is %d, but only %d GPU%s visible (NCCL takes one per "
+                          "rank; the device backend runs any number of ranks on them)", fn,
                           nranks, cpar_dev_count(), cpar_dev_count() == 1 ? " is" : "s are");
     return CPAR_OK;
 }
@@ -7021,9 +7100,20 @@ typedef struct cpar__spawn_rank {
 
 static cpar_status cpar__spawn_rank_run(cpar__spawn_rank *r, cpar_ctx **pctx) {
     static const char fn[] = "cpar_spawn";
-    CPAR_TRY(cpar__ctx_create(fn, r->cfg, r->rank, r->nranks, r->rank, pctx));
+    /* NCCL: one GPU per rank. Device backend: the ranks share the GPUs, and
+     * each reaches the memory of every other GPU in use (its reductions read
+     * the members' buffers in place). */
+    const bool shared = r->cfg->backend == CPAR_BACKEND_DEVICE;
+    const int ndev = shared ? cpar_dev_count() : 0, used = ndev < r->nranks ? ndev : r->nranks;
+    CPAR_TRY(cpar__ctx_create(fn, r->cfg, r->rank, r->nranks, shared ? r->rank % ndev : r->rank, pctx));
     cpar_ctx *ctx = *pctx;
     ctx->job = r->job;
+    for (int d = 0; d < used; d++) {
+        cpar_status ps = cpar_dev_peer_access(d);
+        if (ps != CPAR_OK)
+            return cpar__fail(ctx, ps, "%s: the device backend needs peer access between its GPUs: %s (use the NCCL "
+                              "backend, or CUDA_VISIBLE_DEVICES to pick GPUs that have it)", fn, cpar_dev_last_error());
+    }
     int *ranks = malloc((size_t)r->nranks * sizeof *ranks);
     if (!ranks) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate the world group", fn);
     for (int i = 0; i < r->nranks; i++) ranks[i] = i;
@@ -7185,12 +7275,12 @@ static cpar_status cpar__check_one_node(cpar_ctx *ctx, const char *fn, int world
 static cpar_status cpar__env_backend(const char *fn, const cpar_env *env, cpar_backend *b) {
     const char *v = getenv("CPAR_BACKEND");
     if (v && *v) {
-        for (int k = 0; k < CPAR_BACKEND_COUNT; k++)
-            if (!strcasecmp(v, cpar_backend_name((cpar_backend)k))) {
-                *b = (cpar_backend)k;
-                return CPAR_OK;
-            }
-        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: CPAR_BACKEND is \"%.64s\", expected host, nccl or sim", fn, v);
+        int k = cpar_backend_parse(v);
+        if (k >= 0) {
+            *b = (cpar_backend)k;
+            return CPAR_OK;
+        }
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: CPAR_BACKEND is \"%.64s\", expected host, nccl or device", fn, v);
     }
     if (*b == CPAR_BACKEND_NCCL && !cpar_backend_available(CPAR_BACKEND_NCCL)) {
         *b = CPAR_BACKEND_HOST;
@@ -7211,8 +7301,8 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
     CPAR_TRY(cpar_env_read(&env));
     cpar__tls_rank = env.rank;
     CPAR_TRY(cpar__env_backend(fn, &env, &c.backend));
-    if (c.backend == CPAR_BACKEND_SIM && env.world_size > 1)
-        return cpar__fail(NULL, CPAR_ERR_UNSUPPORTED, "%s: WORLD_SIZE is %d but the sim backend runs ranks as threads of "
+    if (c.backend == CPAR_BACKEND_DEVICE && env.world_size > 1)
+        return cpar__fail(NULL, CPAR_ERR_UNSUPPORTED, "%s: WORLD_SIZE is %d but the device backend runs ranks as threads of "
                           "one process: use cpar_spawn, or the host or NCCL backend for a multi-process job", fn,
                           env.world_size);
     bool procs = c.backend == CPAR_BACKEND_HOST && env.world_size > 1; /* host backend, ranks as processes */
@@ -7253,7 +7343,7 @@ cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out) {
         return CPAR_OK;
     }
     if (c.backend != CPAR_BACKEND_NCCL) {
-        /* A single rank on the host or sim backend: its own one-member job. */
+        /* A single rank on the host or device backend: its own one-member job. */
         ctx->job = cpar__job_create(1);
         ctx->owns_job = ctx->job != NULL;
         ctx->world_group->hc = ctx->job ? cpar__hcomm_create(ctx->job, 1, &ranks0) : NULL;
@@ -9875,11 +9965,11 @@ cpar_status cpar_linear_forward(cpar_linear *l, const cpar_tensor *x, cpar_tenso
  * The GEMMs (one cuBLAS handle) stay on compute; only the collectives move
  * (cpar__on_comm_stream). The workspace is carved once, into disjoint slots:
  * xg (written by comm, read by compute), dX (written by compute, read by
- * comm), the ones vector (compute); the host/sim accumulator coll_ws is used
+ * comm), the ones vector (compute); the host/device accumulator coll_ws is used
  * on comm only. The final join keeps the public contract: everything is
  * stream-ordered on compute when the call returns. Host tensors: the same
- * order, sequentially; the sim backend runs this very code with identical
- * results, its streams queued (lazy or random in make test), so a missing
+ * order, sequentially; the device backend runs this very code with identical
+ * results, on the simulator with its streams queued (lazy or random in make test), so a missing
  * fork or join there reads stale data. */
 
 /* Record ev on stream from and make stream to wait for it (device only). */
@@ -11221,8 +11311,8 @@ static cpar__ring_kind cpar__ring_step_kind(const cpar_ring_attention_config *cf
  * overwrites are done with), ev_kv (the next KV block arrived), ev_dkv (the
  * travelling dK/dV accumulator arrived). A compute wait is issued before the
  * event is recorded again, so every wait sees the record it means. Host
- * tensors: the same order, sequentially; the sim backend runs streams at
- * issue time, so it executes this very schedule. */
+ * tensors: the same order, sequentially; the simulator runs this very
+ * schedule with its streams queued (lazy or random in make test). */
 typedef struct cpar__ring {
     cpar_ctx *ctx;
     cpar_group *g;

@@ -160,7 +160,7 @@ int64_t cpar_tensor_numel(const cpar_tensor *t);
 size_t cpar_tensor_nbytes(const cpar_tensor *t);
 
 /* Allocate on the context's device (host memory on the host backend,
- * simulated device memory on the sim backend, the rank's GPU on NCCL).
+ * the rank's GPU on NCCL and DEVICE: simulated device memory on the simulator).
  * The memory is uninitialised. Free with cpar_tensor_free (NULL data is fine).
  * With ranks as processes (cpar_init_from_env on the host backend), tensors
  * of 16 KiB or more come from the rank's shared arena, which its peers map:
@@ -181,13 +181,19 @@ typedef enum cpar_backend {
     CPAR_BACKEND_HOST = 0, /* host memory; ranks are threads of one process (cpar_spawn) or processes
                             * of one node (cpar_init_from_env); shared-memory collectives */
     CPAR_BACKEND_NCCL,     /* one GPU per rank; NCCL communicators; needs a CPAR_CUDA=1 build */
-    CPAR_BACKEND_SIM,      /* host backend's communication over simulated device memory (test builds) */
+    CPAR_BACKEND_DEVICE,   /* ranks as threads sharing the visible GPUs (rank r on GPU r mod n, so one
+                            * GPU runs any grid); collectives by device copies and reduction kernels,
+                            * ordered with events; no NCCL. On the CUDA simulator in test builds. */
     CPAR_BACKEND_COUNT
 } cpar_backend;
+#define CPAR_BACKEND_SIM CPAR_BACKEND_DEVICE /* its name before it ran on GPUs */
 
-const char *cpar_backend_name(cpar_backend b); /* "host", "nccl", "sim" */
-/* True when this build can run backend b here (NCCL: built with CUDA and at
- * least one GPU visible; SIM: built with the simulator). */
+/* "host", "nccl", "device" (cpar_backend_parse also takes "sim" for device) */
+const char *cpar_backend_name(cpar_backend b);
+/* The backend named s (case-insensitive), or -1. */
+int cpar_backend_parse(const char *s);
+/* True when this build can run backend b here (NCCL and DEVICE: built with
+ * CUDA, or the simulator, and at least one GPU visible). */
 bool cpar_backend_available(cpar_backend b);
 
 typedef struct cpar_init_config {
@@ -195,15 +201,18 @@ typedef struct cpar_init_config {
     int timeout_ms;         /* deadline of every wait; 0 -> $CPAR_TIMEOUT_MS or 300000 */
     size_t workspace_bytes; /* initial workspace; 0 -> grows on demand while warming up */
     int device;             /* cpar_init_from_env only: GPU ordinal; 0 -> LOCAL_RANK; -1 -> 0.
-                             * (cpar_spawn gives rank r the GPU r.) */
+                             * (cpar_spawn gives rank r the GPU r, or r mod n of n on DEVICE.) */
 } cpar_init_config;
 
 /* A rank's entry point for cpar_spawn. Return CPAR_OK or the failure. */
 typedef cpar_status (*cpar_rank_fn)(cpar_ctx *ctx, void *arg);
 
 /* Single-process mode: run fn(ctx, arg) on nranks threads, each with its own
- * context (rank r of nranks; on NCCL and SIM, device r; on NCCL every rank's
- * communicator is ready before any fn runs). Returns CPAR_OK when
+ * context (rank r of nranks; on NCCL device r, nranks at most the GPUs
+ * visible, and every rank's communicator is ready before any fn runs; on
+ * DEVICE device r mod the GPUs visible, any nranks up to 256: more ranks than
+ * GPUs share them, each rank with its own streams; ranks on different GPUs
+ * need peer access between them). Returns CPAR_OK when
  * every rank returned CPAR_OK, else the status of the rank that failed first
  * in time (the root cause: the peers it released fail with CPAR_ERR_PEER),
  * with "rank N: <its message>" in cpar_thread_last_error() on the caller.
@@ -223,7 +232,7 @@ cpar_status cpar_spawn_with(int nranks, const cpar_init_config *cfg, cpar_rank_f
  * joins it with cpar_store_join, which proves the job token and names a
  * world-size mismatch or a duplicate rank, before the NCCL unique id is shared.
  *
- * The backend: CPAR_BACKEND (host, nccl or sim, any case) when set, overriding
+ * The backend: CPAR_BACKEND (host, nccl or device, any case) when set, overriding
  * cfg's; else cfg's, except that NCCL with no GPU visible (or a build without
  * NCCL) becomes host, with one CPAR_LOG=info line saying so. On the host
  * backend with WORLD_SIZE > 1 every rank is a process of one node (ranks on
@@ -241,8 +250,9 @@ cpar_status cpar_spawn_with(int nranks, const cpar_init_config *cfg, cpar_rank_f
  * (default 1 MiB). CPAR_HOST_ARENA=0 turns the arena off (every collective
  * stages); a rank that cannot map a peer's arena stages likewise, with one
  * CPAR_LOG=info line saying why. A rank that dies makes its
- * peers fail with CPAR_ERR_PEER naming it, well before the deadline. The sim
- * backend runs ranks as threads only (WORLD_SIZE > 1: CPAR_ERR_UNSUPPORTED). */
+ * peers fail with CPAR_ERR_PEER naming it, well before the deadline. The
+ * device backend runs ranks as threads only (WORLD_SIZE > 1:
+ * CPAR_ERR_UNSUPPORTED): use cpar_spawn. */
 cpar_status cpar_init_from_env(const cpar_init_config *cfg, cpar_ctx **out);
 
 /* The launch environment as cpar_init_from_env reads it. */
@@ -417,12 +427,12 @@ int cpar_grid_rank(const cpar_ctx *ctx, cpar_group_kind kind);    /* -1 before c
 /* ==== 5. Raw collectives and communication statistics ==================== */
 /* All tensors of a collective live on the context's device (tensor.device ==
  * cpar_device(ctx)) and have the same dtype. Float reductions of F16/BF16
- * accumulate in fp32. Host and sim backends reduce in rank order, so results
+ * accumulate in fp32. Host and device backends reduce in rank order, so results
  * are bitwise reproducible. Every call is collective over the group: each
  * member must make the same calls in the same order.
  *
  * What is checked where. Every backend checks each rank's own arguments.
- * Host and sim backends also compare the members' calls before any peer's
+ * Host and device backends also compare the members' calls before any peer's
  * buffer is read: kind (group split included), dtype, element count or
  * split sizes, op and root; a disagreement is CPAR_ERR_INVALID on every
  * member, naming two ranks and the field. Send/receive carry the dtype and
@@ -546,7 +556,8 @@ cpar_status cpar_gelu_backward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_t
 
 /* Number of GPUs this process can use: 0 in a build without CUDA, and 0
  * (not a failure) where there is no driver or no device. Use it to choose
- * how many ranks to run with CPAR_BACKEND_NCCL. */
+ * how many ranks to run with CPAR_BACKEND_NCCL (CPAR_BACKEND_DEVICE runs any
+ * number of ranks on them). */
 int cpar_device_count(void);
 
 /* ==== 8. Tensor-parallel mappings and utilities ========================== */
@@ -1941,6 +1952,7 @@ const char *cpar_dev_last_error(void);
 /* Number of usable GPUs; 0 when there is no driver or no device (never fails). */
 int cpar_dev_count(void);
 cpar_status cpar_dev_set(int device);
+cpar_status cpar_dev_peer_access(int peer); /* kernels on the current device reach peer's memory */
 cpar_status cpar_dev_malloc(void **p, size_t bytes);
 cpar_status cpar_dev_free(void *p);
 cpar_status cpar_dev_memset(void *p, int byte, size_t bytes, cpar_dev_stream s);

@@ -178,6 +178,26 @@ cpar_status cpar_dev_set(int device) {
     return CPAR_OK;
 }
 
+/* Kernels on the current device may read and write peer's memory (the device
+ * backend's reductions read every member's buffer in place). Enabling it
+ * twice is fine; a pair without it is CPAR_ERR_UNSUPPORTED. */
+cpar_status cpar_dev_peer_access(int peer) {
+    int cur = 0, can = 0;
+    CPAR__TRY_CUDA(cudaGetDevice(&cur), "cudaGetDevice");
+    if (peer == cur) return CPAR_OK;
+    CPAR__TRY_CUDA(cudaDeviceCanAccessPeer(&can, cur, peer), "cudaDeviceCanAccessPeer(%d, %d)", cur, peer);
+    if (!can)
+        return cpar__dev_fail(CPAR_ERR_UNSUPPORTED, "%s: GPU %d cannot access the memory of GPU %d (no peer access)",
+                              __func__, cur, peer);
+    cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+    if (e == cudaErrorPeerAccessAlreadyEnabled) {
+        (void)cudaGetLastError(); /* not an error here: clear it */
+        return CPAR_OK;
+    }
+    CPAR__TRY_CUDA(e, "cudaDeviceEnablePeerAccess(%d)", peer);
+    return CPAR_OK;
+}
+
 cpar_status cpar_dev_malloc(void **p, size_t bytes) {
     CPAR__CHECK_PTR(p, true);
     *p = NULL;
@@ -204,6 +224,8 @@ static bool cpar__memcpy_kind(cpar_copy_kind kind, cudaMemcpyKind *out, const ch
     switch (kind) {
     case CPAR_COPY_H2D: *out = cudaMemcpyHostToDevice, *name = "host to device"; return true;
     case CPAR_COPY_D2H: *out = cudaMemcpyDeviceToHost, *name = "device to host"; return true;
+    /* Between two GPUs too (the device backend's peers): unified addressing
+     * names the devices by the pointers. */
     case CPAR_COPY_D2D: *out = cudaMemcpyDeviceToDevice, *name = "device to device"; return true;
     case CPAR_COPY_H2H: *out = cudaMemcpyHostToHost, *name = "host to host"; return true;
     }

@@ -1267,6 +1267,42 @@ int main(int argc, char **argv) {
     return rc;
 }
 
+/* One table of collectives on backend: every op, 2..max_ranks ranks
+ * (doubling), sizes first..last (times factor); rows of section. */
+static int coll_rows(const char *section, cpar_backend backend, int max_ranks, int iters, size_t first, size_t last,
+                     size_t factor, double ceiling_gbps, const double *all_gbps, long cpus) {
+    printf("\n%-15s %5s %9s %11s %12s %12s %9s %9s %8s %8s\n", "collective", "ranks", "size", "time/call", "recv/rank",
+           "minimum", "algbw", "busbw", "busbw/ceil", "/traffic");
+    for (int op = 0; op < OP_COUNT; op++)
+        for (int n = 2; n <= max_ranks; n *= 2)
+            for (size_t size = first; size <= last; size *= factor) {
+                /* at least one float per rank: nccl-tests' smallest sizes round up likewise */
+                size_t asked = size < (size_t)n * sizeof(float) ? (size_t)n * sizeof(float) : size;
+                coll_case c = {.op = op, .iters = iters, .bytes = asked};
+                if (cpar_spawn(n, backend, run_case, &c) != CPAR_OK) {
+                    fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
+                    return 1;
+                }
+                double bus;
+                size_t bytes = c.bytes / sizeof(float) / (size_t)n * (size_t)n * sizeof(float);
+                uint64_t min = min_recv(op, n, bytes, &bus);
+                double algbw = (double)bytes / c.seconds / 1e9;
+                char sz[24], traffic[16] = "-";
+                double bw = all_gbps[n < cpus ? n : cpus > 8 ? 8 : cpus];
+                if (bw > 0) snprintf(traffic, sizeof traffic, "%.2f", host_copy_bytes(op, n, bytes) / bw / 1e9 / c.seconds);
+                printf("%-15s %5d %9s %9.3f ms %12llu %12llu %6.2f GB/s %6.2f GB/s %7.2f %8s\n", op_names[op], n,
+                       fmt_size(bytes, sz, sizeof sz), c.seconds * 1e3, (unsigned long long)c.recv,
+                       (unsigned long long)min, algbw, algbw * bus, algbw * bus / ceiling_gbps, traffic);
+                rec_begin(section);
+                rec_s("name", op_names[op]), rec_i("ranks", n), rec_i("bytes", (long long)bytes);
+                rec_f("time_ms", c.seconds * 1e3), rec_i("recv_bytes", (long long)c.recv);
+                rec_i("min_recv_bytes", (long long)min), rec_f("algbw_gbps", algbw), rec_f("busbw_gbps", algbw * bus);
+                rec_f("busbw_per_ceiling", algbw * bus / ceiling_gbps);
+                if (bw > 0) rec_f("traffic_bound_per_time", host_copy_bytes(op, n, bytes) / bw / 1e9 / c.seconds);
+            }
+    return 0;
+}
+
 static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, size_t sweep_f) {
     cpar_backend backend = cpar_backend_available(CPAR_BACKEND_NCCL) ? CPAR_BACKEND_NCCL : CPAR_BACKEND_HOST;
     int max_ranks = backend == CPAR_BACKEND_NCCL ? cpar_device_count() : 4;
@@ -1300,39 +1336,20 @@ static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, s
                "counted as memcpy counts a copy) takes at that bandwidth with min(ranks, %ld processors) threads, "
                "over the row's time\n", cpus);
     }
-    printf("\n%-15s %5s %9s %11s %12s %12s %9s %9s %8s %8s\n", "collective", "ranks", "size", "time/call", "recv/rank",
-           "minimum", "algbw", "busbw", "busbw/ceil", "/traffic");
-    /* Message sizes: the sweep (-b, -e, -f), else 1, 4, 16 MiB up to max_mib. */
     size_t first = sweep_b ? sweep_b : (size_t)1 << 20, last = sweep_b ? sweep_e : (size_t)max_mib << 20;
     size_t factor = sweep_b ? sweep_f : 4;
-    for (int op = 0; op < OP_COUNT && want("coll"); op++)
-        for (int n = 2; n <= max_ranks; n *= 2)
-            for (size_t size = first; size <= last; size *= factor) {
-                /* at least one float per rank: nccl-tests' smallest sizes round up likewise */
-                size_t asked = size < (size_t)n * sizeof(float) ? (size_t)n * sizeof(float) : size;
-                coll_case c = {.op = op, .iters = iters, .bytes = asked};
-                st = cpar_spawn(n, backend, run_case, &c);
-                if (st != CPAR_OK) {
-                    fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
-                    return 1;
-                }
-                double bus;
-                size_t bytes = c.bytes / sizeof(float) / (size_t)n * (size_t)n * sizeof(float);
-                uint64_t min = min_recv(op, n, bytes, &bus);
-                double algbw = (double)bytes / c.seconds / 1e9;
-                char sz[24], traffic[16] = "-";
-                double bw = all_gbps[n < cpus ? n : cpus > 8 ? 8 : cpus];
-                if (bw > 0) snprintf(traffic, sizeof traffic, "%.2f", host_copy_bytes(op, n, bytes) / bw / 1e9 / c.seconds);
-                printf("%-15s %5d %9s %9.3f ms %12llu %12llu %6.2f GB/s %6.2f GB/s %7.2f %8s\n", op_names[op], n,
-                       fmt_size(bytes, sz, sizeof sz), c.seconds * 1e3, (unsigned long long)c.recv,
-                       (unsigned long long)min, algbw, algbw * bus, algbw * bus / ceiling.gbps, traffic);
-                rec_begin("collectives");
-                rec_s("name", op_names[op]), rec_i("ranks", n), rec_i("bytes", (long long)bytes);
-                rec_f("time_ms", c.seconds * 1e3), rec_i("recv_bytes", (long long)c.recv);
-                rec_i("min_recv_bytes", (long long)min), rec_f("algbw_gbps", algbw), rec_f("busbw_gbps", algbw * bus);
-                rec_f("busbw_per_ceiling", algbw * bus / ceiling.gbps);
-                if (bw > 0) rec_f("traffic_bound_per_time", host_copy_bytes(op, n, bytes) / bw / 1e9 / c.seconds);
-            }
+    if (want("coll") && coll_rows("collectives", backend, max_ranks, iters, first, last, factor, ceiling.gbps,
+                                  all_gbps, cpus))
+        return 1;
+    /* The device backend on a GPU: 2 and 4 ranks sharing the visible GPUs,
+     * collectives by device copies and reduction kernels, over the same
+     * device-to-device copy bandwidth. */
+    if (want("coll") && backend == CPAR_BACKEND_NCCL && cpar_backend_available(CPAR_BACKEND_DEVICE)) {
+        printf("\ndevice backend: ranks as threads sharing %d GPU%s", cpar_device_count(),
+               cpar_device_count() == 1 ? "" : "s");
+        if (coll_rows("device", CPAR_BACKEND_DEVICE, 4, iters, first, last, factor, ceiling.gbps, all_gbps, cpus))
+            return 1;
+    }
 
     /* The host backend across processes (cparrun without GPUs) against its
      * threads: the same collectives and sizes, the bus bandwidth of each. */

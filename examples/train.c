@@ -24,8 +24,8 @@
  * step t on dp rank d is a pure function of (seed, t, d), so a resumed run
  * sees the same data as an uninterrupted one.
  *
- * Single process (the default): ranks are threads, on the host backend or
- * one GPU each (NCCL). Before training it checks, for a few steps, that the
+ * Single process (the default): ranks are threads, on the host backend, one
+ * GPU each (NCCL) or sharing fewer GPUs (the device backend). Before training it checks, for a few steps, that the
  * parallel run computes the same losses as one rank. Under cparrun, torchrun
  * or SLURM (WORLD_SIZE set) every process is one rank (cpar_init_from_env).
  *
@@ -116,7 +116,8 @@ static void usage(FILE *f) {
             "  --prompt TEXT        the sample's prompt (default \"cpar_\")\n"
             "  --temperature X --top-k N   sampling (default 0.8, 40)\n"
             "  --seed N             weights, data and sampling (default 1337)\n"
-            "  --backend host|nccl|sim   (default: nccl when enough GPUs are visible, else host)\n"
+            "  --backend host|nccl|device   (default: nccl with a GPU per rank, device with fewer\n"
+            "                       GPUs than ranks (they share them), host with none)\n"
             "  --verify N           first check N steps of the grid against 1 rank (default 5; 0: skip)\n"
             "  --help               this text\n"
             "Under cparrun, torchrun or SLURM (WORLD_SIZE set) each process is one rank.\n");
@@ -145,7 +146,7 @@ static float parse_float(const char *flag, const char *v, float lo, float hi, bo
 
 /* 0: run; 1: printed help; 2: bad flags (already reported). */
 static int parse_options(int argc, char **argv, options *o) {
-    bool bad = false, gpu = false, grid_given = false;
+    bool bad = false, gpu = false;
     *o = (options){.tp = 2, .cp = 2, .dp = 1, .batch = 8, .steps = 1000, .warmup = 20, .eval_every = 100,
                    .eval_batches = 8, .sample = 200, .verify = 5, .top_k = 40, .lr = 3e-3f, .weight_decay = 0.1f,
                    .clip = 1.0f, .temperature = 0.8f, .seed = 1337, .prompt = "cpar_", .dtype = (cpar_dtype)-1,
@@ -166,9 +167,9 @@ static int parse_options(int argc, char **argv, options *o) {
             usage(stdout);
             return 1;
         } else if (!strcmp(a, "--data")) o->data = v;
-        else if (!strcmp(a, "--tp")) o->tp = parse_int(a, v, 1, 64, &bad), grid_given = true;
-        else if (!strcmp(a, "--cp")) o->cp = parse_int(a, v, 1, 64, &bad), grid_given = true;
-        else if (!strcmp(a, "--dp")) o->dp = parse_int(a, v, 1, 1024, &bad), grid_given = true;
+        else if (!strcmp(a, "--tp")) o->tp = parse_int(a, v, 1, 64, &bad);
+        else if (!strcmp(a, "--cp")) o->cp = parse_int(a, v, 1, 64, &bad);
+        else if (!strcmp(a, "--dp")) o->dp = parse_int(a, v, 1, 1024, &bad);
         else if (!strcmp(a, "--layers")) o->layers = parse_int(a, v, 1, MAX_LAYERS, &bad);
         else if (!strcmp(a, "--hidden")) o->hidden = parse_int(a, v, 8, 1 << 16, &bad);
         else if (!strcmp(a, "--heads")) o->heads = parse_int(a, v, 1, 1024, &bad);
@@ -195,9 +196,8 @@ static int parse_options(int argc, char **argv, options *o) {
             if ((int)o->dtype == -2) bad = true, fprintf(stderr, "train: --dtype expects f32, bf16 or f16\n");
         } else if (!strcmp(a, "--backend")) {
             o->backend_name = v;
-            o->backend = v && !strcmp(v, "host") ? CPAR_BACKEND_HOST : v && !strcmp(v, "nccl") ? CPAR_BACKEND_NCCL
-                       : v && !strcmp(v, "sim") ? CPAR_BACKEND_SIM : (cpar_backend)-2;
-            if ((int)o->backend == -2) bad = true, fprintf(stderr, "train: --backend expects host, nccl or sim\n");
+            o->backend = cpar_backend_parse(v) >= 0 ? (cpar_backend)cpar_backend_parse(v) : (cpar_backend)-2;
+            if ((int)o->backend == -2) bad = true, fprintf(stderr, "train: --backend expects host, nccl or device\n");
         } else {
             fprintf(stderr, "train: unknown flag \"%s\" (see --help)\n", argv[i - (eq ? 0 : 1)]);
             bad = true;
@@ -211,10 +211,16 @@ static int parse_options(int argc, char **argv, options *o) {
     if (bad) return 2;
     const bool launched = getenv("WORLD_SIZE") || getenv("SLURM_NTASKS"); /* one process per rank */
     if ((int)o->backend == -1) {
-        /* GPUs when there are any: the default grid shrinks to what is visible */
+        /* GPUs when there are any: NCCL when every rank has its own, else the
+         * device backend, whose ranks share the GPUs (one process only). */
         const int ngpu = cpar_backend_available(CPAR_BACKEND_NCCL) ? cpar_device_count() : 0;
-        if (!grid_given && !launched && ngpu > 0 && ngpu < 4) o->tp = ngpu >= 2 ? 2 : 1, o->cp = 1;
-        o->backend = ngpu > 0 && (launched || ngpu >= o->tp * o->cp * o->dp) ? CPAR_BACKEND_NCCL : CPAR_BACKEND_HOST;
+        const int nranks = o->tp * o->cp * o->dp;
+        o->backend = ngpu == 0 ? CPAR_BACKEND_HOST
+                   : launched || ngpu >= nranks ? CPAR_BACKEND_NCCL : CPAR_BACKEND_DEVICE;
+        if (o->backend == CPAR_BACKEND_DEVICE)
+            fprintf(stderr, "train: %d ranks but %d GPU%s visible: the device backend runs them on %s (ranks as "
+                    "threads sharing the GPUs; --backend nccl needs one GPU per rank)\n", nranks, ngpu,
+                    ngpu == 1 ? " is" : "s are", ngpu == 1 ? "it" : "them");
     }
     gpu = o->backend != CPAR_BACKEND_HOST;
     if ((int)o->dtype == -1) o->dtype = gpu ? CPAR_BF16 : CPAR_F32; /* the flash kernels take 16-bit inputs */

@@ -486,12 +486,11 @@ int main(void) {
                                                                                        : CPAR_BACKEND_HOST;
     const char *be = getenv("CPAR_LM_BACKEND");
     if (be) {
-        const cpar_backend want = !strcmp(be, "nccl") ? CPAR_BACKEND_NCCL : !strcmp(be, "sim") ? CPAR_BACKEND_SIM
-                                                                                               : CPAR_BACKEND_HOST;
-        if (strcmp(be, "host") && strcmp(be, "nccl") && strcmp(be, "sim")) {
-            fprintf(stderr, "lm_check: CPAR_LM_BACKEND=%s, expected host, nccl or sim\n", be);
+        if (cpar_backend_parse(be) < 0) {
+            fprintf(stderr, "lm_check: CPAR_LM_BACKEND=%s, expected host, nccl or device\n", be);
             return 1;
         }
+        const cpar_backend want = (cpar_backend)cpar_backend_parse(be);
         if (!cpar_backend_available(want)) {
             fprintf(stderr, "lm_check: the %s backend is not available in this build\n", be);
             return 1;

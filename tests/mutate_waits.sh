@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.." || exit 2
 B=${B:-build}
 CC=${CC:-cc}
 CXX=${CXX:-g++}
-PATTERN='cpar_dev_(stream_wait_event|stream_sync|event_sync)\([^()]*\)|cpar_dev_sync\(\)|cpar__stream_wait(_quiet)?\([^()]*\)'
+PATTERN='cpar_dev_(stream_wait_event|stream_sync|event_sync)\([^()]*\)|cpar_dev_sync\(\)|cpar__stream_wait(_quiet)?\([^()]*\)|cpar__hc_wait_peers\([^()]*\)'
 SUITES=${MUTATE_SUITES:-"linear ring coll mappings mamba inference xent train"}
 SEEDS=${MUTATE_SEEDS:-"1 2"}
 

@@ -1,7 +1,7 @@
 #!/bin/sh
 # SPDX-License-Identifier: MIT
 # Run cpar's Check suites: host backend (and the portable build's, named in
-# PORTABLE_SUITES), sim backend, nccl-sim (the NCCL backend over the NCCL
+# PORTABLE_SUITES), sim (the device backend on the CUDA simulator), nccl-sim (the NCCL backend over the NCCL
 # simulator), then the GPU suite, then the drop-in and install checks named
 # in PKG_CHECKS (tests/check_*.sh).
 # Prints each suite's Check summary and a closing "N passed, N failed" line
@@ -76,7 +76,7 @@ fi
 # three flavours' copies start at once, beside the others and not counted
 # among the CPAR_TEST_JOBS.
 case " $HOST_SUITES " in *" faults "*) suite "$HOST_FLAVOUR/faults" "\$B/$HOST_FLAVOUR/test_faults" host ;; esac
-case " $SIM_SUITES " in *" faults "*) suite "sim/faults" "\$B/sim/test_faults" sim CUDASIM_STREAMS=lazy ;; esac
+case " $SIM_SUITES " in *" faults "*) suite "sim/faults" "\$B/sim/test_faults" device CUDASIM_STREAMS=lazy CUDASIM_DEVICES=1 ;; esac
 case " $NCCLSIM_SUITES " in *" faults "*)
     suite "nccl-sim/faults" "\$B/ncclsim/test_faults" nccl CUDASIM_STREAMS=random:$seed ;;
 esac
@@ -115,11 +115,20 @@ fi
 # changes per run; CPAR_TEST_SEED fixes it), and the suites that overlap
 # streams under the other mode too, so a missing stream wait or host
 # synchronisation gives a wrong value. A failure names its mode and seed.
+# The sim build's suites run on the device backend with more ranks than
+# simulated GPUs (up to 4 ranks): one GPU under lazy, two under random (the
+# simulator's own suites choose their devices).
 OVERLAP_SUITES="coll linear ring mamba train"
-for s in $SIM_SUITES; do suite "sim/$s" "\$B/sim/test_$s" sim CUDASIM_STREAMS=lazy; done
-[ -z "$SIM_SUITES" ] || suite "sim/lm_check" "\$B/sim/lm_check" sim CPAR_LM_BACKEND=sim CUDASIM_STREAMS=lazy
 for s in $SIM_SUITES; do
-    case " $OVERLAP_SUITES " in *" $s "*) suite "sim/$s@random" "\$B/sim/test_$s" sim CUDASIM_STREAMS=random:$seed ;; esac
+    case $s in cudasim | devlayer) gpus= ;; *) gpus=CUDASIM_DEVICES=1 ;; esac
+    suite "sim/$s" "\$B/sim/test_$s" device CUDASIM_STREAMS=lazy $gpus
+done
+[ -z "$SIM_SUITES" ] || suite "sim/lm_check" "\$B/sim/lm_check" device CPAR_LM_BACKEND=device CUDASIM_STREAMS=lazy \
+    CUDASIM_DEVICES=1
+for s in $SIM_SUITES; do
+    case " $OVERLAP_SUITES " in *" $s "*)
+        suite "sim/$s@random" "\$B/sim/test_$s" device CUDASIM_STREAMS=random:$seed CUDASIM_DEVICES=2 ;;
+    esac
 done
 # nccl-sim: the production path (cpar.c as built for GPUs, NCCL calls) on the
 # CUDA and NCCL simulators. The GPU suite runs here on simulated GPUs, with

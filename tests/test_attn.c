@@ -11,7 +11,7 @@
  * ways, d 64, 128 and 40 (plus 5 and 13 on host tensors: any d there),
  * lengths that are not multiples of the 64-row tiles (1, 33, 45, 70, 77, 130),
  * GQA (hq = 4, hkv = 2 and hq = 3, hkv = 1), an explicit scale.
- * F32 runs on host tensors (also on the sim backend: host tensors on a device
+ * F32 runs on host tensors (also on the device backend: host tensors on a device
  * context take the host reference), F16 and BF16 on the backend's device (the
  * host reference on "host", the flash kernels on "sim"), each device case in
  * the forward, reverse and a shuffled fiber schedule (CUDASIM_SCHEDULE is
@@ -324,7 +324,7 @@ END_TEST
  * kernels are the sim build's, which the sim suite runs in all three, with
  * nothing between them that NCCL does: one schedule in turn (as in the
  * backward cases) proves the path there. */
-static int forward_schedules(void) { return tu_backend() == CPAR_BACKEND_SIM ? 3 : 1; }
+static int forward_schedules(void) { return tu_backend() == CPAR_BACKEND_DEVICE ? 3 : 1; }
 
 /* _i = (shape * 2 + dtype) * forward_schedules() + k: F16/BF16 on the
  * backend's device, in schedule _i % 3 (k itself with three schedules). */
@@ -344,7 +344,7 @@ START_TEST(test_attn_backward) {
 }
 END_TEST
 
-/* 16-bit on host tensors (the host reference also on the sim backend) and an explicit scale. */
+/* 16-bit on host tensors (the host reference also on the device backend) and an explicit scale. */
 START_TEST(test_attn_16bit_host_and_scale) {
     for (int d16 = 0; d16 < 2; d16++) {
         run(&shapes[1], dtypes16[d16], 0.f, true, true, 600 + (uint64_t)d16);

@@ -10,7 +10,7 @@
  * fp32 and rounded once by the library, so they must be within one unit in
  * the last place of the double sum of the dtype-rounded inputs rounded once;
  * F32 sums within n fp32 roundings; MAX/MIN, integers and data movement are
- * exact, and the host and sim backends give every rank the same bits. After
+ * exact, and the host and device backends give every rank the same bits. After
  * every call the statistics must equal the formulas of cpar.h §5. */
 #define _GNU_SOURCE /* sched_setaffinity: the pieces case binds its ranks to one processor */
 #include <sched.h>

@@ -512,7 +512,12 @@ END_TEST
 START_TEST(test_backends) {
     ck_assert_str_eq(cpar_backend_name(CPAR_BACKEND_HOST), "host");
     ck_assert_str_eq(cpar_backend_name(CPAR_BACKEND_NCCL), "nccl");
-    ck_assert_str_eq(cpar_backend_name(CPAR_BACKEND_SIM), "sim");
+    ck_assert_str_eq(cpar_backend_name(CPAR_BACKEND_DEVICE), "device");
+    ck_assert_int_eq(cpar_backend_parse("Device"), CPAR_BACKEND_DEVICE);
+    ck_assert_int_eq(cpar_backend_parse("sim"), CPAR_BACKEND_DEVICE); /* its old name */
+    ck_assert_int_eq(cpar_backend_parse("NCCL"), CPAR_BACKEND_NCCL);
+    ck_assert_int_eq(cpar_backend_parse("gpu"), -1);
+    ck_assert_int_eq(cpar_backend_parse(NULL), -1);
     ck_assert_ptr_nonnull(cpar_backend_name(CPAR_BACKEND_COUNT));
     ck_assert(cpar_backend_available(CPAR_BACKEND_HOST));
     ck_assert(cpar_backend_available(tu_backend()));
@@ -544,8 +549,11 @@ static cpar_status rank_accessors(cpar_ctx *ctx, void *p) {
     a->seen[r]++;
     ck_assert_int_eq(cpar_world_size(ctx), a->nranks);
     ck_assert_int_eq(cpar_ctx_backend(ctx), tu_backend());
-    /* Host tensors on the host backend; device r on the others. */
-    ck_assert_int_eq(cpar_device(ctx), tu_backend() == CPAR_BACKEND_HOST ? CPAR_HOST : r);
+    /* Host tensors on the host backend; device r on NCCL; r mod the GPUs on
+     * the device backend, which shares them. */
+    int want = tu_backend() == CPAR_BACKEND_HOST ? CPAR_HOST
+             : tu_backend() == CPAR_BACKEND_DEVICE ? r % cpar_device_count() : r;
+    ck_assert_int_eq(cpar_device(ctx), want);
     ck_assert_int_eq(cpar_timeout_ms(ctx), TU_TIMEOUT_MS);
     TU_FAILS(cpar_set_timeout_ms(ctx, 0), CPAR_ERR_INVALID, "ms");
     TU_FAILS(cpar_set_timeout_ms(ctx, -5), CPAR_ERR_INVALID, "ms");
@@ -683,14 +691,14 @@ START_TEST(test_init_from_env) {
         single_rank_world(ctx, backends[k]);
         TU_OK(cpar_finalize(ctx));
 
-        /* A multi-rank launch cannot use the sim backend, whose ranks are
+        /* A multi-rank launch cannot use the device backend, whose ranks are
          * threads. On host (ranks as processes) and NCCL it is a real job:
          * alone, rank 0 waits for rank 1 until the deadline, then fails
          * cleanly. */
         setenv("WORLD_SIZE", "2", 1);
         setenv("RANK", "0", 1);
         ctx = (cpar_ctx *)&s;
-        if (backends[k] != CPAR_BACKEND_SIM) {
+        if (backends[k] != CPAR_BACKEND_DEVICE) {
             c.timeout_ms = 300;
             TU_FAILS(cpar_init_from_env(&c, &ctx), CPAR_ERR_TIMEOUT, "rank 1 of 2 missing");
             c.timeout_ms = TU_TIMEOUT_MS;
@@ -725,7 +733,7 @@ START_TEST(test_init_from_env) {
         TU_OK(cpar_finalize(ctx));
         ctx = (cpar_ctx *)&s;
         setenv("CPAR_BACKEND", "gloo", 1);
-        TU_FAILS(cpar_init_from_env(&c, &ctx), CPAR_ERR_INVALID, "CPAR_BACKEND is \"gloo\", expected host, nccl or sim");
+        TU_FAILS(cpar_init_from_env(&c, &ctx), CPAR_ERR_INVALID, "CPAR_BACKEND is \"gloo\", expected host, nccl or device");
         ck_assert_ptr_null(ctx);
         unsetenv("CPAR_BACKEND");
     }

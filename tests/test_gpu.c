@@ -8,7 +8,8 @@
  *
  * With no GPU visible it prints one line saying so and exits 0 without
  * running Check. Otherwise it runs, on CPAR_BACKEND_NCCL, a 1-rank world and
- * an n-GPU single-process world (n = cpar_device_count(), at most 8): every
+ * an n-GPU single-process world (n = cpar_device_count(), at most 8), then
+ * on CPAR_BACKEND_DEVICE worlds of 2 and 4 ranks sharing the GPUs: every
  * collective against a host reference computed in double, and the
  * element-wise ops on device tensors against the same ops on host tensors
  * (cpar's host reference kernels: fill, cast, axpby, row reduce, gelu,
@@ -253,30 +254,45 @@ static void gpu_broadcast_p2p(cpar_ctx *ctx, cpar_group *g, int *call) {
 
 typedef void (*coll_case)(cpar_ctx *ctx, cpar_group *g, int *call);
 
+typedef struct {
+    coll_case fn;
+    cpar_backend backend;
+} coll_run;
+
 static cpar_status rank_coll(cpar_ctx *ctx, void *p) {
-    coll_case fn = *(coll_case *)p;
-    ck_assert_int_eq(cpar_ctx_backend(ctx), CPAR_BACKEND_NCCL);
-    ck_assert_int_eq(cpar_device(ctx), cpar_rank(ctx));
+    const coll_run *run = p;
+    ck_assert_int_eq(cpar_ctx_backend(ctx), run->backend);
+    /* NCCL: GPU r; the device backend: the ranks share the GPUs, r mod n. */
+    ck_assert_int_eq(cpar_device(ctx), run->backend == CPAR_BACKEND_NCCL ? cpar_rank(ctx) : cpar_rank(ctx) % n_gpus);
     int call = 0;
-    fn(ctx, cpar_world_group(ctx), &call);
+    run->fn(ctx, cpar_world_group(ctx), &call);
     /* The same on a sub-group: the ranks of each parity, reversed. */
     cpar_group *sub;
     TU_OK(cpar_group_split(cpar_world_group(ctx), cpar_rank(ctx) % 2, -cpar_rank(ctx), &sub));
-    fn(ctx, sub, &call);
+    run->fn(ctx, sub, &call);
     TU_OK(cpar_group_destroy(sub));
     TU_OK(cpar_sync(ctx));
     return CPAR_OK;
 }
 
-static void run_coll(coll_case fn, int world) { TU_OK(gpu_spawn(world, rank_coll, &fn)); }
+/* Loop index i: NCCL on 1 rank, then on every GPU (when there are several);
+ * then the device backend on 2 and 4 ranks sharing the GPUs (one GPU runs
+ * the multi-rank paths too). */
+static void run_coll(coll_case fn, int i, int nccl_worlds) {
+    coll_run run = {fn, i < nccl_worlds ? CPAR_BACKEND_NCCL : CPAR_BACKEND_DEVICE};
+    int world = i < nccl_worlds ? world_of(i) : i == nccl_worlds ? 2 : 4;
+    cpar_init_config c = {.backend = run.backend, .timeout_ms = 120000};
+    TU_OK(tu_spawn_with(world, &c, rank_coll, &run));
+}
+static int nccl_worlds(void) { return n_gpus > 1 ? 2 : 1; } /* 1 rank, then every GPU */
 
-START_TEST(test_all_reduce) { run_coll(gpu_all_reduce, world_of(_i)); }
+START_TEST(test_all_reduce) { run_coll(gpu_all_reduce, _i, nccl_worlds()); }
 END_TEST
-START_TEST(test_gather_scatter) { run_coll(gpu_gather_scatter, world_of(_i)); }
+START_TEST(test_gather_scatter) { run_coll(gpu_gather_scatter, _i, nccl_worlds()); }
 END_TEST
-START_TEST(test_all_to_all) { run_coll(gpu_all_to_all, world_of(_i)); }
+START_TEST(test_all_to_all) { run_coll(gpu_all_to_all, _i, nccl_worlds()); }
 END_TEST
-START_TEST(test_broadcast_p2p) { run_coll(gpu_broadcast_p2p, world_of(_i)); }
+START_TEST(test_broadcast_p2p) { run_coll(gpu_broadcast_p2p, _i, nccl_worlds()); }
 END_TEST
 
 /* ---- element-wise ops: device kernels against the host reference ---------------------- */
@@ -602,7 +618,7 @@ END_TEST
 Suite *suite(void) {
     Suite *s = suite_create("gpu: NCCL backend and CUDA kernels");
     TCase *tc = tcase_create("collectives");
-    int worlds = n_gpus > 1 ? 2 : 1; /* 1 rank, then every GPU */
+    int worlds = nccl_worlds() + 2; /* NCCL, then the device backend on 2 and 4 ranks */
     tcase_add_loop_test(tc, test_all_reduce, 0, worlds);
     tcase_add_loop_test(tc, test_gather_scatter, 0, worlds);
     tcase_add_loop_test(tc, test_all_to_all, 0, worlds);

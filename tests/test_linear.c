@@ -16,7 +16,7 @@
  *  - finite differences of the MLP (host backend, F32, tp 1 and 2);
  *  - init_random reproducible under the model-parallel RNG fork;
  *  - the column backward's two-stream schedule (collectives on the comm
- *    stream, GEMMs on compute, joined by events): on the sim backend its
+ *    stream, GEMMs on compute, joined by events): on the device backend its
  *    results are bit-identical to the sequential order recomputed here with
  *    the public collectives and cpar_dev_gemm, its statistics are those of
  *    the sequential order, and the public collectives still work (on

@@ -22,7 +22,7 @@
  * bit for bit; the conv1d run per document on row views of pre's output
  * against a causal conv restarted at every document; bad packings name the
  * document. F32, F16, BF16 activations
- * (F32 or same-dtype parameters); host and sim backends. */
+ * (F32 or same-dtype parameters); host and device backends. */
 #include "testutil.h"
 #include "packed.h"
 

@@ -4,7 +4,7 @@
  * cpar_gelu_forward / _backward (the latter also by finite differences).
  *
  * Each runs on the context's device (host memory on the host backend; the
- * CUDA kernels under the simulator on the sim backend) at odd sizes, and is
+ * CUDA kernels under the simulator on the device backend) at odd sizes, and is
  * compared with a reference computed here in double: bit for bit where the
  * result is one rounding of an exact value (fill, cast, max, data movement),
  * within a dtype-aware bound where fp32 arithmetic is involved. */

@@ -138,7 +138,7 @@ static void shard_cases(cpar_backend be, int P, uint64_t seed) {
 START_TEST(test_shard_roundtrip_host) { shard_cases(CPAR_BACKEND_HOST, _i + 1, 100 + 16 * (uint64_t)_i); }
 END_TEST
 
-/* _i = cp - 1, on the backend under test (the sim backend in the sim build: device shards) */
+/* _i = cp - 1, on the backend under test (the device backend in the sim build: device shards) */
 START_TEST(test_shard_roundtrip_backend) { shard_cases(tu_backend(), _i + 1, 300 + 16 * (uint64_t)_i); }
 END_TEST
 

@@ -4,7 +4,7 @@
  * Philox4x32-10 against the Random123 known-answer vectors; random fills and
  * dropout against references computed here from cpar_philox4x32_10 (uniform
  * and dropout bit for bit; normal against a double-precision Box-Muller
- * within a few fp32 ulps); on the sim backend the same state is drawn into
+ * within a few fp32 ulps); on the device backend the same state is drawn into
  * host memory (host reference loops) and device memory (the CUDA kernels on
  * the simulator) and the two must agree bit for bit. The tracker: Megatron's
  * seeds, duplicate names and seeds, fork/unfork nesting, snapshots.

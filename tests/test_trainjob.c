@@ -3,17 +3,18 @@
  * user runs it: build/train on the host backend, build/sim/train (every
  * kernel on the CPU) and build/ncclsim/train (the NCCL path, also as one
  * process per rank under cparrun). The flavour comes from CPAR_TEST_BACKEND
- * (host, sim or nccl) as for the other suites.
+ * (host, device or its old name sim, nccl) as for the other suites.
  *
  * Host: the grid computes the losses of one rank (tp, cp and dp, so the
  * loader's sharding too); a seed gives the same run twice; a run stopped and
  * resumed from its checkpoint continues bit for bit; a checkpoint saved on
  * tp 2 x cp 2 resumes on tp 4 and on one rank; bad flags are refused. Sim
  * and nccl-sim: a short bf16 training whose loss falls, checked against one
- * rank; on nccl-sim the same under cparrun -n 4.
+ * rank; on nccl-sim the same under cparrun -n 4; on sim the device
+ * backend's tp 2 x cp 2 against the host backend's.
  *
  * Paths from the environment (B: the build directory): CPARRUN [$B/cparrun],
- * TRAIN [$B/train, $B/sim/train or $B/ncclsim/train]. Runs from the
+ * TRAIN [$B/train, $B/sim/train or $B/ncclsim/train], HOST_TRAIN [$B/train]. Runs from the
  * repository's root (the job's default data). */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -26,10 +27,13 @@ static const char *flavour(void) {
     return v && *v ? v : "host";
 }
 
+/* The sim build's flavour: the device backend on the CUDA simulator. */
+static bool device_flavour(void) { return !strcmp(flavour(), "device") || !strcmp(flavour(), "sim"); }
+
 static const char *train_path(void) {
     static char buf[4096];
     const char *f = flavour();
-    return path_from_env("TRAIN", !strcmp(f, "sim") ? "sim/train" : !strcmp(f, "nccl") ? "ncclsim/train" : "train",
+    return path_from_env("TRAIN", device_flavour() ? "sim/train" : !strcmp(f, "nccl") ? "ncclsim/train" : "train",
                          buf, sizeof buf);
 }
 
@@ -161,7 +165,7 @@ END_TEST
 
 /* A short bf16 run on simulated GPUs: the grid against one rank, and the loss falls. */
 START_TEST(test_device_training) {
-    const char *be = !strcmp(flavour(), "nccl") ? "nccl" : "sim";
+    const char *be = !strcmp(flavour(), "nccl") ? "nccl" : "device";
     proc p;
     run_train(&p, (const char *const[]){"--backend", be, "--dtype", "bf16", SMALL, "--steps", "12", "--lr", "1e-2",
                                         "--warmup", "2", "--verify", "2", NULL});
@@ -187,6 +191,36 @@ START_TEST(test_cparrun_training) {
 }
 END_TEST
 
+/* The device backend's tp 2 x cp 2 (4 ranks on the GPUs the simulator
+ * shows: one under make test) against the host backend's run of the same
+ * grid, flags and dtype: the same losses within bf16 rounding. */
+START_TEST(test_device_matches_host) {
+    static char host_train[4096];
+    path_from_env("HOST_TRAIN", "train", host_train, sizeof host_train);
+    const char *const flags[] = {"--tp", "2", "--cp", "2", "--dtype", "bf16", SMALL, "--steps", "6", "--lr", "1e-2",
+                                 "--warmup", "2", "--verify", "0", "--backend", NULL, NULL};
+    const char *dev[sizeof flags / sizeof *flags], *host[sizeof flags / sizeof *flags];
+    memcpy(dev, flags, sizeof flags);
+    memcpy(host, flags, sizeof flags);
+    size_t last = sizeof flags / sizeof *flags - 2;
+    dev[last] = "device";
+    host[last] = "host";
+    proc d, h;
+    proc_run(&d, train_path(), NULL, dev, NULL, 300000);
+    ASSERT_RUN(&d, d.status == 0 && strstr(d.text[0], "on the device backend"));
+    proc_run(&h, host_train, NULL, host, NULL, 300000);
+    ASSERT_RUN(&h, h.status == 0);
+    double ld[8], lh[8];
+    ASSERT_RUN(&d, losses(d.text[0], ld, 8) == 6);
+    ASSERT_RUN(&h, losses(h.text[0], lh, 8) == 6);
+    for (int i = 0; i < 6; i++)
+        ck_assert_msg(fabs(ld[i] - lh[i]) <= 2e-3 * fabs(lh[i]), "step %d: loss %.5f on the device backend, %.5f on "
+                      "the host backend\ndevice:\n%s\nhost:\n%s", i + 1, ld[i], lh[i], d.text[0], h.text[0]);
+    proc_free(&d);
+    proc_free(&h);
+}
+END_TEST
+
 int main(void) {
     if (access(train_path(), X_OK) != 0) {
         fprintf(stderr, "test_trainjob: need TRAIN (%s)\n", train_path());
@@ -202,6 +236,7 @@ int main(void) {
     } else {
         tcase_add_test(tc, test_device_training);
         if (!strcmp(flavour(), "nccl")) tcase_add_test(tc, test_cparrun_training);
+        if (device_flavour()) tcase_add_test(tc, test_device_matches_host);
     }
     tcase_set_timeout(tc, 600);
     suite_add_tcase(s, tc);

@@ -53,15 +53,14 @@
                       #call, cpar_thread_last_error(), (needle));                                            \
     } while (0)
 
-/* The backend under test: $CPAR_TEST_BACKEND ("host", "sim" or "nccl"),
- * else the sim backend in a sim build, the NCCL backend where it is
- * available (nccl-sim), and the host backend otherwise. */
+/* The backend under test: $CPAR_TEST_BACKEND ("host", "device" or its old
+ * name "sim", "nccl"), else the device backend in a sim build, the NCCL
+ * backend where it is available (nccl-sim), and the host backend otherwise. */
 static inline cpar_backend tu_backend(void) {
     const char *v = getenv("CPAR_TEST_BACKEND");
-    if (v && !strcmp(v, "host")) return CPAR_BACKEND_HOST;
-    if (v && !strcmp(v, "sim")) return CPAR_BACKEND_SIM;
-    if (v && !strcmp(v, "nccl")) return CPAR_BACKEND_NCCL;
-    if (cpar_backend_available(CPAR_BACKEND_SIM)) return CPAR_BACKEND_SIM;
+    if (v && *v && cpar_backend_parse(v) >= 0) return (cpar_backend)cpar_backend_parse(v);
+    if (!cpar_backend_available(CPAR_BACKEND_NCCL) && cpar_backend_available(CPAR_BACKEND_DEVICE))
+        return CPAR_BACKEND_DEVICE;
     return cpar_backend_available(CPAR_BACKEND_NCCL) ? CPAR_BACKEND_NCCL : CPAR_BACKEND_HOST;
 }
 
@@ -70,7 +69,7 @@ static inline cpar_backend tu_backend(void) {
 static inline bool tu_is_nccl(void) { return tu_backend() == CPAR_BACKEND_NCCL; }
 
 /* Do tensors live in (simulated) device memory, with the kernels of
- * cpar_kernels.cu? True on sim and NCCL, false on host. */
+ * cpar_kernels.cu? True on device and NCCL, false on host. */
 static inline bool tu_on_device(void) { return tu_backend() != CPAR_BACKEND_HOST; }
 
 /* cpar_spawn_with that proves it ran: it counts the ranks whose function

@@ -54,7 +54,7 @@ except ImportError:  # the cpar side runs alone
 F32, F16, BF16, I32, I64, U8 = range(6)
 DTYPE_SIZE = {F32: 4, F16: 2, BF16: 2, I32: 4, I64: 8, U8: 1}
 DTYPE_NAME = {F32: "f32", F16: "f16", BF16: "bf16", I32: "i32", I64: "i64", U8: "u8"}
-BACKENDS = {"host": 0, "nccl": 1, "sim": 2}
+BACKENDS = {"host": 0, "nccl": 1, "device": 2, "sim": 2}  # sim: the device backend's old name
 HOST = -1
 
 
@@ -132,8 +132,8 @@ class Cpar:
         self.lib.cpar_version.restype = C.c_char_p
         self.lib.cpar_backend_available.argtypes, self.lib.cpar_backend_available.restype = [C.c_int], C.c_bool
         if not self.lib.cpar_backend_available(BACKENDS[backend]):
-            raise CparError(f"the {backend} backend is not available here (nccl: no GPU visible; sim: not a sim "
-                            "build); --backend sim --quick with build/sim/libcpar_sim.so rehearses on the CPU")
+            raise CparError(f"the {backend} backend is not available here (nccl and device: no GPU visible, or "
+                            "no CUDA build); --backend device --quick with build/sim/libcpar_sim.so rehearses on the CPU")
         self.ctx = P()
         cfg = InitConfig(backend=BACKENDS[backend], timeout_ms=600000)
         if self.lib.cpar_init_from_env(C.byref(cfg), C.byref(self.ctx)) != 0:

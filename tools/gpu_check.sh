@@ -26,8 +26,8 @@
 #   probe 10 s; build 120 s with the carried kernels (nvcc's pass over
 #   cpar_kernels.cu for one architecture takes 3-4 minutes of one core, so
 #   without them it has 300 s and the bench what is left); GPU suite 100 s;
-#   training 2 x 45 s; bench the rest, at most 170 s, less 10 s for the
-#   summary. Building on the device was not measured yet (no GPU has been
+#   the device backend's suites and tp 2 x cp 2 run 120 s; training 2 x 45
+#   s; bench the rest, at most 170 s, less 10 s for the summary. Building on the device was not measured yet (no GPU has been
 #   lent); here nvcc takes about 2.5 minutes for sm_90, and carrying its
 #   object (a few MiB) takes no time, so the script uses the carried one
 #   whenever it was built from the same sources by the same nvcc.
@@ -232,15 +232,20 @@ if [ $mode = rehearse ]; then
     step "carried Check" 60 "$OUT/check.log" rehearse_check "$OUT/carry"
     # 3. The GPU suite's bodies on nccl-sim (one case: make test runs them all).
     step "GPU suite (nccl-sim)" 300 "$OUT/suite.log" env CPAR_GPU_SUITE=quick CK_RUN_CASE=ops "$B/ncclsim/test_gpu"
+    # 3b. The device backend, more ranks than (simulated) GPUs: one small
+    # suite here (make test runs them all on it).
+    step "device backend (sim)" 300 "$OUT/device.log" env CUDASIM_DEVICES=1 \
+        DEVICE_TRAIN="--layers 1 --hidden 32 --heads 2 --seq 32 --batch 2 --steps 6 --eval-every 6" \
+        sh tools/device_suites.sh "$B/sim" grid
     # 4. The main job, short, on simulated GPUs.
     for dt in bf16 f16; do
-        step "train $dt (sim)" 300 "$OUT/train_$dt.log" "$B/sim/train" --backend sim --tp 1 --cp 1 --dp 1 \
+        step "train $dt (sim)" 300 "$OUT/train_$dt.log" "$B/sim/train" --backend device --tp 1 --cp 1 --dp 1 \
             --layers 1 --hidden 32 --heads 2 --seq 32 --batch 2 --steps 30 --eval-every 15 --sample 0 --verify 2 \
             --dtype $dt && step "train $dt: loss fell" 5 "$OUT/loss_$dt.log" loss_fell "$OUT/train_$dt.log"
     done
     # 5. The bench beside torch (on the CPU, when torch is importable here).
     step "bench (sim)" 300 "$OUT/bench.log" "$PYTHON" tools/gpu_bench.py --lib "$B/sim/libcpar_sim.so" \
-        --backend sim --quick --csv "$OUT/bench.csv"
+        --backend device --quick --csv "$OUT/bench.csv"
     echo
     sed -n '/^== gpu_bench summary/,$p' "$OUT/bench.log"
     echo "== gpu_check.sh --rehearse: summary ($(elapsed) s)"
@@ -274,7 +279,11 @@ else
 fi
 jobs=$(nproc 2> /dev/null || echo 8)
 targets="$B/cuda/train $B/cuda/libcpar.so.$VERSION"
-if pkg-config --exists check 2> /dev/null || [ -f "$CARRY/check/include/check.h" ]; then targets="$B/cuda/test_gpu $targets"; fi
+DEVICE_SUITES="coll ring linear mamba train"
+if pkg-config --exists check 2> /dev/null || [ -f "$CARRY/check/include/check.h" ]; then
+    targets="$B/cuda/test_gpu $targets"
+    for s in $DEVICE_SUITES; do targets="$targets $B/cuda/test_$s"; done
+fi
 step build $build_limit "$OUT/build.log" make --no-print-directory -j"$jobs" "$@" $targets || {
     printf '%s' "$summary"
     exit 1
@@ -289,6 +298,14 @@ export LD_LIBRARY_PATH
 # ---- 3. the GPU suite -------------------------------------------------------------------
 if [ -x "$B/cuda/test_gpu" ]; then
     step "GPU suite" 100 "$OUT/suite.log" "$B/cuda/test_gpu"
+fi
+
+# ---- 3b. the device backend: multi-rank paths on this one GPU ----------------------------------
+# (its log joins the suite's: the device call brings back 8 files)
+if [ -x "$B/cuda/test_gpu" ]; then
+    step "device backend" 120 "$OUT/device.log" env DEVICE_TRAIN="--steps 60 --eval-every 60" \
+        sh tools/device_suites.sh "$B/cuda" $DEVICE_SUITES
+    cat "$OUT/device.log" >> "$OUT/suite.log" && rm -f "$OUT/device.log"
 fi
 
 # ---- 4. the main job, briefly: 200 steps on one GPU, verified against one rank -------------
