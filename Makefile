@@ -196,10 +196,10 @@ NCCLSIM_TESTS := $(NCCLSIM_SUITES:%=$(B)/ncclsim/test_%) $(B)/ncclsim/mp_prog
 GPU_TEST   := $(if $(filter 1,$(CPAR_CUDA)),$(B)/cuda/test_gpu)
 TEST_PROGS := $(B)/host/store_prog
 
-.PHONY: all lib test test-host test-sim test-ncclsim test-gpu test-sanitize test-build demo collectives bench plots clean gpu-check \
+.PHONY: all lib test test-quick test-host test-sim test-ncclsim test-gpu test-sanitize test-build demo collectives bench plots clean gpu-check \
         install uninstall check-dropin check-install FORCE
 .SECONDARY: # keep the test objects that several flavours link
-all: lib $(B)/cparrun $(B)/train
+all: lib $(B)/cparrun $(B)/train $(B)/bench
 lib: $(LIB) $(if $(filter 1,$(SHARED)),$(SOLIB))
 
 $(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda $(B)/asan $(B)/portable $(M)/pic:
@@ -382,6 +382,10 @@ TEST_DEPS := $(HOST_TESTS) $(PORTABLE_TESTS) $(SIM_TESTS) $(NCCLSIM_TESTS) $(GPU
 test: $(TEST_DEPS)
 	+@$(PKG_ENV) $(call RUN_TESTS,$(HOST_SUITES),$(SIM_SUITES),$(NCCLSIM_SUITES),$(GPU_TEST),dropin install,$(PORTABLE_SUITES))
 
+# A first check in about a minute: the backend suites on the host backend.
+test-quick: $(BACKEND_SUITES:%=$(B)/host/test_%)
+	@$(call RUN_TESTS,$(BACKEND_SUITES),,,)
+
 test-host: $(HOST_TESTS) $(PORTABLE_TESTS) $(HOST_PROGS)
 	@$(call RUN_TESTS,$(HOST_SUITES),,,,,$(PORTABLE_SUITES))
 
@@ -412,7 +416,7 @@ $(B)/asan/test_%: tests/test_%.c $(B)/asan/cpar.o $(TEST_HDRS) | $(B)/asan
 	$(CC) $(ALL_CFLAGS) $(SAN_FLAGS) $(CHECK_FLAGS) $< $(B)/asan/cpar.o -o $@ $(CHECK_LIBS) $(LIBS)
 
 test-sanitize: $(SAN_TESTS)
-	@$(SAN_ENV) HOST_FLAVOUR=asan $(call RUN_TESTS,$(SAN_SUITES),,,)
+	@$(SAN_ENV) HOST_FLAVOUR=asan CPAR_TEST_LOG=$(B)/test-sanitize.log $(call RUN_TESTS,$(SAN_SUITES),,,)
 
 # Everything make test and make test-sanitize run, built but not run: one
 # make -j over all of it keeps the cores busy while nvcc compiles the kernels.

@@ -842,6 +842,8 @@ CPAR__STUB cpar_status cpar_dev_set(int device) CPAR__NODEV()
 CPAR__STUB cpar_status cpar_dev_peer_access(int peer) CPAR__NODEV()
 CPAR__STUB cpar_status cpar_dev_malloc(void **p, size_t bytes) CPAR__NODEV()
 CPAR__STUB cpar_status cpar_dev_free(void *p) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_host_alloc(void **p, size_t bytes) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_host_free(void *p) CPAR__NODEV()
 CPAR__STUB cpar_status cpar_dev_memset(void *p, int byte, size_t bytes, cpar_dev_stream s) CPAR__NODEV()
 CPAR__STUB cpar_status cpar_dev_memcpy(void *dst, const void *src, size_t bytes, cpar_copy_kind kind, cpar_dev_stream s)
     CPAR__NODEV()
@@ -1035,9 +1037,8 @@ static void cpar__stream_wait_quiet(cpar_ctx *ctx, cpar_dev_stream s) {
 /* rows of row_bytes between device memory and anything, on stream s. A copy
  * into host memory is complete on return: into pageable memory it blocks
  * until the stream's earlier work ran, so that wait polls first (a dead
- * peer's NCCL kernel never ends); into pinned memory it is asynchronous, so
- * the stream is waited for after it too (no suite can make pinned memory:
- * tests/mutate_waits.sh cannot catch that wait's removal). */
+ * peer's NCCL kernel never ends); into pinned memory (cpar_pinned_alloc) it
+ * is asynchronous, so the stream is waited for after it too. */
 static cpar_status cpar__dev_copy(cpar_ctx *ctx, const char *fn, cpar_dev_stream s, cpar_copy_kind kind, void *dst,
                                   size_t dst_pitch, const void *src, size_t src_pitch, size_t row_bytes, size_t rows) {
     if (kind == CPAR_COPY_D2H) CPAR_TRY(cpar__stream_wait(ctx, fn, s));
@@ -1111,6 +1112,38 @@ static cpar_status cpar__mem_free(int device, void *p) {
     if (!p) return CPAR_OK;
     if (cpar__on_device(device)) return cpar_dev_free(p);
     if (!cpar__arena_free(p)) free(p);
+    return CPAR_OK;
+}
+
+cpar_status cpar_pinned_alloc(cpar_ctx *ctx, size_t bytes, void **out) {
+    static const char fn[] = "cpar_pinned_alloc";
+    if (!out) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    *out = NULL;
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    if (bytes > (size_t)PTRDIFF_MAX)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: bytes is %zu, expected at most PTRDIFF_MAX", fn, bytes);
+    if (bytes == 0) return CPAR_OK;
+    if (!cpar__on_device(ctx->device)) {
+        if (!(*out = cpar__host_alloc(bytes)))
+            return cpar__fail(ctx, CPAR_ERR_OOM, "%s: host allocation of %zu bytes failed", fn, bytes);
+        return CPAR_OK;
+    }
+    CPAR_TRY(cpar__streams_quiet(ctx, fn)); /* as cpar__mem_alloc */
+    CPAR_DEV_TRY(ctx, fn, cpar_dev_set(ctx->device));
+    CPAR_DEV_TRY(ctx, fn, cpar_dev_host_alloc(out, bytes));
+    return CPAR_OK;
+}
+
+cpar_status cpar_pinned_free(cpar_ctx *ctx, void *p) {
+    static const char fn[] = "cpar_pinned_free";
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: ctx is NULL", fn);
+    if (!p) return CPAR_OK;
+    if (!cpar__on_device(ctx->device)) {
+        free(p);
+        return CPAR_OK;
+    }
+    CPAR_TRY(cpar__streams_quiet(ctx, fn));
+    CPAR_DEV_TRY(ctx, fn, cpar_dev_host_free(p));
     return CPAR_OK;
 }
 

@@ -172,7 +172,10 @@ cpar_status cpar_tensor_free(cpar_ctx *ctx, cpar_tensor *t);
 
 /* dst <- src, any direction (host<->device, device<->device). Same dtype and
  * element count (shapes may differ: a reshape). Stream-ordered on the context's
- * compute stream; a copy into host memory is complete when it returns. */
+ * compute stream; a copy into host memory is complete when it returns. A
+ * copy from pinned host memory (cpar_pinned_alloc) may still read it until
+ * cpar_sync returns (torch's non_blocking=True); from other host memory it
+ * has read it on return. */
 cpar_status cpar_tensor_copy(cpar_ctx *ctx, const cpar_tensor *src, cpar_tensor *dst);
 
 /* ==== 3. Contexts, backends and start-up ================================= */
@@ -559,6 +562,18 @@ cpar_status cpar_gelu_backward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_t
  * how many ranks to run with CPAR_BACKEND_NCCL (CPAR_BACKEND_DEVICE runs any
  * number of ranks on them). */
 int cpar_device_count(void);
+
+/* Page-locked ("pinned") host memory on ctx's GPU, as torch's pin_memory:
+ * copies between it and the device run at full bus speed. Wrap it in a host
+ * tensor (cpar_tensor_make(p, dtype, ndim, shape, CPAR_HOST)); cpar treats
+ * it as host memory: a copy into it is complete when the call returns, a
+ * copy from it (cpar_tensor_copy) is asynchronous until cpar_sync, and the
+ * layers' init_from_master calls have read it when they return. On a context
+ * without a device it is plain host memory (64-byte aligned). Free it with
+ * cpar_pinned_free on the same context. Both wait for the rank's queued
+ * work first (pinning, like cudaMalloc, can stall a device's launches). */
+cpar_status cpar_pinned_alloc(cpar_ctx *ctx, size_t bytes, void **out);
+cpar_status cpar_pinned_free(cpar_ctx *ctx, void *p);
 
 /* ==== 8. Tensor-parallel mappings and utilities ========================== */
 /* Megatron's region mappings (megatron/core/tensor_parallel/mappings.py): one
@@ -1955,6 +1970,8 @@ cpar_status cpar_dev_set(int device);
 cpar_status cpar_dev_peer_access(int peer); /* kernels on the current device reach peer's memory */
 cpar_status cpar_dev_malloc(void **p, size_t bytes);
 cpar_status cpar_dev_free(void *p);
+cpar_status cpar_dev_host_alloc(void **p, size_t bytes); /* cudaMallocHost */
+cpar_status cpar_dev_host_free(void *p);                 /* cudaFreeHost */
 cpar_status cpar_dev_memset(void *p, int byte, size_t bytes, cpar_dev_stream s);
 /* Asynchronous on s; a D2H copy is complete when cpar_dev_stream_sync(s) returns. */
 cpar_status cpar_dev_memcpy(void *dst, const void *src, size_t bytes, cpar_copy_kind kind, cpar_dev_stream s);

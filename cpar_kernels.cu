@@ -206,6 +206,19 @@ cpar_status cpar_dev_malloc(void **p, size_t bytes) {
     return CPAR_OK;
 }
 
+cpar_status cpar_dev_host_alloc(void **p, size_t bytes) {
+    CPAR__CHECK_PTR(p, true);
+    *p = NULL;
+    if (bytes == 0) return CPAR_OK;
+    CPAR__TRY_CUDA(cudaMallocHost(p, bytes), "cudaMallocHost(%zu bytes)", bytes);
+    return CPAR_OK;
+}
+
+cpar_status cpar_dev_host_free(void *p) {
+    if (p) CPAR__TRY_CUDA(cudaFreeHost(p), "cudaFreeHost");
+    return CPAR_OK;
+}
+
 cpar_status cpar_dev_free(void *p) {
     CPAR__TRY_CUDA(cudaFree(p), "cudaFree(%p)", p);
     return CPAR_OK;

@@ -723,6 +723,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "cparrun: cannot draw a random job token: %s; export CPAR_JOB_TOKEN\n", strerror(errno));
         return 1;
     }
+    if (!(user_token && *user_token) && nnodes > 1)
+        fprintf(stderr, "cparrun: warning: --nnodes %ld without CPAR_JOB_TOKEN: the ranks fall back to the "
+                "launcher's job id or cpar's default token, which another job on the same port may share; "
+                "export the same CPAR_JOB_TOKEN on every node\n", nnodes);
 
     int64_t grace_ms = 5000;
     const char *g = getenv("CPARRUN_GRACE_MS");

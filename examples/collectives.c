@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /* collectives.c — a tour of the raw collectives (make collectives).
  *
- * Four ranks (threads on the host backend, or one GPU each through NCCL when
- * four GPUs are visible) build a tp=2 x cp=2 grid and run every collective on
+ * Four ranks (threads on the host backend, one GPU each through NCCL when
+ * four GPUs are visible, else sharing the GPUs on the device backend) build
+ * a tp=2 x cp=2 grid and run every collective on
  * every group with real data. Each rank checks every result against a value it
  * computes itself, and rank 0 prints what each group moved, summed over ranks,
  * next to the algorithm's minimum. Exit status 0 means every check passed.
@@ -142,7 +143,8 @@ static cpar_status rank_main(cpar_ctx *ctx, void *arg) {
 int main(void) {
     cpar_backend backend = CPAR_BACKEND_HOST;
     int ngpu = cpar_device_count();
-    if (cpar_backend_available(CPAR_BACKEND_NCCL) && ngpu >= NRANKS) backend = CPAR_BACKEND_NCCL;
+    if (cpar_backend_available(CPAR_BACKEND_NCCL) && ngpu > 0) /* fewer GPUs than ranks: they share them */
+        backend = ngpu >= NRANKS ? CPAR_BACKEND_NCCL : CPAR_BACKEND_DEVICE;
     printf("cpar collectives: %d ranks on the %s backend (%d GPU%s visible), grid tp=2 x cp=2 x dp=1\n", NRANKS,
            cpar_backend_name(backend), ngpu, ngpu == 1 ? "" : "s");
     fflush(stdout);

@@ -33,6 +33,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* clock_gettime, strdup under -std=c11 */
 #endif
+#include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -111,7 +112,8 @@ static void usage(FILE *f) {
             "  --eval-every N       validation loss every N steps (default 100)\n"
             "  --save DIR           write checkpoints to DIR/step_NNNNNN (at the end, and every --save-every)\n"
             "  --save-every N       also checkpoint every N steps\n"
-            "  --resume DIR         continue from a checkpoint directory (any grid)\n"
+            "  --resume DIR         continue from a checkpoint (any grid): DIR/step_NNNNNN, or a --save\n"
+            "                       folder, whose latest complete step it takes\n"
             "  --sample N           print N sampled bytes after training (default 200; 0: none)\n"
             "  --prompt TEXT        the sample's prompt (default \"cpar_\")\n"
             "  --temperature X --top-k N   sampling (default 0.8, 40)\n"
@@ -221,6 +223,14 @@ static int parse_options(int argc, char **argv, options *o) {
             fprintf(stderr, "train: %d ranks but %d GPU%s visible: the device backend runs them on %s (ranks as "
                     "threads sharing the GPUs; --backend nccl needs one GPU per rank)\n", nranks, ngpu,
                     ngpu == 1 ? " is" : "s are", ngpu == 1 ? "it" : "them");
+    }
+    if ((int)o->backend >= 0 && !cpar_backend_available(o->backend)) {
+        /* named on the command line: fail with the reason, never fall back */
+        const int ngpu = cpar_device_count();
+        fprintf(stderr, "train: --backend %s is not available here: %s (leave --backend out to run on what there "
+                "is)\n", cpar_backend_name(o->backend),
+                ngpu == 0 ? "no GPU is visible, or this build has no CUDA" : "this build has no NCCL");
+        return 2;
     }
     gpu = o->backend != CPAR_BACKEND_HOST;
     if ((int)o->dtype == -1) o->dtype = gpu ? CPAR_BF16 : CPAR_F32; /* the flash kernels take 16-bit inputs */
@@ -1396,11 +1406,58 @@ static int verify(const options *o, const dataset *d) {
     return worst <= tol ? 0 : 1;
 }
 
+/* --resume DIR: a checkpoint (DIR/model.safetensors), or a --save folder,
+ * whose latest complete step_NNNNNN (both files there, neither empty) it
+ * takes, as Megatron's --load does. 0, or 1 with the reason printed. */
+static int resume_resolve(options *o) {
+    static char found[4200];
+    struct stat sb;
+    char path[4400];
+    snprintf(path, sizeof path, "%s/model.safetensors", o->resume);
+    if (stat(path, &sb) == 0) return 0;
+    DIR *dir = opendir(o->resume);
+    if (!dir) {
+        fprintf(stderr, "train: --resume %s: %s\n", o->resume, strerror(errno));
+        return 1;
+    }
+    long long best = -1;
+    int complete = 0;
+    for (struct dirent *e; (e = readdir(dir));) {
+        long long step;
+        char tail;
+        if (sscanf(e->d_name, "step_%lld%c", &step, &tail) != 1 || step < 0) continue;
+        bool ok = true;
+        for (int k = 0; k < 2 && ok; k++) {
+            snprintf(path, sizeof path, "%s/%s/%s.safetensors", o->resume, e->d_name, k ? "optimizer" : "model");
+            ok = stat(path, &sb) == 0 && S_ISREG(sb.st_mode) && sb.st_size > 0;
+        }
+        if (!ok) continue;
+        complete++;
+        if (step > best) {
+            best = step;
+            snprintf(found, sizeof found, "%s/%s", o->resume, e->d_name);
+        }
+    }
+    closedir(dir);
+    if (best < 0) {
+        fprintf(stderr, "train: --resume %s: no checkpoint there (neither model.safetensors nor a step_NNNNNN "
+                "folder holding model.safetensors and optimizer.safetensors)\n", o->resume);
+        return 1;
+    }
+    const char *rank = getenv("RANK") ? getenv("RANK") : getenv("SLURM_PROCID");
+    if (!rank || !strcmp(rank, "0"))
+        printf("resume: %s, the latest of %d complete checkpoint%s in %s\n", found, complete, complete == 1 ? "" : "s",
+               o->resume);
+    o->resume = found;
+    return 0;
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0); /* readable progress through pipes too */
     options o;
     int r = parse_options(argc, argv, &o);
     if (r) return r == 1 ? 0 : 2;
+    if (o.resume && resume_resolve(&o)) return 1;
     dataset d;
     if (data_load(&o, &d) != CPAR_OK) return 1;
     double *losses = calloc((size_t)o.steps + 1, sizeof *losses);

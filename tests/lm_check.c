@@ -18,8 +18,9 @@
  *
  * The same code runs two jobs from the same master weights and data:
  *   reference  1 rank: tp = 1, cp = 1;
- *   parallel   4 ranks: tp = 2 x cp = 2 (threads on the host backend, or one
- *              GPU each through NCCL when four GPUs are visible).
+ *   parallel   4 ranks: tp = 2 x cp = 2 (threads on the host backend, one
+ *              GPU each through NCCL when four GPUs are visible, else
+ *              sharing the GPUs on the device backend).
  * In the parallel job the sequence is sharded over cp with causal load
  * balancing (rank r holds chunks r and 2cp-1-r), and within a cp rank over
  * tp by sequence parallelism: the residual stream of a rank is
@@ -32,8 +33,8 @@
  * agree and the loss fell.
  *
  * Environment: CPAR_LM_STEPS (default 30), CPAR_LM_LR (default 0.1),
- * CPAR_LM_BACKEND (host, nccl, or sim in a simulator build; default: nccl
- * when four GPUs are visible, else host), CPAR_LM_DTYPE (f32, bf16 or f16;
+ * CPAR_LM_BACKEND (host, nccl or device; default: nccl when four GPUs are
+ * visible, device with fewer, host with none), CPAR_LM_DTYPE (f32, bf16 or f16;
  * default bf16 on devices, whose attention kernels take 16-bit inputs, f32
  * on the host). */
 #include <math.h>
@@ -482,8 +483,8 @@ int main(void) {
     const char *lr_env = getenv("CPAR_LM_LR");
     const float lr = lr_env && atof(lr_env) > 0 ? (float)atof(lr_env) : 0.1f;
     const int ngpu = cpar_device_count();
-    cpar_backend backend = cpar_backend_available(CPAR_BACKEND_NCCL) && ngpu >= NRANKS ? CPAR_BACKEND_NCCL
-                                                                                       : CPAR_BACKEND_HOST;
+    cpar_backend backend = !cpar_backend_available(CPAR_BACKEND_NCCL) || ngpu == 0 ? CPAR_BACKEND_HOST
+                         : ngpu >= NRANKS ? CPAR_BACKEND_NCCL : CPAR_BACKEND_DEVICE; /* fewer GPUs: shared */
     const char *be = getenv("CPAR_LM_BACKEND");
     if (be) {
         if (cpar_backend_parse(be) < 0) {

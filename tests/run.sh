@@ -4,8 +4,10 @@
 # PORTABLE_SUITES), sim (the device backend on the CUDA simulator), nccl-sim (the NCCL backend over the NCCL
 # simulator), then the GPU suite, then the drop-in and install checks named
 # in PKG_CHECKS (tests/check_*.sh).
-# Prints each suite's Check summary and a closing "N passed, N failed" line
-# over all tests; exits non-zero when any suite fails.
+# Prints one line per suite as it finishes ("[12/48] nccl-sim/ring 59 passed
+# 8.1 s"; a failed one's failing checks and last lines too), the whole
+# output into $B/test.log (CPAR_TEST_LOG), and a closing "N passed, N
+# failed" line over all tests; exits non-zero when any suite fails.
 #
 # The suites are independent programs: up to CPAR_TEST_JOBS of them (default:
 # the number of cores) run at once, each into a file of its own, and their
@@ -24,24 +26,39 @@ passed=0
 failed=0
 bad=""
 
+# The full output of every suite goes to $LOG (default $B/test.log); the
+# terminal gets one line per suite as it finishes, and a failed suite's
+# failing checks and last lines. CPAR_TEST_VERBOSE=1 prints every output.
+LOG=${CPAR_TEST_LOG:-$B/test.log}
+mkdir -p "$(dirname "$LOG")" && : > "$LOG" || { echo "run.sh: cannot write $LOG" >&2; exit 2; }
+
 # Account for one suite's output and exit status.
-report() { # name, output, rc
-    echo "== $1"
-    printf '%s\n' "$2"
+report() { # index, name, output, rc, wall ms
+    { echo "== $2"; printf '%s\n' "$3"; } >> "$LOG"
     # Check prints "100%: Checks: 12, Failures: 0, Errors: 0".
-    line=$(printf '%s\n' "$2" | grep -E '^[0-9]+%: Checks: [0-9]+' | tail -n 1)
+    line=$(printf '%s\n' "$3" | grep -E '^[0-9]+%: Checks: [0-9]+' | tail -n 1)
     if [ -n "$line" ]; then
         n=$(echo "$line" | sed -E 's/.*Checks: ([0-9]+).*/\1/')
         f=$(echo "$line" | sed -E 's/.*Failures: ([0-9]+).*/\1/')
         e=$(echo "$line" | sed -E 's/.*Errors: ([0-9]+).*/\1/')
+        what="$((n - f - e)) passed"
+        [ $((f + e)) -eq 0 ] || what="$what, $((f + e)) FAILED"
         passed=$((passed + n - f - e))
         failed=$((failed + f + e))
-    elif [ "$3" -ne 0 ]; then
+    elif [ "$4" -ne 0 ]; then
+        what="FAILED (exit $4)"
         failed=$((failed + 1))
     else
+        what="ok"
         passed=$((passed + 1)) # a program without Check: its exit status is its one result
     fi
-    [ "$3" -eq 0 ] || bad="$bad $1"
+    [ "$4" -eq 0 ] || bad="$bad $2"
+    printf '[%d/%d] %-26s %s %6.1f s\n' "$1" "$count" "$2" "$what" "$(echo "$5" | awk '{ print $1 / 1000 }')"
+    if [ "${CPAR_TEST_VERBOSE:-0}" = 1 ]; then
+        printf '%s\n' "$3" | sed 's/^/    /'
+    elif [ "$4" -ne 0 ]; then
+        { printf '%s\n' "$3" | grep -E ':[FE]:' | head -n 20; printf '%s\n' "$3" | tail -n 15; } | sed 's/^/    /'
+    fi
 }
 
 tmp=$(mktemp -d)
@@ -144,6 +161,12 @@ done
 for s in $NCCLSIM_SUITES; do
     case " $OVERLAP_SUITES " in *" $s "*) suite "nccl-sim/$s@lazy" "\$B/ncclsim/test_$s" nccl CUDASIM_STREAMS=lazy ;; esac
 done
+# The GPU suite's collectives as a one-GPU machine runs them: NCCL on one
+# rank, the device backend on 2 and 4 ranks sharing the GPU.
+case " $NCCLSIM_SUITES " in *" gpu "*)
+    suite "nccl-sim/gpu@1gpu" "\$B/ncclsim/test_gpu" nccl CPAR_GPU_SUITE=quick CK_RUN_CASE=collectives \
+        CUDASIM_DEVICES=1 CUDASIM_STREAMS=random:$seed ;;
+esac
 # tools/gpu_check.sh --rehearse: every step of the one-shot GPU check on the
 # simulator builds at small sizes, so the script a lent GPU runs cannot rot.
 if [ -n "$SIM_SUITES" ] && [ -n "$NCCLSIM_SUITES" ]; then
@@ -191,7 +214,8 @@ start() { # index
 next=1
 flush() {
     while [ $next -le $count ] && [ -f "$tmp/$next.done" ]; do
-        report "$(cat "$tmp/$next.name")" "$(cat "$tmp/$next.out")" "$(cat "$tmp/$next.rc")"
+        report "$next" "$(cat "$tmp/$next.name")" "$(cat "$tmp/$next.out")" "$(cat "$tmp/$next.rc")" \
+            "$(cut -d' ' -f2 "$tmp/$next.time")"
         if [ -n "${CPAR_TEST_TIMES:-}" ]; then
             awk '{ printf "%-24s %8.1f %8.1f\n", $1, $2 / 1000, $3 }' "$tmp/$next.time" >> "$CPAR_TEST_TIMES"
         fi
@@ -230,5 +254,5 @@ wait
 
 echo
 [ -z "$bad" ] || echo "failed suites:$bad (streams: sim lazy, nccl-sim random:$seed; CPAR_TEST_SEED=$seed repeats it)"
-echo "$passed passed, $failed failed"
+echo "$passed passed, $failed failed (every suite's output: $LOG)"
 [ -z "$bad" ]

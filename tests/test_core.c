@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* test_core.c — status codes and errors, the version, dtypes and fp16/bf16 bit patterns,
- * tensors, allocation and copies, cpar_spawn and cpar_init_from_env input
+ * tensors, allocation and copies, pinned host memory, cpar_spawn and cpar_init_from_env input
  * checks, context accessors, and NULL contexts (cpar.h §1-3).
  *
  * Conversions are checked against known bit patterns and against an
@@ -537,6 +537,73 @@ START_TEST(test_backends) {
 }
 END_TEST
 
+/* Pinned host memory: a copy into it is complete on return (the stream is
+ * waited for after the asynchronous copy), a copy from it once cpar_sync
+ * returns, and a layer initialised from a pinned master has read it when the
+ * call returns. Under the simulator's lazy schedule a missing wait leaves
+ * the poison in place. */
+static cpar_status rank_pinned(cpar_ctx *ctx, void *arg) {
+    (void)arg;
+    enum { N = 4099, V = 64, H = 8 };
+    int64_t shape[1] = {N}, mshape[2] = {V, H};
+    float *a, *b, *m;
+    TU_FAILS(cpar_pinned_alloc(ctx, 16, NULL), CPAR_ERR_INVALID, "cpar_pinned_alloc: out is NULL");
+    TU_FAILS(cpar_pinned_alloc(NULL, 16, (void **)&a), CPAR_ERR_INVALID, "cpar_pinned_alloc: ctx is NULL");
+    TU_FAILS(cpar_pinned_free(NULL, NULL), CPAR_ERR_INVALID, "cpar_pinned_free: ctx is NULL");
+    TU_OK(cpar_pinned_alloc(ctx, 0, (void **)&a));
+    ck_assert_ptr_null(a);
+    TU_OK(cpar_pinned_alloc(ctx, N * sizeof(float), (void **)&a));
+    TU_OK(cpar_pinned_alloc(ctx, N * sizeof(float), (void **)&b));
+    TU_OK(cpar_pinned_alloc(ctx, V * H * sizeof(float), (void **)&m));
+    ck_assert(a && b && m);
+    uint64_t seed = 1000 + (uint64_t)cpar_rank(ctx);
+    for (int i = 0; i < N; i++) a[i] = (float)tu_uniform(&seed);
+    cpar_tensor ha = cpar_tensor_make(a, CPAR_F32, 1, shape, CPAR_HOST);
+    cpar_tensor hb = cpar_tensor_make(b, CPAR_F32, 1, shape, CPAR_HOST);
+    cpar_tensor d, d2;
+    TU_OK(cpar_tensor_alloc(ctx, CPAR_F32, 1, shape, &d));
+    TU_OK(cpar_tensor_alloc(ctx, CPAR_F32, 1, shape, &d2));
+    TU_OK(cpar_tensor_copy(ctx, &ha, &d));
+    TU_OK(cpar_sync(ctx)); /* the copy from pinned memory has read it */
+    TU_OK(cpar_fill(ctx, &d2, 1.0));
+    TU_OK(cpar_axpby(ctx, 2.f, &d, 1.f, &d2)); /* queued on the device: 2a + 1 */
+    memset(b, 0xff, N * sizeof(float));
+    TU_OK(cpar_tensor_copy(ctx, &d2, &hb));
+    for (int i = 0; i < N; i++)
+        ck_assert_msg(fabsf(b[i] - (2.f * a[i] + 1.f)) <= 1e-6f, "element %d: %g, expected %g", i, (double)b[i],
+                      (double)(2.f * a[i] + 1.f));
+    /* an embedding from a pinned master, the master overwritten at once */
+    float *orig = malloc(V * H * sizeof(float));
+    ck_assert_ptr_nonnull(orig);
+    for (int i = 0; i < V * H; i++) orig[i] = m[i] = (float)tu_uniform(&seed);
+    cpar_embedding_config cfg = {.num_embeddings = V, .embedding_dim = H, .dtype = CPAR_F32};
+    cpar_embedding *e;
+    TU_OK(cpar_embedding_create(cpar_world_group(ctx), &cfg, &e));
+    cpar_tensor master = cpar_tensor_make(m, CPAR_F32, 2, mshape, CPAR_HOST);
+    TU_OK(cpar_embedding_init_from_master(e, &master));
+    memset(m, 0xff, V * H * sizeof(float));
+    int64_t first, last;
+    TU_OK(cpar_vocab_range(V, cpar_rank(ctx), cpar_world_size(ctx), &first, &last));
+    cpar_tensor w = cpar_embedding_weight(e);
+    float *hw = tu_download(ctx, &w);
+    for (int64_t i = 0; i < (last - first) * H; i++)
+        ck_assert_msg(hw[i] == orig[first * H + i], "weight element %lld: %g, expected %g", (long long)i,
+                      (double)hw[i], (double)orig[first * H + i]);
+    free(hw);
+    free(orig);
+    TU_OK(cpar_embedding_destroy(e));
+    TU_OK(cpar_tensor_free(ctx, &d));
+    TU_OK(cpar_tensor_free(ctx, &d2));
+    TU_OK(cpar_pinned_free(ctx, a));
+    TU_OK(cpar_pinned_free(ctx, b));
+    TU_OK(cpar_pinned_free(ctx, m));
+    TU_OK(cpar_pinned_free(ctx, NULL));
+    return CPAR_OK;
+}
+
+START_TEST(test_pinned) { TU_OK(tu_spawn(1 + _i, rank_pinned, NULL)); }
+END_TEST
+
 typedef struct {
     int nranks;
     int seen[8]; /* ranks that ran */
@@ -909,6 +976,7 @@ Suite *suite(void) {
     tc = tcase_create("contexts");
     tcase_add_test(tc, test_spawn_bad_input);
     tcase_add_test(tc, test_backends);
+    tcase_add_loop_test(tc, test_pinned, 0, 2);
     tcase_add_test(tc, test_accessors);
     tcase_add_test(tc, test_default_timeout);
     tcase_add_test(tc, test_init_from_env);

@@ -230,6 +230,9 @@ START_TEST(test_two_nodes)
     ASSERT_HAS(n0.text[0], "[0] rank 0 token from default");
     ASSERT_HAS(n0.text[1], "are not isolated from each other");
     ck_assert_msg(!strstr(n1.text[1], "not isolated"), "warned without CPAR_LOG=warn:\n%s", n1.text[1]);
+    /* cparrun itself says so on every node, whatever the log level */
+    ASSERT_HAS(n1.text[1], "cparrun: warning: --nnodes 2 without CPAR_JOB_TOKEN");
+    ASSERT_HAS(n0.text[1], "export the same CPAR_JOB_TOKEN on every node");
     assert_prefixed(n1.text[0], 4);
     proc_free(&n0);
     proc_free(&n1);

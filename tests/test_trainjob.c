@@ -22,6 +22,8 @@
 #include "testutil.h"
 #include "proc.h"
 
+#include <sys/stat.h> /* mkdir */
+
 static const char *flavour(void) {
     const char *v = getenv("CPAR_TEST_BACKEND");
     return v && *v ? v : "host";
@@ -133,6 +135,25 @@ START_TEST(test_resume) {
                                           "2", "--steps", "6", "--verify", "0", "--resume", ck, NULL});
     ASSERT_RUN(&bad, bad.status != 0 && strstr(bad.text[1], "layers 2, this run has 3"));
     proc_free(&bad), proc_free(&full);
+    /* the --save folder itself: its latest complete step (8; an empty step 12 is no checkpoint) */
+    char late[300], want[300], empty[300];
+    snprintf(late, sizeof late, "%s/step_000012", dir);
+    ck_assert_int_eq(mkdir(late, 0700), 0);
+    snprintf(late, sizeof late, "%s/step_000012/model.safetensors", dir);
+    FILE *f = fopen(late, "w");
+    ck_assert_ptr_nonnull(f);
+    fclose(f);
+    snprintf(want, sizeof want, "resume: %s/step_000008, the latest of 2 complete checkpoints in %s", dir, dir);
+    proc folder;
+    run_train(&folder, (const char *const[]){SMALL, "--steps", "10", "--verify", "0", "--resume", dir, NULL});
+    double lt[16];
+    ASSERT_RUN(&folder, folder.status == 0 && strstr(folder.text[0], want) && losses(folder.text[0], lt, 16) == 2);
+    proc_free(&folder);
+    snprintf(empty, sizeof empty, "%s/none", dir);
+    ck_assert_int_eq(mkdir(empty, 0700), 0);
+    run_train(&folder, (const char *const[]){SMALL, "--steps", "10", "--verify", "0", "--resume", empty, NULL});
+    ASSERT_RUN(&folder, folder.status != 0 && strstr(folder.text[1], "no checkpoint there"));
+    proc_free(&folder);
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     ck_assert_int_eq(system(cmd), 0);
@@ -147,6 +168,9 @@ START_TEST(test_bad_flags) {
         {"--lr", "abc", "--lr expects a number"},
         {"--frobnicate", "1", "unknown flag"},
         {"--data", "/nonexistent/file", "cannot open /nonexistent/file"},
+        {"--backend", "mpi", "--backend expects host, nccl or device"},
+        /* named, never a silent fall-back to host (no GPU where make test runs) */
+        {"--backend", "nccl", "--backend nccl is not available here"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         proc p;

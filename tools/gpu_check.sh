@@ -236,7 +236,7 @@ if [ $mode = rehearse ]; then
     # suite here (make test runs them all on it).
     step "device backend (sim)" 300 "$OUT/device.log" env CUDASIM_DEVICES=1 \
         DEVICE_TRAIN="--layers 1 --hidden 32 --heads 2 --seq 32 --batch 2 --steps 6 --eval-every 6" \
-        sh tools/device_suites.sh "$B/sim" grid
+        sh tools/device_suites.sh "$B/sim" grid ring:ring_merge_kernel
     # 4. The main job, short, on simulated GPUs.
     for dt in bf16 f16; do
         step "train $dt (sim)" 300 "$OUT/train_$dt.log" "$B/sim/train" --backend device --tp 1 --cp 1 --dp 1 \
@@ -279,10 +279,11 @@ else
 fi
 jobs=$(nproc 2> /dev/null || echo 8)
 targets="$B/cuda/train $B/cuda/libcpar.so.$VERSION"
-DEVICE_SUITES="coll ring linear mamba train"
+DEVICE_SUITES="ring:ring_causal_load_balanced linear:backward_overlap linear:mlp_reference mamba:pipeline
+               train:grads_all_reduce"
 if pkg-config --exists check 2> /dev/null || [ -f "$CARRY/check/include/check.h" ]; then
     targets="$B/cuda/test_gpu $targets"
-    for s in $DEVICE_SUITES; do targets="$targets $B/cuda/test_$s"; done
+    for s in ring linear mamba train; do targets="$targets $B/cuda/test_$s"; done
 fi
 step build $build_limit "$OUT/build.log" make --no-print-directory -j"$jobs" "$@" $targets || {
     printf '%s' "$summary"
