@@ -347,7 +347,7 @@ $(B)/ncclsim/test_%: $(B)/obj/test_%.o $(NCCLSIM_OBJS)
 $(B)/ncclsim/test_ncclsim: tests/test_ncclsim.cu $(NCCLSIM_LIB) $(NCCLSIM_HDRS) tests/cudasim.h tests/suite.h | $(B)/ncclsim
 	$(CXX) $(SIM_CXXFLAGS) $(NCCLSIM_INC) $(CHECK_FLAGS) -x c++ $< -x none $(NCCLSIM_LIB) -o $@ $(CHECK_LIBS) $(LIBS)
 
-$(B)/ncclsim/mp_prog $(B)/ncclsim/lm_check $(B)/ncclsim/train: $(B)/ncclsim/%: $(B)/obj/%.o $(NCCLSIM_OBJS)
+$(B)/ncclsim/mp_prog $(B)/ncclsim/lm_check $(B)/ncclsim/train $(B)/ncclsim/bench: $(B)/ncclsim/%: $(B)/obj/%.o $(NCCLSIM_OBJS)
 	$(CXX) $^ -o $@ $(LIBS)
 
 $(B)/cuda/test_gpu: $(B)/obj/test_gpu.o $(B)/cuda/libcpar.a | $(B)/cuda
@@ -362,7 +362,7 @@ $(B)/cuda/test_%: $(B)/obj/test_%.o $(B)/cuda/libcpar.a | $(B)/cuda
 # The programs each flavour's suites need besides the test binaries.
 HOST_PROGS    := $(TEST_PROGS) $(B)/cparrun $(B)/host/lm_check $(B)/train
 SIM_PROGS     := $(B)/sim/lm_check $(B)/sim/train $(B)/sim/libcpar_sim.so $(B)/train # test_trainjob: device vs host
-NCCLSIM_PROGS := $(B)/cparrun $(B)/ncclsim/lm_check $(B)/ncclsim/train
+NCCLSIM_PROGS := $(B)/cparrun $(B)/ncclsim/lm_check $(B)/ncclsim/train $(B)/ncclsim/bench # bench: the device rows
 HOST_PROGS    += $(B)/host/bench # tests/run.sh checks its --csv and --json output
 HOST_PROGS    += $(B)/host/hostmp_prog $(B)/host/mp_prog $(B)/host/train # test_hostmp's jobs
 

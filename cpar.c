@@ -990,8 +990,9 @@ static void cpar__on_compute_stream(cpar_ctx *ctx) { ctx->coll_stream = NULL; }
  * return. A failed communicator fails the wait even once the stream is done
  * (an NCCL kernel ended by an abort lets the stream go on); a failed peer
  * elsewhere fails only work that has not finished. */
-static cpar_status cpar__comm_errors(cpar_ctx *ctx, const char *fn);
+static cpar_status cpar__comm_errors_named(cpar_ctx *ctx, const char *fn); /* section 12 */
 static void cpar__comms_abort(cpar_ctx *ctx);
+
 static cpar_status cpar__stream_wait(cpar_ctx *ctx, const char *fn, cpar_dev_stream s) {
     /* Without a context (no caller makes one wait so) there is nothing to
      * ask but the stream, and the default deadline. */
@@ -1000,8 +1001,10 @@ static cpar_status cpar__stream_wait(cpar_ctx *ctx, const char *fn, cpar_dev_str
     for (;;) {
         bool done = false;
         CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_query(s, &done));
-        if (done) return checks ? cpar__comm_errors(ctx, fn) : CPAR_OK;
-        cpar_status st = checks ? cpar__comm_errors(ctx, fn) : CPAR_OK;
+        /* Done, the communicators are still asked (an aborted NCCL kernel
+         * lets the stream go on). */
+        if (done) return checks ? cpar__comm_errors_named(ctx, fn) : CPAR_OK;
+        cpar_status st = checks ? cpar__comm_errors_named(ctx, fn) : CPAR_OK;
         if (st != CPAR_OK) return st;
         st = checks ? ctx->async_check(ctx, fn) : CPAR_OK;
         if (st != CPAR_OK) {
@@ -4489,6 +4492,7 @@ struct cpar__job {
     bool failed;           /* a rank failed, timed out or aborted */
     int failed_rank;
     cpar_status failed_status;
+    bool failed_root;      /* failed_rank's own failure, not a CPAR_ERR_PEER it was given */
     char failed_msg[CPAR_ERR_LEN]; /* why, when no rank's own message says it */
     bool *exited;          /* [nranks] the rank's function returned */
 };
@@ -4558,19 +4562,25 @@ static void cpar__job_destroy(cpar__job *job) {
 
 /* Mark the job failed by rank (first failure wins), with msg saying why when
  * the rank itself cannot (NULL: its own error says it), and wake every waiter. */
-static void cpar__job_fail_why(cpar__job *job, int rank, cpar_status st, const char *msg) {
+/* Mark the job failed by rank with st (the first failure stays). root: the
+ * failure is the rank's own (an error, an abort, a rank that left), not a
+ * CPAR_ERR_PEER it got from waiting on another. */
+static void cpar__job_fail_why(cpar__job *job, int rank, cpar_status st, bool root, const char *msg) {
     pthread_mutex_lock(&job->mu);
     if (!job->failed) {
         job->failed = true;
         job->failed_rank = rank;
         job->failed_status = st;
+        job->failed_root = root;
         if (msg) snprintf(job->failed_msg, sizeof job->failed_msg, "%s", msg);
     }
     pthread_cond_broadcast(&job->cv);
     pthread_mutex_unlock(&job->mu);
 }
 
-static void cpar__job_fail(cpar__job *job, int rank, cpar_status st) { cpar__job_fail_why(job, rank, st, NULL); }
+static void cpar__job_fail(cpar__job *job, int rank, cpar_status st) {
+    cpar__job_fail_why(job, rank, st, st != CPAR_ERR_PEER, NULL);
+}
 
 static void cpar__job_exit(cpar__job *job, int rank) {
     pthread_mutex_lock(&job->mu);
@@ -6168,7 +6178,7 @@ static cpar_status cpar__nccl_wait(cpar_ctx *ctx, const cpar_group *g, const cha
     if (gone >= 0) { /* as on the host backend: name the rank that left, for every peer */
         st = cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d returned from its function without joining %s", fn, gone,
                         what ? what : "the collective");
-        cpar__job_fail_why(ctx->job, gone, CPAR_ERR_PEER, ctx->err);
+        cpar__job_fail_why(ctx->job, gone, CPAR_ERR_PEER, true, ctx->err);
     } else {
         st = cpar__nccl_fail(ctx, fn, call, r);
     }
@@ -7052,13 +7062,27 @@ static void cpar__comms_abort(cpar_ctx *ctx) {
 #endif
     (void)ctx;
 }
-/* ctx->async_check of device contexts: that, or a failed peer of the job. */
-static cpar_status cpar__ctx_async_check(cpar_ctx *ctx, const char *fn) {
-    CPAR_TRY(cpar__comm_errors(ctx, fn));
+/* A failed peer of the job (a rank of this process), CPAR_ERR_PEER naming it. */
+static cpar_status cpar__job_failure(cpar_ctx *ctx, const char *fn) {
     if (ctx->job && ctx->job->failed)
         return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d failed (%s)", fn, ctx->job->failed_rank,
                           cpar_status_string(ctx->job->failed_status));
     return CPAR_OK;
+}
+/* The communicators' asynchronous errors; when a peer of the job failed
+ * first of its own accord (failed_root: not a CPAR_ERR_PEER it was given),
+ * that failure instead: it is the root cause, and another rank may only
+ * have aborted a communicator because of it. */
+static cpar_status cpar__comm_errors_named(cpar_ctx *ctx, const char *fn) {
+    cpar_status st = cpar__comm_errors(ctx, fn);
+    if (st == CPAR_OK || !ctx->job || !ctx->job->failed || !ctx->job->failed_root) return st;
+    return cpar__job_failure(ctx, fn);
+}
+/* ctx->async_check of device contexts: a communicator's error (named by the
+ * job's root cause: cpar__comm_errors_named), or a failed peer of the job. */
+static cpar_status cpar__ctx_async_check(cpar_ctx *ctx, const char *fn) {
+    CPAR_TRY(cpar__comm_errors_named(ctx, fn));
+    return cpar__job_failure(ctx, fn);
 }
 
 static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg, int rank, int world, int device,
@@ -7428,7 +7452,7 @@ fail: {
 cpar_status cpar_abort(cpar_ctx *ctx) {
     if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_abort: ctx is NULL");
     ctx->aborted = true;
-    if (ctx->job) cpar__job_fail(ctx->job, ctx->rank, CPAR_ERR_PEER);
+    if (ctx->job) cpar__job_fail_why(ctx->job, ctx->rank, CPAR_ERR_PEER, true, NULL); /* the abort is the cause */
     char msg[64];
     snprintf(msg, sizeof msg, "rank %d aborted (cpar_abort)", ctx->rank);
     cpar__pc_record_all(ctx, msg);

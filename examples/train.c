@@ -35,9 +35,11 @@
 #endif
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -967,6 +969,8 @@ static cpar_status sample(model *md, char *text, int64_t len, int n, uint64_t se
     return st;
 }
 
+#define LATEST_MARKER "latest_checkpointed_iteration.txt" /* as Megatron's, in the --save folder */
+
 /* ==== checkpoints: safetensors ================================================
  * DIR/step_NNNNNN/model.safetensors holds the full (unsharded) fp32 master
  * weights as "<name>.weight" ([rows, cols] or [rows]); optimizer.safetensors
@@ -984,12 +988,48 @@ typedef struct {
     const float *data;
 } st_tensor;
 
+/* CRC-32 (IEEE, as zlib's crc32) of n bytes, continuing from crc: each
+ * file's data carries it in the metadata ("data_crc32"), checked on load. */
+static uint32_t crc32_update(uint32_t crc, const void *data, size_t n) {
+    static uint32_t table[256];
+    if (!table[1])
+        for (uint32_t i = 0; i < 256; i++) {
+            uint32_t c = i;
+            for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+            table[i] = c;
+        }
+    const unsigned char *p = data;
+    crc = ~crc;
+    for (size_t i = 0; i < n; i++) crc = table[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
+    return ~crc;
+}
+
+/* fsync the directory holding path, so a rename in it survives a crash. */
+static void sync_parent(const char *path) {
+    char dir[4200];
+    snprintf(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (slash) *slash = 0;
+    else snprintf(dir, sizeof dir, ".");
+    int fd = open(dir, O_RDONLY | O_DIRECTORY);
+    if (fd >= 0) {
+        fsync(fd);
+        close(fd);
+    }
+}
+
+/* Write path crash-safely: into path.tmp, flushed to disk, then renamed over
+ * path (a crash leaves the old file or the new one, never a mix). */
 static cpar_status st_write(const char *path, const st_tensor *t, int n, const char *meta) {
+    uint32_t crc = 0;
+    for (int i = 0; i < n; i++)
+        crc = crc32_update(crc, t[i].data, sizeof(float) * (size_t)t[i].shape[0] * (size_t)(t[i].ndim > 1 ? t[i].shape[1] : 1));
     size_t cap = 4096 + (size_t)n * 160 + strlen(meta), len = 0;
-    char *h = malloc(cap);
+    char *h = malloc(cap), tmp[4200];
     if (!h) return CPAR_ERR_OOM;
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
     uint64_t off = 0;
-    len += (size_t)snprintf(h + len, cap - len, "{\"__metadata__\":{%s}", meta);
+    len += (size_t)snprintf(h + len, cap - len, "{\"__metadata__\":{%s,\"data_crc32\":\"%08x\"}", meta, crc);
     for (int i = 0; i < n; i++) {
         uint64_t bytes = sizeof(float) * (uint64_t)t[i].shape[0] * (uint64_t)(t[i].ndim > 1 ? t[i].shape[1] : 1);
         len += (size_t)snprintf(h + len, cap - len, ",\"%s\":{\"dtype\":\"F32\",\"shape\":[%lld", t[i].name,
@@ -1000,16 +1040,22 @@ static cpar_status st_write(const char *path, const st_tensor *t, int n, const c
     }
     len += (size_t)snprintf(h + len, cap - len, "}");
     while (len % 8) h[len++] = ' '; /* the data starts 8-byte aligned */
-    FILE *f = fopen(path, "wb");
-    cpar_status st = f ? CPAR_OK : fail("train: cannot write %s: %s", path, strerror(errno));
+    FILE *f = fopen(tmp, "wb");
+    cpar_status st = f ? CPAR_OK : fail("train: cannot write %s: %s", tmp, strerror(errno));
     unsigned char le[8];
     for (int i = 0; i < 8; i++) le[i] = (unsigned char)((uint64_t)len >> (8 * i));
-    if (f && (fwrite(le, 1, 8, f) != 8 || fwrite(h, 1, len, f) != len)) st = fail("train: cannot write %s", path);
+    if (f && (fwrite(le, 1, 8, f) != 8 || fwrite(h, 1, len, f) != len)) st = fail("train: cannot write %s", tmp);
     for (int i = 0; f && st == CPAR_OK && i < n; i++) {
         size_t count = (size_t)t[i].shape[0] * (size_t)(t[i].ndim > 1 ? t[i].shape[1] : 1);
-        if (fwrite(t[i].data, sizeof(float), count, f) != count) st = fail("train: cannot write %s", path);
+        if (fwrite(t[i].data, sizeof(float), count, f) != count) st = fail("train: cannot write %s", tmp);
     }
-    if (f && fclose(f) != 0 && st == CPAR_OK) st = fail("train: cannot write %s: %s", path, strerror(errno));
+    if (f && st == CPAR_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
+        st = fail("train: cannot write %s: %s", tmp, strerror(errno));
+    if (f && fclose(f) != 0 && st == CPAR_OK) st = fail("train: cannot write %s: %s", tmp, strerror(errno));
+    if (st == CPAR_OK && rename(tmp, path) != 0)
+        st = fail("train: cannot rename %s to %s: %s", tmp, path, strerror(errno));
+    if (st == CPAR_OK) sync_parent(path);
+    else if (f) remove(tmp);
     free(h);
     return st;
 }
@@ -1022,30 +1068,45 @@ typedef struct {
     const unsigned char *data;
 } st_file;
 
+static cpar_status st_check(const char *path, st_file *f);
+
+/* Read path whole and check it (st_check) before anything trusts it. */
 static cpar_status st_read(const char *path, st_file *f) {
     memset(f, 0, sizeof *f);
+    struct stat sb;
+    if (stat(path, &sb) != 0) return fail("train: cannot open %s: %s", path, strerror(errno));
+    if (!S_ISREG(sb.st_mode)) return fail("train: %s is not a regular file", path);
+    if (sb.st_size < 16 || (uint64_t)sb.st_size > ((uint64_t)1 << 40))
+        return fail("train: %s is not a safetensors file (%lld bytes)", path, (long long)sb.st_size);
     FILE *fp = fopen(path, "rb");
     if (!fp) return fail("train: cannot open %s: %s", path, strerror(errno));
-    fseek(fp, 0, SEEK_END);
-    long size = ftell(fp);
-    fseek(fp, 0, SEEK_SET);
-    f->buf = size > 8 ? malloc((size_t)size + 1) : NULL;
-    if (!f->buf || fread(f->buf, 1, (size_t)size, fp) != (size_t)size) {
+    const size_t size = (size_t)sb.st_size;
+    f->buf = malloc(size + 1);
+    if (!f->buf || fread(f->buf, 1, size, fp) != size) {
         fclose(fp);
         free(f->buf);
+        f->buf = NULL;
         return fail("train: cannot read %s", path);
     }
     fclose(fp);
     uint64_t hl = 0;
     for (int i = 0; i < 8; i++) hl |= (uint64_t)(unsigned char)f->buf[i] << (8 * i);
-    if (hl > (uint64_t)size - 8) {
+    /* safetensors bounds the header at 100 MB */
+    if (hl < 2 || hl > (uint64_t)100 << 20 || hl > (uint64_t)size - 8) {
         free(f->buf);
-        return fail("train: %s is not a safetensors file (header of %llu bytes)", path, (unsigned long long)hl);
+        f->buf = NULL;
+        return fail("train: %s is not a safetensors file (header of %llu bytes in a file of %zu)", path,
+                    (unsigned long long)hl, size);
     }
-    f->size = (size_t)size;
+    f->size = size;
     f->json = f->buf + 8, f->json_end = f->json + hl;
     f->data = (const unsigned char *)f->json_end;
-    return CPAR_OK;
+    cpar_status st = st_check(path, f);
+    if (st != CPAR_OK) {
+        free(f->buf);
+        f->buf = NULL;
+    }
+    return st;
 }
 
 /* ---- a small JSON reader for the header: objects of strings, numbers, arrays ---- */
@@ -1067,28 +1128,50 @@ static const char *js_string(const char *p, const char *e, char *out, size_t cap
     return p < e ? p + 1 : NULL;
 }
 
-/* Skip one value (string, number, array, object, literal). */
+/* Skip one value (string, number, array, object, literal), nested at most
+ * JS_DEPTH deep: iterative, so no header can exhaust the stack. */
+#define JS_DEPTH 64
 static const char *js_skip(const char *p, const char *e) {
-    p = js_ws(p, e);
-    if (p >= e) return NULL;
-    if (*p == '"') return js_string(p, e, NULL, 0);
-    if (*p == '{' || *p == '[') {
-        const char open = *p, close = open == '{' ? '}' : ']';
-        for (p = js_ws(p + 1, e); p < e && *p != close;) {
-            if (open == '{') {
+    char open[JS_DEPTH]; /* the brackets still open */
+    int depth = 0;
+    for (;;) {
+        p = js_ws(p, e);
+        if (p >= e) return NULL;
+        if (depth && *p == (open[depth - 1] == '{' ? '}' : ']')) { /* the container ends */
+            p++;
+            depth--;
+        } else {
+            if (depth && open[depth - 1] == '{') { /* a member: "key": value */
                 if (!(p = js_string(p, e, NULL, 0))) return NULL;
                 p = js_ws(p, e);
                 if (p >= e || *p != ':') return NULL;
-                p++;
+                p = js_ws(p + 1, e);
+                if (p >= e) return NULL;
             }
-            if (!(p = js_skip(p, e))) return NULL;
-            p = js_ws(p, e);
-            if (p < e && *p == ',') p = js_ws(p + 1, e);
+            if (*p == '{' || *p == '[') {
+                if (depth == JS_DEPTH) return NULL;
+                open[depth++] = *p++;
+                continue;
+            }
+            if (*p == '"') {
+                if (!(p = js_string(p, e, NULL, 0))) return NULL;
+            } else {
+                const char *v = p;
+                while (p < e && *p != ',' && *p != '}' && *p != ']' && *p != ' ' && *p != '\n' && *p != '\t' &&
+                       *p != '\r')
+                    p++;
+                if (p == v) return NULL; /* an empty value */
+            }
         }
-        return p < e ? p + 1 : NULL;
+        if (!depth) return p;
+        p = js_ws(p, e);
+        if (p < e && *p == ',') {
+            p = js_ws(p + 1, e);
+            if (p < e && (*p == '}' || *p == ']')) return NULL; /* a trailing comma */
+        } else if (p >= e || *p != (open[depth - 1] == '{' ? '}' : ']')) {
+            return NULL;
+        }
     }
-    while (p < e && *p != ',' && *p != '}' && *p != ']') p++;
-    return p;
 }
 
 /* The value of key in the object at p (or NULL). */
@@ -1132,6 +1215,86 @@ static bool st_meta(const st_file *f, const char *key, char *out, size_t cap) {
     return v && js_string(v, f->json_end, out, cap);
 }
 
+/* Bytes per element of a safetensors dtype, 0 for one it does not define. */
+static int st_dtype_size(const char *dt) {
+    static const struct { const char *name; int size; } t[] = {
+        {"F64", 8}, {"F32", 4}, {"F16", 2}, {"BF16", 2}, {"I64", 8}, {"I32", 4}, {"I16", 2}, {"I8", 1},
+        {"U64", 8}, {"U32", 4}, {"U16", 2}, {"U8", 1}, {"BOOL", 1}, {"F8_E4M3", 1}, {"F8_E5M2", 1}};
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
+        if (!strcmp(dt, t[i].name)) return t[i].size;
+    return 0;
+}
+
+typedef struct {
+    uint64_t begin, end;
+} st_span;
+
+static int st_span_cmp(const void *a, const void *b) {
+    const st_span *x = a, *y = b;
+    return x->begin < y->begin ? -1 : x->begin > y->begin;
+}
+
+/* Every promise of the header kept, before anything reads the data: one
+ * JSON object spanning the header (nested at most JS_DEPTH deep; trailing
+ * spaces allowed), each tensor with a known dtype, a shape of 0-8
+ * non-negative dims and data_offsets [begin, end] with begin <= end <= the
+ * data's size and end - begin the dtype's size times the shape's product,
+ * no two tensors overlapping, and the data's CRC-32 equal to the metadata's
+ * data_crc32 when it has one (cpar's files do). */
+static cpar_status st_check(const char *path, st_file *f) {
+    const char *e = f->json_end, *p = js_ws(f->json, e), *end = js_skip(p, e);
+    if (!end || *p != '{' || js_ws(end, e) != e)
+        return fail("train: %s: the header is not one JSON object (unterminated, nested over %d deep, or followed by "
+                    "other bytes)", path, JS_DEPTH);
+    const uint64_t data_size = (uint64_t)(f->size - 8 - (size_t)(e - f->json));
+    st_span *spans = NULL;
+    int nspans = 0, cap = 0;
+    cpar_status st = CPAR_OK;
+    for (p = js_ws(p + 1, e); st == CPAR_OK && p < e && *p != '}';) {
+        char key[160], dt[16] = "";
+        p = js_ws(js_string(p, e, key, sizeof key), e) + 1; /* the ':' (the header parsed above) */
+        const char *v = js_ws(p, e);
+        p = js_ws(js_skip(v, e), e);
+        if (*p == ',') p = js_ws(p + 1, e);
+        if (!strcmp(key, "__metadata__")) continue;
+        const char *d = js_find(v, e, "dtype");
+        int64_t shape[8], offs[2];
+        int nd = js_ints(js_find(v, e, "shape"), e, shape, 8), es = d && js_string(d, e, dt, sizeof dt) ? st_dtype_size(dt) : 0;
+        uint64_t numel = 1;
+        for (int i = 0; i < nd; i++) {
+            if (shape[i] < 0 || (shape[i] && numel > data_size / (uint64_t)shape[i])) nd = -1;
+            else numel *= (uint64_t)shape[i];
+        }
+        if (!es) st = fail("train: %s: tensor \"%s\" has dtype \"%s\", not a safetensors dtype", path, key, dt);
+        else if (nd < 0) st = fail("train: %s: tensor \"%s\" has a bad shape", path, key);
+        else if (js_ints(js_find(v, e, "data_offsets"), e, offs, 2) != 2 || offs[0] < 0 || offs[1] < offs[0] ||
+                 (uint64_t)offs[1] > data_size || (uint64_t)(offs[1] - offs[0]) != numel * (uint64_t)es)
+            st = fail("train: %s: tensor \"%s\" has bad data_offsets (outside the %llu bytes of data, or not its "
+                      "size)", path, key, (unsigned long long)data_size);
+        if (st == CPAR_OK && nspans == cap) {
+            cap = cap ? 2 * cap : 64;
+            st_span *grown = realloc(spans, (size_t)cap * sizeof *spans);
+            if (!grown) st = CPAR_ERR_OOM;
+            else spans = grown;
+        }
+        if (st == CPAR_OK) spans[nspans++] = (st_span){(uint64_t)offs[0], (uint64_t)offs[1]};
+    }
+    if (st == CPAR_OK && nspans) {
+        qsort(spans, (size_t)nspans, sizeof *spans, st_span_cmp);
+        for (int i = 1; i < nspans && st == CPAR_OK; i++)
+            if (spans[i].begin < spans[i - 1].end) st = fail("train: %s: two tensors share data", path);
+    }
+    free(spans);
+    char want[16];
+    if (st == CPAR_OK && st_meta(f, "data_crc32", want, sizeof want)) {
+        char got[16];
+        snprintf(got, sizeof got, "%08x", crc32_update(0, f->data, (size_t)data_size));
+        if (strcmp(got, want))
+            st = fail("train: %s is damaged: its data's CRC-32 is %s, the header says %s", path, got, want);
+    }
+    return st;
+}
+
 /* Tensor name as fp32 of the expected numel into out (copied: the file's data need not be aligned). */
 static cpar_status st_get(const st_file *f, const char *path, const char *name, int64_t rows, int64_t cols, float *out) {
     const char *t = js_find(f->json, f->json_end, name);
@@ -1148,7 +1311,8 @@ static cpar_status st_get(const st_file *f, const char *path, const char *name, 
                     name, nd > 0 ? (long long)shape[0] : -1LL, nd > 1 ? "," : "", nd > 1 ? (long long)shape[1] : 0LL,
                     (long long)rows, cols ? "," : "", (long long)cols);
     const size_t bytes = sizeof(float) * (size_t)rows * (size_t)(cols ? cols : 1);
-    if (js_ints(js_find(t, f->json_end, "data_offsets"), f->json_end, offs, 2) != 2 || offs[1] - offs[0] != (int64_t)bytes ||
+    if (js_ints(js_find(t, f->json_end, "data_offsets"), f->json_end, offs, 2) != 2 || offs[0] < 0 ||
+        offs[1] < offs[0] || offs[1] - offs[0] != (int64_t)bytes ||
         (size_t)offs[1] > f->size - (size_t)(f->data - (const unsigned char *)f->buf))
         return fail("train: %s: \"%s\" has bad data offsets", path, name);
     memcpy(out, f->data + offs[0], bytes);
@@ -1220,6 +1384,16 @@ static cpar_status checkpoint_save(model *md, int64_t step, char *where, size_t 
         if (st == CPAR_OK) st = st_write(path, w, md->np, meta);
         snprintf(path, sizeof path, "%s/optimizer.safetensors", where);
         if (st == CPAR_OK) st = st_write(path, mv, 2 * md->np, meta);
+        /* Megatron's marker of the latest complete checkpoint, written last */
+        char tmp[4300];
+        snprintf(path, sizeof path, "%s/" LATEST_MARKER, md->o->save);
+        snprintf(tmp, sizeof tmp, "%s.tmp", path);
+        FILE *f = st == CPAR_OK ? fopen(tmp, "w") : NULL;
+        if (st == CPAR_OK && (!f || fprintf(f, "%lld\n", (long long)step) < 0 || fflush(f) || fsync(fileno(f))))
+            st = fail("train: cannot write %s: %s", tmp, strerror(errno));
+        if (f && fclose(f) != 0 && st == CPAR_OK) st = fail("train: cannot write %s: %s", tmp, strerror(errno));
+        if (st == CPAR_OK && rename(tmp, path) != 0) st = fail("train: cannot rename %s: %s", tmp, strerror(errno));
+        if (st == CPAR_OK) sync_parent(path);
     }
     for (int i = 0; bufs && i < 3 * md->np; i++) free(bufs[i]);
     free(bufs), free(w), free(mv);
@@ -1246,7 +1420,17 @@ static cpar_status checkpoint_load(model *md, const char *dir, int64_t *step) {
             st = fail("train: %s was saved with %s %s, this run has %lld: pass the same --%s", path[0], shape[k].key,
                       st_meta(&f[0], shape[k].key, val, sizeof val) ? val : "(missing)", shape[k].want, shape[k].key);
     if (st == CPAR_OK && !st_meta(&f[0], "step", val, sizeof val)) st = fail("train: %s has no step", path[0]);
-    if (st == CPAR_OK) *step = atoll(val);
+    if (st == CPAR_OK) {
+        char *endp;
+        errno = 0;
+        long long v = strtoll(val, &endp, 10);
+        if (errno || endp == val || *endp || v < 0 || v > (1LL << 40))
+            st = fail("train: %s has step \"%s\", expected a number from 0 to 2^40", path[0], val);
+        else if (v >= o->steps)
+            st = fail("train: %s was saved after step %lld: --steps %d leaves nothing to train (raise --steps)",
+                      path[0], v, o->steps);
+        else *step = v;
+    }
     for (int i = 0; st == CPAR_OK && i < md->np; i++) {
         param *p = &md->P[i];
         const int64_t n = full_numel(p), ln = cpar_tensor_numel(&p->w);
@@ -1328,6 +1512,15 @@ static cpar_status rank_main(cpar_ctx *ctx, void *arg) {
         if (st == CPAR_OK) st = backward(&md, &md.train);
         if (st == CPAR_OK) st = optimizer_step(&md, step, &lr, &norm);
         if (st == CPAR_OK) st = cpar_sync(ctx);
+        /* Megatron's check: a non-finite loss or gradient norm stops the run
+         * (every rank holds the same reduced values, so all stop together) */
+        static atomic_flag said = ATOMIC_FLAG_INIT; /* the first rank to stop says why */
+        if (st == CPAR_OK && (!isfinite(loss) || !isfinite(norm))) {
+            st = CPAR_ERR_INVALID;
+            if (!atomic_flag_test_and_set(&said))
+                fail("train: step %lld: the loss is %g and the gradient norm %g: stopping (a learning rate too high, "
+                     "or non-finite weights in the checkpoint?)", (long long)step + 1, loss, (double)norm);
+        }
         const double dt = now_s() - t0;
         t_train += dt, done++, last_loss = loss;
         if (st == CPAR_OK && cpar_rank(ctx) == 0 && j->losses) j->losses[step] = loss;
@@ -1406,9 +1599,11 @@ static int verify(const options *o, const dataset *d) {
     return worst <= tol ? 0 : 1;
 }
 
-/* --resume DIR: a checkpoint (DIR/model.safetensors), or a --save folder,
- * whose latest complete step_NNNNNN (both files there, neither empty) it
- * takes, as Megatron's --load does. 0, or 1 with the reason printed. */
+/* --resume DIR: a checkpoint (DIR/model.safetensors), or a --save folder:
+ * the step its latest_checkpointed_iteration.txt names (written after the
+ * step's files, as Megatron's), else its latest complete step_NNNNNN (both
+ * files there, neither empty), as Megatron's --load. 0, or 1 with the
+ * reason printed. */
 static int resume_resolve(options *o) {
     static char found[4200];
     struct stat sb;
@@ -1420,8 +1615,14 @@ static int resume_resolve(options *o) {
         fprintf(stderr, "train: --resume %s: %s\n", o->resume, strerror(errno));
         return 1;
     }
-    long long best = -1;
+    long long best = -1, marked = -1;
     int complete = 0;
+    snprintf(path, sizeof path, "%s/" LATEST_MARKER, o->resume);
+    FILE *mf = fopen(path, "r");
+    if (mf) {
+        if (fscanf(mf, "%lld", &marked) != 1) marked = -1;
+        fclose(mf);
+    }
     for (struct dirent *e; (e = readdir(dir));) {
         long long step;
         char tail;
@@ -1433,7 +1634,8 @@ static int resume_resolve(options *o) {
         }
         if (!ok) continue;
         complete++;
-        if (step > best) {
+        if (best == marked) continue; /* the marker names a complete one: that one */
+        if (step > best || step == marked) {
             best = step;
             snprintf(found, sizeof found, "%s/%s", o->resume, e->d_name);
         }

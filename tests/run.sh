@@ -93,7 +93,10 @@ fi
 # three flavours' copies start at once, beside the others and not counted
 # among the CPAR_TEST_JOBS.
 case " $HOST_SUITES " in *" faults "*) suite "$HOST_FLAVOUR/faults" "\$B/$HOST_FLAVOUR/test_faults" host ;; esac
-case " $SIM_SUITES " in *" faults "*) suite "sim/faults" "\$B/sim/test_faults" device CUDASIM_STREAMS=lazy CUDASIM_DEVICES=1 ;; esac
+case " $SIM_SUITES " in *" faults "*)
+    suite "sim/faults" "\$B/sim/test_faults" device CUDASIM_STREAMS=lazy CUDASIM_DEVICES=1
+    suite "sim/faults@2gpu" "\$B/sim/test_faults" device CUDASIM_STREAMS=random:$seed CUDASIM_DEVICES=2 ;;
+esac
 case " $NCCLSIM_SUITES " in *" faults "*)
     suite "nccl-sim/faults" "\$B/ncclsim/test_faults" nccl CUDASIM_STREAMS=random:$seed ;;
 esac
@@ -147,6 +150,13 @@ for s in $SIM_SUITES; do
         suite "sim/$s@random" "\$B/sim/test_$s" device CUDASIM_STREAMS=random:$seed CUDASIM_DEVICES=2 ;;
     esac
 done
+# The other backend suites on two simulated GPUs too (ranks on both, peer
+# reads); not attn, whose kernels are rank-local, nor the sim-only suites.
+for s in $SIM_SUITES; do
+    case " $OVERLAP_SUITES attn cudasim devlayer mma attn_bwd trainjob " in *" $s "*) ;; *)
+        suite "sim/$s@2gpu" "\$B/sim/test_$s" device CUDASIM_STREAMS=lazy CUDASIM_DEVICES=2 ;;
+    esac
+done
 # nccl-sim: the production path (cpar.c as built for GPUs, NCCL calls) on the
 # CUDA and NCCL simulators. The GPU suite runs here on simulated GPUs, with
 # its smaller sizes (CPAR_GPU_SUITE=quick): its kernels run on the CPU here.
@@ -167,6 +177,19 @@ case " $NCCLSIM_SUITES " in *" gpu "*)
     suite "nccl-sim/gpu@1gpu" "\$B/ncclsim/test_gpu" nccl CPAR_GPU_SUITE=quick CK_RUN_CASE=collectives \
         CUDASIM_DEVICES=1 CUDASIM_STREAMS=random:$seed ;;
 esac
+# The bench's device-backend table, as a one-GPU machine prints it: every
+# collective at 2 and 4 ranks, each receiving exactly the algorithm's minimum.
+bench_device_check() {
+    CUDASIM_DEVICES=1 CPAR_BENCH_ONLY=coll "$B/ncclsim/bench" -b 8 -e 4K -f 8 -n 2 --csv "$tmp/device.csv" \
+        > /dev/null || { echo "bench failed"; return 1; }
+    awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) col[$i] = i; r = col["recv_bytes"]; m = col["min_recv_bytes"]; next }
+             $1 == "device" { rows++; if (!r || !m || $r != $m) { print "row " NR ": " $0 ": received " $r ", minimum " $m; bad = 1 } }
+             END { if (rows < 40) { print "only " rows + 0 " device rows"; bad = 1 } exit bad }' "$tmp/device.csv" || return 1
+    echo "bench: $(grep -c '^device,' "$tmp/device.csv") device-backend rows, every one at the minimum volume"
+}
+if [ -x "$B/ncclsim/bench" ] && [ -n "$NCCLSIM_SUITES" ]; then
+    add "nccl-sim/bench-device" 'bench_device_check'
+fi
 # tools/gpu_check.sh --rehearse: every step of the one-shot GPU check on the
 # simulator builds at small sizes, so the script a lent GPU runs cannot rot.
 if [ -n "$SIM_SUITES" ] && [ -n "$NCCLSIM_SUITES" ]; then
@@ -185,7 +208,7 @@ for c in ${PKG_CHECKS:-}; do add "pkg/$c" "sh \"tests/check_$c.sh\""; done
 # sanitizer build's (asan/) after them, for make test-sanitize. (A name not
 # here only starts later.)
 LONG_FIRST="pkg/dropin nccl-sim/trainjob sim/attn sim/attn_bwd sim/lm_check nccl-sim/attn nccl-sim/ring sim/ring
-            sim/trainjob host/coll nccl-sim/lm_check sim/inference sim/devlayer nccl-sim/inference host/hostmp
+            sim/trainjob host/coll nccl-sim/lm_check sim/inference sim/inference@2gpu sim/devlayer nccl-sim/inference host/hostmp
             host/attn nccl-sim/gpu sim/gpu-check host/trainjob
             asan/attn asan/coll asan/ops asan/core asan/ring asan/linear asan/mappings"
 
@@ -241,7 +264,7 @@ order=$(awk -v long="$LONG_FIRST" '{ name[NR] = $0 }
 
 # The fault suites start first, outside the count.
 for i in $order; do
-    case $(sed -n "${i}p" "$tmp/names") in */faults) : > "$tmp/$i.outside" && start $i ;; esac
+    case $(sed -n "${i}p" "$tmp/names") in */faults | */faults@*) : > "$tmp/$i.outside" && start $i ;; esac
 done
 for i in $order; do
     [ ! -f "$tmp/$i.outside" ] || continue

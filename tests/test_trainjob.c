@@ -160,6 +160,148 @@ START_TEST(test_resume) {
 }
 END_TEST
 
+/* ---- crafted checkpoints: each refused with its reason, none crashes ---- */
+
+static char *slurp(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    ck_assert_msg(f != NULL, "cannot open %s", path);
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *b = malloc((size_t)size + 1);
+    ck_assert(b && fread(b, 1, (size_t)size, f) == (size_t)size);
+    fclose(f);
+    b[size] = 0;
+    *n = (size_t)size;
+    return b;
+}
+
+static void spit(const char *path, const void *b, size_t n) {
+    FILE *f = fopen(path, "wb");
+    ck_assert_msg(f && fwrite(b, 1, n, f) == n && fclose(f) == 0, "cannot write %s", path);
+}
+
+/* dir/model.safetensors with header h (the original data after it) and the
+ * original optimizer file beside it. */
+static void craft(const char *dir, const char *h, const char *data, size_t data_n, const char *opt, size_t opt_n) {
+    char path[512];
+    ck_assert_int_eq(mkdir(dir, 0700), 0);
+    size_t hl = strlen(h);
+    char *b = malloc(8 + hl + data_n);
+    ck_assert_ptr_nonnull(b);
+    for (int i = 0; i < 8; i++) b[i] = (char)((uint64_t)hl >> (8 * i));
+    memcpy(b + 8, h, hl);
+    memcpy(b + 8 + hl, data, data_n);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    spit(path, b, 8 + hl + data_n);
+    snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
+    spit(path, opt, opt_n);
+    free(b);
+}
+
+/* A copy of s with the first occurrence of from replaced by to. */
+static char *replaced(const char *s, const char *from, const char *to) {
+    const char *at = strstr(s, from);
+    ck_assert_msg(at != NULL, "\"%s\" not in the header", from);
+    size_t n = strlen(s) - strlen(from) + strlen(to);
+    char *r = malloc(n + 1);
+    ck_assert_ptr_nonnull(r);
+    snprintf(r, n + 1, "%.*s%s%s", (int)(at - s), s, to, at + strlen(from));
+    return r;
+}
+
+START_TEST(test_bad_checkpoints) {
+    char dir[] = "/tmp/cpar_badck_XXXXXX", path[512], ck[256];
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    proc p;
+    run_train(&p, (const char *const[]){SMALL, "--steps", "2", "--verify", "0", "--save", dir, NULL});
+    ASSERT_RUN(&p, p.status == 0);
+    proc_free(&p);
+    size_t mn, on;
+    snprintf(path, sizeof path, "%s/step_000002/model.safetensors", dir);
+    char *model = slurp(path, &mn);
+    snprintf(path, sizeof path, "%s/step_000002/optimizer.safetensors", dir);
+    char *opt = slurp(path, &on);
+    size_t hl = 0;
+    for (int i = 0; i < 8; i++) hl |= (size_t)(unsigned char)model[i] << (8 * i);
+    char *h = strndup(model + 8, hl), *data = model + 8 + hl;
+    const size_t dn = mn - 8 - hl;
+    /* the first tensor's offsets [0, n] and the second's [n, m] */
+    const char *o1 = strstr(strstr(h, "\"data_offsets\":[0,"), "[0,");
+    long long n1 = atoll(o1 + 3);
+    const char *o2 = strstr(o1 + 1, "\"data_offsets\":[");
+    char first[64], second[96], neg[64], dup[96], crc[32];
+    snprintf(first, sizeof first, "[0,%lld]", n1);
+    snprintf(neg, sizeof neg, "[-16,%lld]", n1 - 16);
+    snprintf(second, sizeof second, "%.*s", (int)(strchr(o2, ']') - o2 + 1), o2);
+    long long m2 = atoll(strchr(o2, ',') + 1); /* the second's [n1, m2], moved 4 bytes into the first */
+    snprintf(dup, sizeof dup, "\"data_offsets\":[%lld,%lld]", n1 - 4, m2 - 4);
+    const char *c = strstr(h, "\"data_crc32\":\"");
+    ck_assert_ptr_nonnull(c);
+    snprintf(crc, sizeof crc, "%.23s", c); /* "data_crc32":"xxxxxxxx" */
+    char *deep = malloc(300010);
+    ck_assert_ptr_nonnull(deep);
+    memset(deep, '[', 300000);
+    snprintf(deep + 300000, 10, "%s", "");
+    char *deep_h = malloc(strlen(h) + 300100);
+    ck_assert_ptr_nonnull(deep_h);
+    snprintf(deep_h, strlen(h) + 300100, "{\"x\":%s,%s", deep, h + 1);
+    char *unterminated = strdup(h);
+    *strrchr(unterminated, '}') = ' ';
+    char *huge = replaced(h, "\"step\":\"2\"", "\"step\":\"99999999999999999999\"");
+    char *flipped = malloc(dn);
+    ck_assert_ptr_nonnull(flipped);
+    memcpy(flipped, data, dn);
+    flipped[dn / 2] ^= 0x10;
+    /* NaN weights in a file whose checksum is gone (a file of another tool) */
+    char *nan_data = malloc(dn), nocrc[32];
+    ck_assert_ptr_nonnull(nan_data);
+    memcpy(nan_data, data, dn);
+    const float qnan = NAN;
+    for (size_t i = 0; i < (size_t)n1 / 4; i++) memcpy(nan_data + i * 4, &qnan, 4); /* the whole embedding */
+    snprintf(nocrc, sizeof nocrc, "\"data_crcXX\":\"%.8s\"", crc + 14);
+    struct {
+        const char *name;
+        char *header;
+        const char *bytes;
+        size_t nbytes;
+        const char *want;
+    } cases[] = {
+        {"negative", replaced(h, first, neg), data, dn, "bad data_offsets"},
+        {"overlap", replaced(h, second, dup), data, dn, "two tensors share data"},
+        {"deep", deep_h, data, dn, "is not one JSON object"},
+        {"unterminated", unterminated, data, dn, "is not one JSON object"},
+        {"huge_step", huge, data, dn, "has step \"99999999999999999999\""},
+        {"flipped_bit", h, flipped, dn, "is damaged"},
+        {"nan_weights", replaced(h, crc, nocrc), nan_data, dn, "stopping"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        snprintf(ck, sizeof ck, "%s/%s", dir, cases[k].name);
+        craft(ck, cases[k].header, cases[k].bytes, cases[k].nbytes, opt, on);
+        proc r;
+        run_train(&r, (const char *const[]){SMALL, "--steps", "4", "--verify", "0", "--resume", ck, NULL});
+        ck_assert_msg(r.status > 0 && r.status < 128 && strstr(r.text[1], cases[k].want),
+                      "%s: status %d, stderr lacks \"%s\":\n%s\nstdout:\n%s", cases[k].name, r.status, cases[k].want,
+                      r.text[1], r.text[0]);
+        proc_free(&r);
+    }
+    /* a directory where the model file should be */
+    snprintf(ck, sizeof ck, "%s/directory", dir);
+    ck_assert_int_eq(mkdir(ck, 0700), 0);
+    snprintf(path, sizeof path, "%s/model.safetensors", ck);
+    ck_assert_int_eq(mkdir(path, 0700), 0);
+    proc r;
+    run_train(&r, (const char *const[]){SMALL, "--steps", "4", "--verify", "0", "--resume", ck, NULL});
+    ASSERT_RUN(&r, r.status > 0 && r.status < 128 && strstr(r.text[1], "is not a regular file"));
+    proc_free(&r);
+    free(cases[0].header), free(cases[1].header), free(cases[6].header);
+    free(deep), free(deep_h), free(unterminated), free(huge), free(flipped), free(nan_data), free(h), free(model), free(opt);
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    ck_assert_int_eq(system(cmd), 0);
+}
+END_TEST
+
 START_TEST(test_bad_flags) {
     static const char *const cases[][3] = {
         {"--tp", "3", "--heads 4 is not divisible by --tp 3"},
@@ -256,6 +398,7 @@ int main(void) {
         tcase_add_loop_test(tc, test_grid_matches_one_rank, 0, 4);
         tcase_add_test(tc, test_seed_repeats);
         tcase_add_test(tc, test_resume);
+        tcase_add_test(tc, test_bad_checkpoints);
         tcase_add_test(tc, test_bad_flags);
     } else {
         tcase_add_test(tc, test_device_training);
