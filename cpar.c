@@ -198,7 +198,9 @@ static int cpar__default_timeout_ms(void) {
  * environment's (RANK, SLURM_PROCID); "-" when none is known. The settings
  * are read at the first line and again at every cpar_spawn and
  * cpar_init_from_env, so a program (or a test) may change them between jobs. */
-enum { CPAR__LOG_WARN = 1, CPAR__LOG_INFO = 2, CPAR__LOG_DEBUG = 3 };
+/* WAIT: the progress lines of long waits (cpar__progress), printed unless
+ * CPAR_LOG is off; the others only when CPAR_LOG asks for them. */
+enum { CPAR__LOG_OFF = -2, CPAR__LOG_WAIT = 0, CPAR__LOG_WARN = 1, CPAR__LOG_INFO = 2, CPAR__LOG_DEBUG = 3 };
 #define CPAR__LOG_FILES 64 /* ranks of one process with a file open at once; more share stderr */
 
 static atomic_int cpar__log_lvl = -1;          /* -1: not read yet */
@@ -220,7 +222,9 @@ static void cpar__log_load(void) {
         if (!strcasecmp(v, "debug") || !strcasecmp(v, "trace")) l = CPAR__LOG_DEBUG;
         else if (!strcasecmp(v, "info")) l = CPAR__LOG_INFO;
         else if (!strcasecmp(v, "warn") || !strcasecmp(v, "warning")) l = CPAR__LOG_WARN;
-        else if (strcasecmp(v, "off") && strcasecmp(v, "none") && strcasecmp(v, "quiet") && strcmp(v, "0")) {
+        else if (!strcasecmp(v, "off") || !strcasecmp(v, "none") || !strcasecmp(v, "quiet") || !strcmp(v, "0"))
+            l = CPAR__LOG_OFF;
+        else {
             l = CPAR__LOG_WARN; /* someone asked for logs: give them the warnings */
             pthread_mutex_lock(&cpar__log_mu);
             if (!cpar__logs.warned_level)
@@ -245,7 +249,7 @@ static void cpar__log_load(void) {
 
 static int cpar__log_level(void) {
     int l = atomic_load(&cpar__log_lvl);
-    if (l < 0) {
+    if (l == -1) { /* not read yet */
         cpar__log_load();
         l = atomic_load(&cpar__log_lvl);
     }
@@ -296,7 +300,7 @@ __attribute__((format(printf, 3, 4)))
 #endif
 static void cpar__log(int level, int rank, const char *fmt, ...) {
     if (cpar__log_level() < level) return;
-    static const char *const names[] = {"", "WARN", "INFO", "DEBUG"};
+    static const char *const names[] = {"WAIT", "WARN", "INFO", "DEBUG"};
     char line[CPAR_ERR_LEN], who[16] = "-";
     va_list ap;
     va_start(ap, fmt);
@@ -309,6 +313,37 @@ static void cpar__log(int level, int rank, const char *fmt, ...) {
     fprintf(f, "cpar[%s] %s:%ld %s %s\n", who, cpar__logs.host, (long)getpid(), names[level], line);
     fflush(f);
     pthread_mutex_unlock(&cpar__log_mu);
+}
+
+/* No silent waits: a wait that may last (the store, a peer, the GPU) calls
+ * cpar__progress_tick on every turn, which prints one WAIT line every
+ * CPAR_WAIT_REPORT_S seconds (default 10; 0: never) saying what it waits
+ * for, for how long of its deadline, and the likely cause. */
+typedef struct cpar__progress {
+    int64_t start_ms, next_ms, every_ms;
+} cpar__progress;
+
+static cpar__progress cpar__progress_start(void) {
+    const char *v = getenv("CPAR_WAIT_REPORT_S");
+    double every = v && *v ? atof(v) : 10.0;
+    int64_t now = cpar__now_ms(), ms = every > 0 ? (int64_t)(every * 1000.0) : INT64_MAX / 4;
+    return (cpar__progress){now, now + (ms > 0 ? ms : 1), ms > 0 ? ms : 1};
+}
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 4, 5)))
+#endif
+static void cpar__progress_tick(cpar__progress *p, int rank, int64_t deadline_ms, const char *fmt, ...) {
+    int64_t now = cpar__now_ms();
+    if (now < p->next_ms) return;
+    p->next_ms = now + p->every_ms;
+    char what[CPAR_ERR_LEN];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    cpar__log(CPAR__LOG_WAIT, rank, "%s; waited %.0f s, %.0f s left before the deadline", what,
+              (double)(now - p->start_ms) / 1000.0, (double)(deadline_ms > now ? deadline_ms - now : 0) / 1000.0);
 }
 
 static void *cpar__host_alloc(size_t bytes) {
@@ -998,6 +1033,7 @@ static cpar_status cpar__stream_wait(cpar_ctx *ctx, const char *fn, cpar_dev_str
      * ask but the stream, and the default deadline. */
     const bool checks = ctx && ctx->async_check;
     int64_t deadline = cpar__now_ms() + (ctx ? ctx->timeout_ms : cpar__default_timeout_ms());
+    cpar__progress progress = cpar__progress_start();
     for (;;) {
         bool done = false;
         CPAR_DEV_TRY(ctx, fn, cpar_dev_stream_query(s, &done));
@@ -1023,6 +1059,9 @@ static cpar_status cpar__stream_wait(cpar_ctx *ctx, const char *fn, cpar_dev_str
                               "aborted", fn, ctx->timeout_ms, *ctx->last_comm ? " (the last communication queued: " : "",
                               ctx->last_comm, *ctx->last_comm ? ")" : "");
         }
+        cpar__progress_tick(&progress, ctx ? ctx->rank : -1, deadline, "%s: waiting for the GPU%s%s%s", fn,
+                            ctx && *ctx->last_comm ? " (the last communication queued: " : "",
+                            ctx ? ctx->last_comm : "", ctx && *ctx->last_comm ? "; are the peers making it?)" : "");
         struct timespec ts = {0, 100000};
         nanosleep(&ts, NULL);
     }
@@ -3861,6 +3900,7 @@ static cpar_status cpar__store_connect(cpar_store *s, const char *host, int port
     char portstr[16], eb[128];
     snprintf(portstr, sizeof portstr, "%d", port);
     int last_err = ECONNREFUSED, backoff = 10;
+    cpar__progress progress = cpar__progress_start();
     for (;;) {
         struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
         struct addrinfo *res = NULL;
@@ -3911,6 +3951,8 @@ static cpar_status cpar__store_connect(cpar_store *s, const char *host, int port
         if (now >= deadline)
             return cpar__fail(NULL, CPAR_ERR_TIMEOUT, "%s: no store at %s after %d ms (is rank 0 running?): %s", fn,
                               s->addr, s->timeout_ms, cpar__store_errstr(last_err, eb, sizeof eb));
+        cpar__progress_tick(&progress, -1, deadline, "%s: no store at %s yet (%s): is rank 0 running, and is "
+                            "MASTER_ADDR its address?", fn, s->addr, cpar__store_errstr(last_err, eb, sizeof eb));
         cpar__store_sleep_ms(backoff < deadline - now ? backoff : deadline - now);
         backoff = backoff * 2 > 500 ? 500 : backoff * 2;
     }
@@ -4128,6 +4170,7 @@ fail:
 
 cpar_status cpar_store_create(const cpar_store_config *cfg, cpar_store **out)
 {
+    cpar__log_load(); /* CPAR_LOG and CPAR_LOG_FILE as they are now: its waits may report */
     return cpar__store_create("cpar_store_create", cfg, out, NULL);
 }
 
@@ -4315,10 +4358,14 @@ static cpar_status cpar__store_barrier(cpar_store *s, const char *fn, const char
     if (st != CPAR_OK)
         return st;
     int64_t backoff = 1;
+    cpar__progress progress = cpar__progress_start();
     while (n < target) {
         int64_t now = cpar__now_ms();
         if (now >= deadline)
             return cpar__store_barrier_report(s, fn, name, nranks, gen, target - n);
+        cpar__progress_tick(&progress, rank, deadline, "%s: %" PRId64 " of %d ranks at barrier \"%s\": are the "
+                            "others started, with the same WORLD_SIZE and job token?", fn, n - gen * nranks, nranks,
+                            name);
         cpar__store_sleep_ms(backoff < deadline - now ? backoff : deadline - now);
         backoff = backoff * 2 > 50 ? 50 : backoff * 2;
         if ((st = cpar__store_add(s, fn, count_key, 0, &n)) != CPAR_OK)
@@ -4655,6 +4702,7 @@ static cpar_status cpar__wait_locked(cpar_group *g, const char *fn, const cpar__
     cpar__job *job = hc->job;
     cpar_ctx *ctx = g->ctx;
     const char *what = w->kind == CPAR__WAIT_RENDEZVOUS ? "collective" : w->kind == CPAR__WAIT_MAIL ? "receive" : "send";
+    cpar__progress progress = cpar__progress_start();
     for (;;) {
         if (cpar__wait_done(hc, g->rank, w)) return CPAR_OK;
         /* A needed rank that has returned is the cause, whoever saw it first:
@@ -4667,6 +4715,7 @@ static cpar_status cpar__wait_locked(cpar_group *g, const char *fn, const cpar__
                     job->failed = true;
                     job->failed_rank = hc->world_ranks[m];
                     job->failed_status = CPAR_ERR_PEER;
+                    job->failed_root = true; /* the rank that left is the cause */
                     snprintf(job->failed_msg, sizeof job->failed_msg, "%s", ctx->err);
                     pthread_cond_broadcast(&job->cv);
                 }
@@ -4680,6 +4729,15 @@ static cpar_status cpar__wait_locked(cpar_group *g, const char *fn, const cpar__
         }
         int64_t left = deadline - cpar__now_ms();
         if (left > 0) {
+            if (cpar__now_ms() >= progress.next_ms) {
+                char who[128] = "";
+                size_t len = 0;
+                for (int m = 0; m < hc->n && len < sizeof who - 16; m++)
+                    if (cpar__wait_needs(hc, g->rank, w, m))
+                        len += (size_t)snprintf(who + len, sizeof who - len, "%s%d", len ? "," : "", hc->world_ranks[m]);
+                cpar__progress_tick(&progress, ctx->rank, deadline, "%s: waiting for rank %s in the %s: is every "
+                                    "rank making the same calls?", fn, who, what);
+            }
             struct timespec ts = cpar__abs_deadline(left < 100 ? left : 100);
             pthread_cond_timedwait(&job->cv, &job->mu, &ts);
             continue;

@@ -13,12 +13,16 @@
  *  - Tensors are contiguous, row-major, and owned by the caller; outputs are
  *    preallocated by the caller and checked.
  *  - Device work is stream-ordered: cpar_sync(ctx) waits for it.
- *  - The library never exits, aborts or prints unless CPAR_LOG=warn|info|debug
- *    (any case; like NCCL_DEBUG): info prints one banner per rank (version,
- *    backend, rank/world, device, NCCL version, timeout), groups, the store's
- *    address; debug adds every failure. Lines go to stderr, or to
- *    CPAR_LOG_FILE, where %h, %p and %r are the host, pid and rank (one file
- *    per rank with %r). Each line starts "cpar[RANK] HOST:PID LEVEL".
+ *  - The library never exits or aborts, and prints nothing but WAIT lines unless
+ *    CPAR_LOG=warn|info|debug (any case; like NCCL_DEBUG) asks for more: a
+ *    WAIT line every CPAR_WAIT_REPORT_S seconds (default 10; 0: never) while
+ *    a wait goes on (for the store, a peer or the GPU: what it waits for,
+ *    for how long of its deadline, the likely cause), which CPAR_LOG=off
+ *    silences; info adds one banner per rank (version, backend, rank/world,
+ *    device, NCCL version, timeout), groups, the store's address; debug adds
+ *    every failure. Lines go to stderr, or to CPAR_LOG_FILE, where %h, %p
+ *    and %r are the host, pid and rank (one file per rank with %r). Each line
+ *    starts "cpar[RANK] HOST:PID LEVEL".
  *  - Products on host tensors (every backend) use cpar's own blocked GEMM
  *    (AVX2+FMA where the CPU has it), or a CBLAS for F32 when the build found
  *    one (OpenBLAS or BLIS; `make CPAR_BLAS=0` turns that off, and

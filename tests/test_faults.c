@@ -10,6 +10,7 @@
  * is the backstop should a job hang. */
 #define _GNU_SOURCE /* nanosleep, clock_gettime, strcasestr */
 #include <time.h>
+#include <unistd.h> /* close */
 
 #include "testutil.h"
 
@@ -498,6 +499,54 @@ START_TEST(test_message_names_caller) {
 }
 END_TEST
 
+/* ---- no silent waits ------------------------------------------------------- */
+
+static cpar_status rank_late_peer(cpar_ctx *ctx, void *p) {
+    (void)p;
+    if (cpar_rank(ctx) == 1) sleep_ms(700);
+    int64_t shape[1] = {5};
+    int32_t x[5] = {1, 2, 3, 4, 5};
+    cpar_tensor in = tu_upload(ctx, x, CPAR_I32, 1, shape), out = tu_alloc_poisoned(ctx, CPAR_I32, 1, shape);
+    TU_OK(cpar_all_reduce(cpar_world_group(ctx), &in, &out, CPAR_SUM));
+    int32_t *got = tu_download(ctx, &out); /* NCCL: the wait is here */
+    for (int i = 0; i < 5; i++) ck_assert_int_eq(got[i], 2 * x[i]);
+    free(got);
+    TU_OK(cpar_tensor_free(ctx, &in));
+    TU_OK(cpar_tensor_free(ctx, &out));
+    return CPAR_OK;
+}
+
+/* A peer 0.7 s late: the waiting rank says what it waits for every
+ * CPAR_WAIT_REPORT_S (0.2 s here), and the job still succeeds. Host and
+ * device backends wait for the rank in the collective; NCCL for the GPU,
+ * naming the last communication queued (in stream order: under the
+ * simulator's eager mode NCCL blocks inside the call instead). */
+START_TEST(test_wait_reports) {
+    char log[] = "/tmp/cpar_waitlog_XXXXXX", line[1024];
+    int fd = mkstemp(log);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    setenv("CPAR_WAIT_REPORT_S", "0.2", 1);
+    setenv("CPAR_LOG_FILE", log, 1);
+    unsetenv("CPAR_LOG");
+    cpar_init_config c = {.backend = tu_backend(), .timeout_ms = 5000};
+    TU_OK(tu_spawn_with(2, &c, rank_late_peer, NULL));
+    const char *streams = getenv("CUDASIM_STREAMS");
+    const bool eager_nccl = tu_is_nccl() && (!streams || !strcmp(streams, "eager"));
+    const char *needle = tu_is_nccl() ? "waiting for the GPU (the last communication queued: cpar_all_reduce"
+                                      : "cpar_all_reduce: waiting for rank 1 in the collective";
+    FILE *f = fopen(log, "r");
+    ck_assert_ptr_nonnull(f);
+    int n = 0;
+    while (fgets(line, sizeof line, f)) n += strstr(line, " WAIT ") && strstr(line, needle);
+    fclose(f);
+    ck_assert_msg(n >= 2 || eager_nccl, "%d WAIT lines with \"%s\" in %s, expected 2 or more", n, needle, log);
+    unsetenv("CPAR_LOG_FILE");
+    unsetenv("CPAR_WAIT_REPORT_S");
+    remove(log);
+}
+END_TEST
+
 Suite *suite(void) {
     Suite *s = suite_create("faults: aborts, failures, deadlines, disagreement");
     TCase *tc = tcase_create("peers");
@@ -505,6 +554,7 @@ Suite *suite(void) {
     tcase_add_loop_test(tc, test_rank_fails, 0, SCENARIOS);
     tcase_add_loop_test(tc, test_rank_skips, 0, SCENARIOS);
     tcase_add_loop_test(tc, test_rank_sleeps, 0, 2 * OP_COUNT); /* 2 ranks, then 4 */
+    tcase_add_test(tc, test_wait_reports);
     tcase_set_timeout(tc, 120);
     suite_add_tcase(s, tc);
     tc = tcase_create("disagreement");

@@ -679,6 +679,47 @@ START_TEST(test_no_server)
 }
 END_TEST
 
+/* No silent waits: while the store is not there, a WAIT line every
+ * CPAR_WAIT_REPORT_S seconds says so and why it may be; CPAR_LOG=off
+ * silences them. */
+static int wait_lines(const char *path, const char *needle) {
+    FILE *f = fopen(path, "r");
+    ck_assert_ptr_nonnull(f);
+    char line[1024];
+    int n = 0;
+    while (fgets(line, sizeof line, f))
+        if (strstr(line, " WAIT ") && strstr(line, needle)) n++;
+    fclose(f);
+    return n;
+}
+
+START_TEST(test_wait_reports)
+{
+    char log[] = "/tmp/cpar_waitlog_XXXXXX", needle[96];
+    int fd = mkstemp(log);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    int port = free_port();
+    snprintf(needle, sizeof needle, "cpar_store_create: no store at 127.0.0.1:%d yet", port);
+    cpar_store_config cfg = {.host = "127.0.0.1", .port = port, .timeout_ms = 700};
+    cpar_store *c = NULL;
+    setenv("CPAR_WAIT_REPORT_S", "0.2", 1);
+    setenv("CPAR_LOG_FILE", log, 1);
+    unsetenv("CPAR_LOG");
+    ck_assert_int_eq(cpar_store_create(&cfg, &c), CPAR_ERR_TIMEOUT);
+    int n = wait_lines(log, needle);
+    ck_assert_msg(n >= 2 && n <= 4, "%d WAIT lines naming the store in %s, expected 2-4", n, log);
+    ck_assert_int_ge(wait_lines(log, "is rank 0 running"), 2);
+    setenv("CPAR_LOG", "off", 1);
+    ck_assert_int_eq(cpar_store_create(&cfg, &c), CPAR_ERR_TIMEOUT);
+    ck_assert_int_eq(wait_lines(log, needle), n); /* none more */
+    unsetenv("CPAR_LOG");
+    unsetenv("CPAR_LOG_FILE");
+    unsetenv("CPAR_WAIT_REPORT_S");
+    remove(log);
+}
+END_TEST
+
 static void *server_later(void *p)
 {
     setter_arg *a = p;
@@ -1571,6 +1612,7 @@ static Suite *store_suite(void)
     tcase_add_test(faults, test_not_a_store);
     tcase_add_test(faults, test_port_in_use);
     tcase_add_test(faults, test_no_server);
+    tcase_add_test(faults, test_wait_reports);
     tcase_add_test(faults, test_client_before_server);
     tcase_add_test(faults, test_server_gone);
     suite_add_tcase(s, faults);
