@@ -196,14 +196,16 @@ static int cpar__default_timeout_ms(void) {
  * The rank is the caller's context's, else the calling thread's (a
  * cpar_spawn rank, or the store thread of a rank), else the launch
  * environment's (RANK, SLURM_PROCID); "-" when none is known. The settings
- * are read at the first line and again at every cpar_spawn and
- * cpar_init_from_env, so a program (or a test) may change them between jobs. */
+ * (CPAR_LOG, CPAR_LOG_FILE, CPAR_WAIT_REPORT_S) are read at the first line
+ * and again at every cpar_spawn, cpar_init_from_env and cpar_store_create, so
+ * a program (or a test) may change them between jobs. */
 /* WAIT: the progress lines of long waits (cpar__progress), printed unless
  * CPAR_LOG is off; the others only when CPAR_LOG asks for them. */
 enum { CPAR__LOG_OFF = -2, CPAR__LOG_WAIT = 0, CPAR__LOG_WARN = 1, CPAR__LOG_INFO = 2, CPAR__LOG_DEBUG = 3 };
 #define CPAR__LOG_FILES 64 /* ranks of one process with a file open at once; more share stderr */
 
 static atomic_int cpar__log_lvl = -1;          /* -1: not read yet */
+static _Atomic int64_t cpar__wait_every_ms = 10000; /* CPAR_WAIT_REPORT_S, read with CPAR_LOG */
 static _Thread_local int cpar__tls_rank = -1;  /* this thread's rank */
 static atomic_int cpar__proc_rank = -1;        /* the launch environment's rank */
 static pthread_mutex_t cpar__log_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -234,6 +236,9 @@ static void cpar__log_load(void) {
             pthread_mutex_unlock(&cpar__log_mu);
         }
     }
+    const char *every = getenv("CPAR_WAIT_REPORT_S");
+    double e = every && *every ? atof(every) : 10.0; /* 0 or less: never */
+    atomic_store(&cpar__wait_every_ms, e > 0 && e < 1e9 ? (int64_t)(e * 1000.0) + (e * 1000.0 < 1.0) : INT64_MAX / 4);
     const char *f = getenv("CPAR_LOG_FILE");
     pthread_mutex_lock(&cpar__log_mu);
     if (strcmp(cpar__logs.pattern, f ? f : "")) { /* a new pattern: the old files are done */
@@ -324,10 +329,9 @@ typedef struct cpar__progress {
 } cpar__progress;
 
 static cpar__progress cpar__progress_start(void) {
-    const char *v = getenv("CPAR_WAIT_REPORT_S");
-    double every = v && *v ? atof(v) : 10.0;
-    int64_t now = cpar__now_ms(), ms = every > 0 ? (int64_t)(every * 1000.0) : INT64_MAX / 4;
-    return (cpar__progress){now, now + (ms > 0 ? ms : 1), ms > 0 ? ms : 1};
+    (void)cpar__log_level(); /* the settings read */
+    int64_t now = cpar__now_ms(), every = atomic_load(&cpar__wait_every_ms);
+    return (cpar__progress){now, now + every, every};
 }
 
 #if defined(__GNUC__)
