@@ -476,7 +476,7 @@ PLOT_STEPS ?= 300
 plots: $(B)/bench $(B)/train
 	./$(B)/bench $(PLOT_SWEEP) --csv $(B)/bench.csv --json $(B)/bench.json
 	sh tools/plot_bench.sh $(B)/bench.csv $(B)/plots
-	./$(B)/train --steps $(PLOT_STEPS) --eval-every 50 --sample 0 > $(B)/train.log
+	./$(B)/train --steps $(PLOT_STEPS) --eval-every 50 --log-every 1 --sample 0 > $(B)/train.log
 	sh tools/plot_loss.sh $(B)/train.log $(B)/plots/train_loss.png
 
 # ---- drop-in, install ----------------------------------------------------------

@@ -88,7 +88,7 @@ static uint64_t mix64(uint64_t z) { /* splitmix64's finaliser */
 typedef struct {
     const char *data, *save, *resume, *prompt, *backend_name;
     int tp, cp, dp, layers, hidden, heads, seq, batch, steps, warmup, eval_every, eval_batches, sample, save_every;
-    int verify, top_k;
+    int verify, top_k, log_every; /* log_every 0: 1 up to 100 steps, else 10 */
     float lr, weight_decay, clip, temperature;
     uint64_t seed;
     cpar_dtype dtype;
@@ -112,6 +112,8 @@ static void usage(FILE *f) {
             "  --clip X             clip the global gradient norm to X; 0: off (default 1.0)\n"
             "  --dtype f32|bf16|f16 parameters and activations (default f32 on the host, bf16 on GPUs)\n"
             "  --eval-every N       validation loss every N steps (default 100)\n"
+            "  --log-every N        a step line every N steps, and the first and last (default 1 up to 100\n"
+            "                       steps, else 10)\n"
             "  --save DIR           write checkpoints to DIR/step_NNNNNN (at the end, and every --save-every)\n"
             "  --save-every N       also checkpoint every N steps\n"
             "  --resume DIR         continue from a checkpoint (any grid): DIR/step_NNNNNN, or a --save\n"
@@ -185,6 +187,7 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--weight-decay")) o->weight_decay = parse_float(a, v, 0.f, 10.f, &bad);
         else if (!strcmp(a, "--clip")) o->clip = parse_float(a, v, 0.f, 1e9f, &bad);
         else if (!strcmp(a, "--eval-every")) o->eval_every = parse_int(a, v, 0, 1 << 30, &bad);
+        else if (!strcmp(a, "--log-every")) o->log_every = parse_int(a, v, 1, 1 << 30, &bad);
         else if (!strcmp(a, "--save")) o->save = v;
         else if (!strcmp(a, "--save-every")) o->save_every = parse_int(a, v, 0, 1 << 30, &bad);
         else if (!strcmp(a, "--resume")) o->resume = v;
@@ -1524,7 +1527,9 @@ static cpar_status rank_main(cpar_ctx *ctx, void *arg) {
         const double dt = now_s() - t0;
         t_train += dt, done++, last_loss = loss;
         if (st == CPAR_OK && cpar_rank(ctx) == 0 && j->losses) j->losses[step] = loss;
-        if (st == CPAR_OK && talk) {
+        const int every = o->log_every ? o->log_every : o->steps <= 100 ? 1 : 10;
+        const bool line = step == first || step + 1 == j->last || (step + 1) % every == 0;
+        if (st == CPAR_OK && talk && line) {
             printf("step %5lld/%d | loss %.4f | lr %.2e | grad norm %6.3f | %7.1f ms | %8.0f tok/s", (long long)step + 1,
                    o->steps, loss, (double)lr, (double)norm, dt * 1e3, tokens / dt);
             if (gpu) printf(" | %.1f TFLOP/s", flops_per_token * tokens / dt / 1e12);

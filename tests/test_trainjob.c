@@ -302,6 +302,18 @@ START_TEST(test_bad_checkpoints) {
 }
 END_TEST
 
+/* Step lines every --log-every steps, and the first and the last. */
+START_TEST(test_log_every) {
+    proc p;
+    run_train(&p, (const char *const[]){SMALL, "--steps", "25", "--verify", "0", "--log-every", "10", NULL});
+    double l[32];
+    ASSERT_RUN(&p, p.status == 0 && losses(p.text[0], l, 32) == 4);
+    ASSERT_RUN(&p, strstr(p.text[0], "step     1/25 |") && strstr(p.text[0], "step    10/25 |") &&
+                       strstr(p.text[0], "step    20/25 |") && strstr(p.text[0], "step    25/25 |"));
+    proc_free(&p);
+}
+END_TEST
+
 START_TEST(test_bad_flags) {
     static const char *const cases[][3] = {
         {"--tp", "3", "--heads 4 is not divisible by --tp 3"},
@@ -311,6 +323,7 @@ START_TEST(test_bad_flags) {
         {"--frobnicate", "1", "unknown flag"},
         {"--data", "/nonexistent/file", "cannot open /nonexistent/file"},
         {"--backend", "mpi", "--backend expects host, nccl or device"},
+        {"--log-every", "0", "--log-every expects an integer in [1,"},
         /* named, never a silent fall-back to host (no GPU where make test runs) */
         {"--backend", "nccl", "--backend nccl is not available here"},
     };
@@ -399,6 +412,7 @@ int main(void) {
         tcase_add_test(tc, test_seed_repeats);
         tcase_add_test(tc, test_resume);
         tcase_add_test(tc, test_bad_checkpoints);
+        tcase_add_test(tc, test_log_every);
         tcase_add_test(tc, test_bad_flags);
     } else {
         tcase_add_test(tc, test_device_training);
