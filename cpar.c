@@ -4701,6 +4701,18 @@ static bool cpar__wait_needs(const cpar__hcomm *hc, int me, const cpar__wait *w,
 
 /* Block (job->mu held) until w is done, the job fails, a needed member has
  * exited, or the deadline passes. */
+/* The world ranks w still needs, "1,3" into who; returns how many. */
+static int cpar__wait_who(const cpar_group *g, const cpar__wait *w, char *who, size_t cap) {
+    const cpar__hcomm *hc = g->hc;
+    size_t len = 0;
+    int missing = 0;
+    who[0] = 0;
+    for (int m = 0; m < hc->n && len + 16 < cap; m++)
+        if (cpar__wait_needs(hc, g->rank, w, m))
+            len += (size_t)snprintf(who + len, cap - len, "%s%d", missing++ ? "," : "", hc->world_ranks[m]);
+    return missing;
+}
+
 static cpar_status cpar__wait_locked(cpar_group *g, const char *fn, const cpar__wait *w, int64_t deadline) {
     cpar__hcomm *hc = g->hc;
     cpar__job *job = hc->job;
@@ -4734,11 +4746,8 @@ static cpar_status cpar__wait_locked(cpar_group *g, const char *fn, const cpar__
         int64_t left = deadline - cpar__now_ms();
         if (left > 0) {
             if (cpar__now_ms() >= progress.next_ms) {
-                char who[128] = "";
-                size_t len = 0;
-                for (int m = 0; m < hc->n && len < sizeof who - 16; m++)
-                    if (cpar__wait_needs(hc, g->rank, w, m))
-                        len += (size_t)snprintf(who + len, sizeof who - len, "%s%d", len ? "," : "", hc->world_ranks[m]);
+                char who[256];
+                cpar__wait_who(g, w, who, sizeof who);
                 cpar__progress_tick(&progress, ctx->rank, deadline, "%s: waiting for rank %s in the %s: is every "
                                     "rank making the same calls?", fn, who, what);
             }
@@ -4747,12 +4756,7 @@ static cpar_status cpar__wait_locked(cpar_group *g, const char *fn, const cpar__
             continue;
         }
         char who[256];
-        size_t len = 0;
-        int missing = 0;
-        who[0] = 0;
-        for (int m = 0; m < hc->n && len < sizeof who - 16; m++)
-            if (cpar__wait_needs(hc, g->rank, w, m))
-                len += (size_t)snprintf(who + len, sizeof who - len, "%s%d", missing++ ? "," : "", hc->world_ranks[m]);
+        int missing = cpar__wait_who(g, w, who, sizeof who);
         /* A timed-out job is broken: release the peers that are still waiting. */
         if (!job->failed) {
             job->failed = true;

@@ -544,12 +544,13 @@ END_TEST
  * the poison in place. */
 static cpar_status rank_pinned(cpar_ctx *ctx, void *arg) {
     (void)arg;
-    enum { N = 4099, V = 64, H = 8 };
+    enum { N = 4099, V = 96, H = 8 }; /* V divisible by 1-4 ranks */
     int64_t shape[1] = {N}, mshape[2] = {V, H};
     float *a, *b, *m;
     TU_FAILS(cpar_pinned_alloc(ctx, 16, NULL), CPAR_ERR_INVALID, "cpar_pinned_alloc: out is NULL");
     TU_FAILS(cpar_pinned_alloc(NULL, 16, (void **)&a), CPAR_ERR_INVALID, "cpar_pinned_alloc: ctx is NULL");
     TU_FAILS(cpar_pinned_free(NULL, NULL), CPAR_ERR_INVALID, "cpar_pinned_free: ctx is NULL");
+    TU_FAILS(cpar_pinned_alloc(ctx, (size_t)PTRDIFF_MAX + 1, (void **)&a), CPAR_ERR_INVALID, "bytes");
     TU_OK(cpar_pinned_alloc(ctx, 0, (void **)&a));
     ck_assert_ptr_null(a);
     TU_OK(cpar_pinned_alloc(ctx, N * sizeof(float), (void **)&a));
@@ -976,7 +977,7 @@ Suite *suite(void) {
     tc = tcase_create("contexts");
     tcase_add_test(tc, test_spawn_bad_input);
     tcase_add_test(tc, test_backends);
-    tcase_add_loop_test(tc, test_pinned, 0, 2);
+    tcase_add_loop_test(tc, test_pinned, 0, 4); /* 1-4 ranks: the embedding's vocabulary split */
     tcase_add_test(tc, test_accessors);
     tcase_add_test(tc, test_default_timeout);
     tcase_add_test(tc, test_init_from_env);
