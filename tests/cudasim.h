@@ -60,7 +60,8 @@
  *   cudasim_schedule_name, cudasim_last_message, cudasim_switch_count,
  *   cudasim_set_device_count, cudasim_set_memory_limit, cudasim_bytes_in_use,
  *   cudasim_check_memory, cudasim_set_streams, cudasim_get_streams,
- *   cudasim_streams_name, cudasim_drain; macros CPAR_LAUNCH, CPAR_DYN_SMEM, CUDASIM.
+ *   cudasim_streams_name, cudasim_drain, cudasim_fail_launch; macros
+ *   CPAR_LAUNCH, CPAR_DYN_SMEM, CUDASIM.
  *
  * Contents
  *   0. Configuration and includes
@@ -446,6 +447,12 @@ inline size_t cudasim_bytes_in_use(int dev);
 /* Checks the guard bytes around every live allocation; returns how many were
  * overwritten (0 = none) and names the first in cudasim_last_message(). */
 inline int cudasim_check_memory(void);
+/* Fault injection: the n-th kernel launch from now on by this host thread
+ * fails at issue with cudaErrorLaunchOutOfResources, as a launch a GPU
+ * cannot fit would; 0 disarms. Plain C linkage and weak, defined in every
+ * translation unit that includes this header, so a C test linked with a
+ * simulator build can call it (and test for it with a weak declaration). */
+extern "C" void cudasim_fail_launch(int n);
 
 /* When stream work runs (process-wide; default CUDASIM_STREAMS, else eager):
  * eager at issue; lazy only when a host call forces it, as late as it can;
@@ -513,6 +520,7 @@ struct HostThread {
     cudaError_t pending = cudaSuccess;    /* kernel fault, also returned by the next synchronize */
     std::string message;
     int device = 0;
+    int fail_launch_in = 0; /* cudasim_fail_launch: launches until the one that fails, 0 = none */
     /* schedule */
     cudasim_schedule schedule = CUDASIM_SCHED_FORWARD;
     unsigned long long seed = 1, rng = 1;
@@ -2977,6 +2985,10 @@ inline bool launch_config_ok(HostThread &h, const LaunchInfo &L) {
     char at[300];
     snprintf(at, sizeof at, "CPAR_LAUNCH(%s) at %s:%d", L.name, L.file, L.line);
     unsigned long long nthreads = (unsigned long long)b.x * b.y * b.z;
+    if (h.fail_launch_in > 0 && --h.fail_launch_in == 0) {
+        rt_fail(cudaErrorLaunchOutOfResources, "%s: failed on purpose (cudasim_fail_launch)", at);
+        return false;
+    }
     if (device_count() == 0) {
         rt_fail(cudaErrorNoDevice, "%s: no device (CUDASIM_DEVICES=0)", at);
         return false;
@@ -3583,5 +3595,8 @@ inline const char *cudasim_streams_name(cudasim_streams mode) {
     return mode == CUDASIM_STREAMS_LAZY ? "lazy" : mode == CUDASIM_STREAMS_RANDOM ? "random" : "eager";
 }
 inline int cudasim_drain(void) { return cudasim::detail::drain(-1); }
+extern "C" __attribute__((weak, used)) void cudasim_fail_launch(int n) {
+    cudasim::detail::host().fail_launch_in = n > 0 ? n : 0;
+}
 
 #endif /* CUDASIM_H */

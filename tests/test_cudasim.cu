@@ -959,6 +959,24 @@ START_TEST(test_invalid_launch_configs) {
         CK_CUDA(cudaFree(big));
         expect_good_launch_after_failure(sc, buf);
     }
+    /* injected: the second launch from now fails at issue and never runs;
+     * the first and the third run */
+    poison(buf, 64 * 4);
+    cudasim_fail_launch(2);
+    CPAR_LAUNCH(fill_kernel, 1, 32, 0, 0)(buf, 3);
+    ck_assert_int_eq(cudaGetLastError(), cudaSuccess);
+    CPAR_LAUNCH(fill_kernel, 1, 32, 0, 0)(buf + 32, 4);
+    ck_assert_int_eq(cudaGetLastError(), cudaErrorLaunchOutOfResources);
+    ck_assert_ptr_nonnull(strstr(cudasim_last_message(), "cudasim_fail_launch"));
+    std::vector<int> r = from_dev(buf, 64);
+    for (int i = 0; i < 64; i++) EXPECT_EQ(r[i], i < 32 ? 3 : -1);
+    CPAR_LAUNCH(fill_kernel, 1, 32, 0, 0)(buf + 32, 5);
+    ck_assert_int_eq(cudaGetLastError(), cudaSuccess);
+    ck_assert_int_eq(from_dev(buf, 64)[40], 5);
+    cudasim_fail_launch(1);
+    cudasim_fail_launch(0); /* disarmed */
+    CPAR_LAUNCH(fill_kernel, 1, 32, 0, 0)(buf, 6);
+    ck_assert_int_eq(cudaGetLastError(), cudaSuccess);
     CK_CUDA(cudaFree(buf));
 }
 END_TEST

@@ -279,6 +279,53 @@ START_TEST(test_rank_sleeps) {
 }
 END_TEST
 
+/* ---- a rank ends with its work still queued --------------------------------- */
+
+/* The peers queue a collective the victim never joins and return; the
+ * victim stays away past the deadline, then makes a call. A queued NCCL
+ * operation fails nothing at once, so the peers meet the stuck work in
+ * cpar_finalize (cpar_spawn's), which must give up at the deadline and say
+ * so to the job, not block in the communicators' destruction or cudaFree.
+ * On the host backend the collective itself times out. */
+static cpar_status rank_leaves_work_queued(cpar_ctx *ctx, void *p) {
+    fault_arg *a = p;
+    int r = cpar_rank(ctx);
+    TU_OK(rank_healthy(ctx, NULL));
+    if (r == a->victim) {
+        sleep_ms(a->timeout_ms * 2);
+        int64_t t0 = now_ms();
+        a->st[r] = cpar_barrier(cpar_world_group(ctx));
+        a->ms[r] = now_ms() - t0;
+        snprintf(a->msg[r], sizeof a->msg[r], "%s", cpar_last_error(ctx));
+        return a->st[r];
+    }
+    int64_t shape[] = {4};
+    float *x = tu_random_host(CPAR_F32, 4, 5 + r);
+    cpar_tensor in = tu_upload(ctx, x, CPAR_F32, 1, shape), out = tu_alloc_poisoned(ctx, CPAR_F32, 1, shape);
+    free(x);
+    a->st[r] = cpar_all_reduce(cpar_world_group(ctx), &in, &out, CPAR_SUM);
+    if (a->st[r] != CPAR_OK) { /* failed in the call (host backend): nothing is queued */
+        TU_OK(cpar_tensor_free(ctx, &in));
+        TU_OK(cpar_tensor_free(ctx, &out));
+    } /* else the tensors stay: freeing one would wait for the queued work first */
+    return a->st[r];
+}
+
+START_TEST(test_rank_leaves_work_queued) {
+    fault_arg a = {.victim = 1};
+    cpar_status st = job(3, DEADLINE_MS, rank_leaves_work_queued, &a);
+    ck_assert_msg(st != CPAR_OK, "cpar_spawn returned CPAR_OK");
+    /* By the time the victim calls, a peer gave up on the stuck work and the
+     * job knows: the victim fails at once, naming that peer. */
+    ck_assert_msg(a.st[1] == CPAR_ERR_PEER, "the late rank got %s (%s)", cpar_status_string(a.st[1]), a.msg[1]);
+    ck_assert_msg(names_rank(a.msg[1], 0) || names_rank(a.msg[1], 2), "\"%s\" names neither rank 0 nor rank 2",
+                  a.msg[1]);
+    ck_assert_msg(a.ms[1] < DEADLINE_MS / 2, "the late rank's call took %lld ms (deadline %d ms)", (long long)a.ms[1],
+                  DEADLINE_MS);
+    expect_healthy();
+}
+END_TEST
+
 /* ---- ranks disagree on the collective ---------------------------------------- */
 
 typedef enum { MIS_KIND, MIS_DTYPE, MIS_SIZE, MIS_OP, MIS_ROOT, MIS_SPLIT, MIS_P2P_DTYPE, MIS_COUNT } mismatch;
@@ -556,6 +603,10 @@ Suite *suite(void) {
     tcase_add_loop_test(tc, test_rank_sleeps, 0, 2 * OP_COUNT); /* 2 ranks, then 4 */
     tcase_add_test(tc, test_wait_reports);
     tcase_set_timeout(tc, 120);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("queued");
+    tcase_add_test(tc, test_rank_leaves_work_queued);
+    tcase_set_timeout(tc, 60);
     suite_add_tcase(s, tc);
     tc = tcase_create("disagreement");
     tcase_add_loop_test(tc, test_mismatch, 0, MIS_COUNT);

@@ -533,6 +533,68 @@ START_TEST(test_ring_non_causal) {
 }
 END_TEST
 
+/* ---- a launch failing mid-ring ---------------------------------------------------------------- */
+
+/* The CUDA simulator's fault injection (tests/cudasim.h): absent from the
+ * host and CUDA builds, where the test has nothing to inject. */
+void cudasim_fail_launch(int n) __attribute__((weak));
+
+typedef struct {
+    cpar_status st[4], free_st[4], again[4];
+    char msg[4][512];
+} midring_arg;
+
+/* The ring's second block kernel fails at its launch (as one a GPU cannot
+ * fit would), with the KV exchange for the next block queued on comm. The
+ * call must leave comm joined into compute (cpar__ring_finish) so that the
+ * caller's frees, which wait for compute only, come after that exchange: the
+ * NCCL simulator refuses a cudaFree with NCCL work queued (on a GPU it would
+ * wait for the exchange, and hang NCCL). A tensor is freed at once, before a
+ * later call's own waits could join comm; the same call then runs clean. */
+static cpar_status rank_ring_midway(cpar_ctx *ctx, void *arg) {
+    midring_arg *a = arg;
+    const int r = cpar_rank(ctx);
+    cpar_group *g = cpar_world_group(ctx);
+    const int64_t qs[4] = {1, 2, 8, 16}, ls[3] = {1, 2, 8};
+    void *hq = tu_random_host(CPAR_BF16, 256, 70 + r), *hk = tu_random_host(CPAR_BF16, 256, 80 + r);
+    void *hv = tu_random_host(CPAR_BF16, 256, 90 + r);
+    cpar_tensor q = tu_upload(ctx, hq, CPAR_BF16, 4, qs), k = tu_upload(ctx, hk, CPAR_BF16, 4, qs);
+    cpar_tensor v = tu_upload(ctx, hv, CPAR_BF16, 4, qs), out = tu_alloc_poisoned(ctx, CPAR_BF16, 4, qs);
+    cpar_tensor lse = tu_alloc_poisoned(ctx, CPAR_F32, 3, ls), scratch = tu_alloc_poisoned(ctx, CPAR_F32, 3, ls);
+    const cpar_ring_attention_config cfg = {.rotate = CPAR_ROTATE_ALLTOALL};
+    TU_OK(cpar_sync(ctx));
+    cudasim_fail_launch(2);
+    a->st[r] = cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &out, &lse);
+    cudasim_fail_launch(0);
+    snprintf(a->msg[r], sizeof a->msg[r], "%s", cpar_last_error(ctx));
+    a->free_st[r] = cpar_tensor_free(ctx, &scratch); /* at once: before any later call joins comm */
+    a->again[r] = cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &out, &lse);
+    if (a->again[r] == CPAR_OK) a->again[r] = cpar_sync(ctx);
+    cpar_tensor *all[] = {&q, &k, &v, &out, &lse};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+        cpar_status fs = cpar_tensor_free(ctx, all[i]);
+        if (a->free_st[r] == CPAR_OK) a->free_st[r] = fs;
+    }
+    free(hq), free(hk), free(hv);
+    return CPAR_OK;
+}
+
+START_TEST(test_ring_fails_midway) {
+    if (!cudasim_fail_launch || !on_device()) return; /* a simulator build's device paths only */
+    const int P = 3 + _i;
+    midring_arg a = {0};
+    TU_OK(tu_spawn(P, rank_ring_midway, &a));
+    for (int r = 0; r < P; r++) {
+        ck_assert_msg(a.st[r] == CPAR_ERR_CUDA && strstr(a.msg[r], "too many resources requested for launch"),
+                      "cp %d, rank %d: the failed launch gave %s (%s)", P, r, cpar_status_string(a.st[r]), a.msg[r]);
+        ck_assert_msg(a.again[r] == CPAR_OK, "cp %d, rank %d: the call after the failure gave %s", P, r,
+                      cpar_status_string(a.again[r]));
+        ck_assert_msg(a.free_st[r] == CPAR_OK, "cp %d, rank %d: freeing the tensors gave %s", P, r,
+                      cpar_status_string(a.free_st[r]));
+    }
+}
+END_TEST
+
 /* ---- bad arguments -------------------------------------------------------------------------- */
 
 static cpar_status rank_ring_bad(cpar_ctx *ctx, void *arg) {
@@ -819,6 +881,7 @@ static Suite *suite(void) {
         {"ring_packed", test_ring_packed, 8},
         {"ring_merge_kernel", test_ring_merge_kernel, 1},
         {"ring_bad_args", test_ring_bad_args, 2},
+        {"ring_fails_midway", test_ring_fails_midway, 2},
     };
     tu_add_loops(s, loops, sizeof loops / sizeof loops[0], 240);
     return s;
