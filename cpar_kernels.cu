@@ -2011,6 +2011,43 @@ static constexpr int CPAR__ATTN_WARPS = 4;    /* 16 query rows each */
 static constexpr int CPAR__ATTN_THREADS = 32 * CPAR__ATTN_WARPS;
 static constexpr float CPAR__LOG2E = 1.4426950408889634f;
 
+/* What an attention kernel knows at compile time (all three kernels take
+ * one). A plain instantiation (GENERAL false: no packed sequences, no
+ * dropout) knows the head dim exactly (d == DT) and whether it is causal,
+ * so every bound on d folds away and no trace of the masks it never applies
+ * stays in it (ptxas interleaves the ldmatrix loads with the mma's only
+ * then: tools/kernel_report.sh). The general instantiation reads d (any
+ * d <= DT, d % 8 == 0), causal, packing and dropout at run time: packed or
+ * dropout blocks and head dims other than 64 and 128 take it. */
+template <int DT_, bool GENERAL_, bool CAUSAL_ = false> struct cpar__attn_var {
+    static constexpr int DT = DT_;
+    static constexpr bool GENERAL = GENERAL_;
+    /* __launch_bounds__'s minimum CTAs per SM, so registers per thread at
+     * most 65536 / (128 · CTAs): the plain forward in 3 (d 128: <= 168) or
+     * 4 (d 64: <= 128) and the plain dq kernel at d 64 in 4 (causal: 3, its
+     * masks spilled at 4), without spilling (tools/kernel_report.sh); the
+     * rest in 2 (<= 255: left to itself, ptxas spilled in some of them to
+     * stay under its own target). */
+    static constexpr int FWD_CTAS = GENERAL ? 2 : DT == 128 ? 3 : 4;
+    static constexpr int DQ_CTAS = GENERAL || DT == 128 ? 2 : CAUSAL_ ? 3 : 4;
+    static __device__ __forceinline__ int d(int64_t run_time) { return GENERAL ? (int)run_time : DT; }
+    static __device__ __forceinline__ bool causal(bool run_time) { return GENERAL ? run_time : CAUSAL_; }
+    static __device__ __forceinline__ bool packed(const cpar_dev_attn_pos &qp, const cpar_dev_attn_pos &kp) {
+        return GENERAL && qp.cu != NULL && kp.cu != NULL;
+    }
+    static __device__ __forceinline__ bool drop(float p) { return GENERAL && p > 0.f; }
+};
+
+/* Calls launch(V{}) with the instantiation that fits a: a plain one when
+ * nothing but d in {64, 128} and causal matter, else the general one of the
+ * smallest tile that holds d. */
+template <typename L> static cudaError_t cpar__attn_dispatch(const cpar_dev_attn &a, L &&launch) {
+    const bool general = a.qp.cu != NULL || a.kp.cu != NULL || a.dropout_p > 0.f || (a.d != 64 && a.d != 128);
+    if (general) return a.d <= 64 ? launch(cpar__attn_var<64, true>{}) : launch(cpar__attn_var<128, true>{});
+    if (a.d == 64) return a.causal ? launch(cpar__attn_var<64, false, true>{}) : launch(cpar__attn_var<64, false>{});
+    return a.causal ? launch(cpar__attn_var<128, false, true>{}) : launch(cpar__attn_var<128, false>{});
+}
+
 /* Asynchronous 16-byte global -> shared copies (cp.async, sm_80+): the K/V
  * tile of the next step is in flight while the tensor cores work on this
  * one. cp.async has no simulator model, so the sim build copies at once and
@@ -2203,54 +2240,67 @@ static __device__ __forceinline__ bool cpar__attn_keep(const cpar_rng_state &rng
 
 /* a: the attention (q, k, v at the (b, h) slices' bases below); out (OutT)
  * [b, hq, sq, d] with (b,h) stride o_bh; lse f32 with stride lse_bh. */
-template <typename T, int DT>
-static __global__ void __launch_bounds__(CPAR__ATTN_THREADS)
+template <typename T, class V>
+static __global__ void __launch_bounds__(CPAR__ATTN_THREADS, V::FWD_CTAS)
     cpar__attn_fwd_kernel(const cpar_dev_attn a, void *__restrict__ out, bool out_f32, int64_t o_bh,
                           float *__restrict__ lse, int64_t lse_bh, bool vec, float keep_scale, bool skip_tiles) {
-    constexpr int LD = DT + 8; /* +16 bytes: conflict-free ldmatrix rows */
+    constexpr int DT = V::DT, LD = DT + 8; /* +16 bytes: conflict-free ldmatrix rows */
     constexpr int KSTEPS = DT / 16, NB = CPAR__ATTN_BN / 8, OB = DT / 8;
-    __shared__ __align__(16) T sk[CPAR__ATTN_BN * LD]; /* also stages the Q tile */
-    __shared__ __align__(16) T sv[CPAR__ATTN_BN * LD];
+    /* Q's A fragments stay in registers for the whole KV loop at d 64; at
+     * d 128 they would take 32 of them (the kernel then spilled at 3 CTAs
+     * per SM), so Q stays in its own shared tile and each KV tile reloads the
+     * fragments, as FlashAttention-2 does (8 more ldmatrix per warp and
+     * tile, against 64 for K and V). */
+    constexpr bool Q_SHARED = DT == 128;
+    CPAR_DYN_SMEM(unsigned char, smem); /* K, V [BN][LD], then Q [BM][LD] when Q_SHARED, else Q staged in K's */
+    T *sk = reinterpret_cast<T *>(smem), *sv = sk + CPAR__ATTN_BN * LD, *sq = Q_SHARED ? sv + CPAR__ATTN_BN * LD : sk;
 
     const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5), g = lane >> 2, t = lane & 3;
-    const int d = (int)a.d;
+    const int d = V::d(a.d);
+    const bool causal = V::causal(a.causal), packed = V::packed(a.qp, a.kp), drop = V::drop(a.dropout_p);
     const int64_t bh = blockIdx.x, bi = bh / a.hq, hi = bh % a.hq;
     const int64_t kvh = bi * a.hkv + hi / (a.hq / a.hkv);
-    const int64_t q0 = (int64_t)(gridDim.y - 1 - blockIdx.y) * CPAR__ATTN_BM;
+    /* 32-bit row and key indices (sq, sk < 2^31 - 64: checked at launch) spare registers */
+    const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * CPAR__ATTN_BM;
     const T *q = static_cast<const T *>(a.q) + bh * a.q_bh;
     const T *k = static_cast<const T *>(a.k) + kvh * a.kv_bh;
     const T *v = static_cast<const T *>(a.v) + kvh * a.kv_bh;
     const int ksteps = (d + 15) / 16; /* k-steps of 16 that hold any of the d columns */
     const float sl2 = a.scale * CPAR__LOG2E;
 
-    /* Q tile -> A fragments (registers) for the whole KV loop */
-    cpar__attn_stage<T, DT, LD>(sk, q, q0, a.sq, d, vec);
+    /* the Q tile, and (not Q_SHARED) its A fragments for the whole KV loop */
+    cpar__attn_stage<T, DT, LD>(sq, q, q0, a.sq, d, vec);
     cpar__attn_cp_wait<0>();
     __syncthreads();
-    uint32_t qf[KSTEPS][4] = {};
+    const T *qrow = sq + (warp * 16 + (lane & 15)) * LD + 8 * (lane >> 4); /* this lane's ldmatrix row of Q */
+    uint32_t qf[Q_SHARED ? 1 : KSTEPS][4] = {};
+    if constexpr (!Q_SHARED) {
 CPAR__UNROLL
-    for (int kk = 0; kk < KSTEPS; kk++)
-        if (kk < ksteps) cpar__ldmatrix_x4(qf[kk], &sk[(warp * 16 + (lane & 15)) * LD + kk * 16 + 8 * (lane >> 4)]);
+        for (int kk = 0; kk < KSTEPS; kk++)
+            if (kk < ksteps) cpar__ldmatrix_x4(qf[kk], qrow + kk * 16);
+    }
 
     float o[OB][4];
 CPAR__UNROLL
     for (int nb = 0; nb < OB; nb++) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; /* rows g and g+8: raw-score max, partial sum */
-    const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
-    const bool drop = a.dropout_p > 0.f;
-    const uint64_t qpos[2] = {(uint64_t)cpar__attn_pos(a.qp, row[0]), (uint64_t)cpar__attn_pos(a.qp, row[1])};
+    const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    const uint64_t qpos[2] = {drop ? (uint64_t)cpar__attn_pos(a.qp, row[0]) : 0,
+                              drop ? (uint64_t)cpar__attn_pos(a.qp, row[1]) : 0};
 
     /* Pipeline (FA2's): K(j) and V(j) are separate copy groups; V(j) lands
      * while S(j) is computed, K(j+1) while O += P(j) V(j) is. */
     /* packed: the key tiles that some row of this tile may see (masked per weight within) */
-    const bool packed = a.qp.cu != NULL && a.kp.cu != NULL;
-    int64_t kv_begin, kv_end;
-    cpar__attn_visible<true>(a.qp, a.kp, packed && skip_tiles, a.causal, q0, CPAR__ATTN_BM, a.sq, a.sk, CPAR__ATTN_BN,
-                             &kv_begin, &kv_end);
-    if (a.causal && !packed && q0 + CPAR__ATTN_BM < kv_end) kv_end = q0 + CPAR__ATTN_BM;
-    __syncthreads(); /* every warp has its Q fragments: sk is free for K */
+    int kv_begin = 0, kv_end = (int)a.sk;
+    if (packed) {
+        int64_t r0, r1;
+        cpar__attn_visible<true>(a.qp, a.kp, skip_tiles, causal, q0, CPAR__ATTN_BM, a.sq, a.sk, CPAR__ATTN_BN, &r0, &r1);
+        kv_begin = (int)r0, kv_end = (int)r1;
+    }
+    if (causal && !packed && q0 + CPAR__ATTN_BM < kv_end) kv_end = q0 + CPAR__ATTN_BM;
+    __syncthreads(); /* every warp has its Q fragments: sk is free for K (unless Q_SHARED: a barrier to spare) */
     if (kv_begin < kv_end) cpar__attn_stage<T, DT, LD>(sk, k, kv_begin, a.sk, d, vec);
-    for (int64_t j0 = kv_begin; j0 < kv_end; j0 += CPAR__ATTN_BN) {
+    for (int j0 = kv_begin; j0 < kv_end; j0 += CPAR__ATTN_BN) {
         cpar__attn_stage<T, DT, LD>(sv, v, j0, a.sk, d, vec); /* sv is free: barrier at the end of the last step */
         cpar__attn_cp_wait<1>();                              /* K(j) has landed (V(j) may be in flight) */
         __syncthreads();
@@ -2262,23 +2312,29 @@ CPAR__UNROLL
 CPAR__UNROLL
         for (int kk = 0; kk < KSTEPS; kk++) {
             if (kk >= ksteps) continue;
+            uint32_t qs[4];
+            const uint32_t *qa = qf[Q_SHARED ? 0 : kk];
+            if constexpr (Q_SHARED) {
+                cpar__ldmatrix_x4(qs, qrow + kk * 16);
+                qa = qs;
+            }
 CPAR__UNROLL
             for (int nb = 0; nb < NB; nb += 2) { /* keys 8nb .. 8nb+15: one x4 gives two B fragments */
                 uint32_t bf[4];
                 cpar__ldmatrix_x4(bf, &sk[(nb * 8 + (lane & 7) + 8 * (lane >> 4)) * LD + kk * 16 + 8 * ((lane >> 3) & 1)]);
-                cpar__mma_m16n8k16<T>(s[nb], qf[kk], &bf[0], s[nb]);
-                cpar__mma_m16n8k16<T>(s[nb + 1], qf[kk], &bf[2], s[nb + 1]);
+                cpar__mma_m16n8k16<T>(s[nb], qa, &bf[0], s[nb]);
+                cpar__mma_m16n8k16<T>(s[nb + 1], qa, &bf[2], s[nb + 1]);
             }
         }
 
         /* mask keys past sk and, causal, keys after the row (packed: other documents too) */
-        if (j0 + CPAR__ATTN_BN > a.sk || (a.causal && j0 + CPAR__ATTN_BN - 1 > q0) || packed) {
+        if (j0 + CPAR__ATTN_BN > a.sk || (causal && j0 + CPAR__ATTN_BN - 1 > q0) || packed) {
 CPAR__UNROLL
             for (int nb = 0; nb < NB; nb++)
 CPAR__UNROLL
                 for (int r = 0; r < 4; r++) {
-                    const int64_t j = j0 + nb * 8 + 2 * t + (r & 1);
-                    if (j >= a.sk || cpar__attn_hidden(a.qp, a.kp, packed, a.causal, row[r >> 1], j))
+                    const int j = j0 + nb * 8 + 2 * t + (r & 1);
+                    if (j >= a.sk || cpar__attn_hidden(a.qp, a.kp, packed, causal, row[r >> 1], j))
                         s[nb][r] = -INFINITY;
                 }
         }
@@ -2313,7 +2369,7 @@ CPAR__UNROLL
             for (int nb = 0; nb < NB; nb++)
 CPAR__UNROLL
                 for (int r = 0; r < 4; r++) {
-                    const int64_t j = j0 + nb * 8 + 2 * t + (r & 1);
+                    const int j = j0 + nb * 8 + 2 * t + (r & 1);
                     if (j < a.sk && !cpar__attn_keep(a.rng, a.dropout_p, (uint64_t)bh, qpos[r >> 1],
                                                      (uint64_t)cpar__attn_pos(a.kp, j)))
                         s[nb][r] = 0.f;
@@ -2352,7 +2408,7 @@ CPAR__UNROLL
         if (row[h] >= a.sq) continue;
         const bool empty = !(l[h] > 0.f); /* saw no key: out 0, lse -inf */
         const float inv = empty ? 0.f : 1.f / l[h];
-        const int64_t base = bh * o_bh + row[h] * d;
+        const int64_t base = bh * o_bh + (int64_t)row[h] * d;
 CPAR__UNROLL
         for (int nb = 0; nb < OB; nb++) {
             const int col = nb * 8 + 2 * t;
@@ -2370,12 +2426,18 @@ CPAR__UNROLL
     }
 }
 
-template <typename T, int DT>
+template <typename T, class V>
 static cudaError_t cpar__launch_attn_fwd(const cpar_dev_attn &a, void *out, bool out_f32, int64_t o_bh, float *lse,
                                          int64_t lse_bh, bool vec, dim3 grid, cudaStream_t s) {
-    auto kernel = cpar__attn_fwd_kernel<T, DT>;
+    auto kernel = cpar__attn_fwd_kernel<T, V>;
     const float keep_scale = 1.0f / (1.0f - a.dropout_p); /* on the host: cpar.c's cpar__attn_keep_scale */
-    CPAR_LAUNCH(kernel, grid, CPAR__ATTN_THREADS, 0, s)
+    const size_t smem = (size_t)(V::DT == 128 ? 3 : 2) * CPAR__ATTN_BN * (V::DT + 8) * sizeof(T); /* K, V (, Q) */
+    if (smem > 48 * 1024) {
+        const cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void *>(kernel),
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) return e;
+    }
+    CPAR_LAUNCH(kernel, grid, CPAR__ATTN_THREADS, smem, s)
     (a, out, out_f32, o_bh, lse, lse_bh, vec, keep_scale, cpar__attn_skip_hidden_tiles);
     return cudaGetLastError();
 }
@@ -2426,18 +2488,19 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
     if (bh > INT32_MAX || tiles > 65535)
         return CPAR__INVALID("b*hq = %lld, sq = %lld: grid (b*hq, sq/64) exceeds (2^31-1, 65535)", (long long)bh,
                              (long long)a->sq);
+    if (a->sk > INT32_MAX - CPAR__ATTN_BN)
+        return CPAR__INVALID("a->sk = %lld, expected < 2^31 - %d (32-bit key indices)", (long long)a->sk, CPAR__ATTN_BN);
     /* 16-byte staging loads need 16-byte aligned rows: d % 8 == 0 always, so the bases and (b,h) strides decide */
     const bool vec = cpar__aligned(16, a->q, a->k) && cpar__aligned(16, a->v) && a->q_bh % 8 == 0 && a->kv_bh % 8 == 0;
     const dim3 grid((unsigned)bh, (unsigned)tiles);
     const bool f32 = out_dt == CPAR_F32;
     const cudaStream_t cs = cpar__stream(s);
-    cudaError_t e;
-    if (a->dt == CPAR_F16)
-        e = a->d <= 64 ? cpar__launch_attn_fwd<__half, 64>(*a, out, f32, o_bh, lse, lse_bh, vec, grid, cs)
-                       : cpar__launch_attn_fwd<__half, 128>(*a, out, f32, o_bh, lse, lse_bh, vec, grid, cs);
-    else
-        e = a->d <= 64 ? cpar__launch_attn_fwd<__nv_bfloat16, 64>(*a, out, f32, o_bh, lse, lse_bh, vec, grid, cs)
-                       : cpar__launch_attn_fwd<__nv_bfloat16, 128>(*a, out, f32, o_bh, lse, lse_bh, vec, grid, cs);
+    const cudaError_t e = cpar__attn_dispatch(*a, [&](auto var) {
+        typedef decltype(var) V;
+        return a->dt == CPAR_F16 ? cpar__launch_attn_fwd<__half, V>(*a, out, f32, o_bh, lse, lse_bh, vec, grid, cs)
+                                 : cpar__launch_attn_fwd<__nv_bfloat16, V>(*a, out, f32, o_bh, lse, lse_bh, vec, grid,
+                                                                          cs);
+    });
     CPAR__TRY_CUDA(e, "attention forward kernel launch (%s, b*hq %lld, sq %lld, sk %lld, d %lld, %s)",
                    cpar__dtype_name(a->dt), (long long)bh, (long long)a->sq, (long long)a->sk, (long long)a->d,
                    a->causal ? "causal" : "full");
@@ -2474,12 +2537,16 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * P and dS are rounded to the input type for the mma (as FA2 does); every sum
  * is fp32. lse = -inf (a row that sees no key) and rows past sq become +inf in
  * the shared lse, so exp gives exactly 0 there. Instantiations: element type
- * × D (64, 128); causal and the dout dtype are runtime flags.
+ * × cpar__attn_var (plain d 64 and 128, causal or not; general d <= 64 and
+ * <= 128); the dout dtype is a run-time flag.
  * Traffic: dot reads out and dout once; dkdv reads k, v once and q, dout
  * (plus lse, Dsum) once per 64-key tile; dq reads q, dout once and k, v once
  * per 64-query tile (causal: about half of those tiles); dq, dk, dv are read
- * and written once. Global-to-shared copies are plain 16-byte loads (no
- * cp.async: no inline PTX outside k_mma.cu, and the simulator has none).
+ * and written once. Global-to-shared copies are cp.async (section 16's
+ * cpar__attn_cp16; through registers only for an f32 dout or a misaligned
+ * row), double buffered: the dkdv kernel's next (q head, query tile) step and
+ * the dq kernel's next key tile are in flight while the current one
+ * computes, two barriers per step as before.
  * Uses: 2 (errors), 4 (widen/narrow, packs), k_mma.cu (tensor-core wrappers). */
 
 /* CPAR__UNROLL: section 16's (full unrolling under nvcc, nothing under g++). */
@@ -2530,8 +2597,9 @@ template <int NB, typename F> static __device__ __forceinline__ void cpar__ab_ea
 
 /* Whether weight (query i, key j) is masked out: rows past sq and, packed,
  * cpar__attn_hidden's rule (rows past sq are padding of the last tile). */
-static __device__ __forceinline__ bool cpar__ab_hidden(const cpar__ab_args &p, bool packed, int64_t i, int64_t j) {
-    return (packed && i >= p.sq) || cpar__attn_hidden(p.qp, p.kp, packed, p.causal, i, j);
+static __device__ __forceinline__ bool cpar__ab_hidden(const cpar__ab_args &p, bool packed, bool causal, int64_t i,
+                                                       int64_t j) {
+    return (packed && i >= p.sq) || cpar__attn_hidden(p.qp, p.kp, packed, causal, i, j);
 }
 
 /* log2(e)·lse of query row i, +inf where P must be 0 (past sq, or lse = -inf:
@@ -2541,17 +2609,18 @@ static __device__ __forceinline__ float cpar__ab_lse2(const cpar__ab_args &p, in
     return l == -INFINITY ? INFINITY : l * CPAR__AB_LOG2E;
 }
 
-/* Shared bytes of a kernel holding two ROWS_A-row and two ROWS_B-row tiles of
- * T (row pitch D + 8) and two floats per query row. */
-template <typename T, int D> static constexpr size_t cpar__ab_smem(int rows_a, int rows_b, int q_rows) {
-    return (size_t)(2 * rows_a + 2 * rows_b) * (D + 8) * sizeof(T) + (size_t)2 * q_rows * sizeof(float);
+/* Shared bytes: `rows` tile rows of T (row pitch D + 8) and `floats` floats. */
+template <typename T, int D> static constexpr size_t cpar__ab_smem(int rows, int floats) {
+    return (size_t)rows * (D + 8) * sizeof(T) + (size_t)floats * sizeof(float);
 }
 
 static __device__ __forceinline__ bool cpar__ab_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 /* ROWS x D tile of T (row pitch D + 8) <- rows [0, nvalid) x cols [0, d) of
  * src (row pitch d, element T, or float when src_f32), zeros elsewhere.
- * 8-element chunks; 16-byte global loads where the address allows. */
+ * 8-element chunks: from T where the address allows by cp.async (the caller
+ * commits the group and waits for it before its barrier), else by 16-byte or
+ * element loads through registers (complete on return). */
 template <typename T, int D, int ROWS>
 static __device__ __forceinline__ void cpar__ab_load_tile(T *s, const void *src, bool src_f32, int64_t nvalid,
                                                           int d) {
@@ -2575,8 +2644,10 @@ static __device__ __forceinline__ void cpar__ab_load_tile(T *s, const void *src,
                 }
             } else {
                 const T *p = static_cast<const T *>(src) + (int64_t)r * d + col;
-                if (cpar__ab_aligned16(p)) v = cpar__load<8>(p);
-                else
+                if (cpar__ab_aligned16(p)) {
+                    cpar__attn_cp16(s + r * LD + col, p); /* asynchronous: the caller commits and waits */
+                    continue;
+                }
                     CPAR__UNROLL
                     for (int e = 0; e < 8; e++) v.v[e] = p[e];
             }
@@ -2658,105 +2729,138 @@ static __global__ void cpar__attn_bwd_dot_kernel(const O *__restrict__ out, cons
 }
 
 /* dK, dV of one 64-key tile (blockIdx.x) for batch·kv-head slices
- * blockIdx.y, += gridDim.y. Shared: K, V [64][D+8], Q, dO [BR][D+8] of T,
- * then lse·log2e (+inf where P must be 0) and Dsum [BR] fp32. 128 threads:
- * warp w owns keys [16w, 16w+16) of the tile. */
-template <typename T, int D, int BR>
-static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dkdv_kernel(const cpar__ab_args p) {
-    constexpr int BC = CPAR__AB_BC, LD = D + 8, NQ = BR / 8, ND = D / 8;
+ * blockIdx.y, += gridDim.y. Shared: K, V [64][D+8] of T, then two buffers of
+ * Q, dO [BR][D+8] of T and two of lse·log2e (+inf where P must be 0) and
+ * Dsum [BR] fp32: the steps (a q head of the GQA group and a query tile)
+ * alternate between them, the next step's copies (cp.async) in flight while
+ * this one computes. 128 threads: warp w owns keys [16w, 16w+16) of the tile. */
+template <typename T, class V, int BR>
+static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkdv_kernel(const cpar__ab_args p) {
+    constexpr int D = V::DT, BC = CPAR__AB_BC, LD = D + 8, NQ = BR / 8, ND = D / 8;
     CPAR_DYN_SMEM(unsigned char, smem);
-    T *sK = reinterpret_cast<T *>(smem), *sV = sK + BC * LD, *sQ = sV + BC * LD, *sdO = sQ + BR * LD;
-    float *sL = reinterpret_cast<float *>(sdO + BR * LD), *sD = sL + BR;
+    T *sK = reinterpret_cast<T *>(smem), *sV = sK + BC * LD, *sQO = sV + BC * LD;
+    float *sLD = reinterpret_cast<float *>(sQO + 4 * BR * LD);
     const int m0 = (int)(threadIdx.x >> 5) * 16;
     const int64_t j0 = (int64_t)blockIdx.x * BC, group = p.hq / p.hkv;
-    const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed, drop = p.dropout_p > 0.f;
-    int64_t i_first, i_end; /* packed: the query tiles that may see a key of this tile */
-    cpar__attn_visible<false>(p.kp, p.qp, packed && p.skip_tiles, p.causal, j0, BC, p.sk, p.sq, BR, &i_first, &i_end);
+    const int d = V::d(p.d);
+    const bool causal = V::causal(p.causal), packed = V::packed(p.qp, p.kp), drop = V::drop(p.dropout_p);
+    const bool skip = causal && !packed;
+    int64_t i_first = 0, i_end = p.sq; /* packed: the query tiles that may see a key of this tile */
+    if (packed) cpar__attn_visible<false>(p.kp, p.qp, p.skip_tiles, causal, j0, BC, p.sk, p.sq, BR, &i_first, &i_end);
     if (skip) i_first = j0 / BR * BR;  /* earlier query tiles see none of these keys */
     if (skip && i_first >= p.sq) return; /* block-uniform: no query sees them at all */
+    const int64_t ntiles = i_end > i_first ? (i_end - i_first + BR - 1) / BR : 0, steps = group * ntiles;
+    const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
     for (int64_t bh = blockIdx.y; bh < p.b * p.hkv; bh += gridDim.y) {
         const int64_t bi = bh / p.hkv, hk = bh % p.hkv;
-        __syncthreads(); /* the previous slice's readers of sK/sV are done */
-        cpar__ab_load_tile<T, D, BC>(sK, static_cast<const T *>(p.k) + bh * p.kv_bh + j0 * p.d, false, p.sk - j0, p.d);
-        cpar__ab_load_tile<T, D, BC>(sV, static_cast<const T *>(p.v) + bh * p.kv_bh + j0 * p.d, false, p.sk - j0, p.d);
+        /* step n: q head hk·group + n / ntiles, query tile i_first + (n % ntiles)·BR, buffer n % 2 */
+        auto step_rows = [&](int64_t n, int64_t *qbh, int64_t *i0) {
+            *qbh = bi * p.hq + hk * group + n / ntiles, *i0 = i_first + n % ntiles * BR;
+        };
+        auto stage = [&](int64_t n) { /* issue step n's copies; its buffer's readers are done */
+            int64_t qbh, i0;
+            step_rows(n, &qbh, &i0);
+            T *q_s = sQO + (n & 1) * 2 * BR * LD;
+            float *l_s = sLD + (n & 1) * 2 * BR;
+            cpar__ab_load_tile<T, D, BR>(q_s, static_cast<const T *>(p.q) + qbh * p.q_bh + i0 * d, false, p.sq - i0, d);
+            cpar__ab_load_tile<T, D, BR>(q_s + BR * LD,
+                                         static_cast<const char *>(p.dout) + (size_t)(qbh * p.o_bh + i0 * d) * osz,
+                                         p.dout_f32, p.sq - i0, d);
+            for (int r = (int)threadIdx.x; r < BR; r += (int)blockDim.x) {
+                const int64_t i = i0 + r;
+                l_s[r] = cpar__ab_lse2(p, qbh, i);
+                l_s[BR + r] = i < p.sq ? p.dsum[qbh * p.sq + i] : 0.f;
+            }
+        };
+        __syncthreads(); /* the previous slice's readers are done */
+        cpar__ab_load_tile<T, D, BC>(sK, static_cast<const T *>(p.k) + bh * p.kv_bh + j0 * d, false, p.sk - j0, d);
+        cpar__ab_load_tile<T, D, BC>(sV, static_cast<const T *>(p.v) + bh * p.kv_bh + j0 * d, false, p.sk - j0, d);
+        if (steps > 0) stage(0);
+        cpar__attn_cp_commit();
         float dk[ND][4], dv[ND][4];
         CPAR__UNROLL
         for (int nd = 0; nd < ND; nd++)
             CPAR__UNROLL
             for (int e = 0; e < 4; e++) dk[nd][e] = dv[nd][e] = 0.f;
-        for (int64_t hi = hk * group; hi < (hk + 1) * group; hi++) {
-            const int64_t qbh = bi * p.hq + hi;
-            for (int64_t i0 = i_first; i0 < i_end; i0 += BR) {
-                __syncthreads(); /* readers of the previous sQ/sdO/sL/sD are done */
-                const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
-                cpar__ab_load_tile<T, D, BR>(sQ, static_cast<const T *>(p.q) + qbh * p.q_bh + i0 * p.d, false,
-                                             p.sq - i0, p.d);
-                cpar__ab_load_tile<T, D, BR>(
-                    sdO, static_cast<const char *>(p.dout) + (size_t)(qbh * p.o_bh + i0 * p.d) * osz, p.dout_f32,
-                    p.sq - i0, p.d);
-                for (int r = (int)threadIdx.x; r < BR; r += (int)blockDim.x) {
-                    const int64_t i = i0 + r;
-                    sL[r] = cpar__ab_lse2(p, qbh, i);
-                    sD[r] = i < p.sq ? p.dsum[qbh * p.sq + i] : 0.f;
-                }
-                __syncthreads();
-                /* this warp's keys are past sk, or (causal) after every query of the tile */
-                if (j0 + m0 >= p.sk || (skip && j0 + m0 > i0 + BR - 1)) continue;
-                float s[NQ][4], dp[NQ][4]; /* Sᵀ then Pᵀ; dPᵀ then dSᵀ: [key][query] */
-                cpar__ab_mma_abt<T, NQ, D, LD>(s, sK, m0, sQ, p.d);
-                cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
-                    const int64_t j = j0 + kr, i = i0 + r;
-                    const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -sL[r]));
-                    s[nb][e] = (j >= p.sk || cpar__ab_hidden(p, packed, i, j)) ? 0.f : x;
-                });
-                cpar__ab_mma_abt<T, NQ, D, LD>(dp, sV, m0, sdO, p.d);
-                /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for dV.
-                 * Without dropout Z = 1: both products are exact, the bits those
-                 * of P ∘ (dP − D) and P. */
-                cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
-                    const float z = drop ? cpar__ab_drop(p, qbh, i0 + r, j0 + kr, 1.f) : 1.f;
-                    dp[nb][e] = s[nb][e] * (dp[nb][e] * z - sD[r]);
-                    s[nb][e] *= z;
-                });
-                cpar__ab_mma_xb<T, NQ, ND, LD>(dv, s, sdO, p.d);
-                cpar__ab_mma_xb<T, NQ, ND, LD>(dk, dp, sQ, p.d);
-            }
+        for (int64_t n = 0; n < steps; n++) {
+            __syncthreads(); /* step n - 1's readers of the other buffer are done: refill it */
+            if (n + 1 < steps) stage(n + 1);
+            cpar__attn_cp_commit();
+            cpar__attn_cp_wait<1>(); /* every group but step n + 1's has landed */
+            __syncthreads();
+            int64_t qbh, i0;
+            step_rows(n, &qbh, &i0);
+            /* this warp's keys are past sk, or (causal) after every query of the tile */
+            if (j0 + m0 >= p.sk || (skip && j0 + m0 > i0 + BR - 1)) continue;
+            const T *sQ = sQO + (n & 1) * 2 * BR * LD, *sdO = sQ + BR * LD;
+            const float *sL = sLD + (n & 1) * 2 * BR, *sD = sL + BR;
+            float s[NQ][4], dp[NQ][4]; /* Sᵀ then Pᵀ; dPᵀ then dSᵀ: [key][query] */
+            cpar__ab_mma_abt<T, NQ, D, LD>(s, sK, m0, sQ, d);
+            cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
+                const int64_t j = j0 + kr, i = i0 + r;
+                const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -sL[r]));
+                s[nb][e] = (j >= p.sk || cpar__ab_hidden(p, packed, causal, i, j)) ? 0.f : x;
+            });
+            cpar__ab_mma_abt<T, NQ, D, LD>(dp, sV, m0, sdO, d);
+            /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for dV.
+             * Without dropout Z = 1: both products are exact, the bits those
+             * of P ∘ (dP − D) and P. */
+            cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
+                const float z = drop ? cpar__ab_drop(p, qbh, i0 + r, j0 + kr, 1.f) : 1.f;
+                dp[nb][e] = s[nb][e] * (dp[nb][e] * z - sD[r]);
+                s[nb][e] *= z;
+            });
+            cpar__ab_mma_xb<T, NQ, ND, LD>(dv, s, sdO, d);
+            cpar__ab_mma_xb<T, NQ, ND, LD>(dk, dp, sQ, d);
         }
+        cpar__attn_cp_wait<0>(); /* no copy still lands in a buffer the next slice refills */
         float *gk = p.dk + bh * p.dkv_bh, *gv = p.dv + bh * p.dkv_bh;
         cpar__ab_each<ND>(m0, [&](int nd, int e, int kr, int c) {
             const int64_t j = j0 + kr;
-            if (j < p.sk && c < p.d) {
-                gk[j * p.d + c] += p.scale * dk[nd][e];
-                gv[j * p.d + c] += dv[nd][e];
+            if (j < p.sk && c < d) {
+                gk[j * d + c] += p.scale * dk[nd][e];
+                gv[j * d + c] += dv[nd][e];
             }
         });
     }
 }
 
 /* dQ of one 64-query tile (blockIdx.x) for batch·q-head slices blockIdx.y,
- * += gridDim.y. Shared: Q, dO, K, V [64][D+8] of T. 128 threads: warp w owns
+ * += gridDim.y. Shared: Q, dO [64][D+8] of T, then two buffers of K, V
+ * [64][D+8]: the key tiles alternate between them, the next tile's copies
+ * (cp.async) in flight while this one computes. 128 threads: warp w owns
  * queries [16w, 16w+16) of the tile and keeps their lse and Dsum in registers. */
-template <typename T, int D>
-static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_kernel(const cpar__ab_args p) {
-    constexpr int BR = CPAR__AB_BRQ, BC = CPAR__AB_BC, LD = D + 8, NK = BC / 8, ND = D / 8;
+template <typename T, class V>
+static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__attn_bwd_dq_kernel(const cpar__ab_args p) {
+    constexpr int D = V::DT, BR = CPAR__AB_BRQ, BC = CPAR__AB_BC, LD = D + 8, NK = BC / 8, ND = D / 8;
     CPAR_DYN_SMEM(unsigned char, smem);
-    T *sQ = reinterpret_cast<T *>(smem), *sdO = sQ + BR * LD, *sK = sdO + BR * LD, *sV = sK + BC * LD;
+    T *sQ = reinterpret_cast<T *>(smem), *sdO = sQ + BR * LD, *sKV = sdO + BR * LD;
     const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2;
     /* the last query tiles first: causal, they have the most key tiles, so the
      * long CTAs start early and the short ones fill the tail */
     const int64_t i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * BR, group = p.hq / p.hkv;
     /* causal: keys past the tile's last query are seen by none of its rows */
-    const bool packed = p.qp.cu != NULL && p.kp.cu != NULL, skip = p.causal && !packed, drop = p.dropout_p > 0.f;
-    int64_t j_begin, j_end; /* packed: the key tiles that some query of this tile may see */
-    cpar__attn_visible<true>(p.qp, p.kp, packed && p.skip_tiles, p.causal, i0, BR, p.sq, p.sk, BC, &j_begin, &j_end);
+    const int d = V::d(p.d);
+    const bool causal = V::causal(p.causal), packed = V::packed(p.qp, p.kp), drop = V::drop(p.dropout_p);
+    const bool skip = causal && !packed;
+    int64_t j_begin = 0, j_end = p.sk; /* packed: the key tiles that some query of this tile may see */
+    if (packed) cpar__attn_visible<true>(p.qp, p.kp, p.skip_tiles, causal, i0, BR, p.sq, p.sk, BC, &j_begin, &j_end);
     if (skip && i0 + BR < j_end) j_end = i0 + BR;
     const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
     for (int64_t bh = blockIdx.y; bh < p.b * p.hq; bh += gridDim.y) {
         const int64_t kvbh = (bh / p.hq) * p.hkv + (bh % p.hq) / group;
-        __syncthreads(); /* the previous slice's readers of sQ/sdO are done */
-        cpar__ab_load_tile<T, D, BR>(sQ, static_cast<const T *>(p.q) + bh * p.q_bh + i0 * p.d, false, p.sq - i0, p.d);
-        cpar__ab_load_tile<T, D, BR>(sdO, static_cast<const char *>(p.dout) + (size_t)(bh * p.o_bh + i0 * p.d) * osz,
-                                     p.dout_f32, p.sq - i0, p.d);
+        auto stage = [&](int64_t j0, int buf) { /* issue key tile j0's copies into buffer buf */
+            T *k_s = sKV + buf * 2 * BC * LD;
+            cpar__ab_load_tile<T, D, BC>(k_s, static_cast<const T *>(p.k) + kvbh * p.kv_bh + j0 * d, false, p.sk - j0, d);
+            cpar__ab_load_tile<T, D, BC>(k_s + BC * LD, static_cast<const T *>(p.v) + kvbh * p.kv_bh + j0 * d, false,
+                                         p.sk - j0, d);
+        };
+        __syncthreads(); /* the previous slice's readers are done */
+        cpar__ab_load_tile<T, D, BR>(sQ, static_cast<const T *>(p.q) + bh * p.q_bh + i0 * d, false, p.sq - i0, d);
+        cpar__ab_load_tile<T, D, BR>(sdO, static_cast<const char *>(p.dout) + (size_t)(bh * p.o_bh + i0 * d) * osz,
+                                     p.dout_f32, p.sq - i0, d);
+        if (j_begin < j_end) stage(j_begin, 0);
+        cpar__attn_cp_commit();
         float l2[2], ds[2]; /* rows m0 + g and m0 + g + 8 */
         CPAR__UNROLL
         for (int h = 0; h < 2; h++) {
@@ -2769,33 +2873,35 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS) cpar__attn_bwd_dq_ker
         for (int nd = 0; nd < ND; nd++)
             CPAR__UNROLL
             for (int e = 0; e < 4; e++) dq[nd][e] = 0.f;
-        for (int64_t j0 = j_begin; j0 < j_end; j0 += BC) {
-            __syncthreads(); /* readers of the previous sK/sV are done (and sQ/sdO are loaded) */
-            cpar__ab_load_tile<T, D, BC>(sK, static_cast<const T *>(p.k) + kvbh * p.kv_bh + j0 * p.d, false,
-                                         p.sk - j0, p.d);
-            cpar__ab_load_tile<T, D, BC>(sV, static_cast<const T *>(p.v) + kvbh * p.kv_bh + j0 * p.d, false,
-                                         p.sk - j0, p.d);
+        int buf = 0;
+        for (int64_t j0 = j_begin; j0 < j_end; j0 += BC, buf ^= 1) {
+            __syncthreads(); /* the previous tile's readers of the other buffer are done: refill it */
+            if (j0 + BC < j_end) stage(j0 + BC, buf ^ 1);
+            cpar__attn_cp_commit();
+            cpar__attn_cp_wait<1>(); /* every group but the next tile's has landed */
             __syncthreads();
             /* this warp's queries are past sq, or (causal) before every key of the tile */
             if (i0 + m0 >= p.sq || (skip && j0 > i0 + m0 + 15)) continue;
+            const T *sK = sKV + buf * 2 * BC * LD, *sV = sK + BC * LD;
             float s[NK][4], dp[NK][4]; /* S then P; dP then dS: [query][key] */
-            cpar__ab_mma_abt<T, NK, D, LD>(s, sQ, m0, sK, p.d);
+            cpar__ab_mma_abt<T, NK, D, LD>(s, sQ, m0, sK, d);
             cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
                 const int64_t i = i0 + r, j = j0 + kc;
                 const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
-                s[nb][e] = (j >= p.sk || cpar__ab_hidden(p, packed, i, j)) ? 0.f : x;
+                s[nb][e] = (j >= p.sk || cpar__ab_hidden(p, packed, causal, i, j)) ? 0.f : x;
             });
-            cpar__ab_mma_abt<T, NK, D, LD>(dp, sdO, m0, sV, p.d);
+            cpar__ab_mma_abt<T, NK, D, LD>(dp, sdO, m0, sV, d);
             cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
                 const float dpz = drop ? cpar__ab_drop(p, bh, i0 + r, j0 + kc, dp[nb][e]) : dp[nb][e];
                 dp[nb][e] = s[nb][e] * (dpz - ds[e >> 1]);
             });
-            cpar__ab_mma_xb<T, NK, ND, LD>(dq, dp, sK, p.d);
+            cpar__ab_mma_xb<T, NK, ND, LD>(dq, dp, sK, d);
         }
+        cpar__attn_cp_wait<0>(); /* no copy still lands in a buffer the next slice refills */
         float *gq = p.dq + bh * p.dq_bh;
         cpar__ab_each<ND>(m0, [&](int nd, int e, int r, int c) {
             const int64_t i = i0 + r;
-            if (i < p.sq && c < p.d) gq[i * p.d + c] += p.scale * dq[nd][e];
+            if (i < p.sq && c < d) gq[i * d + c] += p.scale * dq[nd][e];
         });
     }
 }
@@ -2813,18 +2919,18 @@ template <typename K> static cudaError_t cpar__ab_smem_optin(K kernel, size_t by
                                 (int)bytes);
 }
 
-/* The dkdv and dq launches of one element type and head-dim tile D. */
-template <typename T, int D> static cudaError_t cpar__attn_bwd_launch(const cpar__ab_args &p, cudaStream_t cs) {
-    constexpr int BRKV = cpar__ab_brkv<D>;
-    auto kv = cpar__attn_bwd_dkdv_kernel<T, D, BRKV>;
-    const size_t smem_kv = cpar__ab_smem<T, D>(CPAR__AB_BC, BRKV, BRKV);
+/* The dkdv and dq launches of one element type and instantiation V. */
+template <typename T, class V> static cudaError_t cpar__attn_bwd_launch(const cpar__ab_args &p, cudaStream_t cs) {
+    constexpr int D = V::DT, BRKV = cpar__ab_brkv<D>;
+    auto kv = cpar__attn_bwd_dkdv_kernel<T, V, BRKV>;
+    const size_t smem_kv = cpar__ab_smem<T, D>(2 * CPAR__AB_BC + 4 * BRKV, 4 * BRKV); /* K, V; 2 x (Q, dO), 2 x (lse, Dsum) */
     cudaError_t e = cpar__ab_smem_optin(kv, smem_kv);
     if (e != cudaSuccess) return e;
     const dim3 grid_kv((unsigned)((p.sk + CPAR__AB_BC - 1) / CPAR__AB_BC), cpar__ab_grid_y(p.b * p.hkv));
     CPAR_LAUNCH(kv, grid_kv, CPAR__AB_THREADS, smem_kv, cs)(p);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
-    auto qk = cpar__attn_bwd_dq_kernel<T, D>;
-    const size_t smem_q = cpar__ab_smem<T, D>(CPAR__AB_BRQ, CPAR__AB_BC, 0);
+    auto qk = cpar__attn_bwd_dq_kernel<T, V>;
+    const size_t smem_q = cpar__ab_smem<T, D>(2 * CPAR__AB_BRQ + 4 * CPAR__AB_BC, 0); /* Q, dO; 2 x (K, V) */
     if ((e = cpar__ab_smem_optin(qk, smem_q)) != cudaSuccess) return e;
     const dim3 grid_q((unsigned)((p.sq + CPAR__AB_BRQ - 1) / CPAR__AB_BRQ), cpar__ab_grid_y(p.b * p.hq));
     CPAR_LAUNCH(qk, grid_q, CPAR__AB_THREADS, smem_q, cs)(p);
@@ -2936,7 +3042,7 @@ cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, cons
         if constexpr (std::is_same<T, float>::value) {
             return cudaErrorInvalidValue; /* unreachable: a->dt checked above (no fp32 mma instantiation) */
         } else {
-            return d <= 64 ? cpar__attn_bwd_launch<T, 64>(p, cs) : cpar__attn_bwd_launch<T, 128>(p, cs);
+            return cpar__attn_dispatch(*a, [&](auto var) { return cpar__attn_bwd_launch<T, decltype(var)>(p, cs); });
         }
     });
     CPAR__TRY_CUDA(e, "attention_bwd kernel launch (%s, b %lld, hq %lld, hkv %lld, sq %lld, sk %lld, d %lld%s)",

@@ -1,0 +1,117 @@
+#!/bin/sh
+# SPDX-License-Identifier: MIT
+# kernel_report.sh — the GPU kernels' static figures, for when no GPU can
+# measure them: per kernel, ptxas's registers, stack and spills and the SASS
+# instruction mix (all instructions, HMMA tensor-core MMAs, LDSM ldmatrix
+# loads, LDGSTS cp.async copies, LDL/STL local-memory accesses), then the
+# targets of docs/DESIGN.md §8 checked one per line.
+#
+#   tools/kernel_report.sh            sm_90, every kernel, then the targets
+#   tools/kernel_report.sh --arch 80  another architecture (targets are sm_90's)
+#   tools/kernel_report.sh --grep attn  only kernels whose name has "attn"
+#
+# Exit status 1 when a target is missed (sm_90 only), 2 when a tool is
+# missing. nvcc compiles cpar_kernels.cu once for the one architecture
+# (about 2.5 minutes of one core here), into build/kreport/. cuobjdump comes
+# with the CUDA toolkit; where the toolkit lacks it, from the pip wheel
+# nvidia-cuda-cuobjdump (and nvidia-cuda-nvdisasm, which it runs), installed once into build/kreport/venv (needs
+# PyPI), or from $CUOBJDUMP.
+set -u
+cd "$(dirname "$0")/.." || exit 2
+
+arch=90 pattern=
+while [ $# -gt 0 ]; do
+    case $1 in
+        --arch) arch=${2:?--arch needs a number, e.g. 90}; shift 2 ;;
+        --grep) pattern=${2:?--grep needs a pattern}; shift 2 ;;
+        *) echo "kernel_report.sh: unknown argument '$1' (--arch N, --grep PATTERN)" >&2; exit 2 ;;
+    esac
+done
+out=build/kreport
+mkdir -p "$out"
+
+nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+[ -x "$nvcc" ] || { echo "kernel_report.sh: no nvcc (set NVCC)" >&2; exit 2; }
+cuobjdump=${CUOBJDUMP:-}
+for c in "$(command -v cuobjdump 2> /dev/null)" "$(dirname "$nvcc")/cuobjdump" \
+         "$(ls "$out"/venv/lib/python3*/site-packages/nvidia/cu*/bin/cuobjdump 2> /dev/null | head -n 1)"; do
+    [ -z "$cuobjdump" ] && [ -n "$c" ] && [ -x "$c" ] && cuobjdump=$c
+done
+if [ -z "$cuobjdump" ]; then
+    echo "kernel_report.sh: no cuobjdump in the toolkit; installing the pip wheel nvidia-cuda-cuobjdump into $out/venv" >&2
+    python3 -m venv "$out/venv" && "$out/venv/bin/pip" install -q nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm ||
+        { echo "kernel_report.sh: could not install cuobjdump (set CUOBJDUMP)" >&2; exit 2; }
+    cuobjdump=$(ls "$out"/venv/lib/python3*/site-packages/nvidia/cu*/bin/cuobjdump | head -n 1)
+fi
+
+cubin=$out/cpar_kernels.sm_$arch.cubin
+# Rebuilt when the kernels or the headers they include changed.
+if [ ! -s "$cubin" ] || [ -n "$(find cpar_kernels.cu cpar.h cpar_dev.h -newer "$cubin" 2> /dev/null)" ]; then
+    echo "nvcc: cpar_kernels.cu for sm_$arch (a few minutes) ..." >&2
+    "$nvcc" -cubin -O3 -std=c++17 -I. -arch=sm_"$arch" -Xptxas -v cpar_kernels.cu -o "$cubin" 2> "$out/ptxas.sm_$arch.log" ||
+        { cat "$out/ptxas.sm_$arch.log" >&2; rm -f "$cubin"; exit 2; }
+fi
+# cuobjdump -sass runs nvdisasm, found beside it (the pip wheels install both
+# into one folder) or on PATH.
+PATH=$(dirname "$cuobjdump"):$PATH "$cuobjdump" -sass "$cubin" > "$out/sass.sm_$arch.txt" || exit 2
+
+# One row per kernel: mangled name, registers, stack, spill stores, spill
+# loads, instructions, HMMA, LDSM, LDGSTS, LDL+STL.
+awk '
+    FILENAME ~ /ptxas/ {
+        if (match($0, /Compiling entry function .([^'"'"']*)/)) { f = substr($0, RSTART + 26, RLENGTH - 26); gsub(/^./, "", f); cur = f; kern[cur] = 1 }
+        else if (match($0, /Function properties for /)) cur = substr($0, RSTART + RLENGTH)
+        else if ($0 ~ /bytes stack frame/ && cur != "") { stack[cur] = $1; sst[cur] = $5; sld[cur] = $9 }
+        else if (match($0, /Used [0-9]+ registers/) && cur != "") { split(substr($0, RSTART, RLENGTH), w, " "); regs[cur] = w[2] }
+        next
+    }
+    /Function : / { cur = $3; kern[cur] = 1; next }
+    /\/\*[0-9a-f]+\*\// && cur != "" {
+        n[cur]++
+        if ($0 ~ / HMMA/) hmma[cur]++
+        if ($0 ~ / LDSM/) ldsm[cur]++
+        if ($0 ~ / LDGSTS/) ldgsts[cur]++
+        if ($0 ~ / (LDL|STL)[. ]/) local[cur]++
+    }
+    END {
+        for (k in kern) if (k in n)
+            printf "%s %d %d %d %d %d %d %d %d %d\n", k, regs[k], stack[k], sst[k], sld[k], n[k], hmma[k], ldsm[k], ldgsts[k], local[k]
+    }' "$out/ptxas.sm_$arch.log" "$out/sass.sm_$arch.txt" > "$out/raw.txt"
+
+# Readable names: demangled, cpar's prefixes and the dtype spellings shortened.
+cut -d' ' -f1 "$out/raw.txt" | c++filt | sed -e 's/(.*//' -e 's/^void //' -e 's/cpar__//g' -e 's/__nv_bfloat16/bf16/g' \
+    -e 's/__half/f16/g' -e 's/(cpar__attn_var)//g' -e 's/ //g' > "$out/names.txt"
+paste -d' ' "$out/names.txt" "$out/raw.txt" | cut -d' ' -f1,3- | sort > "$out/report.txt"
+[ -n "$pattern" ] && { grep -e "$pattern" "$out/report.txt" > "$out/report.sel" || :; mv "$out/report.sel" "$out/report.txt"; }
+
+printf '%-64s %5s %5s %6s %6s %7s %5s %5s %6s %5s\n' "kernel (sm_$arch)" regs stack spillS spillL instrs HMMA LDSM LDGSTS local
+awk '{ printf "%-64s %5d %5d %6d %6d %7d %5d %5d %6d %5d\n", substr($1, 1, 64), $2, $3, $4, $5, $6, $7, $8, $9, $10 }' "$out/report.txt"
+
+[ "$arch" = 90 ] || exit 0
+# ---- the targets (issue 27; docs/DESIGN.md §8), sm_90 --------------------------
+# The plain attention instantiations (cpar__attn_var<DT, false, causal>: no
+# packed sequences, no dropout, d == DT) are the ones the targets bound.
+awk '
+    function verdict(ok, what) { printf "%s  %s\n", ok ? "ok  " : "MISS", what; if (!ok) bad = 1 }
+    {
+        name = $1; regs = $2; stack = $3; spill = $4 + $5
+        if (spill) spilled = spilled " " name
+        plain = name ~ /attn_var<[0-9]+,false/
+        if (plain && stack) stacked = stacked " " name
+        if (name ~ /attn_fwd_kernel/ && plain) {
+            nf++
+            if (name ~ /attn_var<128,/ && regs > 170) fat128 = fat128 " " name "(" regs ")"
+            if (name ~ /attn_var<64,/ && regs > 128) fat64 = fat64 " " name "(" regs ")"
+            if ($8 == 0 || $7 < 4 * $8) lowmma = lowmma " " name "(" $7 "/" $8 ")"
+        }
+        if (name ~ /attn_bwd_(dq|dkdv)_kernel/) { nb++; if ($9 == 0) nocp = nocp " " name }
+    }
+    END {
+        verdict(spilled == "", "no kernel spills" (spilled == "" ? "" : ":" spilled))
+        verdict(stacked == "", "no stack in a plain attention kernel" (stacked == "" ? "" : ":" stacked))
+        verdict(nf > 0 && fat128 == "", "plain forward, d 128: <= 170 registers" (fat128 == "" ? "" : ":" fat128))
+        verdict(nf > 0 && fat64 == "", "plain forward, d 64: <= 128 registers" (fat64 == "" ? "" : ":" fat64))
+        verdict(nf > 0 && lowmma == "", "plain forward: >= 4 HMMA per LDSM" (lowmma == "" ? "" : ":" lowmma))
+        verdict(nb > 0 && nocp == "", "backward kernels use LDGSTS (cp.async)" (nocp == "" ? "" : ":" nocp))
+        exit bad
+    }' "$out/report.txt"
