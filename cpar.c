@@ -939,9 +939,10 @@ CPAR__STUB cpar_status cpar_dev_xent_backward(const void *logits, void *dlogits,
 CPAR__STUB cpar_status cpar_dev_embedding_lookup(const void *weight, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
                                       int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
                                       void *out, cpar_dev_stream st) CPAR__NODEV()
+CPAR__STUB size_t cpar_dev_embedding_grad_scratch_bytes(int64_t tokens) { (void)tokens; return 0; }
 CPAR__STUB cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
                                     int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
-                                    float *dweight, bool deterministic, cpar_dev_stream st) CPAR__NODEV()
+                                    float *dweight, bool deterministic, void *scratch, cpar_dev_stream st) CPAR__NODEV()
 /* attention and the ring merge (cpar.h §12) */
 CPAR__STUB cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype out_dt, int64_t o_bh, float *lse,
                                    int64_t lse_bh, cpar_dev_stream s) CPAR__NODEV()
@@ -971,8 +972,9 @@ CPAR__STUB cpar_status cpar_dev_packed_reorder(void *nat, size_t nat_pitch, void
 /* RMSNorm (cpar.h §14; GeLU, cpar.h §6, is above) */
 CPAR__STUB cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
                              float eps, void *y, cpar_dev_stream s) CPAR__NODEV()
+CPAR__STUB size_t cpar_dev_rmsnorm_backward_scratch_bytes(int64_t rows, int64_t h) { (void)rows, (void)h; return 0; }
 CPAR__STUB cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
-                                      int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
+                                      int64_t h, float eps, void *dx, float *dweight, float *scratch,
                                       cpar_dev_stream s) CPAR__NODEV()
 /* Training (cpar.h §15) */
 CPAR__STUB cpar_status cpar_dev_adamw(float *master, float *m, float *v, const float *grad, void *param, cpar_dtype pdt, int64_t n,
@@ -9332,9 +9334,14 @@ static cpar_status cpar__emb_backward(cpar_group *tp, const char *fn, const cpar
     const int64_t first = vl * tp->rank;
     const bool dev = cpar__on_device(ctx->device);
     const void *full = dout->data;
+    /* workspace: the gathered dout (reduce_scatter_embeddings), then the
+     * deterministic gradient's sort keys (8-byte aligned after it) */
+    const size_t gbytes = rs ? (size_t)(s * b * H) * cpar_dtype_size(dout->dtype) : 0, kofs = (gbytes + 15) / 16 * 16;
+    const size_t kbytes = dev && deterministic ? cpar_dev_embedding_grad_scratch_bytes(b * s) : 0;
+    void *ws = NULL;
+    if (gbytes + kbytes) CPAR_TRY(cpar__workspace(ctx, fn, kofs + kbytes, &ws));
     if (rs) { /* all-gather along s into [s, b, H] */
-        void *gathered;
-        CPAR_TRY(cpar__xent_scratch(ctx, fn, (size_t)(s * b * H) * cpar_dtype_size(dout->dtype), &gathered));
+        void *gathered = ws;
         int64_t gshape[3] = {s, b, H};
         cpar_tensor t_g = cpar_tensor_make(gathered, dout->dtype, 3, gshape, ctx->device);
         CPAR_TRY(cpar__as(ctx, fn, cpar_all_gather(tp, dout, &t_g, NULL)));
@@ -9342,7 +9349,8 @@ static cpar_status cpar__emb_backward(cpar_group *tp, const char *fn, const cpar
     }
     if (dev)
         CPAR_DEV_TRY(ctx, fn, cpar_dev_embedding_grad(full, dout->dtype, ids->data, ids->dtype, b, s, H, first, vl, rs,
-                                                      dweight->data, deterministic, ctx->compute));
+                                                      dweight->data, deterministic, kbytes ? (char *)ws + kofs : NULL,
+                                                      ctx->compute));
     else
         cpar__host_embedding_grad(full, dout->dtype, ids->data, ids->dtype, b, s, H, first, vl, rs, dweight->data);
     return CPAR_OK;
@@ -12994,7 +13002,7 @@ cpar_status cpar_rmsnorm_backward(cpar_ctx *ctx, const cpar_tensor *x, const cpa
         return CPAR_OK;
     }
     void *stats;
-    CPAR_TRY(cpar__workspace(ctx, fn, (size_t)(rows ? 2 * rows : 1) * sizeof(float), &stats));
+    CPAR_TRY(cpar__workspace(ctx, fn, cpar_dev_rmsnorm_backward_scratch_bytes(rows, h), &stats));
     CPAR_DEV_TRY(ctx, fn, cpar_dev_rmsnorm_backward(x->data, weight->data, dy->data, x->dtype, rows, h, eps, dx->data,
                                                    dw, stats, ctx->compute));
     return CPAR_OK;

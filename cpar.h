@@ -2072,10 +2072,14 @@ cpar_status cpar_dev_xent_backward(const void *logits, void *dlogits, cpar_dtype
 cpar_status cpar_dev_embedding_lookup(const void *weight, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
                                       int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
                                       void *out, cpar_dev_stream st);
-/* dweight [v_local, hidden] f32 += dout rows of the tokens each row owns. */
+/* dweight [v_local, hidden] f32 += dout rows of the tokens each row owns:
+ * by atomics, or (deterministic) by sorting the tokens by row once and
+ * summing each row's tokens in order (scratch: 8-byte aligned, of
+ * cpar_dev_embedding_grad_scratch_bytes(b * s); unused by atomics). */
+size_t cpar_dev_embedding_grad_scratch_bytes(int64_t tokens);
 cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
                                     int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
-                                    float *dweight, bool deterministic, cpar_dev_stream st);
+                                    float *dweight, bool deterministic, void *scratch, cpar_dev_stream st);
 
 /* ---- for §11: the linear layers --------------------------------------------
  * None: the linear layers need no kernels of their own. The GEMMs, the bias
@@ -2198,11 +2202,13 @@ cpar_status cpar_dev_packed_reorder(void *nat, size_t nat_pitch, void *blk, size
  * sum. y = x * rsqrt(mean(x^2) + eps) * weight; y may be x only without add. */
 cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
                              float eps, void *y, cpar_dev_stream s);
-/* dx (may be dy) from x, weight, dy; stats_scratch [2 rows] F32 receives
- * each row's 1/rms and its dx coefficient; dweight (F32 [h], NULL: skipped)
- * += column sums of dy x inv, read before dx is written. */
+/* dx (may be dy) from x, weight, dy; scratch (F32,
+ * cpar_dev_rmsnorm_backward_scratch_bytes) receives each row's 1/rms and its
+ * dx coefficient, then dweight's partial column sums; dweight (F32 [h],
+ * NULL: skipped) += column sums of dy x inv, read before dx is written. */
+size_t cpar_dev_rmsnorm_backward_scratch_bytes(int64_t rows, int64_t h);
 cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
-                                      int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
+                                      int64_t h, float eps, void *dx, float *dweight, float *scratch,
                                       cpar_dev_stream s);
 
 /* ---- for §15: training (cpar_kernels.cu §21) -------------------------------

@@ -366,6 +366,16 @@ template <int V, typename T> static __device__ __forceinline__ void cpar__store(
     *reinterpret_cast<cpar__pack<T, V> *>(p) = v;
 }
 
+/* Full unrolling keeps small arrays (packs, mma fragments) in registers
+ * under nvcc; g++ (the sim build) does not know the pragma. */
+#ifndef CPAR__UNROLL
+#ifdef CPAR_SIM
+#define CPAR__UNROLL
+#else
+#define CPAR__UNROLL _Pragma("unroll")
+#endif
+#endif
+
 /* Elements of T in one 16-byte pack. */
 template <typename T> static constexpr int cpar__vec16 = 16 / (int)sizeof(T);
 
@@ -1670,18 +1680,22 @@ static __device__ __forceinline__ int64_t cpar__emb_row(int64_t tok, int64_t b, 
 }
 
 /* out [b*s, H] (rows ordered as above) = weight [v_local, H] rows of the
- * owned ids, zero rows otherwise. Launch: cpar__shape_2d over H x tokens,
- * grid-stride. Moves tokens * (2 H sizeof(T) + sizeof(I)) bytes at most. */
-template <typename T, typename I>
+ * owned ids, zero rows otherwise, V elements at a time (16-byte packs when H
+ * % V == 0 and both pointers allow). Launch: cpar__shape_2d over H/V x
+ * tokens, grid-stride. Moves tokens * (2 H sizeof(T) + sizeof(I)) bytes at most. */
+template <typename T, typename I, int V>
 static __global__ void cpar__embedding_lookup_kernel(const T *__restrict__ weight, const I *__restrict__ ids,
                                                      int64_t b, int64_t s, int64_t hidden, int64_t first,
                                                      int64_t v_local, bool seq_first, T *__restrict__ out) {
-    const int64_t h0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = b * s;
+    const int64_t h0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * V, n = b * s;
+    cpar__pack<T, V> zero;
+    CPAR__UNROLL
+    for (int e = 0; e < V; e++) zero.v[e] = cpar__narrow<T>(0.f);
     for (int64_t tok = (int64_t)blockIdx.y * blockDim.y + threadIdx.y; tok < n; tok += (int64_t)gridDim.y * blockDim.y) {
         const int64_t id = (int64_t)ids[tok] - first, row = cpar__emb_row(tok, b, s, seq_first);
         const bool owned = id >= 0 && id < v_local;
-        for (int64_t h = h0; h < hidden; h += (int64_t)gridDim.x * blockDim.x)
-            out[row * hidden + h] = owned ? weight[id * hidden + h] : cpar__narrow<T>(0.f);
+        for (int64_t h = h0; h < hidden; h += (int64_t)gridDim.x * blockDim.x * V)
+            cpar__store<V>(out + row * hidden + h, owned ? cpar__load<V>(weight + id * hidden + h) : zero);
     }
 }
 
@@ -1699,13 +1713,15 @@ cpar_status cpar_dev_embedding_lookup(const void *weight, cpar_dtype dt, const v
     if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
     if (!cpar__is_index(idt)) return CPAR__INVALID("ids dtype %s, expected i32 or i64", cpar__dtype_name(idt));
     if (!nonempty) return CPAR_OK;
-    const cpar__shape sh = cpar__shape_2d(hidden, b * s);
     cudaStream_t cs = cpar__stream(st);
     cudaError_t e = cpar__with_float_type(dt, [&](auto wt) {
         typedef decltype(wt) T;
         return cpar__with_index_type(idt, [&](auto it) {
             typedef decltype(it) I;
-            auto kernel = cpar__embedding_lookup_kernel<T, I>;
+            constexpr int V = cpar__vec16<T>;
+            const bool vec = hidden % V == 0 && cpar__aligned(16, weight, out);
+            const cpar__shape sh = cpar__shape_2d(vec ? hidden / V : hidden, b * s);
+            auto kernel = vec ? cpar__embedding_lookup_kernel<T, I, V> : cpar__embedding_lookup_kernel<T, I, 1>;
             CPAR_LAUNCH(kernel, sh.grid, sh.block, 0, cs)
             (static_cast<const T *>(weight), static_cast<const I *>(ids), b, s, hidden, first, v_local, seq_first,
              static_cast<T *>(out));
@@ -1732,27 +1748,115 @@ static __global__ void cpar__embedding_grad_atomic_kernel(const T *__restrict__ 
     }
 }
 
-/* Deterministic: thread (v, h) walks every token in order and adds the rows
- * of the tokens with id first + v; no atomics, a fixed order, so the result
- * is bitwise reproducible. Launch: cpar__shape_2d over H x v_local,
- * grid-stride. Reads v_local x tokens ids (cached) plus the owned rows. */
-template <typename T, typename I>
-static __global__ void cpar__embedding_grad_rows_kernel(const T *__restrict__ dout, const I *__restrict__ ids,
-                                                        int64_t b, int64_t s, int64_t hidden, int64_t first,
-                                                        int64_t v_local, bool seq_first, float *__restrict__ dweight) {
-    const int64_t h0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = b * s;
-    for (int64_t v = (int64_t)blockIdx.y * blockDim.y + threadIdx.y; v < v_local; v += (int64_t)gridDim.y * blockDim.y)
-        for (int64_t h = h0; h < hidden; h += (int64_t)gridDim.x * blockDim.x) {
-            float acc = dweight[v * hidden + h];
-            for (int64_t tok = 0; tok < n; tok++)
-                if ((int64_t)ids[tok] - first == v) acc += cpar__widen(dout[cpar__emb_row(tok, b, s, seq_first) * hidden + h]);
-            dweight[v * hidden + h] = acc;
+/* Deterministic (PyTorch's way: sort, then sum runs): the tokens' 64-bit
+ * keys (id - first) << 32 | token (~0 for tokens other ranks own), unique,
+ * so every sorting network puts them in the one order; a bitonic sort of the
+ * keys (n padded to a power of two with ~0, which sorts last) in scratch;
+ * then the first token of each run of equal rows sums the run's dout rows in
+ * token order into its dweight row: bitwise reproducible, the very sums of
+ * one thread walking the tokens in order. O(n log² n) compare-exchanges on
+ * 8-byte keys plus tokens · hidden elements of dout. */
+static constexpr int CPAR__EMB_SORT = 1024; /* keys per shared-memory sort block (512 threads) */
+
+static int64_t cpar__emb_sort_len(int64_t n) {
+    int64_t m = 1;
+    while (m < n) m *= 2;
+    return m;
+}
+
+template <typename I>
+static __global__ void cpar__emb_keys_kernel(const I *__restrict__ ids, int64_t n, int64_t npow, int64_t first,
+                                             int64_t v_local, uint64_t *__restrict__ keys) {
+    for (int64_t t = cpar__thread_id(); t < npow; t += cpar__thread_count()) {
+        uint64_t k = ~0ull;
+        if (t < n) {
+            const int64_t id = (int64_t)ids[t] - first;
+            if (id >= 0 && id < v_local) k = (uint64_t)id << 32 | (uint64_t)t;
         }
+        keys[t] = k;
+    }
+}
+
+/* Compare-exchange of keys i and i + j (i & j == 0) of the bitonic network's
+ * merge of size k: ascending where i & k == 0. */
+static __device__ __forceinline__ void cpar__emb_cmpx(uint64_t *keys, int64_t i, int64_t j, int64_t k) {
+    const uint64_t a = keys[i], b = keys[i + j];
+    if ((a > b) == ((i & k) == 0)) keys[i] = b, keys[i + j] = a;
+}
+
+/* One step (merge size k, distance j >= the block) over the whole array. */
+static __global__ void cpar__emb_sort_step_kernel(uint64_t *keys, int64_t npow, int64_t j, int64_t k) {
+    for (int64_t p = cpar__thread_id(); p < npow / 2; p += cpar__thread_count())
+        cpar__emb_cmpx(keys, 2 * j * (p / j) + p % j, j, k);
+}
+
+/* The steps of merge sizes k_lo .. k_hi (powers of two, at most the block
+ * size m) with distances below m, in shared memory: block x owns keys
+ * [x·m, (x+1)·m). k_lo = 2, k_hi = m sorts each block (alternating
+ * directions); k_lo = k_hi = k > m ends that merge after its global steps. */
+static __global__ void cpar__emb_sort_block_kernel(uint64_t *keys, int m, int64_t k_lo, int64_t k_hi) {
+    __shared__ uint64_t sk[CPAR__EMB_SORT];
+    const int64_t base = (int64_t)blockIdx.x * m;
+    for (int i = (int)threadIdx.x; i < m; i += (int)blockDim.x) sk[i] = keys[base + i];
+    __syncthreads();
+    for (int64_t k = k_lo; k <= k_hi; k *= 2)
+        for (int64_t j = (k < m ? k : m) / 2; j > 0; j /= 2) {
+            for (int p = (int)threadIdx.x; p < m / 2; p += (int)blockDim.x) {
+                const int i = (int)(2 * j * (p / j) + p % j);
+                const uint64_t a = sk[i], b = sk[i + j];
+                if ((a > b) == (((base + i) & k) == 0)) sk[i] = b, sk[i + j] = a;
+            }
+            __syncthreads();
+        }
+    for (int i = (int)threadIdx.x; i < m; i += (int)blockDim.x) keys[base + i] = sk[i];
+}
+
+/* Sorts keys [npow] ascending (npow a power of two). */
+static cudaError_t cpar__emb_sort(uint64_t *keys, int64_t npow, cudaStream_t cs) {
+    const int m = (int)(npow < CPAR__EMB_SORT ? npow : CPAR__EMB_SORT), threads = m > 1 ? m / 2 : 1;
+    const unsigned blocks = (unsigned)(npow / m);
+    CPAR_LAUNCH(cpar__emb_sort_block_kernel, blocks, threads, 0, cs)(keys, m, 2, m);
+    cudaError_t e = cudaGetLastError();
+    for (int64_t k = 2 * (int64_t)m; k <= npow && e == cudaSuccess; k *= 2) {
+        for (int64_t j = k / 2; j >= m && e == cudaSuccess; j /= 2) {
+            CPAR_LAUNCH(cpar__emb_sort_step_kernel, cpar__grid(npow / 2, CPAR__BLOCK), CPAR__BLOCK, 0, cs)(keys, npow, j, k);
+            e = cudaGetLastError();
+        }
+        if (e != cudaSuccess) break;
+        CPAR_LAUNCH(cpar__emb_sort_block_kernel, blocks, threads, 0, cs)(keys, m, k, k);
+        e = cudaGetLastError();
+    }
+    return e;
+}
+
+/* dweight rows += their runs of the sorted keys: position p starts a run
+ * when its row differs from p - 1's; the run's tokens are added in order.
+ * Launch: cpar__shape_2d over H x npow (blockIdx.y strides the positions). */
+template <typename T>
+static __global__ void cpar__emb_grad_runs_kernel(const T *__restrict__ dout, const uint64_t *__restrict__ keys,
+                                                  int64_t npow, int64_t b, int64_t s, int64_t hidden, bool seq_first,
+                                                  float *__restrict__ dweight) {
+    const int64_t h0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (int64_t p = (int64_t)blockIdx.y * blockDim.y + threadIdx.y; p < npow; p += (int64_t)gridDim.y * blockDim.y) {
+        const uint64_t row = keys[p] >> 32;
+        if (keys[p] == ~0ull) break; /* sorted: the rest are other ranks' tokens or padding */
+        if (p > 0 && keys[p - 1] >> 32 == row) continue;
+        for (int64_t h = h0; h < hidden; h += (int64_t)gridDim.x * blockDim.x) {
+            float acc = dweight[(int64_t)row * hidden + h];
+            for (int64_t q = p; q < npow && keys[q] >> 32 == row; q++)
+                acc += cpar__widen(dout[cpar__emb_row((int64_t)(keys[q] & 0xffffffffu), b, s, seq_first) * hidden + h]);
+            dweight[(int64_t)row * hidden + h] = acc;
+        }
+    }
+}
+
+size_t cpar_dev_embedding_grad_scratch_bytes(int64_t tokens) {
+    return tokens > 0 ? (size_t)cpar__emb_sort_len(tokens) * sizeof(uint64_t) : 0;
 }
 
 cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void *ids, cpar_dtype idt, int64_t b,
                                     int64_t s, int64_t hidden, int64_t first, int64_t v_local, bool seq_first,
-                                    float *dweight, bool deterministic, cpar_dev_stream st) {
+                                    float *dweight, bool deterministic, void *scratch, cpar_dev_stream st) {
     CPAR__CHECK_COUNT(b);
     CPAR__CHECK_COUNT(s);
     CPAR__CHECK_COUNT(hidden);
@@ -1764,6 +1868,15 @@ cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void 
     if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
     if (!cpar__is_index(idt)) return CPAR__INVALID("ids dtype %s, expected i32 or i64", cpar__dtype_name(idt));
     if (!nonempty) return CPAR_OK;
+    const int64_t n = b * s;
+    if (deterministic) { /* the sort keys hold a token in 32 bits and a row below 2^32 - 1 */
+        CPAR__CHECK_PTR(scratch, true);
+        if (!cpar__aligned(sizeof(uint64_t), scratch))
+            return CPAR__INVALID("scratch = %p, expected 8-byte alignment", scratch);
+        if (n > INT32_MAX || v_local > INT32_MAX)
+            return CPAR__INVALID("b*s = %lld tokens, v_local = %lld: the deterministic gradient takes < 2^31 of each",
+                                 (long long)n, (long long)v_local);
+    }
     cudaStream_t cs = cpar__stream(st);
     cudaError_t e = cpar__with_float_type(dt, [&](auto wt) {
         typedef decltype(wt) T;
@@ -1772,9 +1885,16 @@ cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void 
             const T *d = static_cast<const T *>(dout);
             const I *x = static_cast<const I *>(ids);
             if (deterministic) {
-                const cpar__shape sh = cpar__shape_2d(hidden, v_local);
-                auto kernel = cpar__embedding_grad_rows_kernel<T, I>;
-                CPAR_LAUNCH(kernel, sh.grid, sh.block, 0, cs)(d, x, b, s, hidden, first, v_local, seq_first, dweight);
+                const int64_t npow = cpar__emb_sort_len(n);
+                uint64_t *keys = static_cast<uint64_t *>(scratch);
+                auto kkeys = cpar__emb_keys_kernel<I>;
+                CPAR_LAUNCH(kkeys, cpar__grid(npow, CPAR__BLOCK), CPAR__BLOCK, 0, cs)(x, n, npow, first, v_local, keys);
+                cudaError_t le = cudaGetLastError();
+                if (le == cudaSuccess) le = cpar__emb_sort(keys, npow, cs);
+                if (le != cudaSuccess) return le;
+                const cpar__shape sh = cpar__shape_2d(hidden, npow);
+                auto kernel = cpar__emb_grad_runs_kernel<T>;
+                CPAR_LAUNCH(kernel, sh.grid, sh.block, 0, cs)(d, keys, npow, b, s, hidden, seq_first, dweight);
             } else {
                 const cpar__shape sh = cpar__shape_2d(hidden, b * s);
                 auto kernel = cpar__embedding_grad_atomic_kernel<T, I>;
@@ -1995,15 +2115,7 @@ static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint3
  * nothing is stored), and the epilogue scales out by 1/(1-p).
  * Uses: 2 (errors), 4 (toolkit), 15 (mma.sync, ldmatrix, pack). */
 
-/* Full unrolling keeps the fragment arrays in registers under nvcc; g++
- * (the sim build) does not know the pragma. */
-#ifndef CPAR__UNROLL
-#ifdef CPAR_SIM
-#define CPAR__UNROLL
-#else
-#define CPAR__UNROLL _Pragma("unroll")
-#endif
-#endif
+/* CPAR__UNROLL: section 4. */
 
 static constexpr int CPAR__ATTN_BM = 64;      /* query rows per CTA */
 static constexpr int CPAR__ATTN_BN = 64;      /* keys per KV tile */
@@ -3536,7 +3648,9 @@ cpar_status cpar_dev_packed_reorder(void *nat, size_t nat_pitch, void *blk, size
 
 static constexpr int CPAR__NORM_BLOCK = 256;
 
-template <typename T>
+/* V columns per thread step (16-byte packs: h % V == 0 and every pointer
+ * 16-byte aligned, so every row's packs are aligned too). */
+template <typename T, int V>
 static __global__ void cpar__rmsnorm_kernel(T *x, const T *__restrict__ add, const T *__restrict__ w, float eps,
                                            int64_t rows, int64_t h, T *y) {
     __shared__ float warp_sum[2][CPAR__NORM_BLOCK / 32];
@@ -3545,14 +3659,16 @@ static __global__ void cpar__rmsnorm_kernel(T *x, const T *__restrict__ add, con
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x, slot ^= 1) {
         T *xr = x + r * h;
         float ss = 0.f;
-        for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
-            float v = cpar__widen(xr[j]);
+        for (int64_t j = (int64_t)threadIdx.x * V; j < h; j += (int64_t)blockDim.x * V) {
+            cpar__pack<T, V> xv = cpar__load<V>(xr + j);
             if (add) {
-                const T s = cpar__narrow<T>(v + cpar__widen(add[r * h + j]));
-                xr[j] = s;
-                v = cpar__widen(s);
+                const cpar__pack<T, V> av = cpar__load<V>(add + r * h + j);
+                CPAR__UNROLL
+                for (int e = 0; e < V; e++) xv.v[e] = cpar__narrow<T>(cpar__widen(xv.v[e]) + cpar__widen(av.v[e]));
+                cpar__store<V>(xr + j, xv);
             }
-            ss += v * v;
+            CPAR__UNROLL
+            for (int e = 0; e < V; e++) ss += cpar__widen(xv.v[e]) * cpar__widen(xv.v[e]);
         }
         for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
         if (lane == 0) warp_sum[slot][warp] = ss;
@@ -3560,9 +3676,20 @@ static __global__ void cpar__rmsnorm_kernel(T *x, const T *__restrict__ add, con
         float total = 0.f;
         for (int i = 0; i < nwarps; i++) total += warp_sum[slot][i];
         const float inv = rsqrtf(total / (float)h + eps);
-        for (int64_t j = threadIdx.x; j < h; j += blockDim.x)
-            y[r * h + j] = cpar__narrow<T>(cpar__widen(xr[j]) * inv * cpar__widen(w[j]));
+        for (int64_t j = (int64_t)threadIdx.x * V; j < h; j += (int64_t)blockDim.x * V) {
+            const cpar__pack<T, V> xv = cpar__load<V>(xr + j), wv = cpar__load<V>(w + j);
+            cpar__pack<T, V> yv;
+            CPAR__UNROLL
+            for (int e = 0; e < V; e++) yv.v[e] = cpar__narrow<T>(cpar__widen(xv.v[e]) * inv * cpar__widen(wv.v[e]));
+            cpar__store<V>(y + r * h + j, yv);
+        }
     }
+}
+
+/* 16-byte packs of T fit rows of h: h % V == 0 and every pointer aligned. */
+template <typename T> static bool cpar__rows_vec(int64_t h, const void *a, const void *b, const void *c = NULL,
+                                                 const void *d = NULL) {
+    return h % cpar__vec16<T> == 0 && cpar__aligned(16, a, b) && cpar__aligned(16, c, d);
 }
 
 /* The size, dtype and eps checks of cpar_dev_rmsnorm and _backward (func:
@@ -3588,7 +3715,8 @@ cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_
     cudaStream_t cs = cpar__stream(s);
     cudaError_t e = cpar__with_float_type(dt, [&](auto tv) {
         typedef decltype(tv) T;
-        auto kernel = cpar__rmsnorm_kernel<T>;
+        auto kernel = cpar__rows_vec<T>(h, x, add, weight, y) ? cpar__rmsnorm_kernel<T, cpar__vec16<T>>
+                                                             : cpar__rmsnorm_kernel<T, 1>;
         CPAR_LAUNCH(kernel, cpar__grid(rows, 1), CPAR__NORM_BLOCK, 0, cs)
         (static_cast<T *>(x), static_cast<const T *>(add), static_cast<const T *>(weight), eps, rows, h,
          static_cast<T *>(y));
@@ -3603,11 +3731,14 @@ cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_
  * still reads the original dy:
  *   1. per row (one block, as the forward): inv = rsqrt(mean(x^2) + eps),
  *      k = inv^3 sum_j(dy_j w_j x_j) / h  -> stats[2r], stats[2r+1];
- *   2. dw[j] += sum_r dy[r, j] x[r, j] inv[r] (skipped without dweight);
+ *   2. dw[j] += sum_r dy[r, j] x[r, j] inv[r] (skipped without dweight), as
+ *      partial sums over chunks of rows (a 2-D grid: chunk x column, every
+ *      element read once, coalesced along the columns), then the chunks'
+ *      sums in order: deterministic, at memory speed;
  *   3. dx = inv w dy - x k, element-wise.
  * Both row sums of pass 1 share one butterfly and the forward's two parity
  * slots (one barrier per row). */
-template <typename T>
+template <typename T, int V>
 static __global__ void cpar__rmsnorm_stats_kernel(const T *__restrict__ x, const T *__restrict__ w,
                                                  const T *__restrict__ dy, float eps, int64_t rows, int64_t h,
                                                  float *__restrict__ stats) {
@@ -3616,10 +3747,15 @@ static __global__ void cpar__rmsnorm_stats_kernel(const T *__restrict__ x, const
     int slot = 0;
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x, slot ^= 1) {
         float ss = 0.f, c = 0.f;
-        for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
-            const float v = cpar__widen(x[r * h + j]);
-            ss += v * v;
-            c += cpar__widen(dy[r * h + j]) * cpar__widen(w[j]) * v;
+        for (int64_t j = (int64_t)threadIdx.x * V; j < h; j += (int64_t)blockDim.x * V) {
+            const cpar__pack<T, V> xv = cpar__load<V>(x + r * h + j), gv = cpar__load<V>(dy + r * h + j);
+            const cpar__pack<T, V> wv = cpar__load<V>(w + j);
+            CPAR__UNROLL
+            for (int e = 0; e < V; e++) {
+                const float v = cpar__widen(xv.v[e]);
+                ss += v * v;
+                c += cpar__widen(gv.v[e]) * cpar__widen(wv.v[e]) * v;
+            }
         }
         for (int off = 16; off > 0; off /= 2) {
             ss += __shfl_xor_sync(0xffffffffu, ss, off);
@@ -3637,32 +3773,64 @@ static __global__ void cpar__rmsnorm_stats_kernel(const T *__restrict__ x, const
     }
 }
 
-/* Pass 2: one thread per column summing its rows in order (coalesced across
- * columns, deterministic, no atomics). Launch: 1-D grid-stride over h. */
+/* Pass 2's chunks: rows_per_chunk rows each (at least 32), at most 1024. */
+static constexpr int64_t CPAR__NORM_CHUNKS = 1024;
+static int64_t cpar__rmsnorm_chunk_rows(int64_t rows) {
+    const int64_t per = (rows + CPAR__NORM_CHUNKS - 1) / CPAR__NORM_CHUNKS;
+    return per > 32 ? per : 32;
+}
+
+/* Pass 2a: partial[c, j] = sum of column j over chunk c's rows, in order.
+ * Launch: grid (columns / 256, chunks), 256 threads; x grid-strides the
+ * columns. */
 template <typename T>
-static __global__ void cpar__rmsnorm_dw_kernel(const T *__restrict__ x, const T *__restrict__ dy,
-                                              const float *__restrict__ stats, int64_t rows, int64_t h,
-                                              float *__restrict__ dw) {
+static __global__ void cpar__rmsnorm_dw_partial_kernel(const T *__restrict__ x, const T *__restrict__ dy,
+                                                      const float *__restrict__ stats, int64_t rows, int64_t h,
+                                                      int64_t chunk_rows, float *__restrict__ partial) {
+    const int64_t r0 = (int64_t)blockIdx.y * chunk_rows, r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
+    for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < h; j += (int64_t)gridDim.x * blockDim.x) {
+        float acc = 0.f;
+        for (int64_t r = r0; r < r1; r++) acc += cpar__widen(dy[r * h + j]) * cpar__widen(x[r * h + j]) * stats[2 * r];
+        partial[(int64_t)blockIdx.y * h + j] = acc;
+    }
+}
+
+/* Pass 2b: dw[j] += the chunks' partial sums of column j, in chunk order.
+ * Launch: 1-D grid-stride over h. */
+static __global__ void cpar__rmsnorm_dw_finish_kernel(const float *__restrict__ partial, int64_t chunks, int64_t h,
+                                                     float *__restrict__ dw) {
     for (int64_t j = cpar__thread_id(); j < h; j += cpar__thread_count()) {
         float acc = 0.f;
-        for (int64_t r = 0; r < rows; r++) acc += cpar__widen(dy[r * h + j]) * cpar__widen(x[r * h + j]) * stats[2 * r];
+        for (int64_t c = 0; c < chunks; c++) acc += partial[c * h + j];
         dw[j] += acc;
     }
 }
 
-/* Pass 3: 1-D grid-stride over rows * h; dx may alias dy (same element, same thread). */
-template <typename T>
+size_t cpar_dev_rmsnorm_backward_scratch_bytes(int64_t rows, int64_t h) {
+    if (rows <= 0 || h <= 0) return sizeof(float);
+    const int64_t chunks = (rows + cpar__rmsnorm_chunk_rows(rows) - 1) / cpar__rmsnorm_chunk_rows(rows);
+    return (size_t)(2 * rows + chunks * h) * sizeof(float);
+}
+
+/* Pass 3: 1-D grid-stride over rows * h in packs of V (h % V == 0: a pack
+ * stays in one row); dx may alias dy (same elements, same thread). */
+template <typename T, int V>
 static __global__ void cpar__rmsnorm_dx_kernel(const T *__restrict__ x, const T *__restrict__ w, const T *dy,
                                               const float *__restrict__ stats, int64_t rows, int64_t h, T *dx) {
-    for (int64_t i = cpar__thread_id(); i < rows * h; i += cpar__thread_count()) {
+    for (int64_t i = cpar__thread_id() * V; i < rows * h; i += cpar__thread_count() * V) {
         const int64_t r = i / h, j = i - r * h;
-        dx[i] = cpar__narrow<T>(stats[2 * r] * cpar__widen(w[j]) * cpar__widen(dy[i]) -
-                                cpar__widen(x[i]) * stats[2 * r + 1]);
+        const cpar__pack<T, V> xv = cpar__load<V>(x + i), wv = cpar__load<V>(w + j), gv = cpar__load<V>(dy + i);
+        const float inv = stats[2 * r], k = stats[2 * r + 1];
+        cpar__pack<T, V> o;
+        CPAR__UNROLL
+        for (int e = 0; e < V; e++)
+            o.v[e] = cpar__narrow<T>(inv * cpar__widen(wv.v[e]) * cpar__widen(gv.v[e]) - cpar__widen(xv.v[e]) * k);
+        cpar__store<V>(dx + i, o);
     }
 }
 
 cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
-                                      int64_t h, float eps, void *dx, float *dweight, float *stats_scratch,
+                                      int64_t h, float eps, void *dx, float *dweight, float *scratch,
                                       cpar_dev_stream s) {
     const cpar_status st = cpar__rmsnorm_check(__func__, rows, h, dt, eps);
     if (st != CPAR_OK) return st;
@@ -3671,23 +3839,31 @@ cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const v
     CPAR__CHECK_PTR(weight, nonempty);
     CPAR__CHECK_PTR(dy, nonempty);
     CPAR__CHECK_PTR(dx, nonempty);
-    CPAR__CHECK_PTR(stats_scratch, nonempty);
+    CPAR__CHECK_PTR(scratch, nonempty);
     if (!nonempty) return CPAR_OK;
+    float *stats_scratch = scratch, *partial = scratch + 2 * rows; /* cpar_dev_rmsnorm_backward_scratch_bytes */
+    const int64_t chunk_rows = cpar__rmsnorm_chunk_rows(rows), chunks = (rows + chunk_rows - 1) / chunk_rows;
     cudaStream_t cs = cpar__stream(s);
     cudaError_t e = cpar__with_float_type(dt, [&](auto tv) {
         typedef decltype(tv) T;
         const T *xt = static_cast<const T *>(x), *wt = static_cast<const T *>(weight), *dyt = static_cast<const T *>(dy);
-        auto stats_kernel = cpar__rmsnorm_stats_kernel<T>;
+        const bool vec = cpar__rows_vec<T>(h, x, weight, dy, dx);
+        constexpr int V = cpar__vec16<T>;
+        auto stats_kernel = vec ? cpar__rmsnorm_stats_kernel<T, V> : cpar__rmsnorm_stats_kernel<T, 1>;
         CPAR_LAUNCH(stats_kernel, cpar__grid(rows, 1), CPAR__NORM_BLOCK, 0, cs)(xt, wt, dyt, eps, rows, h, stats_scratch);
         cudaError_t le = cudaGetLastError();
         if (le != cudaSuccess) return le;
         if (dweight) {
-            auto dw_kernel = cpar__rmsnorm_dw_kernel<T>;
-            CPAR_LAUNCH(dw_kernel, cpar__grid(h, CPAR__BLOCK), CPAR__BLOCK, 0, cs)(xt, dyt, stats_scratch, rows, h, dweight);
+            auto dw_kernel = cpar__rmsnorm_dw_partial_kernel<T>;
+            const dim3 grid(cpar__grid(h, CPAR__BLOCK), (unsigned)chunks);
+            CPAR_LAUNCH(dw_kernel, grid, CPAR__BLOCK, 0, cs)(xt, dyt, stats_scratch, rows, h, chunk_rows, partial);
+            if ((le = cudaGetLastError()) != cudaSuccess) return le;
+            CPAR_LAUNCH(cpar__rmsnorm_dw_finish_kernel, cpar__grid(h, CPAR__BLOCK), CPAR__BLOCK, 0, cs)
+            (partial, chunks, h, dweight);
             if ((le = cudaGetLastError()) != cudaSuccess) return le;
         }
-        auto dx_kernel = cpar__rmsnorm_dx_kernel<T>;
-        CPAR_LAUNCH(dx_kernel, cpar__grid(rows * h, CPAR__BLOCK), CPAR__BLOCK, 0, cs)
+        auto dx_kernel = vec ? cpar__rmsnorm_dx_kernel<T, V> : cpar__rmsnorm_dx_kernel<T, 1>;
+        CPAR_LAUNCH(dx_kernel, cpar__grid(rows * h, (int64_t)CPAR__BLOCK * (vec ? V : 1)), CPAR__BLOCK, 0, cs)
         (xt, wt, dyt, stats_scratch, rows, h, static_cast<T *>(dx));
         return cudaGetLastError();
     });
@@ -3706,7 +3882,8 @@ cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const v
  * rounded tanh cancel to 0 in the tails (gelu'(-5) = -1.04e-6 would come
  * out 0); these keep a few ulp relative. x, y, dy, dx: [n] of one float
  * dtype; y may be x and dx may be dy (element-wise, same thread). Launch:
- * 1-D grid-stride, 256 threads. Moves 2n (forward) or 3n (backward)
+ * 1-D grid-stride, 256 threads, 16-byte packs when every pointer is 16-byte
+ * aligned. Moves 2n (forward) or 3n (backward)
  * elements. Host twin: cpar.c §5 (which clamps |u| at 43; e^-86 no longer
  * moves a result). Uses: 2, 4. */
 
@@ -3717,23 +3894,43 @@ static __device__ __forceinline__ float cpar__gelu_terms(float x, float *h) {
     return e * (q * q);
 }
 
-template <typename T> static __global__ void cpar__gelu_fwd_kernel(const T *x, T *y, int64_t n) {
-    for (int64_t i = cpar__thread_id(); i < n; i += cpar__thread_count()) {
-        const float v = cpar__widen(x[i]);
-        float h;
-        cpar__gelu_terms(v, &h);
-        y[i] = cpar__narrow<T>(v * h);
-    }
+static __device__ __forceinline__ float cpar__gelu_fwd1(float v) {
+    float h;
+    cpar__gelu_terms(v, &h);
+    return v * h;
 }
 
-template <typename T> static __global__ void cpar__gelu_bwd_kernel(const T *x, const T *dy, T *dx, int64_t n) {
-    for (int64_t i = cpar__thread_id(); i < n; i += cpar__thread_count()) {
-        const float v = cpar__widen(x[i]);
-        float h;
-        const float eq2 = cpar__gelu_terms(v, &h);
-        const float d = 2.f * v * eq2 * (0.79788456f + 0.1070322243f * v * v) + h;
-        dx[i] = cpar__narrow<T>(d * cpar__widen(dy[i]));
+static __device__ __forceinline__ float cpar__gelu_bwd1(float v, float dy) {
+    float h;
+    const float eq2 = cpar__gelu_terms(v, &h);
+    return (2.f * v * eq2 * (0.79788456f + 0.1070322243f * v * v) + h) * dy;
+}
+
+/* V elements per step (16-byte packs when every pointer allows), then the
+ * tail of n % V one by one. */
+template <typename T, int V> static __global__ void cpar__gelu_fwd_kernel(const T *x, T *y, int64_t n) {
+    const int64_t nv = n / V, step = cpar__thread_count();
+    for (int64_t j = cpar__thread_id(); j < nv; j += step) {
+        const cpar__pack<T, V> a = cpar__load<V>(x + j * V);
+        cpar__pack<T, V> o;
+        CPAR__UNROLL
+        for (int e = 0; e < V; e++) o.v[e] = cpar__narrow<T>(cpar__gelu_fwd1(cpar__widen(a.v[e])));
+        cpar__store<V>(y + j * V, o);
     }
+    for (int64_t i = nv * V + cpar__thread_id(); i < n; i += step) y[i] = cpar__narrow<T>(cpar__gelu_fwd1(cpar__widen(x[i])));
+}
+
+template <typename T, int V> static __global__ void cpar__gelu_bwd_kernel(const T *x, const T *dy, T *dx, int64_t n) {
+    const int64_t nv = n / V, step = cpar__thread_count();
+    for (int64_t j = cpar__thread_id(); j < nv; j += step) {
+        const cpar__pack<T, V> a = cpar__load<V>(x + j * V), g = cpar__load<V>(dy + j * V);
+        cpar__pack<T, V> o;
+        CPAR__UNROLL
+        for (int e = 0; e < V; e++) o.v[e] = cpar__narrow<T>(cpar__gelu_bwd1(cpar__widen(a.v[e]), cpar__widen(g.v[e])));
+        cpar__store<V>(dx + j * V, o);
+    }
+    for (int64_t i = nv * V + cpar__thread_id(); i < n; i += step)
+        dx[i] = cpar__narrow<T>(cpar__gelu_bwd1(cpar__widen(x[i]), cpar__widen(dy[i])));
 }
 
 cpar_status cpar_dev_gelu(const void *x, const void *dy, void *out, cpar_dtype dt, int64_t n, cpar_dev_stream s) {
@@ -3743,16 +3940,18 @@ cpar_status cpar_dev_gelu(const void *x, const void *dy, void *out, cpar_dtype d
     if (!cpar__is_float(dt)) return CPAR__INVALID("dtype %s, expected f32, f16 or bf16", cpar__dtype_name(dt));
     if (n == 0) return CPAR_OK;
     cudaStream_t cs = cpar__stream(s);
+    const bool vec = cpar__aligned(16, x, out) && cpar__aligned(16, dy);
     cudaError_t e = cpar__with_float_type(dt, [&](auto tv) {
         typedef decltype(tv) T;
+        constexpr int V = cpar__vec16<T>;
+        const T *xt = static_cast<const T *>(x), *dyt = static_cast<const T *>(dy);
+        T *ot = static_cast<T *>(out);
         if (dy) {
-            auto kernel = cpar__gelu_bwd_kernel<T>;
-            CPAR_LAUNCH(kernel, cpar__grid(n, CPAR__BLOCK), CPAR__BLOCK, 0, cs)
-            (static_cast<const T *>(x), static_cast<const T *>(dy), static_cast<T *>(out), n);
+            auto kernel = vec ? cpar__gelu_bwd_kernel<T, V> : cpar__gelu_bwd_kernel<T, 1>;
+            CPAR_LAUNCH(kernel, cpar__grid(n, (int64_t)CPAR__BLOCK * (vec ? V : 1)), CPAR__BLOCK, 0, cs)(xt, dyt, ot, n);
         } else {
-            auto kernel = cpar__gelu_fwd_kernel<T>;
-            CPAR_LAUNCH(kernel, cpar__grid(n, CPAR__BLOCK), CPAR__BLOCK, 0, cs)
-            (static_cast<const T *>(x), static_cast<T *>(out), n);
+            auto kernel = vec ? cpar__gelu_fwd_kernel<T, V> : cpar__gelu_fwd_kernel<T, 1>;
+            CPAR_LAUNCH(kernel, cpar__grid(n, (int64_t)CPAR__BLOCK * (vec ? V : 1)), CPAR__BLOCK, 0, cs)(xt, ot, n);
         }
         return cudaGetLastError();
     });

@@ -872,7 +872,7 @@ START_TEST(test_entry_point_args) {
     EXPECT_FAIL(cpar_dev_rmsnorm_backward(p, p, NULL, CPAR_F32, 2, 4, 1e-5f, p, NULL, f + 512, NULL), CPAR_ERR_INVALID,
                 "cpar_dev_rmsnorm_backward", "dy is NULL");
     EXPECT_FAIL(cpar_dev_rmsnorm_backward(p, p, p, CPAR_F32, 2, 4, 1e-5f, p, NULL, NULL, NULL), CPAR_ERR_INVALID,
-                "stats_scratch is NULL");
+                "scratch is NULL");
     EXPECT_FAIL(cpar_dev_rmsnorm_backward(p, p, p, CPAR_I64, 2, 4, 1e-5f, p, NULL, f + 512, NULL), CPAR_ERR_INVALID,
                 "dtype i64");
     EXPECT_FAIL(cpar_dev_rmsnorm_backward(p, p, p, CPAR_F32, 2, -4, 1e-5f, p, NULL, f + 512, NULL), CPAR_ERR_INVALID,
@@ -928,6 +928,63 @@ END_TEST
  * and blocks resume): a missing barrier gives a wrong answer under one. The
  * grid-stride case is about trip counts, not interleavings, and costs ~8 s a
  * run, so it runs under the first schedule only. */
+/* The deterministic embedding gradient's sort (cpar_kernels.cu §14): after
+ * the call, the scratch holds the keys (id - first) << 32 | token of the
+ * owned tokens in ascending order, then ~0 padding; dweight rows are the
+ * fp32 sums in token order (bitwise). Token counts across one and several
+ * shared-memory sort blocks (1024 keys). */
+static void check_emb_sort(int64_t b, int64_t s, int64_t first, int64_t v_local, int64_t H) {
+    const int64_t n = b * s;
+    int64_t npow = 1;
+    while (npow < n) npow *= 2;
+    REQUIRE(cpar_dev_embedding_grad_scratch_bytes(n) == (size_t)npow * 8, "scratch bytes for %lld tokens", (long long)n);
+    int32_t *ids = (int32_t *)malloc((size_t)n * 4);
+    float *dout = (float *)malloc((size_t)(n * H) * 4), *dw0 = (float *)malloc((size_t)(v_local * H) * 4);
+    for (int64_t t = 0; t < n; t++) ids[t] = (int32_t)(rng_u64() % (uint64_t)(v_local + v_local / 3 + 1)); /* some not owned */
+    for (int64_t i = 0; i < n * H; i++) dout[i] = (float)rng_nonzero(0.5, 2.0);
+    for (int64_t i = 0; i < v_local * H; i++) dw0[i] = (float)rng_nonzero(0.5, 2.0);
+    for (int64_t t = 0; t < n; t++) ids[t] += (int32_t)first;
+    dbuf did = dbuf_new((size_t)n * 4, 0), dd = dbuf_new((size_t)(n * H) * 4, 0), dw = dbuf_new((size_t)(v_local * H) * 4, 0);
+    dbuf keys = dbuf_new((size_t)npow * 8, 0);
+    dbuf_put(&did, ids), dbuf_put(&dd, dout), dbuf_put(&dw, dw0);
+    CK_OK(cpar_dev_embedding_grad(dd.p, CPAR_F32, did.p, CPAR_I32, b, s, H, first, v_local, false, (float *)dw.p, true,
+                                  keys.p, NULL));
+    const uint64_t *k = (const uint64_t *)dbuf_fetch(&keys, "sort keys");
+    int64_t owned = 0;
+    for (int64_t t = 0; t < n; t++) owned += ids[t] - first < v_local;
+    for (int64_t i = 0; i < npow; i++) {
+        if (i < owned) {
+            REQUIRE(k[i] != ~0ull && (i == 0 || k[i - 1] < k[i]), "%lld tokens: key %lld not ascending", (long long)n,
+                    (long long)i);
+            REQUIRE(ids[k[i] & 0xffffffffu] - first == (int64_t)(k[i] >> 32), "%lld tokens: key %lld names the wrong row",
+                    (long long)n, (long long)i);
+        } else {
+            REQUIRE(k[i] == ~0ull, "%lld tokens: key %lld is not padding", (long long)n, (long long)i);
+        }
+    }
+    float *want = (float *)malloc((size_t)(v_local * H) * 4);
+    memcpy(want, dw0, (size_t)(v_local * H) * 4);
+    for (int64_t t = 0; t < n; t++)
+        if (ids[t] - first < v_local)
+            for (int64_t h = 0; h < H; h++) want[(ids[t] - first) * H + h] += dout[t * H + h]; /* token order, fp32 */
+    const float *got = (const float *)dbuf_fetch(&dw, "dweight");
+    for (int64_t i = 0; i < v_local * H; i++)
+        REQUIRE(got[i] == want[i], "%lld tokens: dweight[%lld] = %.9g, expected %.9g (the sum in token order)",
+                (long long)n, (long long)i, got[i], want[i]);
+    dbuf_free(&did), dbuf_free(&dd), dbuf_free(&dw), dbuf_free(&keys);
+    free(ids), free(dout), free(dw0), free(want);
+}
+
+START_TEST(test_embedding_sort) {
+    rng_state = 0x5eed5eedull;
+    check_emb_sort(1, 1, 0, 3, 2);
+    check_emb_sort(1, 7, 5, 4, 3);
+    check_emb_sort(2, 512, 100, 60, 2);   /* exactly one block of 1024 keys */
+    check_emb_sort(3, 1001, 7, 300, 2);   /* 3003 tokens: 4 blocks and global merge steps */
+    check_emb_sort(1, 5000, 0, 9, 1);     /* long runs of each id */
+}
+END_TEST
+
 static void schedule_forward(void) { cudasim_set_schedule(CUDASIM_SCHED_FORWARD, 0); }
 static void schedule_reverse(void) { cudasim_set_schedule(CUDASIM_SCHED_REVERSE, 0); }
 static void schedule_shuffle(void) { cudasim_set_schedule(CUDASIM_SCHED_SHUFFLE, 20240611); }
@@ -951,7 +1008,8 @@ static Suite *devlayer_suite(void) {
                  {"grid_stride", test_grid_stride, false},
                  {"gemm", test_gemm, true},
                  {"gemm_edges", test_gemm_edges, true},
-                 {"entry_point_args", test_entry_point_args, false}};
+                 {"entry_point_args", test_entry_point_args, false},
+                 {"embedding_sort", test_embedding_sort, false}};
     enum { NSCHED = sizeof schedules / sizeof schedules[0], NCASES = sizeof cases / sizeof cases[0] };
     static char names[NSCHED][NCASES][40];
     Suite *s = suite_create("devlayer");

@@ -421,13 +421,11 @@ static cpar_status rank_emb(cpar_ctx *ctx, void *arg) {
     return CPAR_OK;
 }
 
-/* _i = (tp - 1) * 3 + dtype; both modes, both index types, deterministic and atomic. */
-START_TEST(test_embedding_matches_reference) {
-    int tp = _i / 3 + 1;
-    for (int m = 0; m < 8; m++) {
-        emb_case c = {.tp = tp, .dt = float_dtypes[_i % 3], .idt = (m & 1) ? CPAR_I64 : CPAR_I32, .rs = (m & 2) != 0,
-                      .deterministic = (m & 4) != 0, .b = 2, .s = 12, .H = 5, .V = 3 * tp};
-        uint64_t st = (uint64_t)(_i * 8 + m) * 0x9e3779b97f4a7c15ull + 3;
+/* One case: b x s tokens of a vocabulary of V, ids drawn with repeats. */
+static void emb_run(int tp, cpar_dtype dt, int m, int64_t b, int64_t s, int64_t H, int64_t V, uint64_t st) {
+    {
+        emb_case c = {.tp = tp, .dt = dt, .idt = (m & 1) ? CPAR_I64 : CPAR_I32, .rs = (m & 2) != 0,
+                      .deterministic = (m & 4) != 0, .b = b, .s = s, .H = H, .V = V};
         c.W = malloc(sizeof(double) * (size_t)(c.V * c.H));
         c.G = malloc(sizeof(double) * (size_t)(c.b * c.s * c.H));
         c.dW0 = malloc(sizeof(double) * (size_t)(c.V * c.H));
@@ -439,6 +437,24 @@ START_TEST(test_embedding_matches_reference) {
         TU_OK(tu_spawn(tp, rank_emb, &c));
         free(c.W), free(c.G), free(c.dW0), free(c.ids);
     }
+}
+
+/* _i = (tp - 1) * 3 + dtype; both modes, both index types, deterministic and atomic. */
+START_TEST(test_embedding_matches_reference) {
+    int tp = _i / 3 + 1;
+    for (int m = 0; m < 8; m++)
+        emb_run(tp, float_dtypes[_i % 3], m, 2, 12, 5, 3 * tp, (uint64_t)(_i * 8 + m) * 0x9e3779b97f4a7c15ull + 3);
+}
+END_TEST
+
+/* Enough tokens (2,112: keys padded to 4,096) for the device's deterministic
+ * gradient to sort across several shared-memory blocks with global merge
+ * steps between them, and long runs of one id. _i = tp - 1 (1, 2);
+ * deterministic, both modes and index types. */
+START_TEST(test_embedding_many_tokens) {
+    const int tp = _i + 1;
+    for (int m = 4; m < 8; m++)
+        emb_run(tp, float_dtypes[(m + _i) % 3], m, 2, 1056, 3, 40 * tp, (uint64_t)(100 + _i * 8 + m) * 0x9e3779b97f4a7c15ull);
 }
 END_TEST
 
@@ -750,6 +766,7 @@ static Suite *suite(void) {
         {"xent_bad_args", test_xent_bad_args, 1},
         {"embedding_reference", test_embedding_matches_reference, 12},
         {"embedding_bad_args", test_embedding_bad_args, 2},
+        {"embedding_many_tokens", test_embedding_many_tokens, 2},
         {"embedding_layer_tp1", test_embedding_layer_matches_tp1, 4},
         {"embedding_layer_init_random", test_embedding_layer_init_random, 3},
         {"embedding_layer_bad_args", test_embedding_layer_bad_args, 3},
