@@ -2263,13 +2263,6 @@ static __device__ __forceinline__ bool cpar__attn_packed_sees(const cpar_dev_att
     return dq >= 0 && dq == dk && (!causal || kpos <= qpos);
 }
 
-/* Whether weight (query i, key j) is masked out: packed blocks by
- * cpar__attn_packed_sees, plain ones (causal) by the top-left rule j > i. */
-static __device__ __forceinline__ bool cpar__attn_hidden(const cpar_dev_attn_pos &qp, const cpar_dev_attn_pos &kp,
-                                                         bool packed, bool causal, int64_t i, int64_t j) {
-    return packed ? !cpar__attn_packed_sees(qp, kp, causal, i, j) : causal && j > i;
-}
-
 /* Packed blocks: skip the tiles that hide every weight (read on the host at
  * launch, passed to the kernels). Test hook: the sim suite turns it off to
  * check that the outputs are bit-identical either way. */
@@ -2344,10 +2337,55 @@ static __device__ void cpar__attn_visible(const cpar_dev_attn_pos &fp, const cpa
     if (*r1 < *r0) *r1 = *r0;
 }
 
+/* Word i of a Philox block by selects, not an index: a run-time index into
+ * the array would put the block in local memory. */
+static __device__ __forceinline__ uint32_t cpar__u4_word(const cpar__u4 &w, uint64_t i) {
+    return i == 0 ? w.w[0] : i == 1 ? w.w[1] : i == 2 ? w.w[2] : w.w[3];
+}
+
+static __device__ __forceinline__ cpar__u4 cpar__attn_philox(const cpar_rng_state &rng, uint64_t bh, uint64_t qpos,
+                                                             uint64_t kpos) {
+    return cpar__philox4_sub(rng.seed, rng.offset + (kpos >> 2), ((bh + 1) << 32) + qpos);
+}
+
 static __device__ __forceinline__ bool cpar__attn_keep(const cpar_rng_state &rng, float p, uint64_t bh, uint64_t qpos,
                                                        uint64_t kpos) {
-    const cpar__u4 w = cpar__philox4_sub(rng.seed, rng.offset + (kpos >> 2), ((bh + 1) << 32) + qpos);
-    return cpar__rng_u01(w.w[kpos & 3]) >= p;
+    return cpar__rng_u01(cpar__u4_word(cpar__attn_philox(rng, bh, qpos, kpos), kpos & 3)) >= p;
+}
+
+/* Whether the weights of one query and two keys survive, with one Philox
+ * block for both when the keys share one (the kernels' lanes hold keys in
+ * adjacent pairs: almost always). */
+static __device__ __forceinline__ void cpar__attn_keep2(const cpar_rng_state &rng, float p, uint64_t bh, uint64_t qpos,
+                                                        uint64_t k0, uint64_t k1, bool *keep0, bool *keep1) {
+    const cpar__u4 w0 = cpar__attn_philox(rng, bh, qpos, k0);
+    const cpar__u4 w1 = k0 >> 2 == k1 >> 2 ? w0 : cpar__attn_philox(rng, bh, qpos, k1);
+    *keep0 = cpar__rng_u01(cpar__u4_word(w0, k0 & 3)) >= p;
+    *keep1 = cpar__rng_u01(cpar__u4_word(w1, k1 & 3)) >= p;
+}
+
+/* What the masks need of one row, found once per row (and tile) instead of
+ * per weight: its global position, and its document (packed: -1 for padding
+ * and rows past the shard; plain: 0). rows: the side's row count; rows past
+ * it get document -2, which no query accepts. */
+struct cpar__attn_rowinfo {
+    int64_t pos;
+    int doc;
+};
+
+static __device__ __forceinline__ cpar__attn_rowinfo cpar__attn_info(const cpar_dev_attn_pos &p, bool packed, int64_t i,
+                                                                    int64_t rows) {
+    cpar__attn_rowinfo r;
+    if (i >= rows) r.doc = -2, r.pos = i;
+    else if (packed) r.pos = cpar__attn_row(p, i, &r.doc);
+    else r.doc = 0, r.pos = cpar__attn_pos(p, i);
+    return r;
+}
+
+/* Packed blocks: query q sees key k (cpar__attn_packed_sees on the infos). */
+static __device__ __forceinline__ bool cpar__attn_info_sees(const cpar__attn_rowinfo &q, const cpar__attn_rowinfo &k,
+                                                            bool causal) {
+    return q.doc >= 0 && q.doc == k.doc && (!causal || k.pos <= q.pos);
 }
 
 /* a: the attention (q, k, v at the (b, h) slices' bases below); out (OutT)
@@ -2364,8 +2402,11 @@ static __global__ void __launch_bounds__(CPAR__ATTN_THREADS, V::FWD_CTAS)
      * fragments, as FlashAttention-2 does (8 more ldmatrix per warp and
      * tile, against 64 for K and V). */
     constexpr bool Q_SHARED = DT == 128;
-    CPAR_DYN_SMEM(unsigned char, smem); /* K, V [BN][LD], then Q [BM][LD] when Q_SHARED, else Q staged in K's */
+    /* K, V [BN][LD], then Q [BM][LD] when Q_SHARED (else Q is staged in K's),
+     * then (GENERAL) the KV tile's row infos [BN] */
+    CPAR_DYN_SMEM(unsigned char, smem);
     T *sk = reinterpret_cast<T *>(smem), *sv = sk + CPAR__ATTN_BN * LD, *sq = Q_SHARED ? sv + CPAR__ATTN_BN * LD : sk;
+    cpar__attn_rowinfo *kinfo = reinterpret_cast<cpar__attn_rowinfo *>(sv + (Q_SHARED ? 2 : 1) * CPAR__ATTN_BN * LD);
 
     const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5), g = lane >> 2, t = lane & 3;
     const int d = V::d(a.d);
@@ -2397,8 +2438,10 @@ CPAR__UNROLL
     for (int nb = 0; nb < OB; nb++) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; /* rows g and g+8: raw-score max, partial sum */
     const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
-    const uint64_t qpos[2] = {drop ? (uint64_t)cpar__attn_pos(a.qp, row[0]) : 0,
-                              drop ? (uint64_t)cpar__attn_pos(a.qp, row[1]) : 0};
+    /* packed or dropout: this thread's two query rows' infos, once */
+    cpar__attn_rowinfo qinfo[2] = {};
+    if (packed || drop)
+        for (int h = 0; h < 2; h++) qinfo[h] = cpar__attn_info(a.qp, packed, row[h], a.sq);
 
     /* Pipeline (FA2's): K(j) and V(j) are separate copy groups; V(j) lands
      * while S(j) is computed, K(j+1) while O += P(j) V(j) is. */
@@ -2414,7 +2457,10 @@ CPAR__UNROLL
     if (kv_begin < kv_end) cpar__attn_stage<T, DT, LD>(sk, k, kv_begin, a.sk, d, vec);
     for (int j0 = kv_begin; j0 < kv_end; j0 += CPAR__ATTN_BN) {
         cpar__attn_stage<T, DT, LD>(sv, v, j0, a.sk, d, vec); /* sv is free: barrier at the end of the last step */
-        cpar__attn_cp_wait<1>();                              /* K(j) has landed (V(j) may be in flight) */
+        if (packed || drop) /* the tile's key infos, once; last read before the previous step's last barrier */
+            for (int c = (int)threadIdx.x; c < CPAR__ATTN_BN; c += CPAR__ATTN_THREADS)
+                kinfo[c] = cpar__attn_info(a.kp, packed, (int64_t)j0 + c, a.sk);
+        cpar__attn_cp_wait<1>(); /* K(j) has landed (V(j) may be in flight) */
         __syncthreads();
 
         /* S = Q Kᵀ: 16 rows x 64 keys per warp, n-blocks of 8 keys */
@@ -2445,9 +2491,10 @@ CPAR__UNROLL
             for (int nb = 0; nb < NB; nb++)
 CPAR__UNROLL
                 for (int r = 0; r < 4; r++) {
-                    const int j = j0 + nb * 8 + 2 * t + (r & 1);
-                    if (j >= a.sk || cpar__attn_hidden(a.qp, a.kp, packed, causal, row[r >> 1], j))
-                        s[nb][r] = -INFINITY;
+                    const int jl = nb * 8 + 2 * t + (r & 1), j = j0 + jl;
+                    const bool hidden = packed ? !cpar__attn_info_sees(qinfo[r >> 1], kinfo[jl], causal)
+                                               : causal && j > row[r >> 1];
+                    if (j >= a.sk || hidden) s[nb][r] = -INFINITY;
                 }
         }
 
@@ -2476,15 +2523,17 @@ CPAR__UNROLL
                 }
         }
         /* dropout: l summed every weight (lse is dropout's input); P V takes the kept ones */
-        if (drop) {
+        if (drop) { /* keys 2t, 2t+1 of each n-block: one Philox block for the pair */
 CPAR__UNROLL
             for (int nb = 0; nb < NB; nb++)
 CPAR__UNROLL
-                for (int r = 0; r < 4; r++) {
-                    const int j = j0 + nb * 8 + 2 * t + (r & 1);
-                    if (j < a.sk && !cpar__attn_keep(a.rng, a.dropout_p, (uint64_t)bh, qpos[r >> 1],
-                                                     (uint64_t)cpar__attn_pos(a.kp, j)))
-                        s[nb][r] = 0.f;
+                for (int h = 0; h < 2; h++) {
+                    const int jl = nb * 8 + 2 * t;
+                    bool k0, k1;
+                    cpar__attn_keep2(a.rng, a.dropout_p, (uint64_t)bh, (uint64_t)qinfo[h].pos,
+                                     (uint64_t)kinfo[jl].pos, (uint64_t)kinfo[jl + 1].pos, &k0, &k1);
+                    if (!k0) s[nb][2 * h] = 0.f; /* keys past sk weigh 0 already */
+                    if (!k1) s[nb][2 * h + 1] = 0.f;
                 }
         }
 
@@ -2543,7 +2592,8 @@ static cudaError_t cpar__launch_attn_fwd(const cpar_dev_attn &a, void *out, bool
                                          int64_t lse_bh, bool vec, dim3 grid, cudaStream_t s) {
     auto kernel = cpar__attn_fwd_kernel<T, V>;
     const float keep_scale = 1.0f / (1.0f - a.dropout_p); /* on the host: cpar.c's cpar__attn_keep_scale */
-    const size_t smem = (size_t)(V::DT == 128 ? 3 : 2) * CPAR__ATTN_BN * (V::DT + 8) * sizeof(T); /* K, V (, Q) */
+    const size_t smem = (size_t)(V::DT == 128 ? 3 : 2) * CPAR__ATTN_BN * (V::DT + 8) * sizeof(T) + /* K, V (, Q) */
+                        (V::GENERAL ? CPAR__ATTN_BN * sizeof(cpar__attn_rowinfo) : 0);     /* key infos */
     if (smem > 48 * 1024) {
         const cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void *>(kernel),
                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -2687,12 +2737,10 @@ struct cpar__ab_args {
     cpar_dev_attn_pos qp, kp;
 };
 
-/* dP ∘ Z, the mask Z = keep_scale or 0, of weight (bh, query i, key j). */
-static __device__ __forceinline__ float cpar__ab_drop(const cpar__ab_args &p, int64_t bh, int64_t i, int64_t j,
-                                                      float dp) {
-    const bool keep = cpar__attn_keep(p.rng, p.dropout_p, (uint64_t)bh, (uint64_t)cpar__attn_pos(p.qp, i),
-                                      (uint64_t)cpar__attn_pos(p.kp, j));
-    return keep ? dp * p.keep_scale : 0.f;
+/* The mask Z = keep_scale or 0 of weight (bh, query q, key k). */
+static __device__ __forceinline__ float cpar__ab_keep(const cpar__ab_args &p, int64_t bh, const cpar__attn_rowinfo &q,
+                                                      const cpar__attn_rowinfo &k) {
+    return cpar__attn_keep(p.rng, p.dropout_p, (uint64_t)bh, (uint64_t)q.pos, (uint64_t)k.pos) ? p.keep_scale : 0.f;
 }
 
 /* Calls f(nb, e, row, col) for every element acc[nb][e] of this warp's
@@ -2707,11 +2755,11 @@ template <int NB, typename F> static __device__ __forceinline__ void cpar__ab_ea
         for (int e = 0; e < 4; e++) f(nb, e, m0 + g + 8 * (e >> 1), nb * 8 + 2 * t + (e & 1));
 }
 
-/* Whether weight (query i, key j) is masked out: rows past sq and, packed,
- * cpar__attn_hidden's rule (rows past sq are padding of the last tile). */
-static __device__ __forceinline__ bool cpar__ab_hidden(const cpar__ab_args &p, bool packed, bool causal, int64_t i,
-                                                       int64_t j) {
-    return (packed && i >= p.sq) || cpar__attn_hidden(p.qp, p.kp, packed, causal, i, j);
+/* Whether weight (query i, key j) is masked out: packed, by the rows'
+ * infos (a query past sq has document -2), else causal's j > i. */
+static __device__ __forceinline__ bool cpar__ab_hidden(bool packed, bool causal, int64_t i, int64_t j,
+                                                       const cpar__attn_rowinfo &q, const cpar__attn_rowinfo &k) {
+    return packed ? !cpar__attn_info_sees(q, k, causal) : causal && j > i;
 }
 
 /* log2(e)·lse of query row i, +inf where P must be 0 (past sq, or lse = -inf:
@@ -2852,7 +2900,8 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
     CPAR_DYN_SMEM(unsigned char, smem);
     T *sK = reinterpret_cast<T *>(smem), *sV = sK + BC * LD, *sQO = sV + BC * LD;
     float *sLD = reinterpret_cast<float *>(sQO + 4 * BR * LD);
-    const int m0 = (int)(threadIdx.x >> 5) * 16;
+    cpar__attn_rowinfo *sQI = reinterpret_cast<cpar__attn_rowinfo *>(sLD + 4 * BR); /* GENERAL: 2 x [BR] query infos */
+    const int m0 = (int)(threadIdx.x >> 5) * 16, g = (int)(threadIdx.x & 31) >> 2;
     const int64_t j0 = (int64_t)blockIdx.x * BC, group = p.hq / p.hkv;
     const int d = V::d(p.d);
     const bool causal = V::causal(p.causal), packed = V::packed(p.qp, p.kp), drop = V::drop(p.dropout_p);
@@ -2863,6 +2912,9 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
     if (skip && i_first >= p.sq) return; /* block-uniform: no query sees them at all */
     const int64_t ntiles = i_end > i_first ? (i_end - i_first + BR - 1) / BR : 0, steps = group * ntiles;
     const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
+    cpar__attn_rowinfo kinfo[2] = {}; /* packed or dropout: this thread's keys j0 + m0 + g (+ 8) */
+    if (packed || drop)
+        for (int h = 0; h < 2; h++) kinfo[h] = cpar__attn_info(p.kp, packed, j0 + m0 + g + 8 * h, p.sk);
     for (int64_t bh = blockIdx.y; bh < p.b * p.hkv; bh += gridDim.y) {
         const int64_t bi = bh / p.hkv, hk = bh % p.hkv;
         /* step n: q head hk·group + n / ntiles, query tile i_first + (n % ntiles)·BR, buffer n % 2 */
@@ -2878,10 +2930,12 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
             cpar__ab_load_tile<T, D, BR>(q_s + BR * LD,
                                          static_cast<const char *>(p.dout) + (size_t)(qbh * p.o_bh + i0 * d) * osz,
                                          p.dout_f32, p.sq - i0, d);
+            cpar__attn_rowinfo *qi_s = sQI + (n & 1) * BR;
             for (int r = (int)threadIdx.x; r < BR; r += (int)blockDim.x) {
                 const int64_t i = i0 + r;
                 l_s[r] = cpar__ab_lse2(p, qbh, i);
                 l_s[BR + r] = i < p.sq ? p.dsum[qbh * p.sq + i] : 0.f;
+                if (packed || drop) qi_s[r] = cpar__attn_info(p.qp, packed, i, p.sq);
             }
         };
         __syncthreads(); /* the previous slice's readers are done */
@@ -2906,19 +2960,20 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
             if (j0 + m0 >= p.sk || (skip && j0 + m0 > i0 + BR - 1)) continue;
             const T *sQ = sQO + (n & 1) * 2 * BR * LD, *sdO = sQ + BR * LD;
             const float *sL = sLD + (n & 1) * 2 * BR, *sD = sL + BR;
+            const cpar__attn_rowinfo *qi_s = sQI + (n & 1) * BR;
             float s[NQ][4], dp[NQ][4]; /* Sᵀ then Pᵀ; dPᵀ then dSᵀ: [key][query] */
             cpar__ab_mma_abt<T, NQ, D, LD>(s, sK, m0, sQ, d);
             cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
                 const int64_t j = j0 + kr, i = i0 + r;
                 const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -sL[r]));
-                s[nb][e] = (j >= p.sk || cpar__ab_hidden(p, packed, causal, i, j)) ? 0.f : x;
+                s[nb][e] = (j >= p.sk || cpar__ab_hidden(packed, causal, i, j, qi_s[r], kinfo[e >> 1])) ? 0.f : x;
             });
             cpar__ab_mma_abt<T, NQ, D, LD>(dp, sV, m0, sdO, d);
             /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for dV.
              * Without dropout Z = 1: both products are exact, the bits those
              * of P ∘ (dP − D) and P. */
-            cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
-                const float z = drop ? cpar__ab_drop(p, qbh, i0 + r, j0 + kr, 1.f) : 1.f;
+            cpar__ab_each<NQ>(m0, [&](int nb, int e, int, int r) {
+                const float z = drop ? cpar__ab_keep(p, qbh, qi_s[r], kinfo[e >> 1]) : 1.f;
                 dp[nb][e] = s[nb][e] * (dp[nb][e] * z - sD[r]);
                 s[nb][e] *= z;
             });
@@ -2947,7 +3002,8 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
     constexpr int D = V::DT, BR = CPAR__AB_BRQ, BC = CPAR__AB_BC, LD = D + 8, NK = BC / 8, ND = D / 8;
     CPAR_DYN_SMEM(unsigned char, smem);
     T *sQ = reinterpret_cast<T *>(smem), *sdO = sQ + BR * LD, *sKV = sdO + BR * LD;
-    const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2;
+    cpar__attn_rowinfo *sKI = reinterpret_cast<cpar__attn_rowinfo *>(sKV + 4 * BC * LD); /* GENERAL: [BC] key infos */
+    const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2, t = lane & 3;
     /* the last query tiles first: causal, they have the most key tiles, so the
      * long CTAs start early and the short ones fill the tail */
     const int64_t i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * BR, group = p.hq / p.hkv;
@@ -2959,6 +3015,9 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
     if (packed) cpar__attn_visible<true>(p.qp, p.kp, p.skip_tiles, causal, i0, BR, p.sq, p.sk, BC, &j_begin, &j_end);
     if (skip && i0 + BR < j_end) j_end = i0 + BR;
     const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
+    cpar__attn_rowinfo qinfo[2] = {}; /* packed or dropout: this thread's queries i0 + m0 + g (+ 8) */
+    if (packed || drop)
+        for (int h = 0; h < 2; h++) qinfo[h] = cpar__attn_info(p.qp, packed, i0 + m0 + g + 8 * h, p.sq);
     for (int64_t bh = blockIdx.y; bh < p.b * p.hq; bh += gridDim.y) {
         const int64_t kvbh = (bh / p.hq) * p.hkv + (bh % p.hq) / group;
         auto stage = [&](int64_t j0, int buf) { /* issue key tile j0's copies into buffer buf */
@@ -2990,6 +3049,9 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
             __syncthreads(); /* the previous tile's readers of the other buffer are done: refill it */
             if (j0 + BC < j_end) stage(j0 + BC, buf ^ 1);
             cpar__attn_cp_commit();
+            if (packed || drop) /* the tile's key infos (the previous tile's readers are done) */
+                for (int c = (int)threadIdx.x; c < BC; c += (int)blockDim.x)
+                    sKI[c] = cpar__attn_info(p.kp, packed, j0 + c, p.sk);
             cpar__attn_cp_wait<1>(); /* every group but the next tile's has landed */
             __syncthreads();
             /* this warp's queries are past sq, or (causal) before every key of the tile */
@@ -3000,13 +3062,21 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
             cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
                 const int64_t i = i0 + r, j = j0 + kc;
                 const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
-                s[nb][e] = (j >= p.sk || cpar__ab_hidden(p, packed, causal, i, j)) ? 0.f : x;
+                s[nb][e] = (j >= p.sk || cpar__ab_hidden(packed, causal, i, j, qinfo[e >> 1], sKI[kc])) ? 0.f : x;
             });
             cpar__ab_mma_abt<T, NK, D, LD>(dp, sdO, m0, sV, d);
-            cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
-                const float dpz = drop ? cpar__ab_drop(p, bh, i0 + r, j0 + kc, dp[nb][e]) : dp[nb][e];
-                dp[nb][e] = s[nb][e] * (dpz - ds[e >> 1]);
-            });
+            if (drop) /* dP ∘ Z; keys 2t, 2t+1 of an n-block share one Philox block (cpar__attn_keep2) */
+                CPAR__UNROLL
+                for (int nb = 0; nb < NK; nb++)
+                    CPAR__UNROLL
+                    for (int h = 0; h < 2; h++) {
+                        bool k0, k1;
+                        cpar__attn_keep2(p.rng, p.dropout_p, (uint64_t)bh, (uint64_t)qinfo[h].pos,
+                                         (uint64_t)sKI[nb * 8 + 2 * t].pos, (uint64_t)sKI[nb * 8 + 2 * t + 1].pos, &k0, &k1);
+                        dp[nb][2 * h] *= k0 ? p.keep_scale : 0.f;
+                        dp[nb][2 * h + 1] *= k1 ? p.keep_scale : 0.f;
+                    }
+            cpar__ab_each<NK>(m0, [&](int nb, int e, int, int) { dp[nb][e] = s[nb][e] * (dp[nb][e] - ds[e >> 1]); });
             cpar__ab_mma_xb<T, NK, ND, LD>(dq, dp, sK, d);
         }
         cpar__attn_cp_wait<0>(); /* no copy still lands in a buffer the next slice refills */
@@ -3035,14 +3105,17 @@ template <typename K> static cudaError_t cpar__ab_smem_optin(K kernel, size_t by
 template <typename T, class V> static cudaError_t cpar__attn_bwd_launch(const cpar__ab_args &p, cudaStream_t cs) {
     constexpr int D = V::DT, BRKV = cpar__ab_brkv<D>;
     auto kv = cpar__attn_bwd_dkdv_kernel<T, V, BRKV>;
-    const size_t smem_kv = cpar__ab_smem<T, D>(2 * CPAR__AB_BC + 4 * BRKV, 4 * BRKV); /* K, V; 2 x (Q, dO), 2 x (lse, Dsum) */
+    constexpr int INFO = (int)(sizeof(cpar__attn_rowinfo) / sizeof(float)); /* floats per row info */
+    /* K, V; 2 x (Q, dO), 2 x (lse, Dsum); GENERAL: 2 x the query tile's infos */
+    const size_t smem_kv = cpar__ab_smem<T, D>(2 * CPAR__AB_BC + 4 * BRKV, 4 * BRKV + (V::GENERAL ? 2 * BRKV * INFO : 0));
     cudaError_t e = cpar__ab_smem_optin(kv, smem_kv);
     if (e != cudaSuccess) return e;
     const dim3 grid_kv((unsigned)((p.sk + CPAR__AB_BC - 1) / CPAR__AB_BC), cpar__ab_grid_y(p.b * p.hkv));
     CPAR_LAUNCH(kv, grid_kv, CPAR__AB_THREADS, smem_kv, cs)(p);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     auto qk = cpar__attn_bwd_dq_kernel<T, V>;
-    const size_t smem_q = cpar__ab_smem<T, D>(2 * CPAR__AB_BRQ + 4 * CPAR__AB_BC, 0); /* Q, dO; 2 x (K, V) */
+    /* Q, dO; 2 x (K, V); GENERAL: the key tile's infos */
+    const size_t smem_q = cpar__ab_smem<T, D>(2 * CPAR__AB_BRQ + 4 * CPAR__AB_BC, V::GENERAL ? CPAR__AB_BC * INFO : 0);
     if ((e = cpar__ab_smem_optin(qk, smem_q)) != cudaSuccess) return e;
     const dim3 grid_q((unsigned)((p.sq + CPAR__AB_BRQ - 1) / CPAR__AB_BRQ), cpar__ab_grid_y(p.b * p.hq));
     CPAR_LAUNCH(qk, grid_q, CPAR__AB_THREADS, smem_q, cs)(p);
