@@ -1988,6 +1988,14 @@ template <> __device__ __forceinline__ void cpar__mma_m16n8k16<__nv_bfloat16>(fl
 static __device__ __forceinline__ uint32_t cpar__smem_addr(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
 }
+/* 2^x by the SFU's approximation (flush-to-zero; ex2(-inf) = +0), the
+ * softmax exponent of FlashAttention-2: one MUFU.EX2, where exp2f adds a
+ * range reduction for denormal results the softmax cannot tell from 0. */
+static __device__ __forceinline__ float cpar__ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
 static __device__ __forceinline__ void cpar__ldmatrix_x4(uint32_t r[4], const void *row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -2063,6 +2071,7 @@ template <int N, bool TRANS> static __device__ __forceinline__ void cpar__ldmatr
 static __device__ __forceinline__ void cpar__ldmatrix_x4(uint32_t r[4], const void *row) {
     cpar__ldmatrix_sim<4, false>(r, row);
 }
+static __device__ __forceinline__ float cpar__ex2(float x) { return exp2f(x); } /* the GPU's ex2.approx, exactly rounded */
 static __device__ __forceinline__ void cpar__ldmatrix_x4_trans(uint32_t r[4], const void *row) {
     cpar__ldmatrix_sim<4, true>(r, row);
 }
@@ -2388,12 +2397,39 @@ static __device__ __forceinline__ bool cpar__attn_info_sees(const cpar__attn_row
     return q.doc >= 0 && q.doc == k.doc && (!causal || k.pos <= q.pos);
 }
 
+/* The forward's 16-byte epilogue: this warp's rows of O (times inv, per row
+ * half) into the shared tile st [BM][DT + 16 / sizeof(O)] (the K/V/Q tiles,
+ * free by then), then the CTA's first nrows rows to out_rows (row pitch d,
+ * 16-byte aligned rows) in 16-byte stores. */
+template <typename O, int DT, int OB>
+static __device__ __forceinline__ void cpar__attn_store_rows(O *st, const float (&o)[OB][4], const float inv[2], int d,
+                                                             O *out_rows, int nrows) {
+    constexpr int LDO = DT + 16 / (int)sizeof(O), VO = 16 / (int)sizeof(O);
+    const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5), g = lane >> 2, t = lane & 3;
+CPAR__UNROLL
+    for (int h = 0; h < 2; h++)
+CPAR__UNROLL
+        for (int nb = 0; nb < OB; nb++) {
+            const int r = warp * 16 + g + 8 * h, col = nb * 8 + 2 * t;
+            if (col >= d) continue;
+            st[r * LDO + col] = cpar__narrow<O>(o[nb][2 * h] * inv[h]);
+            st[r * LDO + col + 1] = cpar__narrow<O>(o[nb][2 * h + 1] * inv[h]);
+        }
+    __syncthreads();
+    const int ch = d / VO; /* 16-byte chunks per row: d % 8 == 0 */
+    for (int c = (int)threadIdx.x; c < CPAR__ATTN_BM * ch; c += CPAR__ATTN_THREADS) {
+        const int r = c / ch, k = c % ch;
+        if (r < nrows) cpar__store<VO>(out_rows + (int64_t)r * d + k * VO, cpar__load<VO>(st + r * LDO + k * VO));
+    }
+}
+
 /* a: the attention (q, k, v at the (b, h) slices' bases below); out (OutT)
  * [b, hq, sq, d] with (b,h) stride o_bh; lse f32 with stride lse_bh. */
 template <typename T, class V>
 static __global__ void __launch_bounds__(CPAR__ATTN_THREADS, V::FWD_CTAS)
     cpar__attn_fwd_kernel(const cpar_dev_attn a, void *__restrict__ out, bool out_f32, int64_t o_bh,
-                          float *__restrict__ lse, int64_t lse_bh, bool vec, float keep_scale, bool skip_tiles) {
+                          float *__restrict__ lse, int64_t lse_bh, bool vec, bool ovec, float keep_scale,
+                          bool skip_tiles) {
     constexpr int DT = V::DT, LD = DT + 8; /* +16 bytes: conflict-free ldmatrix rows */
     constexpr int KSTEPS = DT / 16, NB = CPAR__ATTN_BN / 8, OB = DT / 8;
     /* Q's A fragments stay in registers for the whole KV loop at d 64; at
@@ -2508,7 +2544,7 @@ CPAR__UNROLL
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             /* a row with no key yet keeps max -inf: exponents relative to 0 then give exact zeros */
             const float base = mx == -INFINITY ? 0.f : mx * sl2;
-            const float corr = exp2f(m[h] * sl2 - base); /* m = -inf: 0 */
+            const float corr = cpar__ex2(m[h] * sl2 - base); /* m = -inf: 0 */
             m[h] = mx;
             l[h] *= corr;
 CPAR__UNROLL
@@ -2517,7 +2553,7 @@ CPAR__UNROLL
             for (int nb = 0; nb < NB; nb++)
 CPAR__UNROLL
                 for (int e = 0; e < 2; e++) {
-                    const float p = exp2f(fmaf(s[nb][2 * h + e], sl2, -base));
+                    const float p = cpar__ex2(fmaf(s[nb][2 * h + e], sl2, -base));
                     s[nb][2 * h + e] = p;
                     l[h] += p;
                 }
@@ -2561,20 +2597,39 @@ CPAR__UNROLL
         __syncthreads(); /* no warp reads V(j) any more: the next step restages sv */
     }
 
-    /* epilogue: the row sums over the quad, then out = O / l and lse */
+    /* epilogue: the row sums over the quad, lse, then out = O / l: through
+     * shared memory in 16-byte stores when the output rows allow (ovec), else
+     * two elements per store */
+    float inv[2];
 CPAR__UNROLL
     for (int h = 0; h < 2; h++) {
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-        if (row[h] >= a.sq) continue;
         const bool empty = !(l[h] > 0.f); /* saw no key: out 0, lse -inf */
-        const float inv = empty ? 0.f : 1.f / l[h];
+        inv[h] = empty ? 0.f : 1.f / l[h] * keep_scale;
+        if (t == 0 && row[h] < a.sq) lse[bh * lse_bh + row[h]] = empty ? -INFINITY : m[h] * a.scale + logf(l[h]);
+    }
+    if (ovec) {
+        __syncthreads(); /* every warp is done with the K/V/Q tiles */
+        const int nrows = a.sq - q0 < CPAR__ATTN_BM ? (int)(a.sq - q0) : CPAR__ATTN_BM;
+        const int64_t base = bh * o_bh + (int64_t)q0 * d;
+        if (out_f32)
+            cpar__attn_store_rows<float, DT, OB>(reinterpret_cast<float *>(smem), o, inv, d,
+                                                 static_cast<float *>(out) + base, nrows);
+        else
+            cpar__attn_store_rows<T, DT, OB>(reinterpret_cast<T *>(smem), o, inv, d, static_cast<T *>(out) + base,
+                                             nrows);
+        return;
+    }
+CPAR__UNROLL
+    for (int h = 0; h < 2; h++) {
+        if (row[h] >= a.sq) continue;
         const int64_t base = bh * o_bh + (int64_t)row[h] * d;
 CPAR__UNROLL
         for (int nb = 0; nb < OB; nb++) {
             const int col = nb * 8 + 2 * t;
             if (col >= d) continue;
-            const float x0 = o[nb][2 * h] * inv * keep_scale, x1 = o[nb][2 * h + 1] * inv * keep_scale;
+            const float x0 = o[nb][2 * h] * inv[h], x1 = o[nb][2 * h + 1] * inv[h];
             if (out_f32) {
                 float *po = static_cast<float *>(out) + base + col;
                 po[0] = x0, po[1] = x1;
@@ -2583,13 +2638,12 @@ CPAR__UNROLL
                 po[0] = cpar__narrow<T>(x0), po[1] = cpar__narrow<T>(x1);
             }
         }
-        if (t == 0) lse[bh * lse_bh + row[h]] = empty ? -INFINITY : m[h] * a.scale + logf(l[h]);
     }
 }
 
 template <typename T, class V>
 static cudaError_t cpar__launch_attn_fwd(const cpar_dev_attn &a, void *out, bool out_f32, int64_t o_bh, float *lse,
-                                         int64_t lse_bh, bool vec, dim3 grid, cudaStream_t s) {
+                                         int64_t lse_bh, bool vec, bool ovec, dim3 grid, cudaStream_t s) {
     auto kernel = cpar__attn_fwd_kernel<T, V>;
     const float keep_scale = 1.0f / (1.0f - a.dropout_p); /* on the host: cpar.c's cpar__attn_keep_scale */
     const size_t smem = (size_t)(V::DT == 128 ? 3 : 2) * CPAR__ATTN_BN * (V::DT + 8) * sizeof(T) + /* K, V (, Q) */
@@ -2600,7 +2654,7 @@ static cudaError_t cpar__launch_attn_fwd(const cpar_dev_attn &a, void *out, bool
         if (e != cudaSuccess) return e;
     }
     CPAR_LAUNCH(kernel, grid, CPAR__ATTN_THREADS, smem, s)
-    (a, out, out_f32, o_bh, lse, lse_bh, vec, keep_scale, cpar__attn_skip_hidden_tiles);
+    (a, out, out_f32, o_bh, lse, lse_bh, vec, ovec, keep_scale, cpar__attn_skip_hidden_tiles);
     return cudaGetLastError();
 }
 
@@ -2656,12 +2710,14 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
     const bool vec = cpar__aligned(16, a->q, a->k) && cpar__aligned(16, a->v) && a->q_bh % 8 == 0 && a->kv_bh % 8 == 0;
     const dim3 grid((unsigned)bh, (unsigned)tiles);
     const bool f32 = out_dt == CPAR_F32;
+    /* 16-byte epilogue stores need 16-byte aligned output rows: d % 8 == 0, so the base and the (b,h) stride decide */
+    const bool ovec = cpar__aligned(16, out) && o_bh * (f32 ? 4 : 2) % 16 == 0;
     const cudaStream_t cs = cpar__stream(s);
     const cudaError_t e = cpar__attn_dispatch(*a, [&](auto var) {
         typedef decltype(var) V;
-        return a->dt == CPAR_F16 ? cpar__launch_attn_fwd<__half, V>(*a, out, f32, o_bh, lse, lse_bh, vec, grid, cs)
-                                 : cpar__launch_attn_fwd<__nv_bfloat16, V>(*a, out, f32, o_bh, lse, lse_bh, vec, grid,
-                                                                          cs);
+        return a->dt == CPAR_F16
+                   ? cpar__launch_attn_fwd<__half, V>(*a, out, f32, o_bh, lse, lse_bh, vec, ovec, grid, cs)
+                   : cpar__launch_attn_fwd<__nv_bfloat16, V>(*a, out, f32, o_bh, lse, lse_bh, vec, ovec, grid, cs);
     });
     CPAR__TRY_CUDA(e, "attention forward kernel launch (%s, b*hq %lld, sq %lld, sk %lld, d %lld, %s)",
                    cpar__dtype_name(a->dt), (long long)bh, (long long)a->sq, (long long)a->sk, (long long)a->d,
@@ -2965,7 +3021,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
             cpar__ab_mma_abt<T, NQ, D, LD>(s, sK, m0, sQ, d);
             cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
                 const int64_t j = j0 + kr, i = i0 + r;
-                const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -sL[r]));
+                const float x = cpar__ex2(fmaf(s[nb][e], p.scale_log2, -sL[r]));
                 s[nb][e] = (j >= p.sk || cpar__ab_hidden(packed, causal, i, j, qi_s[r], kinfo[e >> 1])) ? 0.f : x;
             });
             cpar__ab_mma_abt<T, NQ, D, LD>(dp, sV, m0, sdO, d);
@@ -3061,7 +3117,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
             cpar__ab_mma_abt<T, NK, D, LD>(s, sQ, m0, sK, d);
             cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
                 const int64_t i = i0 + r, j = j0 + kc;
-                const float x = exp2f(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
+                const float x = cpar__ex2(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
                 s[nb][e] = (j >= p.sk || cpar__ab_hidden(packed, causal, i, j, qinfo[e >> 1], sKI[kc])) ? 0.f : x;
             });
             cpar__ab_mma_abt<T, NK, D, LD>(dp, sdO, m0, sV, d);
