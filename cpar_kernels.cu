@@ -2095,11 +2095,13 @@ static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint3
  *         so the long CTAs start early and the short ones fill the tail);
  *   block 128 threads = 4 warps, warp w owns query rows 16w .. 16w+15.
  * The Q tile is staged through shared memory into A fragments that stay in
- * registers; K and V tiles of 64 keys are staged in shared memory (rows
- * padded by 16 bytes so the 8 row addresses of an ldmatrix hit distinct
- * banks) by cp.async, V(j) overlapping S(j) and K(j+1) overlapping P(j)V(j). Per KV tile: S = Q Kᵀ (mma m16n8k16, B fragments by ldmatrix from
- * K's [key][d] rows), masking, the online softmax in fp32 registers with
- * exp2f on log2(e)-prescaled scores (FA2), then O += P V with P re-packed
+ * registers (d 128: Q keeps its shared tile and each KV tile reloads them);
+ * K and V tiles of 64 keys are staged in shared memory (rows padded by 16
+ * bytes so the 8 row addresses of an ldmatrix hit distinct banks) by
+ * cp.async, V(j) overlapping S(j) and K(j+1) overlapping P(j)V(j). Per KV
+ * tile: S = Q Kᵀ (mma m16n8k16, B fragments by ldmatrix from K's [key][d]
+ * rows), masking, the online softmax in fp32 registers with ex2.approx
+ * (cpar__ex2) on log2(e)-prescaled scores (FA2), then O += P V with P re-packed
  * from the S accumulators into A fragments (the C and A layouts line up) and
  * V's B fragments by ldmatrix.trans from its [key][d] rows. Causal (top-left:
  * query i sees keys j <= i) stops at the diagonal tile. Rows past sq and keys
@@ -2110,8 +2112,9 @@ static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint3
  * fragment code an H100 runs. Reads b·hq·(sq·d + KV tiles · 2·64·d)
  * elements, writes b·hq·sq·(d + 1).
  * Packed blocks (a.qp.cu and a.kp.cu set): masked per weight by document
- * and global position (cpar__attn_packed_sees; the backward kernels
- * likewise), since a ring block's visible pairs interleave along the shard;
+ * and global position (row infos found once per row and tile,
+ * cpar__attn_info_sees; the backward kernels likewise), since a ring block's
+ * visible pairs interleave along the shard;
  * the KV tiles that hide every weight from the CTA's rows are skipped
  * (cpar__attn_visible: a prefix and a suffix of the tiles, found by binary
  * search). Their weights are exact zeros: the backward's bits do not
@@ -2119,9 +2122,11 @@ static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint3
  * a visited hidden tile rescaled o and l by exp2(fma(m, sl2, -m·sl2)), a
  * rounding step away from 1, which skipping leaves out.
  * Dropout (a.dropout_p > 0): after the online softmax has summed a tile's
- * weights into l, each dropped weight is zeroed before P V (the mask is one
- * Philox block per weight at its global positions, cpar__attn_keep below:
- * nothing is stored), and the epilogue scales out by 1/(1-p).
+ * weights into l, each dropped weight is zeroed before P V (the mask: a
+ * weight's word of the Philox block at its global positions, one block per
+ * pair of keys, cpar__attn_keep2 below: nothing is stored), and the
+ * epilogue scales out by 1/(1-p). Instantiations and registers: §8 of
+ * docs/DESIGN.md (cpar__attn_var below).
  * Uses: 2 (errors), 4 (toolkit), 15 (mma.sync, ldmatrix, pack). */
 
 /* CPAR__UNROLL: section 4. */
@@ -2264,8 +2269,11 @@ static __device__ __forceinline__ int64_t cpar__attn_pos(const cpar_dev_attn_pos
 
 /* Whether query i sees key j of a packed block (both row sets packed): the
  * same document's real rows and, causal, the key's global position not
- * after the query's. Plain blocks use the top-left index rule instead. */
-static __device__ __forceinline__ bool cpar__attn_packed_sees(const cpar_dev_attn_pos &qp, const cpar_dev_attn_pos &kp,
+ * after the query's. Plain blocks use the top-left index rule instead. The
+ * kernels apply this rule to row infos found once per tile
+ * (cpar__attn_info_sees); tests/test_attn_bwd.cu checks tile skipping
+ * against this per-pair form. */
+static __device__ __forceinline__ CPAR__SPARE bool cpar__attn_packed_sees(const cpar_dev_attn_pos &qp, const cpar_dev_attn_pos &kp,
                                                               bool causal, int64_t i, int64_t j) {
     int dq, dk;
     const int64_t qpos = cpar__attn_row(qp, i, &dq), kpos = cpar__attn_row(kp, j, &dk);
