@@ -1930,7 +1930,11 @@ cpar_status cpar_grad_norm(cpar_group *tp, const cpar_tensor *const *grads, cons
  * cpar_grad_norm, then when max_norm / (norm + 1e-6) < 1 every gradient is
  * multiplied by it; *coef (may be NULL) gets the factor applied (1 when
  * none). Alternatively pass that factor to cpar_adamw_step as grad_scale
- * after cpar_grad_norm and skip this pass over the gradients. max_norm > 0. */
+ * after cpar_grad_norm and skip this pass over the gradients. max_norm > 0.
+ * A non-finite norm (a NaN or inf gradient) scales nothing: *norm reports it
+ * (NaN or inf), *coef is 1 and the call returns CPAR_OK, so the caller
+ * decides, as Megatron's optimizer does (skip the step, or stop: build/train
+ * stops with the step and the value). */
 cpar_status cpar_clip_grad_norm(cpar_group *tp, cpar_tensor *const *grads, const bool *tp_duplicate, int n,
                                 float max_norm, float *norm, float *coef);
 

@@ -1221,12 +1221,52 @@ static const char usage[] =
     "               flags; sizes take K, M, G); default: 1, 4 and 16 MiB (up to CPAR_BENCH_MAX_MIB)\n"
     "  -n ITERS     timed iterations per case (default CPAR_BENCH_ITERS or 10)\n"
     "  --csv FILE   every row of every table as CSV: a section column, then every column\n"
-    "               (units in the names: time_ms, busbw_gbps, ...), empty where a section has none\n"
+    "               (units in the names: time_ms, busbw_gbps, ...), empty where a section has none;\n"
+    "               the first row (section meta): version, commit, date, host, cpu, cpus\n"
     "  --json FILE  the same rows as a JSON array of objects\n"
     "CPAR_BENCH_ONLY=coll,procs,map,xent,gemm,mlp,attn,mamba,mb picks sections; CPAR_BENCH_MB=NAME the\n"
     "mb rows whose kernel name contains NAME.\n";
 
 static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, size_t sweep_f);
+
+/* What a figure was measured on, as the first row (section "meta") of the
+ * CSV and JSON and one line on stdout: cpar's version, the git commit of the
+ * working directory (when it is a repository), the date (UTC), the host,
+ * its CPU model and count. */
+static void rec_meta(void) {
+    char commit[48] = "", model[96] = "", host[64] = "", date[32];
+    FILE *p = popen("git rev-parse --short=12 HEAD 2> /dev/null", "r");
+    if (p) {
+        if (fgets(commit, sizeof commit, p)) commit[strcspn(commit, "\n")] = 0;
+        pclose(p);
+    }
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    char line[256];
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, "model name", 10) && strchr(line, ':')) {
+            snprintf(model, sizeof model, "%s", strchr(line, ':') + 2);
+            model[strcspn(model, "\n")] = 0;
+            for (char *c = model; *c; c++)
+                if (*c == ',') *c = ' '; /* a plain CSV field for awk -F, */
+            break;
+        }
+    if (f) fclose(f);
+    if (gethostname(host, sizeof host)) snprintf(host, sizeof host, "?");
+    host[sizeof host - 1] = 0;
+    const time_t now = time(NULL);
+    struct tm tm;
+    strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", gmtime_r(&now, &tm));
+    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    rec_begin("meta");
+    rec_s("version", cpar_version());
+    rec_s("commit", commit);
+    rec_s("date", date);
+    rec_s("host", host);
+    rec_s("cpu", model);
+    rec_i("cpus", cpus);
+    printf("cpar %s%s%s, %s, %s, %ld x %s\n", cpar_version(), *commit ? " at " : "", commit, date, host, cpus,
+           *model ? model : "unknown CPU");
+}
 
 int main(int argc, char **argv) {
     int iters = env_int("CPAR_BENCH_ITERS", 10), max_mib = env_int("CPAR_BENCH_MAX_MIB", 16);
@@ -1260,6 +1300,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench: a sweep needs -b SIZE and -e SIZE with -b <= -e\n");
         return 2;
     }
+    rec_meta();
     int rc = run_benches(iters, max_mib, sweep_b, sweep_e, sweep_f);
     if (csv) rc |= rec_write_csv(csv);
     if (json) rc |= rec_write_json(json);

@@ -119,9 +119,12 @@ bench_check() { # directory for the files
     awk -F, 'NR == 1 { n = NF; if ($1 != "section" || $0 !~ /,busbw_gbps(,|$)/ || $0 !~ /,bytes(,|$)/) { print "bad header: " $0; bad = 1 } next }
              NF != n { print "line " NR " has " NF " fields, the header " n; bad = 1 }
              $1 == "collectives" { rows++ }
-             END { if (rows < 20) { print "only " rows + 0 " collective rows"; bad = 1 } exit bad }' "$1/bench.csv" || return 1
+             $1 == "meta" { meta++ }
+             END { if (rows < 20) { print "only " rows + 0 " collective rows"; bad = 1 }
+                   if (meta != 1) { print meta + 0 " meta rows (version, commit, date, machine), expected 1"; bad = 1 }
+                   exit bad }' "$1/bench.csv" || return 1
     if command -v python3 > /dev/null 2>&1; then
-        python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); assert len(r) >= 20 and all("busbw_gbps" in x for x in r if x["section"] == "collectives"), r[:2]' \
+        python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); assert len(r) >= 20 and all("busbw_gbps" in x for x in r if x["section"] == "collectives") and r[0]["section"] == "meta" and r[0]["version"] and r[0]["date"], r[:2]' \
             "$1/bench.json" || return 1
     fi
     echo "bench --csv: $(($(wc -l < "$1/bench.csv") - 1)) rows, --json parses"

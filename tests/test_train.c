@@ -169,6 +169,34 @@ START_TEST(test_grad_norm) {
 }
 END_TEST
 
+/* A NaN or inf gradient on one rank: every rank's norm is non-finite (the
+ * tp all-reduce carries it), the call returns CPAR_OK with *coef 1 and no
+ * gradient changes (the caller decides: skip the step or stop). */
+static cpar_status rank_norm_nonfinite(cpar_ctx *ctx, void *arg) {
+    const float bad = *(const float *)arg;
+    cpar_group *w = cpar_world_group(ctx);
+    const int r = cpar_rank(ctx);
+    const int64_t s[1] = {5};
+    float h[5] = {1.f, -2.f, 0.5f, 3.f, -0.25f};
+    if (r == cpar_world_size(ctx) - 1) h[2] = bad;
+    cpar_tensor g = tu_upload(ctx, h, CPAR_F32, 1, s), *gp = &g;
+    float norm = 0.f, coef = -1.f;
+    TU_OK(cpar_clip_grad_norm(w, &gp, NULL, 1, 1.f, &norm, &coef));
+    ck_assert_msg(isnan(bad) ? isnan(norm) : isinf(norm), "rank %d: norm %g with a %g gradient", r, norm, bad);
+    ck_assert_msg(coef == 1.f, "rank %d: coef %g, expected 1 (nothing scaled)", r, coef);
+    float *got = tu_download(ctx, &g);
+    TU_EXPECT_SAME(got, h, CPAR_F32, 5);
+    free(got);
+    TU_OK(cpar_tensor_free(ctx, &g));
+    return CPAR_OK;
+}
+
+START_TEST(test_clip_nonfinite) {
+    const float bad = _i % 2 ? INFINITY : NAN;
+    TU_OK(tu_spawn(_i / 2 + 1, rank_norm_nonfinite, (void *)&bad));
+}
+END_TEST
+
 /* ---- the coalesced all-reduce ---------------------------------------------------- */
 
 #define N_GRADS 4
@@ -283,6 +311,7 @@ int main(void) {
     const tu_loop loops[] = {
         {"adamw", test_adamw, 30},
         {"grad_norm", test_grad_norm, 32},
+        {"clip_nonfinite", test_clip_nonfinite, 8},
         {"grads_all_reduce", test_grads_all_reduce, 8},
         {"bad_args", test_bad_args, 1},
     };
