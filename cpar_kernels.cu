@@ -2150,12 +2150,12 @@ template <int DT_, bool GENERAL_, bool CAUSAL_ = false> struct cpar__attn_var {
     static constexpr bool GENERAL = GENERAL_;
     /* __launch_bounds__'s minimum CTAs per SM, so registers per thread at
      * most 65536 / (128 · CTAs): the plain forward in 3 (d 128: <= 168) or
-     * 4 (d 64: <= 128) and the plain dq kernel at d 64 in 4 (causal: 3, its
-     * masks spilled at 4), without spilling (tools/kernel_report.sh); the
-     * rest in 2 (<= 255: left to itself, ptxas spilled in some of them to
-     * stay under its own target). */
+     * 4 (d 64: <= 128) and the plain dq kernel at d 64 in 3 (<= 168; at 4 it
+     * spilled), without spilling (tools/kernel_report.sh); the rest in 2
+     * (<= 255: left to itself, ptxas spilled in some of them to stay under
+     * its own target). */
     static constexpr int FWD_CTAS = GENERAL ? 2 : DT == 128 ? 3 : 4;
-    static constexpr int DQ_CTAS = GENERAL || DT == 128 ? 2 : CAUSAL_ ? 3 : 4;
+    static constexpr int DQ_CTAS = GENERAL || DT == 128 ? 2 : 3;
     static __device__ __forceinline__ int d(int64_t run_time) { return GENERAL ? (int)run_time : DT; }
     static __device__ __forceinline__ bool causal(bool run_time) { return GENERAL ? run_time : CAUSAL_; }
     static __device__ __forceinline__ bool packed(const cpar_dev_attn_pos &qp, const cpar_dev_attn_pos &kp) {
