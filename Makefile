@@ -196,7 +196,7 @@ NCCLSIM_TESTS := $(NCCLSIM_SUITES:%=$(B)/ncclsim/test_%) $(B)/ncclsim/mp_prog
 GPU_TEST   := $(if $(filter 1,$(CPAR_CUDA)),$(B)/cuda/test_gpu)
 TEST_PROGS := $(B)/host/store_prog
 
-.PHONY: all lib test test-quick test-host test-sim test-ncclsim test-gpu test-sanitize test-build demo collectives bench plots clean gpu-check \
+.PHONY: all lib test test-quick test-host test-sim test-ncclsim test-gpu test-sanitize test-build demo collectives bench plots plots-run clean gpu-check \
         install uninstall check-dropin check-install FORCE
 .SECONDARY: # keep the test objects that several flavours link
 all: lib $(B)/cparrun $(B)/train $(B)/bench
@@ -473,7 +473,11 @@ endif
 PLOT_SWEEP ?= -b 8K -e 64M -f 2
 # The main job's loss curve from a short run (PLOT_STEPS steps, no sample).
 PLOT_STEPS ?= 300
-plots: $(B)/bench $(B)/train
+# The plotting tool is checked first, before anything is built or run.
+plots:
+	@sh tools/plot_bench.sh --check
+	@$(MAKE) --no-print-directory plots-run
+plots-run: $(B)/bench $(B)/train
 	./$(B)/bench $(PLOT_SWEEP) --csv $(B)/bench.csv --json $(B)/bench.json
 	sh tools/plot_bench.sh $(B)/bench.csv $(B)/plots
 	./$(B)/train --steps $(PLOT_STEPS) --eval-every 50 --log-every 1 --sample 0 > $(B)/train.log

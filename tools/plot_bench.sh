@@ -3,7 +3,20 @@
 # per collective with a line per group size, from build/bench --csv output
 # (a sweep: build/bench -b 8K -e 64M -f 2 --csv FILE). Uses gnuplot when
 # installed, else python3 with matplotlib; says what is missing otherwise.
+#   tools/plot_bench.sh --check   exit 0 when a plotting tool is there, else
+#                                 1 naming the install (make plots runs this
+#                                 before it builds or runs anything)
 set -e
+need="plot_bench.sh: make plots needs gnuplot or python3 with matplotlib (apt-get install gnuplot-nox, or pip install matplotlib)"
+have_plotter() {
+    command -v gnuplot > /dev/null 2>&1 ||
+        { command -v python3 > /dev/null 2>&1 && python3 -c 'import matplotlib' 2> /dev/null; }
+}
+if [ "${1:-}" = --check ]; then
+    have_plotter && exit 0
+    echo "$need" >&2
+    exit 1
+fi
 csv=${1:?usage: plot_bench.sh CSV OUTDIR}
 out=${2:?usage: plot_bench.sh CSV OUTDIR}
 mkdir -p "$out"
