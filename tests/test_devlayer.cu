@@ -878,6 +878,20 @@ START_TEST(test_entry_point_args) {
     EXPECT_FAIL(cpar_dev_rmsnorm_backward(p, p, p, CPAR_F32, 2, -4, 1e-5f, p, NULL, f + 512, NULL), CPAR_ERR_INVALID,
                 "h = -4");
     CK_OK(cpar_dev_rmsnorm_backward(NULL, NULL, NULL, CPAR_F32, 3, 0, 1e-5f, NULL, NULL, NULL, NULL));
+    REQUIRE(cpar_dev_rmsnorm_backward_scratch_bytes(0, 4) >= sizeof(float), "rmsnorm scratch for no rows");
+    REQUIRE(cpar_dev_rmsnorm_backward_scratch_bytes(1000, 8) == (2 * 1000 + 32 * 8) * sizeof(float),
+            "rmsnorm scratch: 2 floats a row, then 32 chunks of 32 rows (the last partial) x 8 columns");
+
+    /* the deterministic embedding gradient's scratch (the sort keys) */
+    EXPECT_FAIL(cpar_dev_embedding_grad(p, CPAR_F32, p, CPAR_I32, 1, 4, 2, 0, 3, false, f, true, NULL, NULL),
+                CPAR_ERR_INVALID, "cpar_dev_embedding_grad", "scratch is NULL");
+    EXPECT_FAIL(cpar_dev_embedding_grad(p, CPAR_F32, p, CPAR_I32, 1, 4, 2, 0, 3, false, f, true, (char *)p + 4, NULL),
+                CPAR_ERR_INVALID, "scratch", "8-byte alignment");
+    EXPECT_FAIL(cpar_dev_embedding_grad(p, CPAR_F32, p, CPAR_I32, 1 << 16, 1 << 16, 2, 0, 3, false, f, true, p, NULL),
+                CPAR_ERR_INVALID, "4294967296 tokens", "< 2^31");
+    CK_OK(cpar_dev_embedding_grad(NULL, CPAR_F32, NULL, CPAR_I32, 0, 4, 2, 0, 3, false, NULL, true, NULL, NULL));
+    REQUIRE(cpar_dev_embedding_grad_scratch_bytes(0) == 0 && cpar_dev_embedding_grad_scratch_bytes(5) == 64,
+            "embedding scratch: 0 for no tokens, 8 bytes per key padded to a power of two");
 
     float *q = (float *)p;
     EXPECT_FAIL(cpar_dev_adamw(NULL, q, q, q, NULL, CPAR_F32, 4, 1e-3f, 0.9f, 0.99f, 1e-8f, 0.f, 0.1f, 0.01f, 1.f, NULL),
