@@ -109,6 +109,11 @@ struct cpar_group {
     uint64_t seq;         /* collectives issued on this group by this rank */
     int64_t *splits;      /* [2*size] all-to-all split scratch, so no call allocates */
     cpar_comm_stats stats;
+    /* hierarchical context parallelism (section 19): the inner (all-to-all)
+     * and outer (ring) groups split from this one for an inner size, kept
+     * until this group is freed; a child points back at its parent */
+    cpar_group *cp_inner, *cp_outer, *cp_parent;
+    int cp_inner_size;
     cpar_group *next;     /* the context's list of live groups */
 };
 
@@ -357,6 +362,7 @@ static void *cpar__host_alloc(size_t bytes) {
 }
 
 static int64_t cpar__min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static size_t cpar__max_size(size_t a, size_t b) { return a > b ? a : b; }
 
 static size_t cpar__round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -6497,6 +6503,13 @@ static cpar_status cpar__group_new(cpar_ctx *ctx, const char *fn, int rank, int 
 
 static void cpar__group_free(cpar_group *g) {
     cpar_ctx *ctx = g->ctx;
+    if (g->cp_inner) cpar__group_free(g->cp_inner); /* each clears its parent's pointer */
+    if (g->cp_outer) cpar__group_free(g->cp_outer);
+    if (g->cp_parent) {
+        cpar_group *p = g->cp_parent;
+        if (p->cp_inner == g) p->cp_inner = NULL;
+        if (p->cp_outer == g) p->cp_outer = NULL;
+    }
     for (cpar_group **p = &ctx->groups; *p; p = &(*p)->next)
         if (*p == g) {
             *p = g->next;
@@ -6689,12 +6702,22 @@ cpar_status cpar_group_stats(const cpar_group *g, cpar_comm_stats *out) {
     CPAR_TRY(cpar__check_group(g, "cpar_group_stats"));
     if (!out) return cpar__fail(g->ctx, CPAR_ERR_INVALID, "cpar_group_stats: out is NULL");
     *out = g->stats;
+    /* hierarchical CP's groups move this group's traffic (cpar.h §12) */
+    const cpar_group *sub[2] = {g->cp_inner, g->cp_outer};
+    for (int i = 0; i < 2; i++)
+        for (int k = 0; sub[i] && k < CPAR_COLL_KIND_COUNT; k++) {
+            out->kind[k].calls += sub[i]->stats.kind[k].calls;
+            out->kind[k].bytes_sent += sub[i]->stats.kind[k].bytes_sent;
+            out->kind[k].bytes_recv += sub[i]->stats.kind[k].bytes_recv;
+        }
     return CPAR_OK;
 }
 
 cpar_status cpar_group_stats_reset(cpar_group *g) {
     CPAR_TRY(cpar__check_group(g, "cpar_group_stats_reset"));
     memset(&g->stats, 0, sizeof g->stats);
+    if (g->cp_inner) memset(&g->cp_inner->stats, 0, sizeof g->stats);
+    if (g->cp_outer) memset(&g->cp_outer->stats, 0, sizeof g->stats);
     return CPAR_OK;
 }
 
@@ -10598,6 +10621,7 @@ static float cpar__attn_keep_scale(const cpar__attn_io *io) { return 1.0f / (1.0
  * when Z is NULL. */
 static void cpar__attn_drop_tile(const cpar__attn_io *io, int64_t bh, int64_t i0, int64_t k0, int64_t bq, int64_t bk,
                                  float *S, float *Z, float keep_scale) {
+    if (io->mask_hq) bh = bh / io->hq * io->mask_hq + io->mask_h0 + bh % io->hq; /* a head shard's mask */
     for (int64_t i = 0; i < bq; i++) {
         const uint64_t qpos = (uint64_t)cpar__attn_pos(&io->qp, i0 + i);
         for (int64_t j = 0; j < bk; j++) {
@@ -11407,6 +11431,61 @@ static void cpar__host_ring_merge(float *out, float *lse, const float *out_b, co
         }
 }
 
+/* ---- comm types and hierarchical groups --------------------------------------------- */
+
+static const char *const cpar__cp_comm_names[CPAR_CP_COMM_TYPE_COUNT] = {"all_gather", "p2p", "a2a", "a2a+p2p"};
+
+const char *cpar_cp_comm_type_name(cpar_cp_comm_type t) {
+    return (unsigned)t < (unsigned)CPAR_CP_COMM_TYPE_COUNT ? cpar__cp_comm_names[t] : "?";
+}
+
+cpar_status cpar_cp_comm_type_parse(const char *name, cpar_cp_comm_type *out) {
+    static const char fn[] = "cpar_cp_comm_type_parse";
+    if (!out) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: out is NULL", fn);
+    if (!name) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: name is NULL", fn);
+    for (int t = 0; t < CPAR_CP_COMM_TYPE_COUNT; t++)
+        if (!strcmp(name, cpar__cp_comm_names[t])) {
+            *out = (cpar_cp_comm_type)t;
+            return CPAR_OK;
+        }
+    return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: name is \"%.64s\", expected all_gather, p2p, a2a or a2a+p2p", fn,
+                      name);
+}
+
+/* A2A_P2P's groups of cp = a x p: inner, the a consecutive ranks sharing
+ * rank / a (Megatron's hierarchical_context_parallel_sizes [a, p]: a node's
+ * ranks first), and outer, the p ranks sharing rank % a; ordered by cp rank,
+ * so this rank is rank % a of its inner group and rank / a of its outer one.
+ * Made by two splits of cp (collective) on the first call with this a, kept
+ * with cp (freed with it) and remade when a changes. Ranks disagreeing on a
+ * get groups of other sizes: refused here on each rank. */
+static cpar_status cpar__cp_hier_groups(cpar_group *cp, const char *fn, int a, cpar_group **inner,
+                                        cpar_group **outer) {
+    cpar_ctx *ctx = cp->ctx;
+    if (cp->cp_inner_size != a || !cp->cp_inner || !cp->cp_outer) {
+        if (cp->cp_inner) cpar__group_free(cp->cp_inner);
+        if (cp->cp_outer) cpar__group_free(cp->cp_outer);
+        cp->cp_inner_size = 0;
+        cpar_group *in = NULL, *out = NULL;
+        cpar_status st = cpar__as(ctx, fn, cpar_group_split(cp, cp->rank / a, cp->rank, &in));
+        cpar_status so = cpar__as(ctx, fn, cpar_group_split(cp, cp->rank % a, cp->rank, &out));
+        if (st == CPAR_OK) st = so;
+        if (st == CPAR_OK && (in->size != a || out->size != cp->size / a))
+            st = cpar__fail(ctx, CPAR_ERR_INVALID,
+                            "%s: cfg->a2a_size is %d here, but the ranks of cp disagree (groups of %d and %d ranks "
+                            "formed, expected %d and %d)", fn, a, in->size, out->size, a, cp->size / a);
+        if (st != CPAR_OK) {
+            if (in) cpar__group_free(in);
+            if (out) cpar__group_free(out);
+            return st;
+        }
+        in->cp_parent = out->cp_parent = cp;
+        cp->cp_inner = in, cp->cp_outer = out, cp->cp_inner_size = a;
+    }
+    *inner = cp->cp_inner, *outer = cp->cp_outer;
+    return CPAR_OK;
+}
+
 /* ---- ring attention ------------------------------------------------------------------ */
 
 /* What step i of rank r computes (the seed's _is_causal_behavior plus its
@@ -11431,7 +11510,7 @@ static cpar__ring_kind cpar__ring_step_kind(const cpar_ring_attention_config *cf
 }
 
 #define CPAR__RING_ALIGN ((size_t)256)
-#define CPAR__RING_SLOTS 8
+#define CPAR__RING_SLOTS 24
 
 /* The state of one ring call. Streams on devices:
  *   compute: every block, merge, zeroing and cast;
@@ -11462,8 +11541,16 @@ typedef struct cpar__ring {
      * packed in buf[0] (one collective, as PyTorch's _AllGatherRotater);
      * ALLTOALL: buf[2] = [k | v] blocks */
     void *kvg, *buf[2];
+    bool allgather; /* the rotation: ALL_GATHER, else ring send/recv (P2P) */
     cpar_dev_event ev_cp, ev_kv, ev_dkv;
     bool forked; /* comm holds work compute has not waited for */
+    /* all-to-all CP (A2A, A2A_P2P: A > 1): the caller's tensors go through
+     * the inner group ga (A ranks, this one ar) into the head layout, and
+     * g, P, r and io above are the outer ring's (A2A: P = 1) */
+    cpar_group *ga;
+    int A, ar;
+    int64_t b, hq, hkv, sq, sk; /* the caller's shapes */
+    cpar__packing pk;           /* cfg->packed, checked for the whole cp group */
 } cpar__ring;
 
 static int cpar__ring_slot(cpar__ring *R, size_t bytes) {
@@ -11488,7 +11575,7 @@ static void cpar__ring_rot_slots(cpar__ring *R, int *a, int *b) {
     const size_t blk = (size_t)R->nkv * R->es;
     *a = *b = -1;
     if (R->P == 1) return;
-    if (R->cfg->rotate == CPAR_ROTATE_ALLGATHER) {
+    if (R->allgather) {
         *a = cpar__ring_slot(R, 2 * blk * (size_t)R->P);
         *b = cpar__ring_slot(R, 2 * blk);
     } else {
@@ -11499,7 +11586,7 @@ static void cpar__ring_rot_slots(cpar__ring *R, int *a, int *b) {
 
 static void cpar__ring_rot_bind(cpar__ring *R, int a, int b) {
     if (a < 0) return;
-    if (R->cfg->rotate == CPAR_ROTATE_ALLGATHER) R->kvg = R->ptr[a], R->buf[0] = R->ptr[b];
+    if (R->allgather) R->kvg = R->ptr[a], R->buf[0] = R->ptr[b];
     else R->buf[0] = R->ptr[a], R->buf[1] = R->ptr[b];
 }
 
@@ -11565,7 +11652,7 @@ static cpar_status cpar__ring_start(cpar__ring *R) {
     const size_t blk = (size_t)R->nkv * R->es;
     CPAR_TRY(cpar__copy_bytes(ctx, R->fn, R->buf[0], ctx->device, R->io.k, ctx->device, blk));
     CPAR_TRY(cpar__copy_bytes(ctx, R->fn, (char *)R->buf[0] + blk, ctx->device, R->io.v, ctx->device, blk));
-    if (R->cfg->rotate == CPAR_ROTATE_ALLTOALL) return CPAR_OK;
+    if (!R->allgather) return CPAR_OK;
     const int64_t in_shape[2] = {1, 2 * R->nkv}, out_shape[2] = {R->P, 2 * R->nkv};
     cpar_tensor in = cpar_tensor_make(R->buf[0], R->io.dt, 2, in_shape, ctx->device);
     cpar_tensor out = cpar_tensor_make(R->kvg, R->io.dt, 2, out_shape, ctx->device);
@@ -11583,7 +11670,7 @@ static cpar_status cpar__ring_next(cpar__ring *R, int i, const void **kp, const 
     *kp = R->io.k, *vp = R->io.v;
     if (R->P == 1) return CPAR_OK;
     const size_t blk = (size_t)R->nkv * R->es;
-    if (R->cfg->rotate == CPAR_ROTATE_ALLGATHER) {
+    if (R->allgather) {
         if (i == 1) CPAR_TRY(cpar__ring_wait(R, R->ev_kv));
         if (i > 0) {
             const size_t src = (size_t)((R->r - i + R->P) % R->P);
@@ -11651,10 +11738,18 @@ static cpar_status cpar__ring_check(cpar__ring *R, const char *fn, cpar_group *c
     cpar_ctx *ctx = cp->ctx;
     if (!cfg) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg is NULL", fn);
     CPAR_TRY(cpar__attn_check_dropout(ctx, fn, "cfg->dropout_p", cfg->dropout_p));
-    if ((unsigned)cfg->rotate > (unsigned)CPAR_ROTATE_ALLTOALL)
+    if ((unsigned)cfg->comm_type >= (unsigned)CPAR_CP_COMM_TYPE_COUNT)
         return cpar__fail(ctx, CPAR_ERR_INVALID,
-                          "%s: cfg->rotate is %d, expected CPAR_ROTATE_ALLGATHER or CPAR_ROTATE_ALLTOALL", fn,
-                          (int)cfg->rotate);
+                          "%s: cfg->comm_type is %d, expected CPAR_CP_ALL_GATHER, CPAR_CP_P2P, CPAR_CP_A2A or "
+                          "CPAR_CP_A2A_P2P", fn, (int)cfg->comm_type);
+    const int A = cfg->comm_type == CPAR_CP_A2A ? cp->size : cfg->comm_type == CPAR_CP_A2A_P2P ? cfg->a2a_size : 1;
+    if (cfg->comm_type == CPAR_CP_A2A_P2P && (cfg->a2a_size < 1 || cp->size % cfg->a2a_size))
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: cfg->a2a_size is %d, expected a divisor of the cp size %d (a2a+p2p's all-to-all group)",
+                          fn, cfg->a2a_size, cp->size);
+    if (cfg->comm_type != CPAR_CP_A2A_P2P && cfg->a2a_size && cfg->a2a_size != A)
+        return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg->a2a_size is %d with comm type %s, expected 0 (it sizes "
+                          "a2a+p2p's all-to-all group)", fn, cfg->a2a_size, cpar_cp_comm_type_name(cfg->comm_type));
     if (!isfinite(cfg->scale) || cfg->scale < 0.f)
         return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg->scale is %g, expected finite and >= 0 (0: 1/sqrt(d))", fn,
                           (double)cfg->scale);
@@ -11698,6 +11793,16 @@ static cpar_status cpar__ring_check(cpar__ring *R, const char *fn, cpar_group *c
         return cpar__fail(ctx, CPAR_ERR_INVALID,
                           "%s: q and k have s_local %lld and %lld, expected even lengths (dropout's positions with "
                           "load balancing: two chunks)", fn, (long long)sq, (long long)sk);
+    if (A > 1 && (hq % A || hkv % A))
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: q has %lld heads and k %lld, expected both divisible by the all-to-all size %d (%s "
+                          "scatters the heads; with fewer KV heads repeat them to %d, or use p2p)", fn, (long long)hq,
+                          (long long)hkv, A, cpar_cp_comm_type_name(cfg->comm_type), A);
+    if (A > 1 && cfg->load_balance && (sq % 2 || sk % 2))
+        return cpar__fail(ctx, CPAR_ERR_INVALID,
+                          "%s: q and k have s_local %lld and %lld, expected even lengths (%s reorders the two "
+                          "load-balanced chunks)", fn, (long long)sq, (long long)sk,
+                          cpar_cp_comm_type_name(cfg->comm_type));
     CPAR_TRY(cpar__attn_check_positions(ctx, fn, cfg->dropout_p, sq * cp->size, sk * cp->size));
     if (cpar__on_device(ctx->device)) {
         if (q->dtype == CPAR_F32)
@@ -11709,24 +11814,8 @@ static cpar_status cpar__ring_check(cpar__ring *R, const char *fn, cpar_group *c
                               "%s: q has head dim d = %lld, expected a multiple of 8 up to 128 on devices", fn,
                               (long long)d);
     }
-    R->ctx = ctx, R->g = cp, R->fn = fn, R->cfg = cfg;
-    R->P = cp->size, R->r = cp->rank;
-    R->dev = cpar__on_device(ctx->device);
-    R->es = cpar_dtype_size(q->dtype);
-    R->nkv = cpar_tensor_numel(k);
-    cpar__attn_io *io = &R->io;
-    io->dt = q->dtype;
-    io->b = b, io->hq = hq, io->hkv = hkv, io->sq = sq, io->sk = sk, io->d = d;
-    io->q = q->data, io->k = k->data, io->v = v->data;
-    io->q_bh = sq * d, io->kv_bh = sk * d;
-    io->causal = cfg->causal;
-    io->scale = cfg->scale > 0.f ? cfg->scale : (float)(1.0 / sqrt((double)d));
-    io->dropout_p = cfg->dropout_p;
-    io->rng = cfg->dropout_state;
-    io->qp = cpar__ring_pos(R, R->r, sq);
     if (cfg->packed) {
-        cpar__packing pk;
-        CPAR_TRY(cpar__packed_check(ctx, fn, cfg->packed, R->P, &pk));
+        CPAR_TRY(cpar__packed_check(ctx, fn, cfg->packed, cp->size, &R->pk));
         if (!cfg->load_balance)
             return cpar__fail(ctx, CPAR_ERR_INVALID,
                               "%s: cfg->packed needs cfg->load_balance (the THD layout: rank r holds chunks r and "
@@ -11734,12 +11823,40 @@ static cpar_status cpar__ring_check(cpar__ring *R, const char *fn, cpar_group *c
         if (b != 1)
             return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: q has batch %lld, expected 1 with cfg->packed (a THD batch)",
                               fn, (long long)b);
-        if (sq * R->P != pk.total || sk != sq)
+        if (sq * cp->size != R->pk.total || sk != sq)
             return cpar__fail(ctx, CPAR_ERR_INVALID,
                               "%s: q and k have s_local %lld and %lld, expected %lld (the packed length %lld / cp = %d)",
-                              fn, (long long)sq, (long long)sk, (long long)(pk.total / R->P), (long long)pk.total,
-                              R->P);
-        io->qp = (cpar_dev_attn_pos){.cu = pk.cu, .cu_real = cfg->packed->cu_seqlens, .n_docs = pk.n_docs,
+                              fn, (long long)sq, (long long)sk, (long long)(R->pk.total / cp->size),
+                              (long long)R->pk.total, cp->size);
+    }
+    /* every local check passed: the groups (a collective the first time) */
+    cpar_group *ring = cp;
+    R->ga = cp;
+    if (A > 1 && A < cp->size) CPAR_TRY(cpar__cp_hier_groups(cp, fn, A, &R->ga, &ring));
+    R->ctx = ctx, R->g = ring, R->fn = fn, R->cfg = cfg;
+    R->A = A, R->ar = cp->rank % A;
+    R->P = cp->size / A, R->r = cp->rank / A;
+    R->allgather = cfg->comm_type == CPAR_CP_ALL_GATHER;
+    R->dev = cpar__on_device(ctx->device);
+    R->es = cpar_dtype_size(q->dtype);
+    R->nkv = cpar_tensor_numel(k);
+    R->b = b, R->hq = hq, R->hkv = hkv, R->sq = sq, R->sk = sk;
+    /* the ring's attention: the caller's shards, or (A > 1) the inner
+     * group's head shard of its whole sequence shard (pointers set once the
+     * all-to-alls have run) */
+    cpar__attn_io *io = &R->io;
+    io->dt = q->dtype;
+    io->b = b, io->hq = hq / A, io->hkv = hkv / A, io->sq = sq * A, io->sk = sk * A, io->d = d;
+    io->q = q->data, io->k = k->data, io->v = v->data;
+    io->q_bh = io->sq * d, io->kv_bh = io->sk * d;
+    io->causal = cfg->causal;
+    io->scale = cfg->scale > 0.f ? cfg->scale : (float)(1.0 / sqrt((double)d));
+    io->dropout_p = cfg->dropout_p;
+    io->rng = cfg->dropout_state;
+    if (A > 1) io->mask_hq = hq, io->mask_h0 = R->ar * (hq / A); /* the mask of the global heads */
+    io->qp = cpar__ring_pos(R, R->r, io->sq);
+    if (cfg->packed) {
+        io->qp = (cpar_dev_attn_pos){.cu = R->pk.cu, .cu_real = cfg->packed->cu_seqlens, .n_docs = R->pk.n_docs,
                                      .P = R->P, .rank = R->r};
         io->kp = io->qp;
     }
@@ -11791,6 +11908,92 @@ static cpar_status cpar__ring_merge(cpar__ring *R, float *out, float *lse, const
     return CPAR_OK;
 }
 
+/* ---- all-to-all (Ulysses) context parallelism ------------------------------------------
+ * A2A and A2A_P2P turn each input [b, h, s, inner] (this rank's sequence
+ * shard) into [b, h/A, A·s, inner]: head group j of every inner-group rank
+ * goes to rank j (one all-to-all, (A-1)/A of the tensor each way), and the A
+ * shards received are placed where cpar_cp_unshard would place them over A
+ * ranks. That is the outer ring's shard: with load balancing over cp = A·p,
+ * outer rank o's chunks o and 2p-1-o of 2p are the cp chunks o·A .. o·A+A-1
+ * and their mirrors, so the inner ranks' chunks r and 2cp-1-r (r = o·A + j)
+ * are the load-balanced chunks j and 2A-1-j of that shard; sequentially,
+ * chunk j of it; packed, the same per document. The ring then runs on the
+ * outer group as it does on cp (A2A: one rank, the whole sequence), and the
+ * outputs take the way back. Dropout's mask uses the global heads
+ * (cpar_dev_attn's mask_hq, mask_h0). */
+
+/* Move the inner ranks' shards (rank j's at blocks + j·stride, each [outer,
+ * s, inner]) into or out of y ([outer, A·s, inner]) in the outer shard's
+ * layout (to_blocks: out of y). Packed: the packing of the outer shard, whose
+ * documents are the global ones divided by p (through a few hundred
+ * boundaries at a time on the stack: no allocation). */
+static cpar_status cpar__a2a_place(cpar__ring *R, void *y, void *blocks, size_t stride, int64_t outer, int64_t s,
+                                   int64_t inner, size_t es, bool to_blocks) {
+    const int A = R->A, dev = R->ctx->device;
+    if (!R->cfg->packed) {
+        const bool lb = R->cfg->load_balance;
+        for (int j = 0; j < A; j++)
+            CPAR_TRY(cpar__cp_copy(R->ctx, R->fn, y, dev, (char *)blocks + (size_t)j * stride, dev, outer, A * s,
+                                   inner, lb ? s / 2 : s, es, A, j, lb, to_blocks));
+        return CPAR_OK;
+    }
+    enum { DOCS = 256 };
+    int32_t cu[DOCS + 1];
+    for (int d0 = 0; d0 < R->pk.n_docs; d0 += DOCS) {
+        const int n = R->pk.n_docs - d0 < DOCS ? R->pk.n_docs - d0 : DOCS;
+        for (int i = 0; i <= n; i++) cu[i] = (int32_t)(R->pk.cu[d0 + i] / R->P);
+        const cpar__packing part = {.n_docs = n, .cu = cu, .total = R->pk.total / R->P};
+        CPAR_TRY(cpar__cp_packed_copy(R->ctx, R->fn, &part, y, dev, blocks, dev, stride, 0, A, outer, inner, es, A,
+                                      to_blocks));
+    }
+    return CPAR_OK;
+}
+
+/* x [b, h, s, inner] (dtype dt, this rank's shard) -> y [b, h/A, A·s, inner]
+ * over the inner group. send and recv: scratch of nbytes(x) (send unused
+ * when b = 1: x's head groups are its all-to-all blocks already). */
+static cpar_status cpar__a2a_to_heads(cpar__ring *R, const void *x, cpar_dtype dt, int64_t h, int64_t s,
+                                      int64_t inner, void *y, void *send, void *recv) {
+    cpar_ctx *ctx = R->ctx;
+    const int A = R->A;
+    const size_t es = cpar_dtype_size(dt), grp = (size_t)(h / A * s * inner) * es;
+    const int64_t blk = R->b * (h / A) * s * inner; /* elements per peer */
+    const void *src = x;
+    if (R->b > 1) { /* [b][A][grp] -> [A][b][grp] */
+        for (int j = 0; j < A; j++)
+            CPAR_TRY(cpar__copy_2d(ctx, R->fn, (char *)send + (size_t)j * (size_t)blk * es, grp, ctx->device,
+                                   (const char *)x + (size_t)j * grp, (size_t)A * grp, ctx->device, grp,
+                                   (size_t)R->b));
+        src = send;
+    }
+    const int64_t shape[2] = {A, blk};
+    const cpar_tensor in = cpar_tensor_make((void *)src, dt, 2, shape, ctx->device);
+    cpar_tensor out = cpar_tensor_make(recv, dt, 2, shape, ctx->device);
+    CPAR_TRY(cpar__as(ctx, R->fn, cpar_all_to_all_single(R->ga, &in, &out, NULL, NULL)));
+    return cpar__a2a_place(R, y, recv, (size_t)blk * es, R->b * (h / A), s, inner, es, false);
+}
+
+/* The way back: y [b, h/A, A·s, inner] -> x [b, h, s, inner]. send: scratch
+ * of nbytes(x); recv too when b > 1 (else the all-to-all lands in x). */
+static cpar_status cpar__a2a_to_seq(cpar__ring *R, const void *y, cpar_dtype dt, int64_t h, int64_t s, int64_t inner,
+                                    void *x, void *send, void *recv) {
+    cpar_ctx *ctx = R->ctx;
+    const int A = R->A;
+    const size_t es = cpar_dtype_size(dt), grp = (size_t)(h / A * s * inner) * es;
+    const int64_t blk = R->b * (h / A) * s * inner;
+    CPAR_TRY(cpar__a2a_place(R, (void *)y, send, (size_t)blk * es, R->b * (h / A), s, inner, es, true));
+    const int64_t shape[2] = {A, blk};
+    const cpar_tensor in = cpar_tensor_make(send, dt, 2, shape, ctx->device);
+    cpar_tensor out = cpar_tensor_make(R->b > 1 ? recv : x, dt, 2, shape, ctx->device);
+    CPAR_TRY(cpar__as(ctx, R->fn, cpar_all_to_all_single(R->ga, &in, &out, NULL, NULL)));
+    if (R->b > 1) /* [A][b][grp] -> [b][A][grp] */
+        for (int j = 0; j < A; j++)
+            CPAR_TRY(cpar__copy_2d(ctx, R->fn, (char *)x + (size_t)j * grp, (size_t)A * grp, ctx->device,
+                                   (const char *)recv + (size_t)j * (size_t)blk * es, grp, ctx->device, grp,
+                                   (size_t)R->b));
+    return CPAR_OK;
+}
+
 /* The ring of the forward, after the checks and with the workspace bound:
  * acc (F32 [b,hq,sq,d]) and lse receive the merged result. */
 static cpar_status cpar__ring_forward_steps(cpar__ring *R, float *acc, float *lse, float *bo, float *bl,
@@ -11837,11 +12040,19 @@ cpar_status cpar_ring_attention_forward(cpar_group *cp, const cpar_ring_attentio
         }
         return CPAR_OK;
     }
-    /* workspace: rotation | fp32 output accumulator (out itself when F32) |
-     * one block's fp32 out and lse | the block function's scratch */
+    /* workspace: all-to-all (A > 1: q, k, v, out and lse in the head layout,
+     * send and receive buffers) | rotation | fp32 output accumulator (the
+     * output itself when F32) | one block's fp32 out and lse | the block
+     * function's scratch */
+    const bool a2a = R.A > 1, f32 = out->dtype == CPAR_F32, merge = R.P > 1;
+    const size_t qb = cpar_tensor_nbytes(q), kb = cpar_tensor_nbytes(k);
+    const size_t xb = cpar__max_size(cpar__max_size(qb, kb), (size_t)rows * sizeof(float)); /* lse's too */
+    const int s_q = cpar__ring_slot(&R, a2a ? qb : 0), s_k = cpar__ring_slot(&R, a2a ? kb : 0);
+    const int s_v = cpar__ring_slot(&R, a2a ? kb : 0), s_o = cpar__ring_slot(&R, a2a ? cpar_tensor_nbytes(out) : 0);
+    const int s_l = cpar__ring_slot(&R, a2a ? (size_t)rows * sizeof(float) : 0);
+    const int s_send = cpar__ring_slot(&R, a2a ? xb : 0), s_recv = cpar__ring_slot(&R, a2a ? xb : 0);
     int ra, rb;
     cpar__ring_rot_slots(&R, &ra, &rb);
-    const bool f32 = out->dtype == CPAR_F32, merge = R.P > 1;
     const int s_acc = cpar__ring_slot(&R, f32 ? 0 : (size_t)nq * sizeof(float));
     const int s_bo = cpar__ring_slot(&R, merge ? (size_t)nq * sizeof(float) : 0);
     const int s_bl = cpar__ring_slot(&R, merge ? (size_t)rows * sizeof(float) : 0);
@@ -11849,14 +12060,27 @@ cpar_status cpar_ring_attention_forward(cpar_group *cp, const cpar_ring_attentio
     const int s_pk = cpar__ring_slot(&R, cpar__attn_packed_bytes(&R.io, R.dev));
     CPAR_TRY(cpar__ring_carve(&R));
     cpar__ring_rot_bind(&R, ra, rb);
-    float *acc = f32 ? out->data : R.ptr[s_acc];
+    void *o = a2a ? R.ptr[s_o] : out->data; /* the ring's out and lse */
+    float *l = a2a ? R.ptr[s_l] : lse->data, *acc = f32 ? o : R.ptr[s_acc];
+    void *send = R.ptr[s_send], *recv = R.ptr[s_recv];
 
-    cpar_status st = R.ptr[s_pk] ? cpar__attn_packed_upload(ctx, fn, &R.io, R.ptr[s_pk]) : CPAR_OK;
+    cpar_status st = CPAR_OK;
+    if (a2a) {
+        const int64_t d = R.io.d;
+        st = cpar__a2a_to_heads(&R, q->data, q->dtype, R.hq, R.sq, d, R.ptr[s_q], send, recv);
+        if (st == CPAR_OK) st = cpar__a2a_to_heads(&R, k->data, k->dtype, R.hkv, R.sk, d, R.ptr[s_k], send, recv);
+        if (st == CPAR_OK) st = cpar__a2a_to_heads(&R, v->data, v->dtype, R.hkv, R.sk, d, R.ptr[s_v], send, recv);
+        R.io.q = R.ptr[s_q], R.io.k = R.ptr[s_k], R.io.v = R.ptr[s_v];
+    }
+    if (st == CPAR_OK && R.ptr[s_pk]) st = cpar__attn_packed_upload(ctx, fn, &R.io, R.ptr[s_pk]);
     if (st == CPAR_OK) st = cpar__ring_events(&R);
     if (st == CPAR_OK) st = cpar__ring_start(&R);
-    if (st == CPAR_OK) st = cpar__ring_forward_steps(&R, acc, lse->data, R.ptr[s_bo], R.ptr[s_bl], R.ptr[s_scr]);
-    if (st == CPAR_OK && !f32) st = cpar__ring_cast(&R, out->data, out->dtype, acc, nq);
-    return cpar__ring_finish(&R, st);
+    if (st == CPAR_OK) st = cpar__ring_forward_steps(&R, acc, l, R.ptr[s_bo], R.ptr[s_bl], R.ptr[s_scr]);
+    if (st == CPAR_OK && !f32) st = cpar__ring_cast(&R, o, out->dtype, acc, nq);
+    st = cpar__ring_finish(&R, st);
+    if (st == CPAR_OK && a2a) st = cpar__a2a_to_seq(&R, o, out->dtype, R.hq, R.sq, R.io.d, out->data, send, recv);
+    if (st == CPAR_OK && a2a) st = cpar__a2a_to_seq(&R, l, CPAR_F32, R.hq, R.sq, 1, lse->data, send, recv);
+    return st;
 }
 
 /* The ring of the backward: gq (F32 like q) accumulates dq; the dK/dV
@@ -11934,14 +12158,26 @@ cpar_status cpar_ring_attention_backward(cpar_group *cp, const cpar_ring_attenti
     const bool f32 = dq->dtype == CPAR_F32;
     if (nkv == 0) /* no key anywhere (the same on every rank): dq = 0, all-zero bytes in every float dtype */
         return cpar__ring_zero(&R, dq->data, cpar_tensor_nbytes(dq));
-    /* workspace: rotation | dq accumulator (dq itself when F32) | two
-     * travelling [dk | dv] accumulators and one block's (one accumulator
-     * when P = 1) | the block function's scratch */
+    /* workspace: all-to-all (A > 1: q, k, v, out, dout, lse in the head
+     * layout, send and receive buffers, dq, dk, dv in the head layout unless
+     * F32, when the accumulators are sent) | rotation | dq accumulator (dq
+     * itself when F32 and A = 1) | two travelling [dk | dv] accumulators and
+     * one block's (one accumulator when P = 1) | the block function's scratch */
+    const bool a2a = R.A > 1, ring = R.P > 1;
+    const int64_t rows = nq / R.io.d;
+    const size_t qb = cpar_tensor_nbytes(q), kb = cpar_tensor_nbytes(k);
+    const size_t xb = cpar__max_size(cpar__max_size(qb, kb), (size_t)rows * sizeof(float)); /* lse's too */
+    const int s_q = cpar__ring_slot(&R, a2a ? qb : 0), s_k = cpar__ring_slot(&R, a2a ? kb : 0);
+    const int s_v = cpar__ring_slot(&R, a2a ? kb : 0), s_o = cpar__ring_slot(&R, a2a ? qb : 0);
+    const int s_do = cpar__ring_slot(&R, a2a ? qb : 0);
+    const int s_l = cpar__ring_slot(&R, a2a ? (size_t)rows * sizeof(float) : 0);
+    const int s_send = cpar__ring_slot(&R, a2a ? xb : 0), s_recv = cpar__ring_slot(&R, a2a ? xb : 0);
+    const int s_dq = cpar__ring_slot(&R, a2a && !f32 ? qb : 0), s_dk = cpar__ring_slot(&R, a2a && !f32 ? kb : 0);
+    const int s_dv = cpar__ring_slot(&R, a2a && !f32 ? kb : 0);
     int ra, rb;
     cpar__ring_rot_slots(&R, &ra, &rb);
-    const bool ring = R.P > 1;
     const size_t acc_bytes = (size_t)(2 * nkv) * sizeof(float);
-    const int s_gq = cpar__ring_slot(&R, f32 ? 0 : (size_t)nq * sizeof(float));
+    const int s_gq = cpar__ring_slot(&R, f32 && !a2a ? 0 : (size_t)nq * sizeof(float));
     const int s_a0 = cpar__ring_slot(&R, acc_bytes);
     const int s_a1 = cpar__ring_slot(&R, ring ? acc_bytes : 0);
     const int s_tmp = cpar__ring_slot(&R, ring ? acc_bytes : 0);
@@ -11949,20 +12185,47 @@ cpar_status cpar_ring_attention_backward(cpar_group *cp, const cpar_ring_attenti
     const int s_pk = cpar__ring_slot(&R, cpar__attn_packed_bytes(&R.io, R.dev));
     CPAR_TRY(cpar__ring_carve(&R));
     cpar__ring_rot_bind(&R, ra, rb);
-    float *gq = f32 ? dq->data : R.ptr[s_gq], *acc[2] = {R.ptr[s_a0], R.ptr[s_a1]}, *fin = NULL;
+    float *gq = f32 && !a2a ? dq->data : R.ptr[s_gq], *acc[2] = {R.ptr[s_a0], R.ptr[s_a1]}, *fin = NULL;
+    const void *o = out->data, *dO = dout->data;
+    const float *l = lse->data;
+    void *send = R.ptr[s_send], *recv = R.ptr[s_recv];
 
-    cpar_status st = R.ptr[s_pk] ? cpar__attn_packed_upload(R.ctx, fn, &R.io, R.ptr[s_pk]) : CPAR_OK;
+    cpar_status st = CPAR_OK;
+    if (a2a) {
+        const int64_t d = R.io.d;
+        st = cpar__a2a_to_heads(&R, q->data, q->dtype, R.hq, R.sq, d, R.ptr[s_q], send, recv);
+        if (st == CPAR_OK) st = cpar__a2a_to_heads(&R, k->data, k->dtype, R.hkv, R.sk, d, R.ptr[s_k], send, recv);
+        if (st == CPAR_OK) st = cpar__a2a_to_heads(&R, v->data, v->dtype, R.hkv, R.sk, d, R.ptr[s_v], send, recv);
+        if (st == CPAR_OK) st = cpar__a2a_to_heads(&R, o, out->dtype, R.hq, R.sq, d, R.ptr[s_o], send, recv);
+        if (st == CPAR_OK) st = cpar__a2a_to_heads(&R, dO, dout->dtype, R.hq, R.sq, d, R.ptr[s_do], send, recv);
+        if (st == CPAR_OK) st = cpar__a2a_to_heads(&R, l, CPAR_F32, R.hq, R.sq, 1, R.ptr[s_l], send, recv);
+        R.io.q = R.ptr[s_q], R.io.k = R.ptr[s_k], R.io.v = R.ptr[s_v];
+        o = R.ptr[s_o], dO = R.ptr[s_do], l = R.ptr[s_l];
+    }
+    if (st == CPAR_OK && R.ptr[s_pk]) st = cpar__attn_packed_upload(R.ctx, fn, &R.io, R.ptr[s_pk]);
     if (st == CPAR_OK) st = cpar__ring_events(&R);
     if (st == CPAR_OK) st = cpar__ring_zero(&R, gq, (size_t)nq * sizeof(float));
     if (st == CPAR_OK) st = cpar__ring_zero(&R, acc[0], acc_bytes);
     if (st == CPAR_OK) st = cpar__ring_start(&R);
     if (st == CPAR_OK)
-        st = cpar__ring_backward_steps(&R, out->data, dout->data, out->dtype, lse->data, gq, acc, R.ptr[s_tmp],
-                                       R.ptr[s_scr], &fin);
-    if (st == CPAR_OK && !f32) st = cpar__ring_cast(&R, dq->data, dq->dtype, gq, nq);
-    if (st == CPAR_OK) st = cpar__ring_cast(&R, dk->data, dk->dtype, fin, nkv);
-    if (st == CPAR_OK) st = cpar__ring_cast(&R, dv->data, dv->dtype, fin + nkv, nkv);
-    return cpar__ring_finish(&R, st);
+        st = cpar__ring_backward_steps(&R, o, dO, out->dtype, l, gq, acc, R.ptr[s_tmp], R.ptr[s_scr], &fin);
+    /* the gradients in dq, dk, dv's dtype: the outputs, or (A > 1) what the all-to-alls send back */
+    void *gd[3] = {dq->data, dk->data, dv->data};
+    if (st == CPAR_OK && a2a) {
+        if (f32) gd[0] = gq, gd[1] = fin, gd[2] = fin + nkv;
+        else gd[0] = R.ptr[s_dq], gd[1] = R.ptr[s_dk], gd[2] = R.ptr[s_dv];
+    }
+    if (st == CPAR_OK) st = cpar__ring_cast(&R, gd[0], dq->dtype, gq, nq);
+    if (st == CPAR_OK) st = cpar__ring_cast(&R, gd[1], dk->dtype, fin, nkv);
+    if (st == CPAR_OK) st = cpar__ring_cast(&R, gd[2], dv->dtype, fin + nkv, nkv);
+    st = cpar__ring_finish(&R, st);
+    if (st == CPAR_OK && a2a) {
+        const int64_t d = R.io.d;
+        st = cpar__a2a_to_seq(&R, gd[0], dq->dtype, R.hq, R.sq, d, dq->data, send, recv);
+        if (st == CPAR_OK) st = cpar__a2a_to_seq(&R, gd[1], dk->dtype, R.hkv, R.sk, d, dk->data, send, recv);
+        if (st == CPAR_OK) st = cpar__a2a_to_seq(&R, gd[2], dv->dtype, R.hkv, R.sk, d, dv->data, send, recv);
+    }
+    return st;
 }
 
 /* ==== 20. Mamba context parallelism =======================================

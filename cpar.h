@@ -1460,16 +1460,49 @@ cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_conf
  *   out <- out - sigmoid(lse_b - lse) (out - out_b),  lse <- lse - logsigmoid(lse - lse_b)
  * (a row no block reaches keeps lse = -inf and out = 0). */
 
-typedef enum cpar_rotate_method {
-    CPAR_ROTATE_ALLGATHER = 0, /* all-gather every KV shard up front (the seed's default) */
-    CPAR_ROTATE_ALLTOALL       /* ring send/recv of one KV block per step, overlapped with compute
-                                * on GPUs (PyTorch's "alltoall" rotate method) */
-} cpar_rotate_method;
+/* How the context-parallel group communicates (Megatron's cp_comm_type,
+ * Transformer Engine's names). Per rank, for one layer's forward with a
+ * sequence shard of n = s/cp tokens, hq query and hkv key/value heads of d:
+ *   ALL_GATHER  one all-gather of K and V up front: receives (cp-1)·2n·hkv·d;
+ *   P2P         ring send/recv of one KV block per step, overlapped with the
+ *               step's block on GPUs (PyTorch's "alltoall" rotate method):
+ *               cp-1 transfers of 2n·hkv·d;
+ *   A2A         DeepSpeed-Ulysses: all-to-alls turn [b, h, n, d] into
+ *               [b, h/cp, s, d] (heads scattered, the whole sequence
+ *               gathered), one local attention over the whole sequence, and
+ *               an all-to-all of out (and lse) back: (cp-1)/cp of q, k, v
+ *               and out, i.e. (cp-1)/cp·n·(2hq + 2hkv)·d; needs hq and hkv
+ *               divisible by cp (GQA with hkv < cp is refused: repeat the KV
+ *               heads to cp, as Transformer Engine does, or use P2P);
+ *   A2A_P2P     hierarchical: cp = a · p; an all-to-all inside each inner
+ *               group of a consecutive ranks (a2a_size; typically one node's
+ *               NVLink domain), then the P2P ring across the p outer groups
+ *               (ranks a apart) on [b, h/a, a·n, d], then the all-to-alls back:
+ *               (a-1)/a of A2A's tensors plus (p-1) KV blocks of 2·a·n·hkv/a·d.
+ *               a = cp is A2A, a = 1 is P2P; hq and hkv divisible by a.
+ * A2A and A2A_P2P make their inner and outer groups on the first call (a
+ * split of cp, collective) and keep them with cp until it is destroyed;
+ * cpar_group_stats(cp) counts the traffic of those groups too. Backward
+ * moves, besides forward's q, k, v: out, dout (all-to-all) and the gradients
+ * back (all-to-all of dq, dk, dv); lse travels with out (fp32, 1/d of it). */
+typedef enum cpar_cp_comm_type {
+    CPAR_CP_ALL_GATHER = 0, /* "all_gather": the seed's default (PyTorch's "allgather" rotate method) */
+    CPAR_CP_P2P,            /* "p2p" */
+    CPAR_CP_A2A,            /* "a2a" */
+    CPAR_CP_A2A_P2P,        /* "a2a+p2p" (with a2a_size) */
+    CPAR_CP_COMM_TYPE_COUNT
+} cpar_cp_comm_type;
+
+/* "all_gather", "p2p", "a2a", "a2a+p2p"; "?" when invalid. */
+const char *cpar_cp_comm_type_name(cpar_cp_comm_type t);
+/* The type of one of those names (CPAR_ERR_INVALID naming the choices otherwise). */
+cpar_status cpar_cp_comm_type_parse(const char *name, cpar_cp_comm_type *out);
 
 typedef struct cpar_ring_attention_config {
     bool causal;
     bool load_balance;         /* the sequence was sharded round-robin: rank r holds chunks r and 2P-1-r */
-    cpar_rotate_method rotate;
+    cpar_cp_comm_type comm_type;
+    int a2a_size;              /* A2A_P2P: the inner (all-to-all) group size a, dividing cp; else 0 */
     float scale;               /* 0: 1/sqrt(d); else finite and > 0 */
     float dropout_p;           /* 0: none; else in (0, 1), the mask of the whole sequence's */
     cpar_rng_state dropout_state; /* attention (see "attention dropout"; S_k = cp · s_local_kv) */
@@ -1480,11 +1513,14 @@ typedef struct cpar_ring_attention_config {
 /* q [b, hq, s_local, d], k, v [b, hkv, s_local_kv, d] this rank's shard of
  * the sequence (dtypes, head dims and GQA as cpar_attention_forward), all on
  * the context's device; causal needs s_local_kv == s_local, and with load
- * balancing an even s_local. out like q, lse F32 [b, hq, s_local]: exactly the
- * rows of full-sequence attention this rank holds. Communication on cp:
- * ALLGATHER: two all-gathers (k, v) receiving (P-1)/P of the global K and V;
- * ALLTOALL: P-1 ring send/recvs of this rank's K and V. Scratch: one carve of
- * the context workspace. */
+ * balancing an even s_local (and s_local_kv: A2A and A2A_P2P with a > 1
+ * always, as they reorder the two chunks). out like q, lse F32 [b, hq,
+ * s_local]: exactly the rows of full-sequence attention this rank holds.
+ * Communication on cp (bytes in cpar_cp_comm_type above): ALL_GATHER: one
+ * all-gather of [k | v]; P2P: P-1 ring send/recvs of this rank's K and V;
+ * A2A: one all-to-all each of q, k, v, out and lse; A2A_P2P: those on the
+ * inner groups and P2P's on the outer. Scratch: one carve of the context
+ * workspace. */
 cpar_status cpar_ring_attention_forward(cpar_group *cp, const cpar_ring_attention_config *cfg,
                                         const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
                                         cpar_tensor *out, cpar_tensor *lse);
@@ -1492,7 +1528,9 @@ cpar_status cpar_ring_attention_forward(cpar_group *cp, const cpar_ring_attentio
  * full-sequence gradients. out, lse from forward, dout like out. The KV
  * rotation is forward's (again); the fp32 dK/dV accumulators travel around
  * the ring with their KV block (P send/recvs of 2 * numel(k) floats) and
- * arrive at their owner; dq accumulates locally in fp32. */
+ * arrive at their owner; dq accumulates locally in fp32. A2A (and A2A_P2P's
+ * inner groups): one all-to-all each of q, k, v, out, dout, lse in and of
+ * dq, dk, dv back. */
 cpar_status cpar_ring_attention_backward(cpar_group *cp, const cpar_ring_attention_config *cfg,
                                          const cpar_tensor *q, const cpar_tensor *k, const cpar_tensor *v,
                                          const cpar_tensor *out, const cpar_tensor *dout, const cpar_tensor *lse,
@@ -2129,6 +2167,10 @@ typedef struct cpar_dev_attn {
     float dropout_p;
     cpar_rng_state rng;
     cpar_dev_attn_pos qp, kp;
+    /* the mask's (batch, head) index when this block holds heads [mask_h0,
+     * mask_h0 + hq) of an attention with mask_hq heads (the all-to-all CP's
+     * head shard): bh = bi·mask_hq + mask_h0 + hi; mask_hq 0: bi·hq + hi */
+    int64_t mask_hq, mask_h0;
 } cpar_dev_attn;
 
 /* out (dtype out_dt: F32 or a->dt, stride o_bh) and lse (F32, stride lse_bh)

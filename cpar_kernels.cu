@@ -2370,6 +2370,13 @@ static __device__ __forceinline__ bool cpar__attn_keep(const cpar_rng_state &rng
     return cpar__rng_u01(cpar__u4_word(cpar__attn_philox(rng, bh, qpos, kpos), kpos & 3)) >= p;
 }
 
+/* The mask's (batch, head) index of slice bh of a block with hq heads
+ * (cpar_dev_attn's mask_hq, mask_h0: a head shard of a wider attention). */
+static __device__ __forceinline__ uint64_t cpar__attn_mask_bh(int64_t bh, int64_t hq, int64_t mask_hq,
+                                                              int64_t mask_h0) {
+    return mask_hq ? (uint64_t)(bh / hq * mask_hq + mask_h0 + bh % hq) : (uint64_t)bh;
+}
+
 /* Whether the weights of one query and two keys survive, with one Philox
  * block for both when the keys share one (the kernels' lanes hold keys in
  * adjacent pairs: almost always). */
@@ -2568,13 +2575,14 @@ CPAR__UNROLL
         }
         /* dropout: l summed every weight (lse is dropout's input); P V takes the kept ones */
         if (drop) { /* keys 2t, 2t+1 of each n-block: one Philox block for the pair */
+            const uint64_t mbh = cpar__attn_mask_bh(bh, a.hq, a.mask_hq, a.mask_h0);
 CPAR__UNROLL
             for (int nb = 0; nb < NB; nb++)
 CPAR__UNROLL
                 for (int h = 0; h < 2; h++) {
                     const int jl = nb * 8 + 2 * t;
                     bool k0, k1;
-                    cpar__attn_keep2(a.rng, a.dropout_p, (uint64_t)bh, (uint64_t)qinfo[h].pos,
+                    cpar__attn_keep2(a.rng, a.dropout_p, mbh, (uint64_t)qinfo[h].pos,
                                      (uint64_t)kinfo[jl].pos, (uint64_t)kinfo[jl + 1].pos, &k0, &k1);
                     if (!k0) s[nb][2 * h] = 0.f; /* keys past sk weigh 0 already */
                     if (!k1) s[nb][2 * h + 1] = 0.f;
@@ -2799,12 +2807,13 @@ struct cpar__ab_args {
     float dropout_p, keep_scale; /* keep_scale = 1 / (1 - p) */
     cpar_rng_state rng;
     cpar_dev_attn_pos qp, kp;
+    int64_t mask_hq, mask_h0; /* cpar_dev_attn's */
 };
 
-/* The mask Z = keep_scale or 0 of weight (bh, query q, key k). */
-static __device__ __forceinline__ float cpar__ab_keep(const cpar__ab_args &p, int64_t bh, const cpar__attn_rowinfo &q,
-                                                      const cpar__attn_rowinfo &k) {
-    return cpar__attn_keep(p.rng, p.dropout_p, (uint64_t)bh, (uint64_t)q.pos, (uint64_t)k.pos) ? p.keep_scale : 0.f;
+/* The mask Z = keep_scale or 0 of weight (mask index mbh, query q, key k). */
+static __device__ __forceinline__ float cpar__ab_keep(const cpar__ab_args &p, uint64_t mbh,
+                                                      const cpar__attn_rowinfo &q, const cpar__attn_rowinfo &k) {
+    return cpar__attn_keep(p.rng, p.dropout_p, mbh, (uint64_t)q.pos, (uint64_t)k.pos) ? p.keep_scale : 0.f;
 }
 
 /* Calls f(nb, e, row, col) for every element acc[nb][e] of this warp's
@@ -3036,8 +3045,9 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
             /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for dV.
              * Without dropout Z = 1: both products are exact, the bits those
              * of P ∘ (dP − D) and P. */
+            const uint64_t mbh = drop ? cpar__attn_mask_bh(qbh, p.hq, p.mask_hq, p.mask_h0) : 0; /* dropout's bh */
             cpar__ab_each<NQ>(m0, [&](int nb, int e, int, int r) {
-                const float z = drop ? cpar__ab_keep(p, qbh, qi_s[r], kinfo[e >> 1]) : 1.f;
+                const float z = drop ? cpar__ab_keep(p, mbh, qi_s[r], kinfo[e >> 1]) : 1.f;
                 dp[nb][e] = s[nb][e] * (dp[nb][e] * z - sD[r]);
                 s[nb][e] *= z;
             });
@@ -3084,6 +3094,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
         for (int h = 0; h < 2; h++) qinfo[h] = cpar__attn_info(p.qp, packed, i0 + m0 + g + 8 * h, p.sq);
     for (int64_t bh = blockIdx.y; bh < p.b * p.hq; bh += gridDim.y) {
         const int64_t kvbh = (bh / p.hq) * p.hkv + (bh % p.hq) / group;
+        const uint64_t mbh = drop ? cpar__attn_mask_bh(bh, p.hq, p.mask_hq, p.mask_h0) : 0; /* dropout's bh */
         auto stage = [&](int64_t j0, int buf) { /* issue key tile j0's copies into buffer buf */
             T *k_s = sKV + buf * 2 * BC * LD;
             cpar__ab_load_tile<T, D, BC>(k_s, static_cast<const T *>(p.k) + kvbh * p.kv_bh + j0 * d, false, p.sk - j0, d);
@@ -3135,7 +3146,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
                     CPAR__UNROLL
                     for (int h = 0; h < 2; h++) {
                         bool k0, k1;
-                        cpar__attn_keep2(p.rng, p.dropout_p, (uint64_t)bh, (uint64_t)qinfo[h].pos,
+                        cpar__attn_keep2(p.rng, p.dropout_p, mbh, (uint64_t)qinfo[h].pos,
                                          (uint64_t)sKI[nb * 8 + 2 * t].pos, (uint64_t)sKI[nb * 8 + 2 * t + 1].pos, &k0, &k1);
                         dp[nb][2 * h] *= k0 ? p.keep_scale : 0.f;
                         dp[nb][2 * h + 1] *= k1 ? p.keep_scale : 0.f;
@@ -3286,6 +3297,8 @@ cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, cons
     p.rng = a->rng;
     p.qp = a->qp;
     p.kp = a->kp;
+    p.mask_hq = a->mask_hq;
+    p.mask_h0 = a->mask_h0;
     e = cpar__with_float_type(a->dt, [&](auto zt) {
         typedef decltype(zt) T;
         if constexpr (std::is_same<T, float>::value) {

@@ -763,7 +763,8 @@ static uint64_t mlp_min_recv(int n, bool sp, int64_t elems) {
 typedef struct {
     int iters;
     bool causal, load_balance;
-    cpar_rotate_method rotate;
+    cpar_cp_comm_type comm;
+    int a2a_size;
     int64_t b, h, s, d; /* s: the global sequence */
     cpar_dtype dt;
     double fwd, bwd, fwd_cpu, bwd_cpu; /* medians: wall clock, rank 0's thread CPU time */
@@ -782,7 +783,8 @@ static cpar_status run_attn(cpar_ctx *ctx, void *arg) {
     TRY(cpar_model_parallel_manual_seed(ctx, 99, 0, 0, 0));
     cpar_tensor *ins[] = {&q, &k, &v, &dout};
     for (size_t i = 0; i < 4; i++) TRY(cpar_rng_uniform(ctx, ins[i], -1.0f, 1.0f));
-    cpar_ring_attention_config cfg = {.causal = c->causal, .load_balance = c->load_balance, .rotate = c->rotate};
+    cpar_ring_attention_config cfg = {.causal = c->causal, .load_balance = c->load_balance, .comm_type = c->comm,
+                                      .a2a_size = c->a2a_size};
     double *tf = malloc(sizeof(double) * (size_t)c->iters), *tb = malloc(sizeof(double) * (size_t)c->iters);
     double *cf = malloc(sizeof(double) * (size_t)c->iters), *cb = malloc(sizeof(double) * (size_t)c->iters);
     cpar_comm_stats after_fwd = {0};
@@ -1564,7 +1566,7 @@ static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, s
             rot = r % 2;
         }
         if (n > max_ranks) break;
-        attn_case c = {.iters = iters, .causal = true, .load_balance = n > 1, .rotate = (cpar_rotate_method)rot,
+        attn_case c = {.iters = iters, .causal = true, .load_balance = n > 1, .comm = (cpar_cp_comm_type)rot,
                        .b = ab, .h = ah, .s = s_row, .d = ad, .dt = adt};
         if (cpar_spawn(n, backend, run_attn, &c) != CPAR_OK) {
             fprintf(stderr, "bench: %s\n", cpar_thread_last_error());

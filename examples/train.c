@@ -89,6 +89,8 @@ typedef struct {
     const char *data, *save, *resume, *prompt, *backend_name;
     int tp, cp, dp, layers, hidden, heads, seq, batch, steps, warmup, eval_every, eval_batches, sample, save_every;
     int verify, top_k, log_every; /* log_every 0: 1 up to 100 steps, else 10 */
+    cpar_cp_comm_type cp_comm;    /* how context-parallel attention communicates */
+    int hier_cp;                  /* a2a+p2p: the all-to-all group size */
     float lr, weight_decay, clip, temperature;
     uint64_t seed;
     cpar_dtype dtype;
@@ -101,6 +103,9 @@ static void usage(FILE *f) {
             "Trains a byte-level GPT with tensor (tp), context (cp) and data (dp) parallelism.\n"
             "  --data FILE          text to train on (default: README.md, cpar.h and cpar.c here)\n"
             "  --tp N --cp N --dp N the grid; world = tp*cp*dp (default 2 x 2 x 1; fewer GPUs: 2 x 1, 1 x 1)\n"
+            "  --cp-comm TYPE       context-parallel attention: p2p (ring, the default), all_gather, a2a\n"
+            "                       (all-to-all of heads; heads/tp divisible by cp) or a2a+p2p (with\n"
+            "                       --hierarchical-cp A: all-to-all in groups of A ranks, ring across them)\n"
             "  --layers N           transformer blocks (default 4; 8 on GPUs)\n"
             "  --hidden N           model width (default 128; 512 on GPUs)\n"
             "  --heads N            attention heads, divisible by tp (default 4; 8 on GPUs)\n"
@@ -153,7 +158,7 @@ static float parse_float(const char *flag, const char *v, float lo, float hi, bo
 /* 0: run; 1: printed help; 2: bad flags (already reported). */
 static int parse_options(int argc, char **argv, options *o) {
     bool bad = false, gpu = false;
-    *o = (options){.tp = 2, .cp = 2, .dp = 1, .batch = 8, .steps = 1000, .warmup = 20, .eval_every = 100,
+    *o = (options){.tp = 2, .cp = 2, .dp = 1, .cp_comm = CPAR_CP_P2P, .batch = 8, .steps = 1000, .warmup = 20, .eval_every = 100,
                    .eval_batches = 8, .sample = 200, .verify = 5, .top_k = 40, .lr = 3e-3f, .weight_decay = 0.1f,
                    .clip = 1.0f, .temperature = 0.8f, .seed = 1337, .prompt = "cpar_", .dtype = (cpar_dtype)-1,
                    .backend = (cpar_backend)-1};
@@ -197,6 +202,12 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--top-k")) o->top_k = parse_int(a, v, 0, VOCAB, &bad);
         else if (!strcmp(a, "--seed")) o->seed = (uint64_t)parse_int(a, v, 0, 1 << 30, &bad);
         else if (!strcmp(a, "--verify")) o->verify = parse_int(a, v, 0, 1000, &bad);
+        else if (!strcmp(a, "--hierarchical-cp")) o->hier_cp = parse_int(a, v, 1, 64, &bad);
+        else if (!strcmp(a, "--cp-comm")) {
+            if (cpar_cp_comm_type_parse(v ? v : "", &o->cp_comm) != CPAR_OK)
+                bad = true, fprintf(stderr, "train: --cp-comm expects p2p, all_gather, a2a or a2a+p2p, got \"%s\"\n",
+                                    v ? v : "");
+        }
         else if (!strcmp(a, "--dtype")) {
             o->dtype = v && !strcmp(v, "f32") ? CPAR_F32 : v && !strcmp(v, "bf16") ? CPAR_BF16
                      : v && !strcmp(v, "f16") ? CPAR_F16 : (cpar_dtype)-2;
@@ -245,6 +256,16 @@ static int parse_options(int argc, char **argv, options *o) {
     if (!o->seq) o->seq = gpu && o->backend == CPAR_BACKEND_NCCL ? 512 : 128;
     if (o->hidden % o->heads) bad = true, fprintf(stderr, "train: --hidden %d is not divisible by --heads %d\n", o->hidden, o->heads);
     if (o->heads % o->tp) bad = true, fprintf(stderr, "train: --heads %d is not divisible by --tp %d\n", o->heads, o->tp);
+    const int a2a = o->cp_comm == CPAR_CP_A2A ? o->cp : o->cp_comm == CPAR_CP_A2A_P2P ? o->hier_cp : 1;
+    if (o->cp_comm == CPAR_CP_A2A_P2P && (!o->hier_cp || o->cp % o->hier_cp))
+        bad = true, fprintf(stderr, "train: --cp-comm a2a+p2p needs --hierarchical-cp A dividing --cp %d (got %d)\n",
+                            o->cp, o->hier_cp);
+    else if (o->cp_comm != CPAR_CP_A2A_P2P && o->hier_cp)
+        bad = true, fprintf(stderr, "train: --hierarchical-cp sizes --cp-comm a2a+p2p's groups (comm type is %s)\n",
+                            cpar_cp_comm_type_name(o->cp_comm));
+    else if (o->heads % o->tp == 0 && (o->heads / o->tp) % a2a)
+        bad = true, fprintf(stderr, "train: --cp-comm %s scatters each rank's %d heads (--heads / --tp) over %d "
+                                    "ranks: not divisible\n", cpar_cp_comm_type_name(o->cp_comm), o->heads / o->tp, a2a);
     if (o->seq % (2 * o->cp * o->tp))
         bad = true, fprintf(stderr, "train: --seq %d is not divisible by 2*cp*tp = %d (load-balanced chunks, then "
                                     "sequence parallelism)\n", o->seq, 2 * o->cp * o->tp);
@@ -527,8 +548,14 @@ static cpar_tensor head_kind(const model *md, const acts *a, const cpar_tensor *
     return cpar_tensor_make((char *)buf->data + off, md->dt, 4, s, buf->device);
 }
 
-static const cpar_ring_attention_config ring_cfg = {.causal = true, .load_balance = true,
-                                                    .rotate = CPAR_ROTATE_ALLTOALL};
+/* Causal, load-balanced context-parallel attention with the chosen comm
+ * type (a one-rank cp group: plain p2p, which then moves nothing). */
+static cpar_ring_attention_config ring_config(const model *md) {
+    const bool one = md->ncp == 1;
+    return (cpar_ring_attention_config){.causal = true, .load_balance = true,
+                                        .comm_type = one ? CPAR_CP_P2P : md->o->cp_comm,
+                                        .a2a_size = one ? 0 : md->o->hier_cp};
+}
 
 /* ---- parameters ---- */
 
@@ -684,6 +711,7 @@ static cpar_status forward(model *md, acts *a, bool with_loss) {
     TRY(cpar_embedding_layer_forward(md->wte, &a->ids, &a->L[0].x));
     TRY(cpar_embedding_layer_forward(md->wpe, &a->pos, &a->pos_emb));
     TRY(cpar_axpby(ctx, 1.f, &a->pos_emb, 1.f, &a->L[0].x));
+    const cpar_ring_attention_config rcfg = ring_config(md);
     for (int l = 0; l < md->o->layers; l++) {
         const block *y = &md->L[l];
         block_acts *z = &a->L[l];
@@ -693,7 +721,7 @@ static cpar_status forward(model *md, acts *a, bool with_loss) {
         TRY(heads_move(md, a, &z->qkv_out, &z->heads, 3, true));
         cpar_tensor q = head_kind(md, a, &z->heads, 0), k = head_kind(md, a, &z->heads, 1);
         cpar_tensor v = head_kind(md, a, &z->heads, 2);
-        TRY(cpar_ring_attention_forward(md->cp, &ring_cfg, &q, &k, &v, &z->o, &z->lse));
+        TRY(cpar_ring_attention_forward(md->cp, &rcfg, &q, &k, &v, &z->o, &z->lse));
         TRY(heads_move(md, a, &z->attn, &z->o, 1, false));
         TRY(cpar_linear_forward(y->proj, &z->attn, &z->p, NULL));
         TRY(cpar_tensor_copy(ctx, &z->x, &z->x2));
@@ -729,6 +757,7 @@ static cpar_status backward(model *md, acts *a) {
                                                    &a->logits)); /* dlogits in place */
     TRY(cpar_linear_backward(md->head, &a->logits, &a->dtmp));
     TRY(cpar_rmsnorm_backward(ctx, &a->xf, &md->P[md->lnf].w, NORM_EPS, &a->dtmp, &a->dres, &md->P[md->lnf].g));
+    const cpar_ring_attention_config rcfg = ring_config(md);
     for (int l = md->o->layers - 1; l >= 0; l--) {
         const block *y = &md->L[l];
         block_acts *z = &a->L[l];
@@ -745,7 +774,7 @@ static cpar_status backward(model *md, acts *a) {
         cpar_tensor v = head_kind(md, a, &z->heads, 2);
         cpar_tensor dq = head_kind(md, a, &a->dheads, 0), dk = head_kind(md, a, &a->dheads, 1);
         cpar_tensor dv = head_kind(md, a, &a->dheads, 2);
-        TRY(cpar_ring_attention_backward(md->cp, &ring_cfg, &q, &k, &v, &z->o, &a->dOh, &z->lse, &dq, &dk, &dv));
+        TRY(cpar_ring_attention_backward(md->cp, &rcfg, &q, &k, &v, &z->o, &a->dOh, &z->lse, &dq, &dk, &dv));
         TRY(heads_move(md, a, &a->dqkv, &a->dheads, 3, false));
         TRY(cpar_linear_backward(y->qkv, &a->dqkv, &a->dtmp));
         TRY(cpar_rmsnorm_backward(ctx, &z->x, &md->P[y->ln1].w, NORM_EPS, &a->dtmp, &a->dtmp, &md->P[y->ln1].g));
@@ -1477,6 +1506,13 @@ static void print_header(const model *md, cpar_ctx *ctx) {
            "(%d sequences x %d)\n", md->ntp, md->ncp, md->ndp, cpar_world_size(ctx),
            cpar_backend_name(cpar_ctx_backend(ctx)), cpar_device(ctx) == CPAR_HOST ? "host memory" : "GPUs",
            cpar_dtype_name(md->dt), (long long)(md->S * md->train.B * md->ndp), (int)(md->train.B * md->ndp), o->seq);
+    if (md->ncp > 1) {
+        const cpar_ring_attention_config rc = ring_config(md);
+        printf("context parallelism: %s", cpar_cp_comm_type_name(rc.comm_type));
+        if (rc.comm_type == CPAR_CP_A2A_P2P)
+            printf(" (all-to-all in groups of %d ranks, a ring of %d across them)", rc.a2a_size, md->ncp / rc.a2a_size);
+        printf(", causal, load-balanced\n");
+    }
     printf("optimizer: AdamW (0.9, 0.95), lr %g, warm-up %d, cosine to %g over %d steps, weight decay %g, clip %g\n",
            (double)o->lr, o->warmup, (double)o->lr / 10, o->steps, (double)o->weight_decay, (double)o->clip);
 }

@@ -8,9 +8,10 @@
  *                         against the rank-order reduction a 1-rank
  *                         computation gives (the threaded backend's bits);
  *                         then disagreeing calls fail alike on every rank
- *   hostmp_prog ring      a tp x cp grid (tp 2 when the world is even): ring
+ *   hostmp_prog ring      a tp x cp grid (tp 2 when the world is even, unless
+ *                         HOSTMP_TP=1): ring
  *                         attention forward and backward on the cp groups
- *                         (both rotate methods, load balanced) against
+ *                         (all four comm types, load balanced) against
  *                         attention over the whole sequence on one rank
  *   hostmp_prog arena     random allocations and frees (HOSTMP_ALLOC=tensor:
  *                         the arena), each buffer's pattern intact until it
@@ -326,12 +327,13 @@ static int run_arena(cpar_ctx *ctx) {
 
 static int run_ring(cpar_ctx *ctx) {
     int n = cpar_world_size(ctx);
-    cpar_grid_config gc = {.tp = n % 2 == 0 ? 2 : 1};
+    const char *tp = getenv("HOSTMP_TP"); /* tp 1 asked for: cp is the world */
+    cpar_grid_config gc = {.tp = tp && !strcmp(tp, "1") ? 1 : n % 2 == 0 ? 2 : 1};
     gc.cp = n / gc.tp;
     TRY(cpar_grid_init(ctx, &gc));
     cpar_group *cp = cpar_grid_group(ctx, CPAR_GROUP_CP);
     int P = cpar_group_size(cp);
-    const int64_t B = 1, Hh = 2, S = 8 * P, D = 8;
+    const int64_t B = 1, Hh = 2 * P, S = 8 * P, D = 8; /* heads divisible by cp: the all-to-all schemes */
     int64_t full[4] = {B, Hh, S, D}, loc[4] = {B, Hh, S / P, D}, lfull[3] = {B, Hh, S}, lloc[3] = {B, Hh, S / P};
     size_t nf = (size_t)(B * Hh * S * D), nl = nf / (size_t)P;
     float *q = alloc(nf * 4), *k = alloc(nf * 4), *v = alloc(nf * 4), *o = alloc(nf * 4), *dout = alloc(nf * 4);
@@ -359,9 +361,10 @@ static int run_ring(cpar_ctx *ctx) {
     cpar_tensor RO = cpar_tensor_make(ro, CPAR_F32, 4, loc, CPAR_HOST), RL = cpar_tensor_make(rl, CPAR_F32, 3, lloc, CPAR_HOST);
     cpar_tensor RQ = cpar_tensor_make(rq, CPAR_F32, 4, loc, CPAR_HOST), RK = cpar_tensor_make(rk, CPAR_F32, 4, loc, CPAR_HOST);
     cpar_tensor RV = cpar_tensor_make(rv, CPAR_F32, 4, loc, CPAR_HOST);
-    cpar_rotate_method how[2] = {CPAR_ROTATE_ALLTOALL, CPAR_ROTATE_ALLGATHER};
-    for (int h = 0; h < 2; h++) {
-        cpar_ring_attention_config rc = {.causal = true, .load_balance = true, .rotate = how[h]};
+    cpar_cp_comm_type how[4] = {CPAR_CP_P2P, CPAR_CP_ALL_GATHER, CPAR_CP_A2A, CPAR_CP_A2A_P2P};
+    for (int h = 0; h < 4; h++) { /* a2a+p2p: inner groups of 2 where cp is even (split in this process job) */
+        cpar_ring_attention_config rc = {.causal = true, .load_balance = true, .comm_type = how[h],
+                                         .a2a_size = how[h] == CPAR_CP_A2A_P2P ? (P % 2 ? P : 2) : 0};
         TRY(cpar_ring_attention_forward(cp, &rc, &S8[0], &S8[1], &S8[2], &RO, &RL));
         TRY(cpar_ring_attention_backward(cp, &rc, &S8[0], &S8[1], &S8[2], &RO, &S8[3], &RL, &RQ, &RK, &RV));
         const float *got[4] = {ro, rq, rk, rv}, *want[4] = {sh[4], sh[5], sh[6], sh[7]};
@@ -369,7 +372,7 @@ static int run_ring(cpar_ctx *ctx) {
         for (int t = 0; t < 4; t++)
             for (size_t i = 0; i < nl; i++)
                 CHECK(fabsf(got[t][i] - want[t][i]) <= 2e-5f * (1.f + fabsf(want[t][i])),
-                      "ring attention (rotate %d) %s[%zu] = %.8g, one rank gives %.8g", h, names[t], i, got[t][i],
+                      "ring attention (comm type %d) %s[%zu] = %.8g, one rank gives %.8g", h, names[t], i, got[t][i],
                       want[t][i]);
     }
     float *bufs[] = {q, k, v, o, dout, lse, dq, dk, dv, ro, rl, rq, rk, rv};

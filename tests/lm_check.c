@@ -315,7 +315,7 @@ static cpar_tensor as4(const cpar_tensor *t) { /* [hl, Sc, D] as [1, hl, Sc, D] 
 }
 
 static const cpar_ring_attention_config ring_cfg = {.causal = true, .load_balance = true,
-                                                    .rotate = CPAR_ROTATE_ALLTOALL};
+                                                    .comm_type = CPAR_CP_P2P};
 #define NORM_EPS 1e-5f
 
 /* dst = a + b (residual add). */

@@ -410,7 +410,7 @@ START_TEST(deterministic) {
         cudasim_set_schedule(schedules[sched], 99);
         unsigned seed = 5;
         cpar_dev_attn a = {c.dt, c.b, c.hq, c.hkv, c.sq, c.sk, c.d, NULL, NULL, NULL, c.sq * c.d, c.sk * c.d,
-                           c.causal, 0.125f, c.p, {7, 0}, {}, {}}; /* with dropout */
+                           c.causal, 0.125f, c.p, {7, 0}, {}, {}, 0, 0}; /* with dropout */
         const size_t nq = c.b * c.hq * c.sq * c.d, nk = c.b * c.hkv * c.sk * c.d, nl = c.b * c.hq * c.sq;
         void *q = dalloc(nq, c.dt), *k = dalloc(nk, c.dt), *v = dalloc(nk, c.dt), *out = dalloc(nq, c.out_dt),
              *dout = dalloc(nq, c.out_dt);
@@ -466,7 +466,7 @@ static void packed_skip_case(const PackedCase &c, unsigned seed) {
     std::vector<int32_t> cu(n_docs + 1, 0), cur(n_docs + 1, 0);
     for (int i = 0; i < n_docs; i++) cu[i + 1] = cu[i] + c.padded[i], cur[i + 1] = cur[i] + c.real[i];
     const int64_t n = cu[n_docs] / c.P, d = c.d, hq = 2, hkv = 1;
-    cpar_dev_attn a = {c.dt, 1, hq, hkv, n, n, d, NULL, NULL, NULL, n * d, n * d, c.causal, 0.125f, c.p, {7, 3}, {}, {}};
+    cpar_dev_attn a = {c.dt, 1, hq, hkv, n, n, d, NULL, NULL, NULL, n * d, n * d, c.causal, 0.125f, c.p, {7, 3}, {}, {}, 0, 0};
     a.qp = {0, 0, 0, cu.data(), cur.data(), n_docs, c.P, c.rq};
     a.kp = a.qp;
     a.kp.rank = c.rk;
@@ -572,7 +572,7 @@ START_TEST(bad_args) {
     __half *o = (__half *)dalloc(2 * sq * d, F16);
     float *lse = (float *)dalloc(2 * sq, F32), *g = (float *)dalloc(2 * sq * d + 4 * sk * d, F32);
     void *scratch = dalloc(2 * sq, F32);
-    const cpar_dev_attn good = {F16, 1, 2, 1, sq, sk, d, q, kv, kv, sq * d, sk * d, false, 0.25f, 0.f, {0, 0}, {}, {}};
+    const cpar_dev_attn good = {F16, 1, 2, 1, sq, sk, d, q, kv, kv, sq * d, sk * d, false, 0.25f, 0.f, {0, 0}, {}, {}, 0, 0};
     float *dq = g, *dk = g + 2 * sq * d, *dv = dk + sk * d;
 #define CALL(a, ...) cpar_dev_attention_bwd(a, __VA_ARGS__, NULL)
 #define GOOD_REST o, o, F16, sq * d, lse, sq, dq, sq * d, dk, dv, sk * d, scratch

@@ -102,9 +102,11 @@ END_TEST
 
 /* ---- layers against one rank ------------------------------------------------ */
 
+/* _i: 4 ranks as tp 2 x cp 2, 3 ranks as cp 3, 4 ranks as cp 4 (a2a+p2p's
+ * inner and outer groups split from cp in the processes) */
 START_TEST(test_ring_attention) {
-    job_ok(prog_path(), _i == 0 ? 4 : 3, (const char *const[]){"ring", NULL},
-           (const char *const[]){"CPAR_TIMEOUT_MS=60000", NULL});
+    job_ok(prog_path(), _i == 1 ? 3 : 4, (const char *const[]){"ring", NULL},
+           (const char *const[]){"CPAR_TIMEOUT_MS=60000", _i == 2 ? "HOSTMP_TP=1" : "HOSTMP_TP=", NULL});
 }
 END_TEST
 
@@ -274,7 +276,7 @@ int main(void) {
     tcase_set_timeout(tc, 180);
     suite_add_tcase(s, tc);
     tc = tcase_create("layers");
-    tcase_add_loop_test(tc, test_ring_attention, 0, 2);
+    tcase_add_loop_test(tc, test_ring_attention, 0, 3);
     tcase_add_test(tc, test_mlp_tp2_cp2);
     tcase_add_test(tc, test_train_matches_threads);
     tcase_set_timeout(tc, 600);

@@ -236,15 +236,24 @@ static void random_input(cpar_dtype dt, int64_t n, double amp, uint64_t seed, vo
     }
 }
 
-static void ring_case_init_packed(ring_case *c, int P, cpar_dtype dt, bool causal, bool lb, cpar_rotate_method rot,
-                                  int64_t b, int64_t hkv, int64_t s_local, int64_t d, float scale, float dropout_p,
+/* The all-to-all group size of comm type t at cp = P: a2a+p2p runs a = 2,
+ * p = 2 at cp 4, and a = cp (through its own path) below. */
+static int a2a_size_of(cpar_cp_comm_type t, int P) {
+    return t == CPAR_CP_A2A ? P : t == CPAR_CP_A2A_P2P ? (P == 4 ? 2 : P) : 1;
+}
+
+/* hq = 2·A and hkv = hkv_per·A heads (A the all-to-all size: heads divide by it). */
+static void ring_case_init_packed(ring_case *c, int P, cpar_dtype dt, bool causal, bool lb, cpar_cp_comm_type comm,
+                                  int64_t b, int64_t hkv_per, int64_t s_local, int64_t d, float scale, float dropout_p,
                                   const packing *pk, uint64_t seed) {
     memset(c, 0, sizeof *c);
     c->P = P, c->dt = dt;
-    c->cfg = (cpar_ring_attention_config){.causal = causal, .load_balance = lb, .rotate = rot, .scale = scale,
+    const int A = a2a_size_of(comm, P);
+    c->cfg = (cpar_ring_attention_config){.causal = causal, .load_balance = lb, .comm_type = comm,
+                                          .a2a_size = comm == CPAR_CP_A2A_P2P ? A : 0, .scale = scale,
                                           .dropout_p = dropout_p, .dropout_state = {seed * 31 + 7, seed % 5}};
     if (pk) c->pk = pk, c->seqs = seqs_of(pk); /* each rank points its cfg.packed at seqs */
-    c->b = b, c->hq = 2, c->hkv = hkv, c->s = s_local * P, c->d = d;
+    c->b = b, c->hq = 2 * A, c->hkv = hkv_per * A, c->s = s_local * P, c->d = d;
     c->scale = scale > 0.f ? (double)scale : 1.0 / sqrt((double)d);
     const int64_t nq = c->b * c->hq * c->s * d, nkv = c->b * c->hkv * c->s * d;
     /* q scaled up so the softmax is far from uniform */
@@ -260,10 +269,10 @@ static void ring_case_init_packed(ring_case *c, int P, cpar_dtype dt, bool causa
     ring_reference(c);
 }
 
-static void ring_case_init(ring_case *c, int P, cpar_dtype dt, bool causal, bool lb, cpar_rotate_method rot,
-                           int64_t b, int64_t hkv, int64_t s_local, int64_t d, float scale, float dropout_p,
+static void ring_case_init(ring_case *c, int P, cpar_dtype dt, bool causal, bool lb, cpar_cp_comm_type comm,
+                           int64_t b, int64_t hkv_per, int64_t s_local, int64_t d, float scale, float dropout_p,
                            uint64_t seed) {
-    ring_case_init_packed(c, P, dt, causal, lb, rot, b, hkv, s_local, d, scale, dropout_p, NULL, seed);
+    ring_case_init_packed(c, P, dt, causal, lb, comm, b, hkv_per, s_local, d, scale, dropout_p, NULL, seed);
 }
 
 static void ring_case_free(ring_case *c) {
@@ -281,10 +290,10 @@ static void expect_close(const char *what, const ring_case *c, const void *got, 
     for (int64_t i = 0; i < n; i++) {
         double g = tu_get(got, dt, i);
         ck_assert_msg(!isnan(g) && fabs(g - want[i]) <= tol * scale,
-                      "%s, cp %d %s %s%s %s hkv %lld: element %lld is %.9g, expected %.9g (tol %.3g x %.3g)", what,
-                      c->P, cpar_dtype_name(c->dt), c->cfg.causal ? "causal" : "non-causal",
-                      c->cfg.load_balance ? " load-balanced" : "",
-                      c->cfg.rotate == CPAR_ROTATE_ALLGATHER ? "allgather" : "alltoall", (long long)c->hkv,
+                      "%s, cp %d %s %s%s %s (a %d) hkv %lld: element %lld is %.9g, expected %.9g (tol %.3g x %.3g)",
+                      what, c->P, cpar_dtype_name(c->dt), c->cfg.causal ? "causal" : "non-causal",
+                      c->cfg.load_balance ? " load-balanced" : "", cpar_cp_comm_type_name(c->cfg.comm_type),
+                      a2a_size_of(c->cfg.comm_type, c->P), (long long)c->hkv,
                       (long long)i, g, want[i], tol, scale);
     }
 }
@@ -294,19 +303,43 @@ static void expect_close(const char *what, const ring_case *c, const void *got, 
 static double out_tol(cpar_dtype dt) { return dt == CPAR_F32 ? 2e-5 : dt == CPAR_F16 ? 4e-3 : 3e-2; }
 static double lse_tol(cpar_dtype dt) { return dt == CPAR_F32 ? 1e-5 : 1e-4; }
 
-/* The statistics of one call: all-gather (calls, bytes each way) and
- * send/recv (calls, bytes each way); nothing else. */
-static void expect_stats(cpar_group *g, uint64_t ag_calls, uint64_t ag_bytes, uint64_t sr_calls, uint64_t sr_bytes) {
+/* The statistics of one call (cp's, its hierarchical groups' included):
+ * all-gather, send/recv and all-to-all (calls, bytes each way); nothing else. */
+static void expect_stats(cpar_group *g, uint64_t ag_calls, uint64_t ag_bytes, uint64_t sr_calls, uint64_t sr_bytes,
+                         uint64_t a2a_calls, uint64_t a2a_bytes) {
     cpar_comm_stats cs;
     TU_OK(cpar_group_stats(g, &cs));
-    ck_assert_uint_eq(cs.kind[CPAR_COLL_ALL_GATHER].calls, ag_calls);
-    ck_assert_uint_eq(cs.kind[CPAR_COLL_ALL_GATHER].bytes_recv, ag_bytes);
-    ck_assert_uint_eq(cs.kind[CPAR_COLL_ALL_GATHER].bytes_sent, ag_bytes);
-    ck_assert_uint_eq(cs.kind[CPAR_COLL_SEND_RECV].calls, sr_calls);
-    ck_assert_uint_eq(cs.kind[CPAR_COLL_SEND_RECV].bytes_recv, sr_bytes);
-    ck_assert_uint_eq(cs.kind[CPAR_COLL_SEND_RECV].bytes_sent, sr_bytes);
+    const int kinds[3] = {CPAR_COLL_ALL_GATHER, CPAR_COLL_SEND_RECV, CPAR_COLL_ALL_TO_ALL};
+    const uint64_t calls[3] = {ag_calls, sr_calls, a2a_calls}, bytes[3] = {ag_bytes, sr_bytes, a2a_bytes};
+    for (int i = 0; i < 3; i++) {
+        ck_assert_msg(cs.kind[kinds[i]].calls == calls[i] && cs.kind[kinds[i]].bytes_sent == bytes[i] &&
+                          cs.kind[kinds[i]].bytes_recv == bytes[i],
+                      "%s: %llu calls, %llu bytes sent, %llu received; expected %llu calls and %llu bytes each way",
+                      cpar_coll_kind_name((cpar_coll_kind)kinds[i]), (unsigned long long)cs.kind[kinds[i]].calls,
+                      (unsigned long long)cs.kind[kinds[i]].bytes_sent,
+                      (unsigned long long)cs.kind[kinds[i]].bytes_recv, (unsigned long long)calls[i],
+                      (unsigned long long)bytes[i]);
+    }
     for (int k = 0; k < CPAR_COLL_KIND_COUNT; k++)
-        if (k != CPAR_COLL_ALL_GATHER && k != CPAR_COLL_SEND_RECV) ck_assert_uint_eq(cs.kind[k].calls, 0);
+        if (k != kinds[0] && k != kinds[1] && k != kinds[2]) ck_assert_uint_eq(cs.kind[k].calls, 0);
+}
+
+/* The minimum traffic of one forward (or backward) call of comm type t at
+ * cp = P, all-to-all size A, ring over p = P/A ranks: q (out, dout, dq like
+ * it) of qb bytes, k (v, dk, dv) of kb bytes and kn elements, lse of lb. */
+static void expect_call_stats(cpar_group *g, cpar_cp_comm_type t, int P, bool backward, uint64_t qb, uint64_t kb,
+                              uint64_t kn, uint64_t lb) {
+    const int A = a2a_size_of(t, P), p = P / A;
+    const uint64_t p1 = (uint64_t)(p - 1), kvb = 2 * kb, acc = 2 * kn * sizeof(float);
+    uint64_t ag_calls = 0, ag_bytes = 0, sr_calls = 0, sr_bytes = 0, a2a_calls = 0, a2a_bytes = 0;
+    if (p > 1 && t == CPAR_CP_ALL_GATHER) ag_calls = 1, ag_bytes = p1 * kvb; /* (p-1)/p of K and V */
+    else if (p > 1) sr_calls = p1, sr_bytes = p1 * kvb;                      /* p-1 KV blocks */
+    if (backward && p > 1) sr_calls += (uint64_t)p, sr_bytes += (uint64_t)p * acc; /* the dK/dV accumulators */
+    if (A > 1) { /* (A-1)/A of each tensor: q, k, v in, out and lse back; backward: + out, dout in, dq, dk, dv back */
+        a2a_calls = backward ? 9 : 5;
+        a2a_bytes = (backward ? 4 * qb + 4 * kb + lb : 2 * qb + 2 * kb + lb) / (uint64_t)A * (uint64_t)(A - 1);
+    }
+    expect_stats(g, ag_calls, ag_bytes, sr_calls, sr_bytes, a2a_calls, a2a_bytes);
 }
 
 /* Unshard a result and compare it with the reference. */
@@ -340,20 +373,14 @@ static cpar_status rank_ring(cpar_ctx *ctx, void *arg) {
     cpar_tensor dq = tu_alloc_poisoned(ctx, c->dt, 4, ql), dk = tu_alloc_poisoned(ctx, c->dt, 4, kl);
     cpar_tensor dv = tu_alloc_poisoned(ctx, c->dt, 4, kl);
 
-    /* one KV block: this rank's k and v */
-    const uint64_t kvb = 2 * (uint64_t)cpar_tensor_nbytes(&k), acc = 2 * (uint64_t)cpar_tensor_numel(&k) * 4;
-    const uint64_t p1 = (uint64_t)(P - 1);
-    const bool ag = c->cfg.rotate == CPAR_ROTATE_ALLGATHER;
+    const uint64_t qb = cpar_tensor_nbytes(&q), kb = cpar_tensor_nbytes(&k), kn = (uint64_t)cpar_tensor_numel(&k);
+    const uint64_t lseb = cpar_tensor_nbytes(&lse);
     TU_OK(cpar_group_stats_reset(g));
     TU_OK(cpar_ring_attention_forward(g, &c->cfg, &q, &k, &v, &out, &lse));
-    if (P == 1) expect_stats(g, 0, 0, 0, 0);
-    else if (ag) expect_stats(g, 1, p1 * kvb, 0, 0); /* (cp-1)/cp of the global K and V, in one all-gather */
-    else expect_stats(g, 0, 0, p1, p1 * kvb);        /* cp-1 KV blocks */
+    expect_call_stats(g, c->cfg.comm_type, P, false, qb, kb, kn, lseb);
     TU_OK(cpar_group_stats_reset(g));
     TU_OK(cpar_ring_attention_backward(g, &c->cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv));
-    if (P == 1) expect_stats(g, 0, 0, 0, 0);
-    else if (ag) expect_stats(g, 1, p1 * kvb, (uint64_t)P, (uint64_t)P * acc); /* + cp dK/dV shifts */
-    else expect_stats(g, 0, 0, p1 + (uint64_t)P, p1 * kvb + (uint64_t)P * acc);
+    expect_call_stats(g, c->cfg.comm_type, P, true, qb, kb, kn, lseb);
 
     const double to = out_tol(c->dt);
     check_result(ctx, g, c, "out", &out, 4, qf, c->out, to);
@@ -369,27 +396,27 @@ static cpar_status rank_ring(cpar_ctx *ctx, void *arg) {
 static bool on_device(void) { return tu_on_device(); } /* the kernels run: sim or nccl-sim */
 
 /* Runs one configuration in every dtype the backend takes (F32 only on the
- * host path): F32 and BF16 with GQA (hkv 1) and two batches, F16 with
+ * host path): F32 and BF16 with GQA (hkv = hq/2) and two batches, F16 with
  * hkv = hq and one batch on the sim (its time goes into kernel blocks); d 16
  * on devices, 5 and 8 on the host. */
-static void run_ring_drop(int P, bool causal, bool lb, cpar_rotate_method rot, float scale, float dropout_p,
+static void run_ring_drop(int P, bool causal, bool lb, cpar_cp_comm_type comm, float scale, float dropout_p,
                          uint64_t seed) {
     const cpar_dtype dts[3] = {CPAR_F32, CPAR_F16, CPAR_BF16};
     for (int t = on_device() ? 1 : 0; t < 3; t++) {
         ring_case c;
         const int64_t d = on_device() ? 16 : t == 0 ? 5 : 8;
         const int64_t b = t == 1 && on_device() ? 1 : 2, hkv = t == 1 ? 2 : 1;
-        ring_case_init(&c, P, dts[t], causal, lb, rot, b, hkv, 6, d, scale, dropout_p, seed + 8 * (uint64_t)t);
+        ring_case_init(&c, P, dts[t], causal, lb, comm, b, hkv, 6, d, scale, dropout_p, seed + 8 * (uint64_t)t);
         TU_OK(tu_spawn(P, rank_ring, &c));
         ring_case_free(&c);
     }
 }
 
-static void run_ring(int P, bool causal, bool lb, cpar_rotate_method rot, float scale, uint64_t seed) {
-    run_ring_drop(P, causal, lb, rot, scale, 0.f, seed);
+static void run_ring(int P, bool causal, bool lb, cpar_cp_comm_type comm, float scale, uint64_t seed) {
+    run_ring_drop(P, causal, lb, comm, scale, 0.f, seed);
 }
 
-static const cpar_rotate_method rots[2] = {CPAR_ROTATE_ALLGATHER, CPAR_ROTATE_ALLTOALL};
+static const cpar_cp_comm_type comms[4] = {CPAR_CP_ALL_GATHER, CPAR_CP_P2P, CPAR_CP_A2A, CPAR_CP_A2A_P2P};
 
 /* ---- packed sequences (THD) ------------------------------------------------------------------
  * A packed batch (tests/packed.h: uneven documents with one exactly 2·cp
@@ -452,19 +479,14 @@ static cpar_status rank_ring_packed(cpar_ctx *ctx, void *arg) {
     cpar_tensor out = tu_alloc_poisoned(ctx, c->dt, 4, ql), lse = tu_alloc_poisoned(ctx, CPAR_F32, 3, ll);
     cpar_tensor dq = tu_alloc_poisoned(ctx, c->dt, 4, ql), dk = tu_alloc_poisoned(ctx, c->dt, 4, kl);
     cpar_tensor dv = tu_alloc_poisoned(ctx, c->dt, 4, kl);
-    const uint64_t kvb = 2 * (uint64_t)cpar_tensor_nbytes(&k), acc = 2 * (uint64_t)cpar_tensor_numel(&k) * 4;
-    const uint64_t p1 = (uint64_t)(P - 1);
-    const bool ag = cfg.rotate == CPAR_ROTATE_ALLGATHER;
+    const uint64_t qb = cpar_tensor_nbytes(&q), kb = cpar_tensor_nbytes(&k), kn = (uint64_t)cpar_tensor_numel(&k);
+    const uint64_t lb = cpar_tensor_nbytes(&lse);
     TU_OK(cpar_group_stats_reset(g));
     TU_OK(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &out, &lse));
-    if (P == 1) expect_stats(g, 0, 0, 0, 0);
-    else if (ag) expect_stats(g, 1, p1 * kvb, 0, 0);
-    else expect_stats(g, 0, 0, p1, p1 * kvb);
+    expect_call_stats(g, cfg.comm_type, P, false, qb, kb, kn, lb);
     TU_OK(cpar_group_stats_reset(g));
     TU_OK(cpar_ring_attention_backward(g, &cfg, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv));
-    if (P == 1) expect_stats(g, 0, 0, 0, 0);
-    else if (ag) expect_stats(g, 1, p1 * kvb, (uint64_t)P, (uint64_t)P * acc);
-    else expect_stats(g, 0, 0, p1 + (uint64_t)P, p1 * kvb + (uint64_t)P * acc);
+    expect_call_stats(g, cfg.comm_type, P, true, qb, kb, kn, lb);
     void *ho = tu_download(ctx, &out), *hdq = tu_download(ctx, &dq), *hdk = tu_download(ctx, &dk);
     void *hdv = tu_download(ctx, &dv);
     float *hl = tu_download(ctx, &lse);
@@ -486,12 +508,12 @@ static cpar_status rank_ring_packed(cpar_ctx *ctx, void *arg) {
     return CPAR_OK;
 }
 
-/* _i = (cp - 1) * 2 + causal: every packing of packed.h in the backend's
- * dtypes (F32 on the host path, F16 and BF16 on devices), the rotation
+/* _i = (cp - 1) * 4 + comm type: every packing of packed.h in the backend's
+ * dtypes (F32 on the host path, F16 and BF16 on devices), causal and not
  * alternating; dropout on the padded packing. */
 START_TEST(test_ring_packed) {
-    const int P = _i / 2 + 1;
-    const bool causal = _i % 2;
+    const int P = _i / 4 + 1;
+    const bool causal = (_i + _i / 4) % 2;
     packing pks[N_PACKINGS];
     const int np = make_packings(P, pks);
     const cpar_dtype dts[3] = {CPAR_F32, CPAR_F16, CPAR_BF16};
@@ -500,7 +522,7 @@ START_TEST(test_ring_packed) {
             if (on_device() && t != 1 + (k + _i) % 2) continue; /* one 16-bit dtype per packing on the sim */
             ring_case c;
             const int64_t d = on_device() ? 16 : 8, hkv = k == 1 ? 1 : 2;
-            ring_case_init_packed(&c, P, dts[t], causal, true, rots[(k + _i) % 2], 1, hkv, total_of(&pks[k]) / P, d,
+            ring_case_init_packed(&c, P, dts[t], causal, true, comms[_i % 4], 1, hkv, total_of(&pks[k]) / P, d,
                                   0.f, pks[k].padded ? 0.3f : 0.f, &pks[k], 5000 + 64 * (uint64_t)_i + 8 * (uint64_t)k);
             TU_OK(tu_spawn(P, rank_ring_packed, &c));
             ring_case_free(&c);
@@ -508,28 +530,30 @@ START_TEST(test_ring_packed) {
 }
 END_TEST
 
-/* Dropout: the mask of global positions, so every cp, sharding and rotation
- * gives one-rank attention over the whole sequence with the same state (the
- * reference draws it at positions (i, j) of the whole sequence).
- * _i = (cp - 1) * 3 + (causal load-balanced, causal sequential, non-causal
- * load-balanced); the rotation alternates. */
+/* Dropout: the mask of global positions and heads, so every cp, sharding
+ * and comm type gives one-rank attention over the whole sequence with the
+ * same state (the reference draws it at positions (i, j) of the whole
+ * sequence and the global head). _i = (cp - 1) * 6 + kind * 2 + j, kind:
+ * causal load-balanced, causal sequential, non-causal load-balanced; two
+ * comm types per kind (j), together all four at each cp. */
 START_TEST(test_ring_dropout) {
-    const int P = _i / 3 + 1, kind = _i % 3;
-    run_ring_drop(P, kind < 2, kind != 1, rots[_i % 2], 0.f, kind == 2 ? 0.5f : 0.3f, 4000 + 64 * (uint64_t)_i);
+    const int P = _i / 6 + 1, kind = _i / 2 % 3, j = _i % 2;
+    run_ring_drop(P, kind < 2, kind != 1, comms[(kind + P + 2 * j) % 4], 0.f, kind == 2 ? 0.5f : 0.3f,
+                  4000 + 64 * (uint64_t)_i);
 }
 END_TEST
 
-/* _i = (cp - 1) * 2 + rotation */
-START_TEST(test_ring_causal_load_balanced) { run_ring(_i / 2 + 1, true, true, rots[_i % 2], 0.f, 1000 + 64 * (uint64_t)_i); }
+/* _i = (cp - 1) * 4 + comm type */
+START_TEST(test_ring_causal_load_balanced) { run_ring(_i / 4 + 1, true, true, comms[_i % 4], 0.f, 1000 + 64 * (uint64_t)_i); }
 END_TEST
 
-START_TEST(test_ring_causal_sequential) { run_ring(_i / 2 + 1, true, false, rots[_i % 2], 0.f, 2000 + 64 * (uint64_t)_i); }
+START_TEST(test_ring_causal_sequential) { run_ring(_i / 4 + 1, true, false, comms[_i % 4], 0.f, 2000 + 64 * (uint64_t)_i); }
 END_TEST
 
 /* non-causal with both shardings (the round-robin one is an extension of the
  * seed, which refuses it) and a custom scale */
 START_TEST(test_ring_non_causal) {
-    run_ring(_i / 2 + 1, false, _i % 2 == 0, rots[(_i / 2) % 2], 0.3f, 3000 + 64 * (uint64_t)_i);
+    run_ring(_i / 4 + 1, false, (_i + _i / 4) % 2 == 0, comms[_i % 4], 0.3f, 3000 + 64 * (uint64_t)_i);
 }
 END_TEST
 
@@ -561,7 +585,7 @@ static cpar_status rank_ring_midway(cpar_ctx *ctx, void *arg) {
     cpar_tensor q = tu_upload(ctx, hq, CPAR_BF16, 4, qs), k = tu_upload(ctx, hk, CPAR_BF16, 4, qs);
     cpar_tensor v = tu_upload(ctx, hv, CPAR_BF16, 4, qs), out = tu_alloc_poisoned(ctx, CPAR_BF16, 4, qs);
     cpar_tensor lse = tu_alloc_poisoned(ctx, CPAR_F32, 3, ls), scratch = tu_alloc_poisoned(ctx, CPAR_F32, 3, ls);
-    const cpar_ring_attention_config cfg = {.rotate = CPAR_ROTATE_ALLTOALL};
+    const cpar_ring_attention_config cfg = {.comm_type = CPAR_CP_P2P};
     TU_OK(cpar_sync(ctx));
     cudasim_fail_launch(2);
     a->st[r] = cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &out, &lse);
@@ -633,8 +657,39 @@ static cpar_status rank_ring_bad(cpar_ctx *ctx, void *arg) {
     /* forward */
     TU_FAILS(cpar_ring_attention_forward(NULL, &cfg, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cp is NULL");
     TU_FAILS(cpar_ring_attention_forward(g, NULL, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg is NULL");
-    bad.rotate = (cpar_rotate_method)7;
-    TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg->rotate is 7");
+    bad.comm_type = (cpar_cp_comm_type)7;
+    TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg->comm_type is 7");
+    {   /* the all-to-all size and the heads it scatters */
+        char want[256];
+        bad = cfg, bad.comm_type = CPAR_CP_A2A_P2P;
+        snprintf(want, sizeof want, "cfg->a2a_size is 0, expected a divisor of the cp size %d", P);
+        TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, want);
+        bad.a2a_size = P + 1;
+        TU_FAILS(cpar_ring_attention_backward(g, &bad, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv),
+                 CPAR_ERR_INVALID, "cfg->a2a_size is");
+        bad = cfg, bad.a2a_size = 2;
+        TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID,
+                 "cfg->a2a_size is 2 with comm type all_gather, expected 0");
+        bad = cfg, bad.comm_type = CPAR_CP_A2A;
+        if (P > 1) { /* q's 2 heads, k's 1: kv heads < cp */
+            snprintf(want, sizeof want, "q has 2 heads and k 1, expected both divisible by the all-to-all size %d (a2a "
+                     "scatters the heads; with fewer KV heads repeat them to %d, or use p2p)", P, P);
+            TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, want);
+            TU_FAILS(cpar_ring_attention_backward(g, &bad, &q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv),
+                     CPAR_ERR_INVALID, "expected both divisible by the all-to-all size");
+        } else {
+            TU_OK(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse));
+        }
+        if (P == 2) { /* even heads, odd load-balanced shards: the two chunks cannot be reordered */
+            const int64_t q2s[4] = {1, 2, 3, D}, k2s[4] = {1, 2, 3, D};
+            cpar_tensor q2o = tu_alloc_poisoned(ctx, dt, 4, q2s), k2o = tu_alloc_poisoned(ctx, dt, 4, k2s);
+            cpar_ring_attention_config nc2 = {.load_balance = true, .comm_type = CPAR_CP_A2A};
+            TU_FAILS(cpar_ring_attention_forward(g, &nc2, &q2o, &k2o, &k2o, &ko, &lo), CPAR_ERR_INVALID,
+                     "s_local 3 and 3, expected even lengths (a2a reorders the two load-balanced chunks)");
+            TU_OK(cpar_tensor_free(ctx, &q2o));
+            TU_OK(cpar_tensor_free(ctx, &k2o));
+        }
+    }
     bad = cfg, bad.scale = -1.f;
     TU_FAILS(cpar_ring_attention_forward(g, &bad, &q, &k, &v, &out, &lse), CPAR_ERR_INVALID, "cfg->scale");
     bad.scale = INFINITY;
@@ -705,7 +760,7 @@ static cpar_status rank_ring_bad(cpar_ctx *ctx, void *arg) {
     }
     TU_FAILS(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &q, &lse), CPAR_ERR_INVALID, "out overlaps q");
     /* the non-causal ring takes unequal key shards and odd lengths */
-    cpar_ring_attention_config nc = {.causal = false, .load_balance = true, .rotate = CPAR_ROTATE_ALLTOALL};
+    cpar_ring_attention_config nc = {.causal = false, .load_balance = true, .comm_type = CPAR_CP_P2P};
     TU_OK(cpar_ring_attention_forward(g, &nc, &qo, &k, &v, &ko, &lo));
     TU_OK(cpar_ring_attention_forward(g, &cfg, &q, &k, &v, &out, &lse));
 
@@ -874,11 +929,11 @@ static Suite *suite(void) {
     const tu_loop loops[] = {
         {"shard_roundtrip_host", test_shard_roundtrip_host, MAX_CP},
         {"shard_roundtrip_backend", test_shard_roundtrip_backend, 4},
-        {"ring_causal_load_balanced", test_ring_causal_load_balanced, 8},
-        {"ring_causal_sequential", test_ring_causal_sequential, 8},
-        {"ring_non_causal", test_ring_non_causal, 8},
-        {"ring_dropout", test_ring_dropout, 12},
-        {"ring_packed", test_ring_packed, 8},
+        {"ring_causal_load_balanced", test_ring_causal_load_balanced, 16},
+        {"ring_causal_sequential", test_ring_causal_sequential, 16},
+        {"ring_non_causal", test_ring_non_causal, 16},
+        {"ring_dropout", test_ring_dropout, 24},
+        {"ring_packed", test_ring_packed, 16},
         {"ring_merge_kernel", test_ring_merge_kernel, 1},
         {"ring_bad_args", test_ring_bad_args, 2},
         {"ring_fails_midway", test_ring_fails_midway, 2},

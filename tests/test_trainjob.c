@@ -86,6 +86,36 @@ START_TEST(test_grid_matches_one_rank) {
 }
 END_TEST
 
+/* Every comm type of context-parallel attention on the same tp 1 x cp 4 grid:
+ * each matches one rank (--verify) and gives p2p's losses; and a2a at
+ * tp 2 x cp 2. */
+START_TEST(test_cp_comm_types) {
+    static const char *const runs[][6] = {
+        {"--cp-comm", "p2p", "--tp", "1", "--cp", "4"},         {"--cp-comm", "all_gather", "--tp", "1", "--cp", "4"},
+        {"--cp-comm", "a2a", "--tp", "1", "--cp", "4"},         {"--cp-comm", "a2a+p2p", "--tp", "1", "--cp", "4"},
+        {"--cp-comm", "a2a", "--tp", "2", "--cp", "2"},
+    };
+    double ref[8];
+    for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
+        const char *const *g = runs[r];
+        const bool hier = !strcmp(g[1], "a2a+p2p"); /* inner groups of 2, a ring of 2 across them */
+        proc p;
+        run_train(&p, (const char *const[]){g[0], g[1], g[2], g[3], g[4], g[5], SMALL, "--steps", "4", "--verify", "4",
+                                            hier ? "--hierarchical-cp" : NULL, "2", NULL});
+        ASSERT_RUN(&p, p.status == 0);
+        ASSERT_RUN(&p, strstr(p.text[0], "match (") != NULL);
+        double l[8];
+        ASSERT_RUN(&p, losses(p.text[0], l, 8) == 4);
+        for (int i = 0; i < 4; i++) {
+            if (r == 0) ref[i] = l[i];
+            ck_assert_msg(fabs(l[i] - ref[i]) <= 1e-5 * fabs(ref[i]), "--cp-comm %s --tp %s --cp %s: step %d loss "
+                          "%.7f, p2p's %.7f", g[1], g[3], g[5], i + 1, l[i], ref[i]);
+        }
+        proc_free(&p);
+    }
+}
+END_TEST
+
 START_TEST(test_seed_repeats) {
     proc a, b, c;
     const char *const args[] = {SMALL, "--steps", "5", "--verify", "0", "--seed", "7", NULL};
@@ -326,6 +356,9 @@ START_TEST(test_bad_flags) {
         {"--log-every", "0", "--log-every expects an integer in [1,"},
         /* named, never a silent fall-back to host (no GPU where make test runs) */
         {"--backend", "nccl", "--backend nccl is not available here"},
+        {"--cp-comm", "ring", "--cp-comm expects p2p, all_gather, a2a or a2a+p2p"},
+        {"--cp-comm", "a2a+p2p", "needs --hierarchical-cp A dividing --cp 2"},
+        {"--hierarchical-cp", "2", "--hierarchical-cp sizes --cp-comm a2a+p2p's groups"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         proc p;
@@ -342,12 +375,16 @@ END_TEST
 
 /* ---- sim and nccl-sim -------------------------------------------------------------- */
 
-/* A short bf16 run on simulated GPUs: the grid against one rank, and the loss falls. */
+/* A short bf16 run on simulated GPUs: the grid against one rank, and the
+ * loss falls. _i = 0: the default tp 2 x cp 2 (p2p); 1: tp 1 x cp 4 with
+ * a2a+p2p (all-to-all in pairs, a ring of 2 across them). */
 START_TEST(test_device_training) {
     const char *be = !strcmp(flavour(), "nccl") ? "nccl" : "device";
+    const char *const hier[] = {"--tp", "1", "--cp", "4", "--cp-comm", "a2a+p2p", "--hierarchical-cp", "2"};
     proc p;
     run_train(&p, (const char *const[]){"--backend", be, "--dtype", "bf16", SMALL, "--steps", "12", "--lr", "1e-2",
-                                        "--warmup", "2", "--verify", "2", NULL});
+                                        "--warmup", "2", "--verify", "2", _i ? hier[0] : NULL, hier[1], hier[2],
+                                        hier[3], hier[4], hier[5], hier[6], hier[7], NULL});
     ASSERT_RUN(&p, p.status == 0 && strstr(p.text[0], "match ("));
     double l[16];
     ASSERT_RUN(&p, losses(p.text[0], l, 16) == 12);
@@ -409,13 +446,14 @@ int main(void) {
     TCase *tc = tcase_create(flavour());
     if (!strcmp(flavour(), "host")) {
         tcase_add_loop_test(tc, test_grid_matches_one_rank, 0, 4);
+        tcase_add_test(tc, test_cp_comm_types);
         tcase_add_test(tc, test_seed_repeats);
         tcase_add_test(tc, test_resume);
         tcase_add_test(tc, test_bad_checkpoints);
         tcase_add_test(tc, test_log_every);
         tcase_add_test(tc, test_bad_flags);
     } else {
-        tcase_add_test(tc, test_device_training);
+        tcase_add_loop_test(tc, test_device_training, 0, 2);
         if (!strcmp(flavour(), "nccl")) tcase_add_test(tc, test_cparrun_training);
         if (device_flavour()) tcase_add_test(tc, test_device_matches_host);
     }
