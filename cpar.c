@@ -30,7 +30,8 @@
  *   16. Embedding, cross entropy    vocab-parallel embedding and loss
  *   17. Linear layers               column/row-parallel linear, init, fwd/bwd, wgrad deferral and drain
  *   18. Local attention             flash-style attention fwd/bwd with dropout, host reference, blocks
- *   19. Ring attention, sharding    cp_shard/unshard (plain, packed), ring fwd/bwd, the LSE merge
+ *   19. Ring attention, sharding    cp_shard/unshard (plain, packed), CP attention fwd/bwd (all_gather, p2p,
+ *                                   a2a, a2a+p2p; the hierarchical groups), the LSE merge
  *   20. Mamba context parallelism   cp2hp/hp2cp, load balancing, pre/post conv_ssm (plain, packed), conv1d
  *   21. Inference layers            RMSNorm fwd/bwd, inference column/row linear, fused rs+add+norm+ag
  *   22. Training                    AdamW step, gradient norm and clipping, coalesced gradient all-reduce
@@ -11160,16 +11161,18 @@ cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_conf
  * context_parallel_unshard), their packed (THD) twins and the partitioned
  * indices of a packing, cpar_ring_attention_forward / _backward
  * (_templated_ring_attention and its backward, _SDPAMerger, the all-gather
- * and all-to-all rotaters). Each ring step is one call of section 18's block
- * functions on pointer-offset sub-ranges of the shards, with the rows'
- * global positions (dropout's mask coordinates; packed batches: the packing
- * and the rank holding the rows, each step one whole masked block); the fp32 merge is
- * cpar_dev_ring_merge (cpar_kernels.cu §17) or its host twin below. Scratch:
- * one carve of the context workspace per call (the collectives never touch
- * it, so it stays valid across them).
+ * and all-to-all rotaters; Megatron's cp_comm_type: the all-to-all of heads
+ * on an inner group in front of the ring on the outer one, below). Each ring
+ * step is one call of section 18's block functions on pointer-offset
+ * sub-ranges of the shards, with the rows' global positions (dropout's mask
+ * coordinates; packed batches: the packing and the rank holding the rows,
+ * each step one whole masked block); the fp32 merge is cpar_dev_ring_merge
+ * (cpar_kernels.cu §17) or its host twin below. Scratch: one carve of the
+ * context workspace per call (the collectives never touch it, so it stays
+ * valid across them).
  * Uses: 2 (errors, checks), 3 (tensors), 4 (device dispatch, workspace,
- * copies), 5 (host cast, reduce), 11 (all-gather, ring shift), 18 (block
- * attention). */
+ * copies), 5 (host cast, reduce), 10 (group split), 11 (all-gather, ring
+ * shift, all-to-all), 18 (block attention). */
 
 /* ---- sequence sharding --------------------------------------------------------- */
 

@@ -521,6 +521,8 @@ typedef struct cpar_comm_stats {
     cpar_comm_counter kind[CPAR_COLL_KIND_COUNT];
 } cpar_comm_stats;
 
+/* A cp group's statistics include the groups a2a+p2p attention split from it
+ * (cpar_cp_comm_type); reset clears theirs too. */
 cpar_status cpar_group_stats(const cpar_group *g, cpar_comm_stats *out);
 cpar_status cpar_group_stats_reset(cpar_group *g);
 
@@ -1478,7 +1480,7 @@ cpar_status cpar_attention_backward_cfg(cpar_ctx *ctx, const cpar_attention_conf
  *               group of a consecutive ranks (a2a_size; typically one node's
  *               NVLink domain), then the P2P ring across the p outer groups
  *               (ranks a apart) on [b, h/a, a·n, d], then the all-to-alls back:
- *               (a-1)/a of A2A's tensors plus (p-1) KV blocks of 2·a·n·hkv/a·d.
+ *               (a-1)/a of A2A's tensors plus p-1 ring steps of 2n·hkv·d.
  *               a = cp is A2A, a = 1 is P2P; hq and hkv divisible by a.
  * A2A and A2A_P2P make their inner and outer groups on the first call (a
  * split of cp, collective) and keep them with cp until it is destroyed;

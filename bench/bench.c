@@ -1528,10 +1528,8 @@ static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, s
             rec_f("gflops_per_rank", flops / 1e9), rec_f("per_ceiling", flops / gc.flops);
         }
 
-    /* Attention: per rank FLOP rate against the GEMM ceiling; the ring's
-     * forward must receive at least the other ranks' K and V, (n-1)/n of the
-     * global K+V bytes (the backward: that again plus the dK/dV partial sums
-     * travelling back, in fp32). */
+    /* Attention: per rank FLOP rate against the GEMM ceiling; context
+     * parallelism's bytes against each comm type's minimum (the rows below). */
     int64_t ab = 1, ah = nccl ? 16 : 2, as = nccl ? 8192 : 1024, ad = nccl ? 128 : 64;
     cpar_dtype adt = nccl ? CPAR_BF16 : CPAR_F32;
     gemm_case ag = {.iters = iters, .tokens = nccl ? 8192 : 1024, .k = nccl ? 8192 : 1024, .n = nccl ? 8192 : 1024,
@@ -1547,50 +1545,74 @@ static int run_benches(int iters, int max_mib, size_t sweep_b, size_t sweep_e, s
     } else {
         ag.flops = gemm_ceiling(iters, ag.tokens, ag.k, ag.n, &ag_cpu);
     }
-    printf("\nattention [b,h,s,d]=[%lld,%lld,%lld,%lld] %s, causal; ring: round-robin load balancing; GEMM ceiling "
+    printf("\nattention [b,h,s,d]=[%lld,%lld,%lld,%lld] %s, causal; cp rows: round-robin load balancing, their own s and h; GEMM ceiling "
            "(%s [%lld x %lld] x [%lld x %lld]): %.2f GFLOP/s\n",
            (long long)ab, (long long)ah, (long long)as, (long long)ad, cpar_dtype_name(adt), cpar_dtype_name(adt),
            (long long)ag.tokens, (long long)ag.k, (long long)ag.k, (long long)ag.n, ag.flops / 1e9);
-    printf("%-26s %5s %6s %10s %10s %12s %12s %12s %9s %9s %9s %9s\n", "attention", "ranks", "s", "forward",
-           "backward", "recv fwd", "minimum", "recv bwd", "fwd/ceil", "bwd/ceil", "f+b/ceil", "cpu f+b");
+    printf("%-26s %5s %6s %4s %10s %10s %12s %12s %12s %12s %9s %9s %9s %9s\n", "attention", "ranks", "s", "h",
+           "forward", "backward", "recv fwd", "min fwd", "recv bwd", "min bwd", "fwd/ceil", "bwd/ceil", "f+b/ceil",
+           "cpu f+b");
     /* one rank at several lengths (the host target: s = 512..2048, d = 64),
-     * then the ring at the headline length */
+     * then context parallelism: each comm type at cp 2 and 4 (a2a+p2p as
+     * 2 x 2) for two (s, h) shapes, heads divisible by cp */
+    typedef struct {
+        int n, a; /* ranks, all-to-all size */
+        cpar_cp_comm_type comm;
+        int64_t s, h;
+    } attn_row;
+    attn_row rows[64];
+    int nrows = 0;
     const int64_t local_s[] = {nccl ? as : 512, nccl ? as : 1024, nccl ? as : 2048};
-    for (int row = 0; want("attn") && row < (nccl ? 1 : 3) + 2 * (max_ranks >= 2) + (max_ranks >= 4) * 2; row++) {
-        int n = 1, rot = 0;
-        int64_t s_row = as;
-        if (row < (nccl ? 1 : 3)) s_row = local_s[row];
-        else {
-            int r = row - (nccl ? 1 : 3);
-            n = r < 2 ? 2 : 4;
-            rot = r % 2;
-        }
-        if (n > max_ranks) break;
-        attn_case c = {.iters = iters, .causal = true, .load_balance = n > 1, .comm = (cpar_cp_comm_type)rot,
-                       .b = ab, .h = ah, .s = s_row, .d = ad, .dt = adt};
+    for (int i = 0; i < (nccl ? 1 : 3); i++) rows[nrows++] = (attn_row){1, 1, CPAR_CP_P2P, local_s[i], ah};
+    const int64_t cp_shape[2][2] = {{as, nccl ? 16 : 4}, {nccl ? 4 * as : as / 2, nccl ? 32 : 8}};
+    for (int sh = 0; sh < 2; sh++)
+        for (int n = 2; n <= 4 && n <= max_ranks; n *= 2)
+            for (int t = 0; t < CPAR_CP_COMM_TYPE_COUNT; t++) {
+                const int a = t == CPAR_CP_A2A ? n : t == CPAR_CP_A2A_P2P ? 2 : 1;
+                if (t == CPAR_CP_A2A_P2P && a == n) continue; /* a2a+p2p at cp 2 is a2a */
+                rows[nrows++] = (attn_row){n, a, (cpar_cp_comm_type)t, cp_shape[sh][0], cp_shape[sh][1]};
+            }
+    for (int row = 0; want("attn") && row < nrows; row++) {
+        const attn_row *r = &rows[row];
+        const int n = r->n;
+        const int64_t s_row = r->s, h_row = r->h;
+        attn_case c = {.iters = iters, .causal = true, .load_balance = n > 1, .comm = r->comm,
+                       .a2a_size = r->comm == CPAR_CP_A2A_P2P ? r->a : 0, .b = ab, .h = h_row, .s = s_row, .d = ad,
+                       .dt = adt};
         if (cpar_spawn(n, backend, run_attn, &c) != CPAR_OK) {
             fprintf(stderr, "bench: %s\n", cpar_thread_last_error());
             return 1;
         }
-        double fl = 4.0 * (double)(ab * ah * s_row) * (double)s_row * (double)ad / 2.0 / n;
-        uint64_t kv = 2 * (uint64_t)(ab * ah * s_row * ad) * cpar_dtype_size(adt);
-        uint64_t min = kv / (uint64_t)n * (uint64_t)(n - 1);
+        double fl = 4.0 * (double)(ab * h_row * s_row) * (double)s_row * (double)ad / 2.0 / n;
+        /* the minimum bytes a rank receives (cpar.h's cpar_cp_comm_type): q (out, dout, dq) and k (v, dk, dv)
+         * shards of qb and kb bytes, lse of lb; the ring over p = n/a ranks moves p-1 KV blocks of 2 kb
+         * (backward: again, plus p travelling fp32 dK/dV accumulators); the all-to-alls (a-1)/a of each
+         * tensor: q, k, v in and out, lse back (backward: q, k, v, out, dout, lse in; dq, dk, dv back) */
+        const uint64_t es = cpar_dtype_size(adt), a = (uint64_t)r->a, p = (uint64_t)(n / r->a);
+        const uint64_t kb = (uint64_t)(ab * h_row * s_row / n * ad) * es, qb = kb, lb = kb / es / (uint64_t)ad * 4;
+        uint64_t min_f = (p - 1) * 2 * kb, min_b = min_f + (p > 1 ? p * 2 * (kb / es) * 4 : 0);
+        if (a > 1) min_f += (2 * qb + 2 * kb + lb) / a * (a - 1), min_b += (4 * qb + 4 * kb + lb) / a * (a - 1);
         /* one rank on the host: f+b over the thread CPU times of both (a ring's ranks wait for each other) */
         const bool by_cpu = n == 1 && !nccl && ag_cpu > 0.0;
         const double cpu_fb = by_cpu ? 3.5 * fl / (c.fwd_cpu + c.bwd_cpu) / ag_cpu : 0.0;
-        char cpu_col[16] = "-";
+        char cpu_col[16] = "-", name[40];
         if (by_cpu) snprintf(cpu_col, sizeof cpu_col, "%.2f", cpu_fb);
-        printf("%-26s %5d %6lld %7.3f ms %7.3f ms %12llu %12llu %12llu %9.2f %9.2f %9.2f %9s\n",
-               n == 1 ? "local (flash)" : rot ? "ring, send/recv" : "ring, all-gather", n, (long long)s_row,
-               c.fwd * 1e3, c.bwd * 1e3, (unsigned long long)c.recv_fwd, (unsigned long long)min,
-               (unsigned long long)c.recv_bwd, fl / c.fwd / ag.flops, 2.5 * fl / c.bwd / ag.flops,
+        if (n == 1) snprintf(name, sizeof name, "local (flash)");
+        else if (r->comm == CPAR_CP_A2A_P2P) snprintf(name, sizeof name, "cp a2a+p2p (%d x %d)", r->a, n / r->a);
+        else snprintf(name, sizeof name, "cp %s", cpar_cp_comm_type_name(r->comm));
+        printf("%-26s %5d %6lld %4lld %7.3f ms %7.3f ms %12llu %12llu %12llu %12llu %9.2f %9.2f %9.2f %9s\n", name, n,
+               (long long)s_row, (long long)h_row, c.fwd * 1e3, c.bwd * 1e3, (unsigned long long)c.recv_fwd,
+               (unsigned long long)(n > 1 ? min_f : 0), (unsigned long long)c.recv_bwd,
+               (unsigned long long)(n > 1 ? min_b : 0), fl / c.fwd / ag.flops, 2.5 * fl / c.bwd / ag.flops,
                3.5 * fl / (c.fwd + c.bwd) / ag.flops, cpu_col);
         rec_begin("attention");
-        rec_s("name", n == 1 ? "local (flash)" : rot ? "ring, send/recv" : "ring, all-gather");
-        rec_i("ranks", n), rec_i("b", ab), rec_i("h", ah), rec_i("s", s_row), rec_i("d", ad), rec_s("dtype", cpar_dtype_name(adt));
+        rec_s("name", name);
+        rec_i("ranks", n), rec_i("b", ab), rec_i("h", h_row), rec_i("s", s_row), rec_i("d", ad);
+        rec_s("dtype", cpar_dtype_name(adt)), rec_s("cp_comm", n > 1 ? cpar_cp_comm_type_name(r->comm) : "-");
+        rec_i("a2a_size", r->a);
         rec_f("fwd_ms", c.fwd * 1e3), rec_f("bwd_ms", c.bwd * 1e3);
-        rec_i("recv_fwd_bytes", (long long)c.recv_fwd), rec_i("min_recv_fwd_bytes", (long long)min);
-        rec_i("recv_bwd_bytes", (long long)c.recv_bwd);
+        rec_i("recv_fwd_bytes", (long long)c.recv_fwd), rec_i("min_recv_fwd_bytes", (long long)(n > 1 ? min_f : 0));
+        rec_i("recv_bwd_bytes", (long long)c.recv_bwd), rec_i("min_recv_bwd_bytes", (long long)(n > 1 ? min_b : 0));
         rec_f("fwd_per_ceiling", fl / c.fwd / ag.flops), rec_f("bwd_per_ceiling", 2.5 * fl / c.bwd / ag.flops);
         rec_f("fwd_bwd_per_ceiling", 3.5 * fl / (c.fwd + c.bwd) / ag.flops);
         if (by_cpu) rec_f("fwd_bwd_per_ceiling_cpu", cpu_fb);

@@ -129,8 +129,25 @@ bench_check() { # directory for the files
     fi
     echo "bench --csv: $(($(wc -l < "$1/bench.csv") - 1)) rows, --json parses"
 }
+# bench's context-parallel attention rows: the four comm types at cp 2 and 4,
+# each receiving exactly its minimum forward and backward (one iteration).
+bench_attn_check() {
+    CPAR_BENCH_ONLY=attn "$B/host/bench" -n 1 --csv "$tmp/attn.csv" > /dev/null || { echo "bench failed"; return 1; }
+    awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) col[$i] = i; next }
+             $1 == "attention" && $col["ranks"] > 1 {
+                 t[$col["cp_comm"]]++
+                 if ($col["recv_fwd_bytes"] != $col["min_recv_fwd_bytes"] || $col["recv_bwd_bytes"] != $col["min_recv_bwd_bytes"]) {
+                     print "row " NR " (" $col["name"] ", cp " $col["ranks"] "): received " $col["recv_fwd_bytes"] " / " \
+                         $col["recv_bwd_bytes"] ", minimum " $col["min_recv_fwd_bytes"] " / " $col["min_recv_bwd_bytes"]; bad = 1 } }
+             END { if (t["all_gather"] < 4 || t["p2p"] < 4 || t["a2a"] < 4 || t["a2a+p2p"] < 2) {
+                       print "comm types missing: " t["all_gather"] + 0 " all_gather, " t["p2p"] + 0 " p2p, " t["a2a"] + 0 \
+                           " a2a, " t["a2a+p2p"] + 0 " a2a+p2p rows"; bad = 1 }
+                   exit bad }' "$tmp/attn.csv" || return 1
+    echo "bench: $(grep -c '^attention,.*,cp ' "$tmp/attn.csv") context-parallel attention rows, every one at its minimum"
+}
 if [ -x "$B/host/bench" ] && [ "$HOST_FLAVOUR" = host ] && [ -n "$HOST_SUITES" ]; then
     add "host/bench-csv" 'mkdir "$tmp/bench" && bench_check "$tmp/bench"'
+    add "host/bench-attn" 'bench_attn_check'
 fi
 # The simulators run stream work late (tests/cudasim.h section 9): the sim
 # suites under lazy (work runs only when a host call forces it), the nccl-sim
