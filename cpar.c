@@ -135,7 +135,8 @@ struct cpar_ctx {
     size_t coll_ws_bytes; /* caller may keep scratch in ws across a collective */
     void *gemm_ws;        /* host memory: the host GEMM's packed panels (section 5) */
     size_t gemm_ws_bytes;
-    bool gemm_builtin;    /* CPAR_HOST_GEMM=builtin: never the CBLAS (section 5) */
+    bool gemm_builtin;    /* CPAR_HOST_GEMM=builtin (or a kernel's name): never the CBLAS (section 5) */
+    int gemm_force;       /* CPAR_HOST_GEMM's kernel, CPAR__GEMM_AUTO when none is named (section 5) */
     int host_threads;     /* CPAR_HOST_THREADS: threads per host GEMM, >= 1 (section 5) */
     struct cpar__pool *gemm_pool; /* its worker threads, made at the first big product (section 5) */
     cpar_dev_stream compute, comm;
@@ -363,6 +364,7 @@ static void *cpar__host_alloc(size_t bytes) {
 }
 
 static int64_t cpar__min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t cpar__max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static size_t cpar__max_size(size_t a, size_t b) { return a > b ? a : b; }
 
 static size_t cpar__round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -1486,6 +1488,39 @@ static bool cpar__cpu_avx2(void) {
 }
 #endif
 
+#ifdef CPAR__X86_KERNELS
+/* Whether the CPU runs AVX-512 with the BF16 extension (vdpbf16ps): the host
+ * GEMM's bf16 micro-kernel. */
+static bool cpar__cpu_avx512bf16(void) {
+    static atomic_int bf16 = -1;
+    int a = atomic_load_explicit(&bf16, memory_order_relaxed);
+    if (a < 0) {
+        a = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+        atomic_store_explicit(&bf16, a, memory_order_relaxed);
+    }
+    return a;
+}
+#endif
+
+#ifdef CPAR__X86_KERNELS
+/* Whether this process may run AMX bf16 tiles: the CPU has them and Linux
+ * granted the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once;
+ * forked children inherit it). */
+static bool cpar__cpu_amx(void) {
+    static atomic_int amx = -1;
+    int a = atomic_load_explicit(&amx, memory_order_relaxed);
+    if (a < 0) {
+        a = 0;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+        if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16"))
+            a = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#endif
+        atomic_store_explicit(&amx, a, memory_order_relaxed);
+    }
+    return a;
+}
+#endif
+
 /* A kernel `name` from the always-inline `name##_body`: on x86-64 gcc/clang
  * also compiled for AVX2+FMA and picked per call from the CPU's features
  * (-DCPAR_PORTABLE builds the baseline alone). The twin gives the
@@ -1883,26 +1918,49 @@ CPAR__VARIANTS(cpar__host_gelu_lut,
  * (16 x 6), chosen at run time where the CPU has it, else portable C (8 x 4).
  * Every element of C adds its k products in order p = 0..k-1 whatever the
  * blocking, so a result does not depend on m, n or on how a caller splits
- * them. A 16-bit C is accumulated in an fp32 copy and rounded once. With a
+ * them. bf16 x bf16 products on a CPU with AVX512-BF16 run a 32 x 12 kernel
+ * of vdpbf16ps instead: the panels keep the bf16 values, two of k per 32-bit
+ * word (the pair (2q, 2q+1) of every row, the odd k's last pair padded with
+ * a zero), and each instruction adds both products of a pair to an fp32
+ * accumulator (exact products, odd then even, rounded to nearest, bf16 and
+ * fp32 subnormals flushed), so every element of C still adds its products in
+ * one order whatever the blocking. f16 keeps the widening path (f16 does not
+ * fit bf16 exactly). CPAR_HOST_GEMM names a kernel to force it: avx512bf16
+ * (bf16 products), avx2, c (every product; each implies builtin). A 16-bit C is accumulated in an fp32 copy and rounded once. With a
  * CBLAS (built with CPAR_WITH_CBLAS: OpenBLAS, BLIS), all-F32 products go
  * to cblas_sgemm. The packed panels live in ctx->gemm_ws (host memory,
  * grown once). */
 
-enum { CPAR__GEMM_MC = 144, CPAR__GEMM_KC = 256, CPAR__GEMM_NC = 3072, CPAR__GEMM_MAX_TILE = 16 * 6 };
+enum { CPAR__GEMM_MC = 144, CPAR__GEMM_KC = 256, CPAR__GEMM_NC = 3072, CPAR__GEMM_MAX_TILE = 32 * 32 };
 
 /* c (mr x nr, column-major, ldc) = alpha * sum_p a[p*mr + i] b[p*nr + j]
- * + beta c; beta 0 never reads c. */
-typedef void (*cpar__gemm_ukernel)(int64_t kc, const float *a, const float *b, float *c, int64_t ldc, float alpha,
+ * + beta c; beta 0 never reads c. kw: 32-bit words per row of a sliver (kc
+ * floats; with bf16 pairs ceil(kc / 2) pairs). */
+typedef void (*cpar__gemm_ukernel)(int64_t kw, const void *a, const void *b, float *c, int64_t ldc, float alpha,
                                    float beta);
 
 typedef struct cpar__gemm_kernel {
     int mr, nr;
+    bool bf16_pairs; /* panels of bf16 pairs (cpar__gemm_pack_bf16), not fp32 */
+    bool b_tiles;    /* AMX: op(B)'s panel in rows of 16 pairs (cpar__gemm_pack_bf16_rows), kw a multiple of 16 */
+    void (*enter)(void), (*leave)(void); /* or NULL: around a thread's run of the kernel (AMX's tile state) */
     cpar__gemm_ukernel run;
     const char *name;
 } cpar__gemm_kernel;
 
-static void cpar__gemm_ukernel_c(int64_t kc, const float *a, const float *b, float *c, int64_t ldc, float alpha,
+/* CPAR_HOST_GEMM's kernel choice (ctx->gemm_force). */
+enum { CPAR__GEMM_AUTO = 0, CPAR__GEMM_FORCE_AMX, CPAR__GEMM_FORCE_BF16, CPAR__GEMM_FORCE_AVX2, CPAR__GEMM_FORCE_C };
+
+/* 32-bit words per sliver row for kc of k: kc floats, or ceil(kc / 2) bf16
+ * pairs (AMX: rounded up to whole tiles of 16 pairs, padded with zeros). */
+static int64_t cpar__gemm_kw(const cpar__gemm_kernel *K, int64_t kc) {
+    if (!K->bf16_pairs) return kc;
+    return K->b_tiles ? (kc + 31) / 32 * 16 : (kc + 1) / 2;
+}
+
+static void cpar__gemm_ukernel_c(int64_t kc, const void *av, const void *bv, float *c, int64_t ldc, float alpha,
                                  float beta) {
+    const float *a = av, *b = bv;
     float acc[4][8] = {{0}};
     for (int64_t p = 0; p < kc; p++)
         for (int j = 0; j < 4; j++)
@@ -1915,8 +1973,9 @@ static void cpar__gemm_ukernel_c(int64_t kc, const float *a, const float *b, flo
 #ifdef CPAR__X86_KERNELS
 /* 16 x 6: twelve accumulators, two A loads and six broadcasts per p, all in
  * the sixteen ymm registers. a is 32-byte aligned (packed panels). */
-__attribute__((target("avx2,fma"))) static void cpar__gemm_ukernel_avx2(int64_t kc, const float *a, const float *b,
+__attribute__((target("avx2,fma"))) static void cpar__gemm_ukernel_avx2(int64_t kc, const void *av, const void *bv,
                                                                        float *c, int64_t ldc, float alpha, float beta) {
+    const float *a = av, *b = bv;
     __m256 lo[6], hi[6];
 #pragma GCC unroll 6
     for (int j = 0; j < 6; j++) lo[j] = hi[j] = _mm256_setzero_ps();
@@ -1991,13 +2050,230 @@ __attribute__((target("avx2,fma"))) static void cpar__gemm_pack_rows_avx2(float 
 }
 #endif
 
-/* The micro-kernel for this CPU (the same for the life of the process). */
-static cpar__gemm_kernel cpar__gemm_kernel_pick(void) {
 #ifdef CPAR__X86_KERNELS
-    if (cpar__cpu_avx2())
-        return (cpar__gemm_kernel){16, 6, cpar__gemm_ukernel_avx2, "avx2+fma 16x6"};
+/* 32 x 12 on bf16 pairs: 24 zmm accumulators, two A loads and twelve pair
+ * broadcasts per pair of k, 24 vdpbf16ps. a and b: kw pairs of 32 and 12
+ * rows (cpar__gemm_pack_bf16). */
+__attribute__((target("avx512f,avx512bf16"))) static void cpar__gemm_ukernel_bf16(int64_t kw, const void *av,
+                                                                                 const void *bv, float *c,
+                                                                                 int64_t ldc, float alpha,
+                                                                                 float beta) {
+    const uint32_t *a = av, *b = bv;
+    __m512 lo[12], hi[12];
+#pragma GCC unroll 12
+    for (int j = 0; j < 12; j++) lo[j] = hi[j] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < kw; q++) {
+        const __m512bh a0 = (__m512bh)_mm512_loadu_si512(a + 32 * q), a1 = (__m512bh)_mm512_loadu_si512(a + 32 * q + 16);
+#pragma GCC unroll 12
+        for (int j = 0; j < 12; j++) {
+            const __m512bh bj = (__m512bh)_mm512_set1_epi32((int)b[12 * q + j]);
+            lo[j] = _mm512_dpbf16_ps(lo[j], a0, bj);
+            hi[j] = _mm512_dpbf16_ps(hi[j], a1, bj);
+        }
+    }
+    const __m512 al = _mm512_set1_ps(alpha), be = _mm512_set1_ps(beta);
+#pragma GCC unroll 12
+    for (int j = 0; j < 12; j++) {
+        float *cj = c + j * ldc;
+        if (beta == 0.f) {
+            _mm512_storeu_ps(cj, _mm512_mul_ps(al, lo[j]));
+            _mm512_storeu_ps(cj + 16, _mm512_mul_ps(al, hi[j]));
+        } else {
+            _mm512_storeu_ps(cj, _mm512_fmadd_ps(al, lo[j], _mm512_mul_ps(be, _mm512_loadu_ps(cj))));
+            _mm512_storeu_ps(cj + 16, _mm512_fmadd_ps(al, hi[j], _mm512_mul_ps(be, _mm512_loadu_ps(cj + 16))));
+        }
+    }
+}
+
+/* AMX, 32 x 32: C's transpose in four 16 x 16 fp32 tiles (a tile row is 16
+ * floats of one column of C, so tiles load and store C in place), each
+ * k-step of 32 four TDPBF16PS of two "A" tiles (op(B)'s panel: 16 columns
+ * of C by 32 k, cpar__gemm_pack_bf16_rows) and two "B" tiles (op(A)'s panel
+ * of pairs: 16 pairs of k by 16 rows of C, rows of 128 bytes). alpha 1 with
+ * beta 0 or 1 (every block of the blocked product but a scaled one) goes
+ * straight to c; otherwise through a buffer. The tile configuration (eight
+ * tiles of 16 rows of 64 bytes) is loaded when a thread starts its part of
+ * a product and released when it ends it: the tiles hold nothing between
+ * calls. */
+typedef struct cpar__amx_cfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} cpar__amx_cfg;
+
+/* A constant in memory: the compiler does not see LDTILECFG read all 64
+ * bytes, so a configuration built on the stack lost its zeroing stores. */
+static const cpar__amx_cfg cpar__amx_tiles = {.palette = 1,
+                                              .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+                                              .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+
+__attribute__((target("amx-tile"))) static void cpar__gemm_amx_enter(void) { _tile_loadconfig(&cpar__amx_tiles); }
+
+__attribute__((target("amx-tile"))) static void cpar__gemm_amx_leave(void) { _tile_release(); }
+
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void cpar__gemm_ukernel_amx(int64_t kw, const void *av,
+                                                                                      const void *bv, float *c,
+                                                                                      int64_t ldc, float alpha,
+                                                                                      float beta) {
+    const bool direct = alpha == 1.f && (beta == 0.f || beta == 1.f);
+    const size_t ldb = (size_t)ldc * sizeof(float);
+    if (direct && beta == 1.f) {
+        _tile_loadd(0, c, ldb);
+        _tile_loadd(1, c + 16, ldb);
+        _tile_loadd(2, c + 16 * ldc, ldb);
+        _tile_loadd(3, c + 16 + 16 * ldc, ldb);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const uint32_t *a = av, *b = bv;
+    for (int64_t q = 0; q < kw; q += 16) {
+        _tile_loadd(4, b + q * 32, 64);           /* columns 0..15 of C, k-step q / 16 */
+        _tile_loadd(5, b + q * 32 + 16 * 16, 64); /* columns 16..31 */
+        _tile_loadd(6, a + q * 32, 128);          /* rows 0..15 of C: 16 pairs of k */
+        _tile_loadd(7, a + q * 32 + 16, 128);     /* rows 16..31 */
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    if (direct) {
+        _tile_stored(0, c, ldb);
+        _tile_stored(1, c + 16, ldb);
+        _tile_stored(2, c + 16 * ldc, ldb);
+        _tile_stored(3, c + 16 + 16 * ldc, ldb);
+    } else {
+        float t[32 * 32]; /* column j of C at t + 32 j */
+        _tile_stored(0, t, 128);
+        _tile_stored(1, t + 16, 128);
+        _tile_stored(2, t + 16 * 32, 128);
+        _tile_stored(3, t + 16 + 16 * 32, 128);
+        const __m512 al = _mm512_set1_ps(alpha), be = _mm512_set1_ps(beta);
+        for (int j = 0; j < 32; j++)
+            for (int h = 0; h < 32; h += 16) {
+                float *cj = c + j * ldc + h;
+                const __m512 x = _mm512_mul_ps(al, _mm512_loadu_ps(t + 32 * j + h));
+                _mm512_storeu_ps(cj, beta == 0.f ? x : _mm512_fmadd_ps(be, _mm512_loadu_ps(cj), x));
+            }
+    }
+}
+
+/* Sixteen rows' pairs q0 .. q0+nq-1 from rows rs elements apart whose pairs
+ * are adjacent (k contiguous): dst[q*w + i] = word q of row i, by one gather
+ * per q. */
+__attribute__((target("avx512f"))) static void cpar__gemm_rows16_avx512(uint32_t *dst, const uint16_t *row0,
+                                                                       int64_t rs, int64_t nq, int w) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)(rs * 2)));
+    for (int64_t q = 0; q < nq; q++)
+        _mm512_storeu_si512(dst + q * w, _mm512_i32gather_epi32(idx, (const void *)(row0 + 2 * q), 1));
+}
+
+/* Sixteen rows' bf16 pairs from two strided columns (k = 2q and 2q + 1, c1
+ * NULL: past k, zeros): dst[i] = c0[i] | c1[i] << 16. */
+__attribute__((target("avx512f"))) static void cpar__gemm_pairs16_avx512(uint32_t *dst, const uint16_t *c0,
+                                                                        const uint16_t *c1) {
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c0));
+    const __m512i hi = c1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c1)) : _mm512_setzero_si512();
+    _mm512_storeu_si512(dst, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+}
 #endif
-    return (cpar__gemm_kernel){8, 4, cpar__gemm_ukernel_c, "portable C 8x4"};
+
+/* rows x cols (cols = kc) of a bf16 matrix whose element (r, c) is at
+ * src[r*rs + c*cs], as slivers of w rows of bf16 pairs along c: word
+ * dst[s*w*kw + q*w + i] = element (s*w + i, 2q) | element (s*w + i, 2q+1) << 16,
+ * kw = ceil(cols / 2); rows past the matrix and the odd cols' last half are
+ * zeros. */
+static void cpar__gemm_pack_bf16(uint32_t *dst, const uint16_t *src, int64_t rs, int64_t cs, int64_t rows,
+                                 int64_t cols, int64_t kw, int w) {
+    for (int64_t r0 = 0; r0 < rows; r0 += w) {
+        const int64_t h = cpar__min64(w, rows - r0);
+        uint32_t *d = dst + r0 * kw;
+        const uint16_t *s0 = src + r0 * rs;
+        if (cs == 1) { /* pairs are adjacent in a row: whole words */
+            int64_t i0 = 0;
+#ifdef CPAR__X86_KERNELS
+            if (rs * 2 * 15 < INT32_MAX && cpar__cpu_avx512bf16()) /* byte offsets of 16 rows fit the gather */
+                for (; i0 + 16 <= h; i0 += 16) cpar__gemm_rows16_avx512(d + i0, s0 + i0 * rs, rs, cols / 2, w);
+#endif
+            for (int64_t i = 0; i < h; i++) {
+                if (i < i0 && cols % 2 == 0) continue; /* gathered */
+                const uint16_t *row = s0 + i * rs;
+                for (int64_t q = i < i0 ? cols / 2 : 0; q < cols / 2; q++) {
+                    uint32_t x;
+                    memcpy(&x, row + 2 * q, sizeof x);
+                    d[q * w + i] = x;
+                }
+                if (cols % 2) d[(cols / 2) * w + i] = row[cols - 1];
+            }
+        } else {
+            for (int64_t q = 0; q < (cols + 1) / 2; q++) {
+                const uint16_t *c0 = s0 + 2 * q * cs, *c1 = 2 * q + 1 < cols ? c0 + cs : NULL;
+                int64_t i = 0;
+#ifdef CPAR__X86_KERNELS
+                if (rs == 1 && cpar__cpu_avx512bf16())
+                    for (; i + 16 <= h; i += 16) cpar__gemm_pairs16_avx512(d + q * w + i, c0 + i, c1 ? c1 + i : NULL);
+#endif
+                for (; i < h; i++) d[q * w + i] = c0[i * rs] | (c1 ? (uint32_t)c1[i * rs] << 16 : 0u);
+            }
+        }
+        for (int64_t q = 0; h < w && q < kw; q++) /* the last sliver's padding rows */
+            for (int64_t i = h; i < w; i++) d[q * w + i] = 0;
+        for (int64_t q = (cols + 1) / 2; q < kw; q++) /* AMX: pairs up to a whole tile */
+            for (int64_t i = 0; i < w; i++) d[q * w + i] = 0;
+    }
+}
+
+/* op(B)'s panel for AMX: rows x cols (cols = kc) of a bf16 matrix whose
+ * element (r, c) is at src[r*rs + c*cs], as slivers of w rows, each tile
+ * rows of 16 pairs: word dst[s*w*kw + ((q/16)*w + i)*16 + q%16] = element
+ * (s*w + i, 2q) | element (s*w + i, 2q+1) << 16 for q < kw (kw a multiple of
+ * 16); past the matrix, zeros. */
+static void cpar__gemm_pack_bf16_rows(uint32_t *dst, const uint16_t *src, int64_t rs, int64_t cs, int64_t rows,
+                                      int64_t cols, int64_t kw, int w) {
+    const int64_t pairs = cols / 2; /* whole pairs; an odd cols' last one is half a pair */
+    for (int64_t r0 = 0; r0 < rows; r0 += w) {
+        const int64_t h = cpar__min64(w, rows - r0);
+        uint32_t *d = dst + r0 * kw;
+        for (int64_t i = 0; i < w; i++) {
+            const uint16_t *row = src + (r0 + i) * rs;
+            for (int64_t q0 = 0; q0 < kw; q0 += 16) {
+                uint32_t *o = d + ((q0 / 16) * w + i) * 16;
+                int64_t q = q0;
+                if (i < h && cs == 1 && q0 + 16 <= pairs) { /* a whole run of 16 pairs: 64 bytes */
+                    memcpy(o, row + 2 * q0, 64);
+                    continue;
+                }
+                for (; q < q0 + 16; q++) {
+                    uint32_t x = 0;
+                    if (i < h && q < pairs) x = row[2 * q * cs] | (uint32_t)row[(2 * q + 1) * cs] << 16;
+                    else if (i < h && q == pairs && cols % 2) x = row[2 * q * cs];
+                    o[q - q0] = x;
+                }
+            }
+        }
+    }
+}
+
+/* The micro-kernel for a product of adt x bdt on this CPU, as CPAR_HOST_GEMM
+ * (force) allows; a forced kernel the CPU lacks was refused with the context. */
+static cpar__gemm_kernel cpar__gemm_kernel_pick(int force, cpar_dtype adt, cpar_dtype bdt) {
+    (void)adt, (void)bdt;
+#ifdef CPAR__X86_KERNELS
+    const bool bf16 = adt == CPAR_BF16 && bdt == CPAR_BF16;
+    if ((force == CPAR__GEMM_AUTO || force == CPAR__GEMM_FORCE_AMX) && bf16 && cpar__cpu_amx())
+        return (cpar__gemm_kernel){32, 32, true, true, cpar__gemm_amx_enter, cpar__gemm_amx_leave,
+                                   cpar__gemm_ukernel_amx, "amx-bf16 32x32"};
+    if ((force == CPAR__GEMM_AUTO || force == CPAR__GEMM_FORCE_BF16) && bf16 && cpar__cpu_avx512bf16())
+        return (cpar__gemm_kernel){32, 12, true, false, NULL, NULL, cpar__gemm_ukernel_bf16, "avx512-bf16 32x12"};
+    if (force != CPAR__GEMM_FORCE_C && cpar__cpu_avx2())
+        return (cpar__gemm_kernel){16, 6, false, false, NULL, NULL, cpar__gemm_ukernel_avx2, "avx2+fma 16x6"};
+#else
+    (void)force;
+#endif
+    return (cpar__gemm_kernel){8, 4, false, false, NULL, NULL, cpar__gemm_ukernel_c, "portable C 8x4"};
 }
 
 /* rows x cols of a matrix whose element (r, c) is at src[r*rs + c*cs], widened
@@ -2053,6 +2329,13 @@ static void cpar__gemm_pack(float *dst, const void *src, cpar_dtype dt, int64_t 
     }
 }
 
+/* The depth of k packed at a time: CPAR__GEMM_KC, four times that for AMX
+ * (a tile product is 32 deep: fewer round trips of C through its tiles). */
+static int64_t cpar__gemm_kc(const cpar__gemm_kernel *K) { return K->b_tiles ? 4 * CPAR__GEMM_KC : CPAR__GEMM_KC; }
+
+/* The rows of op(A) packed at a time: whole slivers, at most CPAR__GEMM_MC. */
+static int64_t cpar__gemm_mc(const cpar__gemm_kernel *K) { return CPAR__GEMM_MC / K->mr * K->mr; }
+
 /* The blocked product into an fp32 C: beta applies in the first KC block. */
 static void cpar__gemm_blocked(const cpar__gemm_kernel *K, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
                                const void *A, cpar_dtype adt, int64_t lda, const void *B, cpar_dtype bdt, int64_t ldb,
@@ -2061,26 +2344,30 @@ static void cpar__gemm_blocked(const cpar__gemm_kernel *K, int ta, int tb, int64
      * packed as op(B)^T so that its slivers are nr columns wide. */
     const int64_t ars = ta ? lda : 1, acs = ta ? 1 : lda, brs = tb ? ldb : 1, bcs = tb ? 1 : ldb;
     float tile[CPAR__GEMM_MAX_TILE];
+    if (K->enter) K->enter();
     for (int64_t jc = 0; jc < n; jc += CPAR__GEMM_NC) {
         const int64_t nc = cpar__min64(CPAR__GEMM_NC, n - jc);
-        for (int64_t pc = 0; pc < k; pc += CPAR__GEMM_KC) {
-            const int64_t kc = cpar__min64(CPAR__GEMM_KC, k - pc);
+        for (int64_t pc = 0; pc < k; pc += cpar__gemm_kc(K)) {
+            const int64_t kc = cpar__min64(cpar__gemm_kc(K), k - pc), kw = cpar__gemm_kw(K, kc);
             const float b0 = pc == 0 ? beta : 1.f;
-            cpar__gemm_pack(bp, (const char *)B + (size_t)(pc * brs + jc * bcs) * cpar_dtype_size(bdt), bdt, bcs,
-                            brs, nc, kc, K->nr);
-            for (int64_t ic = 0; ic < m; ic += CPAR__GEMM_MC) {
-                const int64_t mc = cpar__min64(CPAR__GEMM_MC, m - ic);
-                cpar__gemm_pack(ap, (const char *)A + (size_t)(ic * ars + pc * acs) * cpar_dtype_size(adt), adt, ars,
-                                acs, mc, kc, K->mr);
+            const void *bsrc = (const char *)B + (size_t)(pc * brs + jc * bcs) * cpar_dtype_size(bdt);
+            if (K->b_tiles) cpar__gemm_pack_bf16_rows((uint32_t *)bp, bsrc, bcs, brs, nc, kc, kw, K->nr);
+            else if (K->bf16_pairs) cpar__gemm_pack_bf16((uint32_t *)bp, bsrc, bcs, brs, nc, kc, kw, K->nr);
+            else cpar__gemm_pack(bp, bsrc, bdt, bcs, brs, nc, kc, K->nr);
+            for (int64_t ic = 0; ic < m; ic += cpar__gemm_mc(K)) {
+                const int64_t mc = cpar__min64(cpar__gemm_mc(K), m - ic);
+                const void *asrc = (const char *)A + (size_t)(ic * ars + pc * acs) * cpar_dtype_size(adt);
+                if (K->bf16_pairs) cpar__gemm_pack_bf16((uint32_t *)ap, asrc, ars, acs, mc, kc, kw, K->mr);
+                else cpar__gemm_pack(ap, asrc, adt, ars, acs, mc, kc, K->mr);
                 for (int64_t jr = 0; jr < nc; jr += K->nr)
                     for (int64_t ir = 0; ir < mc; ir += K->mr) {
                         const int64_t mm = cpar__min64(K->mr, mc - ir), nn = cpar__min64(K->nr, nc - jr);
                         float *c = C + (ic + ir) + (jc + jr) * ldc;
                         if (mm == K->mr && nn == K->nr) {
-                            K->run(kc, ap + ir * kc, bp + jr * kc, c, ldc, alpha, b0);
+                            K->run(kw, ap + ir * kw, bp + jr * kw, c, ldc, alpha, b0);
                             continue;
                         }
-                        K->run(kc, ap + ir * kc, bp + jr * kc, tile, K->mr, alpha, 0.f); /* an edge tile */
+                        K->run(kw, ap + ir * kw, bp + jr * kw, tile, K->mr, alpha, 0.f); /* an edge tile */
                         for (int64_t j = 0; j < nn; j++)
                             for (int64_t i = 0; i < mm; i++)
                                 c[i + j * ldc] = tile[i + j * K->mr] + (b0 == 0.f ? 0.f : b0 * c[i + j * ldc]);
@@ -2088,6 +2375,7 @@ static void cpar__gemm_blocked(const cpar__gemm_kernel *K, int ta, int tb, int64
             }
         }
     }
+    if (K->leave) K->leave();
 }
 
 /* At least bytes of host scratch in *buf (grown, never shrunk). */
@@ -2347,9 +2635,10 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
     /* Picked per call (an atomic load). A static set lazily on first use was
      * a data race between ranks: one could see the kernel's pointer before
      * its tile sizes and divide by a zero mr. */
-    const cpar__gemm_kernel K = cpar__gemm_kernel_pick();
-    const int64_t mcap = cpar__min64(CPAR__GEMM_MC, (m + K.mr - 1) / K.mr * K.mr);
-    const int64_t ncap = cpar__min64(CPAR__GEMM_NC, (n + K.nr - 1) / K.nr * K.nr), kcap = cpar__min64(CPAR__GEMM_KC, k);
+    const cpar__gemm_kernel K = cpar__gemm_kernel_pick(ctx->gemm_force, adt, bdt);
+    const int64_t mcap = cpar__min64(cpar__gemm_mc(&K), (m + K.mr - 1) / K.mr * K.mr);
+    const int64_t ncap = cpar__min64(CPAR__GEMM_NC, (n + K.nr - 1) / K.nr * K.nr);
+    const int64_t kc0 = cpar__min64(cpar__gemm_kc(&K), k), kcap = cpar__max64(kc0, cpar__gemm_kw(&K, kc0));
     /* CPAR_HOST_THREADS: chunks of whole micro-tiles along the larger of m and n */
     const bool split_n = n >= m;
     const int64_t tile = split_n ? K.nr : K.mr, tiles = ((split_n ? n : m) + tile - 1) / tile;
@@ -2373,9 +2662,9 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
         ldw = m;
     }
     float *cf = wide_c ? wc : c;
+    const size_t ces = cpar_dtype_size(cdt);
     if (wide_c && beta != 0.f) /* beta 0: C is never read (it may hold NaN) */
-        for (int64_t j = 0; j < n; j++)
-            for (int64_t i = 0; i < m; i++) wc[i + j * ldw] = cpar__load_f(C, cdt, i + j * ldc);
+        for (int64_t j = 0; j < n; j++) cpar__host_cast(wc + j * ldw, CPAR_F32, (char *)C + (size_t)(j * ldc) * ces, cdt, m);
     if (pool && nchunks > 1) {
         cpar__gemm_job job = {.K = &K, .ta = ta, .tb = tb, .split_n = split_n, .m = m, .n = n, .k = k, .step = step,
                               .ldc = ldw, .lda = lda, .ldb = ldb, .alpha = alpha, .beta = beta, .A = A, .B = B,
@@ -2387,9 +2676,8 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < m; i++) cf[i + j * ldw] = beta == 0.f ? 0.f : beta * cf[i + j * ldw];
     }
-    if (wide_c)
-        for (int64_t j = 0; j < n; j++)
-            for (int64_t i = 0; i < m; i++) cpar__store_f(C, cdt, i + j * ldc, wc[i + j * ldw]);
+    if (wide_c) /* one rounding per element, a column at a time in vector lanes */
+        for (int64_t j = 0; j < n; j++) cpar__host_cast((char *)C + (size_t)(j * ldc) * ces, cdt, wc + j * ldw, CPAR_F32, m);
     return CPAR_OK;
 }
 
@@ -7186,7 +7474,40 @@ static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg,
     ctx->backend = cfg->backend;
     ctx->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : cpar__default_timeout_ms();
     const char *gemm = getenv("CPAR_HOST_GEMM"), *threads = getenv("CPAR_HOST_THREADS");
-    ctx->gemm_builtin = gemm && !strcmp(gemm, "builtin");
+    if (gemm && *gemm) {
+        static const char *const names[] = {"auto", "amx", "avx512bf16", "avx2", "c", "builtin", "default"};
+        static const int forces[] = {CPAR__GEMM_AUTO, CPAR__GEMM_FORCE_AMX, CPAR__GEMM_FORCE_BF16,
+                                     CPAR__GEMM_FORCE_AVX2, CPAR__GEMM_FORCE_C, CPAR__GEMM_AUTO, CPAR__GEMM_AUTO};
+        static const char *const needs[] = {"", "AMX-BF16", "AVX512-BF16", "AVX2+FMA", "", "", ""};
+        int which = -1;
+        for (int i = 0; i < 7; i++)
+            if (!strcmp(gemm, names[i])) which = i;
+        if (which == 6) which = 0; /* "default": auto */
+        if (which < 0) {
+            free(ctx);
+            return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: CPAR_HOST_GEMM=\"%.32s\", expected auto, builtin (never the "
+                              "CBLAS), or a micro-kernel to force: amx, avx512bf16, avx2 or c", fn, gemm);
+        }
+        bool missing;
+#ifdef CPAR__X86_KERNELS
+        missing = (which == 1 && !cpar__cpu_amx()) || (which == 2 && !cpar__cpu_avx512bf16()) ||
+                  (which == 3 && !cpar__cpu_avx2());
+#else
+        missing = which >= 1 && which <= 3; /* the portable build has the C kernel only */
+#endif
+        if (missing) {
+            free(ctx);
+            return cpar__fail(NULL, CPAR_ERR_UNSUPPORTED, "%s: CPAR_HOST_GEMM=%s, but this %s has no %s kernel", fn, gemm,
+#ifdef CPAR__X86_KERNELS
+                              "CPU",
+#else
+                              "build (CPAR_PORTABLE)",
+#endif
+                              needs[which]);
+        }
+        ctx->gemm_builtin = which > 0;
+        ctx->gemm_force = forces[which];
+    }
     long nthreads = 1;
     if (threads && *threads && (!cpar__env_parse_long(threads, &nthreads) || nthreads < 1 || nthreads > CPAR__POOL_MAX)) {
         free(ctx);

@@ -897,11 +897,37 @@ static cpar_status rank_blocking(cpar_ctx *ctx, void *arg) {
     return CPAR_OK;
 }
 
+static cpar_status rank_nothing(cpar_ctx *ctx, void *arg) {
+    (void)ctx, (void)arg;
+    return CPAR_OK;
+}
+
+/* Whether contexts take CPAR_HOST_GEMM=name here: CPAR_OK, or
+ * CPAR_ERR_UNSUPPORTED (a kernel this CPU or build lacks, the message naming
+ * it, checked). Leaves the variable set. */
+static cpar_status probe_kernel(const char *name) {
+    setenv("CPAR_HOST_GEMM", name, 1);
+    cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
+    cpar_status st = cpar_spawn_with(1, &cfg, rank_nothing, NULL);
+    ck_assert_msg(st == CPAR_OK || (st == CPAR_ERR_UNSUPPORTED && strstr(cpar_thread_last_error(), "CPAR_HOST_GEMM") &&
+                                    strstr(cpar_thread_last_error(), "has no")),
+                  "CPAR_HOST_GEMM=%s: status %d, \"%s\"", name, st, cpar_thread_last_error());
+    return st;
+}
+
 START_TEST(test_gemm_blocking) {
     /* F32 twice: the default path (a CBLAS when the build has one) and cpar's
-     * own kernel (CPAR_HOST_GEMM=builtin, read when the context is made) */
-    static const cpar_dtype dts[] = {CPAR_F32, CPAR_F32, CPAR_BF16, CPAR_F16};
-    if (_i == 1) setenv("CPAR_HOST_GEMM", "builtin", 1); /* this forked test's own environment */
+     * own kernel (CPAR_HOST_GEMM=builtin, read when the context is made);
+     * then each micro-kernel forced on the same inputs: the AMX, AVX512-BF16
+     * and AVX2 ones on BF16, the portable C one on F32 and BF16 (a CPU
+     * without one says so and skips it) */
+    static const cpar_dtype dts[] = {CPAR_F32, CPAR_F32, CPAR_BF16, CPAR_F16, CPAR_BF16,
+                                     CPAR_BF16, CPAR_BF16, CPAR_F32, CPAR_BF16};
+    static const char *const force[] = {NULL, "builtin", NULL, NULL, "amx", "avx512bf16", "avx2", "c", "c"};
+    if (force[_i] && probe_kernel(force[_i]) != CPAR_OK) { /* this forked test's own environment */
+        printf("gemm_blocking: CPAR_HOST_GEMM=%s skipped: %s\n", force[_i], cpar_thread_last_error());
+        return;
+    }
     blocking_case c = {.dt = dts[_i]};
     TU_OK(tu_spawn(1, rank_blocking, &c));
 }
@@ -1534,11 +1560,6 @@ START_TEST(test_host_threads) {
 }
 END_TEST
 
-static cpar_status rank_nothing(cpar_ctx *ctx, void *arg) {
-    (void)ctx, (void)arg;
-    return CPAR_OK;
-}
-
 START_TEST(test_host_threads_bad) {
     static const char *bad[] = {"0", "-2", "abc", "2x", "257", " 2"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -1552,6 +1573,24 @@ START_TEST(test_host_threads_bad) {
     setenv("CPAR_HOST_THREADS", "", 1); /* empty: the default */
     TU_OK(tu_spawn(2, rank_nothing, NULL));
     unsetenv("CPAR_HOST_THREADS");
+    /* CPAR_HOST_GEMM: a name it does not know, or a kernel this CPU lacks */
+    static const char *gbad[] = {"avx512", "blas", "C", "avx2 "};
+    for (size_t i = 0; i < sizeof gbad / sizeof gbad[0]; i++) {
+        setenv("CPAR_HOST_GEMM", gbad[i], 1);
+        cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
+        cpar_status st = cpar_spawn_with(1, &cfg, rank_nothing, NULL);
+        const char *msg = cpar_thread_last_error();
+        ck_assert_msg(st == CPAR_ERR_INVALID && strstr(msg, "CPAR_HOST_GEMM") && strstr(msg, "expected auto, builtin"),
+                      "CPAR_HOST_GEMM=\"%s\": status %d, \"%s\", expected CPAR_ERR_INVALID naming the choices", gbad[i],
+                      st, msg);
+    }
+    /* the SIMD kernels: taken, or refused naming what is missing (probe_kernel checks); the rest everywhere */
+    static const char *const kernels[] = {"amx", "avx512bf16", "avx2", "c", "builtin", "auto"};
+    for (int i = 0; i < 6; i++) {
+        const cpar_status st = probe_kernel(kernels[i]);
+        if (i >= 3) TU_OK(st);
+    }
+    unsetenv("CPAR_HOST_GEMM");
 }
 END_TEST
 
@@ -1568,7 +1607,7 @@ static Suite *suite(void) {
         {"init_random", test_init_random, 3},
         {"backward_overlap", test_backward_overlap, 2},
         {"bad_args", test_bad_args, 1},
-        {"gemm_blocking", test_gemm_blocking, 4},
+        {"gemm_blocking", test_gemm_blocking, 9},
         {"grad_fusion", test_grad_fusion, 2 * N_GRAD_MODES},
         {"tied_weight", test_tied_weight, 3},
         {"runtime_gather_output", test_runtime_gather_output, 1},
