@@ -91,6 +91,7 @@
 #define CPAR_ERR_LEN 512
 #define CPAR_ALIGN 64
 #define CPAR_DEFAULT_TIMEOUT_MS 300000
+#define CPAR__TAG_LEN 96 /* a collective's caller description: "cpar_all_to_all_sp2hp(fwd, bf16)" */
 
 /* Runtime objects shared by the sections below (their behaviour lives in
  * sections 8-13; they are defined here so every section can read them). */
@@ -143,6 +144,11 @@ struct cpar_ctx {
     /* device contexts: a failure elsewhere that dooms waiting (a failed peer,
      * an NCCL asynchronous error), asked while polling (section 12) */
     cpar_status (*async_check)(cpar_ctx *ctx, const char *fn);
+    /* the public call the next collective on tag_group serves: its slot
+     * carries the hash and text, which the members compare (section 8) */
+    cpar_group *tag_group;
+    uint64_t tag;
+    char tag_text[CPAR__TAG_LEN];
     cpar_dev_stream coll_stream; /* where the collectives enqueue: NULL = compute; set only
                                   * between cpar__on_comm_stream and cpar__on_compute_stream */
     cpar_dev_blas blas;
@@ -577,6 +583,7 @@ static cpar_status cpar__fail(cpar_ctx *ctx, cpar_status st, const char *fmt, ..
     vsnprintf(line, sizeof line, fmt, ap);
     va_end(ap);
     cpar__set_error(ctx, line);
+    if (ctx) ctx->tag_group = NULL; /* a failed call reaches no collective: its tag must not outlive it */
     /* A timeout is the failure a user most needs to see; the rest is detail. */
     cpar__log(st == CPAR_ERR_TIMEOUT ? CPAR__LOG_WARN : CPAR__LOG_DEBUG, ctx ? ctx->rank : -1, "%s: %s",
               cpar_status_string(st), line);
@@ -4854,8 +4861,40 @@ typedef struct cpar__slot {    /* one member's description of the current collec
     void *out;
     const int64_t *sizes;      /* all-gather / reduce-scatter per-rank rows, or NULL */
     const int64_t *in_splits, *out_splits;
+    uint64_t tag;              /* the public call it serves (cpar__tag_set), 0: a raw collective */
+    char tag_text[CPAR__TAG_LEN];
 } cpar__slot;
 #define CPAR__KIND_EXCHANGE CPAR_COLL_KIND_COUNT
+
+/* Tagging: a public call that reaches a collective through others (a
+ * mapping, the cross entropy, CP attention) names itself and the arguments
+ * its ranks must agree on beyond what the collective shows (direction,
+ * dtypes, the comm type); its first collective on g carries that, and the
+ * members' slots are compared (cpar__slots_validate) before any data moves:
+ * rank 0 in cpar_all_to_all_sp2hp(fwd) and rank 1 in its bwd (the same
+ * counts) fail on both. A local argument failure (cpar__fail) drops the
+ * tag; a call that reaches no collective leaves it to the next collective
+ * on g, the same on every rank that made the same calls. */
+static void cpar__tag_set(cpar_group *g, const char *fmt, ...) {
+    cpar_ctx *ctx = g->ctx;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->tag_text, sizeof ctx->tag_text, fmt, ap);
+    va_end(ap);
+    uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a */
+    for (const char *p = ctx->tag_text; *p; p++) h = (h ^ (uint8_t)*p) * 0x100000001b3ull;
+    ctx->tag = h | 1u;
+    ctx->tag_group = g;
+}
+
+/* The tag a collective on g carries, taken (once) into its slot. */
+static void cpar__tag_take(cpar_group *g, cpar__slot *s) {
+    cpar_ctx *ctx = g->ctx;
+    if (ctx->tag_group != g) return;
+    s->tag = ctx->tag;
+    memcpy(s->tag_text, ctx->tag_text, sizeof s->tag_text);
+    ctx->tag_group = NULL;
+}
 
 typedef struct cpar__mailbox {
     const void *ptr;
@@ -5141,6 +5180,7 @@ static cpar_status cpar__pc_collective(cpar_group *g, const char *fn, const cpar
 static cpar_status cpar__hc_exchange(cpar_group *g, const char *fn, const void *mine, size_t bytes, void *all) {
     cpar__slot s = {.kind = CPAR__KIND_EXCHANGE, .dtype = CPAR_U8, .rows = (int64_t)bytes, .row_elems = 1, .in = mine,
                     .out = all};
+    cpar__tag_take(g, &s);
     if (g->size == 1) {
         memcpy(all, mine, bytes);
         return CPAR_OK;
@@ -5296,6 +5336,12 @@ static const char *cpar__slot_str(const cpar__slot *s, char *buf, size_t cap) {
 static cpar_status cpar__slots_validate(cpar_group *g, const char *fn, const cpar__slot *sl) {
     const cpar__slot *a = &sl[0];
     int n = g->size;
+    for (int m = 1; m < n; m++) /* the calls first: their names say more than the collectives */
+        if (sl[m].tag != a->tag)
+            return cpar__fail(g->ctx, CPAR_ERR_INVALID,
+                              "%s: group members disagree on the call: rank %d called %s, rank %d called %s", fn,
+                              g->world_ranks[0], a->tag ? a->tag_text : "a raw collective", g->world_ranks[m],
+                              sl[m].tag ? sl[m].tag_text : "a raw collective");
     for (int m = 1; m < n; m++) {
         const cpar__slot *b = &sl[m];
         bool same = a->kind == b->kind && a->dtype == b->dtype && a->op == b->op && a->root == b->root &&
@@ -5645,6 +5691,8 @@ typedef struct cpar__pc_desc {  /* a member's cpar__slot without its pointers */
     int32_t direct;             /* its in (and an all-reduce's out) lie in its arena, and it mapped every peer's */
     int64_t rows, row_elems;
     int64_t in_off, out_off;    /* where in its arena */
+    uint64_t tag;               /* the slot's caller (cpar__tag_set) */
+    char tag_text[CPAR__TAG_LEN];
 } cpar__pc_desc;
 
 typedef struct cpar__pc_box {   /* mailbox src -> dst */
@@ -6012,7 +6060,8 @@ static cpar_status cpar__pc_collective(cpar_group *g, const char *fn, const cpar
                   (mine->kind != CPAR_COLL_ALL_REDUCE || out_off >= 0);
     *d = (cpar__pc_desc){.kind = mine->kind, .dtype = (int32_t)mine->dtype, .op = mine->op, .root = mine->root,
                          .has_sizes = mine->sizes != NULL, .direct = direct, .rows = mine->rows,
-                         .row_elems = mine->row_elems, .in_off = in_off, .out_off = out_off};
+                         .row_elems = mine->row_elems, .in_off = in_off, .out_off = out_off, .tag = mine->tag};
+    memcpy(d->tag_text, mine->tag_text, sizeof d->tag_text);
     int64_t *sp = pc->splits + ((size_t)par * (size_t)n + (size_t)me) * 3 * (size_t)n;
     if (mine->sizes) memcpy(sp, mine->sizes, (size_t)n * sizeof *sp);
     if (mine->in_splits) memcpy(sp + n, mine->in_splits, (size_t)n * sizeof *sp);
@@ -6026,7 +6075,8 @@ static cpar_status cpar__pc_collective(cpar_group *g, const char *fn, const cpar
         const int64_t *ms = pc->splits + ((size_t)par * (size_t)n + (size_t)m) * 3 * (size_t)n;
         pc->sl[m] = (cpar__slot){.kind = e->kind, .dtype = (cpar_dtype)e->dtype, .op = e->op, .root = e->root,
                                  .rows = e->rows, .row_elems = e->row_elems, .sizes = e->has_sizes ? ms : NULL,
-                                 .in_splits = ms + n, .out_splits = ms + 2 * n};
+                                 .in_splits = ms + n, .out_splits = ms + 2 * n, .tag = e->tag};
+        memcpy(pc->sl[m].tag_text, e->tag_text, sizeof pc->sl[m].tag_text);
         ndirect += e->direct != 0;
     }
     CPAR_TRY(cpar__slots_validate(g, fn, pc->sl));
@@ -7075,11 +7125,13 @@ static cpar_status cpar__coll_copy(cpar_group *g, const char *fn, void *dst, int
 }
 
 static cpar_status cpar__run_collective(cpar_group *g, const char *fn, const cpar__slot *c) {
+    cpar__slot t = *c;
+    cpar__tag_take(g, &t);
 #ifdef CPAR_WITH_NCCL
-    if (cpar__group_is_nccl(g)) return cpar__nccl_collective(g, fn, c);
+    if (cpar__group_is_nccl(g)) return cpar__nccl_collective(g, fn, &t);
 #endif
-    if (g->pc) return cpar__pc_collective(g, fn, c);
-    return cpar__hc_collective(g, fn, c);
+    if (g->pc) return cpar__pc_collective(g, fn, &t);
+    return cpar__hc_collective(g, fn, &t);
 }
 
 static cpar_status cpar__check_op(cpar_group *g, const char *fn, cpar_reduce_op op, const cpar_tensor *t) {
@@ -8051,6 +8103,7 @@ static cpar_status cpar__map_begin(cpar_group *g, const char *fn, const cpar_ten
     CPAR_TRY(cpar__coll_tensor(g, fn, "out", out, in));
     if (in->ndim < 1)
         return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: in is a scalar, expected at least 1 dimension", fn);
+    cpar__tag_set(g, "%s(%s, %s)", fn, dir == CPAR_FWD ? "fwd" : "bwd", cpar_dtype_name(in->dtype));
     return CPAR_OK;
 }
 
@@ -9368,6 +9421,8 @@ static cpar_status cpar__xent_check(cpar_group *tp, const char *fn, const cpar_t
                 return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: target[%lld] is %lld, expected in [0, %lld) (the global vocab)",
                                   fn, (long long)i, (long long)t, (long long)*vocab);
         }
+    cpar__tag_set(tp, "%s(logits %s, target %s, label_smoothing %g)", fn, cpar_dtype_name(logits->dtype),
+                  cpar_dtype_name(target->dtype), (double)*s);
     return CPAR_OK;
 }
 
@@ -11791,6 +11846,7 @@ static cpar_status cpar__cp_hier_groups(cpar_group *cp, const char *fn, int a, c
         if (cp->cp_outer) cpar__group_free(cp->cp_outer);
         cp->cp_inner_size = 0;
         cpar_group *in = NULL, *out = NULL;
+        cpar__tag_set(cp, "%s(a2a+p2p, a2a_size %d)", fn, a); /* the split compares it: ranks disagreeing fail here */
         cpar_status st = cpar__as(ctx, fn, cpar_group_split(cp, cp->rank / a, cp->rank, &in));
         cpar_status so = cpar__as(ctx, fn, cpar_group_split(cp, cp->rank % a, cp->rank, &out));
         if (st == CPAR_OK) st = so;
@@ -12161,6 +12217,15 @@ static cpar_status cpar__ring_check(cpar__ring *R, const char *fn, cpar_group *c
     R->A = A, R->ar = cp->rank % A;
     R->P = cp->size / A, R->r = cp->rank / A;
     R->allgather = cfg->comm_type == CPAR_CP_ALL_GATHER;
+    /* the ranks must agree on the scheme and the shapes (equal shards): the
+     * first collective compared (all-gather or all-to-all; the ring's
+     * send/recv compare their counts) carries the call */
+    if (R->allgather || A > 1)
+        cpar__tag_set(A > 1 ? R->ga : cp, "%s(%s%s%.0d, %scausal, %sload-balanced, %s%s [%lld,%lld,%lld,%lld] kv "
+                      "[%lld,%lld])", fn, cpar_cp_comm_type_name(cfg->comm_type), A > 1 ? " a=" : "", A > 1 ? A : 0,
+                      cfg->causal ? "" : "non-", cfg->load_balance ? "" : "not ", cpar_dtype_name(q->dtype),
+                      cfg->packed ? " packed" : "", (long long)b, (long long)hq, (long long)sq, (long long)d,
+                      (long long)hkv, (long long)sk);
     R->dev = cpar__on_device(ctx->device);
     R->es = cpar_dtype_size(q->dtype);
     R->nkv = cpar_tensor_numel(k);

@@ -24,9 +24,12 @@
  *    and %r are the host, pid and rank (one file per rank with %r). Each line
  *    starts "cpar[RANK] HOST:PID LEVEL".
  *  - Products on host tensors (every backend) use cpar's own blocked GEMM
- *    (AVX2+FMA where the CPU has it), or a CBLAS for F32 when the build found
- *    one (OpenBLAS or BLIS; `make CPAR_BLAS=0` turns that off, and
- *    CPAR_HOST_GEMM=builtin at context creation picks cpar's own anyway).
+ *    (AVX2+FMA where the CPU has it; bf16 x bf16 on AMX tiles, else
+ *    AVX512-BF16, where it has those), or a CBLAS for F32 when the build
+ *    found one (OpenBLAS or BLIS; `make CPAR_BLAS=0` turns that off, and
+ *    CPAR_HOST_GEMM=builtin at context creation picks cpar's own anyway;
+ *    CPAR_HOST_GEMM=amx, avx512bf16, avx2 or c forces that micro-kernel, an
+ *    unknown name or one the CPU lacks failing context creation).
  *  - CPAR_HOST_THREADS=N (read at context creation; default 1) lets one rank
  *    use N threads for its host GEMMs, for when ranks < cores (1-rank
  *    reference runs gain most): cpar's GEMM splits the larger of C's
@@ -441,8 +444,13 @@ int cpar_grid_rank(const cpar_ctx *ctx, cpar_group_kind kind);    /* -1 before c
  * What is checked where. Every backend checks each rank's own arguments.
  * Host and device backends also compare the members' calls before any peer's
  * buffer is read: kind (group split included), dtype, element count or
- * split sizes, op and root; a disagreement is CPAR_ERR_INVALID on every
- * member, naming two ranks and the field. Send/receive carry the dtype and
+ * split sizes, op and root, and the public call a collective serves with
+ * what its ranks must agree on beyond those (a mapping's direction and
+ * dtype, the cross entropy's logits and target dtypes and smoothing, CP
+ * attention's comm type and shapes): rank 0 in cpar_all_to_all_sp2hp(FWD)
+ * and rank 1 in its BWD (the same counts) both fail. A disagreement is
+ * CPAR_ERR_INVALID on every member, naming two ranks and the field (or
+ * both calls). Send/receive carry the dtype and
  * element count: a receiver expecting others refuses without reading, and
  * both sides return CPAR_ERR_INVALID. On NCCL, cpar passes typed counts;
  * NCCL does not compare calls across ranks (the nccl-sim test build does),

@@ -38,6 +38,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -1077,9 +1078,17 @@ static cpar_status st_write(const char *path, const st_tensor *t, int n, const c
     unsigned char le[8];
     for (int i = 0; i < 8; i++) le[i] = (unsigned char)((uint64_t)len >> (8 * i));
     if (f && (fwrite(le, 1, 8, f) != 8 || fwrite(h, 1, len, f) != len)) st = fail("train: cannot write %s", tmp);
+    /* A test's fault injection: die by SIGKILL halfway through writing a file
+     * whose path contains $TRAIN_TEST_KILL_IN_SAVE (tests/test_trainjob.c: a
+     * re-save killed midway leaves the previous checkpoint whole). */
+    const char *kill_in = getenv("TRAIN_TEST_KILL_IN_SAVE");
     for (int i = 0; f && st == CPAR_OK && i < n; i++) {
         size_t count = (size_t)t[i].shape[0] * (size_t)(t[i].ndim > 1 ? t[i].shape[1] : 1);
         if (fwrite(t[i].data, sizeof(float), count, f) != count) st = fail("train: cannot write %s", tmp);
+        if (kill_in && *kill_in && strstr(path, kill_in) && i == n / 2) {
+            fflush(f);
+            raise(SIGKILL);
+        }
     }
     if (f && st == CPAR_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
         st = fail("train: cannot write %s: %s", tmp, strerror(errno));

@@ -232,6 +232,20 @@ static int check_mismatch(cpar_group *g) {
     if (r == 0 || r == n - 1)
         CHECK(st == CPAR_ERR_INVALID, "sendrecv of the wrong size gave %s: %s", cpar_status_string(st),
               cpar_thread_last_error());
+    /* the same counts from different calls (issue 29): sp2hp forward on rank
+     * 1, backward (its shapes swapped) on the others; T = H = n, so [1, n]
+     * <-> [n, 1] on every rank */
+    {
+        float a[64], b[64];
+        int64_t sp[2] = {1, n}, hp[2] = {n, 1};
+        cpar_tensor x = cpar_tensor_make(a, CPAR_F32, 2, r == 1 ? sp : hp, CPAR_HOST);
+        cpar_tensor y = cpar_tensor_make(b, CPAR_F32, 2, r == 1 ? hp : sp, CPAR_HOST);
+        for (int i = 0; i < n; i++) a[i] = (float)i;
+        st = n <= 64 ? cpar_all_to_all_sp2hp(g, &x, &y, r == 1 ? CPAR_FWD : CPAR_BWD) : CPAR_ERR_INVALID;
+        CHECK(st == CPAR_ERR_INVALID && strstr(cpar_thread_last_error(), "disagree on the call") &&
+                  strstr(cpar_thread_last_error(), "sp2hp(fwd, f32)") && strstr(cpar_thread_last_error(), "sp2hp(bwd, f32)"),
+              "sp2hp forward against backward gave %s: %s", cpar_status_string(st), cpar_thread_last_error());
+    }
     /* the group still works */
     ti = t1(in, CPAR_F32, 8), to = t1(out, CPAR_F32, 8);
     for (int i = 0; i < 8; i++) in[i] = (float)(r + i);

@@ -149,6 +149,10 @@ if [ -x "$B/host/bench" ] && [ "$HOST_FLAVOUR" = host ] && [ -n "$HOST_SUITES" ]
     add "host/bench-csv" 'mkdir "$tmp/bench" && bench_check "$tmp/bench"'
     add "host/bench-attn" 'bench_attn_check'
 fi
+# The README: at most 200 lines, every relative link in it and docs/ resolves,
+# its complete program builds as written and runs (tools/check_docs.sh).
+[ -z "$HOST_SUITES" ] || add "docs/readme" 'sh tools/check_docs.sh "$tmp"'
+
 # The simulators run stream work late (tests/cudasim.h section 9): the sim
 # suites under lazy (work runs only when a host call forces it), the nccl-sim
 # suites under random (ready work of every stream interleaved by a seed that

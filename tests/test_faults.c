@@ -328,8 +328,14 @@ END_TEST
 
 /* ---- ranks disagree on the collective ---------------------------------------- */
 
-typedef enum { MIS_KIND, MIS_DTYPE, MIS_SIZE, MIS_OP, MIS_ROOT, MIS_SPLIT, MIS_P2P_DTYPE, MIS_COUNT } mismatch;
-static const char *const mismatch_names[] = {"kind", "dtype", "size", "op", "root", "split", "p2p dtype"};
+typedef enum {
+    MIS_KIND, MIS_DTYPE, MIS_SIZE, MIS_OP, MIS_ROOT, MIS_SPLIT, MIS_P2P_DTYPE,
+    MIS_DIR,        /* issue 29: sp2hp forward on some ranks, backward (shapes swapped, the same counts) on one */
+    MIS_XENT_DTYPE, /* issue 29: the cross entropy with f16 logits on one rank, f32 on the others */
+    MIS_COUNT
+} mismatch;
+static const char *const mismatch_names[] = {"kind", "dtype", "size", "op", "root", "split", "p2p dtype", "direction",
+                                             "cross entropy dtype"};
 
 typedef struct {
     mismatch what;
@@ -370,6 +376,28 @@ static cpar_status rank_mismatch(cpar_ctx *ctx, void *p) {
         TU_OK(cpar_tensor_free(ctx, &ir));
         break;
     }
+    case MIS_DIR: { /* [T/n, H] <-> [T, H/n] with T = 6, H = 6 over 3 ranks: 12 elements either way */
+        const int64_t sp[2] = {2, 6}, hp[2] = {6, 2};
+        cpar_tensor a0 = tu_alloc_poisoned(ctx, CPAR_F32, 2, odd ? hp : sp), a1 = tu_alloc_poisoned(ctx, CPAR_F32, 2, odd ? sp : hp);
+        TU_OK(cpar_fill(ctx, &a0, 1.0));
+        a->st[r] = cpar_all_to_all_sp2hp(w, &a0, &a1, odd ? CPAR_BWD : CPAR_FWD);
+        TU_OK(cpar_tensor_free(ctx, &a0));
+        TU_OK(cpar_tensor_free(ctx, &a1));
+        break;
+    }
+    case MIS_XENT_DTYPE: { /* logits [2, 4] per rank (vocab 12), targets in range */
+        const int64_t ls[2] = {2, 4}, ts[1] = {2}, ss[2] = {2, 2};
+        const cpar_dtype ldt = odd ? CPAR_F16 : CPAR_F32;
+        void *hl = tu_random_host(ldt, 8, 5 + r);
+        const int64_t ht[2] = {3, 10};
+        cpar_tensor lg = tu_upload(ctx, hl, ldt, 2, ls), tg = tu_upload(ctx, ht, CPAR_I64, 1, ts);
+        cpar_tensor loss = tu_alloc_poisoned(ctx, CPAR_F32, 1, ts), st = tu_alloc_poisoned(ctx, CPAR_F32, 2, ss);
+        a->st[r] = cpar_vocab_parallel_cross_entropy_forward(w, &lg, &tg, 0.f, &loss, &st);
+        cpar_tensor *ts4[4] = {&lg, &tg, &loss, &st};
+        for (int i = 0; i < 4; i++) TU_OK(cpar_tensor_free(ctx, ts4[i]));
+        free(hl);
+        break;
+    }
     default: a->st[r] = cpar_all_reduce(w, &in, &out, CPAR_SUM); break;
     }
     if (a->st[r] == CPAR_OK) a->st[r] = cpar_sync(ctx); /* NCCL: the disagreement shows once the streams run */
@@ -387,15 +415,18 @@ START_TEST(test_mismatch) {
     static const char *const cpar_needles[MIS_COUNT][2] = {
         {"all_gather", "all_reduce"}, {"f16", "f32"}, {"5", "4"}, {"max", "sum"}, {"root", "1"},
         {"group split", "all_reduce"}, {"i32", "f32"},
+        {"cpar_all_to_all_sp2hp(fwd, f32)", "cpar_all_to_all_sp2hp(bwd, f32)"}, {"logits f16", "logits f32"},
     };
     static const char *const nccl_needles[MIS_COUNT][2] = {
         {"ncclAllGather", "ncclAllReduce"}, {"ncclFloat16", "ncclFloat32"}, {"count 5", "count 4"},
         {"ncclMax", "ncclSum"}, {"root 1", "root 0"}, {"ncclAllGather", "ncclAllReduce"}, {"ncclSend", "ncclRecv"},
+        {"", ""}, {"", ""},
     };
     const char *const(*needles)[2] = tu_is_nccl() ? nccl_needles : cpar_needles;
-    /* On NCCL cpar promises nothing about a send/recv dtype mismatch
-     * (cpar.h: NCCL compares nothing across ranks); the host backends do. */
-    if (_i == MIS_P2P_DTYPE && tu_is_nccl()) return;
+    /* On NCCL cpar promises nothing about a send/recv dtype mismatch, nor
+     * about the calls behind equal collectives (cpar.h: NCCL compares
+     * nothing across ranks, and cpar adds no round trip); the host backends do. */
+    if ((_i == MIS_P2P_DTYPE || _i == MIS_DIR || _i == MIS_XENT_DTYPE) && tu_is_nccl()) return;
     mismatch_arg a = {.what = (mismatch)_i};
     cpar_init_config c = {.backend = tu_backend(), .timeout_ms = DEADLINE_MS};
     int64_t t0 = now_ms();

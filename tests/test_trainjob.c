@@ -211,6 +211,42 @@ static void spit(const char *path, const void *b, size_t n) {
     ck_assert_msg(f && fwrite(b, 1, n, f) == n && fclose(f) == 0, "cannot write %s", path);
 }
 
+/* A re-save of an existing step killed halfway through (issue 29): the
+ * step's previous files are untouched, bit for bit, and --resume on the save
+ * folder continues from them. The job dies by SIGKILL while writing the
+ * model file's temporary copy (TRAIN_TEST_KILL_IN_SAVE, train.c's fault
+ * injection); another seed makes the second run's weights differ. */
+START_TEST(test_kill_during_resave) {
+    char dir[] = "/tmp/cpar_resave_XXXXXX", model[300], optim[300], cmd[340];
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(model, sizeof model, "%s/step_000004/model.safetensors", dir);
+    snprintf(optim, sizeof optim, "%s/step_000004/optimizer.safetensors", dir);
+    proc a;
+    run_train(&a, (const char *const[]){SMALL, "--steps", "4", "--verify", "0", "--save", dir, NULL});
+    ASSERT_RUN(&a, a.status == 0 && access(model, F_OK) == 0);
+    proc_free(&a);
+    size_t nm, no;
+    char *m0 = slurp(model, &nm), *o0 = slurp(optim, &no);
+    proc k;
+    proc_run(&k, train_path(), NULL,
+             (const char *const[]){SMALL, "--steps", "4", "--verify", "0", "--seed", "99", "--save", dir, NULL},
+             (const char *const[]){"TRAIN_TEST_KILL_IN_SAVE=step_000004/model", NULL}, 300000);
+    ASSERT_RUN(&k, k.status == 128 + SIGKILL);
+    proc_free(&k);
+    size_t nm1, no1;
+    char *m1 = slurp(model, &nm1), *o1 = slurp(optim, &no1);
+    ck_assert_msg(nm1 == nm && !memcmp(m0, m1, nm), "the killed re-save changed %s", model);
+    ck_assert_msg(no1 == no && !memcmp(o0, o1, no), "the killed re-save changed %s", optim);
+    proc r;
+    run_train(&r, (const char *const[]){SMALL, "--steps", "6", "--verify", "0", "--resume", dir, NULL});
+    ASSERT_RUN(&r, r.status == 0 && strstr(r.text[0], "resumed from") && strstr(r.text[0], "step_000004"));
+    proc_free(&r);
+    free(m0), free(o0), free(m1), free(o1);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    ck_assert_int_eq(system(cmd), 0);
+}
+END_TEST
+
 /* dir/model.safetensors with header h (the original data after it) and the
  * original optimizer file beside it. */
 static void craft(const char *dir, const char *h, const char *data, size_t data_n, const char *opt, size_t opt_n) {
@@ -449,6 +485,7 @@ int main(void) {
         tcase_add_test(tc, test_cp_comm_types);
         tcase_add_test(tc, test_seed_repeats);
         tcase_add_test(tc, test_resume);
+        tcase_add_test(tc, test_kill_during_resave);
         tcase_add_test(tc, test_bad_checkpoints);
         tcase_add_test(tc, test_log_every);
         tcase_add_test(tc, test_bad_flags);
