@@ -139,6 +139,26 @@ SIM_CXXFLAGS := -std=c++17 -Wall -Wextra $(CXXFLAGS) -pthread -I. -DCPAR_SIM
 # --threads 0: nvcc compiles the architectures in parallel.
 NVCCFLAGS ?= -O3 -std=c++17 $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),code=sm_$(a)) \
              -gencode arch=compute_$(PTX_ARCH),code=compute_$(PTX_ARCH) --threads 0 -Xcompiler -Wall,-Wextra -I.
+# The suites need Check. Missing: as root with apt-get, say so and install it
+# (a fresh Debian/Ubuntu machine); otherwise stop before building anything,
+# with the command to run.
+TEST_GOALS := test test-host test-sim test-ncclsim test-gpu test-sanitize test-build
+cpar_check_found = $(shell pkg-config --exists check 2>/dev/null && echo 1 || \
+                     { printf '\043include <check.h>\n' | $(CC) -E -x c - >/dev/null 2>&1 && echo 1; })
+ifneq ($(filter $(TEST_GOALS),$(MAKECMDGOALS)),)
+  CHECK_FOUND := $(cpar_check_found)
+  ifneq ($(CHECK_FOUND),1)
+    ifeq ($(shell id -u)$(if $(shell command -v apt-get 2>/dev/null),apt),0apt)
+      $(info cpar: the test suites need the Check framework; installing it: apt-get install -y check pkg-config)
+      CPAR_APT := $(shell { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq check \
+                            pkg-config; } >&2 && echo ok)
+      CHECK_FOUND := $(cpar_check_found)
+    endif
+  endif
+  ifneq ($(CHECK_FOUND),1)
+    $(error cpar: the test suites need the Check framework (check.h not found); install it with: $(if $(filter 0,$(shell id -u)),,sudo )apt-get install -y check pkg-config)
+  endif
+endif
 CHECK_FLAGS := $(shell pkg-config --cflags check 2>/dev/null)
 CHECK_LIBS  := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsubunit -lrt -lm -pthread)
 CUDA_LIBS   := $(foreach d,$(NCCL_LIBDIR) $(CUBLAS_LIBDIR),-L$(d)) -L$(CUDA_HOME)/lib64 \
@@ -172,15 +192,6 @@ ifeq ($(MAKELEVEL),0)
   endif
 endif
 
-# The suites need Check: stop before building anything when it is missing.
-TEST_GOALS := test test-host test-sim test-ncclsim test-gpu test-sanitize test-build
-ifneq ($(filter $(TEST_GOALS),$(MAKECMDGOALS)),)
-  CHECK_FOUND := $(shell pkg-config --exists check 2>/dev/null && echo 1 || \
-                   { printf '\043include <check.h>\n' | $(CC) -E -x c - >/dev/null 2>&1 && echo 1; })
-  ifneq ($(CHECK_FOUND),1)
-    $(error cpar: the test suites need the Check framework (check.h not found); install it with: $(if $(filter 0,$(shell id -u)),,sudo )apt-get install -y check pkg-config)
-  endif
-endif
 
 # Suites that take a backend run on host, sim and nccl-sim; the rest are
 # host-only (processes, sockets) or sim-only (the simulator and the device layer).

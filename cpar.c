@@ -1496,6 +1496,17 @@ static bool cpar__cpu_avx2(void) {
 #endif
 
 #ifdef CPAR__X86_KERNELS
+/* Whether the CPU runs AVX-512F: the host GEMM's 32 x 12 fp32 micro-kernel. */
+static bool cpar__cpu_avx512(void) {
+    static atomic_int f = -1;
+    int a = atomic_load_explicit(&f, memory_order_relaxed);
+    if (a < 0) {
+        a = __builtin_cpu_supports("avx512f") && cpar__cpu_avx2();
+        atomic_store_explicit(&f, a, memory_order_relaxed);
+    }
+    return a;
+}
+
 /* Whether the CPU runs AVX-512 with the BF16 extension (vdpbf16ps): the host
  * GEMM's bf16 micro-kernel. */
 static bool cpar__cpu_avx512bf16(void) {
@@ -1921,8 +1932,10 @@ CPAR__VARIANTS(cpar__host_gelu_lut,
  * The BLIS loop order: KC-deep, NC-wide panels of op(B) are packed into
  * NR-wide slivers, MC-tall panels of op(A) into MR-tall slivers (16-bit
  * operands widened to fp32 while packing), and an MR x NR register-blocked
- * micro-kernel runs over them, C += alpha a·b. The micro-kernel is AVX2+FMA
- * (16 x 6), chosen at run time where the CPU has it, else portable C (8 x 4).
+ * micro-kernel runs over them, C += alpha a·b. The micro-kernel is AVX-512F
+ * (32 x 12) or AVX2+FMA (16 x 6), chosen at run time where the CPU has it
+ * (the two run the same FMAs in the same order: the same bits), else
+ * portable C (8 x 4).
  * Every element of C adds its k products in order p = 0..k-1 whatever the
  * blocking, so a result does not depend on m, n or on how a caller splits
  * them. bf16 x bf16 products on a CPU with AVX512-BF16 run a 32 x 12 kernel
@@ -1932,8 +1945,9 @@ CPAR__VARIANTS(cpar__host_gelu_lut,
  * accumulator (exact products, odd then even, rounded to nearest, bf16 and
  * fp32 subnormals flushed), so every element of C still adds its products in
  * one order whatever the blocking. f16 keeps the widening path (f16 does not
- * fit bf16 exactly). CPAR_HOST_GEMM names a kernel to force it: avx512bf16
- * (bf16 products), avx2, c (every product; each implies builtin). A 16-bit C is accumulated in an fp32 copy and rounded once. With a
+ * fit bf16 exactly). CPAR_HOST_GEMM names a kernel to force it: amx and
+ * avx512bf16 (bf16 products), avx512, avx2, c (every product; each implies
+ * builtin). A 16-bit C is accumulated in an fp32 copy and rounded once. With a
  * CBLAS (built with CPAR_WITH_CBLAS: OpenBLAS, BLIS), all-F32 products go
  * to cblas_sgemm. The packed panels live in ctx->gemm_ws (host memory,
  * grown once). */
@@ -1956,7 +1970,10 @@ typedef struct cpar__gemm_kernel {
 } cpar__gemm_kernel;
 
 /* CPAR_HOST_GEMM's kernel choice (ctx->gemm_force). */
-enum { CPAR__GEMM_AUTO = 0, CPAR__GEMM_FORCE_AMX, CPAR__GEMM_FORCE_BF16, CPAR__GEMM_FORCE_AVX2, CPAR__GEMM_FORCE_C };
+enum {
+    CPAR__GEMM_AUTO = 0, CPAR__GEMM_FORCE_AMX, CPAR__GEMM_FORCE_BF16, CPAR__GEMM_FORCE_AVX512, CPAR__GEMM_FORCE_AVX2,
+    CPAR__GEMM_FORCE_C
+};
 
 /* 32-bit words per sliver row for kc of k: kc floats, or ceil(kc / 2) bf16
  * pairs (AMX: rounded up to whole tiles of 16 pairs, padded with zeros). */
@@ -2014,17 +2031,53 @@ __attribute__((target("avx2,fma"))) static void cpar__gemm_ukernel_avx2(int64_t 
 #endif
 
 #ifdef CPAR__X86_KERNELS
+/* 32 x 12 on fp32 with AVX-512: 24 zmm accumulators, two A loads and twelve
+ * broadcasts per p, the AVX2 kernel's arithmetic in twice the lanes (the
+ * same FMAs in the same order: the same bits). */
+__attribute__((target("avx512f"))) static void cpar__gemm_ukernel_avx512(int64_t kc, const void *av, const void *bv,
+                                                                        float *c, int64_t ldc, float alpha,
+                                                                        float beta) {
+    const float *a = av, *b = bv;
+    __m512 lo[12], hi[12];
+#pragma GCC unroll 12
+    for (int j = 0; j < 12; j++) lo[j] = hi[j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kc; p++) {
+        const __m512 a0 = _mm512_loadu_ps(a + 32 * p), a1 = _mm512_loadu_ps(a + 32 * p + 16);
+#pragma GCC unroll 12
+        for (int j = 0; j < 12; j++) {
+            const __m512 bj = _mm512_set1_ps(b[12 * p + j]);
+            lo[j] = _mm512_fmadd_ps(a0, bj, lo[j]);
+            hi[j] = _mm512_fmadd_ps(a1, bj, hi[j]);
+        }
+    }
+    const __m512 al = _mm512_set1_ps(alpha), be = _mm512_set1_ps(beta);
+#pragma GCC unroll 12
+    for (int j = 0; j < 12; j++) {
+        float *cj = c + j * ldc;
+        if (beta == 0.f) {
+            _mm512_storeu_ps(cj, _mm512_mul_ps(al, lo[j]));
+            _mm512_storeu_ps(cj + 16, _mm512_mul_ps(al, hi[j]));
+        } else {
+            _mm512_storeu_ps(cj, _mm512_fmadd_ps(al, lo[j], _mm512_mul_ps(be, _mm512_loadu_ps(cj))));
+            _mm512_storeu_ps(cj + 16, _mm512_fmadd_ps(al, hi[j], _mm512_mul_ps(be, _mm512_loadu_ps(cj + 16))));
+        }
+    }
+}
+#endif
+
+#ifdef CPAR__X86_KERNELS
 /* One sliver of an F32 matrix whose rows are contiguous (a row-major tile, or
  * a transposed operand): h <= w rows r of `cols` floats at src + r*rs go to
- * dst[c*w + r], rows h..w-1 as zeros; w is 16 or 6 (the AVX2 kernel's mr and
- * nr). 8 x 8 blocks are transposed in registers: the scalar loop's strided
- * stores made packing cost as much as the product in attention's tiles. */
+ * dst[c*w + r], rows h..w-1 as zeros; w is a micro-kernel's mr or nr (16, 6,
+ * 32, 12). 8 x 8 blocks are transposed in registers: the scalar loop's
+ * strided stores made packing cost as much as the product in attention's
+ * tiles. */
 __attribute__((target("avx2,fma"))) static void cpar__gemm_pack_rows_avx2(float *dst, const float *src, int64_t rs,
                                                                          int64_t h, int64_t cols, int w) {
-    const __m256i six = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
+    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(w % 8), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     int64_t c0 = 0;
     for (; c0 + 8 <= cols; c0 += 8)
-        for (int half = 0; half < (w == 16 ? 2 : 1); half++) {
+        for (int half = 0; half < (w + 7) / 8; half++) {
             __m256 r[8], t[8], u[8];
             for (int i = 0; i < 8; i++) {
                 const int64_t row = half * 8 + i;
@@ -2043,12 +2096,12 @@ __attribute__((target("avx2,fma"))) static void cpar__gemm_pack_rows_avx2(float 
             for (int c = 0; c < 4; c++) { /* column c0 + c and c0 + c + 4: rows half*8 .. half*8 + 7 */
                 const __m256 lo = _mm256_permute2f128_ps(u[c], u[c + 4], 0x20), hi = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
                 float *d0 = dst + (c0 + c) * w + half * 8, *d1 = dst + (c0 + c + 4) * w + half * 8;
-                if (w == 16) {
+                if (half * 8 + 8 <= w) {
                     _mm256_storeu_ps(d0, lo);
                     _mm256_storeu_ps(d1, hi);
-                } else {
-                    _mm256_maskstore_ps(d0, six, lo);
-                    _mm256_maskstore_ps(d1, six, hi);
+                } else { /* the sliver's last w % 8 rows */
+                    _mm256_maskstore_ps(d0, tail, lo);
+                    _mm256_maskstore_ps(d1, tail, hi);
                 }
             }
         }
@@ -2275,6 +2328,8 @@ static cpar__gemm_kernel cpar__gemm_kernel_pick(int force, cpar_dtype adt, cpar_
                                    cpar__gemm_ukernel_amx, "amx-bf16 32x32"};
     if ((force == CPAR__GEMM_AUTO || force == CPAR__GEMM_FORCE_BF16) && bf16 && cpar__cpu_avx512bf16())
         return (cpar__gemm_kernel){32, 12, true, false, NULL, NULL, cpar__gemm_ukernel_bf16, "avx512-bf16 32x12"};
+    if (force != CPAR__GEMM_FORCE_AVX2 && force != CPAR__GEMM_FORCE_C && cpar__cpu_avx512())
+        return (cpar__gemm_kernel){32, 12, false, false, NULL, NULL, cpar__gemm_ukernel_avx512, "avx512f 32x12"};
     if (force != CPAR__GEMM_FORCE_C && cpar__cpu_avx2())
         return (cpar__gemm_kernel){16, 6, false, false, NULL, NULL, cpar__gemm_ukernel_avx2, "avx2+fma 16x6"};
 #else
@@ -2291,7 +2346,7 @@ static void cpar__gemm_pack(float *dst, const void *src, cpar_dtype dt, int64_t 
     /* Read along whichever of rows and columns is contiguous in src. */
     const bool by_row = rs != 1 && cs == 1;
 #ifdef CPAR__X86_KERNELS
-    if (cpar__cpu_avx2() && by_row && dt == CPAR_F32 && (w == 16 || w == 6)) {
+    if (cpar__cpu_avx2() && by_row && dt == CPAR_F32 && (w % 8 == 0 || w == 6 || w == 12)) {
         for (int64_t r0 = 0; r0 < rows; r0 += w)
             cpar__gemm_pack_rows_avx2(dst + r0 * cols, (const float *)src + r0 * rs, rs, cpar__min64(w, rows - r0), cols, w);
         return;
@@ -3559,6 +3614,8 @@ typedef struct cpar__store_server {
     int64_t max_keys;
     size_t max_idle, nidle;      /* nidle: connections that have not shown the token yet */
     int hello_ms;
+    _Atomic int refused_token;   /* clients refused for another job token (the barrier's report) */
+    char refused_from[64];       /* the last one's address (server thread only) */
 } cpar__store_server;
 
 static uint32_t cpar__store_hash(const char *key, size_t n)
@@ -3678,8 +3735,19 @@ static bool cpar__store_execute(cpar__store_server *srv, cpar__store_conn *c)
         bool ok = cpar__store_token_eq(val, vlen, srv->token, srv->token_len);
         c->authed = c->authed || ok; /* the server recounts its idle connections after each round */
         c->closing = !ok;
-        if (!ok)
-            cpar__log(CPAR__LOG_INFO, -1, "cpar store: refused a client with another job token");
+        if (!ok) { /* said at once: a rank of this job started with another token waits for nothing */
+            struct sockaddr_storage sa;
+            socklen_t sl = sizeof sa;
+            char host[48] = "?", port[8] = "?";
+            if (getpeername(c->fd, (struct sockaddr *)&sa, &sl) == 0)
+                (void)getnameinfo((struct sockaddr *)&sa, sl, host, sizeof host, port, sizeof port,
+                                  NI_NUMERICHOST | NI_NUMERICSERV);
+            snprintf(srv->refused_from, sizeof srv->refused_from, "%s:%s", host, port);
+            atomic_fetch_add(&srv->refused_token, 1);
+            cpar__log(CPAR__LOG_WARN, srv->log_rank, "store: refused a client from %s: it showed another job token "
+                      "(a rank started with another CPAR_JOB_TOKEN, or another job's process on this port?)",
+                      srv->refused_from);
+        }
         return cpar__store_reply(c, ok ? CPAR__STORE_OK : CPAR__STORE_DENIED, NULL, 0);
     }
     if (!c->authed)
@@ -4614,11 +4682,15 @@ static cpar_status cpar__store_barrier_report(cpar_store *s, const char *fn, con
         return cpar__fail(NULL, CPAR_ERR_TIMEOUT,
                           "%s: barrier \"%s\" timed out after %d ms: %" PRId64 " of %d ranks missing", fn, name,
                           s->timeout_ms, missing, nranks);
-    char more[48] = "";
+    char more[48] = "", refused[200] = "";
     if (found > named)
         snprintf(more, sizeof more, " and %" PRId64 " more", found - named);
-    return cpar__fail(NULL, CPAR_ERR_TIMEOUT, "%s: barrier \"%s\" timed out after %d ms: rank%s %s%s of %d missing",
-                      fn, name, s->timeout_ms, found == 1 ? "" : "s", list, more, nranks);
+    const int nrefused = s->server ? atomic_load(&s->server->refused_token) : 0;
+    if (nrefused)
+        snprintf(refused, sizeof refused, "; the store refused %d client%s with another job token (the last from %s): "
+                 "started with another CPAR_JOB_TOKEN?", nrefused, nrefused == 1 ? "" : "s", s->server->refused_from);
+    return cpar__fail(NULL, CPAR_ERR_TIMEOUT, "%s: barrier \"%s\" timed out after %d ms: rank%s %s%s of %d missing%s",
+                      fn, name, s->timeout_ms, found == 1 ? "" : "s", list, more, nranks, refused);
 }
 
 /* A failure published by a rank of the job at the join (see cpar_store_join):
@@ -7527,25 +7599,26 @@ static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg,
     ctx->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : cpar__default_timeout_ms();
     const char *gemm = getenv("CPAR_HOST_GEMM"), *threads = getenv("CPAR_HOST_THREADS");
     if (gemm && *gemm) {
-        static const char *const names[] = {"auto", "amx", "avx512bf16", "avx2", "c", "builtin", "default"};
+        static const char *const names[] = {"auto", "amx", "avx512bf16", "avx2", "c", "builtin", "default", "avx512"};
         static const int forces[] = {CPAR__GEMM_AUTO, CPAR__GEMM_FORCE_AMX, CPAR__GEMM_FORCE_BF16,
-                                     CPAR__GEMM_FORCE_AVX2, CPAR__GEMM_FORCE_C, CPAR__GEMM_AUTO, CPAR__GEMM_AUTO};
-        static const char *const needs[] = {"", "AMX-BF16", "AVX512-BF16", "AVX2+FMA", "", "", ""};
+                                     CPAR__GEMM_FORCE_AVX2, CPAR__GEMM_FORCE_C, CPAR__GEMM_AUTO, CPAR__GEMM_AUTO,
+                                     CPAR__GEMM_FORCE_AVX512};
+        static const char *const needs[] = {"", "AMX-BF16", "AVX512-BF16", "AVX2+FMA", "", "", "", "AVX-512F"};
         int which = -1;
-        for (int i = 0; i < 7; i++)
+        for (int i = 0; i < 8; i++)
             if (!strcmp(gemm, names[i])) which = i;
         if (which == 6) which = 0; /* "default": auto */
         if (which < 0) {
             free(ctx);
             return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: CPAR_HOST_GEMM=\"%.32s\", expected auto, builtin (never the "
-                              "CBLAS), or a micro-kernel to force: amx, avx512bf16, avx2 or c", fn, gemm);
+                              "CBLAS), or a micro-kernel to force: amx, avx512bf16, avx512, avx2 or c", fn, gemm);
         }
         bool missing;
 #ifdef CPAR__X86_KERNELS
         missing = (which == 1 && !cpar__cpu_amx()) || (which == 2 && !cpar__cpu_avx512bf16()) ||
-                  (which == 3 && !cpar__cpu_avx2());
+                  (which == 3 && !cpar__cpu_avx2()) || (which == 7 && !cpar__cpu_avx512());
 #else
-        missing = which >= 1 && which <= 3; /* the portable build has the C kernel only */
+        missing = (which >= 1 && which <= 3) || which == 7; /* the portable build has the C kernel only */
 #endif
         if (missing) {
             free(ctx);

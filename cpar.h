@@ -24,12 +24,13 @@
  *    and %r are the host, pid and rank (one file per rank with %r). Each line
  *    starts "cpar[RANK] HOST:PID LEVEL".
  *  - Products on host tensors (every backend) use cpar's own blocked GEMM
- *    (AVX2+FMA where the CPU has it; bf16 x bf16 on AMX tiles, else
- *    AVX512-BF16, where it has those), or a CBLAS for F32 when the build
- *    found one (OpenBLAS or BLIS; `make CPAR_BLAS=0` turns that off, and
- *    CPAR_HOST_GEMM=builtin at context creation picks cpar's own anyway;
- *    CPAR_HOST_GEMM=amx, avx512bf16, avx2 or c forces that micro-kernel, an
- *    unknown name or one the CPU lacks failing context creation).
+ *    (AVX-512 or AVX2+FMA where the CPU has it; bf16 x bf16 on AMX tiles,
+ *    else AVX512-BF16, where it has those), or a CBLAS for F32 when the
+ *    build found one (OpenBLAS or BLIS; `make CPAR_BLAS=0` turns that off,
+ *    and CPAR_HOST_GEMM=builtin at context creation picks cpar's own anyway;
+ *    CPAR_HOST_GEMM=amx, avx512bf16, avx512, avx2 or c forces that
+ *    micro-kernel, an unknown name or one the CPU lacks failing context
+ *    creation).
  *  - CPAR_HOST_THREADS=N (read at context creation; default 1) lets one rank
  *    use N threads for its host GEMMs, for when ranks < cores (1-rank
  *    reference runs gain most): cpar's GEMM splits the larger of C's

@@ -919,17 +919,45 @@ START_TEST(test_gemm_blocking) {
     /* F32 twice: the default path (a CBLAS when the build has one) and cpar's
      * own kernel (CPAR_HOST_GEMM=builtin, read when the context is made);
      * then each micro-kernel forced on the same inputs: the AMX, AVX512-BF16
-     * and AVX2 ones on BF16, the portable C one on F32 and BF16 (a CPU
+     * and AVX2 ones on BF16, AVX-512 on F32 and F16, the portable C one on F32 and BF16 (a CPU
      * without one says so and skips it) */
-    static const cpar_dtype dts[] = {CPAR_F32, CPAR_F32, CPAR_BF16, CPAR_F16, CPAR_BF16,
-                                     CPAR_BF16, CPAR_BF16, CPAR_F32, CPAR_BF16};
-    static const char *const force[] = {NULL, "builtin", NULL, NULL, "amx", "avx512bf16", "avx2", "c", "c"};
+    static const cpar_dtype dts[] = {CPAR_F32, CPAR_F32, CPAR_BF16, CPAR_F16, CPAR_BF16, CPAR_BF16,
+                                     CPAR_BF16, CPAR_F32, CPAR_BF16, CPAR_F32, CPAR_F16};
+    static const char *const force[] = {NULL, "builtin", NULL, NULL, "amx", "avx512bf16", "avx2", "c", "c",
+                                        "avx512", "avx512"};
     if (force[_i] && probe_kernel(force[_i]) != CPAR_OK) { /* this forked test's own environment */
         printf("gemm_blocking: CPAR_HOST_GEMM=%s skipped: %s\n", force[_i], cpar_thread_last_error());
         return;
     }
     blocking_case c = {.dt = dts[_i]};
     TU_OK(tu_spawn(1, rank_blocking, &c));
+}
+END_TEST
+
+/* The AVX-512 and AVX2 kernels run the same FMAs in the same order: y, dx,
+ * dW and db bit-identical (F32; F16, widened while packing). A CPU without
+ * either says so and skips. _i: the dtype. */
+START_TEST(test_gemm_kernels_agree) {
+    static const char *names[4] = {"y", "dx", "dW", "db"};
+    const cpar_dtype dt = _i ? CPAR_F16 : CPAR_F32;
+    blocking_case c[2];
+    static const char *const kernels[2] = {"avx2", "avx512"};
+    for (int t = 0; t < 2; t++) {
+        if (probe_kernel(kernels[t]) != CPAR_OK) {
+            printf("gemm_kernels_agree skipped: %s\n", cpar_thread_last_error());
+            for (int u = 0; u < t; u++)
+                for (int i = 0; i < 4; i++) free(c[u].out[i]);
+            return;
+        }
+        c[t] = (blocking_case){.dt = dt, .threads = 1};
+        TU_OK(tu_spawn(1, rank_blocking, &c[t]));
+    }
+    for (int i = 0; i < 4; i++) {
+        ck_assert_msg(c[1].bytes[i] == c[0].bytes[i] && !memcmp(c[1].out[i], c[0].out[i], c[0].bytes[i]),
+                      "%s (%s): the AVX-512 kernel's bits differ from the AVX2 kernel's", names[i], cpar_dtype_name(dt));
+        free(c[0].out[i]), free(c[1].out[i]);
+    }
+    unsetenv("CPAR_HOST_GEMM");
 }
 END_TEST
 
@@ -1574,7 +1602,7 @@ START_TEST(test_host_threads_bad) {
     TU_OK(tu_spawn(2, rank_nothing, NULL));
     unsetenv("CPAR_HOST_THREADS");
     /* CPAR_HOST_GEMM: a name it does not know, or a kernel this CPU lacks */
-    static const char *gbad[] = {"avx512", "blas", "C", "avx2 "};
+    static const char *gbad[] = {"avx512f", "blas", "C", "avx2 "};
     for (size_t i = 0; i < sizeof gbad / sizeof gbad[0]; i++) {
         setenv("CPAR_HOST_GEMM", gbad[i], 1);
         cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
@@ -1585,10 +1613,10 @@ START_TEST(test_host_threads_bad) {
                       st, msg);
     }
     /* the SIMD kernels: taken, or refused naming what is missing (probe_kernel checks); the rest everywhere */
-    static const char *const kernels[] = {"amx", "avx512bf16", "avx2", "c", "builtin", "auto"};
-    for (int i = 0; i < 6; i++) {
+    static const char *const kernels[] = {"amx", "avx512bf16", "avx512", "avx2", "c", "builtin", "auto"};
+    for (int i = 0; i < 7; i++) {
         const cpar_status st = probe_kernel(kernels[i]);
-        if (i >= 3) TU_OK(st);
+        if (i >= 4) TU_OK(st);
     }
     unsetenv("CPAR_HOST_GEMM");
 }
@@ -1607,7 +1635,8 @@ static Suite *suite(void) {
         {"init_random", test_init_random, 3},
         {"backward_overlap", test_backward_overlap, 2},
         {"bad_args", test_bad_args, 1},
-        {"gemm_blocking", test_gemm_blocking, 9},
+        {"gemm_blocking", test_gemm_blocking, 11},
+        {"gemm_kernels_agree", test_gemm_kernels_agree, 2},
         {"grad_fusion", test_grad_fusion, 2 * N_GRAD_MODES},
         {"tied_weight", test_tied_weight, 3},
         {"runtime_gather_output", test_runtime_gather_output, 1},

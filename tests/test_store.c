@@ -1069,6 +1069,23 @@ static cpar_store *start_server_token(int *port, int timeout_ms, const char *tok
     return NULL;
 }
 
+/* The host of the store hears of a refused client at once (a WARN line) and
+ * its barrier's timeout names the refusal: a rank started with another job
+ * token is otherwise just "missing". */
+START_TEST(test_token_refusal_reported)
+{
+    int port;
+    cpar_store *srv = start_server_token(&port, 400, "job-A");
+    cpar_store_config other = {.host = "127.0.0.1", .port = port, .timeout_ms = 400, .token = "job-B"};
+    cpar_store *c = NULL;
+    ck_assert_int_eq(cpar_store_create(&other, &c), CPAR_ERR_SYSTEM);
+    ck_assert_int_eq(cpar_store_barrier(srv, "start", 0, 2), CPAR_ERR_TIMEOUT);
+    ASSERT_MSG_HAS("rank 1 of 2 missing; the store refused 1 client with another job token (the last from 127.0.0.1:");
+    ASSERT_MSG_HAS("started with another CPAR_JOB_TOKEN?");
+    cpar_store_destroy(srv);
+}
+END_TEST
+
 START_TEST(test_token_mismatch)
 {
     int port;
@@ -1620,6 +1637,7 @@ static Suite *store_suite(void)
     TCase *job = tcase_create("job");
     tcase_set_timeout(job, 30);
     tcase_add_test(job, test_token_mismatch);
+    tcase_add_test(job, test_token_refusal_reported);
     tcase_add_test(job, test_token_from_env);
     tcase_add_test(job, test_two_jobs_one_port);
     tcase_add_test(job, test_bind_address);
