@@ -149,6 +149,12 @@ struct cpar_ctx {
     cpar_group *tag_group;
     uint64_t tag;
     char tag_text[CPAR__TAG_LEN];
+    /* the collective call under way, before its collective (cpar__coll_pending):
+     * a local failure of pending_fn's checks tells pending_group's members at
+     * once through give_up (section 8) instead of leaving them to the deadline */
+    cpar_group *pending_group;
+    const char *pending_fn;
+    void (*give_up)(cpar_group *g, const char *why);
     cpar_dev_stream coll_stream; /* where the collectives enqueue: NULL = compute; set only
                                   * between cpar__on_comm_stream and cpar__on_compute_stream */
     cpar_dev_blas blas;
@@ -584,6 +590,16 @@ static cpar_status cpar__fail(cpar_ctx *ctx, cpar_status st, const char *fmt, ..
     va_end(ap);
     cpar__set_error(ctx, line);
     if (ctx) ctx->tag_group = NULL; /* a failed call reaches no collective: its tag must not outlive it */
+    /* A collective call that fails its own checks (this rank's arguments or
+     * memory) tells its group's members, who would otherwise wait for it. The
+     * message must be that call's: a later failure elsewhere is not. */
+    if (ctx && ctx->pending_group && ctx->give_up &&
+        (st == CPAR_ERR_INVALID || st == CPAR_ERR_OOM || st == CPAR_ERR_UNSUPPORTED)) {
+        const size_t n = strlen(ctx->pending_fn);
+        cpar_group *g = ctx->pending_group;
+        ctx->pending_group = NULL;
+        if (!strncmp(line, ctx->pending_fn, n) && line[n] == ':') ctx->give_up(g, line);
+    }
     /* A timeout is the failure a user most needs to see; the rest is detail. */
     cpar__log(st == CPAR_ERR_TIMEOUT ? CPAR__LOG_WARN : CPAR__LOG_DEBUG, ctx ? ctx->rank : -1, "%s: %s",
               cpar_status_string(st), line);
@@ -4959,9 +4975,19 @@ static void cpar__tag_set(cpar_group *g, const char *fmt, ...) {
     ctx->tag_group = g;
 }
 
-/* The tag a collective on g carries, taken (once) into its slot. */
+/* fn (a public call) is collective over g and has not reached its
+ * collective yet: until it does, a failure of its own checks gives up on g
+ * (cpar__fail, ctx->give_up). */
+static void cpar__coll_pending(cpar_group *g, const char *fn) {
+    g->ctx->pending_group = g;
+    g->ctx->pending_fn = fn;
+}
+
+/* The tag a collective on g carries, taken (once) into its slot; the call
+ * has reached its collective. */
 static void cpar__tag_take(cpar_group *g, cpar__slot *s) {
     cpar_ctx *ctx = g->ctx;
+    if (ctx->pending_group == g) ctx->pending_group = NULL;
     if (ctx->tag_group != g) return;
     s->tag = ctx->tag;
     memcpy(s->tag_text, ctx->tag_text, sizeof s->tag_text);
@@ -4989,6 +5015,12 @@ struct cpar__hcomm {
     uint64_t gen;              /* completed rendezvous */
     int count;                 /* members waiting in the current one */
     cpar__slot *slot;          /* [n] */
+    /* A member that failed its own checks in a collective call: the
+     * rendezvous it will not enter (gave_up_at), how many times it has given
+     * up on this group (gave_ups: members that failed alike have equal
+     * counts, so an old mark never fails a later call) and its message. */
+    uint64_t *gave_up_at, *gave_ups;
+    char (*gave_up_msg)[CPAR_ERR_LEN];
     cpar__mailbox *box;        /* [n*n], box[src*n + dst] */
     /* Device backend: each member's events, made by it at its first
      * collective or send (on its GPU), published under job->mu and never
@@ -5057,9 +5089,14 @@ static cpar__hcomm *cpar__hcomm_create(cpar__job *job, int n, const int *world_r
     hc->box = calloc((size_t)n * (size_t)n, sizeof *hc->box);
     hc->ev_ready = calloc((size_t)n, sizeof *hc->ev_ready);
     hc->ev_done = calloc((size_t)n, sizeof *hc->ev_done);
-    if (!hc->world_ranks || !hc->entered || !hc->slot || !hc->box || !hc->ev_ready || !hc->ev_done) {
+    hc->gave_up_at = calloc((size_t)n, sizeof *hc->gave_up_at);
+    hc->gave_ups = calloc((size_t)n, sizeof *hc->gave_ups);
+    hc->gave_up_msg = calloc((size_t)n, sizeof *hc->gave_up_msg);
+    if (!hc->world_ranks || !hc->entered || !hc->slot || !hc->box || !hc->ev_ready || !hc->ev_done ||
+        !hc->gave_up_at || !hc->gave_ups || !hc->gave_up_msg) {
         free(hc->world_ranks); free(hc->entered); free(hc->slot); free(hc->box);
-        free(hc->ev_ready); free(hc->ev_done); free(hc);
+        free(hc->ev_ready); free(hc->ev_done); free(hc->gave_up_at); free(hc->gave_ups); free(hc->gave_up_msg);
+        free(hc);
         return NULL;
     }
     memcpy(hc->world_ranks, world_ranks, (size_t)n * sizeof *hc->world_ranks);
@@ -5082,7 +5119,8 @@ static void cpar__hcomm_release(cpar__hcomm *hc) {
         cpar_dev_event_destroy(hc->box[b].taken_ev);
     }
     free(hc->world_ranks); free(hc->entered); free(hc->slot); free(hc->box);
-    free(hc->ev_ready); free(hc->ev_done); free(hc);
+    free(hc->ev_ready); free(hc->ev_done); free(hc->gave_up_at); free(hc->gave_ups); free(hc->gave_up_msg);
+    free(hc);
 }
 
 /* What a waiter waits for; all fields read under job->mu. */
@@ -5151,6 +5189,13 @@ static cpar_status cpar__wait_locked(cpar_group *g, const char *fn, const cpar__
             return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d failed (%s); abandoning the %s", fn, fr,
                               cpar_status_string(fs), what);
         }
+        /* A needed member that gave up on this very rendezvous, more often
+         * than this rank has (so not a failure both share) */
+        for (int m = 0; w->kind == CPAR__WAIT_RENDEZVOUS && m < hc->n; m++)
+            if (cpar__wait_needs(hc, g->rank, w, m) && hc->gave_up_at[m] == hc->entered[g->rank] &&
+                hc->gave_ups[m] > hc->gave_ups[g->rank])
+                return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d gave up on this %s, failing its own checks: %s", fn,
+                                  hc->world_ranks[m], what, hc->gave_up_msg[m]);
         int64_t left = deadline - cpar__now_ms();
         if (left > 0) {
             if (cpar__now_ms() >= progress.next_ms) {
@@ -5755,7 +5800,9 @@ typedef struct cpar__pc_member {
     _Atomic uint32_t bell;      /* bumped when a mailbox of this member changes (a futex word) */
     int32_t arena_fd, pad;      /* its arena's descriptor in its process (-1: none), which peers open */
     uint64_t arena_bytes;       /* through /proc/<pid>/fd, and its size */
-    char pad2[24];
+    _Atomic uint64_t gave_up_at, gave_ups; /* as cpar__hcomm's: a collective call that failed its own checks */
+    char pad2[8];
+    char gave_up_msg[CPAR_ERR_LEN];
 } cpar__pc_member;
 
 typedef struct cpar__pc_desc {  /* a member's cpar__slot without its pointers */
@@ -5899,6 +5946,31 @@ static bool cpar__pc_needs(const cpar__pcomm *pc, int me, int peer_a, int peer_b
     return m == peer_a || m == peer_b;
 }
 
+/* ctx->give_up on the host and device backends: this member failed its own
+ * checks in a collective call on g and will not enter the rendezvous (the
+ * barrier, across processes) its peers wait in: it marks that one, and
+ * counts, in the group's shared state, and wakes them (cpar__wait_locked,
+ * cpar__pc_wait fail with why). */
+static void cpar__group_give_up(cpar_group *g, const char *why) {
+    if (g->size < 2) return;
+    if (g->pc) {
+        cpar__pc_member *me = &g->pc->mem[g->rank];
+        snprintf(me->gave_up_msg, sizeof me->gave_up_msg, "%s", why);
+        atomic_store(&me->gave_up_at, atomic_load(&me->entered) + 1);
+        atomic_fetch_add(&me->gave_ups, 1); /* after the message and the mark: a reader checks it first */
+        cpar__futex_wake(&g->pc->hdr->gen);
+        return;
+    }
+    cpar__hcomm *hc = g->hc;
+    if (!hc) return;
+    pthread_mutex_lock(&hc->job->mu);
+    hc->gave_up_at[g->rank] = hc->entered[g->rank] + 1;
+    hc->gave_ups[g->rank]++;
+    snprintf(hc->gave_up_msg[g->rank], sizeof hc->gave_up_msg[g->rank], "%s", why);
+    pthread_cond_broadcast(&hc->job->cv);
+    pthread_mutex_unlock(&hc->job->mu);
+}
+
 /* Wait until ready(pc, arg), sleeping on *word; fail on a recorded failure,
  * on a needed member that died or finalized, or at the deadline. */
 static cpar_status cpar__pc_wait(cpar_group *g, const char *fn, const char *what, _Atomic uint32_t *word,
@@ -5923,6 +5995,13 @@ static cpar_status cpar__pc_wait(cpar_group *g, const char *fn, const char *what
             spin = false;
         }
         if (atomic_load(&pc->hdr->failed)) return cpar__pc_failed(g, fn, what);
+        /* a needed member that gave up on this barrier (more often than this one: not a shared refusal) */
+        for (int m = 0; peer_a == -2 && m < pc->n; m++)
+            if (cpar__pc_needs(pc, me, peer_a, peer_b, m) &&
+                atomic_load(&pc->mem[m].gave_ups) > atomic_load(&pc->mem[me].gave_ups) &&
+                atomic_load(&pc->mem[m].gave_up_at) == atomic_load(&pc->mem[me].entered))
+                return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d gave up on this %s, failing its own checks: %.400s",
+                                  fn, g->world_ranks[m], what, pc->mem[m].gave_up_msg);
         char msg[CPAR_ERR_LEN];
         int64_t now = cpar__now_ms();
         bool probe = now >= probe_at;
@@ -6983,6 +7062,7 @@ static cpar_status cpar__split_exchange(cpar_group *parent, const char *fn, cons
 cpar_status cpar_group_split(cpar_group *parent, int color, int key, cpar_group **out) {
     static const char fn[] = "cpar_group_split";
     CPAR_TRY(cpar__check_group(parent, fn));
+    cpar__coll_pending(parent, fn);
     cpar_ctx *ctx = parent->ctx;
     if (!out) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is NULL", fn);
     *out = NULL;
@@ -7217,6 +7297,7 @@ static cpar_status cpar__check_op(cpar_group *g, const char *fn, cpar_reduce_op 
 cpar_status cpar_all_reduce(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, cpar_reduce_op op) {
     static const char fn[] = "cpar_all_reduce";
     CPAR_TRY(cpar__check_group(g, fn));
+    cpar__coll_pending(g, fn);
     CPAR_TRY(cpar__coll_tensor(g, fn, "in", in, NULL));
     CPAR_TRY(cpar__coll_tensor(g, fn, "out", out, in));
     CPAR_TRY(cpar__check_op(g, fn, op, in));
@@ -7238,6 +7319,7 @@ cpar_status cpar_all_reduce(cpar_group *g, const cpar_tensor *in, cpar_tensor *o
 cpar_status cpar_all_gather(cpar_group *g, const cpar_tensor *in, cpar_tensor *out, const int64_t *sizes) {
     static const char fn[] = "cpar_all_gather";
     CPAR_TRY(cpar__check_group(g, fn));
+    cpar__coll_pending(g, fn);
     CPAR_TRY(cpar__coll_tensor(g, fn, "in", in, NULL));
     CPAR_TRY(cpar__coll_tensor(g, fn, "out", out, in));
     CPAR_TRY(cpar__check_dim0(g, fn, "in", in));
@@ -7270,6 +7352,7 @@ cpar_status cpar_reduce_scatter(cpar_group *g, const cpar_tensor *in, cpar_tenso
                                 const int64_t *sizes) {
     static const char fn[] = "cpar_reduce_scatter";
     CPAR_TRY(cpar__check_group(g, fn));
+    cpar__coll_pending(g, fn);
     CPAR_TRY(cpar__coll_tensor(g, fn, "in", in, NULL));
     CPAR_TRY(cpar__coll_tensor(g, fn, "out", out, in));
     CPAR_TRY(cpar__check_dim0(g, fn, "in", in));
@@ -7305,6 +7388,7 @@ cpar_status cpar_all_to_all_single(cpar_group *g, const cpar_tensor *in, cpar_te
                                    const int64_t *in_splits) {
     static const char fn[] = "cpar_all_to_all_single";
     CPAR_TRY(cpar__check_group(g, fn));
+    cpar__coll_pending(g, fn);
     CPAR_TRY(cpar__coll_tensor(g, fn, "in", in, NULL));
     CPAR_TRY(cpar__coll_tensor(g, fn, "out", out, in));
     CPAR_TRY(cpar__check_dim0(g, fn, "in", in));
@@ -7356,6 +7440,7 @@ cpar_status cpar_all_to_all_single(cpar_group *g, const cpar_tensor *in, cpar_te
 cpar_status cpar_broadcast(cpar_group *g, cpar_tensor *buf, int root) {
     static const char fn[] = "cpar_broadcast";
     CPAR_TRY(cpar__check_group(g, fn));
+    cpar__coll_pending(g, fn);
     CPAR_TRY(cpar__coll_tensor(g, fn, "buf", buf, NULL));
     int n = g->size;
     if (root < 0 || root >= n)
@@ -7444,6 +7529,7 @@ cpar_status cpar_ring_shift(cpar_group *g, const cpar_tensor *in, cpar_tensor *o
 cpar_status cpar_barrier(cpar_group *g) {
     static const char fn[] = "cpar_barrier";
     CPAR_TRY(cpar__check_group(g, fn));
+    cpar__coll_pending(g, fn);
     cpar__count(g, CPAR_COLL_BARRIER, 0, 0);
     if (g->size == 1) return CPAR_OK;
 #ifdef CPAR_WITH_NCCL
@@ -7641,6 +7727,10 @@ static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg,
     }
     ctx->host_threads = (int)nthreads;
     ctx->device = cfg->backend == CPAR_BACKEND_HOST ? CPAR_HOST : device;
+    /* the host and device backends share their groups' state (threads, or a
+     * segment across processes): a failed check is told there (NCCL: not
+     * yet; its peers wait for the deadline) */
+    if (cfg->backend != CPAR_BACKEND_NCCL) ctx->give_up = cpar__group_give_up;
     cpar_status st = CPAR_OK;
     if (cpar__on_device(ctx->device)) {
         st = cpar_dev_set(ctx->device);
@@ -8170,6 +8260,7 @@ static cpar_status cpar__unstack_last(cpar_ctx *ctx, const char *fn, void *dst, 
 static cpar_status cpar__map_begin(cpar_group *g, const char *fn, const cpar_tensor *in, const cpar_tensor *out,
                                    cpar_dir dir) {
     CPAR_TRY(cpar__check_group(g, fn));
+    cpar__coll_pending(g, fn);
     if ((unsigned)dir > (unsigned)CPAR_BWD)
         return cpar__fail(g->ctx, CPAR_ERR_INVALID, "%s: dir is %d, expected CPAR_FWD or CPAR_BWD", fn, (int)dir);
     CPAR_TRY(cpar__coll_tensor(g, fn, "in", in, NULL));
@@ -9462,6 +9553,7 @@ static cpar_status cpar__xent_check(cpar_group *tp, const char *fn, const cpar_t
                                     const cpar_tensor *target, float label_smoothing, int64_t *rows, int64_t *cols,
                                     int64_t *first, int64_t *vocab, float *s) {
     CPAR_TRY(cpar__check_group(tp, fn));
+    cpar__coll_pending(tp, fn);
     cpar_ctx *ctx = tp->ctx;
     CPAR_TRY(cpar__check_tensor(ctx, fn, "logits", logits, ctx->device));
     CPAR_TRY(cpar__check_tensor(ctx, fn, "target", target, ctx->device));
@@ -12189,6 +12281,7 @@ static cpar_status cpar__ring_check(cpar__ring *R, const char *fn, cpar_group *c
     memset(R, 0, sizeof *R);
     if (!cp) return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: cp is NULL (the context-parallel group)", fn);
     cpar_ctx *ctx = cp->ctx;
+    cpar__coll_pending(cp, fn);
     if (!cfg) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: cfg is NULL", fn);
     CPAR_TRY(cpar__attn_check_dropout(ctx, fn, "cfg->dropout_p", cfg->dropout_p));
     if ((unsigned)cfg->comm_type >= (unsigned)CPAR_CP_COMM_TYPE_COUNT)

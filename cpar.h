@@ -451,7 +451,9 @@ int cpar_grid_rank(const cpar_ctx *ctx, cpar_group_kind kind);    /* -1 before c
  * attention's comm type and shapes): rank 0 in cpar_all_to_all_sp2hp(FWD)
  * and rank 1 in its BWD (the same counts) both fail. A disagreement is
  * CPAR_ERR_INVALID on every member, naming two ranks and the field (or
- * both calls). Send/receive carry the dtype and
+ * both calls). On the host and device backends (threads or processes), a
+ * member whose collective call fails its own argument checks releases the
+ * peers waiting for it at once (CPAR_ERR_PEER with its message). Send/receive carry the dtype and
  * element count: a receiver expecting others refuses without reading, and
  * both sides return CPAR_ERR_INVALID. On NCCL, cpar passes typed counts;
  * NCCL does not compare calls across ranks (the nccl-sim test build does),

@@ -22,6 +22,9 @@
  *                         all-reduce: they fail at once, naming it
  *   hostmp_prog abort K   rank K calls cpar_abort while its peers are in an
  *                         all-reduce: they (and its own next call) fail naming it
+ *   hostmp_prog badarg K  rank K's all-reduce fails its own checks (a short
+ *                         out) and it stays alive: its peers fail at once
+ *                         naming it and its message
  *
  * HOSTMP_ALLOC picks where the buffers live: heap (default; collectives
  * stage through the segment), tensor (cpar_tensor_alloc: the rank's arena,
@@ -404,6 +407,15 @@ static int run_fault(cpar_ctx *ctx, const char *mode, int k) {
     for (int64_t i = 0; i < N; i++) in[i] = (float)i;
     cpar_tensor ti = t1(in, CPAR_F32, N), to = t1(out, CPAR_F32, N);
     TRY(cpar_all_reduce(w, &ti, &to, CPAR_SUM)); /* everyone is up */
+    if (rank == k && !strcmp(mode, "badarg")) { /* its own checks refuse the call; it stays alive */
+        cpar_tensor short_out = t1(out, CPAR_F32, N - 1);
+        cpar_status st = cpar_all_reduce(w, &ti, &short_out, CPAR_SUM);
+        printf("rank %d: %s: %s\n", rank, cpar_status_string(st), st == CPAR_OK ? "" : cpar_thread_last_error());
+        struct timespec ts = {5, 0};
+        nanosleep(&ts, NULL);
+        release(in), release(out);
+        return st == CPAR_OK ? 0 : 1;
+    }
     if (rank == k) {
         struct timespec ts = {0, 300 * 1000000L};
         if (strcmp(mode, "late")) nanosleep(&ts, NULL); /* the peers are inside the all-reduce by now */
@@ -412,8 +424,13 @@ static int run_fault(cpar_ctx *ctx, const char *mode, int k) {
         ts = (struct timespec){cpar_timeout_ms(ctx) / 1000 + 1, 0};
         if (!strcmp(mode, "late")) nanosleep(&ts, NULL);
     }
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     cpar_status st = cpar_all_reduce(w, &ti, &to, CPAR_SUM);
-    printf("rank %d: %s: %s\n", rank, cpar_status_string(st), st == CPAR_OK ? "" : cpar_thread_last_error());
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    const long ms = (long)(t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+    printf("rank %d: %s: %s (after %ld ms)\n", rank, cpar_status_string(st),
+           st == CPAR_OK ? "" : cpar_thread_last_error(), ms);
     release(in), release(out);
     return st == CPAR_OK ? 0 : 1;
 }
@@ -434,9 +451,10 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "coll")) rc = run_coll(ctx);
     else if (!strcmp(mode, "ring")) rc = run_ring(ctx);
     else if (!strcmp(mode, "arena")) rc = run_arena(ctx);
-    else if (!strcmp(mode, "late") || !strcmp(mode, "die") || !strcmp(mode, "abort")) rc = run_fault(ctx, mode, k);
+    else if (!strcmp(mode, "late") || !strcmp(mode, "die") || !strcmp(mode, "abort") || !strcmp(mode, "badarg"))
+        rc = run_fault(ctx, mode, k);
     else {
-        fprintf(stderr, "hostmp_prog: unknown mode \"%s\" (coll, ring, arena, late K, die K, abort K)\n", mode);
+        fprintf(stderr, "hostmp_prog: unknown mode \"%s\" (coll, ring, arena, late K, die K, abort K, badarg K)\n", mode);
         rc = 2;
     }
     if (rc == 0 && (!strcmp(mode, "coll") || !strcmp(mode, "ring") || !strcmp(mode, "arena")))

@@ -149,6 +149,9 @@ if [ -x "$B/host/bench" ] && [ "$HOST_FLAVOUR" = host ] && [ -n "$HOST_SUITES" ]
     add "host/bench-csv" 'mkdir "$tmp/bench" && bench_check "$tmp/bench"'
     add "host/bench-attn" 'bench_attn_check'
 fi
+# Two nodes on one machine: network namespaces over a veth pair, one cparrun
+# in each, the rendezvous between them (skipped in one line without root).
+[ -z "$HOST_SUITES" ] || [ "$HOST_FLAVOUR" != host ] || add "host/netns" 'sh tests/check_netns.sh "$B"'
 # The README: at most 200 lines, every relative link in it and docs/ resolves,
 # its complete program builds as written and runs (tools/check_docs.sh).
 [ -z "$HOST_SUITES" ] || add "docs/readme" 'sh tools/check_docs.sh "$tmp"'

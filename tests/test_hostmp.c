@@ -245,6 +245,31 @@ START_TEST(test_rank_aborts) {
 }
 END_TEST
 
+/* A rank's all-reduce fails its own checks while its peers wait in theirs:
+ * they fail at once with CPAR_ERR_PEER naming it and its message, though it
+ * stays alive for 5 s more (issue 29). */
+START_TEST(test_rank_fails_check) {
+    proc ps[NP];
+    torchrun_start(ps, NP, NP, prog_path(), (const char *const[]){"badarg", "2", NULL}, "30000");
+    for (int r = 0; r < NP; r++) proc_finish(&ps[r], 40000);
+    for (int r = 0; r < NP; r++) {
+        ASSERT_OUT(&ps[r], ps[r].status == 1);
+        if (r == 2) {
+            ASSERT_OUT(&ps[r], strstr(ps[r].text[0], "CPAR_ERR_INVALID") && strstr(ps[r].text[0], "out has shape"));
+        } else {
+            ASSERT_OUT(&ps[r], strstr(ps[r].text[0], "CPAR_ERR_PEER") && strstr(ps[r].text[0], "rank 2 gave up") &&
+                                   strstr(ps[r].text[0], "out has shape"));
+            const char *after = strstr(ps[r].text[0], "(after ");
+            long ms = -1;
+            ck_assert_msg(after && sscanf(after, "(after %ld ms)", &ms) == 1 && ms < 2000,
+                          "rank %d's all-reduce took %ld ms to learn of rank 2's failure:\n%s", r, ms, ps[r].text[0]);
+        }
+    }
+    for (int r = 0; r < NP; r++) proc_free(&ps[r]);
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
 /* Two nodes' worth of ranks (LOCAL_WORLD_SIZE < WORLD_SIZE): refused at once. */
 START_TEST(test_several_nodes) {
     proc ps[2];
@@ -286,6 +311,7 @@ int main(void) {
     tcase_add_test(tc, test_cparrun_rank_dies);
     tcase_add_test(tc, test_rank_late);
     tcase_add_loop_test(tc, test_rank_aborts, 0, 2);
+    tcase_add_test(tc, test_rank_fails_check);
     tcase_add_test(tc, test_several_nodes);
     tcase_add_test(tc, test_cparrun_sweeps);
     tcase_set_timeout(tc, 120);
