@@ -1498,61 +1498,49 @@ CPAR__INLINE double cpar__lanes_sum(const double *acc) {
 }
 
 #ifdef CPAR__X86_KERNELS
-/* Whether the CPU runs the AVX2+FMA code: the kernels' twins, the GEMM's
- * micro-kernel and packing, attention's row passes. */
-static bool cpar__cpu_avx2(void) {
-    static atomic_int avx2 = -1; /* every thread computes the same answer */
-    int a = atomic_load_explicit(&avx2, memory_order_relaxed);
-    if (a < 0) {
-        a = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-        atomic_store_explicit(&avx2, a, memory_order_relaxed);
-    }
-    return a;
-}
-#endif
+/* The CPU features the x86 kernels are chosen by, each probed once (every
+ * thread computes the same answer):
+ *   AVX2        AVX2+FMA: the kernels' twins, the GEMM's 16 x 6 micro-kernel
+ *               and packing, attention's row passes;
+ *   AVX512      AVX-512F: the GEMM's 32 x 12 fp32 micro-kernel;
+ *   AVX512BF16  vdpbf16ps: its 32 x 12 bf16 micro-kernel;
+ *   AMX         AMX bf16 tiles this process may use: the CPU has them and
+ *               Linux granted the tile data state (arch_prctl
+ *               ARCH_REQ_XCOMP_PERM, asked once; forked children inherit it). */
+typedef enum { CPAR__CPU_AVX2, CPAR__CPU_AVX512, CPAR__CPU_AVX512BF16, CPAR__CPU_AMX, CPAR__CPU_COUNT } cpar__cpu_feature;
 
-#ifdef CPAR__X86_KERNELS
-/* Whether the CPU runs AVX-512F: the host GEMM's 32 x 12 fp32 micro-kernel. */
-static bool cpar__cpu_avx512(void) {
-    static atomic_int f = -1;
-    int a = atomic_load_explicit(&f, memory_order_relaxed);
-    if (a < 0) {
-        a = __builtin_cpu_supports("avx512f") && cpar__cpu_avx2();
-        atomic_store_explicit(&f, a, memory_order_relaxed);
-    }
-    return a;
-}
+static bool cpar__cpu_has(cpar__cpu_feature f);
 
-/* Whether the CPU runs AVX-512 with the BF16 extension (vdpbf16ps): the host
- * GEMM's bf16 micro-kernel. */
-static bool cpar__cpu_avx512bf16(void) {
-    static atomic_int bf16 = -1;
-    int a = atomic_load_explicit(&bf16, memory_order_relaxed);
-    if (a < 0) {
-        a = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
-        atomic_store_explicit(&bf16, a, memory_order_relaxed);
-    }
-    return a;
-}
-#endif
-
-#ifdef CPAR__X86_KERNELS
-/* Whether this process may run AMX bf16 tiles: the CPU has them and Linux
- * granted the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once;
- * forked children inherit it). */
-static bool cpar__cpu_amx(void) {
-    static atomic_int amx = -1;
-    int a = atomic_load_explicit(&amx, memory_order_relaxed);
-    if (a < 0) {
-        a = 0;
+static bool cpar__cpu_probe(cpar__cpu_feature f) {
+    switch (f) {
+    case CPAR__CPU_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case CPAR__CPU_AVX512: return __builtin_cpu_supports("avx512f") && cpar__cpu_has(CPAR__CPU_AVX2);
+    case CPAR__CPU_AVX512BF16: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+    case CPAR__CPU_AMX:
 #if defined(__linux__) && defined(SYS_arch_prctl)
-        if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16"))
-            a = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+        return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+               syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+        return false;
 #endif
-        atomic_store_explicit(&amx, a, memory_order_relaxed);
+    default: return false;
     }
-    return a;
 }
+
+static bool cpar__cpu_has(cpar__cpu_feature f) {
+    static atomic_int known[CPAR__CPU_COUNT]; /* 0: not probed yet, 1: no, 2: yes */
+    int a = atomic_load_explicit(&known[f], memory_order_relaxed);
+    if (!a) {
+        a = cpar__cpu_probe(f) ? 2 : 1;
+        atomic_store_explicit(&known[f], a, memory_order_relaxed);
+    }
+    return a == 2;
+}
+
+static bool cpar__cpu_avx2(void) { return cpar__cpu_has(CPAR__CPU_AVX2); }
+static bool cpar__cpu_avx512(void) { return cpar__cpu_has(CPAR__CPU_AVX512); }
+static bool cpar__cpu_avx512bf16(void) { return cpar__cpu_has(CPAR__CPU_AVX512BF16); }
+static bool cpar__cpu_amx(void) { return cpar__cpu_has(CPAR__CPU_AMX); }
 #endif
 
 /* A kernel `name` from the always-inline `name##_body`: on x86-64 gcc/clang
@@ -2047,6 +2035,25 @@ __attribute__((target("avx2,fma"))) static void cpar__gemm_ukernel_avx2(int64_t 
 #endif
 
 #ifdef CPAR__X86_KERNELS
+/* The 32 x 12 kernels' epilogue: c (column j at c + j*ldc) = alpha (lo, hi)
+ * + beta c; beta 0 never reads c. Inlined, so the accumulators stay in
+ * registers. */
+__attribute__((target("avx512f"), always_inline)) static inline void
+cpar__gemm_store_32x12(float *c, int64_t ldc, float alpha, float beta, const __m512 *lo, const __m512 *hi) {
+    const __m512 al = _mm512_set1_ps(alpha), be = _mm512_set1_ps(beta);
+#pragma GCC unroll 12
+    for (int j = 0; j < 12; j++) {
+        float *cj = c + j * ldc;
+        if (beta == 0.f) {
+            _mm512_storeu_ps(cj, _mm512_mul_ps(al, lo[j]));
+            _mm512_storeu_ps(cj + 16, _mm512_mul_ps(al, hi[j]));
+        } else {
+            _mm512_storeu_ps(cj, _mm512_fmadd_ps(al, lo[j], _mm512_mul_ps(be, _mm512_loadu_ps(cj))));
+            _mm512_storeu_ps(cj + 16, _mm512_fmadd_ps(al, hi[j], _mm512_mul_ps(be, _mm512_loadu_ps(cj + 16))));
+        }
+    }
+}
+
 /* 32 x 12 on fp32 with AVX-512: 24 zmm accumulators, two A loads and twelve
  * broadcasts per p, the AVX2 kernel's arithmetic in twice the lanes (the
  * same FMAs in the same order: the same bits). */
@@ -2066,18 +2073,7 @@ __attribute__((target("avx512f"))) static void cpar__gemm_ukernel_avx512(int64_t
             hi[j] = _mm512_fmadd_ps(a1, bj, hi[j]);
         }
     }
-    const __m512 al = _mm512_set1_ps(alpha), be = _mm512_set1_ps(beta);
-#pragma GCC unroll 12
-    for (int j = 0; j < 12; j++) {
-        float *cj = c + j * ldc;
-        if (beta == 0.f) {
-            _mm512_storeu_ps(cj, _mm512_mul_ps(al, lo[j]));
-            _mm512_storeu_ps(cj + 16, _mm512_mul_ps(al, hi[j]));
-        } else {
-            _mm512_storeu_ps(cj, _mm512_fmadd_ps(al, lo[j], _mm512_mul_ps(be, _mm512_loadu_ps(cj))));
-            _mm512_storeu_ps(cj + 16, _mm512_fmadd_ps(al, hi[j], _mm512_mul_ps(be, _mm512_loadu_ps(cj + 16))));
-        }
-    }
+    cpar__gemm_store_32x12(c, ldc, alpha, beta, lo, hi);
 }
 #endif
 
@@ -2147,18 +2143,7 @@ __attribute__((target("avx512f,avx512bf16"))) static void cpar__gemm_ukernel_bf1
             hi[j] = _mm512_dpbf16_ps(hi[j], a1, bj);
         }
     }
-    const __m512 al = _mm512_set1_ps(alpha), be = _mm512_set1_ps(beta);
-#pragma GCC unroll 12
-    for (int j = 0; j < 12; j++) {
-        float *cj = c + j * ldc;
-        if (beta == 0.f) {
-            _mm512_storeu_ps(cj, _mm512_mul_ps(al, lo[j]));
-            _mm512_storeu_ps(cj + 16, _mm512_mul_ps(al, hi[j]));
-        } else {
-            _mm512_storeu_ps(cj, _mm512_fmadd_ps(al, lo[j], _mm512_mul_ps(be, _mm512_loadu_ps(cj))));
-            _mm512_storeu_ps(cj + 16, _mm512_fmadd_ps(al, hi[j], _mm512_mul_ps(be, _mm512_loadu_ps(cj + 16))));
-        }
-    }
+    cpar__gemm_store_32x12(c, ldc, alpha, beta, lo, hi);
 }
 
 /* AMX, 32 x 32: C's transpose in four 16 x 16 fp32 tiles (a tile row is 16

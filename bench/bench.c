@@ -85,8 +85,9 @@ static bool want(const char *name) {
  * rec_begin(section) starts a row; rec_s/rec_i/rec_f add a column (units in
  * the column name: time_ms, busbw_gbps). At exit the rows go to --csv (one
  * header: "section" and the union of every section's columns, in the order
- * first seen; a column a section lacks is empty) and --json (an array of
- * objects). */
+ * first seen; a column a section lacks is empty; and beside it one table per
+ * section, FILE-SECTION.csv, with its own columns only) and --json (an array
+ * of objects). */
 #define REC_COLS 24
 typedef struct {
     char section[48];
@@ -134,13 +135,15 @@ static void csv_field(FILE *f, const char *s) {
     fputc('"', f);
 }
 
-static int rec_write_csv(const char *path) {
+/* The rows of section only (NULL: every row) as CSV at path: a "section"
+ * column, then the union of those rows' columns. */
+static int rec_write_csv_rows(const char *path, const char *only) {
     FILE *f = fopen(path, "w");
     if (!f) { fprintf(stderr, "bench: cannot write %s\n", path); return 1; }
     static char cols[256][32];
     int nc = 0;
     for (int i = 0; i < rec_n; i++)
-        for (int j = 0; j < rec_rows[i].n; j++) {
+        for (int j = 0; j < rec_rows[i].n && !(only && strcmp(rec_rows[i].section, only)); j++) {
             int k = 0;
             while (k < nc && strcmp(cols[k], rec_rows[i].name[j])) k++;
             if (k == nc && nc < 256) snprintf(cols[nc++], sizeof cols[0], "%s", rec_rows[i].name[j]);
@@ -149,6 +152,7 @@ static int rec_write_csv(const char *path) {
     for (int k = 0; k < nc; k++) fprintf(f, ",%s", cols[k]);
     fputc('\n', f);
     for (int i = 0; i < rec_n; i++) {
+        if (only && strcmp(rec_rows[i].section, only)) continue;
         csv_field(f, rec_rows[i].section);
         for (int k = 0; k < nc; k++) {
             fputc(',', f);
@@ -158,6 +162,25 @@ static int rec_write_csv(const char *path) {
         fputc('\n', f);
     }
     return fclose(f) ? 1 : 0;
+}
+
+/* --csv FILE: FILE holds every row (one header for all: the columns a
+ * section lacks are empty), and FILE's name with "-SECTION" before ".csv"
+ * one table per section with only its own columns (the meta row is the
+ * "-meta" table: version, commit, date, machine). */
+static int rec_write_csv(const char *path) {
+    int rc = rec_write_csv_rows(path, NULL);
+    const char *dot = strrchr(path, '.'), *slash = strrchr(path, '/');
+    const size_t stem = dot && (!slash || dot > slash) ? (size_t)(dot - path) : strlen(path);
+    for (int i = 0; i < rec_n; i++) {
+        int first = 0;
+        while (first < i && strcmp(rec_rows[first].section, rec_rows[i].section)) first++;
+        if (first < i) continue; /* written with its section's first row */
+        char one[4200];
+        snprintf(one, sizeof one, "%.*s-%s.csv", (int)stem, path, rec_rows[i].section);
+        rc |= rec_write_csv_rows(one, rec_rows[i].section);
+    }
+    return rc;
 }
 
 static void json_str(FILE *f, const char *s) {
@@ -1224,7 +1247,8 @@ static const char usage[] =
     "  -n ITERS     timed iterations per case (default CPAR_BENCH_ITERS or 10)\n"
     "  --csv FILE   every row of every table as CSV: a section column, then every column\n"
     "               (units in the names: time_ms, busbw_gbps, ...), empty where a section has none;\n"
-    "               the first row (section meta): version, commit, date, host, cpu, cpus\n"
+    "               the first row (section meta): version, commit, date, host, cpu, cpus; and beside\n"
+    "               it one table per section with its own columns, FILE-SECTION.csv (FILE-meta.csv, ...)\n"
     "  --json FILE  the same rows as a JSON array of objects\n"
     "CPAR_BENCH_ONLY=coll,procs,map,xent,gemm,mlp,attn,mamba,mb picks sections; CPAR_BENCH_MB=NAME the\n"
     "mb rows whose kernel name contains NAME.\n";

@@ -127,7 +127,13 @@ bench_check() { # directory for the files
         python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); assert len(r) >= 20 and all("busbw_gbps" in x for x in r if x["section"] == "collectives") and r[0]["section"] == "meta" and r[0]["version"] and r[0]["date"], r[:2]' \
             "$1/bench.json" || return 1
     fi
-    echo "bench --csv: $(($(wc -l < "$1/bench.csv") - 1)) rows, --json parses"
+    # one table per section beside it, with that section's columns only (none empty in its rows)
+    for sec in meta collectives; do
+        awk -F, -v s="$sec" 'NR == 1 { n = NF; next } $1 != s || NF != n { print "'"$1"'/bench-" s ".csv line " NR ": " $0; bad = 1 }
+             { for (i = 1; i <= NF; i++) if ($i == "") { print "bench-" s ".csv line " NR " has an empty column " i; bad = 1 } }
+             END { if (NR < 2) { print "bench-" s ".csv has no rows"; bad = 1 } exit bad }' "$1/bench-$sec.csv" || return 1
+    done
+    echo "bench --csv: $(($(wc -l < "$1/bench.csv") - 1)) rows, a table per section, --json parses"
 }
 # bench's context-parallel attention rows: the four comm types at cp 2 and 4,
 # each receiving exactly its minimum forward and backward (one iteration).
