@@ -3616,7 +3616,7 @@ typedef struct cpar__store_server {
     size_t max_idle, nidle;      /* nidle: connections that have not shown the token yet */
     int hello_ms;
     _Atomic int refused_token;   /* clients refused for another job token (the barrier's report) */
-    char refused_from[64];       /* the last one's address (server thread only) */
+    char refused_from[96];       /* the last one: "rank N at ADDR:PORT" (server thread only) */
 } cpar__store_server;
 
 static uint32_t cpar__store_hash(const char *key, size_t n)
@@ -3733,7 +3733,10 @@ static bool cpar__store_execute(cpar__store_server *srv, cpar__store_conn *c)
     const char *key = (const char *)p + CPAR__STORE_HDR;
     const unsigned char *val = p + CPAR__STORE_HDR + klen;
     if (p[5] == CPAR__STORE_HELLO) {
-        bool ok = cpar__store_token_eq(val, vlen, srv->token, srv->token_len);
+        /* the token, then (from a launched rank) "\0rank N": who was refused */
+        size_t tl = 0;
+        while (tl < vlen && val[tl]) tl++;
+        bool ok = tl <= CPAR__STORE_TOKEN_MAX && cpar__store_token_eq(val, tl, srv->token, srv->token_len);
         c->authed = c->authed || ok; /* the server recounts its idle connections after each round */
         c->closing = !ok;
         if (!ok) { /* said at once: a rank of this job started with another token waits for nothing */
@@ -3743,9 +3746,17 @@ static bool cpar__store_execute(cpar__store_server *srv, cpar__store_conn *c)
             if (getpeername(c->fd, (struct sockaddr *)&sa, &sl) == 0)
                 (void)getnameinfo((struct sockaddr *)&sa, sl, host, sizeof host, port, sizeof port,
                                   NI_NUMERICHOST | NI_NUMERICSERV);
-            snprintf(srv->refused_from, sizeof srv->refused_from, "%s:%s", host, port);
+            char who[32] = "";
+            if (tl + 1 < vlen) { /* "rank N" as the client said it (printable characters only) */
+                size_t n = 0;
+                for (size_t i = tl + 1; i < vlen && n + 1 < sizeof who; i++)
+                    if (val[i] >= 0x20 && val[i] < 0x7f) who[n++] = (char)val[i];
+                who[n] = '\0';
+            }
+            snprintf(srv->refused_from, sizeof srv->refused_from, "%s%s%s:%s", who, who[0] ? " at " : "", host,
+                     port);
             atomic_fetch_add(&srv->refused_token, 1);
-            cpar__log(CPAR__LOG_WARN, srv->log_rank, "store: refused a client from %s: it showed another job token "
+            cpar__log(CPAR__LOG_WARN, srv->log_rank, "store: refused a client, %s: it showed another job token "
                       "(a rank started with another CPAR_JOB_TOKEN, or another job's process on this port?)",
                       srv->refused_from);
         }
@@ -4334,8 +4345,20 @@ static cpar_status cpar__store_connect(cpar_store *s, const char *host, int port
         backoff = backoff * 2 > 500 ? 500 : backoff * 2;
     }
     unsigned rstatus;
-    cpar_status st = cpar__store_call(s, fn, CPAR__STORE_HELLO, NULL, s->token, strlen(s->token), &rstatus, NULL, 0,
-                                      NULL);
+    /* the token, and the rank the launcher gave this process, so a refusing
+     * server can say which rank it turned away */
+    char hello[CPAR__STORE_TOKEN_MAX + 1], tail[24] = "";
+    size_t hlen = strlen(s->token), tlen = 0;
+    memcpy(hello, s->token, hlen);
+    const char *rank = getenv("RANK") ? getenv("RANK") : getenv("SLURM_PROCID");
+    long r;
+    if (rank && cpar__env_parse_long(rank, &r) && r >= 0 && r < INT_MAX)
+        tlen = (size_t)snprintf(tail, sizeof tail, "%crank %ld", 0, r);
+    if (tlen && hlen + tlen <= CPAR__STORE_TOKEN_MAX) { /* the frame's limit: a long token goes alone */
+        memcpy(hello + hlen, tail, tlen);
+        hlen += tlen;
+    }
+    cpar_status st = cpar__store_call(s, fn, CPAR__STORE_HELLO, NULL, hello, hlen, &rstatus, NULL, 0, NULL);
     if (st == CPAR_ERR_PEER)
         return cpar__fail(NULL, CPAR_ERR_SYSTEM,
                           "%s: %s closed the connection at the handshake: not a cpar store of version %d "
@@ -4683,7 +4706,7 @@ static cpar_status cpar__store_barrier_report(cpar_store *s, const char *fn, con
         return cpar__fail(NULL, CPAR_ERR_TIMEOUT,
                           "%s: barrier \"%s\" timed out after %d ms: %" PRId64 " of %d ranks missing", fn, name,
                           s->timeout_ms, missing, nranks);
-    char more[48] = "", refused[200] = "";
+    char more[48] = "", refused[240] = "";
     if (found > named)
         snprintf(more, sizeof more, " and %" PRId64 " more", found - named);
     const int nrefused = s->server ? atomic_load(&s->server->refused_token) : 0;
