@@ -18,8 +18,9 @@
  *    6. Element-wise and layout ops cpar_fill/cast/axpby/split/concat/row_reduce/gelu
  *    7. Rendezvous store and env    launch environment, TCP key-value store (job token, limits), join
  *    8. Host backend                rendezvous with deadlines; every rank moves its share of a collective;
- *                                   ranks as processes: shared-memory segments, futex waits, dead-peer checks,
- *                                   peers' arenas mapped and read in place
+ *                                   the members' calls compared (call tags); a call refused by its own checks
+ *                                   releases the peers; ranks as processes: shared-memory segments, futex waits,
+ *                                   dead-peer checks, peers' arenas mapped and read in place
  *    9. NCCL backend                communicators, async-error polling, abort
  *   10. Groups                      world group, split, destroy, statistics
  *   11. Collectives                 argument checks, byte accounting, dispatch
@@ -4931,7 +4932,10 @@ cpar_status cpar_store_join(cpar_store *s, const cpar_env *env)
  * a rendezvous, moves data by pulling from the peers' posted buffers, and
  * meets them again so no buffer is released while a peer still reads it.
  * Every wait has the context's deadline; a failed, aborted or finished rank
- * releases its waiting peers with CPAR_ERR_PEER. The device backend uses the
+ * releases its waiting peers with CPAR_ERR_PEER, and so does a rank whose
+ * collective call fails its own checks (cpar__group_give_up). Each slot
+ * carries the public call it serves (cpar__tag_set), compared with the rest
+ * of the members' descriptors before any data moves. The device backend uses the
  * same code with device pointers (its copies and reductions go through
  * section 4), ordered on the GPUs with events (cpar__hc_collective).
  * Uses: 1-6; the process part also 7 (the store). */

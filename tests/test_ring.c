@@ -924,6 +924,28 @@ END_TEST
 START_TEST(test_ring_bad_args) { TU_OK(tu_spawn(_i + 1, rank_ring_bad, NULL)); }
 END_TEST
 
+/* Megatron's names round-trip; anything else is refused naming the choices. */
+START_TEST(test_cp_comm_names) {
+    static const char *const names[] = {"all_gather", "p2p", "a2a", "a2a+p2p"};
+    for (int t = 0; t < CPAR_CP_COMM_TYPE_COUNT; t++) {
+        cpar_cp_comm_type got = (cpar_cp_comm_type)-1;
+        TU_OK(cpar_cp_comm_type_parse(names[t], &got));
+        ck_assert_int_eq(got, t);
+        ck_assert_str_eq(cpar_cp_comm_type_name((cpar_cp_comm_type)t), names[t]);
+    }
+    ck_assert_str_eq(cpar_cp_comm_type_name(CPAR_CP_COMM_TYPE_COUNT), "?");
+    ck_assert_str_eq(cpar_cp_comm_type_name((cpar_cp_comm_type)-3), "?");
+    cpar_cp_comm_type t = CPAR_CP_P2P;
+    TU_FAILS(cpar_cp_comm_type_parse("ring", &t), CPAR_ERR_INVALID,
+             "cpar_cp_comm_type_parse: name is \"ring\", expected all_gather, p2p, a2a or a2a+p2p");
+    TU_FAILS(cpar_cp_comm_type_parse("A2A", &t), CPAR_ERR_INVALID, "name is \"A2A\"");
+    TU_FAILS(cpar_cp_comm_type_parse("", &t), CPAR_ERR_INVALID, "name is \"\"");
+    ck_assert_int_eq(t, CPAR_CP_P2P); /* untouched on failure */
+    TU_FAILS(cpar_cp_comm_type_parse(NULL, &t), CPAR_ERR_INVALID, "cpar_cp_comm_type_parse: name is NULL");
+    TU_FAILS(cpar_cp_comm_type_parse("p2p", NULL), CPAR_ERR_INVALID, "cpar_cp_comm_type_parse: out is NULL");
+}
+END_TEST
+
 static Suite *suite(void) {
     Suite *s = suite_create("ring: ring attention and context-parallel sharding");
     const tu_loop loops[] = {
@@ -936,6 +958,7 @@ static Suite *suite(void) {
         {"ring_packed", test_ring_packed, 16},
         {"ring_merge_kernel", test_ring_merge_kernel, 1},
         {"ring_bad_args", test_ring_bad_args, 2},
+        {"cp_comm_names", test_cp_comm_names, 1},
         {"ring_fails_midway", test_ring_fails_midway, 2},
     };
     tu_add_loops(s, loops, sizeof loops / sizeof loops[0], 240);
