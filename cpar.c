@@ -6719,6 +6719,13 @@ static int cpar__nccl_exited_member(const cpar_ctx *ctx, const cpar_group *g) {
 static cpar_status cpar__nccl_wait(cpar_ctx *ctx, const cpar_group *g, const char *fn, const char *call,
                                    const char *what, ncclComm_t *comm, ncclResult_t r) {
     int64_t deadline = cpar__now_ms() + ctx->timeout_ms;
+    /* A call's ncclSuccess does not mean its communicator is ready: NCCL's
+     * non-blocking ncclCommSplit returns ncclSuccess with the parent still in
+     * progress (seen on an H200 with NCCL 2.28). The state says. */
+    if (r == ncclSuccess && *comm) {
+        ncclResult_t q = ncclCommGetAsyncError(*comm, &r);
+        if (q != ncclSuccess) r = q;
+    }
     for (;;) {
         /* In a single-process job a failed rank is the cause, whatever NCCL
          * reports: its peers' aborts follow from it. */
@@ -6822,8 +6829,9 @@ static cpar_status cpar__nccl_comm_init(cpar_ctx *ctx, const char *fn, const voi
     return cpar__nccl_wait(ctx, NULL, fn, "ncclCommInitRankConfig", "every rank to join", out, r);
 }
 
-/* NCCL's non-blocking split completes on the parent: *out is filled once
- * the parent's state leaves ncclInProgress. */
+/* NCCL's non-blocking split completes on the parent: *out stays NULL until
+ * the parent's state leaves ncclInProgress, whatever the call returned
+ * (cpar__nccl_wait asks the state). */
 static cpar_status cpar__nccl_split(cpar_group *parent, const char *fn, int color, int key, ncclComm_t *out) {
     ncclConfig_t cfg = cpar__nccl_config();
     ncclComm_t *pc = NULL;
@@ -6839,7 +6847,10 @@ static cpar_status cpar__nccl_split(cpar_group *parent, const char *fn, int colo
     /* The new communicator is non-blocking too: it is ready when its own
      * state leaves ncclInProgress, which NCCL does not promise by the
      * parent's. */
-    if (!*out) return CPAR_OK; /* NCCL_SPLIT_NOCOLOR */
+    if (color < 0) return CPAR_OK;
+    if (!*out)
+        return cpar__fail(parent->ctx, CPAR_ERR_NCCL, "%s: ncclCommSplit settled on the parent without a new "
+                          "communicator (color %d)", fn, color);
     ncclResult_t state = ncclInProgress;
     if (ncclCommGetAsyncError(*out, &state) != ncclSuccess) state = ncclInternalError;
     return cpar__nccl_wait(parent->ctx, parent, fn, "ncclCommSplit (the new communicator)", NULL, out, state);

@@ -27,10 +27,15 @@
 #   cpar_kernels.cu for one architecture takes 3-4 minutes of one core, so
 #   without them it has 300 s and the bench what is left); GPU suite 100 s;
 #   the device backend's suites and tp 2 x cp 2 run 120 s; training 2 x 45
-#   s; bench the rest, at most 170 s, less 10 s for the summary. Building on the device was not measured yet (no GPU has been
-#   lent); here nvcc takes about 2.5 minutes for sm_90, and carrying its
+#   s; bench the rest, at most 150 s of cases (the quick sections first:
+#   memory-bound, GEMM, cross entropy, then attention) and 30 s for the case
+#   under way. Here nvcc takes 1-2.5 minutes for sm_90, and carrying its
 #   object (a few MiB) takes no time, so the script uses the carried one
-#   whenever it was built from the same sources by the same nvcc.
+#   whenever it was built from the same sources by the same nvcc. Measured
+#   on an H200 (2026-11-28): machine start about 35 s, probe 6-9 s, build
+#   16-20 s, GPU suite 19-22 s, device backend 34-40 s, training 9 s each;
+#   the whole bench needs about 4 minutes (GPU_CHECK_BENCH=mem,gemm,xent
+#   runs the other sections alone: 51 s).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 
@@ -318,11 +323,12 @@ done
 rm -f "$OUT/loss_bf16.log" "$OUT/loss_f16.log" # their lines are in the summary (8 files come back)
 
 # ---- 5. the bench beside torch ------------------------------------------------------------
-left=$((470 - $(elapsed) - 10))
-[ $left -gt 170 ] && left=170
+left=$((470 - $(elapsed) - 30))
+[ $left -gt 150 ] && left=150
 if [ $left -gt 20 ]; then
-    step bench $((left + 10)) "$OUT/bench.log" "$PYTHON" tools/gpu_bench.py --lib "$B/cuda/libcpar.so.$VERSION" \
-        --backend nccl --budget-s $left --csv "$OUT/bench.csv"
+    # the limit leaves the case under way when the budget runs out time to end
+    step bench $((left + 30)) "$OUT/bench.log" "$PYTHON" tools/gpu_bench.py --lib "$B/cuda/libcpar.so.$VERSION" \
+        --backend nccl --budget-s $left --only "${GPU_CHECK_BENCH:-mem,gemm,xent,attn}" --csv "$OUT/bench.csv"
 else
     note "bench                  skipped: no time left"
 fi

@@ -9,11 +9,13 @@
  * a hang or garbage:
  *   - ranks are threads of one process or separate processes: every
  *     communicator is one POSIX shared-memory segment named by its unique id;
- *   - non-blocking communicators (config.blocking = 0): init, split, group
- *     ends and collectives return ncclInProgress until the host's part is
- *     done (under eager: the whole operation), and ncclCommGetAsyncError
- *     drives them; a rank that never joins leaves the others in progress
- *     until the caller's own deadline;
+ *   - non-blocking communicators (config.blocking = 0): init, group ends
+ *     and collectives return ncclInProgress until the host's part is done
+ *     (under eager: the whole operation), and ncclCommGetAsyncError drives
+ *     them; a split returns ncclSuccess while its parent is in progress and
+ *     fills *newcomm when the parent's state leaves it, as NCCL does; a
+ *     rank that never joins leaves the others in progress until the caller's
+ *     own deadline;
  *   - ncclGroupStart/End defer every operation until the group ends, so a
  *     ring shift inside a group completes while the same sends outside a
  *     group wait for their receivers (and may deadlock, as on a GPU);
@@ -1435,7 +1437,16 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newc
     if (r == ncclSuccess) r = ns_post(comm, &op, 1);
     if (r != ncclSuccess) return r;
     comm->split_out = newcomm;
-    return comm->blocking ? ns_wait(comm) : ns_settle(comm);
+    if (comm->blocking) return ns_wait(comm);
+    /* As NCCL 2.28 does: a non-blocking split returns ncclSuccess while the
+     * parent is still in progress (the call returns its own result, not its
+     * group's), and *newcomm stays NULL until the parent's state leaves
+     * ncclInProgress. A caller that trusts the return value finds no
+     * communicator, and its next call on the parent fails ("Attempt to use
+     * communicator before the previous operation returned ncclSuccess"):
+     * seen on an H200, 2026-11-28. NCCL runs the split on a thread even
+     * for one rank, so nothing is settled here: the polls do it. */
+    return ncclSuccess;
 }
 
 ncclResult_t ncclCommFinalize(ncclComm_t comm) {
