@@ -2090,10 +2090,14 @@ static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint3
  *
  * FlashAttention-2 forward: softmax(scale · q kᵀ) v and the fp32 natural-log
  * log-sum-exp per query row, without materialising the score matrix.
- *   grid  (b·hq, ceil(sq / 64)): one CTA per (batch·head, 64-row query tile),
- *         the last query tiles first (causal: they have the most KV tiles,
- *         so the long CTAs start early and the short ones fill the tail);
- *   block 128 threads = 4 warps, warp w owns query rows 16w .. 16w+15.
+ *   grid  (b·hq, ceil(sq / BM)): one CTA per (batch·head, BM-row query
+ *         tile), the last query tiles first (causal: they have the most KV
+ *         tiles, so the long CTAs start early and the short ones fill the
+ *         tail); BM = 128 in the plain instantiations (FA2's tile), 64 in
+ *         the general one;
+ *   block 128 threads = 4 warps, warp w owns query rows BM/4 · w onwards in
+ *         16-row MMA blocks (two in a 128-row tile: every K and V fragment
+ *         feeds both).
  * The Q tile is staged through shared memory into A fragments that stay in
  * registers (d 128: Q keeps its shared tile and each KV tile reloads them);
  * K and V tiles of 64 keys are staged in shared memory (rows padded by 16
@@ -2109,7 +2113,7 @@ static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint3
  * d .. DT-1 of the head-dim tile DT (64 or 128), so any d <= 128 with
  * d % 8 == 0 works; k-steps and output column blocks beyond d are skipped.
  * Tensor cores only through section 15's wrappers, so the sim runs the very
- * fragment code an H100 runs. Reads b·hq·(sq·d + KV tiles · 2·64·d)
+ * fragment code an H100 runs. Reads b·hq·(sq·d + query tiles · KV tiles · 2·64·d)
  * elements, writes b·hq·sq·(d + 1).
  * Packed blocks (a.qp.cu and a.kp.cu set): masked per weight by document
  * and global position (row infos found once per row and tile,
@@ -2131,9 +2135,9 @@ static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint3
 
 /* CPAR__UNROLL: section 4. */
 
-static constexpr int CPAR__ATTN_BM = 64;      /* query rows per CTA */
+static constexpr int CPAR__ATTN_BM = 64;      /* query rows per CTA (the backward's; the forward's: FWD_BM) */
 static constexpr int CPAR__ATTN_BN = 64;      /* keys per KV tile */
-static constexpr int CPAR__ATTN_WARPS = 4;    /* 16 query rows each */
+static constexpr int CPAR__ATTN_WARPS = 4;    /* 16 query rows each (the plain forward: 32) */
 static constexpr int CPAR__ATTN_THREADS = 32 * CPAR__ATTN_WARPS;
 static constexpr float CPAR__LOG2E = 1.4426950408889634f;
 
@@ -2154,7 +2158,20 @@ template <int DT_, bool GENERAL_, bool CAUSAL_ = false> struct cpar__attn_var {
      * spilled), without spilling (tools/kernel_report.sh); the rest in 2
      * (<= 255: left to itself, ptxas spilled in some of them to stay under
      * its own target). */
-    static constexpr int FWD_CTAS = GENERAL ? 2 : DT == 128 ? 3 : 4;
+    static constexpr int FWD_CTAS = 2;
+    /* The forward's query rows per warp in 16-row MMA blocks: the plain
+     * instantiations run FA2's 128-row tiles (each K/V fragment loaded from
+     * shared memory feeds two row blocks: half the ldmatrix per mma); the
+     * general one keeps 64 rows (its masks' row infos need the registers). */
+    static constexpr int FWD_MB = GENERAL ? 1 : 2;
+    static constexpr int FWD_BM = 16 * CPAR__ATTN_WARPS * FWD_MB;
+    /* Keys per KV tile of the forward. At d 128 with 128 rows, S of 64 keys
+     * (64 registers) beside O (128) spills 60 bytes in the non-causal plain
+     * kernel, and 32 keys do not (228 registers); but on an H200 (2026-11-28,
+     * b 2, h 16, s 8192, bf16) 64 keys ran at 278 / 284 TFLOP/s (non-causal /
+     * causal) and 32 keys at 237 / 237: the spill (L1-resident) costs less
+     * than twice the barriers and half the K/V fragment reuse. */
+    static constexpr int FWD_BN = CPAR__ATTN_BN;
     static constexpr int DQ_CTAS = GENERAL || DT == 128 ? 2 : 3;
     static __device__ __forceinline__ int d(int64_t run_time) { return GENERAL ? (int)run_time : DT; }
     static __device__ __forceinline__ bool causal(bool run_time) { return GENERAL ? run_time : CAUSAL_; }
@@ -2194,16 +2211,16 @@ static __device__ __forceinline__ void cpar__attn_cp_commit(void) {}
 template <int N> static __device__ __forceinline__ void cpar__attn_cp_wait(void) {}
 #endif
 
-/* Stage rows [row0, row0 + 64) of a [rows, d] matrix (row stride d elements)
- * into a shared tile of 64 rows x DT columns with row pitch LD, zero-filling
+/* Stage rows [row0, row0 + ROWS) of a [rows, d] matrix (row stride d
+ * elements) into a shared tile of ROWS rows x DT columns, pitch LD, zero-filling
  * rows >= rows and columns >= d. d % 8 == 0, so every 8-element chunk is
  * wholly inside or outside. vec (src 16-byte aligned): asynchronous 16-byte
  * copies, committed as one group; else plain element loads. */
-template <typename T, int DT, int LD>
+template <typename T, int DT, int LD, int ROWS = CPAR__ATTN_BN>
 static __device__ __forceinline__ void cpar__attn_stage(T *tile, const T *src, int64_t row0, int64_t rows, int d,
                                                         bool vec) {
     constexpr int CHUNKS = DT / 8; /* 8-element chunks per tile row */
-    for (int c = threadIdx.x; c < CPAR__ATTN_BM * CHUNKS; c += CPAR__ATTN_THREADS) {
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += CPAR__ATTN_THREADS) {
         const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
         const int64_t gr = row0 + r;
         T *dst = tile + r * LD + col;
@@ -2412,52 +2429,59 @@ static __device__ __forceinline__ bool cpar__attn_info_sees(const cpar__attn_row
     return q.doc >= 0 && q.doc == k.doc && (!causal || k.pos <= q.pos);
 }
 
-/* The forward's 16-byte epilogue: this warp's rows of O (times inv, per row
- * half) into the shared tile st [BM][DT + 16 / sizeof(O)] (the K/V/Q tiles,
- * free by then), then the CTA's first nrows rows to out_rows (row pitch d,
- * 16-byte aligned rows) in 16-byte stores. */
-template <typename O, int DT, int OB>
-static __device__ __forceinline__ void cpar__attn_store_rows(O *st, const float (&o)[OB][4], const float inv[2], int d,
-                                                             O *out_rows, int nrows) {
-    constexpr int LDO = DT + 16 / (int)sizeof(O), VO = 16 / (int)sizeof(O);
+/* The forward's 16-byte epilogue: this warp's MB row blocks of O (times
+ * inv, per row half) into the shared tile st [BM][DT + 16 / sizeof(O)] (the
+ * K/V/Q tiles, free by then), then the CTA's first nrows rows to out_rows
+ * (row pitch d, 16-byte aligned rows) in 16-byte stores. */
+template <typename O, int DT, int OB, int MB>
+static __device__ __forceinline__ void cpar__attn_store_rows(O *st, const float (&o)[MB][OB][4],
+                                                             const float (&inv)[MB][2], int d, O *out_rows, int nrows) {
+    constexpr int LDO = DT + 16 / (int)sizeof(O), VO = 16 / (int)sizeof(O), BM = 16 * CPAR__ATTN_WARPS * MB;
     const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5), g = lane >> 2, t = lane & 3;
 CPAR__UNROLL
-    for (int h = 0; h < 2; h++)
+    for (int mb = 0; mb < MB; mb++)
 CPAR__UNROLL
-        for (int nb = 0; nb < OB; nb++) {
-            const int r = warp * 16 + g + 8 * h, col = nb * 8 + 2 * t;
-            if (col >= d) continue;
-            st[r * LDO + col] = cpar__narrow<O>(o[nb][2 * h] * inv[h]);
-            st[r * LDO + col + 1] = cpar__narrow<O>(o[nb][2 * h + 1] * inv[h]);
-        }
+        for (int h = 0; h < 2; h++)
+CPAR__UNROLL
+            for (int nb = 0; nb < OB; nb++) {
+                const int r = (warp * MB + mb) * 16 + g + 8 * h, col = nb * 8 + 2 * t;
+                if (col >= d) continue;
+                st[r * LDO + col] = cpar__narrow<O>(o[mb][nb][2 * h] * inv[mb][h]);
+                st[r * LDO + col + 1] = cpar__narrow<O>(o[mb][nb][2 * h + 1] * inv[mb][h]);
+            }
     __syncthreads();
     const int ch = d / VO; /* 16-byte chunks per row: d % 8 == 0 */
-    for (int c = (int)threadIdx.x; c < CPAR__ATTN_BM * ch; c += CPAR__ATTN_THREADS) {
+    for (int c = (int)threadIdx.x; c < BM * ch; c += CPAR__ATTN_THREADS) {
         const int r = c / ch, k = c % ch;
         if (r < nrows) cpar__store<VO>(out_rows + (int64_t)r * d + k * VO, cpar__load<VO>(st + r * LDO + k * VO));
     }
 }
 
 /* a: the attention (q, k, v at the (b, h) slices' bases below); out (OutT)
- * [b, hq, sq, d] with (b,h) stride o_bh; lse f32 with stride lse_bh. */
+ * [b, hq, sq, d] with (b,h) stride o_bh; lse f32 with stride lse_bh. A CTA
+ * takes BM = 64·MB query rows: warp w rows [w·16·MB, (w+1)·16·MB) in MB
+ * blocks of 16 (MB = 2, FA2's 128-row tile: every K or V fragment a warp
+ * loads feeds both blocks' mma's). */
 template <typename T, class V>
 static __global__ void __launch_bounds__(CPAR__ATTN_THREADS, V::FWD_CTAS)
     cpar__attn_fwd_kernel(const cpar_dev_attn a, void *__restrict__ out, bool out_f32, int64_t o_bh,
                           float *__restrict__ lse, int64_t lse_bh, bool vec, bool ovec, float keep_scale,
                           bool skip_tiles) {
     constexpr int DT = V::DT, LD = DT + 8; /* +16 bytes: conflict-free ldmatrix rows */
-    constexpr int KSTEPS = DT / 16, NB = CPAR__ATTN_BN / 8, OB = DT / 8;
+    constexpr int MB = V::FWD_MB, BM = V::FWD_BM, BN = V::FWD_BN;
+    constexpr int KSTEPS = DT / 16, NB = BN / 8, OB = DT / 8;
     /* Q's A fragments stay in registers for the whole KV loop at d 64; at
-     * d 128 they would take 32 of them (the kernel then spilled at 3 CTAs
-     * per SM), so Q stays in its own shared tile and each KV tile reloads the
-     * fragments, as FlashAttention-2 does (8 more ldmatrix per warp and
-     * tile, against 64 for K and V). */
+     * d 128 they would take 32 of them per row block (the kernel then
+     * spilled), so Q stays in its own shared tile and each KV tile reloads
+     * the fragments, as FlashAttention-2 does (MB more ldmatrix per warp and
+     * k-step, against 4 for K and 4 for V). */
     constexpr bool Q_SHARED = DT == 128;
-    /* K, V [BN][LD], then Q [BM][LD] when Q_SHARED (else Q is staged in K's),
-     * then (GENERAL) the KV tile's row infos [BN] */
+    static_assert(Q_SHARED || BM <= 2 * BN, "Q is staged over the K and V tiles");
+    /* K, V [BN][LD], then Q [BM][LD] when Q_SHARED (else Q is staged over
+     * K's and V's), then (GENERAL) the KV tile's row infos [BN] */
     CPAR_DYN_SMEM(unsigned char, smem);
-    T *sk = reinterpret_cast<T *>(smem), *sv = sk + CPAR__ATTN_BN * LD, *sq = Q_SHARED ? sv + CPAR__ATTN_BN * LD : sk;
-    cpar__attn_rowinfo *kinfo = reinterpret_cast<cpar__attn_rowinfo *>(sv + (Q_SHARED ? 2 : 1) * CPAR__ATTN_BN * LD);
+    T *sk = reinterpret_cast<T *>(smem), *sv = sk + BN * LD, *sq = Q_SHARED ? sv + BN * LD : sk;
+    cpar__attn_rowinfo *kinfo = reinterpret_cast<cpar__attn_rowinfo *>(sv + BN * LD + (Q_SHARED ? BM * LD : 0));
 
     const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5), g = lane >> 2, t = lane & 3;
     const int d = V::d(a.d);
@@ -2465,7 +2489,7 @@ static __global__ void __launch_bounds__(CPAR__ATTN_THREADS, V::FWD_CTAS)
     const int64_t bh = blockIdx.x, bi = bh / a.hq, hi = bh % a.hq;
     const int64_t kvh = bi * a.hkv + hi / (a.hq / a.hkv);
     /* 32-bit row and key indices (sq, sk < 2^31 - 64: checked at launch) spare registers */
-    const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * CPAR__ATTN_BM;
+    const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * BM, wrow = warp * 16 * MB; /* wrow: the warp's first row */
     const T *q = static_cast<const T *>(a.q) + bh * a.q_bh;
     const T *k = static_cast<const T *>(a.k) + kvh * a.kv_bh;
     const T *v = static_cast<const T *>(a.v) + kvh * a.kv_bh;
@@ -2473,26 +2497,34 @@ static __global__ void __launch_bounds__(CPAR__ATTN_THREADS, V::FWD_CTAS)
     const float sl2 = a.scale * CPAR__LOG2E;
 
     /* the Q tile, and (not Q_SHARED) its A fragments for the whole KV loop */
-    cpar__attn_stage<T, DT, LD>(sq, q, q0, a.sq, d, vec);
+    cpar__attn_stage<T, DT, LD, BM>(sq, q, q0, a.sq, d, vec);
     cpar__attn_cp_wait<0>();
     __syncthreads();
-    const T *qrow = sq + (warp * 16 + (lane & 15)) * LD + 8 * (lane >> 4); /* this lane's ldmatrix row of Q */
-    uint32_t qf[Q_SHARED ? 1 : KSTEPS][4] = {};
+    const T *qrow = sq + (wrow + (lane & 15)) * LD + 8 * (lane >> 4); /* this lane's ldmatrix row of Q, block 0 */
+    uint32_t qf[MB][Q_SHARED ? 1 : KSTEPS][4] = {};
     if constexpr (!Q_SHARED) {
 CPAR__UNROLL
-        for (int kk = 0; kk < KSTEPS; kk++)
-            if (kk < ksteps) cpar__ldmatrix_x4(qf[kk], qrow + kk * 16);
+        for (int mb = 0; mb < MB; mb++)
+CPAR__UNROLL
+            for (int kk = 0; kk < KSTEPS; kk++)
+                if (kk < ksteps) cpar__ldmatrix_x4(qf[mb][kk], qrow + mb * 16 * LD + kk * 16);
     }
 
-    float o[OB][4];
+    float o[MB][OB][4];
+    float m[MB][2], l[MB][2]; /* rows g and g+8 of each block: raw-score max, partial sum */
+    int row[MB][2];
 CPAR__UNROLL
-    for (int nb = 0; nb < OB; nb++) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; /* rows g and g+8: raw-score max, partial sum */
-    const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
-    /* packed or dropout: this thread's two query rows' infos, once */
-    cpar__attn_rowinfo qinfo[2] = {};
+    for (int mb = 0; mb < MB; mb++) {
+CPAR__UNROLL
+        for (int nb = 0; nb < OB; nb++) o[mb][nb][0] = o[mb][nb][1] = o[mb][nb][2] = o[mb][nb][3] = 0.f;
+        m[mb][0] = m[mb][1] = -INFINITY, l[mb][0] = l[mb][1] = 0.f;
+        row[mb][0] = q0 + wrow + mb * 16 + g, row[mb][1] = row[mb][0] + 8;
+    }
+    /* packed or dropout: this thread's query rows' infos, once */
+    cpar__attn_rowinfo qinfo[MB][2] = {};
     if (packed || drop)
-        for (int h = 0; h < 2; h++) qinfo[h] = cpar__attn_info(a.qp, packed, row[h], a.sq);
+        for (int mb = 0; mb < MB; mb++)
+            for (int h = 0; h < 2; h++) qinfo[mb][h] = cpar__attn_info(a.qp, packed, row[mb][h], a.sq);
 
     /* Pipeline (FA2's): K(j) and V(j) are separate copy groups; V(j) lands
      * while S(j) is computed, K(j+1) while O += P(j) V(j) is. */
@@ -2500,114 +2532,136 @@ CPAR__UNROLL
     int kv_begin = 0, kv_end = (int)a.sk;
     if (packed) {
         int64_t r0, r1;
-        cpar__attn_visible<true>(a.qp, a.kp, skip_tiles, causal, q0, CPAR__ATTN_BM, a.sq, a.sk, CPAR__ATTN_BN, &r0, &r1);
+        cpar__attn_visible<true>(a.qp, a.kp, skip_tiles, causal, q0, BM, a.sq, a.sk, BN, &r0, &r1);
         kv_begin = (int)r0, kv_end = (int)r1;
     }
-    if (causal && !packed && q0 + CPAR__ATTN_BM < kv_end) kv_end = q0 + CPAR__ATTN_BM;
-    __syncthreads(); /* every warp has its Q fragments: sk is free for K (unless Q_SHARED: a barrier to spare) */
-    if (kv_begin < kv_end) cpar__attn_stage<T, DT, LD>(sk, k, kv_begin, a.sk, d, vec);
-    for (int j0 = kv_begin; j0 < kv_end; j0 += CPAR__ATTN_BN) {
-        cpar__attn_stage<T, DT, LD>(sv, v, j0, a.sk, d, vec); /* sv is free: barrier at the end of the last step */
+    if (causal && !packed && q0 + BM < kv_end) kv_end = q0 + BM;
+    __syncthreads(); /* every warp has its Q fragments: sk (and sv) are free for K and V */
+    if (kv_begin < kv_end) cpar__attn_stage<T, DT, LD, BN>(sk, k, kv_begin, a.sk, d, vec);
+    for (int j0 = kv_begin; j0 < kv_end; j0 += BN) {
+        cpar__attn_stage<T, DT, LD, BN>(sv, v, j0, a.sk, d, vec); /* sv is free: barrier at the end of the last step */
         if (packed || drop) /* the tile's key infos, once; last read before the previous step's last barrier */
-            for (int c = (int)threadIdx.x; c < CPAR__ATTN_BN; c += CPAR__ATTN_THREADS)
+            for (int c = (int)threadIdx.x; c < BN; c += CPAR__ATTN_THREADS)
                 kinfo[c] = cpar__attn_info(a.kp, packed, (int64_t)j0 + c, a.sk);
         cpar__attn_cp_wait<1>(); /* K(j) has landed (V(j) may be in flight) */
         __syncthreads();
 
-        /* S = Q Kᵀ: 16 rows x 64 keys per warp, n-blocks of 8 keys */
-        float s[NB][4];
+        /* S = Q Kᵀ: 16·MB rows x BN keys per warp, n-blocks of 8 keys */
+        float s[MB][NB][4];
 CPAR__UNROLL
-        for (int nb = 0; nb < NB; nb++) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+        for (int mb = 0; mb < MB; mb++)
+CPAR__UNROLL
+            for (int nb = 0; nb < NB; nb++) s[mb][nb][0] = s[mb][nb][1] = s[mb][nb][2] = s[mb][nb][3] = 0.f;
 CPAR__UNROLL
         for (int kk = 0; kk < KSTEPS; kk++) {
             if (kk >= ksteps) continue;
-            uint32_t qs[4];
-            const uint32_t *qa = qf[Q_SHARED ? 0 : kk];
-            if constexpr (Q_SHARED) {
-                cpar__ldmatrix_x4(qs, qrow + kk * 16);
-                qa = qs;
+            uint32_t qa[MB][4];
+CPAR__UNROLL
+            for (int mb = 0; mb < MB; mb++) {
+                if constexpr (Q_SHARED) {
+                    cpar__ldmatrix_x4(qa[mb], qrow + mb * 16 * LD + kk * 16);
+                } else {
+CPAR__UNROLL
+                    for (int e = 0; e < 4; e++) qa[mb][e] = qf[mb][Q_SHARED ? 0 : kk][e];
+                }
             }
 CPAR__UNROLL
             for (int nb = 0; nb < NB; nb += 2) { /* keys 8nb .. 8nb+15: one x4 gives two B fragments */
                 uint32_t bf[4];
                 cpar__ldmatrix_x4(bf, &sk[(nb * 8 + (lane & 7) + 8 * (lane >> 4)) * LD + kk * 16 + 8 * ((lane >> 3) & 1)]);
-                cpar__mma_m16n8k16<T>(s[nb], qa, &bf[0], s[nb]);
-                cpar__mma_m16n8k16<T>(s[nb + 1], qa, &bf[2], s[nb + 1]);
+CPAR__UNROLL
+                for (int mb = 0; mb < MB; mb++) {
+                    cpar__mma_m16n8k16<T>(s[mb][nb], qa[mb], &bf[0], s[mb][nb]);
+                    cpar__mma_m16n8k16<T>(s[mb][nb + 1], qa[mb], &bf[2], s[mb][nb + 1]);
+                }
             }
         }
 
-        /* mask keys past sk and, causal, keys after the row (packed: other documents too) */
-        if (j0 + CPAR__ATTN_BN > a.sk || (causal && j0 + CPAR__ATTN_BN - 1 > q0) || packed) {
+        /* mask keys past sk and, causal, keys after the row (packed: other
+         * documents too); the test is the warp's: its rows start at q0 + wrow */
+        if (j0 + BN > a.sk || (causal && j0 + BN - 1 > q0 + wrow) || packed) {
 CPAR__UNROLL
-            for (int nb = 0; nb < NB; nb++)
+            for (int mb = 0; mb < MB; mb++)
 CPAR__UNROLL
-                for (int r = 0; r < 4; r++) {
-                    const int jl = nb * 8 + 2 * t + (r & 1), j = j0 + jl;
-                    const bool hidden = packed ? !cpar__attn_info_sees(qinfo[r >> 1], kinfo[jl], causal)
-                                               : causal && j > row[r >> 1];
-                    if (j >= a.sk || hidden) s[nb][r] = -INFINITY;
-                }
+                for (int nb = 0; nb < NB; nb++)
+CPAR__UNROLL
+                    for (int r = 0; r < 4; r++) {
+                        const int jl = nb * 8 + 2 * t + (r & 1), j = j0 + jl;
+                        const bool hidden = packed ? !cpar__attn_info_sees(qinfo[mb][r >> 1], kinfo[jl], causal)
+                                                   : causal && j > row[mb][r >> 1];
+                        if (j >= a.sk || hidden) s[mb][nb][r] = -INFINITY;
+                    }
         }
 
         /* online softmax: new row max over the quad (the 4 lanes of a row) */
 CPAR__UNROLL
-        for (int h = 0; h < 2; h++) {
-            float mx = m[h];
+        for (int mb = 0; mb < MB; mb++)
 CPAR__UNROLL
-            for (int nb = 0; nb < NB; nb++) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            /* a row with no key yet keeps max -inf: exponents relative to 0 then give exact zeros */
-            const float base = mx == -INFINITY ? 0.f : mx * sl2;
-            const float corr = cpar__ex2(m[h] * sl2 - base); /* m = -inf: 0 */
-            m[h] = mx;
-            l[h] *= corr;
+            for (int h = 0; h < 2; h++) {
+                float mx = m[mb][h];
 CPAR__UNROLL
-            for (int nb = 0; nb < OB; nb++) o[nb][2 * h] *= corr, o[nb][2 * h + 1] *= corr;
+                for (int nb = 0; nb < NB; nb++) mx = fmaxf(mx, fmaxf(s[mb][nb][2 * h], s[mb][nb][2 * h + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                /* a row with no key yet keeps max -inf: exponents relative to 0 then give exact zeros */
+                const float base = mx == -INFINITY ? 0.f : mx * sl2;
+                const float corr = cpar__ex2(m[mb][h] * sl2 - base); /* m = -inf: 0 */
+                m[mb][h] = mx;
+                l[mb][h] *= corr;
 CPAR__UNROLL
-            for (int nb = 0; nb < NB; nb++)
+                for (int nb = 0; nb < OB; nb++) o[mb][nb][2 * h] *= corr, o[mb][nb][2 * h + 1] *= corr;
 CPAR__UNROLL
-                for (int e = 0; e < 2; e++) {
-                    const float p = cpar__ex2(fmaf(s[nb][2 * h + e], sl2, -base));
-                    s[nb][2 * h + e] = p;
-                    l[h] += p;
-                }
-        }
+                for (int nb = 0; nb < NB; nb++)
+CPAR__UNROLL
+                    for (int e = 0; e < 2; e++) {
+                        const float p = cpar__ex2(fmaf(s[mb][nb][2 * h + e], sl2, -base));
+                        s[mb][nb][2 * h + e] = p;
+                        l[mb][h] += p;
+                    }
+            }
         /* dropout: l summed every weight (lse is dropout's input); P V takes the kept ones */
         if (drop) { /* keys 2t, 2t+1 of each n-block: one Philox block for the pair */
             const uint64_t mbh = cpar__attn_mask_bh(bh, a.hq, a.mask_hq, a.mask_h0);
 CPAR__UNROLL
-            for (int nb = 0; nb < NB; nb++)
+            for (int mb = 0; mb < MB; mb++)
 CPAR__UNROLL
-                for (int h = 0; h < 2; h++) {
-                    const int jl = nb * 8 + 2 * t;
-                    bool k0, k1;
-                    cpar__attn_keep2(a.rng, a.dropout_p, mbh, (uint64_t)qinfo[h].pos,
-                                     (uint64_t)kinfo[jl].pos, (uint64_t)kinfo[jl + 1].pos, &k0, &k1);
-                    if (!k0) s[nb][2 * h] = 0.f; /* keys past sk weigh 0 already */
-                    if (!k1) s[nb][2 * h + 1] = 0.f;
-                }
+                for (int nb = 0; nb < NB; nb++)
+CPAR__UNROLL
+                    for (int h = 0; h < 2; h++) {
+                        const int jl = nb * 8 + 2 * t;
+                        bool k0, k1;
+                        cpar__attn_keep2(a.rng, a.dropout_p, mbh, (uint64_t)qinfo[mb][h].pos,
+                                         (uint64_t)kinfo[jl].pos, (uint64_t)kinfo[jl + 1].pos, &k0, &k1);
+                        if (!k0) s[mb][nb][2 * h] = 0.f; /* keys past sk weigh 0 already */
+                        if (!k1) s[mb][nb][2 * h + 1] = 0.f;
+                    }
         }
 
         cpar__attn_cp_wait<0>(); /* V(j) has landed */
         __syncthreads();         /* ... for every thread, and no warp reads K(j) any more */
-        if (j0 + CPAR__ATTN_BN < kv_end) cpar__attn_stage<T, DT, LD>(sk, k, j0 + CPAR__ATTN_BN, a.sk, d, vec);
+        if (j0 + BN < kv_end) cpar__attn_stage<T, DT, LD, BN>(sk, k, j0 + BN, a.sk, d, vec);
 
         /* O += P V: P's k-step kk is n-blocks 2kk, 2kk+1 of S, as A fragments */
 CPAR__UNROLL
-        for (int kk = 0; kk < CPAR__ATTN_BN / 16; kk++) {
-            uint32_t pf[4];
-            pf[0] = cpar__pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-            pf[1] = cpar__pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-            pf[2] = cpar__pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pf[3] = cpar__pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        for (int kk = 0; kk < BN / 16; kk++) {
+            uint32_t pf[MB][4];
+CPAR__UNROLL
+            for (int mb = 0; mb < MB; mb++) {
+                pf[mb][0] = cpar__pack2<T>(s[mb][2 * kk][0], s[mb][2 * kk][1]);
+                pf[mb][1] = cpar__pack2<T>(s[mb][2 * kk][2], s[mb][2 * kk][3]);
+                pf[mb][2] = cpar__pack2<T>(s[mb][2 * kk + 1][0], s[mb][2 * kk + 1][1]);
+                pf[mb][3] = cpar__pack2<T>(s[mb][2 * kk + 1][2], s[mb][2 * kk + 1][3]);
+            }
 CPAR__UNROLL
             for (int nb = 0; nb < OB; nb += 2) { /* output columns 8nb .. 8nb+15 */
                 if (nb * 8 >= d) continue;
                 uint32_t bf[4];
                 cpar__ldmatrix_x4_trans(bf, &sv[(kk * 16 + (lane & 15)) * LD + nb * 8 + 8 * (lane >> 4)]);
-                cpar__mma_m16n8k16<T>(o[nb], pf, &bf[0], o[nb]);
-                cpar__mma_m16n8k16<T>(o[nb + 1], pf, &bf[2], o[nb + 1]);
+CPAR__UNROLL
+                for (int mb = 0; mb < MB; mb++) {
+                    cpar__mma_m16n8k16<T>(o[mb][nb], pf[mb], &bf[0], o[mb][nb]);
+                    cpar__mma_m16n8k16<T>(o[mb][nb + 1], pf[mb], &bf[2], o[mb][nb + 1]);
+                }
             }
         }
         __syncthreads(); /* no warp reads V(j) any more: the next step restages sv */
@@ -2616,59 +2670,69 @@ CPAR__UNROLL
     /* epilogue: the row sums over the quad, lse, then out = O / l: through
      * shared memory in 16-byte stores when the output rows allow (ovec), else
      * two elements per store */
-    float inv[2];
+    float inv[MB][2];
 CPAR__UNROLL
-    for (int h = 0; h < 2; h++) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-        const bool empty = !(l[h] > 0.f); /* saw no key: out 0, lse -inf */
-        inv[h] = empty ? 0.f : 1.f / l[h] * keep_scale;
-        if (t == 0 && row[h] < a.sq) lse[bh * lse_bh + row[h]] = empty ? -INFINITY : m[h] * a.scale + logf(l[h]);
-    }
+    for (int mb = 0; mb < MB; mb++)
+CPAR__UNROLL
+        for (int h = 0; h < 2; h++) {
+            l[mb][h] += __shfl_xor_sync(0xffffffffu, l[mb][h], 1);
+            l[mb][h] += __shfl_xor_sync(0xffffffffu, l[mb][h], 2);
+            const bool empty = !(l[mb][h] > 0.f); /* saw no key: out 0, lse -inf */
+            inv[mb][h] = empty ? 0.f : 1.f / l[mb][h] * keep_scale;
+            if (t == 0 && row[mb][h] < a.sq)
+                lse[bh * lse_bh + row[mb][h]] = empty ? -INFINITY : m[mb][h] * a.scale + logf(l[mb][h]);
+        }
     if (ovec) {
         __syncthreads(); /* every warp is done with the K/V/Q tiles */
-        const int nrows = a.sq - q0 < CPAR__ATTN_BM ? (int)(a.sq - q0) : CPAR__ATTN_BM;
+        const int nrows = a.sq - q0 < BM ? (int)(a.sq - q0) : BM;
         const int64_t base = bh * o_bh + (int64_t)q0 * d;
         if (out_f32)
-            cpar__attn_store_rows<float, DT, OB>(reinterpret_cast<float *>(smem), o, inv, d,
-                                                 static_cast<float *>(out) + base, nrows);
+            cpar__attn_store_rows<float, DT, OB, MB>(reinterpret_cast<float *>(smem), o, inv, d,
+                                                     static_cast<float *>(out) + base, nrows);
         else
-            cpar__attn_store_rows<T, DT, OB>(reinterpret_cast<T *>(smem), o, inv, d, static_cast<T *>(out) + base,
-                                             nrows);
+            cpar__attn_store_rows<T, DT, OB, MB>(reinterpret_cast<T *>(smem), o, inv, d, static_cast<T *>(out) + base,
+                                                 nrows);
         return;
     }
 CPAR__UNROLL
-    for (int h = 0; h < 2; h++) {
-        if (row[h] >= a.sq) continue;
-        const int64_t base = bh * o_bh + (int64_t)row[h] * d;
+    for (int mb = 0; mb < MB; mb++)
 CPAR__UNROLL
-        for (int nb = 0; nb < OB; nb++) {
-            const int col = nb * 8 + 2 * t;
-            if (col >= d) continue;
-            const float x0 = o[nb][2 * h] * inv[h], x1 = o[nb][2 * h + 1] * inv[h];
-            if (out_f32) {
-                float *po = static_cast<float *>(out) + base + col;
-                po[0] = x0, po[1] = x1;
-            } else {
-                T *po = static_cast<T *>(out) + base + col;
-                po[0] = cpar__narrow<T>(x0), po[1] = cpar__narrow<T>(x1);
+        for (int h = 0; h < 2; h++) {
+            if (row[mb][h] >= a.sq) continue;
+            const int64_t base = bh * o_bh + (int64_t)row[mb][h] * d;
+CPAR__UNROLL
+            for (int nb = 0; nb < OB; nb++) {
+                const int col = nb * 8 + 2 * t;
+                if (col >= d) continue;
+                const float x0 = o[mb][nb][2 * h] * inv[mb][h], x1 = o[mb][nb][2 * h + 1] * inv[mb][h];
+                if (out_f32) {
+                    float *po = static_cast<float *>(out) + base + col;
+                    po[0] = x0, po[1] = x1;
+                } else {
+                    T *po = static_cast<T *>(out) + base + col;
+                    po[0] = cpar__narrow<T>(x0), po[1] = cpar__narrow<T>(x1);
+                }
             }
         }
-    }
 }
 
+/* grid.x: b·hq; the query tiles (grid.y) are the instantiation's. */
 template <typename T, class V>
 static cudaError_t cpar__launch_attn_fwd(const cpar_dev_attn &a, void *out, bool out_f32, int64_t o_bh, float *lse,
-                                         int64_t lse_bh, bool vec, bool ovec, dim3 grid, cudaStream_t s) {
+                                         int64_t lse_bh, bool vec, bool ovec, unsigned bh, cudaStream_t s) {
     auto kernel = cpar__attn_fwd_kernel<T, V>;
     const float keep_scale = 1.0f / (1.0f - a.dropout_p); /* on the host: cpar.c's cpar__attn_keep_scale */
-    const size_t smem = (size_t)(V::DT == 128 ? 3 : 2) * CPAR__ATTN_BN * (V::DT + 8) * sizeof(T) + /* K, V (, Q) */
-                        (V::GENERAL ? CPAR__ATTN_BN * sizeof(cpar__attn_rowinfo) : 0);     /* key infos */
+    constexpr int BM = V::FWD_BM, BN = V::FWD_BN, LD = V::DT + 8;
+    constexpr size_t tiles = (size_t)(2 * BN + (V::DT == 128 ? BM : 0)) * LD * sizeof(T) + /* K, V (, Q) */
+                             (V::GENERAL ? BN * sizeof(cpar__attn_rowinfo) : 0);           /* key infos */
+    const size_t osz = out_f32 ? 4 : sizeof(T), epilogue = ovec ? (size_t)BM * (V::DT + 16 / osz) * osz : 0;
+    const size_t smem = tiles > epilogue ? tiles : epilogue;
     if (smem > 48 * 1024) {
         const cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void *>(kernel),
                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (e != cudaSuccess) return e;
     }
+    const dim3 grid(bh, (unsigned)((a.sq + BM - 1) / BM));
     CPAR_LAUNCH(kernel, grid, CPAR__ATTN_THREADS, smem, s)
     (a, out, out_f32, o_bh, lse, lse_bh, vec, ovec, keep_scale, cpar__attn_skip_hidden_tiles);
     return cudaGetLastError();
@@ -2724,7 +2788,6 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
         return CPAR__INVALID("a->sk = %lld, expected < 2^31 - %d (32-bit key indices)", (long long)a->sk, CPAR__ATTN_BN);
     /* 16-byte staging loads need 16-byte aligned rows: d % 8 == 0 always, so the bases and (b,h) strides decide */
     const bool vec = cpar__aligned(16, a->q, a->k) && cpar__aligned(16, a->v) && a->q_bh % 8 == 0 && a->kv_bh % 8 == 0;
-    const dim3 grid((unsigned)bh, (unsigned)tiles);
     const bool f32 = out_dt == CPAR_F32;
     /* 16-byte epilogue stores need 16-byte aligned output rows: d % 8 == 0, so the base and the (b,h) stride decide */
     const bool ovec = cpar__aligned(16, out) && o_bh * (f32 ? 4 : 2) % 16 == 0;
@@ -2732,8 +2795,9 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
     const cudaError_t e = cpar__attn_dispatch(*a, [&](auto var) {
         typedef decltype(var) V;
         return a->dt == CPAR_F16
-                   ? cpar__launch_attn_fwd<__half, V>(*a, out, f32, o_bh, lse, lse_bh, vec, ovec, grid, cs)
-                   : cpar__launch_attn_fwd<__nv_bfloat16, V>(*a, out, f32, o_bh, lse, lse_bh, vec, ovec, grid, cs);
+                   ? cpar__launch_attn_fwd<__half, V>(*a, out, f32, o_bh, lse, lse_bh, vec, ovec, (unsigned)bh, cs)
+                   : cpar__launch_attn_fwd<__nv_bfloat16, V>(*a, out, f32, o_bh, lse, lse_bh, vec, ovec, (unsigned)bh,
+                                                            cs);
     });
     CPAR__TRY_CUDA(e, "attention forward kernel launch (%s, b*hq %lld, sq %lld, sk %lld, d %lld, %s)",
                    cpar__dtype_name(a->dt), (long long)bh, (long long)a->sq, (long long)a->sk, (long long)a->d,

@@ -586,6 +586,8 @@ def main():
     ap.add_argument("--backend", default="nccl", choices=sorted(BACKENDS))
     ap.add_argument("--quick", action="store_true", help="the rehearsal's small sizes (the CUDA simulator is slow)")
     ap.add_argument("--only", default="mem,gemm,xent,attn", help="sections (default all)")
+    ap.add_argument("--attn-s", type=sizes, dest="only_s", help="attention sequence lengths (default 1024,...,16384)")
+    ap.add_argument("--attn-d", type=sizes, dest="only_d", help="attention head dims (default 64,128)")
     ap.add_argument("--budget-s", type=float, default=240.0, help="skip what is left after this many seconds")
     ap.add_argument("--csv", help="write every row here")
     args = ap.parse_args()
@@ -597,6 +599,7 @@ def main():
                                                                                         16384], 0, 0
         args.gemm = [(8192, 4096, 4096), (8192, 4096, 16384), (8192, 16384, 4096)]
         args.xent, args.mem_elems, args.mem_hidden = (8192, 50304), 64 << 20, 4096
+    args.attn_s, args.attn_d = args.only_s or args.attn_s, args.only_d or args.attn_d
     try:
         cp = Cpar(args.lib, args.backend)
     except (OSError, CparError) as e:

@@ -35,7 +35,8 @@
 #   on an H200 (2026-11-28): machine start about 35 s, probe 6-9 s, build
 #   16-20 s, GPU suite 19-22 s, device backend 34-40 s, training 9 s each;
 #   the whole bench needs about 4 minutes (GPU_CHECK_BENCH=mem,gemm,xent
-#   runs the other sections alone: 51 s).
+#   runs the other sections alone: 51 s; GPU_BENCH_ARGS adds gpu_bench.py
+#   options, e.g. "--attn-s 8192 --attn-d 128").
 set -u
 cd "$(dirname "$0")/.." || exit 2
 
@@ -328,7 +329,7 @@ left=$((470 - $(elapsed) - 30))
 if [ $left -gt 20 ]; then
     # the limit leaves the case under way when the budget runs out time to end
     step bench $((left + 30)) "$OUT/bench.log" "$PYTHON" tools/gpu_bench.py --lib "$B/cuda/libcpar.so.$VERSION" \
-        --backend nccl --budget-s $left --only "${GPU_CHECK_BENCH:-mem,gemm,xent,attn}" --csv "$OUT/bench.csv"
+        --backend nccl --budget-s $left --only "${GPU_CHECK_BENCH:-mem,gemm,xent,attn}" ${GPU_BENCH_ARGS:-} --csv "$OUT/bench.csv"
 else
     note "bench                  skipped: no time left"
 fi

@@ -90,29 +90,36 @@ awk '{ printf "%-64s %5d %5d %6d %6d %7d %5d %5d %6d %5d\n", substr($1, 1, 64), 
 [ "$arch" = 90 ] || exit 0
 # ---- the targets (issue 27; docs/DESIGN.md §8), sm_90 --------------------------
 # The plain attention instantiations (cpar__attn_var<DT, false, causal>: no
-# packed sequences, no dropout, d == DT) are the ones the targets bound.
+# packed sequences, no dropout, d == DT) are the ones the targets bound. The
+# plain forward runs FA2's 128-row tile at 2 CTAs per SM (<= 255 registers):
+# measured on an H200 it beat the 64-row tile of the issue's first targets
+# (<= 170 / <= 128 registers, >= 4 HMMA per LDSM); one spill is allowed, the
+# non-causal d 128 forward's (at most 64 bytes, 32 of stack), because its
+# 64-key tiles ran 17 % faster there than the spill-free 32-key ones
+# (docs/DESIGN.md §8, docs/benchmarks.md).
 awk '
     function verdict(ok, what) { printf "%s  %s\n", ok ? "ok  " : "MISS", what; if (!ok) bad = 1 }
     {
         name = $1; regs = $2; stack = $3; spill = $4 + $5
-        if (spill) spilled = spilled " " name
+        allowed = name ~ /attn_fwd_kernel<[a-z0-9]+,attn_var<128,false,false>>/ && $4 <= 64 && $5 <= 64 && stack <= 32
+        if (spill && !allowed) spilled = spilled " " name
+        if (spill && allowed) excused = excused " " name "(" $4 " B)"
         plain = name ~ /attn_var<[0-9]+,false/
-        if (plain && stack) stacked = stacked " " name
+        if (plain && stack && !allowed) stacked = stacked " " name
         if (name ~ /attn_fwd_kernel/ && plain) {
             nf++
-            if (name ~ /attn_var<128,/ && regs > 170) fat128 = fat128 " " name "(" regs ")"
-            if (name ~ /attn_var<64,/ && regs > 128) fat64 = fat64 " " name "(" regs ")"
-            if ($8 == 0 || $7 < 4 * $8) lowmma = lowmma " " name "(" $7 "/" $8 ")"
+            if (regs > 255) fat = fat " " name "(" regs ")"
+            if ($8 == 0 || $7 < 3 * $8) lowmma = lowmma " " name "(" $7 "/" $8 ")"
         }
         if (name ~ /attn_bwd_(dq|dkdv)_kernel/) { nb++; if ($9 == 0) nocp = nocp " " name }
     }
     END {
-        verdict(spilled == "", "no kernel spills" (spilled == "" ? "" : ":" spilled))
+        verdict(spilled == "", "no kernel spills" (spilled == "" ? "" : ":" spilled) \
+                (excused == "" ? "" : " (allowed, measured faster:" excused ")"))
         verdict(stacked == "", "no stack in a plain attention kernel" (stacked == "" ? "" : ":" stacked))
         # (a --grep that leaves out a kind of kernel leaves out its targets)
-        if (nf) verdict(fat128 == "", "plain forward, d 128: <= 170 registers" (fat128 == "" ? "" : ":" fat128))
-        if (nf) verdict(fat64 == "", "plain forward, d 64: <= 128 registers" (fat64 == "" ? "" : ":" fat64))
-        if (nf) verdict(lowmma == "", "plain forward: >= 4 HMMA per LDSM" (lowmma == "" ? "" : ":" lowmma))
+        if (nf) verdict(fat == "", "plain forward: <= 255 registers (2 CTAs/SM)" (fat == "" ? "" : ":" fat))
+        if (nf) verdict(lowmma == "", "plain forward: >= 3 HMMA per LDSM" (lowmma == "" ? "" : ":" lowmma))
         if (nb) verdict(nocp == "", "backward kernels use LDGSTS (cp.async)" (nocp == "" ? "" : ":" nocp))
         exit bad
     }' "$out/report.txt"
