@@ -9,7 +9,7 @@
  *   -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL   CUDA build: + NCCL and device backends
  *
  * Table of contents (later sections call earlier ones, never the reverse)
- *    1. Platform and utilities      time, logging, aligned host memory, the shared host arena
+ *    1. Platform and utilities      time, random bytes, logging, aligned host memory, the shared host arena
  *    2. Errors                      status names, last-error lines, argument checks
  *    3. Data types and tensors      dtype table, fp16/bf16 bits, tensor helpers
  *    4. Device dispatch             host-only device layer, workspace, copies, stream waits
@@ -21,7 +21,8 @@
  *                                   the members' calls compared (call tags); a call refused by its own checks
  *                                   releases the peers; ranks as processes: shared-memory segments, futex waits,
  *                                   dead-peer checks, peers' arenas mapped and read in place
- *    9. NCCL backend                communicators, async-error polling, abort
+ *    9. NCCL backend                communicators, async-error polling, abort; a call refused by its own
+ *                                   checks releases the peers (job or store)
  *   10. Groups                      world group, split, destroy, statistics
  *   11. Collectives                 argument checks, byte accounting, dispatch
  *   12. Contexts and start-up       spawn, init_from_env, finalize, abort, sync
@@ -109,7 +110,13 @@ struct cpar_group {
 #ifdef CPAR_WITH_NCCL
     ncclComm_t nccl;
 #endif
-    uint64_t seq;         /* collectives issued on this group by this rank */
+    /* NCCL: batches (collectives, send/recv groups) enqueued on this group
+     * by this rank, and its calls that failed their own checks, the two
+     * positions cpar__nccl_give_up publishes and cpar__nccl_gave_up_check
+     * compares; uid names the group alike on every member (the world 1, a
+     * split child from its parent, the parent's split count and the color) */
+    uint64_t seq, gave_ups, uid;
+    uint32_t nsplits;
     int64_t *splits;      /* [2*size] all-to-all split scratch, so no call allocates */
     cpar_comm_stats stats;
     /* hierarchical context parallelism (section 19): the inner (all-to-all)
@@ -156,6 +163,7 @@ struct cpar_ctx {
     cpar_group *pending_group;
     const char *pending_fn;
     void (*give_up)(cpar_group *g, const char *why);
+    int64_t gave_up_poll_ms; /* NCCL across processes: the next poll of the peers' give-ups (section 9) */
     cpar_dev_stream coll_stream; /* where the collectives enqueue: NULL = compute; set only
                                   * between cpar__on_comm_stream and cpar__on_compute_stream */
     cpar_dev_blas blas;
@@ -173,8 +181,8 @@ struct cpar_ctx {
 };
 
 /* ==== 1. Platform and utilities ==========================================
- * Monotonic time, the CPAR_LOG switch and aligned host allocation.
- * Uses: nothing. */
+ * Monotonic time, random bytes, the CPAR_LOG switch and aligned host
+ * allocation. Uses: nothing. */
 
 static int64_t cpar__now_ns(void) {
     struct timespec ts;
@@ -183,6 +191,22 @@ static int64_t cpar__now_ns(void) {
 }
 
 static int64_t cpar__now_ms(void) { return cpar__now_ns() / 1000000; }
+
+/* n random bytes from the kernel's generator; -1 (errno set) if it fails. */
+static int cpar__random_bytes(void *out, size_t n) {
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = read(fd, (char *)out + got, n - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        got += (size_t)r;
+    }
+    close(fd);
+    if (got < n) errno = errno ? errno : EIO;
+    return got < n ? -1 : 0;
+}
 
 /* Absolute CLOCK_REALTIME deadline for pthread_cond_timedwait. */
 static struct timespec cpar__abs_deadline(int64_t ms_from_now) {
@@ -599,7 +623,10 @@ static cpar_status cpar__fail(cpar_ctx *ctx, cpar_status st, const char *fmt, ..
         const size_t n = strlen(ctx->pending_fn);
         cpar_group *g = ctx->pending_group;
         ctx->pending_group = NULL;
-        if (!strncmp(line, ctx->pending_fn, n) && line[n] == ':') ctx->give_up(g, line);
+        if (!strncmp(line, ctx->pending_fn, n) && line[n] == ':') {
+            ctx->give_up(g, line);
+            cpar__set_error(ctx, line); /* giving up may have used the store, which records its own errors */
+        }
     }
     /* A timeout is the failure a user most needs to see; the rest is detail. */
     cpar__log(st == CPAR_ERR_TIMEOUT ? CPAR__LOG_WARN : CPAR__LOG_DEBUG, ctx ? ctx->rank : -1, "%s: %s",
@@ -3293,11 +3320,12 @@ static bool cpar__env_host_is_loopback(const char *host)
 }
 
 #define CPAR__STORE_TOKEN_MAX 255
-#define CPAR__DEFAULT_JOB_TOKEN "cpar-default-job-token"
 
 /* The job token: see cpar_env.job_token for the order. The launchers' ids are
  * the same on every rank of one job and differ between jobs (SLURM's step id
- * separates two srun steps of one allocation). */
+ * separates two srun steps of one allocation). None of them: an empty token
+ * and the source "none", which a store refuses (no default: any local user
+ * could join a job by a token everyone knows). */
 static cpar_status cpar__env_job_token(const char *fn, char *out, size_t n, const char **source)
 {
     const char *tok = getenv("CPAR_JOB_TOKEN"), *v;
@@ -3319,8 +3347,9 @@ static cpar_status cpar__env_job_token(const char *fn, char *out, size_t n, cons
         w = snprintf(out, n, "slurm:%s.%s", v, step ? step : "");
         *source = "slurm";
     } else {
-        w = snprintf(out, n, "%s", CPAR__DEFAULT_JOB_TOKEN);
-        *source = "default";
+        out[0] = 0;
+        *source = "none";
+        return CPAR_OK;
     }
     if (w < 0 || (size_t)w >= n || w > CPAR__STORE_TOKEN_MAX)
         return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: the %s job id is longer than %d bytes: set CPAR_JOB_TOKEN",
@@ -4459,15 +4488,14 @@ static cpar_status cpar__store_create(const char *fn, const cpar_store_config *c
         snprintf(s->token, sizeof s->token, "%s", cfg->token);
     else
         st = cpar__env_job_token(fn, s->token, sizeof s->token, &token_source);
+    if (st == CPAR_OK && !s->token[0])
+        st = cpar__fail(NULL, CPAR_ERR_INVALID, "%s: no job token: ranks started by hand need CPAR_JOB_TOKEN, the "
+                        "same secret on every rank (e.g. export CPAR_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | "
+                        "tr -d ' \\n')); cparrun draws one, torchrun --standalone (or --rdzv-id) and srun give one",
+                        fn);
     if (st != CPAR_OK) {
         free(s);
         return st;
-    }
-    if (!strcmp(token_source, "default")) {
-        static atomic_bool warned;
-        if (!atomic_exchange(&warned, true))
-            cpar__log(CPAR__LOG_WARN, -1, "%s: no job token (CPAR_JOB_TOKEN, TORCHELASTIC_RUN_ID or SLURM_JOB_ID): "
-                      "jobs that share store port %d are not isolated from each other", fn, cfg->port);
     }
     if (pthread_mutex_init(&s->mu, NULL) != 0) {
         free(s);
@@ -4950,7 +4978,18 @@ struct cpar__job {
     bool failed_root;      /* failed_rank's own failure, not a CPAR_ERR_PEER it was given */
     char failed_msg[CPAR_ERR_LEN]; /* why, when no rank's own message says it */
     bool *exited;          /* [nranks] the rank's function returned */
+    struct cpar__gave_up *gave_up; /* NCCL backend: calls that failed their own checks (section 9) */
+    atomic_bool any_gave_up;       /* ... whether there are any: the waits' check without the lock */
 };
+
+/* A member's latest give-up on an NCCL group (threads: the job keeps them;
+ * processes: the store, section 9). */
+typedef struct cpar__gave_up {
+    struct cpar__gave_up *next;
+    uint64_t uid, at, count; /* the group, the batch it will not enqueue, how many give-ups */
+    int world_rank;
+    char msg[CPAR_ERR_LEN];
+} cpar__gave_up;
 
 typedef struct cpar__slot {    /* one member's description of the current collective */
     int kind;                  /* cpar_coll_kind, or CPAR__KIND_EXCHANGE */
@@ -5057,6 +5096,11 @@ static cpar__job *cpar__job_create(int nranks) {
 
 static void cpar__job_destroy(cpar__job *job) {
     if (!job) return;
+    while (job->gave_up) {
+        cpar__gave_up *next = job->gave_up->next;
+        free(job->gave_up);
+        job->gave_up = next;
+    }
     pthread_mutex_destroy(&job->mu);
     pthread_cond_destroy(&job->cv);
     free(job->exited);
@@ -5837,7 +5881,6 @@ typedef struct cpar__pc_box {   /* mailbox src -> dst */
 struct cpar__pcomm {
     int n;
     uint64_t key;               /* names the group's store keys (world: 1) */
-    uint32_t nsplits;           /* cpar_group_split calls on this group */
     void *base;                 /* the mapping; NULL for a group of one */
     size_t bytes, chunk, sub, box_chunk;
     cpar__pc_hdr *hdr;
@@ -6481,7 +6524,19 @@ static cpar_status cpar__pc_create(cpar_group *g, const char *fn, const char *to
     cpar_ctx *ctx = g->ctx;
     cpar__pcomm *pc = g->pc;
     static atomic_uint serial;
-    snprintf(text, CPAR__PC_NAME, "/cpar-%08x-%ld-%u", cpar__fnv32(token), (long)getpid(), atomic_fetch_add(&serial, 1));
+    /* After the token's hash (cparrun sweeps a job's leftovers by it), a
+     * nonce: the launchers' ids are public, and a name nobody can foresee
+     * (the peers learn it through the parent's exchange) is one no other
+     * local user can take first. */
+    uint64_t nonce = 0;
+    if (cpar__random_bytes(&nonce, sizeof nonce) != 0) {
+        cpar_status st = cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s: cannot draw a random segment name: %s", fn,
+                                    strerror(errno));
+        snprintf(text, CPAR__PC_NAME, "!%.90s", strerror(errno));
+        return st;
+    }
+    snprintf(text, CPAR__PC_NAME, "/cpar-%08x-%ld-%u-%016llx", cpar__fnv32(token), (long)getpid(),
+             atomic_fetch_add(&serial, 1), (unsigned long long)nonce);
     /* Stage halves: CPAR_HOST_CHUNK bytes (tests make it small), at least 64 per member. */
     size_t chunk = (size_t)cpar__getenv_positive("CPAR_HOST_CHUNK", (int)CPAR__PC_CHUNK);
     chunk = cpar__round_up(chunk < (size_t)64 * (size_t)pc->n ? (size_t)64 * (size_t)pc->n : chunk, 4096);
@@ -6648,9 +6703,11 @@ static void cpar__pc_close(cpar_group *g) {
  * with ncclCommGetAsyncError against the context's deadline; on a failure or
  * a timeout the communicator is aborted (and forgotten: the group then says
  * it was aborted) so no rank hangs in a kernel. In single-process mode a
- * failed peer (cpar__job) also aborts the wait. `make test` runs all of this
- * against the NCCL simulator (tests/ncclsim, the nccl-sim build).
- * Uses: 1-4, 8 (job state). */
+ * failed peer (cpar__job) also aborts the wait, and on every launch a peer
+ * whose collective call failed its own checks (cpar__nccl_give_up). `make
+ * test` runs all of this against the NCCL simulator (tests/ncclsim, the
+ * nccl-sim build).
+ * Uses: 1-4, 7 (the store: give-ups across processes), 8 (job state). */
 
 #ifdef CPAR_WITH_NCCL
 static ncclDataType_t cpar__nccl_dtype(cpar_dtype dt) {
@@ -6710,6 +6767,122 @@ static int cpar__nccl_exited_member(const cpar_ctx *ctx, const cpar_group *g) {
     return -1;
 }
 
+/* ---- A collective call that failed its own checks (issue 29) ----
+ * Its rank never enqueues the batch its peers did, and NCCL would leave them
+ * waiting for it until the deadline. It publishes (the group's uid, the batch
+ * it skips, how often it has given up on the group, its message): in the job
+ * when the ranks are threads, in the store when they are processes. A
+ * waiting rank (cpar__nccl_gave_up_check, from cpar__nccl_wait and the stream
+ * waits) fails at once with CPAR_ERR_PEER when a member has given up more
+ * often than itself, on a batch it has enqueued. A refusal every member
+ * shares leaves the counts equal, so it never fails a later call. */
+
+static void cpar__nccl_gave_up_key(char *key, size_t cap, uint64_t uid, int world_rank, uint64_t count) {
+    if (count) snprintf(key, cap, "cpar/gaveup/%016llx/%d/%llu", (unsigned long long)uid, world_rank,
+                        (unsigned long long)count);
+    else snprintf(key, cap, "cpar/gaveup/%016llx/%d", (unsigned long long)uid, world_rank);
+}
+
+/* ctx->give_up on the NCCL backend (cpar__fail calls it). */
+static void cpar__nccl_give_up(cpar_group *g, const char *why) {
+    cpar_ctx *ctx = g->ctx;
+    if (g->size < 2 || !g->nccl) return;
+    const uint64_t count = ++g->gave_ups, at = g->seq + 1;
+    if (ctx->store) { /* processes: the message under its count, then the count (a reader sees it first) */
+        char key[96], val[CPAR_ERR_LEN + 24];
+        const int len = snprintf(val, sizeof val, "%llu %s", (unsigned long long)at, why);
+        cpar__nccl_gave_up_key(key, sizeof key, g->uid, ctx->rank, count);
+        int64_t now;
+        if (cpar_store_set(ctx->store, key, val, (size_t)len + 1) == CPAR_OK) {
+            cpar__nccl_gave_up_key(key, sizeof key, g->uid, ctx->rank, 0);
+            (void)cpar_store_add(ctx->store, key, 1, &now);
+        }
+        return;
+    }
+    cpar__job *job = ctx->job;
+    if (!job) return;
+    pthread_mutex_lock(&job->mu);
+    cpar__gave_up *e = job->gave_up;
+    while (e && !(e->uid == g->uid && e->world_rank == ctx->rank)) e = e->next;
+    if (!e && (e = calloc(1, sizeof *e)) != NULL) {
+        e->uid = g->uid, e->world_rank = ctx->rank;
+        e->next = job->gave_up, job->gave_up = e;
+    }
+    if (e) {
+        e->at = at, e->count = count;
+        snprintf(e->msg, sizeof e->msg, "%s", why);
+        atomic_store(&job->any_gave_up, true);
+    }
+    pthread_mutex_unlock(&job->mu);
+}
+
+/* World rank wr's latest give-up on g: false when it has none (or the store
+ * cannot say). */
+static bool cpar__nccl_gave_up_read(cpar_ctx *ctx, const cpar_group *g, int wr, uint64_t *at, uint64_t *count,
+                                    char *msg, size_t cap) {
+    if (ctx->store) {
+        char key[96], val[CPAR_ERR_LEN + 24], keep[CPAR_ERR_LEN];
+        snprintf(keep, sizeof keep, "%s", cpar__tls_err); /* a failed poll must not replace the caller's error */
+        int64_t n = 0;
+        size_t len = 0;
+        unsigned long long a = 0;
+        int off = 0;
+        cpar__nccl_gave_up_key(key, sizeof key, g->uid, wr, 0);
+        bool ok = cpar_store_add(ctx->store, key, 0, &n) == CPAR_OK && n > 0;
+        if (ok) {
+            cpar__nccl_gave_up_key(key, sizeof key, g->uid, wr, (uint64_t)n);
+            ok = cpar_store_get(ctx->store, key, val, sizeof val - 1, &len) == CPAR_OK;
+            val[ok ? len : 0] = 0;
+            ok = ok && sscanf(val, "%llu %n", &a, &off) == 1;
+        }
+        snprintf(cpar__tls_err, sizeof cpar__tls_err, "%s", keep);
+        if (!ok) return false;
+        *at = a, *count = (uint64_t)n;
+        snprintf(msg, cap, "%s", val + off);
+        return true;
+    }
+    cpar__job *job = ctx->job;
+    if (!job || !atomic_load(&job->any_gave_up)) return false;
+    bool found = false;
+    pthread_mutex_lock(&job->mu);
+    for (const cpar__gave_up *e = job->gave_up; e && !found; e = e->next)
+        if (e->uid == g->uid && e->world_rank == wr) {
+            *at = e->at, *count = e->count;
+            snprintf(msg, cap, "%s", e->msg);
+            found = true;
+        }
+    pthread_mutex_unlock(&job->mu);
+    return found;
+}
+
+/* A member of one of ctx's NCCL groups gave up on a batch this rank has
+ * enqueued (and more often than this rank did): CPAR_ERR_PEER naming it and
+ * its message. Across processes the store is asked at most every 20 ms
+ * unless forced (an NCCL error is being explained: the give-up is its root
+ * cause, a peer's abort on learning of it only a consequence). */
+static cpar_status cpar__nccl_gave_up_check(cpar_ctx *ctx, const char *fn, bool force) {
+    if (ctx->store) {
+        const int64_t now = cpar__now_ms();
+        if (now < ctx->gave_up_poll_ms && !force) return CPAR_OK;
+        ctx->gave_up_poll_ms = now + 20;
+    } else if (!ctx->job) {
+        return CPAR_OK;
+    }
+    char msg[CPAR_ERR_LEN];
+    for (cpar_group *g = ctx->groups; g; g = g->next) {
+        if (!g->nccl || g->size < 2 || g->seq == 0) continue;
+        for (int m = 0; m < g->size; m++) {
+            uint64_t at, count;
+            if (m == g->rank || !cpar__nccl_gave_up_read(ctx, g, g->world_ranks[m], &at, &count, msg, sizeof msg))
+                continue;
+            if (count > g->gave_ups && at <= g->seq)
+                return cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d gave up on this collective (a call this rank joined), "
+                                  "failing its own checks: %.400s", fn, g->world_ranks[m], msg);
+        }
+    }
+    return CPAR_OK;
+}
+
 /* Poll *comm until the operation `call` (r: what it returned) settles. On a
  * failure, a failed peer (single-process jobs) or the deadline, *comm is
  * aborted so no rank hangs in a kernel. `what` (or NULL) says what was
@@ -6735,6 +6908,11 @@ static cpar_status cpar__nccl_wait(cpar_ctx *ctx, const cpar_group *g, const cha
                               ctx->job->failed_rank, cpar_status_string(ctx->job->failed_status));
         }
         if (r != ncclInProgress) break;
+        cpar_status gave = cpar__nccl_gave_up_check(ctx, fn, false);
+        if (gave != CPAR_OK) {
+            cpar__nccl_abort(comm);
+            return gave;
+        }
         if (cpar__now_ms() > deadline) {
             /* The job learns of the timeout before the abort can reach a
              * peer, so a peer that sees the abort blames this rank's timeout
@@ -6756,7 +6934,11 @@ static cpar_status cpar__nccl_wait(cpar_ctx *ctx, const cpar_group *g, const cha
                  what ? " (" : "", what ? what : "", what ? ")" : "");
         return CPAR_OK;
     }
-    cpar_status st;
+    cpar_status st = r == ncclRemoteError ? cpar__nccl_gave_up_check(ctx, fn, true) : CPAR_OK;
+    if (st != CPAR_OK) {
+        cpar__nccl_abort(comm);
+        return st;
+    }
     int gone = r == ncclRemoteError ? cpar__nccl_exited_member(ctx, g) : -1;
     if (gone >= 0) { /* as on the host backend: name the rank that left, for every peer */
         st = cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d returned from its function without joining %s", fn, gone,
@@ -6880,6 +7062,7 @@ static cpar_status cpar__nccl_collective(cpar_group *g, const char *fn, const cp
     cpar_ctx *ctx = g->ctx;
     ncclComm_t *pc = NULL;
     CPAR_TRY(cpar__nccl_comm(g, fn, &pc));
+    g->seq++;
     ncclComm_t comm = *pc;
     cudaStream_t s = (cudaStream_t)cpar__coll_stream(ctx);
     ncclDataType_t dt = cpar__nccl_dtype(c->dtype);
@@ -6952,6 +7135,7 @@ static cpar_status cpar__nccl_sendrecv(cpar_group *g, const char *fn, const void
     cudaStream_t s = (cudaStream_t)cpar__coll_stream(ctx);
     ncclComm_t *pc = NULL;
     CPAR_TRY(cpar__nccl_comm(g, fn, &pc));
+    g->seq++;
     char what[96];
     int n = 0;
     if (to >= 0) n += snprintf(what + n, sizeof what - (size_t)n, "the send to rank %d", g->world_ranks[to]);
@@ -6974,8 +7158,17 @@ static cpar_status cpar__nccl_check(cpar_ctx *ctx, const char *fn) {
         if (state != ncclSuccess && state != ncclInProgress) {
             char note[sizeof ctx->last_comm + 40];
             snprintf(note, sizeof note, "the last communication queued: %s", ctx->last_comm);
-            cpar_status st = cpar__nccl_fail_note(ctx, fn, "ncclCommGetAsyncError", state,
-                                                  *ctx->last_comm ? note : NULL);
+            cpar_status st = state == ncclRemoteError ? cpar__nccl_gave_up_check(ctx, fn, true) : CPAR_OK;
+            const int gone = st == CPAR_OK && state == ncclRemoteError ? cpar__nccl_exited_member(ctx, g) : -1;
+            if (gone >= 0) { /* as cpar__nccl_wait says it: the rank that left is the cause, for every peer */
+                st = cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d returned from its function without joining the "
+                                "collective%s%s%s", fn, gone, *ctx->last_comm ? " (" : "", *ctx->last_comm ? note : "",
+                                *ctx->last_comm ? ")" : "");
+                /* not as a root cause: this message, which names the call, stays this rank's */
+                cpar__job_fail_why(ctx->job, gone, CPAR_ERR_PEER, false, ctx->err);
+            } else if (st == CPAR_OK) {
+                st = cpar__nccl_fail_note(ctx, fn, "ncclCommGetAsyncError", state, *ctx->last_comm ? note : NULL);
+            }
             cpar__nccl_abort(&g->nccl);
             return st;
         }
@@ -7008,6 +7201,7 @@ static cpar_status cpar__group_new(cpar_ctx *ctx, const char *fn, int rank, int 
     g->size = size;
     g->world_ranks = wr;
     g->splits = splits;
+    g->uid = 1; /* the world's; a split sets its child's */
     g->next = ctx->groups;
     ctx->groups = g;
     *out = g;
@@ -7056,6 +7250,19 @@ typedef struct cpar__color_key {
     int color, key, parent_rank;
 } cpar__color_key;
 
+/* h with a and b mixed in (two splitmix64 steps): a split child's name from
+ * its parent's, the split's number and the color, alike on every member. */
+static uint64_t cpar__mix2(uint64_t h, uint64_t a, uint64_t b) {
+    const uint64_t parts[2] = {a, b};
+    for (int i = 0; i < 2; i++) {
+        h += parts[i] + 0x9e3779b97f4a7c15ull;
+        h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+        h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+        h ^= h >> 31;
+    }
+    return h;
+}
+
 static int cpar__color_key_cmp(const void *a, const void *b) {
     const cpar__color_key *x = a, *y = b;
     if (x->key != y->key) return x->key < y->key ? -1 : 1;
@@ -7075,6 +7282,7 @@ static cpar_status cpar__split_exchange(cpar_group *parent, const char *fn, cons
         CPAR_TRY(cpar__grow_buffer(ctx, fn, &ctx->coll_ws, &ctx->coll_ws_bytes, bytes * (size_t)(parent->size + 1)));
         char *ws = ctx->coll_ws, *d_all = ws + bytes;
         CPAR_DEV_TRY(ctx, fn, cpar_dev_memcpy(ws, mine, bytes, CPAR_COPY_H2D, ctx->compute));
+        parent->seq++;
         CPAR_NCCL_TRY(parent, fn, NULL, pc, ncclAllGather(ws, d_all, bytes, ncclUint8, *pc, (cudaStream_t)ctx->compute));
         return cpar__copy_bytes(ctx, fn, all, CPAR_HOST, d_all, ctx->device, bytes * (size_t)parent->size);
     }
@@ -7086,6 +7294,7 @@ cpar_status cpar_group_split(cpar_group *parent, int color, int key, cpar_group 
     static const char fn[] = "cpar_group_split";
     CPAR_TRY(cpar__check_group(parent, fn));
     cpar__coll_pending(parent, fn);
+    const uint32_t split_no = parent->nsplits++; /* every member counts every split: the child's uid */
     cpar_ctx *ctx = parent->ctx;
     if (!out) return cpar__fail(ctx, CPAR_ERR_INVALID, "%s: out is NULL", fn);
     *out = NULL;
@@ -7128,14 +7337,7 @@ cpar_status cpar_group_split(cpar_group *parent, int color, int key, cpar_group 
          * member joins); after a second exchange, when every member has
          * mapped its segment, the creators unlink them. The key (parent's,
          * split count, color) is the same on every member. */
-        uint64_t key = parent->pc->key;
-        uint64_t parts[2] = {parent->pc->nsplits++, (uint64_t)(uint32_t)color};
-        for (int i = 0; i < 2; i++) { /* splitmix64 steps */
-            key += parts[i] + 0x9e3779b97f4a7c15ull;
-            key = (key ^ (key >> 30)) * 0xbf58476d1ce4e5b9ull;
-            key = (key ^ (key >> 27)) * 0x94d049bb133111ebull;
-            key ^= key >> 31;
-        }
+        uint64_t key = cpar__mix2(parent->pc->key, split_no, (uint64_t)(uint32_t)color);
         char text[CPAR__PC_NAME] = "", *names = malloc((size_t)n * CPAR__PC_NAME);
         if (!names) {
             st = cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate %d names", fn, n);
@@ -7189,6 +7391,9 @@ cpar_status cpar_group_split(cpar_group *parent, int color, int key, cpar_group 
         free(ptrs);
     }
 done:
+    if (st == CPAR_OK && *out) {
+        (*out)->uid = cpar__mix2(parent->uid, split_no, (uint64_t)(uint32_t)color);
+    }
     if (st == CPAR_OK && *out && cpar__log_level() >= CPAR__LOG_INFO) {
         char list[160];
         size_t used = 0;
@@ -7695,6 +7900,9 @@ static cpar_status cpar__comm_errors_named(cpar_ctx *ctx, const char *fn) {
  * job's root cause: cpar__comm_errors_named), or a failed peer of the job. */
 static cpar_status cpar__ctx_async_check(cpar_ctx *ctx, const char *fn) {
     CPAR_TRY(cpar__comm_errors_named(ctx, fn));
+#ifdef CPAR_WITH_NCCL
+    if (ctx->backend == CPAR_BACKEND_NCCL) CPAR_TRY(cpar__nccl_gave_up_check(ctx, fn, false));
+#endif
     return cpar__job_failure(ctx, fn);
 }
 
@@ -7753,7 +7961,11 @@ static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg,
     /* the host and device backends share their groups' state (threads, or a
      * segment across processes): a failed check is told there (NCCL: not
      * yet; its peers wait for the deadline) */
-    if (cfg->backend != CPAR_BACKEND_NCCL) ctx->give_up = cpar__group_give_up;
+#ifdef CPAR_WITH_NCCL
+    ctx->give_up = cfg->backend == CPAR_BACKEND_NCCL ? cpar__nccl_give_up : cpar__group_give_up;
+#else
+    ctx->give_up = cpar__group_give_up;
+#endif
     cpar_status st = CPAR_OK;
     if (cpar__on_device(ctx->device)) {
         st = cpar_dev_set(ctx->device);
@@ -7937,6 +8149,17 @@ cpar_status cpar_spawn(int nranks, cpar_backend backend, cpar_rank_fn fn, void *
 static cpar_status cpar__init_store(cpar_ctx *ctx, const char *fn, const cpar_env *env) {
     cpar_store_config sc = {.host = env->rank == 0 ? env->store_bind : env->master_addr, .port = env->store_port,
                             .is_server = env->rank == 0, .timeout_ms = ctx->timeout_ms};
+    /* A world of one without a launcher's token: its store serves no other
+     * process, so a random token of its own (ranks started by hand, more
+     * than one, need CPAR_JOB_TOKEN: cpar_store_create says so). */
+    char lone[33];
+    if (env->world_size == 1 && !env->job_token[0]) {
+        uint8_t b[16];
+        if (cpar__random_bytes(b, sizeof b) != 0)
+            return cpar__fail(ctx, CPAR_ERR_SYSTEM, "%s: cannot draw a job token: %s", fn, strerror(errno));
+        for (int i = 0; i < 16; i++) snprintf(lone + 2 * i, 3, "%02x", b[i]);
+        sc.token = lone;
+    }
     int listen_err = 0;
     cpar_status st = cpar__store_create("cpar_store_create", &sc, &ctx->store, &listen_err);
     if (st != CPAR_OK && listen_err == EADDRINUSE && env->world_size > 1) {

@@ -285,11 +285,12 @@ typedef struct cpar_env {
     char store_bind[256];
     /* The job token every rank proves to the store (see cpar_store_config):
      * CPAR_JOB_TOKEN (cparrun draws a random one per job), else torchrun's
-     * TORCHELASTIC_RUN_ID unless it is "none", else SLURM_JOB_ID and
-     * SLURM_STEP_ID, else a fixed default (jobs sharing a port are then not
-     * isolated; CPAR_LOG=warn says so). */
+     * TORCHELASTIC_RUN_ID unless it is "none" (torchrun --standalone draws
+     * one), else SLURM_JOB_ID and SLURM_STEP_ID, else none: "" (a store then
+     * refuses to start, saying to set CPAR_JOB_TOKEN; no default token that
+     * any local user could present). */
     char job_token[256];
-    const char *job_token_source;     /* "CPAR_JOB_TOKEN", "torchelastic", "slurm" or "default" */
+    const char *job_token_source;     /* "CPAR_JOB_TOKEN", "torchelastic", "slurm" or "none" */
 } cpar_env;
 /* Fill *out from the environment. Missing variables give a single-rank
  * world; inconsistent or malformed values are CPAR_ERR_INVALID naming the

@@ -715,18 +715,21 @@ int main(int argc, char **argv)
 
     /* The job token: the user's when exported (the same on every node), else
      * on one node a fresh random one, so two jobs never share a store. The
-     * nodes of a multi-node job cannot agree on a random one: the ranks fall back
-     * to the launcher's job id or cpar's default (see bootstrap/README.md). */
+     * nodes of a multi-node job cannot agree on a random one: under SLURM the
+     * ranks take its job id, else the user must export one (cpar has no
+     * default token: see bootstrap/README.md). */
     char token[64] = "";
-    const char *user_token = getenv("CPAR_JOB_TOKEN");
+    const char *user_token = getenv("CPAR_JOB_TOKEN"), *slurm_job = getenv("SLURM_JOB_ID");
     if (!(user_token && *user_token) && nnodes == 1 && !draw_job_token(token, sizeof token)) {
         fprintf(stderr, "cparrun: cannot draw a random job token: %s; export CPAR_JOB_TOKEN\n", strerror(errno));
         return 1;
     }
-    if (!(user_token && *user_token) && nnodes > 1)
-        fprintf(stderr, "cparrun: warning: --nnodes %ld without CPAR_JOB_TOKEN: the ranks fall back to the "
-                "launcher's job id or cpar's default token, which another job on the same port may share; "
-                "export the same CPAR_JOB_TOKEN on every node\n", nnodes);
+    if (!(user_token && *user_token) && nnodes > 1 && !(slurm_job && *slurm_job)) {
+        fprintf(stderr, "cparrun: --nnodes %ld needs CPAR_JOB_TOKEN: the nodes cannot agree on a random token, so "
+                "export the same secret on every node (e.g. CPAR_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | "
+                "tr -d ' \\n') on one, the same value on the others)\n", nnodes);
+        return 2;
+    }
 
     int64_t grace_ms = 5000;
     const char *g = getenv("CPARRUN_GRACE_MS");

@@ -12,6 +12,9 @@
  *                    all-reduce; they must fail with a clear error
  *   mp_prog nostart K  rank K exits 0 before cpar_init_from_env; the others
  *                    must fail at the deadline naming it
+ *   mp_prog badarg K rank K's all-reduce fails its own checks (it stays alive
+ *                    for 5 s); the others must fail at once naming it, and
+ *                    print how long their all-reduce took ("after N ms")
  *
  * Exit status: 0 when every check passed, 1 when a cpar call failed (its
  * message on stderr), 2 when a result was wrong. */
@@ -214,6 +217,29 @@ static int job(const char *mode, int k) {
     cpar_tensor t;
     if (upload(ctx, ones, CPAR_F32, 1, shape, &t)) return 1;
     TRY(cpar_all_reduce(w, &t, &t, CPAR_SUM)); /* a healthy start */
+    if (!strcmp(mode, "badarg")) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        cpar_status st;
+        if (rank == k) { /* an output one element short: refused by its own checks */
+            int64_t short_shape[1] = {63};
+            cpar_tensor s;
+            TRY(cpar_tensor_alloc(ctx, CPAR_F32, 1, short_shape, &s));
+            st = cpar_all_reduce(w, &t, &s, CPAR_SUM);
+        } else {
+            st = cpar_all_reduce(w, &t, &t, CPAR_SUM);
+            if (st == CPAR_OK) st = cpar_sync(ctx);
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        long ms = (long)((t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000);
+        printf("rank %d: %s: %s (after %ld ms)\n", rank, cpar_status_string(st), cpar_last_error(ctx), ms);
+        if (rank == k) {
+            struct timespec ts = {5, 0}; /* alive: its peers must not need it to leave */
+            nanosleep(&ts, NULL);
+        }
+        cpar_finalize(ctx);
+        return st == CPAR_OK ? 2 : 1;
+    }
     if (!strcmp(mode, "die")) {
         if (rank == k) {
             struct timespec ts = {0, 200 * 1000000L}; /* the peers are inside the next all-reduce by now */
@@ -261,8 +287,8 @@ int main(int argc, char **argv) {
         printf("rank %d not starting\n", rank);
         return 0;
     }
-    if (strcmp(mode, "ok") && strcmp(mode, "die") && strcmp(mode, "nostart")) {
-        fprintf(stderr, "mp_prog: unknown mode \"%s\" (ok, die K, nostart K)\n", mode);
+    if (strcmp(mode, "ok") && strcmp(mode, "die") && strcmp(mode, "nostart") && strcmp(mode, "badarg")) {
+        fprintf(stderr, "mp_prog: unknown mode \"%s\" (ok, die K, nostart K, badarg K)\n", mode);
         return 1;
     }
     return job(mode, k);

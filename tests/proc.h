@@ -247,12 +247,13 @@ static inline void torchrun_rank_died(proc *ps, int np, int victim, int stream)
 }
 
 /* Starts np ranks of prog with args as torchrun would (local_world ranks per
- * node, LOCAL_RANK = rank % local_world), on a store port of this test's own,
+ * node, LOCAL_RANK = rank % local_world, TORCHELASTIC_RUN_ID the job's: as
+ * torchrun --standalone draws one), on a store port of this test's own,
  * each with CPAR_TIMEOUT_MS=timeout. np <= 8. */
 static inline void torchrun_start(proc *ps, int np, int local_world, const char *prog, const char *const *args,
                                   const char *timeout)
 {
-    static char vars[8][7][64];
+    static char vars[8][8][64];
     int port = 20000 + (int)(getpid() % 10000) * 2;
     ck_assert_int_le(np, 8);
     for (int r = 0; r < np; r++) {
@@ -263,7 +264,9 @@ static inline void torchrun_start(proc *ps, int np, int local_world, const char 
         snprintf(vars[r][4], 64, "MASTER_ADDR=127.0.0.1");
         snprintf(vars[r][5], 64, "MASTER_PORT=%d", port);
         snprintf(vars[r][6], 64, "CPAR_TIMEOUT_MS=%s", timeout);
-        const char *env[] = {vars[r][0], vars[r][1], vars[r][2], vars[r][3], vars[r][4], vars[r][5], vars[r][6], NULL};
+        snprintf(vars[r][7], 64, "TORCHELASTIC_RUN_ID=test-%d", (int)getpid());
+        const char *env[] = {vars[r][0], vars[r][1], vars[r][2], vars[r][3], vars[r][4], vars[r][5], vars[r][6],
+                             vars[r][7], NULL};
         proc_start(&ps[r], prog, NULL, args, env);
     }
 }

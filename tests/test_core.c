@@ -8,6 +8,7 @@
  * default round-to-nearest-even mode), exhaustively over all 65536 half and
  * bfloat16 patterns and at every tie between neighbours. */
 #define _GNU_SOURCE /* setenv, unsetenv */
+#include <time.h>
 #include <pthread.h>
 #include <unistd.h> /* getpid, gethostname, dup2 */
 
@@ -662,7 +663,7 @@ END_TEST
 static const char *const launch_vars[] = {
     "RANK",         "WORLD_SIZE",    "LOCAL_RANK",    "LOCAL_WORLD_SIZE",      "MASTER_ADDR", "MASTER_PORT",
     "CPAR_STORE_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "CPAR_TIMEOUT_MS",
-    "CPAR_BACKEND",
+    "CPAR_BACKEND", "CPAR_JOB_TOKEN", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
 };
 #define N_LAUNCH_VARS (sizeof launch_vars / sizeof launch_vars[0])
 
@@ -767,6 +768,13 @@ START_TEST(test_init_from_env) {
         setenv("RANK", "0", 1);
         ctx = (cpar_ctx *)&s;
         if (backends[k] != CPAR_BACKEND_DEVICE) {
+            /* started by hand without a job token: refused at once, no default */
+            unsetenv("CPAR_JOB_TOKEN");
+            const time_t t0 = time(NULL);
+            TU_FAILS(cpar_init_from_env(&c, &ctx), CPAR_ERR_INVALID, "no job token");
+            ck_assert_int_le(time(NULL) - t0, 1); /* at once: the deadline is TU_TIMEOUT_MS */
+            ck_assert_ptr_null(ctx);
+            setenv("CPAR_JOB_TOKEN", "init-from-env", 1);
             c.timeout_ms = 300;
             TU_FAILS(cpar_init_from_env(&c, &ctx), CPAR_ERR_TIMEOUT, "rank 1 of 2 missing");
             c.timeout_ms = TU_TIMEOUT_MS;

@@ -215,10 +215,12 @@ START_TEST(test_two_nodes)
     char master[32];
     snprintf(master, sizeof master, "127.0.0.1:%d", free_port_pair());
     proc n0, n1;
+    char token[64];
+    snprintf(token, sizeof token, "CPAR_JOB_TOKEN=two-nodes-%d", (int)getpid());
     start(&n1, (const char *const[]){"-n", "2", "--nnodes", "2", "--node-rank", "1", "--master", master,
-                                          "PROG", NULL}, NULL); /* node 1 first: clients wait for the store */
+                                          "PROG", NULL}, (const char *const[]){token, NULL}); /* node 1 first */
     start(&n0, (const char *const[]){"-n", "2", "--nnodes=2", "--node-rank=0", "--master", master, "PROG",
-                                          NULL}, (const char *const[]){"CPAR_LOG=warn", NULL});
+                                          NULL}, (const char *const[]){token, NULL});
     proc_finish(&n0, 30000);
     proc_finish(&n1, 30000);
     ck_assert_msg(n0.status == 0, "node 0: %d\n%s", n0.status, n0.text[1]);
@@ -226,15 +228,29 @@ START_TEST(test_two_nodes)
     ASSERT_HAS(n0.text[0], "[1] rank 1 of 4 (torchrun), local 1 of 2");
     ASSERT_HAS(n1.text[0], "[2] rank 2 of 4 (torchrun), local 0 of 2");
     ASSERT_HAS(n1.text[0], "[3] rank 3 ok");
-    /* Several nodes and no CPAR_JOB_TOKEN: the default token, and a warning at CPAR_LOG=warn. */
-    ASSERT_HAS(n0.text[0], "[0] rank 0 token from default");
-    ASSERT_HAS(n0.text[1], "are not isolated from each other");
-    ck_assert_msg(!strstr(n1.text[1], "not isolated"), "warned without CPAR_LOG=warn:\n%s", n1.text[1]);
-    /* cparrun itself says so on every node, whatever the log level */
-    ASSERT_HAS(n1.text[1], "cparrun: warning: --nnodes 2 without CPAR_JOB_TOKEN");
-    ASSERT_HAS(n0.text[1], "export the same CPAR_JOB_TOKEN on every node");
+    ASSERT_HAS(n0.text[0], "[0] rank 0 token from CPAR_JOB_TOKEN");
     assert_prefixed(n1.text[0], 4);
     proc_free(&n0);
+    proc_free(&n1);
+}
+END_TEST
+
+/* Several nodes without CPAR_JOB_TOKEN (and not under SLURM): refused at once
+ * on every node, saying what to export; no rank starts. */
+START_TEST(test_two_nodes_need_a_token)
+{
+    char master[32];
+    snprintf(master, sizeof master, "127.0.0.1:%d", free_port_pair());
+    proc n1;
+    unsetenv("CPAR_JOB_TOKEN");
+    unsetenv("SLURM_JOB_ID");
+    start(&n1, (const char *const[]){"-n", "2", "--nnodes", "2", "--node-rank", "1", "--master", master,
+                                          "PROG", NULL}, NULL);
+    proc_finish(&n1, 10000);
+    ck_assert_msg(n1.status == 2, "status %d\n%s", n1.status, n1.text[1]);
+    ASSERT_HAS(n1.text[1], "cparrun: --nnodes 2 needs CPAR_JOB_TOKEN");
+    ASSERT_HAS(n1.text[1], "export the same secret on every node");
+    ck_assert_msg(!strstr(n1.text[0], "rank"), "a rank started:\n%s", n1.text[0]);
     proc_free(&n1);
 }
 END_TEST
@@ -553,6 +569,7 @@ int main(void)
     tcase_add_test(tc, test_sigint_forwarded);
     tcase_add_test(tc, test_sigkill_after_grace);
     tcase_add_test(tc, test_two_nodes);
+    tcase_add_test(tc, test_two_nodes_need_a_token);
     tcase_add_test(tc, test_store_port);
     tcase_add_test(tc, test_two_jobs_one_port);
     tcase_add_test(tc, test_duplicate_rank);

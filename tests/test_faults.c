@@ -485,11 +485,9 @@ static cpar_status rank_gaveup(cpar_ctx *ctx, void *p) {
     return CPAR_OK;
 }
 
-/* _i = (ranks - 2) * 3 + gaveup_arg.kind, 2-4 ranks. Ranks as threads (host
- * and device backends; processes: test_hostmp); on NCCL the peers still wait
- * for the deadline. */
+/* _i = (ranks - 2) * 3 + gaveup_arg.kind, 2-4 ranks. Ranks as threads (every
+ * backend; processes: test_hostmp, and test_mp on NCCL). */
 START_TEST(test_rank_fails_check) {
-    if (tu_is_nccl()) return;
     gaveup_arg a = {.kind = _i % 3, .n = _i / 3 + 2};
     cpar_init_config c = {.backend = tu_backend(), .timeout_ms = 20000};
     TU_OK(tu_spawn_with(a.n, &c, rank_gaveup, &a));

@@ -85,6 +85,31 @@ START_TEST(test_torchrun_rank_dies) {
 }
 END_TEST
 
+/* A rank's all-reduce fails its own checks while its peers wait in theirs:
+ * they fail at once with CPAR_ERR_PEER naming it and its message (through
+ * the store), though it stays alive for 5 s more (issue 29). */
+START_TEST(test_torchrun_rank_fails_check) {
+    proc ps[NP];
+    mp_start(ps, "badarg", "2", "30000");
+    for (int r = 0; r < NP; r++) proc_finish(&ps[r], 40000);
+    for (int r = 0; r < NP; r++) {
+        ASSERT_OUT(&ps[r], ps[r].status == 1);
+        if (r == 2) {
+            ASSERT_OUT(&ps[r], strstr(ps[r].text[0], "CPAR_ERR_INVALID") && strstr(ps[r].text[0], "out has shape"));
+            continue;
+        }
+        ASSERT_OUT(&ps[r], strstr(ps[r].text[0], "CPAR_ERR_PEER") && strstr(ps[r].text[0], "rank 2 gave up") &&
+                               strstr(ps[r].text[0], "out has shape"));
+        const char *after = strstr(ps[r].text[0], "(after ");
+        long ms = -1;
+        ck_assert_msg(after && sscanf(after, "(after %ld ms)", &ms) == 1 && ms < 1000,
+                      "rank %d's all-reduce took %ld ms to learn of rank 2's failure:\n%s", r, ms, ps[r].text[0]);
+    }
+    for (int r = 0; r < NP; r++) proc_free(&ps[r]);
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
 START_TEST(test_torchrun_rank_never_starts) {
     proc ps[NP];
     mp_start(ps, "nostart", "1", "1500");
@@ -147,6 +172,7 @@ int main(void) {
     tc = tcase_create("torchrun");
     tcase_add_test(tc, test_torchrun_job);
     tcase_add_test(tc, test_torchrun_rank_dies);
+    tcase_add_test(tc, test_torchrun_rank_fails_check);
     tcase_add_test(tc, test_torchrun_rank_never_starts);
     tcase_add_test(tc, test_torchrun_duplicate_rank0);
     tcase_set_timeout(tc, 120);

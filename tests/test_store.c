@@ -1156,7 +1156,21 @@ START_TEST(test_token_from_env)
     env_clear();
     unsetenv("CPAR_JOB_TOKEN");
     ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
-    ck_assert_str_eq(e.job_token_source, "default");
+    ck_assert_str_eq(e.job_token_source, "none"); /* no default token */
+    ck_assert_str_eq(e.job_token, "");
+    setenv("TORCHELASTIC_RUN_ID", "none", 1); /* torchrun's default id says nothing */
+    ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
+    ck_assert_str_eq(e.job_token_source, "none");
+    /* ... and a store without one refuses to start, server or client, saying what to set */
+    for (int server = 1; server >= 0; server--) {
+        cpar_store_config nc = {.host = "127.0.0.1", .port = 1, .is_server = server, .timeout_ms = 2000};
+        cpar_store *none = (cpar_store *)&e; /* must be overwritten */
+        ck_assert_int_eq(cpar_store_create(&nc, &none), CPAR_ERR_INVALID);
+        ck_assert_ptr_null(none);
+        ASSERT_MSG_HAS("cpar_store_create: no job token: ranks started by hand need CPAR_JOB_TOKEN");
+        ASSERT_MSG_HAS("torchrun --standalone");
+    }
+    unsetenv("TORCHELASTIC_RUN_ID");
     setenv("SLURM_JOB_ID", "4711", 1);
     setenv("SLURM_STEP_ID", "2", 1);
     ck_assert_int_eq(cpar_env_read(&e), CPAR_OK);
