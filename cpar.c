@@ -22,7 +22,7 @@
  *                                   releases the peers; ranks as processes: shared-memory segments, futex waits,
  *                                   dead-peer checks, peers' arenas mapped and read in place
  *    9. NCCL backend                communicators, async-error polling, abort; a call refused by its own
- *                                   checks releases the peers (job or store)
+ *                                   checks releases the peers (job or store); CPAR_CHECK_CALLS compares calls
  *   10. Groups                      world group, split, destroy, statistics
  *   11. Collectives                 argument checks, byte accounting, dispatch
  *   12. Contexts and start-up       spawn, init_from_env, finalize, abort, sync
@@ -164,6 +164,7 @@ struct cpar_ctx {
     const char *pending_fn;
     void (*give_up)(cpar_group *g, const char *why);
     int64_t gave_up_poll_ms; /* NCCL across processes: the next poll of the peers' give-ups (section 9) */
+    bool check_calls;     /* CPAR_CHECK_CALLS=1: NCCL compares every collective's call (section 9) */
     cpar_dev_stream coll_stream; /* where the collectives enqueue: NULL = compute; set only
                                   * between cpar__on_comm_stream and cpar__on_compute_stream */
     cpar_dev_blas blas;
@@ -7056,12 +7057,63 @@ static void cpar__nccl_destroy(ncclComm_t comm, bool aborted) {
     else ncclCommAbort(comm);
 }
 
+/* CPAR_CHECK_CALLS=1 (every rank): the members' descriptions of each NCCL
+ * collective (the public call's tag, kind, dtype, op, root, counts, sizes
+ * and splits) are all-gathered and compared as the host backends compare
+ * their slots (cpar__slots_validate), before the collective is enqueued:
+ * a disagreement is CPAR_ERR_INVALID on every rank, naming both ranks'
+ * calls. It costs an all-gather and a host round trip per collective (as
+ * TORCH_DISTRIBUTED_DEBUG=DETAIL does), so it is off by default. */
+static cpar_status cpar__nccl_validate(cpar_group *g, const char *fn, const cpar__slot *c, ncclComm_t *pc) {
+    cpar_ctx *ctx = g->ctx;
+    const int n = g->size;
+    const size_t wire = sizeof(cpar__pc_desc) + 3 * (size_t)n * sizeof(int64_t);
+    char *host = malloc(wire * (size_t)(n + 1) + (size_t)n * sizeof(cpar__slot));
+    if (!host) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate %zu bytes to compare the call", fn, wire * n);
+    cpar__pc_desc *mine = (cpar__pc_desc *)(void *)host;
+    memset(host, 0, wire);
+    *mine = (cpar__pc_desc){.kind = c->kind, .dtype = c->dtype, .op = c->op, .root = c->root,
+                            .has_sizes = c->sizes != NULL, .rows = c->rows, .row_elems = c->row_elems, .tag = c->tag};
+    memcpy(mine->tag_text, c->tag_text, sizeof mine->tag_text);
+    int64_t *arrays = (int64_t *)(void *)(host + sizeof *mine);
+    for (int r = 0; r < n; r++) {
+        arrays[r] = c->sizes ? c->sizes[r] : 0;
+        arrays[n + r] = c->in_splits ? c->in_splits[r] : 0;
+        arrays[2 * n + r] = c->out_splits ? c->out_splits[r] : 0;
+    }
+    cpar_status st = cpar__grow_buffer(ctx, fn, &ctx->coll_ws, &ctx->coll_ws_bytes, wire * (size_t)(n + 1));
+    char *ws = ctx->coll_ws, *all = host + wire;
+    if (st == CPAR_OK && (st = cpar_dev_memcpy(ws, host, wire, CPAR_COPY_H2D, ctx->compute)) != CPAR_OK)
+        st = cpar__dev_fail(ctx, st, fn);
+    if (st == CPAR_OK) {
+        g->seq++;
+        st = cpar__nccl_wait(ctx, g, fn, "ncclAllGather", "the members' calls, to compare them", pc,
+                             ncclAllGather(ws, ws + wire, wire, ncclUint8, *pc, (cudaStream_t)ctx->compute));
+    }
+    if (st == CPAR_OK) st = cpar__copy_bytes(ctx, fn, all, CPAR_HOST, ws + wire, ctx->device, wire * (size_t)n);
+    if (st == CPAR_OK) {
+        cpar__slot *sl = (cpar__slot *)(void *)(all + wire * (size_t)n);
+        for (int m = 0; m < n; m++) {
+            const cpar__pc_desc *d = (const cpar__pc_desc *)(const void *)(all + wire * (size_t)m);
+            const int64_t *a = (const int64_t *)(const void *)(all + wire * (size_t)m + sizeof *d);
+            sl[m] = (cpar__slot){.kind = d->kind, .dtype = (cpar_dtype)d->dtype, .op = d->op, .root = d->root,
+                                 .rows = d->rows, .row_elems = d->row_elems, .sizes = d->has_sizes ? a : NULL,
+                                 .in_splits = a + n, .out_splits = a + 2 * n, .tag = d->tag};
+            memcpy(sl[m].tag_text, d->tag_text, sizeof sl[m].tag_text);
+        }
+        st = cpar__slots_validate(g, fn, sl);
+    }
+    free(host);
+    return st;
+}
+
 /* Enqueue one collective described by the caller's slot on the collectives'
  * stream (cpar__coll_stream: compute unless a caller switched to comm). */
 static cpar_status cpar__nccl_collective(cpar_group *g, const char *fn, const cpar__slot *c) {
     cpar_ctx *ctx = g->ctx;
     ncclComm_t *pc = NULL;
     CPAR_TRY(cpar__nccl_comm(g, fn, &pc));
+    if (ctx->check_calls && g->size > 1) CPAR_TRY(cpar__nccl_validate(g, fn, c, pc));
     g->seq++;
     ncclComm_t comm = *pc;
     cudaStream_t s = (cudaStream_t)cpar__coll_stream(ctx);
@@ -7914,6 +7966,8 @@ static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg,
     ctx->world = world;
     ctx->backend = cfg->backend;
     ctx->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : cpar__default_timeout_ms();
+    const char *check = getenv("CPAR_CHECK_CALLS");
+    ctx->check_calls = check && *check && strcmp(check, "0") != 0;
     const char *gemm = getenv("CPAR_HOST_GEMM"), *threads = getenv("CPAR_HOST_THREADS");
     if (gemm && *gemm) {
         static const char *const names[] = {"auto", "amx", "avx512bf16", "avx2", "c", "builtin", "default", "avx512"};
