@@ -6778,6 +6778,10 @@ static int cpar__nccl_exited_member(const cpar_ctx *ctx, const cpar_group *g) {
  * often than itself, on a batch it has enqueued. A refusal every member
  * shares leaves the counts equal, so it never fails a later call. */
 
+/* The job's count of give-ups on every group: one round trip tells a
+ * waiting rank that there is nothing to look at (the common case). */
+#define CPAR__GAVE_UP_ANY "cpar/gaveup/any"
+
 static void cpar__nccl_gave_up_key(char *key, size_t cap, uint64_t uid, int world_rank, uint64_t count) {
     if (count) snprintf(key, cap, "cpar/gaveup/%016llx/%d/%llu", (unsigned long long)uid, world_rank,
                         (unsigned long long)count);
@@ -6796,7 +6800,8 @@ static void cpar__nccl_give_up(cpar_group *g, const char *why) {
         int64_t now;
         if (cpar_store_set(ctx->store, key, val, (size_t)len + 1) == CPAR_OK) {
             cpar__nccl_gave_up_key(key, sizeof key, g->uid, ctx->rank, 0);
-            (void)cpar_store_add(ctx->store, key, 1, &now);
+            if (cpar_store_add(ctx->store, key, 1, &now) == CPAR_OK)
+                (void)cpar_store_add(ctx->store, CPAR__GAVE_UP_ANY, 1, &now);
         }
         return;
     }
@@ -6866,6 +6871,12 @@ static cpar_status cpar__nccl_gave_up_check(cpar_ctx *ctx, const char *fn, bool 
         const int64_t now = cpar__now_ms();
         if (now < ctx->gave_up_poll_ms && !force) return CPAR_OK;
         ctx->gave_up_poll_ms = now + 20;
+        char keep[CPAR_ERR_LEN];
+        snprintf(keep, sizeof keep, "%s", cpar__tls_err); /* a failed poll must not replace the caller's error */
+        int64_t any = 0;
+        const bool asked = cpar_store_add(ctx->store, CPAR__GAVE_UP_ANY, 0, &any) == CPAR_OK;
+        snprintf(cpar__tls_err, sizeof cpar__tls_err, "%s", keep);
+        if (!asked || any == 0) return CPAR_OK;
     } else if (!ctx->job) {
         return CPAR_OK;
     }
