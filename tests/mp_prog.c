@@ -247,6 +247,9 @@ static int job(const char *mode, int k) {
             raise(SIGKILL);
         }
         cpar_status st = cpar_all_reduce(w, &t, &t, CPAR_SUM);
+        /* on NCCL the call may return once enqueued (as ncclAllReduce does):
+         * then its first wait fails */
+        if (st == CPAR_OK) st = cpar_sync(ctx);
         fprintf(stderr, "mp_prog: rank %d: all_reduce after rank %d died -> %s: %s\n", rank, k,
                 cpar_status_string(st), cpar_last_error(ctx));
         cpar_finalize(ctx);
