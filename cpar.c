@@ -1980,12 +1980,20 @@ CPAR__VARIANTS(cpar__host_gelu_lut,
  * one order whatever the blocking. f16 keeps the widening path (f16 does not
  * fit bf16 exactly). CPAR_HOST_GEMM names a kernel to force it: amx and
  * avx512bf16 (bf16 products), avx512, avx2, c (every product; each implies
- * builtin). A 16-bit C is accumulated in an fp32 copy and rounded once. With a
+ * builtin). A 16-bit C is accumulated in an fp32 copy and rounded once,
+ * except a bf16 C with beta 0 and k within one block: each micro-tile is
+ * rounded from a buffer in L1 straight into C (the fp32 copy's write and
+ * read cost more than the products at k 64). AMX reads op(B) where it lies
+ * when its k is contiguous (x in the linear layer's forward) and the
+ * block's k is whole tiles: no packing. With a
  * CBLAS (built with CPAR_WITH_CBLAS: OpenBLAS, BLIS), all-F32 products go
  * to cblas_sgemm. The packed panels live in ctx->gemm_ws (host memory,
  * grown once). */
 
-enum { CPAR__GEMM_MC = 144, CPAR__GEMM_KC = 256, CPAR__GEMM_NC = 3072, CPAR__GEMM_MAX_TILE = 32 * 32 };
+enum {
+    CPAR__GEMM_MC = 144, CPAR__GEMM_MC_AMX = 256, CPAR__GEMM_KC = 256, CPAR__GEMM_NC = 3072,
+    CPAR__GEMM_MAX_TILE = 32 * 32
+};
 
 /* c (mr x nr, column-major, ldc) = alpha * sum_p a[p*mr + i] b[p*nr + j]
  * + beta c; beta 0 never reads c. kw: 32-bit words per row of a sliver (kc
@@ -1993,12 +2001,30 @@ enum { CPAR__GEMM_MC = 144, CPAR__GEMM_KC = 256, CPAR__GEMM_NC = 3072, CPAR__GEM
 typedef void (*cpar__gemm_ukernel)(int64_t kw, const void *a, const void *b, float *c, int64_t ldc, float alpha,
                                    float beta);
 
+/* op(B)'s sliver for one micro-tile: packed (ldb 0) or where it lies. */
+typedef struct {
+    const void *p;
+    int64_t ldb;
+} cpar__gemm_sliver;
+
+/* A whole 32 x 32 fp32 tile (column j at t + 32 j) to round into a bf16 C. */
+typedef struct {
+    const float *t;
+    uint16_t *c;
+    int64_t ldc;
+} cpar__gemm_rounding;
+
 typedef struct cpar__gemm_kernel {
     int mr, nr;
     bool bf16_pairs; /* panels of bf16 pairs (cpar__gemm_pack_bf16), not fp32 */
     bool b_tiles;    /* AMX: op(B)'s panel in rows of 16 pairs (cpar__gemm_pack_bf16_rows), kw a multiple of 16 */
     void (*enter)(void), (*leave)(void); /* or NULL: around a thread's run of the kernel (AMX's tile state) */
     cpar__gemm_ukernel run;
+    /* or (AMX) run with op(B)'s sliver packed or where it lies (k
+     * contiguous, columns ldb apart, whole k tiles), rounding r (or NULL),
+     * the previous tile's, among its tile products */
+    void (*run_amx)(int64_t kw, const void *a, cpar__gemm_sliver b, float *c, int64_t ldc, float alpha, float beta,
+                    const cpar__gemm_rounding *r);
     const char *name;
 } cpar__gemm_kernel;
 
@@ -2201,10 +2227,28 @@ __attribute__((target("amx-tile"))) static void cpar__gemm_amx_enter(void) { _ti
 
 __attribute__((target("amx-tile"))) static void cpar__gemm_amx_leave(void) { _tile_release(); }
 
-__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void cpar__gemm_ukernel_amx(int64_t kw, const void *av,
-                                                                                      const void *bv, float *c,
-                                                                                      int64_t ldc, float alpha,
-                                                                                      float beta) {
+/* 16 fp32 at t rounded to bf16 at c, as cpar__bf16_bits rounds them (to
+ * nearest even; a NaN quieted, its sign kept). */
+__attribute__((target("avx512f"), always_inline)) static inline void cpar__gemm_round16(uint16_t *c, const float *t) {
+    const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(t));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rne = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i r = _mm512_mask_or_epi32(rne, nan, u, _mm512_set1_epi32(0x400000));
+    _mm256_storeu_si256((__m256i *)c, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+
+/* op(B)'s tiles: a packed sliver (b.ldb 0: k-step q / 16 at word 32 q,
+ * columns 16..31 256 words on, rows 64 bytes apart) or where it lies (word
+ * q, 8 ldb words on, rows 2 ldb bytes apart). r: a previous tile's
+ * rounding, two vectors after each k-step's products (the rest after the
+ * last): the vector unit's work then overlaps the tile unit's, where
+ * rounding each tile after its products cost a sixth of the time at k
+ * 1024. */
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void
+cpar__gemm_ukernel_amx(int64_t kw, const void *av, cpar__gemm_sliver bs, float *c, int64_t ldc, float alpha, float beta,
+                       const cpar__gemm_rounding *r) {
     const bool direct = alpha == 1.f && (beta == 0.f || beta == 1.f);
     const size_t ldb = (size_t)ldc * sizeof(float);
     if (direct && beta == 1.f) {
@@ -2218,24 +2262,28 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void cpar__gemm_uker
         _tile_zero(2);
         _tile_zero(3);
     }
-    const uint32_t *a = av, *b = bv;
+    const uint32_t *a = av, *b = bs.p;
+    const int64_t b_step = bs.ldb ? 1 : 32, b_half = bs.ldb ? 8 * bs.ldb : 16 * 16, b_row = bs.ldb ? 2 * bs.ldb : 64;
+    int v = r ? 0 : 64; /* vectors of r done: column v / 2, rows 16 (v % 2) .. + 15 */
     for (int64_t q = 0; q < kw; q += 16) {
-        _tile_loadd(4, b + q * 32, 64);           /* columns 0..15 of C, k-step q / 16 */
-        _tile_loadd(5, b + q * 32 + 16 * 16, 64); /* columns 16..31 */
-        _tile_loadd(6, a + q * 32, 128);          /* rows 0..15 of C: 16 pairs of k */
-        _tile_loadd(7, a + q * 32 + 16, 128);     /* rows 16..31 */
+        _tile_loadd(4, b + q * b_step, b_row);          /* columns 0..15 of C, k-step q / 16 */
+        _tile_loadd(5, b + q * b_step + b_half, b_row); /* columns 16..31 */
+        _tile_loadd(6, a + q * 32, 128);                /* rows 0..15 of C: 16 pairs of k */
+        _tile_loadd(7, a + q * 32 + 16, 128);           /* rows 16..31 */
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        for (int e = v + 2; v < e && v < 64; v++) cpar__gemm_round16(r->c + (v & 1) * 16 + (v >> 1) * r->ldc, r->t + 16 * v);
     }
+    for (; v < 64; v++) cpar__gemm_round16(r->c + (v & 1) * 16 + (v >> 1) * r->ldc, r->t + 16 * v);
     if (direct) {
         _tile_stored(0, c, ldb);
         _tile_stored(1, c + 16, ldb);
         _tile_stored(2, c + 16 * ldc, ldb);
         _tile_stored(3, c + 16 + 16 * ldc, ldb);
     } else {
-        float t[32 * 32]; /* column j of C at t + 32 j */
+        _Alignas(64) float t[32 * 32]; /* column j of C at t + 32 j */
         _tile_stored(0, t, 128);
         _tile_stored(1, t + 16, 128);
         _tile_stored(2, t + 16 * 32, 128);
@@ -2268,6 +2316,13 @@ __attribute__((target("avx512f"))) static void cpar__gemm_pairs16_avx512(uint32_
     const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c0));
     const __m512i hi = c1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c1)) : _mm512_setzero_si512();
     _mm512_storeu_si512(dst, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+}
+
+/* cpar__gemm_round_bf16 for mm a multiple of 16. */
+__attribute__((target("avx512f"))) static void cpar__gemm_round_bf16_avx512(uint16_t *c, int64_t ldc, const float *t,
+                                                                           int mr, int64_t mm, int64_t nn) {
+    for (int64_t j = 0; j < nn; j++)
+        for (int64_t i = 0; i < mm; i += 16) cpar__gemm_round16(c + i + j * ldc, t + i + j * mr);
 }
 #endif
 
@@ -2355,17 +2410,17 @@ static cpar__gemm_kernel cpar__gemm_kernel_pick(int force, cpar_dtype adt, cpar_
     const bool bf16 = adt == CPAR_BF16 && bdt == CPAR_BF16;
     if ((force == CPAR__GEMM_AUTO || force == CPAR__GEMM_FORCE_AMX) && bf16 && cpar__cpu_amx())
         return (cpar__gemm_kernel){32, 32, true, true, cpar__gemm_amx_enter, cpar__gemm_amx_leave,
-                                   cpar__gemm_ukernel_amx, "amx-bf16 32x32"};
+                                   NULL, cpar__gemm_ukernel_amx, "amx-bf16 32x32"};
     if ((force == CPAR__GEMM_AUTO || force == CPAR__GEMM_FORCE_BF16) && bf16 && cpar__cpu_avx512bf16())
-        return (cpar__gemm_kernel){32, 12, true, false, NULL, NULL, cpar__gemm_ukernel_bf16, "avx512-bf16 32x12"};
+        return (cpar__gemm_kernel){32, 12, true, false, NULL, NULL, cpar__gemm_ukernel_bf16, NULL, "avx512-bf16 32x12"};
     if (force != CPAR__GEMM_FORCE_AVX2 && force != CPAR__GEMM_FORCE_C && cpar__cpu_avx512())
-        return (cpar__gemm_kernel){32, 12, false, false, NULL, NULL, cpar__gemm_ukernel_avx512, "avx512f 32x12"};
+        return (cpar__gemm_kernel){32, 12, false, false, NULL, NULL, cpar__gemm_ukernel_avx512, NULL, "avx512f 32x12"};
     if (force != CPAR__GEMM_FORCE_C && cpar__cpu_avx2())
-        return (cpar__gemm_kernel){16, 6, false, false, NULL, NULL, cpar__gemm_ukernel_avx2, "avx2+fma 16x6"};
+        return (cpar__gemm_kernel){16, 6, false, false, NULL, NULL, cpar__gemm_ukernel_avx2, NULL, "avx2+fma 16x6"};
 #else
     (void)force;
 #endif
-    return (cpar__gemm_kernel){8, 4, false, false, NULL, NULL, cpar__gemm_ukernel_c, "portable C 8x4"};
+    return (cpar__gemm_kernel){8, 4, false, false, NULL, NULL, cpar__gemm_ukernel_c, NULL, "portable C 8x4"};
 }
 
 /* rows x cols of a matrix whose element (r, c) is at src[r*rs + c*cs], widened
@@ -2425,17 +2480,49 @@ static void cpar__gemm_pack(float *dst, const void *src, cpar_dtype dt, int64_t 
  * (a tile product is 32 deep: fewer round trips of C through its tiles). */
 static int64_t cpar__gemm_kc(const cpar__gemm_kernel *K) { return K->b_tiles ? 4 * CPAR__GEMM_KC : CPAR__GEMM_KC; }
 
-/* The rows of op(A) packed at a time: whole slivers, at most CPAR__GEMM_MC. */
-static int64_t cpar__gemm_mc(const cpar__gemm_kernel *K) { return CPAR__GEMM_MC / K->mr * K->mr; }
+/* The rows of op(A) packed at a time in a product of n columns and depth
+ * k: whole slivers, at most CPAR__GEMM_MC. AMX: CPAR__GEMM_MC_AMX, twice
+ * that when op(B)'s block outgrows half of L2 (above 1 MiB): each sliver
+ * of op(B) fetched from L3 then serves 16 tiles, not 8 (1024^3 ran 4 %
+ * faster than at 256 rows, 9 % than at 128; the linear layer's 256 x 1024 x
+ * 4096, whose x stays in L2, 10 % slower at 512). */
+static int64_t cpar__gemm_mc(const cpar__gemm_kernel *K, int64_t n, int64_t k) {
+    if (!K->b_tiles) return CPAR__GEMM_MC / K->mr * K->mr;
+    const int64_t b_bytes = cpar__min64(n, CPAR__GEMM_NC) * cpar__min64(k, cpar__gemm_kc(K)) * 2;
+    return b_bytes > (1 << 20) ? 2 * CPAR__GEMM_MC_AMX : CPAR__GEMM_MC_AMX;
+}
 
-/* The blocked product into an fp32 C: beta applies in the first KC block. */
+static inline void cpar__gemm_run(const cpar__gemm_kernel *K, int64_t kw, const void *a, cpar__gemm_sliver b, float *c,
+                                  int64_t ldc, float alpha, float beta) {
+    if (K->run_amx) K->run_amx(kw, a, b, c, ldc, alpha, beta, NULL);
+    else K->run(kw, a, b.p, c, ldc, alpha, beta);
+}
+
+/* A micro-tile's fp32 result (column j at t + j * mr) rounded into a bf16
+ * C: mm x nn of it, each element as cpar_f32_to_bf16 rounds it. */
+static void cpar__gemm_round_bf16(uint16_t *c, int64_t ldc, const float *t, int mr, int64_t mm, int64_t nn) {
+    int64_t j = 0;
+#ifdef CPAR__X86_KERNELS
+    if (mm % 16 == 0 && cpar__cpu_avx512()) j = nn, cpar__gemm_round_bf16_avx512(c, ldc, t, mr, mm, nn);
+#endif
+    for (; j < nn; j++)
+        for (int64_t i = 0; i < mm; i++) c[i + j * ldc] = cpar__bf16_bits(t[i + j * mr]);
+}
+
+/* The blocked product into an fp32 C, or with cb a bf16 C (ldc its
+ * stride; then beta is 0 and k one block: each micro-tile is computed into
+ * a buffer and rounded once, never stored in fp32). beta applies in the
+ * first KC block. */
 static void cpar__gemm_blocked(const cpar__gemm_kernel *K, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
                                const void *A, cpar_dtype adt, int64_t lda, const void *B, cpar_dtype bdt, int64_t ldb,
-                               float beta, float *C, int64_t ldc, float *ap, float *bp) {
+                               float beta, float *C, uint16_t *cb, int64_t ldc, float *ap, float *bp) {
     /* op(A)(i, p) = A[i*ars + p*acs]; op(B)(p, j) = B[p*brs + j*bcs]; B is
      * packed as op(B)^T so that its slivers are nr columns wide. */
     const int64_t ars = ta ? lda : 1, acs = ta ? 1 : lda, brs = tb ? ldb : 1, bcs = tb ? 1 : ldb;
-    float tile[CPAR__GEMM_MAX_TILE];
+    _Alignas(64) float tile[CPAR__GEMM_MAX_TILE]; /* AMX stores it by rows of 128 bytes */
+    _Alignas(64) float piped[2][32 * 32];         /* AMX, bf16 C: a tile rounded while the next is computed */
+    cpar__gemm_rounding pend = {NULL, NULL, 0};
+    int64_t npiped = 0;
     if (K->enter) K->enter();
     for (int64_t jc = 0; jc < n; jc += CPAR__GEMM_NC) {
         const int64_t nc = cpar__min64(CPAR__GEMM_NC, n - jc);
@@ -2443,23 +2530,43 @@ static void cpar__gemm_blocked(const cpar__gemm_kernel *K, int ta, int tb, int64
             const int64_t kc = cpar__min64(cpar__gemm_kc(K), k - pc), kw = cpar__gemm_kw(K, kc);
             const float b0 = pc == 0 ? beta : 1.f;
             const void *bsrc = (const char *)B + (size_t)(pc * brs + jc * bcs) * cpar_dtype_size(bdt);
-            if (K->b_tiles) cpar__gemm_pack_bf16_rows((uint32_t *)bp, bsrc, bcs, brs, nc, kc, kw, K->nr);
+            /* AMX reads op(B)'s whole slivers where they lie when its k is
+             * contiguous and this block's k whole tiles; the rest is packed */
+            const int64_t n_in_place = K->run_amx && brs == 1 && kc % 32 == 0 ? nc / K->nr * K->nr : 0;
+            if (K->b_tiles)
+                cpar__gemm_pack_bf16_rows((uint32_t *)bp + n_in_place * kw, (const uint16_t *)bsrc + n_in_place * bcs,
+                                          bcs, brs, nc - n_in_place, kc, kw, K->nr);
             else if (K->bf16_pairs) cpar__gemm_pack_bf16((uint32_t *)bp, bsrc, bcs, brs, nc, kc, kw, K->nr);
             else cpar__gemm_pack(bp, bsrc, bdt, bcs, brs, nc, kc, K->nr);
-            for (int64_t ic = 0; ic < m; ic += cpar__gemm_mc(K)) {
-                const int64_t mc = cpar__min64(cpar__gemm_mc(K), m - ic);
+            for (int64_t ic = 0; ic < m; ic += cpar__gemm_mc(K, n, k)) {
+                const int64_t mc = cpar__min64(cpar__gemm_mc(K, n, k), m - ic);
                 const void *asrc = (const char *)A + (size_t)(ic * ars + pc * acs) * cpar_dtype_size(adt);
                 if (K->bf16_pairs) cpar__gemm_pack_bf16((uint32_t *)ap, asrc, ars, acs, mc, kc, kw, K->mr);
                 else cpar__gemm_pack(ap, asrc, adt, ars, acs, mc, kc, K->mr);
                 for (int64_t jr = 0; jr < nc; jr += K->nr)
                     for (int64_t ir = 0; ir < mc; ir += K->mr) {
                         const int64_t mm = cpar__min64(K->mr, mc - ir), nn = cpar__min64(K->nr, nc - jr);
-                        float *c = C + (ic + ir) + (jc + jr) * ldc;
-                        if (mm == K->mr && nn == K->nr) {
-                            K->run(kw, ap + ir * kw, bp + jr * kw, c, ldc, alpha, b0);
+                        const cpar__gemm_sliver b = {jr < n_in_place ? (const void *)((const uint16_t *)bsrc + jr * bcs)
+                                                                     : (const void *)(bp + jr * kw),
+                                                     jr < n_in_place ? bcs : 0};
+                        if (cb) {
+                            uint16_t *dst = cb + (ic + ir) + (jc + jr) * ldc;
+                            if (K->run_amx && alpha == 1.f && mm == K->mr && nn == K->nr) {
+                                float *t = piped[npiped++ & 1];
+                                K->run_amx(kw, ap + ir * kw, b, t, K->mr, 1.f, 0.f, pend.c ? &pend : NULL);
+                                pend = (cpar__gemm_rounding){t, dst, ldc};
+                                continue;
+                            }
+                            cpar__gemm_run(K, kw, ap + ir * kw, b, tile, K->mr, alpha, 0.f);
+                            cpar__gemm_round_bf16(dst, ldc, tile, K->mr, mm, nn);
                             continue;
                         }
-                        K->run(kw, ap + ir * kw, bp + jr * kw, tile, K->mr, alpha, 0.f); /* an edge tile */
+                        float *c = C + (ic + ir) + (jc + jr) * ldc;
+                        if (mm == K->mr && nn == K->nr) {
+                            cpar__gemm_run(K, kw, ap + ir * kw, b, c, ldc, alpha, b0);
+                            continue;
+                        }
+                        cpar__gemm_run(K, kw, ap + ir * kw, b, tile, K->mr, alpha, 0.f); /* an edge tile */
                         for (int64_t j = 0; j < nn; j++)
                             for (int64_t i = 0; i < mm; i++)
                                 c[i + j * ldc] = tile[i + j * K->mr] + (b0 == 0.f ? 0.f : b0 * c[i + j * ldc]);
@@ -2467,6 +2574,7 @@ static void cpar__gemm_blocked(const cpar__gemm_kernel *K, int ta, int tb, int64
             }
         }
     }
+    if (pend.c) cpar__gemm_round_bf16(pend.c, pend.ldc, pend.t, 32, 32, 32); /* the last tile's */
     if (K->leave) K->leave();
 }
 
@@ -2670,6 +2778,7 @@ typedef struct {
     const void *A, *B;
     cpar_dtype adt, bdt;
     float *C;
+    uint16_t *cb;      /* or a bf16 C (cpar__gemm_blocked) */
     float *ws;         /* slot s packs into ws + s * slot_floats */
     int64_t slot_floats, acap; /* a slot: acap floats of A panel, then B's */
 } cpar__gemm_job;
@@ -2682,11 +2791,11 @@ static void cpar__gemm_chunk(void *arg, int64_t chunk, int slot) {
     if (g->split_n) /* op(B)(p, j) = B[p*brs + j*bcs], bcs = tb ? 1 : ldb */
         cpar__gemm_blocked(g->K, g->ta, g->tb, g->m, len, g->k, g->alpha, g->A, g->adt, g->lda,
                            (const char *)g->B + (size_t)(lo * (g->tb ? 1 : g->ldb)) * be, g->bdt, g->ldb, g->beta,
-                           g->C + lo * g->ldc, g->ldc, ap, bp);
+                           g->cb ? NULL : g->C + lo * g->ldc, g->cb ? g->cb + lo * g->ldc : NULL, g->ldc, ap, bp);
     else /* op(A)(i, p) = A[i*ars + p*acs], ars = ta ? lda : 1 */
         cpar__gemm_blocked(g->K, g->ta, g->tb, len, g->n, g->k, g->alpha,
                            (const char *)g->A + (size_t)(lo * (g->ta ? g->lda : 1)) * ae, g->adt, g->lda, g->B, g->bdt,
-                           g->ldb, g->beta, g->C + lo, g->ldc, ap, bp);
+                           g->ldb, g->beta, g->cb ? NULL : g->C + lo, g->cb ? g->cb + lo : NULL, g->ldc, ap, bp);
 }
 
 #ifdef CPAR_WITH_CBLAS
@@ -2728,7 +2837,7 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
      * a data race between ranks: one could see the kernel's pointer before
      * its tile sizes and divide by a zero mr. */
     const cpar__gemm_kernel K = cpar__gemm_kernel_pick(ctx->gemm_force, adt, bdt);
-    const int64_t mcap = cpar__min64(cpar__gemm_mc(&K), (m + K.mr - 1) / K.mr * K.mr);
+    const int64_t mcap = cpar__min64(cpar__gemm_mc(&K, n, k), (m + K.mr - 1) / K.mr * K.mr);
     const int64_t ncap = cpar__min64(CPAR__GEMM_NC, (n + K.nr - 1) / K.nr * K.nr);
     const int64_t kc0 = cpar__min64(cpar__gemm_kc(&K), k), kcap = cpar__max64(kc0, cpar__gemm_kw(&K, kc0));
     /* CPAR_HOST_THREADS: chunks of whole micro-tiles along the larger of m and n */
@@ -2744,7 +2853,11 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
     }
     const int64_t slot_floats = ((mcap + ncap) * kcap + 15) / 16 * 16; /* 64-byte slots: the A panel stays aligned */
     const size_t panels = (size_t)(slot_floats * (pool ? pool->nworkers + 1 : 1)) * sizeof(float);
-    const bool wide_c = cdt != CPAR_F32; /* a 16-bit C accumulates in an fp32 copy */
+    /* A bf16 C written once, with no k blocks to carry between (beta 0, k
+     * within one block): each micro-tile rounds into it. Otherwise a 16-bit
+     * C accumulates in an fp32 copy, rounded at the end. */
+    const bool round_c = cdt == CPAR_BF16 && beta == 0.f && k > 0 && k <= cpar__gemm_kc(&K);
+    const bool wide_c = cdt != CPAR_F32 && !round_c;
     CPAR_TRY(cpar__grow_host(ctx, fn, &ctx->gemm_ws, &ctx->gemm_ws_bytes,
                              panels + (wide_c ? (size_t)(m * n) * sizeof(float) : 0)));
     float *ap = ctx->gemm_ws, *bp = ap + mcap * kcap, *c = (float *)C, *wc = NULL;
@@ -2753,17 +2866,19 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
         wc = (float *)((char *)ctx->gemm_ws + panels);
         ldw = m;
     }
-    float *cf = wide_c ? wc : c;
+    float *cf = wide_c ? wc : round_c ? NULL : c;
+    uint16_t *cb = round_c ? (uint16_t *)C : NULL;
     const size_t ces = cpar_dtype_size(cdt);
     if (wide_c && beta != 0.f) /* beta 0: C is never read (it may hold NaN) */
         for (int64_t j = 0; j < n; j++) cpar__host_cast(wc + j * ldw, CPAR_F32, (char *)C + (size_t)(j * ldc) * ces, cdt, m);
     if (pool && nchunks > 1) {
         cpar__gemm_job job = {.K = &K, .ta = ta, .tb = tb, .split_n = split_n, .m = m, .n = n, .k = k, .step = step,
                               .ldc = ldw, .lda = lda, .ldb = ldb, .alpha = alpha, .beta = beta, .A = A, .B = B,
-                              .adt = adt, .bdt = bdt, .C = cf, .ws = ap, .slot_floats = slot_floats, .acap = mcap * kcap};
+                              .adt = adt, .bdt = bdt, .C = cf, .cb = cb, .ws = ap, .slot_floats = slot_floats,
+                              .acap = mcap * kcap};
         CPAR_TRY(cpar__pool_run(ctx, fn, pool, cpar__gemm_chunk, &job, nchunks));
     } else if (k > 0) {
-        cpar__gemm_blocked(&K, ta, tb, m, n, k, alpha, A, adt, lda, B, bdt, ldb, beta, cf, ldw, ap, bp);
+        cpar__gemm_blocked(&K, ta, tb, m, n, k, alpha, A, adt, lda, B, bdt, ldb, beta, cf, cb, ldw, ap, bp);
     } else { /* no product: C = beta C */
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < m; i++) cf[i + j * ldw] = beta == 0.f ? 0.f : beta * cf[i + j * ldw];

@@ -687,6 +687,7 @@ static void bench_host_gemm(int iters) {
     static const gemm_shape shapes[] = {
         {"linear, large", 256, 1024, 4096},
         {"linear, small", 256, 128, 512},
+        {"square", 1024, 1024, 1024},
         {"attention q k^T", 1024, 64, 1024},
         {"attention p v", 1024, 1024, 64},
     };

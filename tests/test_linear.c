@@ -827,6 +827,7 @@ static int count_workers(void) {
 
 typedef struct {
     cpar_dtype dt;
+    int k, n, t;  /* the layer's K, N and tokens; 0: 300, 37, 3100 */
     int threads;  /* 0: gemm_blocking (nothing kept); else CPAR_HOST_THREADS, and: */
     void *out[4]; /* y, dx, dW, db as downloaded */
     size_t bytes[4];
@@ -855,7 +856,7 @@ static void expect_forked_forward(cpar_ctx *ctx, cpar_linear *l, const cpar_tens
 static cpar_status rank_blocking(cpar_ctx *ctx, void *arg) {
     blocking_case *c = arg;
     const cpar_dtype dt = c->dt;
-    enum { K = 300, N = 37, T = 3100 };
+    const int K = c->k ? c->k : 300, N = c->n ? c->n : 37, T = c->t ? c->t : 3100;
     cpar_linear_config cfg = {.input_size = K, .output_size = N, .dtype = dt, .bias = true};
     cpar_linear *l;
     TU_OK(cpar_column_parallel_linear_create(cpar_world_group(ctx), &cfg, &l));
@@ -920,17 +921,86 @@ START_TEST(test_gemm_blocking) {
      * own kernel (CPAR_HOST_GEMM=builtin, read when the context is made);
      * then each micro-kernel forced on the same inputs: the AMX, AVX512-BF16
      * and AVX2 ones on BF16, AVX-512 on F32 and F16, the portable C one on F32 and BF16 (a CPU
-     * without one says so and skips it) */
-    static const cpar_dtype dts[] = {CPAR_F32, CPAR_F32, CPAR_BF16, CPAR_F16, CPAR_BF16, CPAR_BF16,
-                                     CPAR_BF16, CPAR_F32, CPAR_BF16, CPAR_F32, CPAR_F16};
+     * without one says so and skips it); last, AMX and AVX512-BF16 on K of
+     * whole k tiles, where AMX reads x where it lies (the tokens' last
+     * partial sliver packed): K 320 (one block of k: y rounded from each
+     * tile) and 1088 (two blocks, 1024 + 64) */
+    static const cpar_dtype dts[] = {CPAR_F32, CPAR_F32, CPAR_BF16, CPAR_F16, CPAR_BF16, CPAR_BF16, CPAR_BF16,
+                                     CPAR_F32, CPAR_BF16, CPAR_F32, CPAR_F16, CPAR_BF16, CPAR_BF16, CPAR_BF16};
     static const char *const force[] = {NULL, "builtin", NULL, NULL, "amx", "avx512bf16", "avx2", "c", "c",
-                                        "avx512", "avx512"};
+                                        "avx512", "avx512", "amx", "amx", "avx512bf16"};
+    static const int ks[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 320, 1088, 1088};
     if (force[_i] && probe_kernel(force[_i]) != CPAR_OK) { /* this forked test's own environment */
         printf("gemm_blocking: CPAR_HOST_GEMM=%s skipped: %s\n", force[_i], cpar_thread_last_error());
         return;
     }
-    blocking_case c = {.dt = dts[_i]};
+    blocking_case c = {.dt = dts[_i], .k = ks[_i], .n = ks[_i] ? 45 : 0, .t = ks[_i] ? 200 : 0};
     TU_OK(tu_spawn(1, rank_blocking, &c));
+}
+END_TEST
+
+/* A bf16 y is its fp32 sums rounded once to nearest even, whichever
+ * kernel and whether rounded from each micro-tile (AMX, one block of k) or
+ * from an fp32 copy: integer data whose every sum is exact in fp32 (x in
+ * {-1, 0, 1}, W integers in [-255, 255], |y| < 2^17) make each element of y
+ * exactly cpar_f32_to_bf16 of the exact sum, bit for bit, and many of them
+ * ties. _i: the kernel forced (default, amx, avx512bf16, c) and K (320:
+ * whole k tiles, 300: not, 1088: two blocks of k), N 45 and 200 tokens;
+ * last N 600 and 1100 tokens at K 480, where AMX packs op(A) 512 rows at a
+ * time (x, 1 MB, outgrows half of L2). */
+typedef struct {
+    int k, n, t;
+} exact_case;
+
+static uint32_t float_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static cpar_status rank_round_exact(cpar_ctx *ctx, void *arg) {
+    const exact_case *c = arg;
+    const int K = c->k, N = c->n, T = c->t;
+    cpar_linear_config cfg = {.input_size = K, .output_size = N, .dtype = CPAR_BF16};
+    cpar_linear *l;
+    TU_OK(cpar_column_parallel_linear_create(cpar_world_group(ctx), &cfg, &l));
+    float *w = malloc(sizeof(float) * (size_t)(N * K));
+    double *x = malloc(sizeof(double) * (size_t)(T * K));
+    uint64_t r = 0x9e3779b97f4a7c15ull;
+    for (int i = 0; i < N * K; i++) r = r * 6364136223846793005ull + 1442695040888963407ull, w[i] = (float)((int)(r >> 33) % 256);
+    for (int i = 0; i < T * K; i++) r = r * 6364136223846793005ull + 1442695040888963407ull, x[i] = (double)((int)(r >> 33) % 3 - 1);
+    int64_t ws[2] = {N, K}, xs[2] = {T, K}, ys[2] = {T, N};
+    cpar_tensor tw = cpar_tensor_make(w, CPAR_F32, 2, ws, CPAR_HOST);
+    TU_OK(cpar_linear_init_from_master(l, &tw, NULL));
+    cpar_tensor tx = upload_sub(ctx, x, K, 0, T, NULL, K, CPAR_BF16, 2, xs), y = tu_alloc_poisoned(ctx, CPAR_BF16, 2, ys);
+    TU_OK(cpar_linear_forward(l, &tx, &y, NULL));
+    uint16_t *hy = tu_download(ctx, &y);
+    int ties = 0;
+    for (int t = 0; t < T; t++)
+        for (int n = 0; n < N; n++) {
+            double e = 0;
+            for (int k = 0; k < K; k++) e += x[t * K + k] * w[n * K + k];
+            const uint16_t want = cpar_f32_to_bf16((float)e);
+            ties += ((uint32_t)float_bits((float)e) & 0xffffu) == 0x8000u;
+            ck_assert_msg(hy[t * N + n] == want, "K %d: y[%d, %d] = 0x%04x, expected 0x%04x (%.0f rounded to nearest even)", K,
+                          t, n, hy[t * N + n], want, e);
+        }
+    ck_assert_msg(ties > 100, "K %d: only %d ties in y: the data no longer test the rounding", K, ties);
+    free(hy), free(w), free(x);
+    TU_OK(cpar_tensor_free(ctx, &tx));
+    TU_OK(cpar_tensor_free(ctx, &y));
+    return cpar_linear_destroy(l);
+}
+
+START_TEST(test_gemm_round_exact) {
+    static const char *const force[] = {NULL, "amx", "amx", "amx", "avx512bf16", "c", "amx"};
+    static const int ks[] = {320, 320, 300, 1088, 320, 320, 480};
+    if (force[_i] && probe_kernel(force[_i]) != CPAR_OK) {
+        printf("gemm_round_exact: CPAR_HOST_GEMM=%s skipped: %s\n", force[_i], cpar_thread_last_error());
+        return;
+    }
+    exact_case c = {ks[_i], _i == 6 ? 600 : 45, _i == 6 ? 1100 : 200};
+    TU_OK(tu_spawn(1, rank_round_exact, &c));
 }
 END_TEST
 
@@ -1558,7 +1628,8 @@ END_TEST
  * forward with a pool of its own, with the same bits. Bad values of the
  * variable fail context creation with a line naming it. */
 
-/* _i: 0 F32 (cpar's kernel), 1 BF16 */
+/* _i: 0 F32 (cpar's kernel), 1 BF16, 2 BF16 with K 320 (AMX: x read where
+ * it lies, y rounded from each tile) */
 START_TEST(test_host_threads) {
     static const char *names[4] = {"y", "dx", "dW", "db"};
     setenv("CPAR_HOST_GEMM", "builtin", 1); /* this forked test's own environment */
@@ -1567,7 +1638,7 @@ START_TEST(test_host_threads) {
         char v[8];
         snprintf(v, sizeof v, "%d", t + 1);
         setenv("CPAR_HOST_THREADS", v, 1); /* read when the context is made */
-        c[t] = (blocking_case){.dt = _i ? CPAR_BF16 : CPAR_F32, .threads = t + 1};
+        c[t] = (blocking_case){.dt = _i ? CPAR_BF16 : CPAR_F32, .k = _i == 2 ? 320 : 0, .threads = t + 1};
         TU_OK(tu_spawn(1, rank_blocking, &c[t]));
         /* joined by cpar_finalize; a joined thread may linger in /proc for a moment */
         for (int ms = 0; count_workers() > 0 && ms < 20000; ms += 10) usleep(10000);
@@ -1635,14 +1706,15 @@ static Suite *suite(void) {
         {"init_random", test_init_random, 3},
         {"backward_overlap", test_backward_overlap, 2},
         {"bad_args", test_bad_args, 1},
-        {"gemm_blocking", test_gemm_blocking, 11},
+        {"gemm_blocking", test_gemm_blocking, 14},
         {"gemm_kernels_agree", test_gemm_kernels_agree, 2},
+        {"gemm_round_exact", test_gemm_round_exact, 7},
         {"grad_fusion", test_grad_fusion, 2 * N_GRAD_MODES},
         {"tied_weight", test_tied_weight, 3},
         {"runtime_gather_output", test_runtime_gather_output, 1},
         {"wgrad_deferral", test_wgrad_deferral, N_DEFER_MODES},
         {"bad_options", test_bad_options, 1},
-        {"host_threads", test_host_threads, 2},
+        {"host_threads", test_host_threads, 3},
         {"host_threads_bad", test_host_threads_bad, 1},
     };
     for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
