@@ -72,6 +72,9 @@ static void case_init(xent_case *c, int tp, cpar_dtype dt, cpar_dtype tdt, float
         c->dloss[r] = (double)(float)(0.5 + 0.5 * tu_uniform(&st));
     }
     if (rows > 1) c->z[1 * vocab + (c->t[1] + vl / 2 + 1) % vocab] = HUGE_LOGIT; /* not the target */
+    if (rows > 2 && alpha == 0.f) /* a masked vocabulary (-inf): every third logit and each rank's first 16 */
+        for (int64_t j = 0; j < vocab; j++)
+            if (j != c->t[2] && (j % 3 == 0 || j % vl < 16)) c->z[2 * vocab + j] = -INFINITY;
     reference(c);
 }
 
