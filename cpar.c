@@ -1532,10 +1532,12 @@ CPAR__INLINE double cpar__lanes_sum(const double *acc) {
  *   AVX2        AVX2+FMA: the kernels' twins, the GEMM's 16 x 6 micro-kernel
  *               and packing, attention's row passes;
  *   AVX512      AVX-512F: the GEMM's 32 x 12 fp32 micro-kernel;
- *   AVX512BF16  vdpbf16ps: its 32 x 12 bf16 micro-kernel;
+ *   AVX512BF16  vdpbf16ps: its 32 x 12 bf16 micro-kernel (and the AMX
+ *               kernel's rounding of C, vcvtne2ps2bf16);
  *   AMX         AMX bf16 tiles this process may use: the CPU has them and
  *               Linux granted the tile data state (arch_prctl
- *               ARCH_REQ_XCOMP_PERM, asked once; forked children inherit it). */
+ *               ARCH_REQ_XCOMP_PERM, asked once; forked children inherit it);
+ *               the AMX kernel also needs AVX512BF16 (every AMX CPU has it). */
 typedef enum { CPAR__CPU_AVX2, CPAR__CPU_AVX512, CPAR__CPU_AVX512BF16, CPAR__CPU_AMX, CPAR__CPU_COUNT } cpar__cpu_feature;
 
 static bool cpar__cpu_has(cpar__cpu_feature f);
@@ -2239,14 +2241,24 @@ __attribute__((target("avx512f"), always_inline)) static inline void cpar__gemm_
     _mm256_storeu_si256((__m256i *)c, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
 
+/* 32 fp32 tile outputs at t rounded to bf16 at c by one VCVTNE2PS2BF16:
+ * round to nearest even, a NaN quieted with its sign kept, as
+ * cpar__bf16_bits, except that it flushes subnormal inputs, which tile
+ * products never are (TDPBF16PS flushes subnormal results to zero). */
+__attribute__((target("avx512f,avx512bf16"), always_inline)) static inline void cpar__gemm_round32_tile(uint16_t *c,
+                                                                                                  const float *t) {
+    const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(t + 16), _mm512_loadu_ps(t));
+    _mm512_storeu_si512(c, (__m512i)r);
+}
+
 /* op(B)'s tiles: a packed sliver (b.ldb 0: k-step q / 16 at word 32 q,
  * columns 16..31 256 words on, rows 64 bytes apart) or where it lies (word
  * q, 8 ldb words on, rows 2 ldb bytes apart). r: a previous tile's
- * rounding, two vectors after each k-step's products (the rest after the
+ * rounding, a column after each k-step's products (the rest after the
  * last): the vector unit's work then overlaps the tile unit's, where
  * rounding each tile after its products cost a sixth of the time at k
  * 1024. */
-__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) static void
 cpar__gemm_ukernel_amx(int64_t kw, const void *av, cpar__gemm_sliver bs, float *c, int64_t ldc, float alpha, float beta,
                        const cpar__gemm_rounding *r) {
     const bool direct = alpha == 1.f && (beta == 0.f || beta == 1.f);
@@ -2264,7 +2276,7 @@ cpar__gemm_ukernel_amx(int64_t kw, const void *av, cpar__gemm_sliver bs, float *
     }
     const uint32_t *a = av, *b = bs.p;
     const int64_t b_step = bs.ldb ? 1 : 32, b_half = bs.ldb ? 8 * bs.ldb : 16 * 16, b_row = bs.ldb ? 2 * bs.ldb : 64;
-    int v = r ? 0 : 64; /* vectors of r done: column v / 2, rows 16 (v % 2) .. + 15 */
+    int v = r ? 0 : 32; /* columns of r done */
     for (int64_t q = 0; q < kw; q += 16) {
         _tile_loadd(4, b + q * b_step, b_row);          /* columns 0..15 of C, k-step q / 16 */
         _tile_loadd(5, b + q * b_step + b_half, b_row); /* columns 16..31 */
@@ -2274,9 +2286,9 @@ cpar__gemm_ukernel_amx(int64_t kw, const void *av, cpar__gemm_sliver bs, float *
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
-        for (int e = v + 2; v < e && v < 64; v++) cpar__gemm_round16(r->c + (v & 1) * 16 + (v >> 1) * r->ldc, r->t + 16 * v);
+        if (v < 32) cpar__gemm_round32_tile(r->c + v * r->ldc, r->t + 32 * v), v++;
     }
-    for (; v < 64; v++) cpar__gemm_round16(r->c + (v & 1) * 16 + (v >> 1) * r->ldc, r->t + 16 * v);
+    for (; v < 32; v++) cpar__gemm_round32_tile(r->c + v * r->ldc, r->t + 32 * v);
     if (direct) {
         _tile_stored(0, c, ldb);
         _tile_stored(1, c + 16, ldb);
@@ -2440,7 +2452,7 @@ static cpar__gemm_kernel cpar__gemm_kernel_pick(int force, cpar_dtype adt, cpar_
     (void)adt, (void)bdt;
 #ifdef CPAR__X86_KERNELS
     const bool bf16 = adt == CPAR_BF16 && bdt == CPAR_BF16;
-    if ((force == CPAR__GEMM_AUTO || force == CPAR__GEMM_FORCE_AMX) && bf16 && cpar__cpu_amx())
+    if ((force == CPAR__GEMM_AUTO || force == CPAR__GEMM_FORCE_AMX) && bf16 && cpar__cpu_amx() && cpar__cpu_avx512bf16())
         return (cpar__gemm_kernel){32, 32, true, true, cpar__gemm_amx_enter, cpar__gemm_amx_leave,
                                    NULL, cpar__gemm_ukernel_amx, "amx-bf16 32x32"};
     if ((force == CPAR__GEMM_AUTO || force == CPAR__GEMM_FORCE_BF16) && bf16 && cpar__cpu_avx512bf16())
@@ -8144,8 +8156,9 @@ static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg,
         }
         bool missing;
 #ifdef CPAR__X86_KERNELS
-        missing = (which == 1 && !cpar__cpu_amx()) || (which == 2 && !cpar__cpu_avx512bf16()) ||
-                  (which == 3 && !cpar__cpu_avx2()) || (which == 7 && !cpar__cpu_avx512());
+        missing = (which == 1 && !(cpar__cpu_amx() && cpar__cpu_avx512bf16())) ||
+                  (which == 2 && !cpar__cpu_avx512bf16()) || (which == 3 && !cpar__cpu_avx2()) ||
+                  (which == 7 && !cpar__cpu_avx512());
 #else
         missing = (which >= 1 && which <= 3) || which == 7; /* the portable build has the C kernel only */
 #endif
