@@ -4131,9 +4131,15 @@ cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const v
  * elements. Host twin: cpar.c §5 (which clamps |u| at 43; e^-86 no longer
  * moves a result). Uses: 2, 4. */
 
-/* 0.5 (1 + tanh u) in *h; returns e^-2|u| q^2, a quarter of 1 - tanh^2 u. */
+/* 0.5 (1 + tanh u) in *h; returns e^-2|u| q^2, a quarter of 1 - tanh^2 u.
+ * On the SFU: e = 2^(-2 log2(e) |u|) by cpar__ex2 (a multiply and one
+ * MUFU.EX2, where expf took eight instructions; 0 below 2^-126, where e
+ * no longer moves q and e q is below any result's precision) and q by
+ * MUFU.RCP (__fdividef: 1 + e is in [1, 2], so the division's range
+ * checks and slow path, six instructions, only cost; 2 ulp at most). */
 static __device__ __forceinline__ float cpar__gelu_terms(float x, float *h) {
-    const float u = 0.79788456f * x * (1.f + 0.044715f * x * x), e = expf(-2.f * fabsf(u)), q = 1.f / (1.f + e);
+    const float u = 0.79788456f * x * (1.f + 0.044715f * x * x), e = cpar__ex2(-2.8853900817779268f * fabsf(u));
+    const float q = __fdividef(1.f, 1.f + e);
     *h = u >= 0.f ? q : e * q;
     return e * (q * q);
 }
