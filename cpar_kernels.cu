@@ -25,7 +25,7 @@
  *    1. Includes and launch macros
  *    2. Errors
  *    3. Devices, memory, streams and events (thin runtime wrappers)
- *    4. Kernel toolkit: element types, vector packs, launch geometry
+ *    4. Kernel toolkit: element types, the SFU's 2^x, vector packs, launch geometry
  *    5. Fill
  *    6. Cast
  *    7. axpby
@@ -336,8 +336,9 @@ cpar_status cpar_dev_event_sync(cpar_dev_event e) {
 }
 
 /* ==== 4. Kernel toolkit =====================================================
- * Element conversions (all float math is fp32), aligned vector packs, the
- * grid-stride thread index and the launch geometry shared by sections 5-10. */
+ * Element conversions (all float math is fp32), the SFU's 2^x (cpar__ex2:
+ * sections 13, 16 and 20), aligned vector packs, the grid-stride thread
+ * index and the launch geometry shared by sections 5-10. */
 
 static __device__ __forceinline__ float cpar__widen(float v) { return v; }
 static __device__ __forceinline__ float cpar__widen(__half v) { return __half2float(v); }
