@@ -2263,9 +2263,10 @@ cpar_status cpar_dev_packed_reorder(void *nat, size_t nat_pitch, void *blk, size
 cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_dtype dt, int64_t rows, int64_t h,
                              float eps, void *y, cpar_dev_stream s);
 /* dx (may be dy) from x, weight, dy; scratch (F32,
- * cpar_dev_rmsnorm_backward_scratch_bytes) receives each row's 1/rms and its
- * dx coefficient, then dweight's partial column sums; dweight (F32 [h],
- * NULL: skipped) += column sums of dy x inv, read before dx is written. */
+ * cpar_dev_rmsnorm_backward_scratch_bytes): dweight's partial column sums
+ * over chunks of rows and, for rows too wide for the fused kernel, each row's
+ * 1/rms and dx coefficient; dweight (F32 [h], NULL: skipped) += column sums
+ * of dy x inv, read before dx is written. */
 size_t cpar_dev_rmsnorm_backward_scratch_bytes(int64_t rows, int64_t h);
 cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const void *dy, cpar_dtype dt, int64_t rows,
                                       int64_t h, float eps, void *dx, float *dweight, float *scratch,

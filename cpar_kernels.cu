@@ -3972,17 +3972,25 @@ cpar_status cpar_dev_rmsnorm(void *x, const void *add, const void *weight, cpar_
     return CPAR_OK;
 }
 
-/* RMSNorm backward in three passes, so that dx may overwrite dy and dweight
- * still reads the original dy:
- *   1. per row (one block, as the forward): inv = rsqrt(mean(x^2) + eps),
- *      k = inv^3 sum_j(dy_j w_j x_j) / h  -> stats[2r], stats[2r+1];
- *   2. dw[j] += sum_r dy[r, j] x[r, j] inv[r] (skipped without dweight), as
- *      partial sums over chunks of rows (a 2-D grid: chunk x column, every
- *      element read once, coalesced along the columns), then the chunks'
- *      sums in order: deterministic, at memory speed;
- *   3. dx = inv w dy - x k, element-wise.
- * Both row sums of pass 1 share one butterfly and the forward's two parity
- * slots (one barrier per row). */
+/* RMSNorm backward, per row: inv = rsqrt(mean(x^2) + eps), k = inv^3
+ * sum_j(dy_j w_j x_j) / h, dx = inv w dy - x k; dweight[j] += sum_r dy[r, j]
+ * x[r, j] inv[r] (skipped without dweight), in a fixed order (deterministic):
+ * partial sums over chunks of rows (cpar__rmsnorm_chunk_rows), then the
+ * chunks' sums in chunk order. dx may overwrite dy.
+ * Rows of at most 8 packs per thread (h <= 16384 in bf16, 8192 in fp32; 2048
+ * unaligned) take one fused pass (cpar__rmsnorm_bwd_kernel): a block walks a
+ * chunk of rows, holds each row's x and dy in registers between its sums and
+ * its dx, and its columns' dweight terms in registers across the chunk, so x
+ * and dy are read once and dx written once (and chunks x h partials written,
+ * 8 / (6 x chunk rows) of that traffic in bf16: 8 % at 16 rows). Wider rows
+ * take three passes:
+ *   1. per row (one block, as the forward): inv, k -> stats[2r], stats[2r+1];
+ *   2. the dweight partials (a 2-D grid: chunk x column, every element read
+ *      once, coalesced along the columns), then their sums;
+ *   3. dx, element-wise.
+ * A row's two sums share one butterfly and the forward's two parity slots
+ * (one barrier per row); every thread adds the warp sums in the same order,
+ * so both paths give the same bits. */
 template <typename T, int V>
 static __global__ void cpar__rmsnorm_stats_kernel(const T *__restrict__ x, const T *__restrict__ w,
                                                  const T *__restrict__ dy, float eps, int64_t rows, int64_t h,
@@ -4018,11 +4026,99 @@ static __global__ void cpar__rmsnorm_stats_kernel(const T *__restrict__ x, const
     }
 }
 
-/* Pass 2's chunks: rows_per_chunk rows each (at least 32), at most 1024. */
+/* dweight's chunks: at most 1024 of at least 16 rows each (the fused pass
+ * runs one block per chunk: 1024 blocks fill an H100 four times over). */
 static constexpr int64_t CPAR__NORM_CHUNKS = 1024;
 static int64_t cpar__rmsnorm_chunk_rows(int64_t rows) {
     const int64_t per = (rows + CPAR__NORM_CHUNKS - 1) / CPAR__NORM_CHUNKS;
-    return per > 32 ? per : 32;
+    return per > 16 ? per : 16;
+}
+
+/* The fused pass: block b takes rows [b chunk_rows, (b + 1) chunk_rows) in
+ * order; thread t owns the packs of V columns at (t + 256 p) V, p < NP. With
+ * DW it writes partial[b, j] as pass 2a does. */
+template <typename T, int V, int NP, bool DW>
+static __global__ void __launch_bounds__(CPAR__NORM_BLOCK)
+    cpar__rmsnorm_bwd_kernel(const T *__restrict__ x, const T *__restrict__ w, const T *dy, float eps, int64_t rows,
+                             int64_t h, int64_t chunk_rows, T *dx, float *__restrict__ partial) {
+    __shared__ float warp_sum[2][2][CPAR__NORM_BLOCK / 32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    float acc[NP][V];
+    CPAR__UNROLL
+    for (int p = 0; p < NP; p++)
+        CPAR__UNROLL
+        for (int e = 0; e < V; e++) acc[p][e] = 0.f;
+    const int64_t r0 = (int64_t)blockIdx.x * chunk_rows, r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
+    int slot = 0;
+    for (int64_t r = r0; r < r1; r++, slot ^= 1) {
+        cpar__pack<T, V> xv[NP] = {}, gv[NP] = {}; /* only packs j < h are used */
+        float ss = 0.f, c = 0.f;
+        CPAR__UNROLL
+        for (int p = 0; p < NP; p++) {
+            const int64_t j = ((int64_t)threadIdx.x + (int64_t)p * blockDim.x) * V;
+            if (j >= h) break;
+            xv[p] = cpar__load<V>(x + r * h + j), gv[p] = cpar__load<V>(dy + r * h + j);
+            const cpar__pack<T, V> wv = cpar__load<V>(w + j);
+            CPAR__UNROLL
+            for (int e = 0; e < V; e++) {
+                const float v = cpar__widen(xv[p].v[e]);
+                ss += v * v;
+                c += cpar__widen(gv[p].v[e]) * cpar__widen(wv.v[e]) * v;
+            }
+        }
+        for (int off = 16; off > 0; off /= 2) {
+            ss += __shfl_xor_sync(0xffffffffu, ss, off);
+            c += __shfl_xor_sync(0xffffffffu, c, off);
+        }
+        if (lane == 0) warp_sum[slot][0][warp] = ss, warp_sum[slot][1][warp] = c;
+        __syncthreads();
+        float tss = 0.f, tc = 0.f;
+        for (int i = 0; i < nwarps; i++) tss += warp_sum[slot][0][i], tc += warp_sum[slot][1][i];
+        const float inv = rsqrtf(tss / (float)h + eps), k = inv * inv * inv * tc / (float)h;
+        CPAR__UNROLL
+        for (int p = 0; p < NP; p++) {
+            const int64_t j = ((int64_t)threadIdx.x + (int64_t)p * blockDim.x) * V;
+            if (j >= h) break;
+            const cpar__pack<T, V> wv = cpar__load<V>(w + j);
+            cpar__pack<T, V> o;
+            CPAR__UNROLL
+            for (int e = 0; e < V; e++) {
+                const float g = cpar__widen(gv[p].v[e]), v = cpar__widen(xv[p].v[e]);
+                o.v[e] = cpar__narrow<T>(inv * cpar__widen(wv.v[e]) * g - v * k);
+                if (DW) acc[p][e] += g * v * inv;
+            }
+            cpar__store<V>(dx + r * h + j, o);
+        }
+    }
+    if (!DW) return;
+    CPAR__UNROLL
+    for (int p = 0; p < NP; p++) {
+        const int64_t j = ((int64_t)threadIdx.x + (int64_t)p * blockDim.x) * V;
+        if (j >= h) break;
+        CPAR__UNROLL
+        for (int e = 0; e < V; e++) partial[(int64_t)blockIdx.x * h + j + e] = acc[p][e];
+    }
+}
+
+/* The fused pass's packs per thread for rows of h in packs of v: 1, 2, 4 or
+ * 8; 0 when a row needs more (three passes). */
+static int cpar__rmsnorm_bwd_packs(int64_t h, int v) {
+    const int64_t need = (h + (int64_t)CPAR__NORM_BLOCK * v - 1) / ((int64_t)CPAR__NORM_BLOCK * v);
+    for (int np = 1; np <= 8; np *= 2)
+        if (need <= np) return np;
+    return 0;
+}
+
+template <typename T, int V, bool DW>
+static cudaError_t cpar__rmsnorm_bwd_launch(int np, int64_t chunk_rows, cudaStream_t cs, const T *x, const T *w,
+                                            const T *dy, float eps, int64_t rows, int64_t h, T *dx, float *partial) {
+    auto kernel = np == 1   ? cpar__rmsnorm_bwd_kernel<T, V, 1, DW>
+                  : np == 2 ? cpar__rmsnorm_bwd_kernel<T, V, 2, DW>
+                  : np == 4 ? cpar__rmsnorm_bwd_kernel<T, V, 4, DW>
+                            : cpar__rmsnorm_bwd_kernel<T, V, 8, DW>;
+    CPAR_LAUNCH(kernel, (unsigned)((rows + chunk_rows - 1) / chunk_rows), CPAR__NORM_BLOCK, 0, cs)
+    (x, w, dy, eps, rows, h, chunk_rows, dx, partial);
+    return cudaGetLastError();
 }
 
 /* Pass 2a: partial[c, j] = sum of column j over chunk c's rows, in order.
@@ -4094,9 +4190,24 @@ cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const v
         const T *xt = static_cast<const T *>(x), *wt = static_cast<const T *>(weight), *dyt = static_cast<const T *>(dy);
         const bool vec = cpar__rows_vec<T>(h, x, weight, dy, dx);
         constexpr int V = cpar__vec16<T>;
+        T *dxt = static_cast<T *>(dx);
+        cudaError_t le;
+        if (const int np = cpar__rmsnorm_bwd_packs(h, vec ? V : 1)) {
+            if (dweight) { /* one block per dweight chunk, then the chunks' sums */
+                le = vec ? cpar__rmsnorm_bwd_launch<T, V, true>(np, chunk_rows, cs, xt, wt, dyt, eps, rows, h, dxt, partial)
+                         : cpar__rmsnorm_bwd_launch<T, 1, true>(np, chunk_rows, cs, xt, wt, dyt, eps, rows, h, dxt, partial);
+                if (le != cudaSuccess) return le;
+                CPAR_LAUNCH(cpar__rmsnorm_dw_finish_kernel, cpar__grid(h, CPAR__BLOCK), CPAR__BLOCK, 0, cs)
+                (partial, chunks, h, dweight);
+                return cudaGetLastError();
+            }
+            const int64_t per = (rows + CPAR__MAX_GRID - 1) / CPAR__MAX_GRID; /* any split: no partials */
+            return vec ? cpar__rmsnorm_bwd_launch<T, V, false>(np, per, cs, xt, wt, dyt, eps, rows, h, dxt, NULL)
+                       : cpar__rmsnorm_bwd_launch<T, 1, false>(np, per, cs, xt, wt, dyt, eps, rows, h, dxt, NULL);
+        }
         auto stats_kernel = vec ? cpar__rmsnorm_stats_kernel<T, V> : cpar__rmsnorm_stats_kernel<T, 1>;
         CPAR_LAUNCH(stats_kernel, cpar__grid(rows, 1), CPAR__NORM_BLOCK, 0, cs)(xt, wt, dyt, eps, rows, h, stats_scratch);
-        cudaError_t le = cudaGetLastError();
+        le = cudaGetLastError();
         if (le != cudaSuccess) return le;
         if (dweight) {
             auto dw_kernel = cpar__rmsnorm_dw_partial_kernel<T>;
@@ -4109,7 +4220,7 @@ cpar_status cpar_dev_rmsnorm_backward(const void *x, const void *weight, const v
         }
         auto dx_kernel = vec ? cpar__rmsnorm_dx_kernel<T, V> : cpar__rmsnorm_dx_kernel<T, 1>;
         CPAR_LAUNCH(dx_kernel, cpar__grid(rows * h, (int64_t)CPAR__BLOCK * (vec ? V : 1)), CPAR__BLOCK, 0, cs)
-        (xt, wt, dyt, stats_scratch, rows, h, static_cast<T *>(dx));
+        (xt, wt, dyt, stats_scratch, rows, h, dxt);
         return cudaGetLastError();
     });
     CPAR__TRY_CUDA(e, "rmsnorm backward kernel launch (%s, %lld x %lld)", cpar__dtype_name(dt), (long long)rows,

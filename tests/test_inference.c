@@ -10,9 +10,9 @@
  *    the forward, reverse and a shuffled fiber schedule) and on host tensors,
  *    F32/F16/BF16, hidden sizes below, at and past the 256-thread block and
  *    not multiples of 32, in place and out of place, outputs poisoned;
- *  - cpar_rmsnorm_backward the same way (dx in place over dy too, dweight
- *    accumulated over two calls), and against central differences of the
- *    forward;
+ *  - cpar_rmsnorm_backward the same way and on shapes for each device path
+ *    (dx in place over dy too, without dweight, then dweight accumulated
+ *    over two calls), and against central differences of the forward;
  *  - a column -> row -> (fused rs + add + norm + ag) -> column (skip norm
  *    and all-gather) chain at tp 1..4, F32 and BF16: every intermediate
  *    (y1, y2, the updated residual, the normed all-gathered activation, y3)
@@ -196,12 +196,15 @@ static cpar_status rank_norm_bwd(cpar_ctx *ctx, void *arg) {
     cpar_tensor tx = tu_upload(ctx, hx, dt, 2, xs), tw = tu_upload(ctx, hw, dt, 1, &c->h);
     cpar_tensor tdy = tu_upload(ctx, hdy, dt, 2, xs), tdw = tu_upload(ctx, hdw, CPAR_F32, 1, &c->h);
     cpar_tensor tdx = c->in_place ? tdy : tu_alloc_poisoned(ctx, dt, 2, xs);
+    cpar_tensor hdy_t = cpar_tensor_make(hdy, dt, 2, xs, CPAR_HOST);
+    /* without dweight, then twice with it (dy restored after each in-place call) */
+    TU_OK(cpar_rmsnorm_backward(ctx, &tx, &tw, c->eps, &tdy, &tdx, NULL));
+    expect_block(ctx, &tdx, wdx, c->h, 0, c->rows, 0, c->h, 4 * tu_tol(dt), "rmsnorm backward dx (no dweight)");
+    if (c->in_place) TU_OK(cpar_tensor_copy(ctx, &hdy_t, &tdy));
+    else TU_OK(cpar_fill(ctx, &tdx, NAN));
     TU_OK(cpar_rmsnorm_backward(ctx, &tx, &tw, c->eps, &tdy, &tdx, &tdw));
     expect_block(ctx, &tdx, wdx, c->h, 0, c->rows, 0, c->h, 4 * tu_tol(dt), "rmsnorm backward dx");
-    if (c->in_place) { /* dy was overwritten: restore it for the second call */
-        cpar_tensor h = cpar_tensor_make(hdy, dt, 2, xs, CPAR_HOST);
-        TU_OK(cpar_tensor_copy(ctx, &h, &tdy));
-    }
+    if (c->in_place) TU_OK(cpar_tensor_copy(ctx, &hdy_t, &tdy));
     TU_OK(cpar_rmsnorm_backward(ctx, &tx, &tw, c->eps, &tdy, &tdx, &tdw));
     TU_OK(cpar_sync(ctx));
     expect_block(ctx, &tdw, wdw, c->h, 0, 1, 0, c->h, dt == CPAR_F32 ? 1e-5 * (double)c->rows : 4 * tu_tol(dt),
@@ -213,12 +216,21 @@ static cpar_status rank_norm_bwd(cpar_ctx *ctx, void *arg) {
     return CPAR_OK;
 }
 
+/* The forward's shapes, then rows for each of the device backward's paths
+ * (packs of 16 bytes per thread, cpar_kernels.cu §19): {37, 999} unaligned,
+ * 4 per thread; {40, 2056} 2 (bf16, f16) and 4 (f32) per thread over three
+ * dweight chunks of 16 rows, the last short; {2, 16384} 8 per thread (bf16,
+ * f16) and three passes (f32); {2, 4103} (above) three unaligned passes. */
+static const int64_t norm_bwd_shapes[][2] = {{1, 7},     {5, 33},   {3, 256},  {4, 1000}, {9, 96},   {4099, 40},
+                                             {3, 4096},  {2, 4103}, {37, 999}, {40, 2056}, {2, 16384}};
+#define N_NORM_BWD_SHAPES 11
+
 /* _i = (shape * 3 + dtype) * 2 + schedule (forward, shuffled); the second schedule writes dx over dy. */
 START_TEST(test_rmsnorm_backward) {
     static const char *const sched[2] = {"forward", "shuffle:5"};
     const int sh = _i / 6, d = (_i / 2) % 3, s = _i % 2;
     setenv("CUDASIM_SCHEDULE", sched[s], 1);
-    norm_case c = {.rows = norm_shapes[sh][0], .h = norm_shapes[sh][1], .dt = fdtypes[d], .eps = 1e-5f,
+    norm_case c = {.rows = norm_bwd_shapes[sh][0], .h = norm_bwd_shapes[sh][1], .dt = fdtypes[d], .eps = 1e-5f,
                    .in_place = s == 1, .seed = 900 + (uint64_t)_i};
     if (c.rows > 1000) c.rows = 1000; /* the row count past the grid is the forward's case */
     TU_OK(tu_spawn(1, rank_norm_bwd, &c));
@@ -622,7 +634,7 @@ static Suite *suite(void) {
     Suite *s = suite_create("inference: RMSNorm and the inference column/row-parallel layers");
     const tu_loop loops[] = {
         {"rmsnorm", test_rmsnorm, N_NORM_SHAPES * 9},
-        {"rmsnorm_backward", test_rmsnorm_backward, N_NORM_SHAPES * 6},
+        {"rmsnorm_backward", test_rmsnorm_backward, N_NORM_BWD_SHAPES * 6},
         {"rmsnorm_finite_differences", test_rmsnorm_finite_differences, 1},
         {"chain", test_chain, 2 * MAX_TP},
         {"rs_add_rmsnorm_ag", test_rs_add_rmsnorm_ag, 3 * MAX_TP},

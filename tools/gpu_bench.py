@@ -442,7 +442,8 @@ class Bench:
     def memory_bound(self):
         cp, n, h = self.cp, self.args.mem_elems, self.args.mem_hidden
         rows = n // h
-        cases = [("rmsnorm forward", BF16), ("rmsnorm backward", BF16), ("gelu forward", BF16),
+        cases = [("rmsnorm forward", BF16), ("rmsnorm backward", BF16), ("rmsnorm backward+dw", BF16),
+                 ("gelu forward", BF16),
                  ("gelu backward", BF16), ("cast f32->bf16", F32), ("cast bf16->f32", BF16), ("adamw step", F32)]
         for name, dt in cases:
             if self.over_budget():
@@ -458,15 +459,16 @@ class Bench:
                     nbytes, out = 2 * 2 * n, y
                     ref_fn = lambda: F.rms_norm(tx, (h,), tw, 1e-5)
                     ref = (lambda: F.rms_norm(tx.float(), (h,), tw.float(), 1e-5)) if torch is not None else None
-                else:
+                else:  # "+dw": the weight's gradient too (dweight, F32, accumulated), as in training
                     cp.call("cpar_fill", cp.ctx, C.byref(dw), 0.0)
+                    wdw = name.endswith("+dw")
                     fn = lambda: cp.call("cpar_rmsnorm_backward", cp.ctx, C.byref(x), C.byref(w), 1e-5, C.byref(dy),
-                                         C.byref(dx), None)
-                    nbytes, out = 3 * 2 * n, dx
+                                         C.byref(dx), C.byref(dw) if wdw else None)
+                    nbytes, out = 3 * 2 * n + (8 * h if wdw else 0), dx
                     if torch is not None:
-                        xr = tx.detach().requires_grad_()
-                        yr = F.rms_norm(xr, (h,), tw, 1e-5)
-                        ref_fn = lambda: torch.autograd.grad(yr, xr, tdy, retain_graph=True)
+                        xr, wr = tx.detach().requires_grad_(), tw.detach().requires_grad_(wdw)
+                        yr = F.rms_norm(xr, (h,), wr, 1e-5)
+                        ref_fn = lambda: torch.autograd.grad(yr, (xr, wr) if wdw else xr, tdy, retain_graph=True)
                         xf = tx.float().requires_grad_()
                         ref = lambda: torch.autograd.grad(F.rms_norm(xf, (h,), tw.float(), 1e-5), xf, tdy.float())[0]
             elif name.startswith("gelu"):
