@@ -339,8 +339,8 @@ static const char *const mismatch_names[] = {"kind", "dtype", "size", "op", "roo
 
 typedef struct {
     mismatch what;
-    cpar_status st[3];
-    char msg[3][512];
+    cpar_status st[4];
+    char msg[4][512];
 } mismatch_arg;
 
 /* Rank 1 makes a call that differs from the others' in one respect. */
@@ -447,6 +447,35 @@ START_TEST(test_mismatch) {
                           a.msg[r], needles[_i][k]);
     }
     expect_healthy(); /* with CPAR_CHECK_CALLS too: agreeing calls pass */
+    unsetenv("CPAR_CHECK_CALLS");
+}
+END_TEST
+
+/* CPAR_CHECK_CALLS=1 at 2 and 4 ranks (test_mismatch's are 3): rank 1's
+ * all-reduce differs in dtype, count or op; every rank fails with cpar's
+ * comparison of both calls (not NCCL's error), on every backend (the host
+ * backends compare their slots anyway). */
+START_TEST(test_mismatch_checked) {
+    static const mismatch what[3] = {MIS_DTYPE, MIS_SIZE, MIS_OP};
+    static const char *const needles[3][2] = {{"disagree on the dtype", "all_reduce(f16, 4 rows"},
+                                              {"disagree on the count", "all_reduce(f32, 5 rows"},
+                                              {"disagree on the op", "all_reduce(f32, 4 rows x 1, max)"}};
+    const int n = _i < 3 ? 2 : 4, m = _i % 3;
+    setenv("CPAR_CHECK_CALLS", "1", 1); /* this forked test's own environment */
+    mismatch_arg a = {.what = what[m]};
+    cpar_init_config c = {.backend = tu_backend(), .timeout_ms = DEADLINE_MS};
+    int64_t t0 = now_ms();
+    TU_OK(tu_spawn_with(n, &c, rank_mismatch, &a));
+    ck_assert_int_lt(now_ms() - t0, DEADLINE_MS);
+    for (int r = 0; r < n; r++) {
+        ck_assert_msg(a.st[r] == CPAR_ERR_INVALID, "%s mismatch at %d ranks: rank %d got %s (%s)",
+                      mismatch_names[what[m]], n, r, cpar_status_string(a.st[r]), a.msg[r]);
+        for (int k = 0; k < 2; k++)
+            ck_assert_msg(strcasestr(a.msg[r], needles[m][k]) != NULL,
+                          "%s mismatch at %d ranks: rank %d's message \"%s\" does not mention \"%s\"",
+                          mismatch_names[what[m]], n, r, a.msg[r], needles[m][k]);
+    }
+    expect_healthy();
     unsetenv("CPAR_CHECK_CALLS");
 }
 END_TEST
@@ -717,6 +746,7 @@ Suite *suite(void) {
     suite_add_tcase(s, tc);
     tc = tcase_create("disagreement");
     tcase_add_loop_test(tc, test_mismatch, 0, MIS_COUNT);
+    tcase_add_loop_test(tc, test_mismatch_checked, 0, 6); /* 2 ranks, then 4 */
     tcase_add_loop_test(tc, test_p2p_no_partner, 0, P2P_COUNT);
     tcase_add_loop_test(tc, test_message_names_caller, 0, CALLER_COUNT);
     tcase_add_loop_test(tc, test_rank_fails_check, 0, 9);
