@@ -946,8 +946,10 @@ END_TEST
  * exactly cpar_f32_to_bf16 of the exact sum, bit for bit, and many of them
  * ties. _i: the kernel forced (default, amx, avx512bf16, c) and K (320:
  * whole k tiles, 300: not, 1088: two blocks of k), N 45 and 200 tokens;
- * last N 600 and 1100 tokens at K 480, where AMX packs op(A) 512 rows at a
- * time (x, 1 MB, outgrows half of L2). */
+ * then N 1088 and 1100 tokens at K 480, where AMX packs op(A) 512 rows at a
+ * time (x, 1 MB, outgrows half of L2: panels of 512, 512 and 64 rows), and
+ * N 352 at K 320: panels of 256 and 96 rows, the tokens' last 8 an edge
+ * tile. */
 typedef struct {
     int k, n, t;
 } exact_case;
@@ -993,13 +995,14 @@ static cpar_status rank_round_exact(cpar_ctx *ctx, void *arg) {
 }
 
 START_TEST(test_gemm_round_exact) {
-    static const char *const force[] = {NULL, "amx", "amx", "amx", "avx512bf16", "c", "amx"};
-    static const int ks[] = {320, 320, 300, 1088, 320, 320, 480};
+    static const char *const force[] = {NULL, "amx", "amx", "amx", "avx512bf16", "c", "amx", "amx"};
+    static const int ks[] = {320, 320, 300, 1088, 320, 320, 480, 320};
+    static const int ns[] = {45, 45, 45, 45, 45, 45, 1088, 352};
     if (force[_i] && probe_kernel(force[_i]) != CPAR_OK) {
         printf("gemm_round_exact: CPAR_HOST_GEMM=%s skipped: %s\n", force[_i], cpar_thread_last_error());
         return;
     }
-    exact_case c = {ks[_i], _i == 6 ? 600 : 45, _i == 6 ? 1100 : 200};
+    exact_case c = {ks[_i], ns[_i], _i == 6 ? 1100 : 200};
     TU_OK(tu_spawn(1, rank_round_exact, &c));
 }
 END_TEST
@@ -1708,7 +1711,7 @@ static Suite *suite(void) {
         {"bad_args", test_bad_args, 1},
         {"gemm_blocking", test_gemm_blocking, 14},
         {"gemm_kernels_agree", test_gemm_kernels_agree, 2},
-        {"gemm_round_exact", test_gemm_round_exact, 7},
+        {"gemm_round_exact", test_gemm_round_exact, 8},
         {"grad_fusion", test_grad_fusion, 2 * N_GRAD_MODES},
         {"tied_weight", test_tied_weight, 3},
         {"runtime_gather_output", test_runtime_gather_output, 1},
