@@ -165,6 +165,7 @@ struct cpar_ctx {
     void (*give_up)(cpar_group *g, const char *why);
     int64_t gave_up_poll_ms; /* NCCL across processes: the next poll of the peers' give-ups (section 9) */
     bool check_calls;     /* CPAR_CHECK_CALLS=1: NCCL compares every collective's call (section 9) */
+    bool attn_atomic_dq;  /* CPAR_ATTN_DQ=atomic: the device attention backward's dq by atomics (cpar.h §12) */
     cpar_dev_stream coll_stream; /* where the collectives enqueue: NULL = compute; set only
                                   * between cpar__on_comm_stream and cpar__on_compute_stream */
     cpar_dev_blas blas;
@@ -8138,6 +8139,13 @@ static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg,
     ctx->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : cpar__default_timeout_ms();
     const char *check = getenv("CPAR_CHECK_CALLS");
     ctx->check_calls = check && *check && strcmp(check, "0") != 0;
+    const char *adq = getenv("CPAR_ATTN_DQ");
+    if (adq && *adq && strcmp(adq, "atomic") != 0 && strcmp(adq, "kernel") != 0) {
+        free(ctx);
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: CPAR_ATTN_DQ=\"%.32s\", expected kernel (a separate dq kernel, "
+                          "reproducible; the default) or atomic (fp32 atomics from the dk/dv kernel)", fn, adq);
+    }
+    ctx->attn_atomic_dq = adq && !strcmp(adq, "atomic");
     const char *gemm = getenv("CPAR_HOST_GEMM"), *threads = getenv("CPAR_HOST_THREADS");
     if (gemm && *gemm) {
         static const char *const names[] = {"auto", "amx", "avx512bf16", "avx2", "c", "builtin", "default", "avx512"};
@@ -11859,10 +11867,12 @@ static cpar_status cpar__attn_bwd(cpar_ctx *ctx, const char *fn, bool on_device,
                                   const float *lse, int64_t lse_bh, float *dq, int64_t dq_bh, float *dk, float *dv,
                                   int64_t dkv_bh, void *scratch) {
     if (io->b == 0 || io->hq == 0 || io->sq == 0 || io->sk == 0) return CPAR_OK;
-    if (on_device)
-        CPAR_DEV_TRY(ctx, fn, cpar_dev_attention_bwd(io, out, dout, out_dt, o_bh, lse, lse_bh, dq, dq_bh, dk, dv,
+    if (on_device) {
+        cpar__attn_io dio = *io;
+        dio.atomic_dq = ctx->attn_atomic_dq;
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_attention_bwd(&dio, out, dout, out_dt, o_bh, lse, lse_bh, dq, dq_bh, dk, dv,
                                                      dkv_bh, scratch, ctx->compute));
-    else
+    } else
         CPAR_TRY(cpar__host_attn_bwd(ctx, fn, io, out, dout, out_dt, o_bh, lse, lse_bh, dq, dq_bh, dk, dv, dkv_bh,
                                      scratch));
     return CPAR_OK;

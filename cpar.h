@@ -2185,6 +2185,11 @@ typedef struct cpar_dev_attn {
      * mask_h0 + hq) of an attention with mask_hq heads (the all-to-all CP's
      * head shard): bh = bi·mask_hq + mask_h0 + hi; mask_hq 0: bi·hq + hi */
     int64_t mask_hq, mask_h0;
+    /* backward only: dq added by fp32 atomics from the dk/dv kernel
+     * (FlashAttention-2's single pass: 5 GEMM-equivalents, not 7), dq's last
+     * bits then vary run to run; false: a separate dq kernel, reproducible.
+     * cpar's layers set it from CPAR_ATTN_DQ=atomic. */
+    bool atomic_dq;
 } cpar_dev_attn;
 
 /* out (dtype out_dt: F32 or a->dt, stride o_bh) and lse (F32, stride lse_bh)

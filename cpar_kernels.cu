@@ -2856,6 +2856,11 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * scheduling, and this project keeps results reproducible run to run (the
  * host backend reduces in rank order); the price is recomputing S and dP
  * once more (7 GEMM-equivalents instead of 5), with no extra scratch.
+ * cpar_dev_attn's atomic_dq (CPAR_ATTN_DQ=atomic) takes FA2's way instead:
+ * the dkdv kernel stages each step's dS in shared memory and adds scale·dS k
+ * to dq by fp32 atomics (cpar__ab_dq_atomic), and launch 3 is skipped; sm_90:
+ * 2,640 instructions, 160 HMMA where dkdv and dq took 2,048 + 1,768 and
+ * 128 + 96 per 64 x 32 block at d 128, no spills, 2 CTAs/SM.
  * Dropout recomputes the forward's mask Z (keep / (1-p)) per weight in both
  * kernels: dkdv forms dS = P∘(dP∘Z − Dsum) first, then P∘Z in place of P
  * for dV; dq needs only dS.
@@ -3056,18 +3061,66 @@ static __global__ void cpar__attn_bwd_dot_kernel(const O *__restrict__ out, cons
     }
 }
 
+/* FlashAttention-2's dQ from the dkdv step (cpar_dev_attn's atomic_dq):
+ * the warps' dSᵀ fragments (16 keys x BR queries each; zeros from a warp
+ * whose keys the step skips) go
+ * to shared dS [BR][BC + 8] (rounded to T, as the dq kernel rounds its A
+ * fragments); after a barrier, warp w computes rows 16 (w % RB) of dQ = dS K
+ * for D / CS columns from c0 = (w / RB) D / CS (RB = BR / 16 row blocks, CS
+ * = 4 / RB column slices: 16 x 64 each at d 64 and 128) and adds scale·dQ
+ * to dq with fp32 atomics: the order of the CTAs' additions, and so dq's
+ * last bits, vary run to run. The caller's next step starts with a barrier,
+ * after which sdS may be written again. */
+template <typename T, int BR, int D>
+static __device__ __forceinline__ void cpar__ab_dq_atomic(const cpar__ab_args &p, T *sdS, const T *sK,
+                                                          const float (&dp)[BR / 8][4], int m0, int64_t qbh, int64_t i0,
+                                                          int d) {
+    constexpr int BC = CPAR__AB_BC, LDS = BC + 8, LD = D + 8, RB = BR / 16, CS = 4 / RB, NDW = D / CS / 8;
+    cpar__ab_each<BR / 8>(m0, [&](int nb, int e, int kr, int r) {
+        sdS[r * LDS + kr] = cpar__narrow<T>(dp[nb][e]);
+    });
+    __syncthreads();
+    const int warp = (int)(threadIdx.x >> 5), lane = (int)(threadIdx.x & 31);
+    const int r0 = (warp % RB) * 16, c0 = (warp / RB) * (D / CS);
+    if (c0 >= d) return;
+    float acc[NDW][4];
+    CPAR__UNROLL
+    for (int nd = 0; nd < NDW; nd++)
+        CPAR__UNROLL
+        for (int e = 0; e < 4; e++) acc[nd][e] = 0.f;
+    CPAR__UNROLL
+    for (int kk = 0; kk < BC; kk += 16) {
+        uint32_t a[4];
+        cpar__ldmatrix_x4(a, sdS + (r0 + (lane & 15)) * LDS + kk + 8 * (lane >> 4));
+        CPAR__UNROLL
+        for (int nd = 0; nd < NDW; nd += 2) {
+            if (c0 + nd * 8 >= d) break;
+            uint32_t b[4];
+            cpar__ldmatrix_x4_trans(b, sK + (kk + (lane & 15)) * LD + c0 + nd * 8 + 8 * (lane >> 4));
+            cpar__mma_m16n8k16<T>(acc[nd], a, b, acc[nd]);
+            cpar__mma_m16n8k16<T>(acc[nd + 1], a, b + 2, acc[nd + 1]);
+        }
+    }
+    float *gq = p.dq + qbh * p.dq_bh;
+    cpar__ab_each<NDW>(r0, [&](int nd, int e, int r, int c) {
+        const int64_t i = i0 + r;
+        if (i < p.sq && c0 + c < d) atomicAdd(&gq[i * d + c0 + c], p.scale * acc[nd][e]);
+    });
+}
+
 /* dK, dV of one 64-key tile (blockIdx.x) for batch·kv-head slices
  * blockIdx.y, += gridDim.y. Shared: K, V [64][D+8] of T, then two buffers of
  * Q, dO [BR][D+8] of T and two of lse·log2e (+inf where P must be 0) and
  * Dsum [BR] fp32: the steps (a q head of the GQA group and a query tile)
  * alternate between them, the next step's copies (cp.async) in flight while
  * this one computes. 128 threads: warp w owns keys [16w, 16w+16) of the tile. */
-template <typename T, class V, int BR>
+template <typename T, class V, int BR, bool ADQ>
 static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkdv_kernel(const cpar__ab_args p) {
     constexpr int D = V::DT, BC = CPAR__AB_BC, LD = D + 8, NQ = BR / 8, ND = D / 8;
     CPAR_DYN_SMEM(unsigned char, smem);
     T *sK = reinterpret_cast<T *>(smem), *sV = sK + BC * LD, *sQO = sV + BC * LD;
-    float *sLD = reinterpret_cast<float *>(sQO + 4 * BR * LD);
+    T *sdS = sQO + 4 * BR * LD; /* ADQ: dS [BR][BC + 8] of the step, for dQ */
+    float *sLD = reinterpret_cast<float *>(sdS + (ADQ ? BR * (BC + 8) : 0));
     cpar__attn_rowinfo *sQI = reinterpret_cast<cpar__attn_rowinfo *>(sLD + 4 * BR); /* GENERAL: 2 x [BR] query infos */
     const int m0 = (int)(threadIdx.x >> 5) * 16, g = (int)(threadIdx.x & 31) >> 2;
     const int64_t j0 = (int64_t)blockIdx.x * BC, group = p.hq / p.hkv;
@@ -3124,30 +3177,40 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
             __syncthreads();
             int64_t qbh, i0;
             step_rows(n, &qbh, &i0);
-            /* this warp's keys are past sk, or (causal) after every query of the tile */
-            if (j0 + m0 >= p.sk || (skip && j0 + m0 > i0 + BR - 1)) continue;
+            /* this warp's keys are past sk, or (causal) after every query of
+             * the tile: nothing to add (ADQ: its part of dS is zeros) */
+            const bool idle = j0 + m0 >= p.sk || (skip && j0 + m0 > i0 + BR - 1);
+            if (idle && !ADQ) continue;
             const T *sQ = sQO + (n & 1) * 2 * BR * LD, *sdO = sQ + BR * LD;
-            const float *sL = sLD + (n & 1) * 2 * BR, *sD = sL + BR;
-            const cpar__attn_rowinfo *qi_s = sQI + (n & 1) * BR;
             float s[NQ][4], dp[NQ][4]; /* Sᵀ then Pᵀ; dPᵀ then dSᵀ: [key][query] */
-            cpar__ab_mma_abt<T, NQ, D, LD>(s, sK, m0, sQ, d);
-            cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
-                const int64_t j = j0 + kr, i = i0 + r;
-                const float x = cpar__ex2(fmaf(s[nb][e], p.scale_log2, -sL[r]));
-                s[nb][e] = (j >= p.sk || cpar__ab_hidden(packed, causal, i, j, qi_s[r], kinfo[e >> 1])) ? 0.f : x;
-            });
-            cpar__ab_mma_abt<T, NQ, D, LD>(dp, sV, m0, sdO, d);
-            /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for dV.
-             * Without dropout Z = 1: both products are exact, the bits those
-             * of P ∘ (dP − D) and P. */
-            const uint64_t mbh = drop ? cpar__attn_mask_bh(qbh, p.hq, p.mask_hq, p.mask_h0) : 0; /* dropout's bh */
-            cpar__ab_each<NQ>(m0, [&](int nb, int e, int, int r) {
-                const float z = drop ? cpar__ab_keep(p, mbh, qi_s[r], kinfo[e >> 1]) : 1.f;
-                dp[nb][e] = s[nb][e] * (dp[nb][e] * z - sD[r]);
-                s[nb][e] *= z;
-            });
-            cpar__ab_mma_xb<T, NQ, ND, LD>(dv, s, sdO, d);
-            cpar__ab_mma_xb<T, NQ, ND, LD>(dk, dp, sQ, d);
+            if (!idle) {
+                const float *sL = sLD + (n & 1) * 2 * BR, *sD = sL + BR;
+                const cpar__attn_rowinfo *qi_s = sQI + (n & 1) * BR;
+                cpar__ab_mma_abt<T, NQ, D, LD>(s, sK, m0, sQ, d);
+                cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
+                    const int64_t j = j0 + kr, i = i0 + r;
+                    const float x = cpar__ex2(fmaf(s[nb][e], p.scale_log2, -sL[r]));
+                    s[nb][e] = (j >= p.sk || cpar__ab_hidden(packed, causal, i, j, qi_s[r], kinfo[e >> 1])) ? 0.f : x;
+                });
+                cpar__ab_mma_abt<T, NQ, D, LD>(dp, sV, m0, sdO, d);
+                /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for dV.
+                 * Without dropout Z = 1: both products are exact, the bits those
+                 * of P ∘ (dP − D) and P. */
+                const uint64_t mbh = drop ? cpar__attn_mask_bh(qbh, p.hq, p.mask_hq, p.mask_h0) : 0; /* dropout's bh */
+                cpar__ab_each<NQ>(m0, [&](int nb, int e, int, int r) {
+                    const float z = drop ? cpar__ab_keep(p, mbh, qi_s[r], kinfo[e >> 1]) : 1.f;
+                    dp[nb][e] = s[nb][e] * (dp[nb][e] * z - sD[r]);
+                    s[nb][e] *= z;
+                });
+                cpar__ab_mma_xb<T, NQ, ND, LD>(dv, s, sdO, d);
+                cpar__ab_mma_xb<T, NQ, ND, LD>(dk, dp, sQ, d);
+            } else { /* ADQ: this warp adds nothing to dS */
+                CPAR__UNROLL
+                for (int nb = 0; nb < NQ; nb++)
+                    CPAR__UNROLL
+                    for (int e = 0; e < 4; e++) dp[nb][e] = 0.f;
+            }
+            if (ADQ) cpar__ab_dq_atomic<T, BR, D>(p, sdS, sK, dp, m0, qbh, i0, d);
         }
         cpar__attn_cp_wait<0>(); /* no copy still lands in a buffer the next slice refills */
         float *gk = p.dk + bh * p.dkv_bh, *gv = p.dv + bh * p.dkv_bh;
@@ -3271,18 +3334,22 @@ template <typename K> static cudaError_t cpar__ab_smem_optin(K kernel, size_t by
                                 (int)bytes);
 }
 
-/* The dkdv and dq launches of one element type and instantiation V. */
-template <typename T, class V> static cudaError_t cpar__attn_bwd_launch(const cpar__ab_args &p, cudaStream_t cs) {
+/* The dkdv and dq launches of one element type and instantiation V; with
+ * atomic_dq the dkdv kernel adds dq itself (cpar__ab_dq_atomic), no dq
+ * launch. */
+template <typename T, class V>
+static cudaError_t cpar__attn_bwd_launch(const cpar__ab_args &p, bool atomic_dq, cudaStream_t cs) {
     constexpr int D = V::DT, BRKV = cpar__ab_brkv<D>;
-    auto kv = cpar__attn_bwd_dkdv_kernel<T, V, BRKV>;
+    auto kv = atomic_dq ? cpar__attn_bwd_dkdv_kernel<T, V, BRKV, true> : cpar__attn_bwd_dkdv_kernel<T, V, BRKV, false>;
     constexpr int INFO = (int)(sizeof(cpar__attn_rowinfo) / sizeof(float)); /* floats per row info */
-    /* K, V; 2 x (Q, dO), 2 x (lse, Dsum); GENERAL: 2 x the query tile's infos */
-    const size_t smem_kv = cpar__ab_smem<T, D>(2 * CPAR__AB_BC + 4 * BRKV, 4 * BRKV + (V::GENERAL ? 2 * BRKV * INFO : 0));
+    /* K, V; 2 x (Q, dO); atomic_dq: dS [BRKV][BC + 8]; 2 x (lse, Dsum); GENERAL: 2 x the query tile's infos */
+    const size_t smem_kv = cpar__ab_smem<T, D>(2 * CPAR__AB_BC + 4 * BRKV, 4 * BRKV + (V::GENERAL ? 2 * BRKV * INFO : 0)) +
+                           (atomic_dq ? (size_t)BRKV * (CPAR__AB_BC + 8) * sizeof(T) : 0);
     cudaError_t e = cpar__ab_smem_optin(kv, smem_kv);
     if (e != cudaSuccess) return e;
     const dim3 grid_kv((unsigned)((p.sk + CPAR__AB_BC - 1) / CPAR__AB_BC), cpar__ab_grid_y(p.b * p.hkv));
     CPAR_LAUNCH(kv, grid_kv, CPAR__AB_THREADS, smem_kv, cs)(p);
-    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    if ((e = cudaGetLastError()) != cudaSuccess || atomic_dq) return e;
     auto qk = cpar__attn_bwd_dq_kernel<T, V>;
     /* Q, dO; 2 x (K, V); GENERAL: the key tile's infos */
     const size_t smem_q = cpar__ab_smem<T, D>(2 * CPAR__AB_BRQ + 4 * CPAR__AB_BC, V::GENERAL ? CPAR__AB_BC * INFO : 0);
@@ -3399,7 +3466,8 @@ cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, cons
         if constexpr (std::is_same<T, float>::value) {
             return cudaErrorInvalidValue; /* unreachable: a->dt checked above (no fp32 mma instantiation) */
         } else {
-            return cpar__attn_dispatch(*a, [&](auto var) { return cpar__attn_bwd_launch<T, decltype(var)>(p, cs); });
+            return cpar__attn_dispatch(
+                *a, [&](auto var) { return cpar__attn_bwd_launch<T, decltype(var)>(p, a->atomic_dq, cs); });
         }
     });
     CPAR__TRY_CUDA(e, "attention_bwd kernel launch (%s, b %lld, hq %lld, hkv %lld, sq %lld, sk %lld, d %lld%s)",
@@ -4090,13 +4158,14 @@ static __global__ void __launch_bounds__(CPAR__NORM_BLOCK)
             cpar__store<V>(dx + r * h + j, o);
         }
     }
-    if (!DW) return;
-    CPAR__UNROLL
-    for (int p = 0; p < NP; p++) {
-        const int64_t j = ((int64_t)threadIdx.x + (int64_t)p * blockDim.x) * V;
-        if (j >= h) break;
+    if constexpr (DW) {
         CPAR__UNROLL
-        for (int e = 0; e < V; e++) partial[(int64_t)blockIdx.x * h + j + e] = acc[p][e];
+        for (int p = 0; p < NP; p++) {
+            const int64_t j = ((int64_t)threadIdx.x + (int64_t)p * blockDim.x) * V;
+            if (j >= h) break;
+            CPAR__UNROLL
+            for (int e = 0; e < V; e++) partial[(int64_t)blockIdx.x * h + j + e] = acc[p][e];
+        }
     }
 }
 

@@ -344,6 +344,30 @@ START_TEST(test_attn_backward) {
 }
 END_TEST
 
+static cpar_status rank_nothing(cpar_ctx *ctx, void *arg) {
+    (void)ctx, (void)arg;
+    return CPAR_OK;
+}
+
+/* CPAR_ATTN_DQ=atomic (dq from the dk/dv kernel by fp32 atomics on
+ * devices; nothing changes on host tensors): _i = shape, the dtype
+ * alternating, against the same reference as test_attn_backward. The last
+ * case: a value that is neither atomic nor kernel fails cpar_init, naming
+ * it. */
+START_TEST(test_attn_backward_atomic_dq) {
+    if (_i == N_SHAPES) {
+        setenv("CPAR_ATTN_DQ", "atomics", 1); /* this forked test's own environment */
+        cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
+        ck_assert_int_eq(cpar_spawn_with(1, &cfg, rank_nothing, NULL), CPAR_ERR_INVALID);
+        ck_assert_msg(strstr(cpar_thread_last_error(), "CPAR_ATTN_DQ=\"atomics\""), "%s", cpar_thread_last_error());
+        return;
+    }
+    setenv("CPAR_ATTN_DQ", "atomic", 1);
+    schedule(_i % 3);
+    run(&shapes[_i], dtypes16[_i % 2], 0.f, false, true, 550 + (uint64_t)_i);
+}
+END_TEST
+
 /* 16-bit on host tensors (the host reference also on the device backend) and an explicit scale. */
 START_TEST(test_attn_16bit_host_and_scale) {
     for (int d16 = 0; d16 < 2; d16++) {
@@ -1055,6 +1079,7 @@ static Suite *suite(void) {
         {"attn_f32_host", test_attn_f32_host, N_SHAPES},
         {"attn_forward", test_attn_forward, N_SHAPES * 2 * forward_schedules()},
         {"attn_backward", test_attn_backward, N_SHAPES * 2},
+        {"attn_backward_atomic_dq", test_attn_backward_atomic_dq, N_SHAPES + 1},
         {"attn_16bit_host_and_scale", test_attn_16bit_host_and_scale, 1},
         {"attn_no_keys", test_attn_no_keys, 2},
         {"attn_device_blocks", test_attn_device_blocks, 3},

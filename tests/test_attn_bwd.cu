@@ -89,6 +89,7 @@ struct Case {
     int split;      /* > 0: two calls, keys [0, split) and [split, sk), with the full out/lse */
     float scale;    /* 0: 1/sqrt(d) */
     float p;        /* dropout: 0 = none */
+    bool adq = false; /* atomic_dq: dq from the dkdv kernel by atomics */
 };
 
 /* Per-tensor error: max |got - init - ref| / max |ref|. */
@@ -216,6 +217,7 @@ static void run_case(const Case &c, unsigned seed) {
 
     /* the kernel, as one call or as two key blocks sharing out/lse */
     cpar_dev_attn a = {}; /* no dropout, positions = row indices */
+    a.atomic_dq = c.adq;
     a.dt = c.dt;
     a.b = b;
     a.hq = hq;
@@ -375,6 +377,21 @@ static const Case DROPOUT[] = {
     {"dropout lse -inf row d64",           F16,  F16,  1, 1, 1,   20,  30, 64, false, 0, 0,  5, 0, 0, 0.3f},
 };
 
+/* atomic_dq: dq added by the dkdv kernel (d 64 and 128: one and two column
+ * slices; a general d), every mask and layout above */
+static const Case ATOMIC[] = {
+    {"adq d64 77x130 causal",              BF16, BF16, 1, 1, 1,   77, 130, 64, true,  0, 0, -1, 0, 0, 0, true},
+    {"adq d128 130x77 causal out f32",     F16,  F32,  1, 1, 1,  130,  77, 128, true, 0, 0, -1, 0, 0, 0, true},
+    {"adq d40 77x77 out f32",              BF16, F32,  1, 1, 1,   77,  77, 40, false, 0, 0, -1, 0, 0, 0, true},
+    {"adq d72 (tile 128) 40x9",            BF16, BF16, 1, 1, 1,   40,   9, 72, false, 0, 0, -1, 0, 0, 0, true},
+    {"adq gqa 4/2 b2 d64 33x17 causal",    F16,  F32,  2, 4, 2,   33,  17, 64, true,  0, 0, -1, 0, 0, 0, true},
+    {"adq strided misaligned d128 gqa 4/2", BF16, BF16, 1, 4, 2,  19,  13, 128, true, 3, 4,  -1, 0, 0, 0, true},
+    {"adq lse -inf row d64 20x30",         F16,  F32,  1, 2, 1,   20,  30, 64, false, 0, 0,  5, 0, 0, 0, true},
+    {"adq two key blocks d64 40x100",      BF16, F32,  1, 2, 1,   40, 100, 64, false, 0, 0, -1, 37, 0, 0, true},
+    {"adq dropout gqa 4/2 d128 70x40",     BF16, F32,  1, 4, 2,   70,  40, 128, false, 0, 0, -1, 0, 0, 0.5f, true},
+    {"adq dropout d64 33x45 causal",       F16,  F16,  1, 2, 2,   33,  45, 64, true,  0, 0, -1, 0, 0, 0.3f, true},
+};
+
 static const cudasim_schedule schedules[] = {CUDASIM_SCHED_FORWARD, CUDASIM_SCHED_REVERSE, CUDASIM_SCHED_SHUFFLE};
 
 template <size_t N> static void run_all(const Case (&cases)[N], int sched, unsigned seed) {
@@ -401,6 +418,8 @@ END_TEST
  * key block's start at split) applied in both kernels */
 START_TEST(dropout) { run_all(DROPOUT, _i, 53); }
 END_TEST
+START_TEST(atomic_dq) { run_all(ATOMIC, _i, 59); }
+END_TEST
 
 /* Results do not depend on the schedule: no atomics, fixed summation order. */
 START_TEST(deterministic) {
@@ -410,7 +429,7 @@ START_TEST(deterministic) {
         cudasim_set_schedule(schedules[sched], 99);
         unsigned seed = 5;
         cpar_dev_attn a = {c.dt, c.b, c.hq, c.hkv, c.sq, c.sk, c.d, NULL, NULL, NULL, c.sq * c.d, c.sk * c.d,
-                           c.causal, 0.125f, c.p, {7, 0}, {}, {}, 0, 0}; /* with dropout */
+                           c.causal, 0.125f, c.p, {7, 0}, {}, {}, 0, 0, false}; /* with dropout */
         const size_t nq = c.b * c.hq * c.sq * c.d, nk = c.b * c.hkv * c.sk * c.d, nl = c.b * c.hq * c.sq;
         void *q = dalloc(nq, c.dt), *k = dalloc(nk, c.dt), *v = dalloc(nk, c.dt), *out = dalloc(nq, c.out_dt),
              *dout = dalloc(nq, c.out_dt);
@@ -452,7 +471,9 @@ END_TEST
  *     tile and the dkdv kernel's query tiles of each 64-key tile; and it
  *     does skip (fewer tiles than all, for these multi-document packings);
  *  2. forward (out, lse) and backward (dq, dk, dv added onto random values)
- *     are bit-identical with skipping on and off (cpar__attn_skip_hidden_tiles). */
+ *     are bit-identical with skipping on and off (cpar__attn_skip_hidden_tiles);
+ *  3. with dq by atomics (atomic_dq), the same but dq, which is within
+ *     rounding of the dq kernel's. */
 struct PackedCase {
     cpar_dtype dt;
     int P, rq, rk, d;
@@ -466,7 +487,7 @@ static void packed_skip_case(const PackedCase &c, unsigned seed) {
     std::vector<int32_t> cu(n_docs + 1, 0), cur(n_docs + 1, 0);
     for (int i = 0; i < n_docs; i++) cu[i + 1] = cu[i] + c.padded[i], cur[i + 1] = cur[i] + c.real[i];
     const int64_t n = cu[n_docs] / c.P, d = c.d, hq = 2, hkv = 1;
-    cpar_dev_attn a = {c.dt, 1, hq, hkv, n, n, d, NULL, NULL, NULL, n * d, n * d, c.causal, 0.125f, c.p, {7, 3}, {}, {}, 0, 0};
+    cpar_dev_attn a = {c.dt, 1, hq, hkv, n, n, d, NULL, NULL, NULL, n * d, n * d, c.causal, 0.125f, c.p, {7, 3}, {}, {}, 0, 0, false};
     a.qp = {0, 0, 0, cu.data(), cur.data(), n_docs, c.P, c.rq};
     a.kp = a.qp;
     a.kp.rank = c.rk;
@@ -511,9 +532,10 @@ static void packed_skip_case(const PackedCase &c, unsigned seed) {
     std::vector<float> init(hq * n * d + 2 * hkv * n * d);
     for (float &x : init) x = (float)urand(&s);
     a.q = q, a.k = k, a.v = v;
-    std::vector<float> got[2];
-    for (int mode = 0; mode < 2; mode++) {
-        cpar__attn_skip_hidden_tiles = mode == 0;
+    std::vector<float> got[3];
+    for (int mode = 0; mode < 3; mode++) { /* skipping on, off, then on with dq by atomics */
+        cpar__attn_skip_hidden_tiles = mode != 1;
+        a.atomic_dq = mode == 2;
         float *out = (float *)dalloc(hq * n * d, F32), *lse = (float *)dalloc(hq * n, F32);
         float *g = (float *)dalloc(init.size(), F32);
         void *scratch = dalloc(cpar_dev_attention_bwd_scratch_bytes(&a) / 4, F32);
@@ -537,6 +559,19 @@ static void packed_skip_case(const PackedCase &c, unsigned seed) {
     REQUIRE(memcmp(got[0].data(), got[1].data(), sizeof(float) * got[0].size()) == 0,
             "P %d ranks %d/%d%s p %g: results differ with tile skipping", c.P, c.rq, c.rk, c.causal ? " causal" : "",
             (double)c.p);
+    /* dq by atomics: out, lse, dk and dv the same bits, dq within rounding of the dq kernel's */
+    const size_t g0 = hq * n * d + hq * n, nq = hq * n * d;
+    REQUIRE(memcmp(got[0].data(), got[2].data(), sizeof(float) * g0) == 0 &&
+                memcmp(got[0].data() + g0 + nq, got[2].data() + g0 + nq, sizeof(float) * (init.size() - nq)) == 0,
+            "P %d ranks %d/%d: dq by atomics changed out, lse, dk or dv", c.P, c.rq, c.rk);
+    double inc = 0, diff = 0;
+    for (size_t e = 0; e < nq; e++) {
+        inc = fmax(inc, fabs((double)got[0][g0 + e] - init[e]));
+        diff = fmax(diff, fabs((double)got[2][g0 + e] - got[0][g0 + e]));
+    }
+    REQUIRE(inc > 0 && diff <= (c.dt == BF16 ? 2e-2 : 2.5e-3) * inc,
+            "P %d ranks %d/%d%s p %g: dq by atomics differs by %g (largest increment %g)", c.P, c.rq, c.rk,
+            c.causal ? " causal" : "", (double)c.p, diff, inc);
     void *bufs[] = {q, k, v, dout};
     for (void *b : bufs) cudaFree(b);
 }
@@ -572,7 +607,7 @@ START_TEST(bad_args) {
     __half *o = (__half *)dalloc(2 * sq * d, F16);
     float *lse = (float *)dalloc(2 * sq, F32), *g = (float *)dalloc(2 * sq * d + 4 * sk * d, F32);
     void *scratch = dalloc(2 * sq, F32);
-    const cpar_dev_attn good = {F16, 1, 2, 1, sq, sk, d, q, kv, kv, sq * d, sk * d, false, 0.25f, 0.f, {0, 0}, {}, {}, 0, 0};
+    const cpar_dev_attn good = {F16, 1, 2, 1, sq, sk, d, q, kv, kv, sq * d, sk * d, false, 0.25f, 0.f, {0, 0}, {}, {}, 0, 0, false};
     float *dq = g, *dk = g + 2 * sq * d, *dv = dk + sk * d;
 #define CALL(a, ...) cpar_dev_attention_bwd(a, __VA_ARGS__, NULL)
 #define GOOD_REST o, o, F16, sq * d, lse, sq, dq, sq * d, dk, dv, sk * d, scratch
@@ -658,6 +693,7 @@ int main(void) {
     tcase_add_loop_test(tc, gqa, 0, 3);
     tcase_add_loop_test(tc, strided, 0, 3);
     tcase_add_loop_test(tc, dropout, 0, 3);
+    tcase_add_loop_test(tc, atomic_dq, 0, 3);
     tcase_add_test(tc, deterministic);
     tcase_add_loop_test(tc, packed_skip, 0, 6);
     tcase_add_test(tc, bad_args);

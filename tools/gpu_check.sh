@@ -29,7 +29,8 @@
 #   the device backend's suites and tp 2 x cp 2 run 120 s; training 2 x 45
 #   s; bench the rest, at most 150 s of cases (the quick sections first:
 #   memory-bound, GEMM, cross entropy, then attention) and 30 s for the case
-#   under way. Here nvcc takes 1-2.5 minutes for sm_90, and carrying its
+#   under way, less the 70 s kept for the attention at s 8192 again with dq
+#   by atomics (CPAR_ATTN_DQ=atomic, bench_adq.log). Here nvcc takes 1-2.5 minutes for sm_90, and carrying its
 #   object (a few MiB) takes no time, so the script uses the carried one
 #   whenever it was built from the same sources by the same nvcc. Measured
 #   on an H200 (2026-11-28): machine start about 35 s, probe 6-9 s, build
@@ -252,6 +253,8 @@ if [ $mode = rehearse ]; then
     # 5. The bench beside torch (on the CPU, when torch is importable here).
     step "bench (sim)" 300 "$OUT/bench.log" "$PYTHON" tools/gpu_bench.py --lib "$B/sim/libcpar_sim.so" \
         --backend device --quick --csv "$OUT/bench.csv"
+    step "bench attn, dq atomic (sim)" 300 "$OUT/bench_adq.log" env CPAR_ATTN_DQ=atomic "$PYTHON" \
+        tools/gpu_bench.py --lib "$B/sim/libcpar_sim.so" --backend device --quick --only attn
     echo
     sed -n '/^== gpu_bench summary/,$p' "$OUT/bench.log"
     echo "== gpu_check.sh --rehearse: summary ($(elapsed) s)"
@@ -324,7 +327,8 @@ done
 rm -f "$OUT/loss_bf16.log" "$OUT/loss_f16.log" # their lines are in the summary (8 files come back)
 
 # ---- 5. the bench beside torch ------------------------------------------------------------
-left=$((470 - $(elapsed) - 30))
+# (70 s kept for 5b)
+left=$((470 - $(elapsed) - 100))
 [ $left -gt 150 ] && left=150
 if [ $left -gt 20 ]; then
     # the limit leaves the case under way when the budget runs out time to end
@@ -334,8 +338,20 @@ else
     note "bench                  skipped: no time left"
 fi
 
+# ---- 5b. the attention backward with dq by fp32 atomics (CPAR_ATTN_DQ=atomic) at s 8192 ----
+left=$((470 - $(elapsed) - 20))
+[ $left -gt 50 ] && left=50
+if [ $left -gt 15 ]; then
+    step "bench attn, dq atomic" $((left + 20)) "$OUT/bench_adq.log" env CPAR_ATTN_DQ=atomic "$PYTHON" \
+        tools/gpu_bench.py --lib "$B/cuda/libcpar.so.$VERSION" --backend nccl --budget-s $left --only attn \
+        --attn-s 8192 ${GPU_BENCH_ARGS:-}
+else
+    note "bench attn, dq atomic  skipped: no time left"
+fi
+
 echo
 sed -n '/^== gpu_bench summary/,$p' "$OUT/bench.log" 2> /dev/null
+sed -n '/^== gpu_bench summary/,$p' "$OUT/bench_adq.log" 2> /dev/null | sed 's/^/dq atomic: /'
 echo
 echo "== gpu_check.sh: summary ($(elapsed) s; logs and bench.csv in $OUT)"
 printf '%s' "$summary" | tee "$OUT/summary.txt"
