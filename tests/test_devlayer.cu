@@ -879,8 +879,8 @@ START_TEST(test_entry_point_args) {
                 "h = -4");
     CK_OK(cpar_dev_rmsnorm_backward(NULL, NULL, NULL, CPAR_F32, 3, 0, 1e-5f, NULL, NULL, NULL, NULL));
     REQUIRE(cpar_dev_rmsnorm_backward_scratch_bytes(0, 4) >= sizeof(float), "rmsnorm scratch for no rows");
-    REQUIRE(cpar_dev_rmsnorm_backward_scratch_bytes(1000, 8) == (2 * 1000 + 32 * 8) * sizeof(float),
-            "rmsnorm scratch: 2 floats a row, then 32 chunks of 32 rows (the last partial) x 8 columns");
+    REQUIRE(cpar_dev_rmsnorm_backward_scratch_bytes(1000, 8) == (2 * 1000 + 63 * 8) * sizeof(float),
+            "rmsnorm scratch: 2 floats a row, then 63 chunks of 16 rows (the last partial) x 8 columns");
 
     /* the deterministic embedding gradient's scratch (the sort keys) */
     EXPECT_FAIL(cpar_dev_embedding_grad(p, CPAR_F32, p, CPAR_I32, 1, 4, 2, 0, 3, false, f, true, NULL, NULL),
