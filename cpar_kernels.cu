@@ -2859,7 +2859,7 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * cpar_dev_attn's atomic_dq (CPAR_ATTN_DQ=atomic) takes FA2's way instead:
  * the dkdv kernel stages each step's dS in shared memory and adds scale·dS k
  * to dq by fp32 atomics (cpar__ab_dq_atomic), and launch 3 is skipped; sm_90:
- * 2,640 instructions, 160 HMMA where dkdv and dq took 2,048 + 1,768 and
+ * 2,728 instructions, 160 HMMA where dkdv and dq took 2,048 + 1,768 and
  * 128 + 96 per 64 x 32 block at d 128, no spills, 2 CTAs/SM.
  * Dropout recomputes the forward's mask Z (keep / (1-p)) per weight in both
  * kernels: dkdv forms dS = P∘(dP∘Z − Dsum) first, then P∘Z in place of P
@@ -3068,9 +3068,14 @@ static __global__ void cpar__attn_bwd_dot_kernel(const O *__restrict__ out, cons
  * fragments); after a barrier, warp w computes rows 16 (w % RB) of dQ = dS K
  * for D / CS columns from c0 = (w / RB) D / CS (RB = BR / 16 row blocks, CS
  * = 4 / RB column slices: 16 x 64 each at d 64 and 128) and adds scale·dQ
- * to dq with fp32 atomics: the order of the CTAs' additions, and so dq's
+ * to dq with fp32 atomics (two adjacent columns in one on sm_90): the order of the CTAs' additions, and so dq's
  * last bits, vary run to run. The caller's next step starts with a barrier,
  * after which sdS may be written again. */
+#if defined(CPAR_SIM) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
+#define CPAR__AB_PAIR_ATOMICS 1 /* atomicAdd(float2 *) */
+#else
+#define CPAR__AB_PAIR_ATOMICS 0
+#endif
 template <typename T, int BR, int D>
 static __device__ __forceinline__ void cpar__ab_dq_atomic(const cpar__ab_args &p, T *sdS, const T *sK,
                                                           const float (&dp)[BR / 8][4], int m0, int64_t qbh, int64_t i0,
@@ -3101,10 +3106,24 @@ static __device__ __forceinline__ void cpar__ab_dq_atomic(const cpar__ab_args &p
             cpar__mma_m16n8k16<T>(acc[nd + 1], a, b + 2, acc[nd + 1]);
         }
     }
+    /* a C fragment's elements e and e + 1 are adjacent columns of one row:
+     * one 8-byte atomic for both where the GPU has them (sm_90) and gq is
+     * 8-byte aligned (c and d are even) */
     float *gq = p.dq + qbh * p.dq_bh;
+    const bool pairs = CPAR__AB_PAIR_ATOMICS && ((uintptr_t)gq & 7) == 0;
     cpar__ab_each<NDW>(r0, [&](int nd, int e, int r, int c) {
         const int64_t i = i0 + r;
-        if (i < p.sq && c0 + c < d) atomicAdd(&gq[i * d + c0 + c], p.scale * acc[nd][e]);
+        if (i >= p.sq || c0 + c >= d) return;
+        float *dst = &gq[i * d + c0 + c];
+#if CPAR__AB_PAIR_ATOMICS
+        if (pairs) {
+            if (e % 2 == 0)
+                atomicAdd(reinterpret_cast<float2 *>(dst),
+                          make_float2(p.scale * acc[nd][e], p.scale * acc[nd][e + 1]));
+            return;
+        }
+#endif
+        atomicAdd(dst, p.scale * acc[nd][e]);
     });
 }
 

@@ -1675,6 +1675,16 @@ inline __half atomicAdd(__half *a, __half v) {
 inline __nv_bfloat16 atomicAdd(__nv_bfloat16 *a, __nv_bfloat16 v) {
     return ::cudasim::detail::atomic_update(a, [v](__nv_bfloat16 o) { return o + v; });
 }
+/* sm_90's vector atomic: 8-byte aligned or the launch fails (a GPU's
+ * misaligned address); each half an atomic add of its own, as the GPU
+ * promises no more. */
+inline float2 atomicAdd(float2 *a, float2 v) {
+    using namespace ::cudasim::detail;
+    if (reinterpret_cast<uintptr_t>(a) % 8 != 0)
+        fail_in_kernel("atomicAdd(float2 *) at %p: misaligned (8 bytes needed) by %s", (void *)a,
+                       thread_name(*t_fiber).c_str());
+    return float2{atomicAdd(&a->x, v.x), atomicAdd(&a->y, v.y)};
+}
 inline int atomicSub(int *a, int v) { return __atomic_fetch_sub(a, v, __ATOMIC_RELAXED); }
 inline unsigned atomicSub(unsigned *a, unsigned v) { return __atomic_fetch_sub(a, v, __ATOMIC_RELAXED); }
 inline int atomicExch(int *a, int v) { return __atomic_exchange_n(a, v, __ATOMIC_RELAXED); }
