@@ -344,11 +344,6 @@ START_TEST(test_attn_backward) {
 }
 END_TEST
 
-static cpar_status rank_nothing(cpar_ctx *ctx, void *arg) {
-    (void)ctx, (void)arg;
-    return CPAR_OK;
-}
-
 /* CPAR_ATTN_DQ=atomic (dq from the dk/dv kernel by fp32 atomics on
  * devices; nothing changes on host tensors): _i = shape, the dtype
  * alternating, against the same reference as test_attn_backward. The last
@@ -358,7 +353,7 @@ START_TEST(test_attn_backward_atomic_dq) {
     if (_i == N_SHAPES) {
         setenv("CPAR_ATTN_DQ", "atomics", 1); /* this forked test's own environment */
         cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
-        ck_assert_int_eq(cpar_spawn_with(1, &cfg, rank_nothing, NULL), CPAR_ERR_INVALID);
+        ck_assert_int_eq(cpar_spawn_with(1, &cfg, tu_rank_nothing, NULL), CPAR_ERR_INVALID);
         ck_assert_msg(strstr(cpar_thread_last_error(), "CPAR_ATTN_DQ=\"atomics\""), "%s", cpar_thread_last_error());
         return;
     }

@@ -898,18 +898,13 @@ static cpar_status rank_blocking(cpar_ctx *ctx, void *arg) {
     return CPAR_OK;
 }
 
-static cpar_status rank_nothing(cpar_ctx *ctx, void *arg) {
-    (void)ctx, (void)arg;
-    return CPAR_OK;
-}
-
 /* Whether contexts take CPAR_HOST_GEMM=name here: CPAR_OK, or
  * CPAR_ERR_UNSUPPORTED (a kernel this CPU or build lacks, the message naming
  * it, checked). Leaves the variable set. */
 static cpar_status probe_kernel(const char *name) {
     setenv("CPAR_HOST_GEMM", name, 1);
     cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
-    cpar_status st = cpar_spawn_with(1, &cfg, rank_nothing, NULL);
+    cpar_status st = cpar_spawn_with(1, &cfg, tu_rank_nothing, NULL);
     ck_assert_msg(st == CPAR_OK || (st == CPAR_ERR_UNSUPPORTED && strstr(cpar_thread_last_error(), "CPAR_HOST_GEMM") &&
                                     strstr(cpar_thread_last_error(), "has no")),
                   "CPAR_HOST_GEMM=%s: status %d, \"%s\"", name, st, cpar_thread_last_error());
@@ -1667,20 +1662,20 @@ START_TEST(test_host_threads_bad) {
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         setenv("CPAR_HOST_THREADS", bad[i], 1);
         cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
-        cpar_status st = cpar_spawn_with(2, &cfg, rank_nothing, NULL);
+        cpar_status st = cpar_spawn_with(2, &cfg, tu_rank_nothing, NULL);
         const char *msg = cpar_thread_last_error();
         ck_assert_msg(st == CPAR_ERR_INVALID && strstr(msg, "CPAR_HOST_THREADS") && strstr(msg, bad[i]),
                       "CPAR_HOST_THREADS=\"%s\": status %d, \"%s\", expected CPAR_ERR_INVALID naming it", bad[i], st, msg);
     }
     setenv("CPAR_HOST_THREADS", "", 1); /* empty: the default */
-    TU_OK(tu_spawn(2, rank_nothing, NULL));
+    TU_OK(tu_spawn(2, tu_rank_nothing, NULL));
     unsetenv("CPAR_HOST_THREADS");
     /* CPAR_HOST_GEMM: a name it does not know, or a kernel this CPU lacks */
     static const char *gbad[] = {"avx512f", "blas", "C", "avx2 "};
     for (size_t i = 0; i < sizeof gbad / sizeof gbad[0]; i++) {
         setenv("CPAR_HOST_GEMM", gbad[i], 1);
         cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
-        cpar_status st = cpar_spawn_with(1, &cfg, rank_nothing, NULL);
+        cpar_status st = cpar_spawn_with(1, &cfg, tu_rank_nothing, NULL);
         const char *msg = cpar_thread_last_error();
         ck_assert_msg(st == CPAR_ERR_INVALID && strstr(msg, "CPAR_HOST_GEMM") && strstr(msg, "expected auto, builtin"),
                       "CPAR_HOST_GEMM=\"%s\": status %d, \"%s\", expected CPAR_ERR_INVALID naming the choices", gbad[i],

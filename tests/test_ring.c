@@ -21,6 +21,8 @@
  * cp-1 KV blocks, and backward adds cp ring shifts of the fp32 dK/dV
  * accumulators. Bad input for every argument of the four functions. */
 #define CPAR_INTERNAL /* calls device-layer functions (cpar.h §16) directly */
+#define _GNU_SOURCE /* setenv */
+
 #include "testutil.h"
 
 #include "packed.h"
@@ -557,6 +559,19 @@ START_TEST(test_ring_non_causal) {
 }
 END_TEST
 
+/* CPAR_ATTN_DQ=atomic: each ring step's backward adds dq by atomics from the
+ * dk/dv kernel; _i = (cp - 1) * 4 + comm type, causal load-balanced and
+ * non-causal in turn. Device backends only (host tensors ignore it). */
+START_TEST(test_ring_atomic_dq) {
+    if (!on_device()) {
+        printf("ring_atomic_dq: skipped on the host backend (a device kernel option)\n");
+        return;
+    }
+    setenv("CPAR_ATTN_DQ", "atomic", 1); /* this forked test's own environment */
+    run_ring(_i / 4 + 1, _i % 2 == 0, true, comms[_i % 4], 0.f, 5000 + 64 * (uint64_t)_i);
+}
+END_TEST
+
 /* ---- a launch failing mid-ring ---------------------------------------------------------------- */
 
 /* The CUDA simulator's fault injection (tests/cudasim.h): absent from the
@@ -954,6 +969,7 @@ static Suite *suite(void) {
         {"ring_causal_load_balanced", test_ring_causal_load_balanced, 16},
         {"ring_causal_sequential", test_ring_causal_sequential, 16},
         {"ring_non_causal", test_ring_non_causal, 16},
+        {"ring_atomic_dq", test_ring_atomic_dq, 16},
         {"ring_dropout", test_ring_dropout, 24},
         {"ring_packed", test_ring_packed, 16},
         {"ring_merge_kernel", test_ring_merge_kernel, 1},

@@ -82,6 +82,12 @@ typedef struct tu_counted {
     int ran; /* updated atomically */
 } tu_counted;
 
+/* A rank that does nothing: for checking what cpar_init itself accepts. */
+static inline cpar_status tu_rank_nothing(cpar_ctx *ctx, void *arg) {
+    (void)ctx, (void)arg;
+    return CPAR_OK;
+}
+
 static inline cpar_status tu_counted_rank(cpar_ctx *ctx, void *p) {
     tu_counted *c = (tu_counted *)p;
     __atomic_add_fetch(&c->ran, 1, __ATOMIC_SEQ_CST);
