@@ -2992,6 +2992,14 @@ static __device__ __forceinline__ void cpar__ab_load_tile(T *s, const void *src,
     }
 }
 
+/* Zeros in a warp's N m16n8k16 C fragments (fully unrolled: registers). */
+template <int N> static __device__ __forceinline__ void cpar__ab_zero(float (&acc)[N][4]) {
+    CPAR__UNROLL
+    for (int n = 0; n < N; n++)
+        CPAR__UNROLL
+        for (int e = 0; e < 4; e++) acc[n][e] = 0.f;
+}
+
 /* acc[NB][4] (16 x 8·NB, C fragments) = A·Bᵀ over k in [0, KD): A rows
  * [m0, m0+16) of sa, B rows [0, 8·NB) of sb, both row-major [row][k] with
  * pitch LD (the q·kᵀ pattern: B from an [n][k] tile without .trans). k-steps
@@ -3000,10 +3008,7 @@ template <typename T, int NB, int KD, int LD>
 static __device__ __forceinline__ void cpar__ab_mma_abt(float (&acc)[NB][4], const T *sa, int m0, const T *sb,
                                                         int d) {
     const int lane = (int)(threadIdx.x & 31);
-    CPAR__UNROLL
-    for (int nb = 0; nb < NB; nb++)
-        CPAR__UNROLL
-        for (int e = 0; e < 4; e++) acc[nb][e] = 0.f;
+    cpar__ab_zero(acc);
     CPAR__UNROLL
     for (int kk = 0; kk < KD; kk += 16) {
         if (kk >= d) break;
@@ -3089,10 +3094,7 @@ static __device__ __forceinline__ void cpar__ab_dq_atomic(const cpar__ab_args &p
     const int r0 = (warp % RB) * 16, c0 = (warp / RB) * (D / CS);
     if (c0 >= d) return;
     float acc[NDW][4];
-    CPAR__UNROLL
-    for (int nd = 0; nd < NDW; nd++)
-        CPAR__UNROLL
-        for (int e = 0; e < 4; e++) acc[nd][e] = 0.f;
+    cpar__ab_zero(acc);
     CPAR__UNROLL
     for (int kk = 0; kk < BC; kk += 16) {
         uint32_t a[4];
@@ -3184,10 +3186,8 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
         if (steps > 0) stage(0);
         cpar__attn_cp_commit();
         float dk[ND][4], dv[ND][4];
-        CPAR__UNROLL
-        for (int nd = 0; nd < ND; nd++)
-            CPAR__UNROLL
-            for (int e = 0; e < 4; e++) dk[nd][e] = dv[nd][e] = 0.f;
+        cpar__ab_zero(dk);
+        cpar__ab_zero(dv);
         for (int64_t n = 0; n < steps; n++) {
             __syncthreads(); /* step n - 1's readers of the other buffer are done: refill it */
             if (n + 1 < steps) stage(n + 1);
@@ -3224,10 +3224,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
                 cpar__ab_mma_xb<T, NQ, ND, LD>(dv, s, sdO, d);
                 cpar__ab_mma_xb<T, NQ, ND, LD>(dk, dp, sQ, d);
             } else { /* ADQ: this warp adds nothing to dS */
-                CPAR__UNROLL
-                for (int nb = 0; nb < NQ; nb++)
-                    CPAR__UNROLL
-                    for (int e = 0; e < 4; e++) dp[nb][e] = 0.f;
+                cpar__ab_zero(dp);
             }
             if (ADQ) cpar__ab_dq_atomic<T, BR, D>(p, sdS, sK, dp, m0, qbh, i0, d);
         }
@@ -3292,10 +3289,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
             ds[h] = i < p.sq ? p.dsum[bh * p.sq + i] : 0.f;
         }
         float dq[ND][4];
-        CPAR__UNROLL
-        for (int nd = 0; nd < ND; nd++)
-            CPAR__UNROLL
-            for (int e = 0; e < 4; e++) dq[nd][e] = 0.f;
+        cpar__ab_zero(dq);
         int buf = 0;
         for (int64_t j0 = j_begin; j0 < j_end; j0 += BC, buf ^= 1) {
             __syncthreads(); /* the previous tile's readers of the other buffer are done: refill it */
