@@ -38,6 +38,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -1022,18 +1023,26 @@ typedef struct {
 } st_tensor;
 
 /* CRC-32 (IEEE, as zlib's crc32) of n bytes, continuing from crc: each
- * file's data carries it in the metadata ("data_crc32"), checked on load. */
+ * file's data carries it in the metadata ("data_crc32"), checked on load.
+ * The ranks' threads check their files at once: the table is filled once,
+ * under pthread_once (filled lazily without it, a rank could read entries
+ * another was still writing and call a sound file damaged). */
+static uint32_t crc32_table[256];
+
+static void crc32_table_fill(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc32_table[i] = c;
+    }
+}
+
 static uint32_t crc32_update(uint32_t crc, const void *data, size_t n) {
-    static uint32_t table[256];
-    if (!table[1])
-        for (uint32_t i = 0; i < 256; i++) {
-            uint32_t c = i;
-            for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-            table[i] = c;
-        }
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, crc32_table_fill);
     const unsigned char *p = data;
     crc = ~crc;
-    for (size_t i = 0; i < n; i++) crc = table[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
+    for (size_t i = 0; i < n; i++) crc = crc32_table[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
     return ~crc;
 }
 
