@@ -7,6 +7,7 @@
 #define CPAR_TESTS_PROC_H
 
 #include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -118,7 +119,12 @@ static void proc_read(proc *p, int ms, const char *until, int count)
             if (p->fd[k] >= 0)
                 pf[np++] = (struct pollfd){.fd = p->fd[k], .events = POLLIN};
         int left = (int)(end - now_ms());
-        if (np == 0 || left <= 0 || poll(pf, (nfds_t)np, left) <= 0)
+        if (np == 0 || left <= 0)
+            return;
+        int ready = poll(pf, (nfds_t)np, left);
+        if (ready < 0 && errno == EINTR)
+            continue; /* a signal is no reason to stop reading */
+        if (ready <= 0)
             return;
         for (int k = 0; k < 2; k++) {
             if (p->fd[k] < 0)
@@ -138,12 +144,14 @@ static void proc_read(proc *p, int ms, const char *until, int count)
     }
 }
 
-/* Wait for exit (SIGKILL and fail after ms), collecting all output. */
+/* Wait for exit (SIGKILL and fail after ms), collecting all output. Its
+ * output's end comes before its exit status: up to 10 s more for that, as a
+ * loaded machine may stall an exiting process that long (a few ms usually). */
 static void proc_finish(proc *p, int ms)
 {
     proc_read(p, ms, NULL, 0);
     int st;
-    int64_t end = now_ms() + 1000;
+    int64_t end = now_ms() + 10000;
     pid_t r;
     while ((r = waitpid(p->pid, &st, WNOHANG)) == 0 && now_ms() < end) {
         struct timespec ts = {0, 5000000};

@@ -30,7 +30,10 @@ bad=""
 # terminal gets one line per suite as it finishes, and a failed suite's
 # failing checks and last lines. CPAR_TEST_VERBOSE=1 prints every output.
 LOG=${CPAR_TEST_LOG:-$B/test.log}
-mkdir -p "$(dirname "$LOG")" && : > "$LOG" || { echo "run.sh: cannot write $LOG" >&2; exit 2; }
+# The failed suites' whole output also goes to $LOG with -failed before .log.
+FAILED_LOG=${LOG%.log}-failed.log
+[ "$FAILED_LOG" != "$LOG" ] || FAILED_LOG=$LOG.failed
+mkdir -p "$(dirname "$LOG")" && : > "$LOG" && : > "$FAILED_LOG" || { echo "run.sh: cannot write $LOG" >&2; exit 2; }
 
 # Account for one suite's output and exit status.
 report() { # index, name, output, rc, wall ms
@@ -56,8 +59,13 @@ report() { # index, name, output, rc, wall ms
     printf '[%d/%d] %-26s %s %6.1f s\n' "$1" "$count" "$2" "$what" "$(echo "$5" | awk '{ print $1 / 1000 }')"
     if [ "${CPAR_TEST_VERBOSE:-0}" = 1 ]; then
         printf '%s\n' "$3" | sed 's/^/    /'
-    elif [ "$4" -ne 0 ]; then
-        { printf '%s\n' "$3" | grep -E ':[FE]:' | head -n 20; printf '%s\n' "$3" | tail -n 15; } | sed 's/^/    /'
+    fi
+    if [ "$4" -ne 0 ]; then
+        excerpt=$({ printf '%s\n' "$3" | grep -E ':[FE]:' | head -n 20; printf '%s\n' "$3" | tail -n 15; } | sed 's/^/    /')
+        [ "${CPAR_TEST_VERBOSE:-0}" = 1 ] || printf '%s\n' "$excerpt"
+        # again at the end, where a viewer of the output's tail (CI's) sees it
+        printf '== %s (exit %s)\n%s\n' "$2" "$4" "$excerpt" >> "$tmp/failures"
+        { echo "== $2 (exit $4)"; printf '%s\n' "$3"; } >> "$FAILED_LOG"
     fi
 }
 
@@ -309,6 +317,7 @@ while [ $left -gt 0 ]; do finish_one; done
 wait
 
 echo
+[ ! -f "$tmp/failures" ] || cat "$tmp/failures"
 [ -z "$bad" ] || echo "failed suites:$bad (streams: sim lazy, nccl-sim random:$seed; CPAR_TEST_SEED=$seed repeats it)"
-echo "$passed passed, $failed failed (every suite's output: $LOG)"
+echo "$passed passed, $failed failed (every suite's output: $LOG${bad:+; the failed ones': $FAILED_LOG})"
 [ -z "$bad" ]
