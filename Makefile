@@ -5,7 +5,8 @@
 #   make test         host (and portable: plain C), sim and nccl-sim suites, the GPU suite when a GPU is present,
 #                     the drop-in and install checks
 #   make test-sanitize  the host suites under ASan + UBSan (build/asan)
-#   make test-build   build all that make test and make test-sanitize run, run nothing
+#   make test-tsan    the threaded host suites and the main job under ThreadSanitizer (build/tsan)
+#   make test-build   build all that make test, test-sanitize and test-tsan run, run nothing
 #                     (the suites run CPAR_TEST_JOBS at a time, default: the number of cores)
 #   make demo         the main job (examples/train.c): train a byte-level GPT with tp x cp (x dp)
 #   make collectives  a tour of the raw collectives on a tp x cp grid (examples/collectives.c)
@@ -142,7 +143,7 @@ NVCCFLAGS ?= -O3 -std=c++17 $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),
 # The suites need Check. Missing: as root with apt-get, say so and install it
 # (a fresh Debian/Ubuntu machine); otherwise stop before building anything,
 # with the command to run.
-TEST_GOALS := test test-host test-sim test-ncclsim test-gpu test-sanitize test-build
+TEST_GOALS := test test-host test-sim test-ncclsim test-gpu test-sanitize test-tsan test-build
 cpar_check_found = $(shell pkg-config --exists check 2>/dev/null && echo 1 || \
                      { printf '\043include <check.h>\n' | $(CC) -E -x c - >/dev/null 2>&1 && echo 1; })
 ifneq ($(filter $(TEST_GOALS),$(MAKECMDGOALS)),)
@@ -207,13 +208,13 @@ NCCLSIM_TESTS := $(NCCLSIM_SUITES:%=$(B)/ncclsim/test_%) $(B)/ncclsim/mp_prog
 GPU_TEST   := $(if $(filter 1,$(CPAR_CUDA)),$(B)/cuda/test_gpu)
 TEST_PROGS := $(B)/host/store_prog
 
-.PHONY: all lib test test-quick test-host test-sim test-ncclsim test-gpu test-sanitize test-build demo collectives bench plots plots-run clean gpu-check \
+.PHONY: all lib test test-quick test-host test-sim test-ncclsim test-gpu test-sanitize test-tsan test-build demo collectives bench plots plots-run clean gpu-check \
         install uninstall check-dropin check-install FORCE
 .SECONDARY: # keep the test objects that several flavours link
 all: lib $(B)/cparrun $(B)/train $(B)/bench
 lib: $(LIB) $(if $(filter 1,$(SHARED)),$(SOLIB))
 
-$(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda $(B)/asan $(B)/portable $(M)/pic:
+$(B)/host $(B)/sim $(B)/ncclsim $(B)/cuda $(B)/asan $(B)/tsan $(B)/portable $(M)/pic:
 	@mkdir -p $@
 
 # ---- library -------------------------------------------------------------
@@ -429,11 +430,32 @@ $(B)/asan/test_%: tests/test_%.c $(B)/asan/cpar.o $(TEST_HDRS) | $(B)/asan
 test-sanitize: $(SAN_TESTS)
 	@$(SAN_ENV) HOST_FLAVOUR=asan CPAR_TEST_LOG=$(B)/test-sanitize.log $(call RUN_TESTS,$(SAN_SUITES),,,)
 
+# The host flavour under ThreadSanitizer: the suites whose ranks are threads
+# sharing one process, and the main job (its ranks check their checkpoint
+# files at once). The first report ends the test (halt_on_error). coll's
+# 16 MiB collectives (tag "large") are left out: two minutes under TSan.
+TSAN_FLAGS  := -fsanitize=thread -O1 -g
+TSAN_SUITES := core coll grid ring mamba train trainjob
+TSAN_TESTS  := $(TSAN_SUITES:%=$(B)/tsan/test_%) $(B)/tsan/train
+TSAN_ENV    := TSAN_OPTIONS=halt_on_error=1 TRAIN=$(B)/tsan/train CK_EXCLUDE_TAGS=large
+
+$(B)/tsan/cpar.o: cpar.c $(HDR) | $(B)/tsan
+	$(CC) $(ALL_CFLAGS) $(TSAN_FLAGS) -c $< -o $@
+
+$(B)/tsan/test_%: tests/test_%.c $(B)/tsan/cpar.o $(TEST_HDRS) | $(B)/tsan
+	$(CC) $(ALL_CFLAGS) $(TSAN_FLAGS) $(CHECK_FLAGS) $< $(B)/tsan/cpar.o -o $@ $(CHECK_LIBS) $(LIBS)
+
+$(B)/tsan/train: examples/train.c $(B)/tsan/cpar.o $(HDR) | $(B)/tsan
+	$(CC) $(ALL_CFLAGS) $(TSAN_FLAGS) $< $(B)/tsan/cpar.o -o $@ $(LIBS)
+
+test-tsan: $(TSAN_TESTS)
+	@$(TSAN_ENV) HOST_FLAVOUR=tsan CPAR_TEST_LOG=$(B)/test-tsan.log $(call RUN_TESTS,$(TSAN_SUITES),,,)
+
 # Everything make test and make test-sanitize run, built but not run: one
 # make -j over all of it keeps the cores busy while nvcc compiles the kernels.
 # (The position-independent objects are those of make check-install's
 # SHARED=1 install.)
-test-build: $(TEST_DEPS) $(SAN_TESTS) $(SO_OBJS)
+test-build: $(TEST_DEPS) $(SAN_TESTS) $(TSAN_TESTS) $(SO_OBJS)
 
 # ---- demo and bench ----------------------------------------------------------
 # Each mode's programs live in its directory, linked with its library;
