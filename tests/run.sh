@@ -168,7 +168,7 @@ fi
 [ -z "$HOST_SUITES" ] || [ "$HOST_FLAVOUR" != host ] || add "host/netns" 'sh tests/check_netns.sh "$B"'
 # The README: at most 200 lines, every relative link in it and docs/ resolves,
 # its complete program builds as written and runs (tools/check_docs.sh).
-[ -z "$HOST_SUITES" ] || add "docs/readme" 'sh tools/check_docs.sh "$tmp"'
+[ -z "$HOST_SUITES" ] || [ "$HOST_FLAVOUR" != host ] || add "docs/readme" 'sh tools/check_docs.sh "$tmp"'
 
 # The simulators run stream work late (tests/cudasim.h section 9): the sim
 # suites under lazy (work runs only when a host call forces it), the nccl-sim
