@@ -436,10 +436,17 @@ test-sanitize: $(SAN_TESTS)
 # (halt_on_error). Left out for time: linear (2.5 minutes; its forked
 # children also start threads, which TSan refuses) and attn (1 minute), and
 # coll's 16 MiB collectives (tag "large", 2 minutes).
+# On nccl-sim too (the NCCL path's failure handling reads the job's state
+# without its lock), the simulators instrumented with cpar: uninstrumented,
+# their thread-safe statics read as races.
 TSAN_FLAGS  := -fsanitize=thread -O1 -g
 TSAN_SUITES := faults core coll grid ops rng mappings xent packed ring mamba inference train store trainjob
-TSAN_TESTS  := $(TSAN_SUITES:%=$(B)/tsan/test_%) $(B)/tsan/train
-TSAN_ENV    := TSAN_OPTIONS=halt_on_error=1 TRAIN=$(B)/tsan/train CK_EXCLUDE_TAGS=large
+TSAN_NCCL_SUITES := faults coll
+TSAN_TESTS  := $(TSAN_SUITES:%=$(B)/tsan/test_%) $(B)/tsan/train $(TSAN_NCCL_SUITES:%=$(B)/tsan/ncclsim/test_%)
+TSAN_ENV    := TSAN_OPTIONS=halt_on_error=1 TRAIN=$(B)/tsan/train CK_EXCLUDE_TAGS=large \
+               TSAN_NCCL_SUITES="$(TSAN_NCCL_SUITES)"
+TSAN_NCCL_OBJS := $(B)/tsan/ncclsim/cpar.o $(B)/tsan/ncclsim/cpar_kernels.o $(B)/tsan/ncclsim/ncclsim.o \
+                  $(B)/tsan/ncclsim/ncclsim_cudasim.o
 
 $(B)/tsan/cpar.o: cpar.c $(HDR) | $(B)/tsan
 	$(CC) $(ALL_CFLAGS) $(TSAN_FLAGS) -c $< -o $@
@@ -449,6 +456,29 @@ $(B)/tsan/test_%: tests/test_%.c $(B)/tsan/cpar.o $(TEST_HDRS) | $(B)/tsan
 
 $(B)/tsan/train: examples/train.c $(B)/tsan/cpar.o $(HDR) | $(B)/tsan
 	$(CC) $(ALL_CFLAGS) $(TSAN_FLAGS) $< $(B)/tsan/cpar.o -o $@ $(LIBS)
+
+$(B)/tsan/ncclsim/cpar.o: cpar.c $(HDR) $(NCCLSIM_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(ALL_CFLAGS) $(TSAN_FLAGS) -DCPAR_WITH_DEVICE -DCPAR_WITH_NCCL $(NCCLSIM_INC) -c $< -o $@
+
+$(B)/tsan/ncclsim/cpar_kernels.o: cpar_kernels.cu tests/cudasim.h $(HDR)
+	@mkdir -p $(@D)
+	$(CXX) $(SIM_CXXFLAGS) $(TSAN_FLAGS) -x c++ -c $< -o $@
+
+$(B)/tsan/ncclsim/ncclsim.o: tests/ncclsim/ncclsim.c $(NCCLSIM_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(ALL_CFLAGS) $(TSAN_FLAGS) $(NCCLSIM_INC) -c $< -o $@
+
+$(B)/tsan/ncclsim/ncclsim_cudasim.o: tests/ncclsim/ncclsim_cudasim.cc $(NCCLSIM_HDRS) tests/cudasim.h
+	@mkdir -p $(@D)
+	$(CXX) $(SIM_CXXFLAGS) $(TSAN_FLAGS) $(NCCLSIM_INC) -x c++ -c $< -o $@
+
+$(B)/tsan/ncclsim/test_%.o: tests/test_%.c tests/rank_prog.h $(TEST_HDRS) $(HDR)
+	@mkdir -p $(@D)
+	$(CC) $(ALL_CFLAGS) $(TSAN_FLAGS) $(CHECK_FLAGS) -c $< -o $@
+
+$(B)/tsan/ncclsim/test_%: $(B)/tsan/ncclsim/test_%.o $(TSAN_NCCL_OBJS)
+	$(CXX) $(TSAN_FLAGS) $^ -o $@ $(CHECK_LIBS) $(LIBS)
 
 test-tsan: $(TSAN_TESTS)
 	@$(TSAN_ENV) HOST_FLAVOUR=tsan CPAR_TEST_LOG=$(B)/test-tsan.log $(call RUN_TESTS,$(TSAN_SUITES),,,)

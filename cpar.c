@@ -5133,12 +5133,13 @@ struct cpar__job {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int nranks;
-    bool failed;           /* a rank failed, timed out or aborted */
+    atomic_bool failed;    /* a rank failed, timed out or aborted: set under mu after the fields below, which
+                            * then never change, so a reader without mu that sees it set reads them whole */
     int failed_rank;
     cpar_status failed_status;
     bool failed_root;      /* failed_rank's own failure, not a CPAR_ERR_PEER it was given */
     char failed_msg[CPAR_ERR_LEN]; /* why, when no rank's own message says it */
-    bool *exited;          /* [nranks] the rank's function returned */
+    atomic_bool *exited;   /* [nranks] the rank's function returned (set under mu; NCCL's checks read it without) */
     struct cpar__gave_up *gave_up; /* NCCL backend: calls that failed their own checks (section 9) */
     atomic_bool any_gave_up;       /* ... whether there are any: the waits' check without the lock */
 };
@@ -5248,10 +5249,12 @@ static cpar__job *cpar__job_create(int nranks) {
     if (!job) return NULL;
     job->exited = calloc((size_t)nranks, sizeof *job->exited);
     if (!job->exited) { free(job); return NULL; }
+    for (int r = 0; r < nranks; r++) atomic_init(&job->exited[r], false);
     pthread_mutex_init(&job->mu, NULL);
     pthread_cond_init(&job->cv, NULL);
     job->nranks = nranks;
     job->failed_rank = -1;
+    atomic_init(&job->failed, false);
     return job;
 }
 
@@ -5268,21 +5271,24 @@ static void cpar__job_destroy(cpar__job *job) {
     free(job);
 }
 
-/* Mark the job failed by rank (first failure wins), with msg saying why when
- * the rank itself cannot (NULL: its own error says it), and wake every waiter. */
-/* Mark the job failed by rank with st (the first failure stays). root: the
- * failure is the rank's own (an error, an abort, a rank that left), not a
- * CPAR_ERR_PEER it got from waiting on another. */
-static void cpar__job_fail_why(cpar__job *job, int rank, cpar_status st, bool root, const char *msg) {
-    pthread_mutex_lock(&job->mu);
+/* Mark the job failed by rank with st (the first failure stays), with msg
+ * saying why when the rank itself cannot (NULL: its own error says it), and
+ * wake every waiter. root: the failure is the rank's own (an error, an
+ * abort, a rank that left), not a CPAR_ERR_PEER it got from waiting on
+ * another. _locked: the caller holds job->mu. */
+static void cpar__job_fail_locked(cpar__job *job, int rank, cpar_status st, bool root, const char *msg) {
     if (!job->failed) {
-        job->failed = true;
         job->failed_rank = rank;
         job->failed_status = st;
         job->failed_root = root;
         if (msg) snprintf(job->failed_msg, sizeof job->failed_msg, "%s", msg);
+        atomic_store(&job->failed, true); /* last: publishes the fields to readers without mu */
     }
     pthread_cond_broadcast(&job->cv);
+}
+static void cpar__job_fail_why(cpar__job *job, int rank, cpar_status st, bool root, const char *msg) {
+    pthread_mutex_lock(&job->mu);
+    cpar__job_fail_locked(job, rank, st, root, msg);
     pthread_mutex_unlock(&job->mu);
 }
 
@@ -5390,14 +5396,8 @@ static cpar_status cpar__wait_locked(cpar_group *g, const char *fn, const cpar__
             if (cpar__wait_needs(hc, g->rank, w, m) && job->exited[hc->world_ranks[m]]) {
                 cpar_status st = cpar__fail(ctx, CPAR_ERR_PEER, "%s: rank %d returned from its function without "
                                             "joining the %s", fn, hc->world_ranks[m], what);
-                if (!job->failed) {
-                    job->failed = true;
-                    job->failed_rank = hc->world_ranks[m];
-                    job->failed_status = CPAR_ERR_PEER;
-                    job->failed_root = true; /* the rank that left is the cause */
-                    snprintf(job->failed_msg, sizeof job->failed_msg, "%s", ctx->err);
-                    pthread_cond_broadcast(&job->cv);
-                }
+                /* the rank that left is the cause (root) */
+                cpar__job_fail_locked(job, hc->world_ranks[m], CPAR_ERR_PEER, true, ctx->err);
                 return st;
             }
         if (job->failed) {
@@ -5428,12 +5428,7 @@ static cpar_status cpar__wait_locked(cpar_group *g, const char *fn, const cpar__
         char who[256];
         int missing = cpar__wait_who(g, w, who, sizeof who);
         /* A timed-out job is broken: release the peers that are still waiting. */
-        if (!job->failed) {
-            job->failed = true;
-            job->failed_rank = ctx->rank;
-            job->failed_status = CPAR_ERR_TIMEOUT;
-            pthread_cond_broadcast(&job->cv);
-        }
+        cpar__job_fail_locked(job, ctx->rank, CPAR_ERR_TIMEOUT, false, NULL); /* not root: a rank that never came is */
         return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: %s timed out after %d ms waiting for rank%s %s", fn, what,
                           ctx->timeout_ms, missing == 1 ? "" : "s", who);
     }

@@ -108,6 +108,10 @@ esac
 case " $NCCLSIM_SUITES " in *" faults "*)
     suite "nccl-sim/faults" "\$B/ncclsim/test_faults" nccl CUDASIM_STREAMS=random:$seed ;;
 esac
+# make test-tsan: nccl-sim suites built with ThreadSanitizer (build/tsan/ncclsim)
+for s in ${TSAN_NCCL_SUITES:-}; do
+    suite "tsan/nccl-sim/$s" "\$B/tsan/ncclsim/test_$s" nccl CUDASIM_STREAMS=random:$seed
+done
 without_faults() { for s in "$@"; do [ "$s" = faults ] || printf '%s ' "$s"; done; }
 HOST_SUITES=$(without_faults $HOST_SUITES)
 SIM_SUITES=$(without_faults $SIM_SUITES)
