@@ -1358,18 +1358,33 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
     return ncclSuccess;
 }
 
-/* A segment is a leftover when its id's maker is this process or has ended:
- * a live process's segments are a job in progress (another suite's, when
- * suites run side by side), not this process's leftovers. */
+/* When this process started (the program's load): a segment older than
+ * that is no leftover of its own. */
+static struct timespec ns_process_start;
+__attribute__((constructor)) static void ns_note_start(void) { clock_gettime(CLOCK_REALTIME, &ns_process_start); }
+
+/* A segment is a leftover when its id's maker is this process, or has ended
+ * after this process started (a job it ran): a live process's segments are a
+ * job in progress (another suite's, when suites run side by side), and an
+ * older one's were left by an earlier run (killed, or halted by a
+ * sanitizer), not by this one. */
 int ncclsim_leftover_segments(void) {
     DIR *d = opendir("/dev/shm");
     if (!d) return 0;
     int n = 0;
     for (struct dirent *e; (e = readdir(d));) {
         long pid;
-        if (sscanf(e->d_name, "ncclsim-%ld-", &pid) == 1 &&
-            (pid == (long)getpid() || (kill((pid_t)pid, 0) != 0 && errno == ESRCH)))
+        if (sscanf(e->d_name, "ncclsim-%ld-", &pid) != 1) continue;
+        if (pid == (long)getpid()) {
             n++;
+            continue;
+        }
+        char path[300];
+        struct stat st;
+        snprintf(path, sizeof path, "/dev/shm/%s", e->d_name);
+        /* a second's margin: files' times come from a coarse clock, a tick behind */
+        const bool older = stat(path, &st) == 0 && st.st_ctim.tv_sec < ns_process_start.tv_sec - 1;
+        if (!older && kill((pid_t)pid, 0) != 0 && errno == ESRCH) n++;
     }
     closedir(d);
     return n;
