@@ -23,6 +23,7 @@
 #define _GNU_SOURCE
 #endif
 #include <errno.h>
+#include <sys/stat.h>
 
 #include "testutil.h"
 #include "proc.h"
@@ -31,9 +32,14 @@ PROC_PATH_FN(prog_path, "HOSTMP_PROG", "host/hostmp_prog")
 PROC_PATH_FN(mp_path, "MP_PROG", "host/mp_prog")
 PROC_PATH_FN(train_path, "TRAIN", "host/train")
 
+/* When this process started: a segment made before it is not its leftover. */
+static struct timespec process_start;
+__attribute__((constructor)) static void note_process_start(void) { clock_gettime(CLOCK_REALTIME, &process_start); }
+
 /* The host backend's segments in /dev/shm ("cpar-<token hash>-<pid>-<n>")
  * whose creator has ended: leftovers. (A live job's, another suite's on this
- * machine perhaps, exists for a moment between its creation and its unlink.) */
+ * machine perhaps, exists for a moment between its creation and its unlink;
+ * one a killed run left before this suite started is not this suite's.) */
 static int shm_leftovers(void) {
     DIR *d = opendir("/dev/shm");
     if (!d) return 0;
@@ -41,7 +47,13 @@ static int shm_leftovers(void) {
     for (struct dirent *e; (e = readdir(d));) {
         unsigned hash;
         long pid;
-        if (sscanf(e->d_name, "cpar-%8x-%ld-", &hash, &pid) == 2 && kill((pid_t)pid, 0) != 0 && errno == ESRCH) n++;
+        if (sscanf(e->d_name, "cpar-%8x-%ld-", &hash, &pid) != 2) continue;
+        char path[300];
+        struct stat st;
+        snprintf(path, sizeof path, "/dev/shm/%s", e->d_name);
+        /* a second's margin: files' times come from a coarse clock, a tick behind */
+        const bool older = stat(path, &st) == 0 && st.st_ctim.tv_sec < process_start.tv_sec - 1;
+        if (!older && kill((pid_t)pid, 0) != 0 && errno == ESRCH) n++;
     }
     closedir(d);
     return n;
