@@ -487,7 +487,12 @@ test-tsan: $(TSAN_TESTS)
 # make -j over all of it keeps the cores busy while nvcc compiles the kernels.
 # (The position-independent objects are those of make check-install's
 # SHARED=1 install.)
-test-build: $(TEST_DEPS) $(SAN_TESTS) $(TSAN_TESTS) $(SO_OBJS)
+test-build: $(TEST_DEPS) $(SAN_TESTS) $(TSAN_TESTS) $(SO_OBJS) $(B)/obj/gemm_vs_torch.o
+
+# tools/gemm_vs_torch.sh's ctypes shim (the script, which needs torch, builds
+# it again with cpar.c): compiled here so that it keeps up with cpar.h.
+$(B)/obj/gemm_vs_torch.o: tools/gemm_vs_torch.c $(HDR) $(B)/obj/flags
+	$(CC) $(ALL_CFLAGS) -fPIC -c $< -o $@
 
 # ---- demo and bench ----------------------------------------------------------
 # Each mode's programs live in its directory, linked with its library;
