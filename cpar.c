@@ -1986,7 +1986,8 @@ CPAR__VARIANTS(cpar__host_gelu_lut,
  * builtin). A 16-bit C is accumulated in an fp32 copy and rounded once,
  * except a bf16 C with beta 0 and k within one block: each micro-tile is
  * rounded from a buffer in L1 straight into C (the fp32 copy's write and
- * read cost more than the products at k 64). AMX reads op(B) where it lies
+ * read cost more than the products at k 64); AMX stores a C above 1 MiB
+ * by non-temporal stores, which do not read its lines first. AMX reads op(B) where it lies
  * when its k is contiguous (x in the linear layer's forward) and the
  * block's k is whole tiles: no packing. With a
  * CBLAS (built with CPAR_WITH_CBLAS: OpenBLAS, BLIS), all-F32 products go
@@ -1995,7 +1996,8 @@ CPAR__VARIANTS(cpar__host_gelu_lut,
 
 enum {
     CPAR__GEMM_MC = 144, CPAR__GEMM_MC_AMX = 256, CPAR__GEMM_KC = 256, CPAR__GEMM_NC = 3072,
-    CPAR__GEMM_MAX_TILE = 32 * 32
+    CPAR__GEMM_MAX_TILE = 32 * 32,
+    CPAR__GEMM_STREAM_BYTES = 1 << 20 /* a bf16 C above this is stored past the caches (cpar__gemm_blocked) */
 };
 
 /* c (mr x nr, column-major, ldc) = alpha * sum_p a[p*mr + i] b[p*nr + j]
@@ -2010,11 +2012,14 @@ typedef struct {
     int64_t ldb;
 } cpar__gemm_sliver;
 
-/* A whole 32 x 32 fp32 tile (column j at t + 32 j) to round into a bf16 C. */
+/* A whole 32 x 32 fp32 tile (column j at t + 32 j) to round into a bf16 C;
+ * stream: by non-temporal stores where a column's 64 bytes are a whole
+ * cache line (cpar__gemm_blocked says when). */
 typedef struct {
     const float *t;
     uint16_t *c;
     int64_t ldc;
+    bool stream;
 } cpar__gemm_rounding;
 
 typedef struct cpar__gemm_kernel {
@@ -2245,11 +2250,13 @@ __attribute__((target("avx512f"), always_inline)) static inline void cpar__gemm_
 /* 32 fp32 tile outputs at t rounded to bf16 at c by one VCVTNE2PS2BF16:
  * round to nearest even, a NaN quieted with its sign kept, as
  * cpar__bf16_bits, except that it flushes subnormal inputs, which tile
- * products never are (TDPBF16PS flushes subnormal results to zero). */
-__attribute__((target("avx512f,avx512bf16"), always_inline)) static inline void cpar__gemm_round32_tile(uint16_t *c,
-                                                                                                  const float *t) {
+ * products never are (TDPBF16PS flushes subnormal results to zero).
+ * stream: a non-temporal store when c is a whole cache line. */
+__attribute__((target("avx512f,avx512bf16"), always_inline)) static inline void
+cpar__gemm_round32_tile(uint16_t *c, const float *t, bool stream) {
     const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(t + 16), _mm512_loadu_ps(t));
-    _mm512_storeu_si512(c, (__m512i)r);
+    if (stream && ((uintptr_t)c & 63) == 0) _mm512_stream_si512((void *)c, (__m512i)r);
+    else _mm512_storeu_si512(c, (__m512i)r);
 }
 
 /* op(B)'s tiles: a packed sliver (b.ldb 0: k-step q / 16 at word 32 q,
@@ -2287,9 +2294,9 @@ cpar__gemm_ukernel_amx(int64_t kw, const void *av, cpar__gemm_sliver bs, float *
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
-        if (v < 32) cpar__gemm_round32_tile(r->c + v * r->ldc, r->t + 32 * v), v++;
+        if (v < 32) cpar__gemm_round32_tile(r->c + v * r->ldc, r->t + 32 * v, r->stream), v++;
     }
-    for (; v < 32; v++) cpar__gemm_round32_tile(r->c + v * r->ldc, r->t + 32 * v);
+    for (; v < 32; v++) cpar__gemm_round32_tile(r->c + v * r->ldc, r->t + 32 * v, r->stream);
     if (direct) {
         _tile_stored(0, c, ldb);
         _tile_stored(1, c + 16, ldb);
@@ -2566,7 +2573,14 @@ static void cpar__gemm_blocked(const cpar__gemm_kernel *K, int ta, int tb, int64
     const int64_t ars = ta ? lda : 1, acs = ta ? 1 : lda, brs = tb ? ldb : 1, bcs = tb ? 1 : ldb;
     _Alignas(64) float tile[CPAR__GEMM_MAX_TILE]; /* AMX stores it by rows of 128 bytes */
     _Alignas(64) float piped[2][32 * 32];         /* AMX, bf16 C: a tile rounded while the next is computed */
-    cpar__gemm_rounding pend = {NULL, NULL, 0};
+    cpar__gemm_rounding pend = {NULL, NULL, 0, false};
+    /* A bf16 C larger than half of L2 (this product's share of it, per
+     * thread) is not in cache when the next product reads it, and writing
+     * its lines the usual way reads each first: AMX rounds it into C by
+     * non-temporal stores (1024^3 ran 7-10 % faster, the linear layer's
+     * 256 x 1024 x 4096 5 %; a C of 256 KB ran slower, one of 128 KB the
+     * same). */
+    const bool stream = cb && K->run_amx && (double)m * (double)n * 2.0 > (double)CPAR__GEMM_STREAM_BYTES;
     int64_t npiped = 0;
     if (K->enter) K->enter();
     for (int64_t jc = 0; jc < n; jc += CPAR__GEMM_NC) {
@@ -2599,7 +2613,7 @@ static void cpar__gemm_blocked(const cpar__gemm_kernel *K, int ta, int tb, int64
                             if (K->run_amx && alpha == 1.f && mm == K->mr && nn == K->nr) {
                                 float *t = piped[npiped++ & 1];
                                 K->run_amx(kw, ap + ir * kw, b, t, K->mr, 1.f, 0.f, pend.c ? &pend : NULL);
-                                pend = (cpar__gemm_rounding){t, dst, ldc};
+                                pend = (cpar__gemm_rounding){t, dst, ldc, stream};
                                 continue;
                             }
                             cpar__gemm_run(K, kw, ap + ir * kw, b, tile, K->mr, alpha, 0.f);
@@ -2620,6 +2634,9 @@ static void cpar__gemm_blocked(const cpar__gemm_kernel *K, int ta, int tb, int64
         }
     }
     if (pend.c) cpar__gemm_round_bf16(pend.c, pend.ldc, pend.t, 32, 32, 32); /* the last tile's */
+#ifdef CPAR__X86_KERNELS
+    if (stream) _mm_sfence(); /* the non-temporal stores ordered before whatever tells a reader C is done */
+#endif
     if (K->leave) K->leave();
 }
 

@@ -942,7 +942,8 @@ END_TEST
  * ties. _i: the kernel forced (default, amx, avx512bf16, c) and K (320:
  * whole k tiles, 300: not, 1088: two blocks of k), N 45 and 200 tokens;
  * then N 1088 and 1100 tokens at K 480, where AMX packs op(A) 512 rows at a
- * time (x, 1 MB, outgrows half of L2: panels of 512, 512 and 64 rows), and
+ * time (x, 1 MB, outgrows half of L2: panels of 512, 512 and 64 rows) and
+ * stores y (2.3 MB, above CPAR__GEMM_STREAM_BYTES) past the caches, and
  * N 352 at K 320: panels of 256 and 96 rows, the tokens' last 8 an edge
  * tile. */
 typedef struct {
