@@ -1986,16 +1986,16 @@ CPAR__VARIANTS(cpar__host_gelu_lut,
  * builtin). A 16-bit C is accumulated in an fp32 copy and rounded once,
  * except a bf16 C with beta 0 and k within one block: each micro-tile is
  * rounded from a buffer in L1 straight into C (the fp32 copy's write and
- * read cost more than the products at k 64); AMX stores a C above 1 MiB
- * by non-temporal stores, which do not read its lines first. AMX reads op(B) where it lies
- * when its k is contiguous (x in the linear layer's forward) and the
- * block's k is whole tiles: no packing. With a
- * CBLAS (built with CPAR_WITH_CBLAS: OpenBLAS, BLIS), all-F32 products go
- * to cblas_sgemm. The packed panels live in ctx->gemm_ws (host memory,
- * grown once). */
+ * read cost more than the products at k 64); AMX stores a C above 1 MiB by
+ * non-temporal stores, which do not read its lines first. AMX reads op(B)
+ * where it lies when its k is contiguous (x in the linear layer's forward)
+ * and the block's k is whole tiles: no packing; then k up to 4096 is one
+ * block. With a CBLAS (built with CPAR_WITH_CBLAS: OpenBLAS, BLIS), all-F32
+ * products go to cblas_sgemm. The packed panels live in ctx->gemm_ws (host
+ * memory, grown once). */
 
 enum {
-    CPAR__GEMM_MC = 144, CPAR__GEMM_MC_AMX = 256, CPAR__GEMM_KC = 256, CPAR__GEMM_NC = 3072,
+    CPAR__GEMM_MC = 144, CPAR__GEMM_MC_AMX = 256, CPAR__GEMM_KC = 256, CPAR__GEMM_KC_WHOLE = 4096, CPAR__GEMM_NC = 3072,
     CPAR__GEMM_MAX_TILE = 32 * 32,
     CPAR__GEMM_STREAM_BYTES = 1 << 20 /* a bf16 C above this is stored past the caches (cpar__gemm_blocked) */
 };
@@ -2529,19 +2529,30 @@ static void cpar__gemm_pack(float *dst, const void *src, cpar_dtype dt, int64_t 
 }
 
 /* The depth of k packed at a time: CPAR__GEMM_KC, four times that for AMX
- * (a tile product is 32 deep: fewer round trips of C through its tiles). */
-static int64_t cpar__gemm_kc(const cpar__gemm_kernel *K) { return K->b_tiles ? 4 * CPAR__GEMM_KC : CPAR__GEMM_KC; }
+ * (a tile product is 32 deep: fewer round trips of C through its tiles),
+ * and for AMX all of k up to CPAR__GEMM_KC_WHOLE when op(B) is read where
+ * it lies (not tb, whole k tiles): C then never leaves the tiles between k
+ * blocks, and a bf16 C is rounded from each tile, not from an fp32 copy
+ * (256 x 2048 x 8192 ran 27-32 % faster, 1024 x 4096 x 1024 7-13 %; at
+ * 8192 the panels get too thin, 8-12 % slower). */
+static int64_t cpar__gemm_kc(const cpar__gemm_kernel *K, int tb, int64_t k) {
+    if (K->b_tiles && !tb && k % 32 == 0 && k > 0 && k <= CPAR__GEMM_KC_WHOLE) return k;
+    return K->b_tiles ? 4 * CPAR__GEMM_KC : CPAR__GEMM_KC;
+}
 
 /* The rows of op(A) packed at a time in a product of n columns and depth
  * k: whole slivers, at most CPAR__GEMM_MC. AMX: CPAR__GEMM_MC_AMX, twice
  * that when op(B)'s block outgrows half of L2 (above 1 MiB): each sliver
  * of op(B) fetched from L3 then serves 16 tiles, not 8 (1024^3 ran 4 %
  * faster than at 256 rows, 9 % than at 128; the linear layer's 256 x 1024 x
- * 4096, whose x stays in L2, 10 % slower at 512). */
-static int64_t cpar__gemm_mc(const cpar__gemm_kernel *K, int64_t n, int64_t k) {
+ * 4096, whose x stays in L2, 10 % slower at 512). A block deeper than
+ * 4 CPAR__GEMM_KC has proportionally fewer rows (whole slivers, at least
+ * one): the panel keeps its bytes. */
+static int64_t cpar__gemm_mc(const cpar__gemm_kernel *K, int tb, int64_t n, int64_t k) {
     if (!K->b_tiles) return CPAR__GEMM_MC / K->mr * K->mr;
-    const int64_t b_bytes = cpar__min64(n, CPAR__GEMM_NC) * cpar__min64(k, cpar__gemm_kc(K)) * 2;
-    return b_bytes > (1 << 20) ? 2 * CPAR__GEMM_MC_AMX : CPAR__GEMM_MC_AMX;
+    const int64_t kc = cpar__min64(k, cpar__gemm_kc(K, tb, k)), b_bytes = cpar__min64(n, CPAR__GEMM_NC) * kc * 2;
+    const int64_t mc = b_bytes > (1 << 20) ? 2 * CPAR__GEMM_MC_AMX : CPAR__GEMM_MC_AMX;
+    return kc <= 4 * CPAR__GEMM_KC ? mc : cpar__max64(K->mr, mc * 4 * CPAR__GEMM_KC / kc / K->mr * K->mr);
 }
 
 static inline void cpar__gemm_run(const cpar__gemm_kernel *K, int64_t kw, const void *a, cpar__gemm_sliver b, float *c,
@@ -2585,20 +2596,20 @@ static void cpar__gemm_blocked(const cpar__gemm_kernel *K, int ta, int tb, int64
     if (K->enter) K->enter();
     for (int64_t jc = 0; jc < n; jc += CPAR__GEMM_NC) {
         const int64_t nc = cpar__min64(CPAR__GEMM_NC, n - jc);
-        for (int64_t pc = 0; pc < k; pc += cpar__gemm_kc(K)) {
-            const int64_t kc = cpar__min64(cpar__gemm_kc(K), k - pc), kw = cpar__gemm_kw(K, kc);
+        for (int64_t pc = 0; pc < k; pc += cpar__gemm_kc(K, tb, k)) {
+            const int64_t kc = cpar__min64(cpar__gemm_kc(K, tb, k), k - pc), kw = cpar__gemm_kw(K, kc);
             const float b0 = pc == 0 ? beta : 1.f;
             const void *bsrc = (const char *)B + (size_t)(pc * brs + jc * bcs) * cpar_dtype_size(bdt);
             /* AMX reads op(B)'s whole slivers where they lie when its k is
              * contiguous and this block's k whole tiles; the rest is packed */
             const int64_t n_in_place = K->run_amx && brs == 1 && kc % 32 == 0 ? nc / K->nr * K->nr : 0;
-            if (K->b_tiles)
-                cpar__gemm_pack_bf16_rows((uint32_t *)bp + n_in_place * kw, (const uint16_t *)bsrc + n_in_place * bcs,
-                                          bcs, brs, nc - n_in_place, kc, kw, K->nr);
+            if (K->b_tiles) /* the slivers not read in place, from bp's start */
+                cpar__gemm_pack_bf16_rows((uint32_t *)bp, (const uint16_t *)bsrc + n_in_place * bcs, bcs, brs,
+                                          nc - n_in_place, kc, kw, K->nr);
             else if (K->bf16_pairs) cpar__gemm_pack_bf16((uint32_t *)bp, bsrc, bcs, brs, nc, kc, kw, K->nr);
             else cpar__gemm_pack(bp, bsrc, bdt, bcs, brs, nc, kc, K->nr);
-            for (int64_t ic = 0; ic < m; ic += cpar__gemm_mc(K, n, k)) {
-                const int64_t mc = cpar__min64(cpar__gemm_mc(K, n, k), m - ic);
+            for (int64_t ic = 0; ic < m; ic += cpar__gemm_mc(K, tb, n, k)) {
+                const int64_t mc = cpar__min64(cpar__gemm_mc(K, tb, n, k), m - ic);
                 const void *asrc = (const char *)A + (size_t)(ic * ars + pc * acs) * cpar_dtype_size(adt);
                 if (K->bf16_pairs) cpar__gemm_pack_bf16((uint32_t *)ap, asrc, ars, acs, mc, kc, kw, K->mr);
                 else cpar__gemm_pack(ap, asrc, adt, ars, acs, mc, kc, K->mr);
@@ -2606,7 +2617,7 @@ static void cpar__gemm_blocked(const cpar__gemm_kernel *K, int ta, int tb, int64
                     for (int64_t ir = 0; ir < mc; ir += K->mr) {
                         const int64_t mm = cpar__min64(K->mr, mc - ir), nn = cpar__min64(K->nr, nc - jr);
                         const cpar__gemm_sliver b = {jr < n_in_place ? (const void *)((const uint16_t *)bsrc + jr * bcs)
-                                                                     : (const void *)(bp + jr * kw),
+                                                                     : (const void *)(bp + (jr - n_in_place) * kw),
                                                      jr < n_in_place ? bcs : 0};
                         if (cb) {
                             uint16_t *dst = cb + (ic + ir) + (jc + jr) * ldc;
@@ -2899,9 +2910,12 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
      * a data race between ranks: one could see the kernel's pointer before
      * its tile sizes and divide by a zero mr. */
     const cpar__gemm_kernel K = cpar__gemm_kernel_pick(ctx->gemm_force, adt, bdt);
-    const int64_t mcap = cpar__min64(cpar__gemm_mc(&K, n, k), (m + K.mr - 1) / K.mr * K.mr);
-    const int64_t ncap = cpar__min64(CPAR__GEMM_NC, (n + K.nr - 1) / K.nr * K.nr);
-    const int64_t kc0 = cpar__min64(cpar__gemm_kc(&K), k), kcap = cpar__max64(kc0, cpar__gemm_kw(&K, kc0));
+    const int64_t mcap = cpar__min64(cpar__gemm_mc(&K, tb, n, k), (m + K.mr - 1) / K.mr * K.mr);
+    /* AMX reads op(B) where it lies (not tb, every block whole k tiles)
+     * but for a last partial sliver: its panel holds that one */
+    const bool b_in_place = K.run_amx && !tb && k % 32 == 0;
+    const int64_t ncap = b_in_place ? K.nr : cpar__min64(CPAR__GEMM_NC, (n + K.nr - 1) / K.nr * K.nr);
+    const int64_t kc0 = cpar__min64(cpar__gemm_kc(&K, tb, k), k), kcap = cpar__max64(kc0, cpar__gemm_kw(&K, kc0));
     /* CPAR_HOST_THREADS: chunks of whole micro-tiles along the larger of m and n */
     const bool split_n = n >= m;
     const int64_t tile = split_n ? K.nr : K.mr, tiles = ((split_n ? n : m) + tile - 1) / tile;
@@ -2918,7 +2932,7 @@ static cpar_status cpar__host_gemm(cpar_ctx *ctx, const char *fn, int ta, int tb
     /* A bf16 C written once, with no k blocks to carry between (beta 0, k
      * within one block): each micro-tile rounds into it. Otherwise a 16-bit
      * C accumulates in an fp32 copy, rounded at the end. */
-    const bool round_c = cdt == CPAR_BF16 && beta == 0.f && k > 0 && k <= cpar__gemm_kc(&K);
+    const bool round_c = cdt == CPAR_BF16 && beta == 0.f && k > 0 && k <= cpar__gemm_kc(&K, tb, k);
     const bool wide_c = cdt != CPAR_F32 && !round_c;
     CPAR_TRY(cpar__grow_host(ctx, fn, &ctx->gemm_ws, &ctx->gemm_ws_bytes,
                              panels + (wide_c ? (size_t)(m * n) * sizeof(float) : 0)));

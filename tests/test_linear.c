@@ -918,13 +918,14 @@ START_TEST(test_gemm_blocking) {
      * and AVX2 ones on BF16, AVX-512 on F32 and F16, the portable C one on F32 and BF16 (a CPU
      * without one says so and skips it); last, AMX and AVX512-BF16 on K of
      * whole k tiles, where AMX reads x where it lies (the tokens' last
-     * partial sliver packed): K 320 (one block of k: y rounded from each
-     * tile) and 1088 (two blocks, 1024 + 64) */
-    static const cpar_dtype dts[] = {CPAR_F32, CPAR_F32, CPAR_BF16, CPAR_F16, CPAR_BF16, CPAR_BF16, CPAR_BF16,
-                                     CPAR_F32, CPAR_BF16, CPAR_F32, CPAR_F16, CPAR_BF16, CPAR_BF16, CPAR_BF16};
+     * partial sliver packed): K 320 and 1088 (one block of k: y rounded
+     * from each tile; AVX512-BF16: two, 1024 + 64), and AMX at K 4160,
+     * above CPAR__GEMM_KC_WHOLE: five blocks into an fp32 copy of y */
+    static const cpar_dtype dts[] = {CPAR_F32, CPAR_F32, CPAR_BF16, CPAR_F16, CPAR_BF16, CPAR_BF16, CPAR_BF16, CPAR_F32,
+                                     CPAR_BF16, CPAR_F32, CPAR_F16, CPAR_BF16, CPAR_BF16, CPAR_BF16, CPAR_BF16};
     static const char *const force[] = {NULL, "builtin", NULL, NULL, "amx", "avx512bf16", "avx2", "c", "c",
-                                        "avx512", "avx512", "amx", "amx", "avx512bf16"};
-    static const int ks[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 320, 1088, 1088};
+                                        "avx512", "avx512", "amx", "amx", "avx512bf16", "amx"};
+    static const int ks[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 320, 1088, 1088, 4160};
     if (force[_i] && probe_kernel(force[_i]) != CPAR_OK) { /* this forked test's own environment */
         printf("gemm_blocking: CPAR_HOST_GEMM=%s skipped: %s\n", force[_i], cpar_thread_last_error());
         return;
@@ -940,7 +941,9 @@ END_TEST
  * {-1, 0, 1}, W integers in [-255, 255], |y| < 2^17) make each element of y
  * exactly cpar_f32_to_bf16 of the exact sum, bit for bit, and many of them
  * ties. _i: the kernel forced (default, amx, avx512bf16, c) and K (320:
- * whole k tiles, 300: not, 1088: two blocks of k), N 45 and 200 tokens;
+ * whole k tiles, 300: not, 1088: one block of k for AMX, deeper than 1024;
+ * 1100: not whole tiles, two blocks; 4160: above CPAR__GEMM_KC_WHOLE,
+ * five blocks), N 45 and 200 tokens;
  * then N 1088 and 1100 tokens at K 480, where AMX packs op(A) 512 rows at a
  * time (x, 1 MB, outgrows half of L2: panels of 512, 512 and 64 rows) and
  * stores y (2.3 MB, above CPAR__GEMM_STREAM_BYTES) past the caches, and
@@ -991,9 +994,9 @@ static cpar_status rank_round_exact(cpar_ctx *ctx, void *arg) {
 }
 
 START_TEST(test_gemm_round_exact) {
-    static const char *const force[] = {NULL, "amx", "amx", "amx", "avx512bf16", "c", "amx", "amx"};
-    static const int ks[] = {320, 320, 300, 1088, 320, 320, 480, 320};
-    static const int ns[] = {45, 45, 45, 45, 45, 45, 1088, 352};
+    static const char *const force[] = {NULL, "amx", "amx", "amx", "avx512bf16", "c", "amx", "amx", "amx", "amx"};
+    static const int ks[] = {320, 320, 300, 1088, 320, 320, 480, 320, 1100, 4160};
+    static const int ns[] = {45, 45, 45, 45, 45, 45, 1088, 352, 45, 45};
     if (force[_i] && probe_kernel(force[_i]) != CPAR_OK) {
         printf("gemm_round_exact: CPAR_HOST_GEMM=%s skipped: %s\n", force[_i], cpar_thread_last_error());
         return;
@@ -1705,9 +1708,9 @@ static Suite *suite(void) {
         {"init_random", test_init_random, 3},
         {"backward_overlap", test_backward_overlap, 2},
         {"bad_args", test_bad_args, 1},
-        {"gemm_blocking", test_gemm_blocking, 14},
+        {"gemm_blocking", test_gemm_blocking, 15},
         {"gemm_kernels_agree", test_gemm_kernels_agree, 2},
-        {"gemm_round_exact", test_gemm_round_exact, 8},
+        {"gemm_round_exact", test_gemm_round_exact, 10},
         {"grad_fusion", test_grad_fusion, 2 * N_GRAD_MODES},
         {"tied_weight", test_tied_weight, 3},
         {"runtime_gather_output", test_runtime_gather_output, 1},

@@ -16,7 +16,8 @@
 #   tools/gemm_vs_torch.sh --pairs N          N pairs of calls per shape (default 200)
 #
 # Shapes [T, K] x [N, K]ᵀ: 1024 x 1024 x 1024 and the linear layer's 256 x
-# 1024 x 4096 (issue 31), then the smaller ones of make bench's table.
+# 1024 x 4096 (issue 31), the smaller ones of make bench's table, then an
+# MLP's two products at hidden size 2048 (k 2048 and 8192).
 set -eu
 cd "$(dirname "$0")/.."
 
@@ -59,7 +60,8 @@ cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.start
 print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu}, torch {torch.__version__}, "
       f"one thread each, {pairs} alternating pairs of calls per shape")
 print(f"{'T x K x N':>16} {'torch GF/s':>11} {'cpar GF/s':>10} {'cpar/torch':>11} {'quartiles':>14}")
-for t, k, n in [(1024, 1024, 1024), (256, 1024, 4096), (256, 128, 512), (1024, 64, 1024), (1024, 1024, 64)]:
+for t, k, n in [(1024, 1024, 1024), (256, 1024, 4096), (256, 128, 512), (1024, 64, 1024), (1024, 1024, 64),
+                (256, 2048, 8192), (256, 8192, 2048)]:
     c = lib.gemm_vs_make(t, k, n)
     if not c:
         sys.exit(1)
