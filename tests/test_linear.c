@@ -1631,7 +1631,9 @@ END_TEST
  * variable fail context creation with a line naming it. */
 
 /* _i: 0 F32 (cpar's kernel), 1 BF16, 2 BF16 with K 320 (AMX: x read where
- * it lies, y rounded from each tile) */
+ * it lies, y rounded from each tile), 3 BF16 with K 1088 (AMX: all of k one
+ * block, deeper than 1024; each thread's panel of op(B) only the tokens'
+ * partial sliver) */
 START_TEST(test_host_threads) {
     static const char *names[4] = {"y", "dx", "dW", "db"};
     setenv("CPAR_HOST_GEMM", "builtin", 1); /* this forked test's own environment */
@@ -1640,7 +1642,7 @@ START_TEST(test_host_threads) {
         char v[8];
         snprintf(v, sizeof v, "%d", t + 1);
         setenv("CPAR_HOST_THREADS", v, 1); /* read when the context is made */
-        c[t] = (blocking_case){.dt = _i ? CPAR_BF16 : CPAR_F32, .k = _i == 2 ? 320 : 0, .threads = t + 1};
+        c[t] = (blocking_case){.dt = _i ? CPAR_BF16 : CPAR_F32, .k = _i == 2 ? 320 : _i == 3 ? 1088 : 0, .threads = t + 1};
         TU_OK(tu_spawn(1, rank_blocking, &c[t]));
         /* joined by cpar_finalize; a joined thread may linger in /proc for a moment */
         for (int ms = 0; count_workers() > 0 && ms < 20000; ms += 10) usleep(10000);
@@ -1716,7 +1718,7 @@ static Suite *suite(void) {
         {"runtime_gather_output", test_runtime_gather_output, 1},
         {"wgrad_deferral", test_wgrad_deferral, N_DEFER_MODES},
         {"bad_options", test_bad_options, 1},
-        {"host_threads", test_host_threads, 3},
+        {"host_threads", test_host_threads, 4},
         {"host_threads_bad", test_host_threads_bad, 1},
     };
     for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
