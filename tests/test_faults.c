@@ -14,6 +14,16 @@
 
 #include "testutil.h"
 
+/* Under ThreadSanitizer (make test-tsan) everything runs 5-15 times slower
+ * and the machine is shared: the upper bounds on how long a failure takes
+ * to reach the peers are checked in the four other flavours only (a loaded
+ * CI run missed 1500 ms by 35-100 ms); what TSan checks is the races. */
+#if defined(__SANITIZE_THREAD__)
+enum { UPPER_BOUNDS = 0 };
+#else
+enum { UPPER_BOUNDS = 1 };
+#endif
+
 #define MAX_RANKS 4
 #define DEADLINE_MS 1500
 
@@ -269,12 +279,12 @@ START_TEST(test_rank_sleeps) {
             ck_assert_msg(a.ms[r] >= 450, "%s: rank %d timed out after %lld ms, before the 500 ms deadline",
                           op_names[op], r, (long long)a.ms[r]);
         }
-        ck_assert_msg(a.ms[r] < 1300, "%s: rank %d returned after %lld ms (deadline 500 ms)", op_names[op], r,
+        ck_assert_msg(!UPPER_BOUNDS || a.ms[r] < 1300, "%s: rank %d returned after %lld ms (deadline 500 ms)", op_names[op], r,
                       (long long)a.ms[r]);
     }
     ck_assert_int_ge(timeouts, 1);
     ck_assert_int_ne(a.st[n - 1], CPAR_OK); /* the sleeper's late call */
-    ck_assert_int_lt(now_ms() - t0, 3000);  /* the job ended once the sleeper woke */
+    ck_assert(!UPPER_BOUNDS || now_ms() - t0 < 3000); /* the job ended once the sleeper woke */
     expect_healthy();
 }
 END_TEST
@@ -437,7 +447,7 @@ START_TEST(test_mismatch) {
     cpar_init_config c = {.backend = tu_backend(), .timeout_ms = DEADLINE_MS};
     int64_t t0 = now_ms();
     TU_OK(tu_spawn_with(3, &c, rank_mismatch, &a));
-    ck_assert_int_lt(now_ms() - t0, DEADLINE_MS);
+    ck_assert(!UPPER_BOUNDS || now_ms() - t0 < DEADLINE_MS);
     for (int r = 0; r < 3; r++) {
         ck_assert_msg(a.st[r] == CPAR_ERR_INVALID, "%s mismatch: rank %d got %s (%s)", mismatch_names[_i], r,
                       cpar_status_string(a.st[r]), a.msg[r]);
@@ -466,7 +476,7 @@ START_TEST(test_mismatch_checked) {
     cpar_init_config c = {.backend = tu_backend(), .timeout_ms = DEADLINE_MS};
     int64_t t0 = now_ms();
     TU_OK(tu_spawn_with(n, &c, rank_mismatch, &a));
-    ck_assert_int_lt(now_ms() - t0, DEADLINE_MS);
+    ck_assert(!UPPER_BOUNDS || now_ms() - t0 < DEADLINE_MS);
     for (int r = 0; r < n; r++) {
         ck_assert_msg(a.st[r] == CPAR_ERR_INVALID, "%s mismatch at %d ranks: rank %d got %s (%s)",
                       mismatch_names[what[m]], n, r, cpar_status_string(a.st[r]), a.msg[r]);
@@ -543,7 +553,7 @@ START_TEST(test_rank_fails_check) {
                           strstr(a.msg[r], own),
                       "rank %d: %s (%s), expected CPAR_ERR_PEER naming rank 1 and its error", r,
                       cpar_status_string(a.st[r]), a.msg[r]);
-        ck_assert_msg(a.ms[r] < 1500, "rank %d learnt of rank 1's failure after %lld ms (it stays 2000 ms)", r,
+        ck_assert_msg(!UPPER_BOUNDS || a.ms[r] < 1500, "rank %d learnt of rank 1's failure after %lld ms (it stays 2000 ms)", r,
                       (long long)a.ms[r]);
     }
 }
@@ -588,7 +598,7 @@ START_TEST(test_p2p_no_partner) {
     cpar_status st = tu_spawn_with(2, &c, rank_p2p_alone, &a);
     ck_assert_msg(a.st == CPAR_ERR_TIMEOUT, "got %s (%s)", cpar_status_string(a.st), a.msg);
     ck_assert_msg(names_rank(a.msg, 1), "\"%s\" does not name rank 1", a.msg);
-    ck_assert_msg(a.ms >= 450 && a.ms < 1300, "returned after %lld ms (deadline 500 ms)", (long long)a.ms);
+    ck_assert_msg(a.ms >= 450 && (!UPPER_BOUNDS || a.ms < 1300), "returned after %lld ms (deadline 500 ms)", (long long)a.ms);
     ck_assert_int_eq(st, CPAR_ERR_TIMEOUT);
     expect_healthy();
     /* The line names the function that was called and what timed out. */
