@@ -439,7 +439,7 @@ test-sanitize: $(SAN_TESTS)
 # On nccl-sim too (the NCCL path's failure handling reads the job's state
 # without its lock), the simulators instrumented with cpar: uninstrumented,
 # their thread-safe statics read as races.
-TSAN_FLAGS  := -fsanitize=thread -O1 -g
+TSAN_FLAGS  := -fsanitize=thread -O1 # debug information as CFLAGS/CXXFLAGS say
 TSAN_SUITES := faults core coll grid ops rng mappings xent packed ring mamba inference train store trainjob
 TSAN_NCCL_SUITES := faults coll
 TSAN_TESTS  := $(TSAN_SUITES:%=$(B)/tsan/test_%) $(B)/tsan/train $(TSAN_NCCL_SUITES:%=$(B)/tsan/ncclsim/test_%)

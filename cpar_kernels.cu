@@ -61,6 +61,11 @@
     type *name = reinterpret_cast<type *>(cpar_dyn_smem_)
 #endif
 
+/* The white-box suites (tests/test_mma.cu, tests/test_attn_bwd.cu) include
+ * this file to reach its static device functions. They define
+ * CPAR_KERNELS_ATTENTION_ONLY, which leaves out every section the attention
+ * kernels do not stand on (5-11, 13-14, 17-21): a third of the compile. */
+
 #define CPAR_INTERNAL /* the device layer's declarations (cpar.h §16) */
 #include "cpar.h"
 
@@ -145,7 +150,7 @@ static const char *cpar__dtype_name(cpar_dtype dt) {
     return (unsigned)dt < CPAR_DTYPE_COUNT ? names[dt] : "?";
 }
 
-static size_t cpar__dtype_size(cpar_dtype dt) {
+static inline size_t cpar__dtype_size(cpar_dtype dt) {
     static const size_t sizes[CPAR_DTYPE_COUNT] = {4, 2, 2, 4, 8, 1};
     return (unsigned)dt < CPAR_DTYPE_COUNT ? sizes[dt] : 0;
 }
@@ -418,7 +423,7 @@ struct cpar__shape {
     dim3 grid, block;
 };
 
-static cpar__shape cpar__shape_2d(int64_t width, int64_t height) {
+static inline cpar__shape cpar__shape_2d(int64_t width, int64_t height) {
     unsigned tx = 1;
     while (tx < CPAR__BLOCK && (int64_t)tx < width) tx *= 2;
     const unsigned ty = CPAR__BLOCK / tx, gx = cpar__grid(width, tx);
@@ -440,6 +445,8 @@ template <typename F> static cudaError_t cpar__with_float_type(cpar_dtype dt, F 
     default: return f(float());
     }
 }
+
+#ifndef CPAR_KERNELS_ATTENTION_ONLY /* sections 5-11 */
 
 /* ==== 5. Fill ===============================================================
  * p[i] = value for i < n, any dtype. The host converts value once into the
@@ -1082,6 +1089,8 @@ cpar_status cpar_dev_gemm(cpar_dev_blas h, cpar_dev_stream s, int transa, int tr
     return CPAR_OK;
 }
 
+#endif /* sections 5-11 */
+
 /* ==== 12. RNG: random fills and dropout ======================================
  * The device half of cpar.h §9 (the host half and its reference loops are
  * cpar.c §15): Philox4x32-10, the uniform/normal transforms and dropout.
@@ -1375,6 +1384,8 @@ cpar_status cpar_dev_dropout_backward(const void *dy, void *dx, const uint8_t *m
                                       float p, float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s) {
     return cpar__dropout_dev(__func__, dy, dx, mask, NULL, dt, n, p, scale, seed, offset, s);
 }
+
+#ifndef CPAR_KERNELS_ATTENTION_ONLY /* sections 13-14 */
 
 /* ==== 13. Vocabulary-parallel cross entropy =================================
  * The device half of cpar.h §10 (host half and reference loops: cpar.c §16).
@@ -1947,6 +1958,8 @@ cpar_status cpar_dev_embedding_grad(const void *dout, cpar_dtype dt, const void 
                    (long long)(b * s), (long long)hidden, deterministic ? "deterministic" : "atomic");
     return CPAR_OK;
 }
+
+#endif /* sections 13-14 */
 
 /* ==== 15. Tensor-core wrappers: mma.sync m16n8k16 and ldmatrix ============
  * The flash-attention kernels reach the tensor cores only through these
@@ -3489,6 +3502,8 @@ cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, cons
     return CPAR_OK;
 }
 
+#ifndef CPAR_KERNELS_ATTENTION_ONLY /* sections 17-21 */
+
 /* ==== 17. Ring attention: the fp32 LSE merge ===============================
  * One kernel: the _SDPAMerger step of ring attention (cpar.c §19), which
  * folds one block's fp32 output and log-sum-exp into the running ones. The
@@ -4505,3 +4520,5 @@ cpar_status cpar_dev_sum_squares(const float *x, int64_t n, float *out, void *sc
     CPAR__TRY_CUDA(cudaGetLastError(), "sum of squares final kernel launch (n = %lld)", (long long)n);
     return CPAR_OK;
 }
+
+#endif /* sections 17-21 */

@@ -21,6 +21,7 @@
  * case runs in the forward and the reverse fiber schedule (some also
  * shuffled), so a missing barrier shows up as a wrong result.
  * AB_VERBOSE=1 in the environment prints every case's errors. */
+#define CPAR_KERNELS_ATTENTION_ONLY /* this suite needs §1-4, 12, 15, 16 only */
 #include "cpar_kernels.cu"
 #include "tests/suite.h"
 

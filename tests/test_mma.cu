@@ -12,6 +12,7 @@
  * fragment against the fp64 product. The fragments are also written back
  * through the documented C layout, so a layout mistake in either the
  * emulation or the test shows up. Every case runs in three fiber schedules. */
+#define CPAR_KERNELS_ATTENTION_ONLY /* this suite needs §1-4, 12, 15, 16 only */
 #include "cpar_kernels.cu"
 #include "tests/suite.h"
 
