@@ -1997,7 +1997,8 @@ CPAR__VARIANTS(cpar__host_gelu_lut,
 enum {
     CPAR__GEMM_MC = 144, CPAR__GEMM_MC_AMX = 256, CPAR__GEMM_KC = 256, CPAR__GEMM_KC_WHOLE = 4096, CPAR__GEMM_NC = 3072,
     CPAR__GEMM_MAX_TILE = 32 * 32,
-    CPAR__GEMM_STREAM_BYTES = 1 << 20 /* a bf16 C above this is stored past the caches (cpar__gemm_blocked) */
+    CPAR__GEMM_STREAM_BYTES = 1 << 20, /* a bf16 C above this is stored past the caches (cpar__gemm_blocked) */
+    CPAR__GEMM_L1_BYTES = 48 << 10     /* a data cache of the CPUs with AMX (Sapphire Rapids and later) */
 };
 
 /* c (mr x nr, column-major, ldc) = alpha * sum_p a[p*mr + i] b[p*nr + j]
@@ -2039,9 +2040,9 @@ typedef struct cpar__gemm_kernel {
     /* or (AMX) run with op(B)'s sliver packed or where it lies (k
      * contiguous, columns ldb apart, whole k tiles), rounding r (or NULL),
      * the previous tile's, and fetching pf's next lines (or NULL) among
-     * its tile products */
-    void (*run_amx)(int64_t kw, const void *a, cpar__gemm_sliver b, float *c, int64_t ldc, float alpha, float beta,
-                    const cpar__gemm_rounding *r, cpar__gemm_prefetch *pf);
+     * its tile products; a_far: op(A)'s panel outgrows L1 */
+    void (*run_amx)(int64_t kw, const void *a, bool a_far, cpar__gemm_sliver b, float *c, int64_t ldc, float alpha,
+                    float beta, const cpar__gemm_rounding *r, cpar__gemm_prefetch *pf);
     const char *name;
 } cpar__gemm_kernel;
 
@@ -2274,10 +2275,10 @@ cpar__gemm_round32_tile(uint16_t *c, const float *t, bool stream) {
  * rounding, a column after each k-step's products (the rest after the
  * last): the vector unit's work then overlaps the tile unit's, where
  * rounding each tile after its products cost a sixth of the time at k
- * 1024. */
+ * 1024. a_far: op(A)'s tiles by TILELOADDT1, not kept in L1. */
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) static void
-cpar__gemm_ukernel_amx(int64_t kw, const void *av, cpar__gemm_sliver bs, float *c, int64_t ldc, float alpha, float beta,
-                       const cpar__gemm_rounding *r, cpar__gemm_prefetch *pf) {
+cpar__gemm_ukernel_amx(int64_t kw, const void *av, bool a_far, cpar__gemm_sliver bs, float *c, int64_t ldc, float alpha,
+                       float beta, const cpar__gemm_rounding *r, cpar__gemm_prefetch *pf) {
     const bool direct = alpha == 1.f && (beta == 0.f || beta == 1.f);
     const size_t ldb = (size_t)ldc * sizeof(float);
     if (direct && beta == 1.f) {
@@ -2304,8 +2305,13 @@ cpar__gemm_ukernel_amx(int64_t kw, const void *av, cpar__gemm_sliver bs, float *
             }
         _tile_loadd(4, b + q * b_step, b_row);          /* columns 0..15 of C, k-step q / 16 */
         _tile_loadd(5, b + q * b_step + b_half, b_row); /* columns 16..31 */
-        _tile_loadd(6, a + q * 32, 128);                /* rows 0..15 of C: 16 pairs of k */
-        _tile_loadd(7, a + q * 32 + 16, 128);           /* rows 16..31 */
+        if (a_far) {
+            _tile_stream_loadd(6, a + q * 32, 128);      /* rows 0..15 of C: 16 pairs of k */
+            _tile_stream_loadd(7, a + q * 32 + 16, 128); /* rows 16..31 */
+        } else {
+            _tile_loadd(6, a + q * 32, 128);
+            _tile_loadd(7, a + q * 32 + 16, 128);
+        }
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
@@ -2571,9 +2577,9 @@ static int64_t cpar__gemm_mc(const cpar__gemm_kernel *K, int tb, int64_t n, int6
     return kc <= 4 * CPAR__GEMM_KC ? mc : cpar__max64(K->mr, mc * 4 * CPAR__GEMM_KC / kc / K->mr * K->mr);
 }
 
-static inline void cpar__gemm_run(const cpar__gemm_kernel *K, int64_t kw, const void *a, cpar__gemm_sliver b, float *c,
-                                  int64_t ldc, float alpha, float beta, cpar__gemm_prefetch *pf) {
-    if (K->run_amx) K->run_amx(kw, a, b, c, ldc, alpha, beta, NULL, pf);
+static inline void cpar__gemm_run(const cpar__gemm_kernel *K, int64_t kw, const void *a, bool a_far, cpar__gemm_sliver b,
+                                  float *c, int64_t ldc, float alpha, float beta, cpar__gemm_prefetch *pf) {
+    if (K->run_amx) K->run_amx(kw, a, a_far, b, c, ldc, alpha, beta, NULL, pf);
     else K->run(kw, a, b.p, c, ldc, alpha, beta);
 }
 
@@ -2629,6 +2635,13 @@ static void cpar__gemm_blocked(const cpar__gemm_kernel *K, int ta, int tb, int64
                 const void *asrc = (const char *)A + (size_t)(ic * ars + pc * acs) * cpar_dtype_size(adt);
                 if (K->bf16_pairs) cpar__gemm_pack_bf16((uint32_t *)ap, asrc, ars, acs, mc, kc, kw, K->mr);
                 else cpar__gemm_pack(ap, asrc, adt, ars, acs, mc, kc, K->mr);
+                /* AMX: a panel larger than L1 is read from L2 whatever
+                 * happens; its tiles are loaded with the hint not to keep
+                 * them in L1 (TILELOADDT1), which leaves L1 to op(B)'s
+                 * sliver, read by every tile of the column (1024^3 0-10 %
+                 * faster, most where the VM is fast; a panel that fits L1
+                 * at k 64 ran 5 % slower so) */
+                const bool a_far = (double)mc * (double)kw * 4.0 > (double)CPAR__GEMM_L1_BYTES;
                 /* op(B) read in place and too big to stay in L2 (x at 1024
                  * tokens): the next column's sliver, which its first tile
                  * would fetch from memory, is fetched into L2 over this
@@ -2653,20 +2666,20 @@ static void cpar__gemm_blocked(const cpar__gemm_kernel *K, int ta, int tb, int64
                             uint16_t *dst = cb + (ic + ir) + (jc + jr) * ldc;
                             if (K->run_amx && alpha == 1.f && mm == K->mr && nn == K->nr) {
                                 float *t = piped[npiped++ & 1];
-                                K->run_amx(kw, ap + ir * kw, b, t, K->mr, 1.f, 0.f, pend.c ? &pend : NULL, pf);
+                                K->run_amx(kw, ap + ir * kw, a_far, b, t, K->mr, 1.f, 0.f, pend.c ? &pend : NULL, pf);
                                 pend = (cpar__gemm_rounding){t, dst, ldc, stream};
                                 continue;
                             }
-                            cpar__gemm_run(K, kw, ap + ir * kw, b, tile, K->mr, alpha, 0.f, pf);
+                            cpar__gemm_run(K, kw, ap + ir * kw, a_far, b, tile, K->mr, alpha, 0.f, pf);
                             cpar__gemm_round_bf16(dst, ldc, tile, K->mr, mm, nn);
                             continue;
                         }
                         float *c = C + (ic + ir) + (jc + jr) * ldc;
                         if (mm == K->mr && nn == K->nr) {
-                            cpar__gemm_run(K, kw, ap + ir * kw, b, c, ldc, alpha, b0, pf);
+                            cpar__gemm_run(K, kw, ap + ir * kw, a_far, b, c, ldc, alpha, b0, pf);
                             continue;
                         }
-                        cpar__gemm_run(K, kw, ap + ir * kw, b, tile, K->mr, alpha, 0.f, pf); /* an edge tile */
+                        cpar__gemm_run(K, kw, ap + ir * kw, a_far, b, tile, K->mr, alpha, 0.f, pf); /* an edge tile */
                         for (int64_t j = 0; j < nn; j++)
                             for (int64_t i = 0; i < mm; i++)
                                 c[i + j * ldc] = tile[i + j * K->mr] + (b0 == 0.f ? 0.f : b0 * c[i + j * ldc]);

@@ -3126,7 +3126,9 @@ static __device__ __forceinline__ void cpar__ab_dq_atomic(const cpar__ab_args &p
      * one 8-byte atomic for both where the GPU has them (sm_90) and gq is
      * 8-byte aligned (c and d are even) */
     float *gq = p.dq + qbh * p.dq_bh;
-    const bool pairs = CPAR__AB_PAIR_ATOMICS && ((uintptr_t)gq & 7) == 0;
+#if CPAR__AB_PAIR_ATOMICS
+    const bool pairs = ((uintptr_t)gq & 7) == 0;
+#endif
     cpar__ab_each<NDW>(r0, [&](int nd, int e, int r, int c) {
         const int64_t i = i0 + r;
         if (i >= p.sq || c0 + c >= d) return;
