@@ -2211,11 +2211,12 @@ template <int DT_, bool GENERAL_, bool CAUSAL_ = false> struct cpar__attn_var {
     static constexpr int FWD_MB = GENERAL ? 1 : 2;
     static constexpr int FWD_BM = 16 * CPAR__ATTN_WARPS * FWD_MB;
     /* Keys per KV tile of the forward. At d 128 with 128 rows, S of 64 keys
-     * (64 registers) beside O (128) spills 60 bytes in the non-causal plain
-     * kernel, and 32 keys do not (228 registers); but on an H200 (2026-11-28,
-     * b 2, h 16, s 8192, bf16) 64 keys ran at 278 / 284 TFLOP/s (non-causal /
-     * causal) and 32 keys at 237 / 237: the spill (L1-resident) costs less
-     * than twice the barriers and half the K/V fragment reuse. */
+     * (64 registers) beside O (128) takes 254 registers (it spilled 60 bytes
+     * in the non-causal plain kernel until the tile loads' indices became
+     * 32-bit), 32 keys 228; on an H200 (2026-11-28, b 2, h 16, s 8192, bf16)
+     * 64 keys ran at 278 / 284 TFLOP/s (non-causal / causal, with the spill)
+     * and 32 keys at 237 / 237: half the barriers and twice the K/V fragment
+     * reuse. */
     static constexpr int FWD_BN = CPAR__ATTN_BN;
     static constexpr int DQ_CTAS = GENERAL || DT == 128 ? 2 : 3;
     static __device__ __forceinline__ int d(int64_t run_time) { return GENERAL ? (int)run_time : DT; }
@@ -2265,13 +2266,17 @@ template <typename T, int DT, int LD, int ROWS = CPAR__ATTN_BN>
 static __device__ __forceinline__ void cpar__attn_stage(T *tile, const T *src, int64_t row0, int64_t rows, int d,
                                                         bool vec) {
     constexpr int CHUNKS = DT / 8; /* 8-element chunks per tile row */
+    /* the tile's rows inside the matrix, and 32-bit unsigned offsets from
+     * its first row: no 64-bit index per chunk (the d 128 forward spilled
+     * for their registers) */
+    const int inside = rows - row0 < ROWS ? (int)(rows - row0) : ROWS;
+    const T *first = src + row0 * d;
     for (int c = threadIdx.x; c < ROWS * CHUNKS; c += CPAR__ATTN_THREADS) {
         const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
-        const int64_t gr = row0 + r;
         T *dst = tile + r * LD + col;
         cpar__pack<T, 8> v;
-        if (gr < rows && col < d) {
-            const T *p = src + gr * d + col;
+        if (r < inside && col < d) {
+            const T *p = first + (unsigned)(r * d + col);
             if (vec) {
                 cpar__attn_cp16(dst, p);
                 continue;
