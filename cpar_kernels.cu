@@ -2216,8 +2216,14 @@ template <int DT_, bool GENERAL_, bool CAUSAL_ = false> struct cpar__attn_var {
      * 32-bit), 32 keys 228; on an H200 (2026-11-28, b 2, h 16, s 8192, bf16)
      * 64 keys ran at 278 / 284 TFLOP/s (non-causal / causal, with the spill)
      * and 32 keys at 237 / 237: half the barriers and twice the K/V fragment
-     * reuse. */
-    static constexpr int FWD_BN = CPAR__ATTN_BN;
+     * reuse. At d 64 the plain kernel takes 128 keys, FA2's 128 x 128 tile
+     * for d 64 (254 registers with P packed to the input type before the
+     * P V products; 64 keys ran 0.77-0.80 of SDPA's flash backend there). */
+    static constexpr int FWD_BN = DT == 64 && !GENERAL ? 2 * CPAR__ATTN_BN : CPAR__ATTN_BN;
+    /* Q in its own shared tile, its fragments reloaded per KV tile (FA2's
+     * way), where holding them in registers (32 per row block at d 128, 16
+     * at d 64) would not leave room beside S and O */
+    static constexpr bool FWD_Q_SHARED = DT == 128 || FWD_BN > CPAR__ATTN_BN;
     static constexpr int DQ_CTAS = GENERAL || DT == 128 ? 2 : 3;
     static __device__ __forceinline__ int d(int64_t run_time) { return GENERAL ? (int)run_time : DT; }
     static __device__ __forceinline__ bool causal(bool run_time) { return GENERAL ? run_time : CAUSAL_; }
@@ -2520,12 +2526,12 @@ static __global__ void __launch_bounds__(CPAR__ATTN_THREADS, V::FWD_CTAS)
     constexpr int DT = V::DT, LD = DT + 8; /* +16 bytes: conflict-free ldmatrix rows */
     constexpr int MB = V::FWD_MB, BM = V::FWD_BM, BN = V::FWD_BN;
     constexpr int KSTEPS = DT / 16, NB = BN / 8, OB = DT / 8;
-    /* Q's A fragments stay in registers for the whole KV loop at d 64; at
-     * d 128 they would take 32 of them per row block (the kernel then
-     * spilled), so Q stays in its own shared tile and each KV tile reloads
-     * the fragments, as FlashAttention-2 does (MB more ldmatrix per warp and
-     * k-step, against 4 for K and 4 for V). */
-    constexpr bool Q_SHARED = DT == 128;
+    /* Q's A fragments stay in registers for the whole KV loop in the
+     * general d 64 kernel; elsewhere (V::FWD_Q_SHARED) Q stays in its own
+     * shared tile and each KV tile reloads the fragments, as FlashAttention-2
+     * does (MB more ldmatrix per warp and k-step, against BN / 16 for K and
+     * as many for V). */
+    constexpr bool Q_SHARED = V::FWD_Q_SHARED;
     static_assert(Q_SHARED || BM <= 2 * BN, "Q is staged over the K and V tiles");
     /* K, V [BN][LD], then Q [BM][LD] when Q_SHARED (else Q is staged over
      * K's and V's), then (GENERAL) the KV tile's row infos [BN] */
@@ -2562,19 +2568,20 @@ CPAR__UNROLL
 
     float o[MB][OB][4];
     float m[MB][2], l[MB][2]; /* rows g and g+8 of each block: raw-score max, partial sum */
-    int row[MB][2];
+    /* the query row of this thread's block mb, half h (g or g + 8), computed
+     * where used rather than held (registers are the d 128 tile's limit) */
+    const auto row = [&](int mb, int h) { return q0 + wrow + mb * 16 + g + 8 * h; };
 CPAR__UNROLL
     for (int mb = 0; mb < MB; mb++) {
 CPAR__UNROLL
         for (int nb = 0; nb < OB; nb++) o[mb][nb][0] = o[mb][nb][1] = o[mb][nb][2] = o[mb][nb][3] = 0.f;
         m[mb][0] = m[mb][1] = -INFINITY, l[mb][0] = l[mb][1] = 0.f;
-        row[mb][0] = q0 + wrow + mb * 16 + g, row[mb][1] = row[mb][0] + 8;
     }
     /* packed or dropout: this thread's query rows' infos, once */
     cpar__attn_rowinfo qinfo[MB][2] = {};
     if (packed || drop)
         for (int mb = 0; mb < MB; mb++)
-            for (int h = 0; h < 2; h++) qinfo[mb][h] = cpar__attn_info(a.qp, packed, row[mb][h], a.sq);
+            for (int h = 0; h < 2; h++) qinfo[mb][h] = cpar__attn_info(a.qp, packed, row(mb, h), a.sq);
 
     /* Pipeline (FA2's): K(j) and V(j) are separate copy groups; V(j) lands
      * while S(j) is computed, K(j+1) while O += P(j) V(j) is. */
@@ -2638,7 +2645,7 @@ CPAR__UNROLL
                     for (int r = 0; r < 4; r++) {
                         const int jl = nb * 8 + 2 * t + (r & 1), j = j0 + jl;
                         const bool hidden = packed ? !cpar__attn_info_sees(qinfo[mb][r >> 1], kinfo[jl], causal)
-                                                   : causal && j > row[mb][r >> 1];
+                                                   : causal && j > row(mb, r >> 1);
                         if (j >= a.sk || hidden) s[mb][nb][r] = -INFINITY;
                     }
         }
@@ -2687,6 +2694,16 @@ CPAR__UNROLL
                     }
         }
 
+        /* P in the input type, a pair of keys per register (half of S's
+         * registers: S dies here, before the wait and the P V products) */
+        uint32_t p2[MB][NB][2];
+CPAR__UNROLL
+        for (int mb = 0; mb < MB; mb++)
+CPAR__UNROLL
+            for (int nb = 0; nb < NB; nb++)
+CPAR__UNROLL
+                for (int h = 0; h < 2; h++) p2[mb][nb][h] = cpar__pack2<T>(s[mb][nb][2 * h], s[mb][nb][2 * h + 1]);
+
         cpar__attn_cp_wait<0>(); /* V(j) has landed */
         __syncthreads();         /* ... for every thread, and no warp reads K(j) any more */
         if (j0 + BN < kv_end) cpar__attn_stage<T, DT, LD, BN>(sk, k, j0 + BN, a.sk, d, vec);
@@ -2697,10 +2714,10 @@ CPAR__UNROLL
             uint32_t pf[MB][4];
 CPAR__UNROLL
             for (int mb = 0; mb < MB; mb++) {
-                pf[mb][0] = cpar__pack2<T>(s[mb][2 * kk][0], s[mb][2 * kk][1]);
-                pf[mb][1] = cpar__pack2<T>(s[mb][2 * kk][2], s[mb][2 * kk][3]);
-                pf[mb][2] = cpar__pack2<T>(s[mb][2 * kk + 1][0], s[mb][2 * kk + 1][1]);
-                pf[mb][3] = cpar__pack2<T>(s[mb][2 * kk + 1][2], s[mb][2 * kk + 1][3]);
+                pf[mb][0] = p2[mb][2 * kk][0];
+                pf[mb][1] = p2[mb][2 * kk][1];
+                pf[mb][2] = p2[mb][2 * kk + 1][0];
+                pf[mb][3] = p2[mb][2 * kk + 1][1];
             }
 CPAR__UNROLL
             for (int nb = 0; nb < OB; nb += 2) { /* output columns 8nb .. 8nb+15 */
@@ -2729,8 +2746,8 @@ CPAR__UNROLL
             l[mb][h] += __shfl_xor_sync(0xffffffffu, l[mb][h], 2);
             const bool empty = !(l[mb][h] > 0.f); /* saw no key: out 0, lse -inf */
             inv[mb][h] = empty ? 0.f : 1.f / l[mb][h] * keep_scale;
-            if (t == 0 && row[mb][h] < a.sq)
-                lse[bh * lse_bh + row[mb][h]] = empty ? -INFINITY : m[mb][h] * a.scale + logf(l[mb][h]);
+            if (t == 0 && row(mb, h) < a.sq)
+                lse[bh * lse_bh + row(mb, h)] = empty ? -INFINITY : m[mb][h] * a.scale + logf(l[mb][h]);
         }
     if (ovec) {
         __syncthreads(); /* every warp is done with the K/V/Q tiles */
@@ -2748,8 +2765,8 @@ CPAR__UNROLL
     for (int mb = 0; mb < MB; mb++)
 CPAR__UNROLL
         for (int h = 0; h < 2; h++) {
-            if (row[mb][h] >= a.sq) continue;
-            const int64_t base = bh * o_bh + (int64_t)row[mb][h] * d;
+            if (row(mb, h) >= a.sq) continue;
+            const int64_t base = bh * o_bh + (int64_t)row(mb, h) * d;
 CPAR__UNROLL
             for (int nb = 0; nb < OB; nb++) {
                 const int col = nb * 8 + 2 * t;
@@ -2773,7 +2790,7 @@ static cudaError_t cpar__launch_attn_fwd(const cpar_dev_attn &a, void *out, bool
     auto kernel = cpar__attn_fwd_kernel<T, V>;
     const float keep_scale = 1.0f / (1.0f - a.dropout_p); /* on the host: cpar.c's cpar__attn_keep_scale */
     constexpr int BM = V::FWD_BM, BN = V::FWD_BN, LD = V::DT + 8;
-    constexpr size_t tiles = (size_t)(2 * BN + (V::DT == 128 ? BM : 0)) * LD * sizeof(T) + /* K, V (, Q) */
+    constexpr size_t tiles = (size_t)(2 * BN + (V::FWD_Q_SHARED ? BM : 0)) * LD * sizeof(T) + /* K, V (, Q) */
                              (V::GENERAL ? BN * sizeof(cpar__attn_rowinfo) : 0);           /* key infos */
     const size_t osz = out_f32 ? 4 : sizeof(T), epilogue = ovec ? (size_t)BM * (V::DT + 16 / osz) * osz : 0;
     const size_t smem = tiles > epilogue ? tiles : epilogue;
@@ -2834,8 +2851,9 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
     if (bh > INT32_MAX || tiles > 65535)
         return CPAR__INVALID("b*hq = %lld, sq = %lld: grid (b*hq, sq/64) exceeds (2^31-1, 65535)", (long long)bh,
                              (long long)a->sq);
-    if (a->sk > INT32_MAX - CPAR__ATTN_BN)
-        return CPAR__INVALID("a->sk = %lld, expected < 2^31 - %d (32-bit key indices)", (long long)a->sk, CPAR__ATTN_BN);
+    if (a->sk > INT32_MAX - 2 * CPAR__ATTN_BN) /* the largest KV tile: the plain d 64 forward's */
+        return CPAR__INVALID("a->sk = %lld, expected < 2^31 - %d (32-bit key indices)", (long long)a->sk,
+                             2 * CPAR__ATTN_BN);
     /* 16-byte staging loads need 16-byte aligned rows: d % 8 == 0 always, so the bases and (b,h) strides decide */
     const bool vec = cpar__aligned(16, a->q, a->k) && cpar__aligned(16, a->v) && a->q_bh % 8 == 0 && a->kv_bh % 8 == 0;
     const bool f32 = out_dt == CPAR_F32;

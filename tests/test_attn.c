@@ -43,6 +43,8 @@ static const attn_shape shapes[] = {
     {1, 2, 2, 130, 130, 128, true}, /* three tiles: causal tile skipping */
     {1, 2, 1, 65, 129, 40, false},  /* one row past a tile, GQA */
     {1, 4, 2, 77, 90, 64, true},    /* causal with sk > sq and GQA */
+    {1, 2, 1, 140, 270, 64, true},  /* d 64's 128-key tiles: three, the last partial; causal, GQA */
+    {1, 1, 1, 130, 140, 64, false}, /* ... two query tiles against two key tiles, both partial */
 };
 #define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
 
