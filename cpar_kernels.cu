@@ -2896,7 +2896,7 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * cpar_dev_attn's atomic_dq (CPAR_ATTN_DQ=atomic) takes FA2's way instead:
  * the dkdv kernel stages each step's dS in shared memory and adds scale·dS k
  * to dq by fp32 atomics (cpar__ab_dq_atomic), and launch 3 is skipped; sm_90:
- * 2,728 instructions, 160 HMMA where dkdv and dq took 2,048 + 1,768 and
+ * 2,736 instructions, 160 HMMA where dkdv and dq took 2,064 + 1,776 and
  * 128 + 96 per 64 x 32 block at d 128, no spills, 2 CTAs/SM.
  * Dropout recomputes the forward's mask Z (keep / (1-p)) per weight in both
  * kernels: dkdv forms dS = P∘(dP∘Z − Dsum) first, then P∘Z in place of P
@@ -2995,13 +2995,22 @@ template <typename T, int D, int ROWS>
 static __device__ __forceinline__ void cpar__ab_load_tile(T *s, const void *src, bool src_f32, int64_t nvalid,
                                                           int d) {
     constexpr int LD = D + 8, CH = D / 8;
-    for (int c = (int)threadIdx.x; c < ROWS * CH; c += (int)blockDim.x) {
+    /* rows d elements apart with d % 8 == 0: every 8-element chunk is
+     * 16-byte aligned when the tile's first is (one test per tile); 32-bit
+     * offsets from it. Not unrolled: 4-8 chunks a thread, each with its
+     * fallbacks, would add 40 % to the kernels' code for a loop that runs
+     * twice per step. */
+    const bool vec = cpar__ab_aligned16(src);
+    const int inside = nvalid < ROWS ? (int)nvalid : ROWS;
+#pragma unroll 1
+    for (int c = (int)threadIdx.x; c < ROWS * CH; c += CPAR__AB_THREADS) {
         const int r = c / CH, col = (c % CH) * 8;
+        const unsigned off = (unsigned)(r * d + col);
         cpar__pack<T, 8> v;
-        if (r < nvalid && col < d) {
+        if (r < inside && col < d) {
             if (src_f32) {
-                const float *p = static_cast<const float *>(src) + (int64_t)r * d + col;
-                if (cpar__ab_aligned16(p)) {
+                const float *p = static_cast<const float *>(src) + off;
+                if (vec) {
                     const cpar__pack<float, 4> lo = cpar__load<4>(p), hi = cpar__load<4>(p + 4);
                     CPAR__UNROLL
                     for (int e = 0; e < 4; e++) {
@@ -3013,13 +3022,13 @@ static __device__ __forceinline__ void cpar__ab_load_tile(T *s, const void *src,
                     for (int e = 0; e < 8; e++) v.v[e] = cpar__narrow<T>(p[e]);
                 }
             } else {
-                const T *p = static_cast<const T *>(src) + (int64_t)r * d + col;
-                if (cpar__ab_aligned16(p)) {
+                const T *p = static_cast<const T *>(src) + off;
+                if (vec) {
                     cpar__attn_cp16(s + r * LD + col, p); /* asynchronous: the caller commits and waits */
                     continue;
                 }
-                    CPAR__UNROLL
-                    for (int e = 0; e < 8; e++) v.v[e] = p[e];
+                CPAR__UNROLL
+                for (int e = 0; e < 8; e++) v.v[e] = p[e];
             }
         } else {
             CPAR__UNROLL
