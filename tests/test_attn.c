@@ -880,6 +880,9 @@ static cpar_status rank_dev_blocks(cpar_ctx *ctx, void *arg) {
                 bad = a, bad.q_bh = 10;
                 ck_assert_int_eq(cpar_dev_attention_fwd(&bad, out.data, odt, SQ * D, lp, SQ, NULL), CPAR_ERR_INVALID);
                 ck_assert_ptr_nonnull(strstr(cpar_dev_last_error(), "a->q_bh = 10"));
+                bad = a, bad.sk = (int64_t)INT32_MAX - 127, bad.kv_bh = bad.sk * D; /* past the 128-key tiles' 32-bit indices */
+                ck_assert_int_eq(cpar_dev_attention_fwd(&bad, out.data, odt, SQ * D, lp, SQ, NULL), CPAR_ERR_INVALID);
+                ck_assert_ptr_nonnull(strstr(cpar_dev_last_error(), "a->sk = 2147483520, expected < 2^31 - 128"));
                 ck_assert_int_eq(cpar_dev_attention_fwd(&a, out.data, CPAR_I32, SQ * D, lp, SQ, NULL), CPAR_ERR_INVALID);
                 ck_assert_ptr_nonnull(strstr(cpar_dev_last_error(), "out_dt = i32"));
                 ck_assert_int_eq(cpar_dev_attention_fwd(&a, out.data, odt, SQ * D, lp, 5, NULL), CPAR_ERR_INVALID);
