@@ -2198,11 +2198,10 @@ template <int DT_, bool GENERAL_, bool CAUSAL_ = false> struct cpar__attn_var {
     static constexpr int DT = DT_;
     static constexpr bool GENERAL = GENERAL_;
     /* __launch_bounds__'s minimum CTAs per SM, so registers per thread at
-     * most 65536 / (128 · CTAs): the plain forward in 3 (d 128: <= 168) or
-     * 4 (d 64: <= 128) and the plain dq kernel at d 64 in 3 (<= 168; at 4 it
-     * spilled), without spilling (tools/kernel_report.sh); the rest in 2
-     * (<= 255: left to itself, ptxas spilled in some of them to stay under
-     * its own target). */
+     * most 65536 / (128 · CTAs): the forward in 2 (<= 255: FA2's 128-row
+     * tile, which beat 64-row tiles at 3-4 CTAs on an H200), the plain dq
+     * kernel at d 64 in 3 (<= 168; at 4 it spilled), the rest in 2; none
+     * spills (tools/kernel_report.sh). */
     static constexpr int FWD_CTAS = 2;
     /* The forward's query rows per warp in 16-row MMA blocks: the plain
      * instantiations run FA2's 128-row tiles (each K/V fragment loaded from
