@@ -389,12 +389,15 @@ template <int V, typename T> static __device__ __forceinline__ void cpar__store(
 }
 
 /* Full unrolling keeps small arrays (packs, mma fragments) in registers
- * under nvcc; g++ (the sim build) does not know the pragma. */
+ * under nvcc; CPAR__ROLLED keeps a loop rolled. g++ (the sim build) does not
+ * know the pragma. */
 #ifndef CPAR__UNROLL
 #ifdef CPAR_SIM
 #define CPAR__UNROLL
+#define CPAR__ROLLED
 #else
 #define CPAR__UNROLL _Pragma("unroll")
+#define CPAR__ROLLED _Pragma("unroll 1")
 #endif
 #endif
 
@@ -2251,6 +2254,10 @@ template <typename L> static cudaError_t cpar__attn_dispatch(const cpar_dev_attn
 static __device__ __forceinline__ void cpar__attn_cp16(void *smem, const void *gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(cpar__smem_addr(smem)), "l"(gmem) : "memory");
 }
+/* 4 bytes (one float of a row's statistics; .cg takes only 16) */
+static __device__ __forceinline__ void cpar__attn_cp4(void *smem, const void *gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(cpar__smem_addr(smem)), "l"(gmem) : "memory");
+}
 static __device__ __forceinline__ void cpar__attn_cp_commit(void) { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 /* Wait until at most N committed groups are still in flight (this thread's). */
 template <int N> static __device__ __forceinline__ void cpar__attn_cp_wait(void) {
@@ -2258,6 +2265,7 @@ template <int N> static __device__ __forceinline__ void cpar__attn_cp_wait(void)
 }
 #else
 static __device__ __forceinline__ void cpar__attn_cp16(void *smem, const void *gmem) { memcpy(smem, gmem, 16); }
+static __device__ __forceinline__ void cpar__attn_cp4(void *smem, const void *gmem) { memcpy(smem, gmem, 4); }
 static __device__ __forceinline__ void cpar__attn_cp_commit(void) {}
 template <int N> static __device__ __forceinline__ void cpar__attn_cp_wait(void) {}
 #endif
@@ -2877,7 +2885,11 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * tensor cores (mma.sync m16n8k16 through the wrappers of k_mma.cu), d <= 128
  * with d % 8 == 0, F16/BF16 inputs, out/dout in F32 or the input dtype,
  * causal (top-left) or not, sq != sk, GQA. Three launches on one stream:
- *   1. dot:  Dsum[row] = Σ_c dout·out (fp32) into scratch, one warp per row.
+ *   1. dot:  per row, Dsum = Σ_c dout·out and log2(e)·lse (+inf where lse =
+ *      -inf) into scratch (fp32), one warp per row, each (batch, head)
+ *      slice's rows padded to a multiple of 64 (Dsum 0, lse +inf: P = 0):
+ *      the dkdv kernel copies a step's rows to shared memory by cp.async with
+ *      its tiles, no branch and no wait on global memory in its steps.
  *   2. dkdv: one CTA per (64-key tile, batch·kv head). K and V stay in shared
  *      memory while the CTA walks the q heads of its GQA group and their
  *      query tiles (causal: from the first tile that sees a key of the block),
@@ -2930,13 +2942,22 @@ static constexpr float CPAR__AB_LOG2E = 1.4426950408889634f;
  * fp32 each per warp) beside the 2 x D/2 dK/dV accumulators in registers. */
 template <int D> static constexpr int cpar__ab_brkv = D == 128 ? 32 : 64;
 
+/* lse2 and Dsum rows per (batch, q head) slice: sq rounded up to a multiple
+ * of every query tile, so a tile never reads past its slice. */
+static constexpr int CPAR__AB_ROW_PAD = 64;
+static_assert(CPAR__AB_ROW_PAD % CPAR__AB_BRQ == 0 && CPAR__AB_ROW_PAD % cpar__ab_brkv<64> == 0 &&
+                  CPAR__AB_ROW_PAD % cpar__ab_brkv<128> == 0,
+              "query tiles divide the scratch's row padding");
+static int64_t cpar__ab_sq_pad(int64_t sq) { return (sq + CPAR__AB_ROW_PAD - 1) / CPAR__AB_ROW_PAD * CPAR__AB_ROW_PAD; }
+
 /* Everything the two main kernels read, by value. Pointers are the (0,0)
- * elements of cpar_dev_attn's layout; dsum is the dot kernel's output. */
+ * elements of cpar_dev_attn's layout; lse2 and dsum are the dot kernel's
+ * [b·hq, sq_pad] outputs. */
 struct cpar__ab_args {
     const void *q, *k, *v, *dout;
-    const float *lse, *dsum;
+    const float *lse2, *dsum;
     float *dq, *dk, *dv;
-    int64_t b, hq, hkv, sq, sk, q_bh, kv_bh, o_bh, lse_bh, dq_bh, dkv_bh;
+    int64_t b, hq, hkv, sq, sk, sq_pad, q_bh, kv_bh, o_bh, dq_bh, dkv_bh;
     int d;
     bool dout_f32, causal, skip_tiles; /* skip_tiles: cpar__attn_skip_hidden_tiles at launch */
     float scale, scale_log2; /* scale and scale·log2(e): exp(x) = exp2(x·log2 e) */
@@ -2964,19 +2985,28 @@ template <int NB, typename F> static __device__ __forceinline__ void cpar__ab_ea
         for (int e = 0; e < 4; e++) f(nb, e, m0 + g + 8 * (e >> 1), nb * 8 + 2 * t + (e & 1));
 }
 
-/* Whether weight (query i, key j) is masked out: packed, by the rows'
- * infos (a query past sq has document -2), else causal's j > i. */
-static __device__ __forceinline__ bool cpar__ab_hidden(bool packed, bool causal, int64_t i, int64_t j,
+/* Whether weight (query row qr of the query tile at i0, key row kr of the
+ * key tile at j0) is masked out: packed, by the rows' infos (a query past sq
+ * has document -2), else causal's j0 + kr > i0 + qr, that is kr - qr > diag
+ * = cpar__ab_diag(i0, j0): tile-relative 32-bit compares, no 64-bit index
+ * per weight. */
+static __device__ __forceinline__ bool cpar__ab_hidden(bool packed, bool causal, int diag, int qr, int kr,
                                                        const cpar__attn_rowinfo &q, const cpar__attn_rowinfo &k) {
-    return packed ? !cpar__attn_info_sees(q, k, causal) : causal && j > i;
+    return packed ? !cpar__attn_info_sees(q, k, causal) : causal && kr - qr > diag;
 }
 
-/* log2(e)·lse of query row i, +inf where P must be 0 (past sq, or lse = -inf:
- * a row that sees no key), so exp2 gives exactly 0 there. */
-static __device__ __forceinline__ float cpar__ab_lse2(const cpar__ab_args &p, int64_t qbh, int64_t i) {
-    const float l = i < p.sq ? p.lse[qbh * p.lse_bh + i] : -INFINITY;
-    return l == -INFINITY ? INFINITY : l * CPAR__AB_LOG2E;
+/* i0 - j0 clamped to int (tile rows are < 256 apart, so the clamp keeps
+ * every compare of cpar__ab_hidden). */
+static __device__ __forceinline__ int cpar__ab_diag(int64_t i0, int64_t j0) {
+    const int64_t dl = i0 - j0;
+    return dl > 256 ? 256 : dl < -256 ? -256 : (int)dl;
 }
+
+/* Rows of the tile at r0 inside n rows, clamped to the tile's `rows`. */
+static __device__ __forceinline__ int cpar__ab_rows_in(int64_t r0, int64_t n, int rows) {
+    return n - r0 < rows ? (int)(n - r0) : rows;
+}
+
 
 /* Shared bytes: `rows` tile rows of T (row pitch D + 8) and `floats` floats. */
 template <typename T, int D> static constexpr size_t cpar__ab_smem(int rows, int floats) {
@@ -3001,7 +3031,7 @@ static __device__ __forceinline__ void cpar__ab_load_tile(T *s, const void *src,
      * twice per step. */
     const bool vec = cpar__ab_aligned16(src);
     const int inside = nvalid < ROWS ? (int)nvalid : ROWS;
-#pragma unroll 1
+    CPAR__ROLLED
     for (int c = (int)threadIdx.x; c < ROWS * CH; c += CPAR__AB_THREADS) {
         const int r = c / CH, col = (c % CH) * 8;
         const unsigned off = (unsigned)(r * d + col);
@@ -3093,21 +3123,37 @@ static __device__ __forceinline__ void cpar__ab_mma_xb(float (&acc)[ND][4], cons
     }
 }
 
-/* dsum[(bi·hq + h)·sq + i] = Σ_c dout[.., i, c] · out[.., i, c] in fp32.
- * rows = b·hq·sq; one warp per row (lanes stride the columns, then a fixed
- * butterfly: deterministic), grid-stride over rows. */
+/* Row r = (bi·hq + h)·sq_pad + i of rows = b·hq·sq_pad: dsum[r] = Σ_c
+ * dout[.., i, c] · out[.., i, c] in fp32, and lse2[r] = log2(e)·lse[.., i],
+ * +inf where lse = -inf (a row that sees no key) so that exp2 gives exactly
+ * 0 there; rows i >= sq (padding) 0 and +inf. One warp per row (lanes stride
+ * the columns, then a fixed butterfly: deterministic), grid-stride over rows. */
 template <typename O>
 static __global__ void cpar__attn_bwd_dot_kernel(const O *__restrict__ out, const O *__restrict__ dout, int64_t o_bh,
-                                                 int64_t rows, int64_t sq, int d, float *__restrict__ dsum) {
+                                                 const float *__restrict__ lse, int64_t lse_bh, int64_t rows,
+                                                 int64_t sq, int64_t sq_pad, int d, float *__restrict__ dsum,
+                                                 float *__restrict__ lse2) {
     const int lane = (int)(threadIdx.x & 31);
     const int64_t nwarps = cpar__thread_count() >> 5;
     for (int64_t r = cpar__thread_id() >> 5; r < rows; r += nwarps) {
-        const int64_t off = (r / sq) * o_bh + (r % sq) * d;
+        const int64_t bh = r / sq_pad, i = r % sq_pad;
+        if (i >= sq) { /* warp-uniform */
+            if (lane == 0) {
+                dsum[r] = 0.f;
+                lse2[r] = INFINITY;
+            }
+            continue;
+        }
+        const int64_t off = bh * o_bh + i * d;
         float acc = 0.f;
         for (int c = lane; c < d; c += 32) acc = fmaf(cpar__widen(dout[off + c]), cpar__widen(out[off + c]), acc);
         CPAR__UNROLL
         for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
-        if (lane == 0) dsum[r] = acc;
+        if (lane == 0) {
+            const float l = lse[bh * lse_bh + i];
+            dsum[r] = acc;
+            lse2[r] = l == -INFINITY ? INFINITY : l * CPAR__AB_LOG2E;
+        }
     }
 }
 
@@ -3201,6 +3247,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
     if (skip && i_first >= p.sq) return; /* block-uniform: no query sees them at all */
     const int64_t ntiles = i_end > i_first ? (i_end - i_first + BR - 1) / BR : 0, steps = group * ntiles;
     const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
+    const int keys = cpar__ab_rows_in(j0, p.sk, BC); /* the tile's keys inside sk */
     cpar__attn_rowinfo kinfo[2] = {}; /* packed or dropout: this thread's keys j0 + m0 + g (+ 8) */
     if (packed || drop)
         for (int h = 0; h < 2; h++) kinfo[h] = cpar__attn_info(p.kp, packed, j0 + m0 + g + 8 * h, p.sk);
@@ -3220,10 +3267,13 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
                                          static_cast<const char *>(p.dout) + (size_t)(qbh * p.o_bh + i0 * d) * osz,
                                          p.dout_f32, p.sq - i0, d);
             cpar__attn_rowinfo *qi_s = sQI + (n & 1) * BR;
-            for (int r = (int)threadIdx.x; r < BR; r += (int)blockDim.x) {
-                const int64_t i = i0 + r;
-                l_s[r] = cpar__ab_lse2(p, qbh, i);
-                l_s[BR + r] = i < p.sq ? p.dsum[qbh * p.sq + i] : 0.f;
+            static_assert(BR <= CPAR__AB_THREADS, "one thread per query row of the step");
+            if (const int r = (int)threadIdx.x; r < BR) {
+                /* asynchronous, in the step's group; rows past sq are the
+                 * scratch's padding (i0 + BR <= sq_pad: i0 % BR == 0) */
+                const int64_t i = i0 + r, row = qbh * p.sq_pad + i;
+                cpar__attn_cp4(&l_s[r], &p.lse2[row]);
+                cpar__attn_cp4(&l_s[BR + r], &p.dsum[row]);
                 if (packed || drop) qi_s[r] = cpar__attn_info(p.qp, packed, i, p.sq);
             }
         };
@@ -3253,10 +3303,11 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
                 const float *sL = sLD + (n & 1) * 2 * BR, *sD = sL + BR;
                 const cpar__attn_rowinfo *qi_s = sQI + (n & 1) * BR;
                 cpar__ab_mma_abt<T, NQ, D, LD>(s, sK, m0, sQ, d);
+                const int diag = cpar__ab_diag(i0, j0);
                 cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
-                    const int64_t j = j0 + kr, i = i0 + r;
                     const float x = cpar__ex2(fmaf(s[nb][e], p.scale_log2, -sL[r]));
-                    s[nb][e] = (j >= p.sk || cpar__ab_hidden(packed, causal, i, j, qi_s[r], kinfo[e >> 1])) ? 0.f : x;
+                    const bool hidden = kr >= keys || cpar__ab_hidden(packed, causal, diag, r, kr, qi_s[r], kinfo[e >> 1]);
+                    s[nb][e] = hidden ? 0.f : x;
                 });
                 cpar__ab_mma_abt<T, NQ, D, LD>(dp, sV, m0, sdO, d);
                 /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for dV.
@@ -3332,8 +3383,8 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
         CPAR__UNROLL
         for (int h = 0; h < 2; h++) {
             const int64_t i = i0 + m0 + g + 8 * h;
-            l2[h] = cpar__ab_lse2(p, bh, i);
-            ds[h] = i < p.sq ? p.dsum[bh * p.sq + i] : 0.f;
+            l2[h] = p.lse2[bh * p.sq_pad + i]; /* past sq: the padding's +inf and 0 */
+            ds[h] = p.dsum[bh * p.sq_pad + i];
         }
         float dq[ND][4];
         cpar__ab_zero(dq);
@@ -3352,10 +3403,11 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
             const T *sK = sKV + buf * 2 * BC * LD, *sV = sK + BC * LD;
             float s[NK][4], dp[NK][4]; /* S then P; dP then dS: [query][key] */
             cpar__ab_mma_abt<T, NK, D, LD>(s, sQ, m0, sK, d);
+            const int diag = cpar__ab_diag(i0, j0), keys = cpar__ab_rows_in(j0, p.sk, BC);
             cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
-                const int64_t i = i0 + r, j = j0 + kc;
                 const float x = cpar__ex2(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
-                s[nb][e] = (j >= p.sk || cpar__ab_hidden(packed, causal, i, j, qinfo[e >> 1], sKI[kc])) ? 0.f : x;
+                const bool hidden = kc >= keys || cpar__ab_hidden(packed, causal, diag, r, kc, qinfo[e >> 1], sKI[kc]);
+                s[nb][e] = hidden ? 0.f : x;
             });
             cpar__ab_mma_abt<T, NK, D, LD>(dp, sdO, m0, sV, d);
             if (drop) /* dP ∘ Z; keys 2t, 2t+1 of an n-block share one Philox block (cpar__attn_keep2) */
@@ -3419,12 +3471,13 @@ static cudaError_t cpar__attn_bwd_launch(const cpar__ab_args &p, bool atomic_dq,
     return cudaGetLastError();
 }
 
-/* Dsum rows, fp32 (the only scratch). */
-static int64_t cpar__ab_dsum_rows(const cpar_dev_attn *a) { return a->b * a->hq * a->sq; }
+/* Query rows b·hq·sq_pad; the scratch is their Dsum, then their
+ * log2(e)·lse (fp32 each: the dot kernel's outputs). */
+static int64_t cpar__ab_dsum_rows(const cpar_dev_attn *a) { return a->b * a->hq * cpar__ab_sq_pad(a->sq); }
 
 size_t cpar_dev_attention_bwd_scratch_bytes(const cpar_dev_attn *a) {
     if (a == NULL || a->b <= 0 || a->hq <= 0 || a->sq <= 0 || a->sk <= 0 || a->d <= 0) return 0;
-    return (size_t)cpar__ab_dsum_rows(a) * sizeof(float);
+    return 2 * (size_t)cpar__ab_dsum_rows(a) * sizeof(float);
 }
 
 cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, const void *dout, cpar_dtype out_dt,
@@ -3475,13 +3528,14 @@ cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, cons
         return CPAR__INVALID("scratch = %p, expected 4-byte alignment", scratch);
 
     cudaStream_t cs = cpar__stream(s);
-    float *dsum = static_cast<float *>(scratch);
     const int64_t rows = cpar__ab_dsum_rows(a);
+    float *dsum = static_cast<float *>(scratch), *lse2 = dsum + rows;
     const unsigned dot_grid = cpar__grid(rows, CPAR__BLOCK / 32);
     cudaError_t e = cpar__with_float_type(out_dt, [&](auto zt) {
         typedef decltype(zt) O;
         CPAR_LAUNCH(cpar__attn_bwd_dot_kernel<O>, dot_grid, CPAR__BLOCK, 0, cs)
-        (static_cast<const O *>(out), static_cast<const O *>(dout), o_bh, rows, sq, (int)d, dsum);
+        (static_cast<const O *>(out), static_cast<const O *>(dout), o_bh, lse, lse_bh, rows, sq, cpar__ab_sq_pad(sq),
+         (int)d, dsum, lse2);
         return cudaGetLastError();
     });
     CPAR__TRY_CUDA(e, "attention_bwd dot kernel launch (%s, %lld rows x %lld)", cpar__dtype_name(out_dt),
@@ -3492,7 +3546,7 @@ cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, cons
     p.k = a->k;
     p.v = a->v;
     p.dout = dout;
-    p.lse = lse;
+    p.lse2 = lse2;
     p.dsum = dsum;
     p.dq = dq;
     p.dk = dk;
@@ -3502,10 +3556,10 @@ cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, cons
     p.hkv = hkv;
     p.sq = sq;
     p.sk = sk;
+    p.sq_pad = cpar__ab_sq_pad(sq);
     p.q_bh = a->q_bh;
     p.kv_bh = a->kv_bh;
     p.o_bh = o_bh;
-    p.lse_bh = lse_bh;
     p.dq_bh = dq_bh;
     p.dkv_bh = dkv_bh;
     p.d = (int)d;
