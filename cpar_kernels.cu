@@ -3253,13 +3253,15 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
         for (int h = 0; h < 2; h++) kinfo[h] = cpar__attn_info(p.kp, packed, j0 + m0 + g + 8 * h, p.sk);
     for (int64_t bh = blockIdx.y; bh < p.b * p.hkv; bh += gridDim.y) {
         const int64_t bi = bh / p.hkv, hk = bh % p.hkv;
-        /* step n: q head hk·group + n / ntiles, query tile i_first + (n % ntiles)·BR, buffer n % 2 */
-        auto step_rows = [&](int64_t n, int64_t *qbh, int64_t *i0) {
-            *qbh = bi * p.hq + hk * group + n / ntiles, *i0 = i_first + n % ntiles * BR;
-        };
-        auto stage = [&](int64_t n) { /* issue step n's copies; its buffer's readers are done */
+        /* step n: q head hk·group + n / ntiles, query tile i_first + (n % ntiles)·BR, buffer n % 2;
+         * a cursor walks them (no 64-bit division per step) */
+        struct cursor {
             int64_t qbh, i0;
-            step_rows(n, &qbh, &i0);
+        };
+        const int64_t i_last = i_first + (ntiles - 1) * BR;
+        auto next = [&](cursor c) { return c.i0 < i_last ? cursor{c.qbh, c.i0 + BR} : cursor{c.qbh + 1, i_first}; };
+        auto stage = [&](int64_t n, cursor c) { /* issue step n's copies; its buffer's readers are done */
+            const int64_t qbh = c.qbh, i0 = c.i0;
             T *q_s = sQO + (n & 1) * 2 * BR * LD;
             float *l_s = sLD + (n & 1) * 2 * BR;
             cpar__ab_load_tile<T, D, BR>(q_s, static_cast<const T *>(p.q) + qbh * p.q_bh + i0 * d, false, p.sq - i0, d);
@@ -3280,19 +3282,20 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
         __syncthreads(); /* the previous slice's readers are done */
         cpar__ab_load_tile<T, D, BC>(sK, static_cast<const T *>(p.k) + bh * p.kv_bh + j0 * d, false, p.sk - j0, d);
         cpar__ab_load_tile<T, D, BC>(sV, static_cast<const T *>(p.v) + bh * p.kv_bh + j0 * d, false, p.sk - j0, d);
-        if (steps > 0) stage(0);
+        cursor cur = {bi * p.hq + hk * group, i_first}; /* step 0's rows, then step n's at the loop's top */
+        if (steps > 0) stage(0, cur);
         cpar__attn_cp_commit();
         float dk[ND][4], dv[ND][4];
         cpar__ab_zero(dk);
         cpar__ab_zero(dv);
         for (int64_t n = 0; n < steps; n++) {
             __syncthreads(); /* step n - 1's readers of the other buffer are done: refill it */
-            if (n + 1 < steps) stage(n + 1);
+            const int64_t qbh = cur.qbh, i0 = cur.i0; /* step n's rows */
+            cur = next(cur);
+            if (n + 1 < steps) stage(n + 1, cur);
             cpar__attn_cp_commit();
             cpar__attn_cp_wait<1>(); /* every group but step n + 1's has landed */
             __syncthreads();
-            int64_t qbh, i0;
-            step_rows(n, &qbh, &i0);
             /* this warp's keys are past sk, or (causal) after every query of
              * the tile: nothing to add (ADQ: its part of dS is zeros) */
             const bool idle = j0 + m0 >= p.sk || (skip && j0 + m0 > i0 + BR - 1);
