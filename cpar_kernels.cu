@@ -2275,6 +2275,23 @@ template <int N> static __device__ __forceinline__ void cpar__attn_cp_wait(void)
  * rows >= rows and columns >= d. d % 8 == 0, so every 8-element chunk is
  * wholly inside or outside. vec (src 16-byte aligned): asynchronous 16-byte
  * copies, committed as one group; else plain element loads. */
+/* The loaders' common case: a whole ROWS x DT tile (every row inside the
+ * matrix, d == DT) from a 16-byte aligned `first` row. Each of THREADS
+ * threads issues ROWS·DT/8 / THREADS cp.async, unrolled, at constant offsets
+ * from one shared and one global address (the row stride is DT), where the
+ * general loop spends a division, bounds tests and address arithmetic on
+ * every 16-byte chunk. The caller commits. */
+template <typename T, int DT, int LD, int ROWS, int THREADS>
+static __device__ __forceinline__ void cpar__attn_cp_tile(T *tile, const T *first) {
+    constexpr int CH = DT / 8, RP = THREADS / CH; /* chunks per row; rows per pass of the block */
+    static_assert(THREADS % CH == 0 && ROWS % RP == 0, "the block's passes cover the tile exactly");
+    const int r = (int)threadIdx.x / CH, col = (int)threadIdx.x % CH * 8;
+    T *dst = tile + r * LD + col;
+    const T *src = first + r * DT + col;
+    CPAR__UNROLL
+    for (int k = 0; k < ROWS / RP; k++) cpar__attn_cp16(dst + k * RP * LD, src + k * RP * DT);
+}
+
 template <typename T, int DT, int LD, int ROWS = CPAR__ATTN_BN>
 static __device__ __forceinline__ void cpar__attn_stage(T *tile, const T *src, int64_t row0, int64_t rows, int d,
                                                         bool vec) {
@@ -2284,6 +2301,11 @@ static __device__ __forceinline__ void cpar__attn_stage(T *tile, const T *src, i
      * for their registers) */
     const int inside = rows - row0 < ROWS ? (int)(rows - row0) : ROWS;
     const T *first = src + row0 * d;
+    if (vec && inside == ROWS && d == DT) {
+        cpar__attn_cp_tile<T, DT, LD, ROWS, CPAR__ATTN_THREADS>(tile, first);
+        cpar__attn_cp_commit();
+        return;
+    }
     for (int c = threadIdx.x; c < ROWS * CHUNKS; c += CPAR__ATTN_THREADS) {
         const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
         T *dst = tile + r * LD + col;
@@ -3026,11 +3048,16 @@ static __device__ __forceinline__ void cpar__ab_load_tile(T *s, const void *src,
     constexpr int LD = D + 8, CH = D / 8;
     /* rows d elements apart with d % 8 == 0: every 8-element chunk is
      * 16-byte aligned when the tile's first is (one test per tile); 32-bit
-     * offsets from it. Not unrolled: 4-8 chunks a thread, each with its
-     * fallbacks, would add 40 % to the kernels' code for a loop that runs
-     * twice per step. */
+     * offsets from it. A whole aligned tile of T takes cpar__attn_cp_tile's
+     * unrolled copies; the rest (the last tile, d < D, f32 or misaligned
+     * sources) this loop, kept rolled: unrolled with its fallbacks it added
+     * 40 % to the kernels' code. */
     const bool vec = cpar__ab_aligned16(src);
     const int inside = nvalid < ROWS ? (int)nvalid : ROWS;
+    if (vec && !src_f32 && inside == ROWS && d == D) {
+        cpar__attn_cp_tile<T, D, LD, ROWS, CPAR__AB_THREADS>(s, static_cast<const T *>(src));
+        return;
+    }
     CPAR__ROLLED
     for (int c = (int)threadIdx.x; c < ROWS * CH; c += CPAR__AB_THREADS) {
         const int r = c / CH, col = (c % CH) * 8;
