@@ -2950,7 +2950,9 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * cpar__attn_cp16; through registers only for an f32 dout or a misaligned
  * row), double buffered: the dkdv kernel's next (q head, query tile) step and
  * the dq kernel's next key tile are in flight while the current one
- * computes, two barriers per step as before.
+ * computes. One barrier per step: a step waits for its own copies, and
+ * past the barrier issues the next step's into the buffer the previous
+ * step read (every warp is done with it there). The atomic dq adds one.
  * Uses: 2 (errors), 4 (widen/narrow, packs), k_mma.cu (tensor-core wrappers). */
 
 /* CPAR__UNROLL: section 16's (full unrolling under nvcc, nothing under g++). */
@@ -3316,13 +3318,15 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
         cpar__ab_zero(dk);
         cpar__ab_zero(dv);
         for (int64_t n = 0; n < steps; n++) {
-            __syncthreads(); /* step n - 1's readers of the other buffer are done: refill it */
+            /* one barrier a step: past it every thread's copies for step n
+             * have landed and every warp is done with step n - 1, so its
+             * buffer takes step n + 1's copies, which land while n computes */
+            cpar__attn_cp_wait<0>();
+            __syncthreads();
             const int64_t qbh = cur.qbh, i0 = cur.i0; /* step n's rows */
             cur = next(cur);
             if (n + 1 < steps) stage(n + 1, cur);
             cpar__attn_cp_commit();
-            cpar__attn_cp_wait<1>(); /* every group but step n + 1's has landed */
-            __syncthreads();
             /* this warp's keys are past sk, or (causal) after every query of
              * the tile: nothing to add (ADQ: its part of dS is zeros) */
             const bool idle = j0 + m0 >= p.sk || (skip && j0 + m0 > i0 + BR - 1);
@@ -3378,7 +3382,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
     constexpr int D = V::DT, BR = CPAR__AB_BRQ, BC = CPAR__AB_BC, LD = D + 8, NK = BC / 8, ND = D / 8;
     CPAR_DYN_SMEM(unsigned char, smem);
     T *sQ = reinterpret_cast<T *>(smem), *sdO = sQ + BR * LD, *sKV = sdO + BR * LD;
-    cpar__attn_rowinfo *sKI = reinterpret_cast<cpar__attn_rowinfo *>(sKV + 4 * BC * LD); /* GENERAL: [BC] key infos */
+    cpar__attn_rowinfo *sKI = reinterpret_cast<cpar__attn_rowinfo *>(sKV + 4 * BC * LD); /* GENERAL: 2 x [BC] key infos */
     const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2, t = lane & 3;
     /* the last query tiles first: causal, they have the most key tiles, so the
      * long CTAs start early and the short ones fill the tail */
@@ -3397,11 +3401,14 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
     for (int64_t bh = blockIdx.y; bh < p.b * p.hq; bh += gridDim.y) {
         const int64_t kvbh = (bh / p.hq) * p.hkv + (bh % p.hq) / group;
         const uint64_t mbh = drop ? cpar__attn_mask_bh(bh, p.hq, p.mask_hq, p.mask_h0) : 0; /* dropout's bh */
-        auto stage = [&](int64_t j0, int buf) { /* issue key tile j0's copies into buffer buf */
+        auto stage = [&](int64_t j0, int buf) { /* issue key tile j0's copies into buffer buf; its key infos */
             T *k_s = sKV + buf * 2 * BC * LD;
             cpar__ab_load_tile<T, D, BC>(k_s, static_cast<const T *>(p.k) + kvbh * p.kv_bh + j0 * d, false, p.sk - j0, d);
             cpar__ab_load_tile<T, D, BC>(k_s + BC * LD, static_cast<const T *>(p.v) + kvbh * p.kv_bh + j0 * d, false,
                                          p.sk - j0, d);
+            if (packed || drop)
+                for (int c = (int)threadIdx.x; c < BC; c += (int)blockDim.x)
+                    sKI[buf * BC + c] = cpar__attn_info(p.kp, packed, j0 + c, p.sk);
         };
         __syncthreads(); /* the previous slice's readers are done */
         cpar__ab_load_tile<T, D, BR>(sQ, static_cast<const T *>(p.q) + bh * p.q_bh + i0 * d, false, p.sq - i0, d);
@@ -3420,14 +3427,14 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
         cpar__ab_zero(dq);
         int buf = 0;
         for (int64_t j0 = j_begin; j0 < j_end; j0 += BC, buf ^= 1) {
-            __syncthreads(); /* the previous tile's readers of the other buffer are done: refill it */
+            /* one barrier a tile: past it this tile's copies (and key infos)
+             * are in and every warp is done with the previous tile, whose
+             * buffer takes the next tile's copies */
+            cpar__attn_cp_wait<0>();
+            __syncthreads();
             if (j0 + BC < j_end) stage(j0 + BC, buf ^ 1);
             cpar__attn_cp_commit();
-            if (packed || drop) /* the tile's key infos (the previous tile's readers are done) */
-                for (int c = (int)threadIdx.x; c < BC; c += (int)blockDim.x)
-                    sKI[c] = cpar__attn_info(p.kp, packed, j0 + c, p.sk);
-            cpar__attn_cp_wait<1>(); /* every group but the next tile's has landed */
-            __syncthreads();
+            const cpar__attn_rowinfo *ki_s = sKI + buf * BC;
             /* this warp's queries are past sq, or (causal) before every key of the tile */
             if (i0 + m0 >= p.sq || (skip && j0 > i0 + m0 + 15)) continue;
             const T *sK = sKV + buf * 2 * BC * LD, *sV = sK + BC * LD;
@@ -3436,7 +3443,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
             const int diag = cpar__ab_diag(i0, j0), keys = cpar__ab_rows_in(j0, p.sk, BC);
             cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
                 const float x = cpar__ex2(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
-                const bool hidden = kc >= keys || cpar__ab_hidden(packed, causal, diag, r, kc, qinfo[e >> 1], sKI[kc]);
+                const bool hidden = kc >= keys || cpar__ab_hidden(packed, causal, diag, r, kc, qinfo[e >> 1], ki_s[kc]);
                 s[nb][e] = hidden ? 0.f : x;
             });
             cpar__ab_mma_abt<T, NK, D, LD>(dp, sdO, m0, sV, d);
@@ -3447,7 +3454,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
                     for (int h = 0; h < 2; h++) {
                         bool k0, k1;
                         cpar__attn_keep2(p.rng, p.dropout_p, mbh, (uint64_t)qinfo[h].pos,
-                                         (uint64_t)sKI[nb * 8 + 2 * t].pos, (uint64_t)sKI[nb * 8 + 2 * t + 1].pos, &k0, &k1);
+                                         (uint64_t)ki_s[nb * 8 + 2 * t].pos, (uint64_t)ki_s[nb * 8 + 2 * t + 1].pos, &k0, &k1);
                         dp[nb][2 * h] *= k0 ? p.keep_scale : 0.f;
                         dp[nb][2 * h + 1] *= k1 ? p.keep_scale : 0.f;
                     }
@@ -3493,8 +3500,8 @@ static cudaError_t cpar__attn_bwd_launch(const cpar__ab_args &p, bool atomic_dq,
     CPAR_LAUNCH(kv, grid_kv, CPAR__AB_THREADS, smem_kv, cs)(p);
     if ((e = cudaGetLastError()) != cudaSuccess || atomic_dq) return e;
     auto qk = cpar__attn_bwd_dq_kernel<T, V>;
-    /* Q, dO; 2 x (K, V); GENERAL: the key tile's infos */
-    const size_t smem_q = cpar__ab_smem<T, D>(2 * CPAR__AB_BRQ + 4 * CPAR__AB_BC, V::GENERAL ? CPAR__AB_BC * INFO : 0);
+    /* Q, dO; 2 x (K, V); GENERAL: 2 x the key tile's infos */
+    const size_t smem_q = cpar__ab_smem<T, D>(2 * CPAR__AB_BRQ + 4 * CPAR__AB_BC, V::GENERAL ? 2 * CPAR__AB_BC * INFO : 0);
     if ((e = cpar__ab_smem_optin(qk, smem_q)) != cudaSuccess) return e;
     const dim3 grid_q((unsigned)((p.sq + CPAR__AB_BRQ - 1) / CPAR__AB_BRQ), cpar__ab_grid_y(p.b * p.hq));
     CPAR_LAUNCH(qk, grid_q, CPAR__AB_THREADS, smem_q, cs)(p);
