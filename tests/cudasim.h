@@ -19,8 +19,12 @@
  * ucontext elsewhere); only __syncthreads*, __syncwarp, the warp shuffles,
  * votes, matches and reductions, and __nanosleep switch fibers. The order in
  * which runnable fibers and blocks are resumed is the schedule: forward,
- * reverse or seeded shuffle. A kernel that misses a barrier gives a wrong
- * answer under at least one of forward/reverse. Barriers and warp collectives
+ * reverse, seeded shuffle, or warps. The first three resume every runnable
+ * fiber once per pass, so warps that meet the same warp collectives stay in
+ * step between barriers; warps runs each warp in turn until every lane
+ * waits at a barrier or exited, the widest skew a barrier allows. A kernel
+ * that misses a barrier gives a wrong answer under at least one of forward,
+ * reverse and warps (a race that spans a warp collective: under warps). Barriers and warp collectives
  * have GPU semantics: all threads of the block (resp. every lane named in the
  * mask, with the same mask) must arrive before any proceeds. One that can
  * never complete (threads returned early, lanes wait in different
@@ -51,7 +55,7 @@
  * simulated rank) may launch kernels and call the runtime at once.
  *
  * Environment
- *   CUDASIM_SCHEDULE=forward|reverse|shuffle[:seed]  default schedule of each host thread
+ *   CUDASIM_SCHEDULE=forward|reverse|shuffle[:seed]|warps  default schedule of each host thread
  *   CUDASIM_DEVICES=n        devices reported (default 8; 0 = "no GPU": cudaErrorNoDevice)
  *   CUDASIM_STACK_KB=n       fiber stack size (default 64, minimum 16)
  *   CUDASIM_MEMORY_MB=n      per-device memory capacity (default 80 GiB)
@@ -423,11 +427,13 @@ typedef struct cublasContext *cublasHandle_t;
 typedef enum cudasim_schedule {
     CUDASIM_SCHED_FORWARD = 0, /* runnable fibers (and blocks) in increasing index order */
     CUDASIM_SCHED_REVERSE = 1, /* decreasing index order */
-    CUDASIM_SCHED_SHUFFLE = 2  /* seeded random order, re-drawn at every pass */
+    CUDASIM_SCHED_SHUFFLE = 2, /* seeded random order, re-drawn at every pass */
+    CUDASIM_SCHED_WARPS = 3    /* blocks forward; in a block, warp 0 runs until every lane waits at a
+                                * barrier (or exited), then warp 1, ...: the widest skew between warps */
 } cudasim_schedule;
 
 /* Schedule of this host thread's later launches. Default: CUDASIM_SCHEDULE
- * (forward|reverse|shuffle[:seed]) or forward. */
+ * (forward|reverse|shuffle[:seed]|warps) or forward. */
 inline void cudasim_set_schedule(cudasim_schedule s, unsigned long long seed);
 inline cudasim_schedule cudasim_get_schedule(unsigned long long *seed);
 inline const char *cudasim_schedule_name(cudasim_schedule s);
@@ -655,6 +661,7 @@ inline bool parse_schedule(const char *s, cudasim_schedule *out, unsigned long l
     *seed = 1;
     if (!strcmp(s, "forward")) { *out = CUDASIM_SCHED_FORWARD; return true; }
     if (!strcmp(s, "reverse")) { *out = CUDASIM_SCHED_REVERSE; return true; }
+    if (!strcmp(s, "warps")) { *out = CUDASIM_SCHED_WARPS; return true; }
     if (parse_word_seed(s, "shuffle", seed)) { *out = CUDASIM_SCHED_SHUFFLE; return true; }
     return false;
 }
@@ -668,7 +675,7 @@ inline HostThread::HostThread() {
             schedule = s;
             seed = rng = sd;
         } else {
-            fprintf(stderr, "cudasim: ignoring CUDASIM_SCHEDULE=%s (want forward|reverse|shuffle[:seed])\n", env);
+            fprintf(stderr, "cudasim: ignoring CUDASIM_SCHEDULE=%s (want forward|reverse|shuffle[:seed]|warps)\n", env);
         }
     }
 }
@@ -1022,8 +1029,35 @@ inline void fill_order(HostThread &h) {
         for (unsigned i = n; i > 1; i--) std::swap(h.order[i - 1], h.order[splitmix64(h.rng) % i]);
 }
 
+/* Resumes fiber f if it can run (its first run: picks its stack, builds its
+ * first frame) until it waits or exits; whether it ran. */
+inline bool resume_fiber(HostThread &h, Fiber *f) {
+    if (f->state == FS_NEW) {
+        f->on_shared = h.shared_free;
+        f->stack_lo = f->on_shared ? h.shared_stack : f->own_lo;
+        h.shared_free = false;
+        fiber_prepare(f, h.fp_ctl);
+#ifdef CUDASIM_TSAN
+        if (!f->tsan_fiber || ++f->tsan_uses >= 512) {
+            if (f->tsan_fiber) __tsan_destroy_fiber(f->tsan_fiber);
+            f->tsan_fiber = __tsan_create_fiber(0);
+            f->tsan_uses = 0;
+        }
+#endif
+        f->state = FS_RUNNABLE;
+    } else if (f->state != FS_RUNNABLE) {
+        return false;
+    }
+    switch_in(h, f);
+    if (f->on_shared && f->state == FS_DONE) h.shared_free = true;
+    return true;
+}
+
 /* Runs one block to completion (or failure): repeated passes over the fibers
- * in schedule order, resuming each runnable one until it waits or exits. */
+ * in schedule order, resuming each runnable one until it waits or exits;
+ * under CUDASIM_SCHED_WARPS a pass runs warp 0's lanes until none can run
+ * (all wait at a barrier or exited: a warp collective waits only on its own
+ * lanes), then warp 1's, and so on. */
 inline void run_block(HostThread &h, uint3 bid) {
     h.cur_block = bid;
     for (unsigned i = 0; i < h.nthreads; i++) {
@@ -1038,30 +1072,18 @@ inline void run_block(HostThread &h, uint3 bid) {
     h.shared_free = true;
     if (h.smem_size) memset(h.smem, 0xFF, h.smem_size);
     while (h.live && !h.failed) {
-        if (h.schedule == CUDASIM_SCHED_SHUFFLE) fill_order(h);
         bool ran = false;
-        for (unsigned k = 0; k < h.nthreads; k++) {
-            Fiber *f = &h.fibers[h.order[k]];
-            if (f->state == FS_NEW) { /* first run: pick its stack, build its first frame */
-                f->on_shared = h.shared_free;
-                f->stack_lo = f->on_shared ? h.shared_stack : f->own_lo;
-                h.shared_free = false;
-                fiber_prepare(f, h.fp_ctl);
-#ifdef CUDASIM_TSAN
-                if (!f->tsan_fiber || ++f->tsan_uses >= 512) {
-                    if (f->tsan_fiber) __tsan_destroy_fiber(f->tsan_fiber);
-                    f->tsan_fiber = __tsan_create_fiber(0);
-                    f->tsan_uses = 0;
+        if (h.schedule == CUDASIM_SCHED_WARPS) {
+            for (unsigned w = 0; w < h.nwarps && !h.failed; w++)
+                for (bool again = true; again && !h.failed;) {
+                    again = false;
+                    for (unsigned i = w * 32; i < h.nthreads && i < w * 32 + 32 && !h.failed; i++)
+                        again |= resume_fiber(h, &h.fibers[i]);
+                    ran |= again;
                 }
-#endif
-                f->state = FS_RUNNABLE;
-            } else if (f->state != FS_RUNNABLE) {
-                continue;
-            }
-            ran = true;
-            switch_in(h, f);
-            if (f->on_shared && f->state == FS_DONE) h.shared_free = true;
-            if (h.failed) break;
+        } else {
+            if (h.schedule == CUDASIM_SCHED_SHUFFLE) fill_order(h);
+            for (unsigned k = 0; k < h.nthreads && !h.failed; k++) ran |= resume_fiber(h, &h.fibers[h.order[k]]);
         }
         if (!ran && !h.failed) report_stall(h);
     }
@@ -3548,7 +3570,10 @@ inline cudasim_schedule cudasim_get_schedule(unsigned long long *seed) {
     return h.schedule;
 }
 inline const char *cudasim_schedule_name(cudasim_schedule s) {
-    return s == CUDASIM_SCHED_FORWARD ? "forward" : s == CUDASIM_SCHED_REVERSE ? "reverse" : "shuffle";
+    return s == CUDASIM_SCHED_FORWARD   ? "forward"
+           : s == CUDASIM_SCHED_REVERSE ? "reverse"
+           : s == CUDASIM_SCHED_SHUFFLE ? "shuffle"
+                                        : "warps";
 }
 inline const char *cudasim_last_message(void) { return cudasim::detail::host().message.c_str(); }
 inline unsigned long long cudasim_switch_count(void) { return cudasim::detail::host().switches; }

@@ -190,6 +190,13 @@ for s in $SIM_SUITES; do
 done
 [ -z "$SIM_SUITES" ] || suite "sim/lm_check" "\$B/sim/lm_check" device CPAR_LM_BACKEND=device CUDASIM_STREAMS=lazy \
     CUDASIM_DEVICES=1
+# The device layer's kernels again under the warps schedule (each warp runs
+# to its next barrier before the next starts): a barrier missing between
+# warps that meet the same warp collectives shows only there (the attention
+# kernels' suite, attn_bwd, takes it as one of its schedules).
+case " $SIM_SUITES " in *" devlayer "*)
+    suite "sim/devlayer@warps" "\$B/sim/test_devlayer" device CUDASIM_SCHEDULE=warps ;;
+esac
 for s in $SIM_SUITES; do
     case " $OVERLAP_SUITES " in *" $s "*)
         suite "sim/$s@random" "\$B/sim/test_$s" device CUDASIM_STREAMS=random:$seed CUDASIM_DEVICES=2 ;;

@@ -42,6 +42,7 @@ static const Schedule kSchedules[] = {
     {CUDASIM_SCHED_REVERSE, 0, "reverse"},
     {CUDASIM_SCHED_SHUFFLE, 1, "shuffle:1"},
     {CUDASIM_SCHED_SHUFFLE, 0xC0FFEEull, "shuffle:0xC0FFEE"},
+    {CUDASIM_SCHED_WARPS, 0, "warps"},
 };
 
 #define CK_CUDA(call)                                                                                       \
@@ -250,6 +251,38 @@ __global__ void warp_smem_sum(const int *in, int *out) {
     if (l == 0) *out = s[0];
 }
 
+/* Each warp writes its slots, meets a warp collective, then reads the other
+ * warp's slots: without the barrier the warps stay in step under passes
+ * (forward, reverse), so only a schedule that lets one warp run ahead
+ * (warps) sees the other's slots unwritten. The shape of a double buffer
+ * refilled one barrier too early. */
+template <bool kBarrier>
+__global__ void read_after_collective(const int *in, int *out) {
+    CPAR_DYN_SMEM(int, s); /* dynamic: poisoned per block (static shared memory keeps the last launch's) */
+    const int t = (int)threadIdx.x;
+    s[t] = in[t];
+    const int v = __shfl_xor_sync(0xffffffffu, in[t], 1);
+    if (kBarrier) __syncthreads();
+    out[t] = s[(t + 32) % 64] + (v - in[t ^ 1]); /* v - in[t ^ 1] == 0: the shuffle is used */
+}
+
+static bool run_read_after_collective(bool barrier) {
+    std::vector<int> h(64);
+    for (int i = 0; i < 64; i++) h[i] = 7 * i + 3;
+    int *in = dev_alloc<int>(64), *out = dev_alloc<int>(64);
+    to_dev(in, h);
+    poison(out, 64 * 4);
+    if (barrier) CPAR_LAUNCH(read_after_collective<true>, 1, 64, 64 * 4, 0)(in, out);
+    else CPAR_LAUNCH(read_after_collective<false>, 1, 64, 64 * 4, 0)(in, out);
+    CK_CUDA(cudaGetLastError());
+    std::vector<int> r = from_dev(out, 64);
+    bool right = true;
+    for (int i = 0; i < 64; i++) right = right && r[i] == h[(i + 32) % 64];
+    CK_CUDA(cudaFree(in));
+    CK_CUDA(cudaFree(out));
+    return right;
+}
+
 static bool run_shift(bool barrier, int shift, const Schedule &sc) {
     const unsigned B = 64, nb = 3, n = B * nb;
     std::vector<int> h(n);
@@ -298,6 +331,19 @@ START_TEST(test_missing_barrier_is_caught) {
         shuffle_caught_down = shuffle_caught_down || !run_shift(false, -1, sh);
     }
     ck_assert(shuffle_caught_up && shuffle_caught_down);
+    /* A race across a warp collective: right with the barrier under every
+     * schedule; without it forward and reverse keep the warps in step and
+     * miss it, warps catches it. */
+    for (const Schedule &sc : kSchedules) {
+        cudasim_set_schedule(sc.s, sc.seed);
+        ck_assert_msg(run_read_after_collective(true), "[%s] read after collective with barrier wrong", sc.name);
+    }
+    cudasim_set_schedule(CUDASIM_SCHED_FORWARD, 0);
+    ck_assert_msg(run_read_after_collective(false), "forward no longer keeps warps in step (update this test)");
+    cudasim_set_schedule(CUDASIM_SCHED_REVERSE, 0);
+    ck_assert_msg(run_read_after_collective(false), "reverse no longer keeps warps in step (update this test)");
+    cudasim_set_schedule(CUDASIM_SCHED_WARPS, 0);
+    ck_assert_msg(!run_read_after_collective(false), "warps schedule missed a race across a warp collective");
 
     /* Warp-synchronous code without __syncwarp. */
     std::vector<int> h(32);
@@ -1635,6 +1681,13 @@ START_TEST(test_schedules) {
     }
     ck_assert_int_eq(s, CUDASIM_SCHED_FORWARD);
     ck_assert_str_eq(cudasim_schedule_name(CUDASIM_SCHED_REVERSE), "reverse");
+    read_env_schedule("warps", &s, &seed);
+    ck_assert_int_eq(s, CUDASIM_SCHED_WARPS);
+    ck_assert_str_eq(cudasim_schedule_name(CUDASIM_SCHED_WARPS), "warps");
+    cudasim_set_schedule(CUDASIM_SCHED_WARPS, 0); /* no switch before the probe's write: forward's order */
+    std::vector<unsigned> w = probe_order(&blocks);
+    for (unsigned i = 0; i < w.size(); i++) EXPECT_EQ(w[i], i);
+    for (unsigned b = 0; b < blocks.size(); b++) EXPECT_EQ(blocks[b], b);
 }
 END_TEST
 
