@@ -2624,13 +2624,15 @@ CPAR__UNROLL
     if (causal && !packed && q0 + BM < kv_end) kv_end = q0 + BM;
     __syncthreads(); /* every warp has its Q fragments: sk (and sv) are free for K and V */
     if (kv_begin < kv_end) cpar__attn_stage<T, DT, LD, BN>(sk, k, kv_begin, a.sk, d, vec);
+    /* Two barriers a KV tile, as FA2: the first (K(j) in) also frees sv of
+     * P(j-1) V(j-1), the second (V(j) in) frees sk of S(j). */
     for (int j0 = kv_begin; j0 < kv_end; j0 += BN) {
-        cpar__attn_stage<T, DT, LD, BN>(sv, v, j0, a.sk, d, vec); /* sv is free: barrier at the end of the last step */
-        if (packed || drop) /* the tile's key infos, once; last read before the previous step's last barrier */
+        if (packed || drop) /* the tile's key infos, once; last read before the previous step's second barrier */
             for (int c = (int)threadIdx.x; c < BN; c += CPAR__ATTN_THREADS)
                 kinfo[c] = cpar__attn_info(a.kp, packed, (int64_t)j0 + c, a.sk);
-        cpar__attn_cp_wait<1>(); /* K(j) has landed (V(j) may be in flight) */
-        __syncthreads();
+        cpar__attn_cp_wait<0>(); /* K(j) has landed */
+        __syncthreads();         /* ... for every thread, and no warp reads V(j-1) any more */
+        cpar__attn_stage<T, DT, LD, BN>(sv, v, j0, a.sk, d, vec); /* lands while S(j) is computed */
 
         /* S = Q Kᵀ: 16·MB rows x BN keys per warp, n-blocks of 8 keys */
         float s[MB][NB][4];
@@ -2760,7 +2762,6 @@ CPAR__UNROLL
                 }
             }
         }
-        __syncthreads(); /* no warp reads V(j) any more: the next step restages sv */
     }
 
     /* epilogue: the row sums over the quad, lse, then out = O / l: through
