@@ -3339,11 +3339,22 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
                 const cpar__attn_rowinfo *qi_s = sQI + (n & 1) * BR;
                 cpar__ab_mma_abt<T, NQ, D, LD>(s, sK, m0, sQ, d);
                 const int diag = cpar__ab_diag(i0, j0);
-                cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
-                    const float x = cpar__ex2(fmaf(s[nb][e], p.scale_log2, -sL[r]));
-                    const bool hidden = kr >= keys || cpar__ab_hidden(packed, causal, diag, r, kr, qi_s[r], kinfo[e >> 1]);
-                    s[nb][e] = hidden ? 0.f : x;
-                });
+                /* P; the mask only where the warp's block may hide a weight
+                 * (keys past sk, the causal diagonal, packed): warp-uniform */
+                auto probs = [&](auto masked) {
+                    cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
+                        const float x = cpar__ex2(fmaf(s[nb][e], p.scale_log2, -sL[r]));
+                        if constexpr (decltype(masked)::value) {
+                            const bool hidden =
+                                kr >= keys || cpar__ab_hidden(packed, causal, diag, r, kr, qi_s[r], kinfo[e >> 1]);
+                            s[nb][e] = hidden ? 0.f : x;
+                        } else {
+                            s[nb][e] = x;
+                        }
+                    });
+                };
+                if (packed || keys < BC || (causal && diag < m0 + 15)) probs(std::true_type{});
+                else probs(std::false_type{});
                 cpar__ab_mma_abt<T, NQ, D, LD>(dp, sV, m0, sdO, d);
                 /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for dV.
                  * Without dropout Z = 1: both products are exact, the bits those
@@ -3442,11 +3453,21 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
             float s[NK][4], dp[NK][4]; /* S then P; dP then dS: [query][key] */
             cpar__ab_mma_abt<T, NK, D, LD>(s, sQ, m0, sK, d);
             const int diag = cpar__ab_diag(i0, j0), keys = cpar__ab_rows_in(j0, p.sk, BC);
-            cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
-                const float x = cpar__ex2(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
-                const bool hidden = kc >= keys || cpar__ab_hidden(packed, causal, diag, r, kc, qinfo[e >> 1], ki_s[kc]);
-                s[nb][e] = hidden ? 0.f : x;
-            });
+            /* P; the mask only where the warp's rows may have a hidden weight (warp-uniform) */
+            auto probs = [&](auto masked) {
+                cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
+                    const float x = cpar__ex2(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
+                    if constexpr (decltype(masked)::value) {
+                        const bool hidden =
+                            kc >= keys || cpar__ab_hidden(packed, causal, diag, r, kc, qinfo[e >> 1], ki_s[kc]);
+                        s[nb][e] = hidden ? 0.f : x;
+                    } else {
+                        s[nb][e] = x;
+                    }
+                });
+            };
+            if (packed || keys < BC || (causal && diag < BC - 1 - m0)) probs(std::true_type{});
+            else probs(std::false_type{});
             cpar__ab_mma_abt<T, NK, D, LD>(dp, sdO, m0, sV, d);
             if (drop) /* dP ∘ Z; keys 2t, 2t+1 of an n-block share one Philox block (cpar__attn_keep2) */
                 CPAR__UNROLL
