@@ -2270,11 +2270,6 @@ static __device__ __forceinline__ void cpar__attn_cp_commit(void) {}
 template <int N> static __device__ __forceinline__ void cpar__attn_cp_wait(void) {}
 #endif
 
-/* Stage rows [row0, row0 + ROWS) of a [rows, d] matrix (row stride d
- * elements) into a shared tile of ROWS rows x DT columns, pitch LD, zero-filling
- * rows >= rows and columns >= d. d % 8 == 0, so every 8-element chunk is
- * wholly inside or outside. vec (src 16-byte aligned): asynchronous 16-byte
- * copies, committed as one group; else plain element loads. */
 /* The loaders' common case: a whole ROWS x DT tile (every row inside the
  * matrix, d == DT) from a 16-byte aligned `first` row. Each of THREADS
  * threads issues ROWS·DT/8 / THREADS cp.async, unrolled, at constant offsets
@@ -2292,6 +2287,11 @@ static __device__ __forceinline__ void cpar__attn_cp_tile(T *tile, const T *firs
     for (int k = 0; k < ROWS / RP; k++) cpar__attn_cp16(dst + k * RP * LD, src + k * RP * DT);
 }
 
+/* Stage rows [row0, row0 + ROWS) of a [rows, d] matrix (row stride d
+ * elements) into a shared tile of ROWS rows x DT columns, pitch LD, zero-filling
+ * rows >= rows and columns >= d. d % 8 == 0, so every 8-element chunk is
+ * wholly inside or outside. vec (src 16-byte aligned): asynchronous 16-byte
+ * copies, committed as one group; else plain element loads. */
 template <typename T, int DT, int LD, int ROWS = CPAR__ATTN_BN>
 static __device__ __forceinline__ void cpar__attn_stage(T *tile, const T *src, int64_t row0, int64_t rows, int d,
                                                         bool vec) {
@@ -3031,7 +3031,6 @@ static __device__ __forceinline__ int cpar__ab_diag(int64_t i0, int64_t j0) {
 static __device__ __forceinline__ int cpar__ab_rows_in(int64_t r0, int64_t n, int rows) {
     return n - r0 < rows ? (int)(n - r0) : rows;
 }
-
 
 /* Shared bytes: `rows` tile rows of T (row pitch D + 8) and `floats` floats. */
 template <typename T, int D> static constexpr size_t cpar__ab_smem(int rows, int floats) {
