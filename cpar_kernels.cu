@@ -2270,6 +2270,12 @@ static __device__ __forceinline__ void cpar__attn_cp_commit(void) {}
 template <int N> static __device__ __forceinline__ void cpar__attn_cp_wait(void) {}
 #endif
 
+/* Rows of the tile of `rows` rows at r0 that lie inside a matrix of n rows
+ * (r0 < n): the tile loaders' and the backward's key-bound clamp. */
+static __device__ __forceinline__ int cpar__attn_tile_rows(int64_t r0, int64_t n, int rows) {
+    return n - r0 < rows ? (int)(n - r0) : rows;
+}
+
 /* The loaders' common case: a whole ROWS x DT tile (every row inside the
  * matrix, d == DT) from a 16-byte aligned `first` row. Each of THREADS
  * threads issues ROWS·DT/8 / THREADS cp.async, unrolled, at constant offsets
@@ -2299,7 +2305,7 @@ static __device__ __forceinline__ void cpar__attn_stage(T *tile, const T *src, i
     /* the tile's rows inside the matrix, and 32-bit unsigned offsets from
      * its first row: no 64-bit index per chunk (the d 128 forward spilled
      * for their registers) */
-    const int inside = rows - row0 < ROWS ? (int)(rows - row0) : ROWS;
+    const int inside = cpar__attn_tile_rows(row0, rows, ROWS);
     const T *first = src + row0 * d;
     if (vec && inside == ROWS && d == DT) {
         cpar__attn_cp_tile<T, DT, LD, ROWS, CPAR__ATTN_THREADS>(tile, first);
@@ -3027,11 +3033,6 @@ static __device__ __forceinline__ int cpar__ab_diag(int64_t i0, int64_t j0) {
     return dl > 256 ? 256 : dl < -256 ? -256 : (int)dl;
 }
 
-/* Rows of the tile at r0 inside n rows, clamped to the tile's `rows`. */
-static __device__ __forceinline__ int cpar__ab_rows_in(int64_t r0, int64_t n, int rows) {
-    return n - r0 < rows ? (int)(n - r0) : rows;
-}
-
 /* Shared bytes: `rows` tile rows of T (row pitch D + 8) and `floats` floats. */
 template <typename T, int D> static constexpr size_t cpar__ab_smem(int rows, int floats) {
     return (size_t)rows * (D + 8) * sizeof(T) + (size_t)floats * sizeof(float);
@@ -3055,7 +3056,7 @@ static __device__ __forceinline__ void cpar__ab_load_tile(T *s, const void *src,
      * sources) this loop, kept rolled: unrolled with its fallbacks it added
      * 40 % to the kernels' code. */
     const bool vec = cpar__ab_aligned16(src);
-    const int inside = nvalid < ROWS ? (int)nvalid : ROWS;
+    const int inside = cpar__attn_tile_rows(0, nvalid, ROWS);
     if (vec && !src_f32 && inside == ROWS && d == D) {
         cpar__attn_cp_tile<T, D, LD, ROWS, CPAR__AB_THREADS>(s, static_cast<const T *>(src));
         return;
@@ -3276,7 +3277,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
     if (skip && i_first >= p.sq) return; /* block-uniform: no query sees them at all */
     const int64_t ntiles = i_end > i_first ? (i_end - i_first + BR - 1) / BR : 0, steps = group * ntiles;
     const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
-    const int keys = cpar__ab_rows_in(j0, p.sk, BC); /* the tile's keys inside sk */
+    const int keys = cpar__attn_tile_rows(j0, p.sk, BC); /* the tile's keys inside sk */
     cpar__attn_rowinfo kinfo[2] = {}; /* packed or dropout: this thread's keys j0 + m0 + g (+ 8) */
     if (packed || drop)
         for (int h = 0; h < 2; h++) kinfo[h] = cpar__attn_info(p.kp, packed, j0 + m0 + g + 8 * h, p.sk);
@@ -3451,7 +3452,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
             const T *sK = sKV + buf * 2 * BC * LD, *sV = sK + BC * LD;
             float s[NK][4], dp[NK][4]; /* S then P; dP then dS: [query][key] */
             cpar__ab_mma_abt<T, NK, D, LD>(s, sQ, m0, sK, d);
-            const int diag = cpar__ab_diag(i0, j0), keys = cpar__ab_rows_in(j0, p.sk, BC);
+            const int diag = cpar__ab_diag(i0, j0), keys = cpar__attn_tile_rows(j0, p.sk, BC);
             /* P; the mask only where the warp's rows may have a hidden weight (warp-uniform) */
             auto probs = [&](auto masked) {
                 cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
