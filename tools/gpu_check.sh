@@ -12,6 +12,12 @@
 #                                  static libraries, which the GPU image
 #                                  lacks, and the kernels prebuilt for sm_90;
 #                                  the device call carries it (carry: .gpu)
+#   tools/gpu_check.sh --prepare --baseline REV
+#                                  the same, and the sources of commit REV
+#                                  with their kernels prebuilt, in
+#                                  .gpu/baseline: the GPU mode then times
+#                                  REV's attention beside this tree's (A/B
+#                                  on the same GPU, in the same call)
 #   tools/gpu_check.sh --rehearse  every step on this machine, on the
 #                                  simulator builds at small sizes (make test
 #                                  runs it, so the script cannot rot)
@@ -29,25 +35,37 @@
 #   the device backend's suites and tp 2 x cp 2 run 120 s; training 2 x 45
 #   s; bench the rest, at most 150 s of cases (the quick sections first:
 #   memory-bound, GEMM, cross entropy, then attention) and 30 s for the case
-#   under way, less the 70 s kept for the attention at s 8192 again with dq
-#   by atomics (CPAR_ATTN_DQ=atomic, bench_adq.log). Here nvcc takes 1-2.5 minutes for sm_90, and carrying its
-#   object (a few MiB) takes no time, so the script uses the carried one
-#   whenever it was built from the same sources by the same nvcc. Measured
-#   on an H200 (2026-11-28): machine start about 35 s, probe 6-9 s, build
-#   16-20 s, GPU suite 19-22 s, device backend 34-40 s, training 9 s each;
-#   the whole bench needs about 4 minutes (GPU_CHECK_BENCH=mem,gemm,xent
-#   runs the other sections alone: 51 s; GPU_BENCH_ARGS adds gpu_bench.py
-#   options, e.g. "--attn-s 8192 --attn-d 128").
+#   under way, less the 150 s kept for the attention at s 8192 three ways
+#   (bench_attn.log, a table of the three in the summary): as built, with
+#   dq by atomics (CPAR_ATTN_DQ=atomic), and the carried baseline's (its
+#   library built here from the carried kernels, 60 s). Here nvcc takes
+#   1-2.5 minutes for sm_90, and carrying its object (a few MiB) takes no
+#   time, so the script uses the carried one whenever it was built from the
+#   same sources by the same nvcc. Measured on an H200 (2026-11-28): machine
+#   start about 35 s, probe 6-9 s, build 16-20 s, GPU suite 19-22 s, device
+#   backend 34-40 s, training 9 s each; the whole bench needs about 4
+#   minutes (GPU_CHECK_BENCH=mem,gemm,xent runs the other sections alone:
+#   51 s; GPU_BENCH_ARGS adds gpu_bench.py options, e.g. "--attn-s 8192
+#   --attn-d 128").
 set -u
 cd "$(dirname "$0")/.." || exit 2
 
 mode=gpu
+baseline=""
 case ${1:-} in
     "") ;;
     --prepare) mode=prepare ;;
     --rehearse) mode=rehearse ;;
-    -h | --help) sed -n '2,32p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,49p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (--prepare, --rehearse or none)" >&2; exit 2 ;;
+esac
+case $mode:${2:-}:${3:-} in
+    *::) [ $# -le 1 ] || { echo "gpu_check.sh: unexpected arguments after $1" >&2; exit 2; } ;;
+    prepare:--baseline:?*)
+        [ $# -eq 3 ] || { echo "gpu_check.sh: unexpected arguments after --baseline $3" >&2; exit 2; }
+        baseline=$3 ;;
+    prepare:--baseline:) echo "gpu_check.sh: --baseline needs a commit (e.g. --baseline a8d7189)" >&2; exit 2 ;;
+    *) echo "gpu_check.sh: '${2:-}${3:+ $3}' after $1: only --prepare takes one, --baseline REV" >&2; exit 2 ;;
 esac
 
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -55,7 +73,9 @@ NVCC=${NVCC:-$CUDA_HOME/bin/nvcc}
 PYTHON=${PYTHON:-python3}
 CARRY=.gpu
 ARCH=${GPU_CHECK_ARCH:-90} # H100, H200; the GPU mode reads the GPU's own
-VERSION=$(awk '/^#define CPAR_VERSION_(MAJOR|MINOR|PATCH) / { printf "%s%s", s, $3; s = "." }' cpar.h)
+# The version in DIR/cpar.h, which names its shared library.
+version_of() { awk '/^#define CPAR_VERSION_(MAJOR|MINOR|PATCH) / { printf "%s%s", s, $3; s = "." }' "$1/cpar.h"; }
+VERSION=$(version_of .)
 t_start=$(date +%s)
 summary=""
 
@@ -117,19 +137,38 @@ rehearse_check() { # directory
         -lrt -lm -pthread -o "$1/carried" && "$1/carried"
 }
 
+# The sources of commit REV, for the A/B: DIR/BASELINE names the commit.
+baseline_unpack() { # rev dir
+    git rev-parse --verify -q "$1^{commit}" > /dev/null ||
+        { echo "gpu_check.sh: '$1' is not a commit of this repository"; return 1; }
+    rm -rf "$2" && mkdir -p "$2" || return 1
+    git archive --format=tar "$1" | tar -x -C "$2" || return 1
+    git log -1 --format='%h %cs %s' "$1" | cut -c1-90 > "$2/BASELINE"
+    echo "baseline: $(cat "$2/BASELINE")"
+}
+
 # ---- --prepare -------------------------------------------------------------------
+# Kernels for sm_$ARCH, built in DIR, into $CARRY/cpar_kernels_sm$ARCH.o with
+# the stamp of their sources (DIR is this tree or the baseline's).
+prepare_kernels() { # dir carry-dir
+    echo "kernels of $1 for sm_$ARCH (nvcc, one architecture: about 2.5 minutes of one core here)"
+    t0=$(date +%s) kb=$PWD/$2/kbuild
+    (cd "$1" && make --no-print-directory B="$kb" CPAR_CUDA=1 CUDA_ARCH="$ARCH" "$kb/cuda/cpar_kernels.o") || return 1
+    mv "$kb/cuda/cpar_kernels.o" "$2/cpar_kernels_sm$ARCH.o" &&
+        (cd "$1" && kernels_stamp) > "$2/cpar_kernels_sm$ARCH.stamp" || return 1
+    rm -rf "$kb"
+    echo "built in $(($(date +%s) - t0)) s"
+}
 if [ $mode = prepare ]; then
     prepare_check "$CARRY/check" || exit 1
+    rm -rf "$CARRY/baseline"
+    [ -z "$baseline" ] || baseline_unpack "$baseline" "$CARRY/baseline" || exit 1
     if [ -x "$NVCC" ]; then
-        echo "kernels for sm_$ARCH (nvcc, one architecture: about 2.5 minutes of one core here)"
-        t0=$(date +%s)
-        make --no-print-directory B="$CARRY/build" CPAR_CUDA=1 CUDA_ARCH="$ARCH" "$CARRY/build/cuda/cpar_kernels.o" || exit 1
-        cp "$CARRY/build/cuda/cpar_kernels.o" "$CARRY/cpar_kernels_sm$ARCH.o"
-        kernels_stamp > "$CARRY/cpar_kernels_sm$ARCH.stamp"
-        rm -rf "$CARRY/build"
-        echo "built in $(($(date +%s) - t0)) s"
+        prepare_kernels . "$CARRY" || exit 1
+        [ -z "$baseline" ] || prepare_kernels "$CARRY/baseline" "$CARRY/baseline" || exit 1
     else
         echo "no nvcc at $NVCC: the device will compile the kernels itself (3-4 minutes of its budget)"
+        [ -z "$baseline" ] || echo "(and, without them, skip the baseline: its kernels would take as long again)"
     fi
     du -sh "$CARRY"
     echo "carry it: run(command=\"sh tools/gpu_check.sh\", carry=[\"$CARRY\"], timeout_s=540)"
@@ -203,7 +242,8 @@ fi
 CUBLAS_DIR=${CUBLAS_HOME:-}
 if [ -z "$CUBLAS_DIR" ] && [ ! -f "$CUDA_HOME/include/cublas_v2.h" ]; then CUBLAS_DIR=$(wheel_dir cu13); fi
 
-# The make variables of the GPU build, one a line (CHECK_LIBS holds spaces).
+# The make variables of the GPU build as quoted words (CHECK_LIBS holds
+# spaces): eval "set -- $(make_vars)".
 make_vars() {
     set -- CPAR_CUDA=1 CUDA_ARCH="$ARCH"
     [ -n "$NCCL_DIR" ] && set -- "$@" NCCL_HOME="$NCCL_DIR"
@@ -212,7 +252,7 @@ make_vars() {
         set -- "$@" CHECK_FLAGS="-I$PWD/$CARRY/check/include" \
             CHECK_LIBS="$PWD/$CARRY/check/lib/libcheck.a $PWD/$CARRY/check/lib/libsubunit.a -lrt -lm -pthread"
     fi
-    for a in "$@"; do printf '%s\n' "$a"; done
+    for a in "$@"; do printf "'%s' " "$(printf '%s' "$a" | sed "s/'/'\\\\''/g")"; done
 }
 
 loss_fell() { # log: the last validation loss under 0.85 x the first step's loss
@@ -221,16 +261,72 @@ loss_fell() { # log: the last validation loss under 0.85 x the first step's loss
                printf "loss %.4f -> validation %.4f\n", first, last; exit !(last < 0.85 * first) }' "$1"
 }
 
+# ---- the attention three ways (GPU mode's 5b; rehearsed on the simulator) ----
+# attn_ab LIB BASE_LIB BASE_PY LABEL GPU_BENCH_OPTION...: gpu_bench.py's
+# attention section as built, with dq by atomics, and with the baseline's
+# library and its own gpu_bench.py (BASE_LIB empty: none), each a step
+# while AB_END (this script's seconds) allows; logs into bench_attn.log and
+# the three side by side in the summary.
+attn_ab() {
+    a_lib=$1 a_blib=$2 a_bpy=$3 a_label=$4
+    shift 4
+    AB=$B/gpu-check-ab
+    rm -rf "$AB" && mkdir -p "$AB" && : > "$AB/now.csv" && : > "$AB/atomic.csv" && : > "$AB/base.csv" || return 1
+    for pass in now atomic base; do
+        a_env="" a_py=tools/gpu_bench.py a_use=$a_lib
+        case $pass in
+            atomic) a_env=CPAR_ATTN_DQ=atomic ;;
+            base) a_py=$a_bpy a_use=$a_blib ;;
+        esac
+        [ -n "$a_use" ] || continue
+        if [ $((AB_END - $(elapsed))) -lt 45 ]; then
+            note "$(printf '%-22s %-24s' "attn $pass" "skipped: no time left")"
+            continue
+        fi
+        step "attn $pass" 60 "$AB/$pass.log" env $a_env "$PYTHON" "$a_py" --lib "$a_use" --budget-s 30 \
+            --only attn --csv "$AB/$pass.csv" "$@"
+        cat "$AB/$pass.log" >> "$OUT/bench_attn.log"
+    done
+    if attn_ab_table "$a_label" "$AB/now.csv" "$AB/atomic.csv" "$AB/base.csv" > "$AB/table.txt"; then
+        summary="$summary$(cat "$AB/table.txt")
+"
+    else
+        note "$(printf '%-22s %-24s' "attn table" "FAILED (no rows)")"
+    fi
+    cat "$AB/table.txt" >> "$OUT/bench_attn.log"
+}
+
+# The passes' CSVs side by side: per case each one's time and speed against
+# the reference (SDPA flash on a GPU, where the rows have it; else the first
+# reference seen), and the baseline's time over this tree's.
+attn_ab_table() { # label now.csv atomic.csv base.csv
+    awk -F, -v label="$1" '
+        function cell(f, k) {
+            if (!((f, k) in ms)) return sprintf("%16s", "-")
+            return sprintf("%8.3f ms %5s", ms[f, k], sp[f, k] == "" ? "-" : sprintf("%.2f", sp[f, k]))
+        }
+        BEGIN { for (i = 1; i < ARGC; i++) file[ARGV[i]] = i }
+        { f = file[FILENAME] }
+        $1 != "attn" || $4 == "" { next }
+        { k = $2 " " $3; if (!(k in seen)) { seen[k] = 1; order[++n] = k } }
+        $5 == "flash" || !((f, k) in ms) { ms[f, k] = $4; sp[f, k] = $7; if ($5 == "flash") ref = "SDPA flash" }
+        END {
+            if (!n) { print "attention A/B: no rows"; exit 1 }
+            printf "attention, ms and speed (%s time / cpar time); %s/now = time ratio\n", ref ? ref : "reference", label
+            printf "%-32s %16s %16s %16s %s\n", "case", "as built", "dq atomic", label, label "/now"
+            for (i = 1; i <= n; i++) {
+                k = order[i]
+                r = ((1, k) in ms) && ((3, k) in ms) ? sprintf("%.2f", ms[3, k] / ms[1, k]) : "-"
+                printf "%-32s %s %s %s %s\n", k, cell(1, k), cell(2, k), cell(3, k), r
+            }
+        }' "$2" "$3" "$4"
+}
+
 # ---- 2-5: rehearsal ------------------------------------------------------------------
 if [ $mode = rehearse ]; then
     # 2. The GPU build: the make line GPU mode would run, as a dry run (no nvcc).
     if [ -x "$NVCC" ]; then
-        IFS='
-'
-        set -f
-        set -- $(make_vars)
-        unset IFS
-        set +f
+        eval "set -- $(make_vars)"
         step "build (dry run)" 60 "$OUT/build.log" env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make -n --no-print-directory "$@" B="$OUT/build" \
             "$OUT/build/cuda/test_gpu" "$OUT/build/cuda/train" "$OUT/build/cuda/libcpar.so.$VERSION"
     else
@@ -253,8 +349,22 @@ if [ $mode = rehearse ]; then
     # 5. The bench beside torch (on the CPU, when torch is importable here).
     step "bench (sim)" 300 "$OUT/bench.log" "$PYTHON" tools/gpu_bench.py --lib "$B/sim/libcpar_sim.so" \
         --backend device --quick --csv "$OUT/bench.csv"
-    step "bench attn, dq atomic (sim)" 300 "$OUT/bench_adq.log" env CPAR_ATTN_DQ=atomic "$PYTHON" \
-        tools/gpu_bench.py --lib "$B/sim/libcpar_sim.so" --backend device --quick --only attn
+    # 5b. The attention three ways. HEAD's sources stand in for a carried
+    # baseline (unpacked, its library's build line as a dry run, its own
+    # gpu_bench.py), and this tree's simulator library for its library.
+    base_lib="" base_py=""
+    if git rev-parse --verify -q HEAD > /dev/null 2>&1 &&
+        step "baseline sources" 60 "$OUT/baseline.log" baseline_unpack HEAD "$OUT/baseline"; then
+        if [ -x "$NVCC" ]; then
+            eval "set -- $(make_vars)"
+            step "baseline (dry run)" 60 "$OUT/baseline_build.log" env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL \
+                make -n -C "$OUT/baseline" --no-print-directory "$@" B=kbuild -o kbuild/cuda/cpar_kernels.o \
+                "kbuild/cuda/libcpar.so.$(version_of "$OUT/baseline")"
+        fi
+        base_lib=$B/sim/libcpar_sim.so base_py=$OUT/baseline/tools/gpu_bench.py
+    fi
+    AB_END=$(($(elapsed) + 900))
+    attn_ab "$B/sim/libcpar_sim.so" "$base_lib" "$base_py" HEAD --backend device --quick
     echo
     sed -n '/^== gpu_bench summary/,$p' "$OUT/bench.log"
     echo "== gpu_check.sh --rehearse: summary ($(elapsed) s)"
@@ -267,12 +377,8 @@ fi
 # The architecture of the GPU here, else sm_90 (H100, H200).
 cap=$(command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2> /dev/null | head -n 1 | tr -d ". ")
 case $cap in [0-9][0-9] | [0-9][0-9][0-9]) ARCH=$cap ;; esac
-IFS='
-'
-set -f
-set -- $(make_vars) B="$B"
-unset IFS
-set +f
+eval "set -- $(make_vars)"
+set -- "$@" B="$B"
 if ! pkg-config --exists check 2> /dev/null && [ ! -f "$CARRY/check/include/check.h" ]; then
     echo "no Check here and none carried: the GPU suite is skipped (run tools/gpu_check.sh --prepare, carry .gpu)"
 fi
@@ -323,12 +429,13 @@ for dt in bf16 f16; do
     step "train $dt" 45 "$OUT/train_$dt.log" "$B/cuda/train" --backend nccl --tp 1 --cp 1 --dp 1 --steps 200 \
         --eval-every 100 --sample 0 --verify 5 --dtype $dt &&
         step "train $dt: loss fell" 5 "$OUT/loss_$dt.log" loss_fell "$OUT/train_$dt.log"
+    cat "$OUT/train_$dt.log" >> "$OUT/train.log" # one file (8 come back); the losses are in the summary
+    rm -f "$OUT/train_$dt.log" "$OUT/loss_$dt.log"
 done
-rm -f "$OUT/loss_bf16.log" "$OUT/loss_f16.log" # their lines are in the summary (8 files come back)
 
 # ---- 5. the bench beside torch ------------------------------------------------------------
-# (70 s kept for 5b)
-left=$((470 - $(elapsed) - 100))
+# (150 s kept for 5b)
+left=$((470 - $(elapsed) - 150))
 [ $left -gt 150 ] && left=150
 if [ $left -gt 20 ]; then
     # the limit leaves the case under way when the budget runs out time to end
@@ -338,20 +445,33 @@ else
     note "bench                  skipped: no time left"
 fi
 
-# ---- 5b. the attention backward with dq by fp32 atomics (CPAR_ATTN_DQ=atomic) at s 8192 ----
-left=$((470 - $(elapsed) - 20))
-[ $left -gt 50 ] && left=50
-if [ $left -gt 15 ]; then
-    step "bench attn, dq atomic" $((left + 20)) "$OUT/bench_adq.log" env CPAR_ATTN_DQ=atomic "$PYTHON" \
-        tools/gpu_bench.py --lib "$B/cuda/libcpar.so.$VERSION" --backend nccl --budget-s $left --only attn \
-        --attn-s 8192 ${GPU_BENCH_ARGS:-}
-else
-    note "bench attn, dq atomic  skipped: no time left"
+# ---- 5b. the attention at s 8192 three ways: as built, dq by atomics, the baseline ----------
+# The baseline (tools/gpu_check.sh --prepare --baseline REV) when carried
+# with its kernels for this GPU: its library is built here, with the
+# carried object (the same make line as step 2, in its sources).
+AB_END=$((470 - 10))
+base=$CARRY/baseline base_lib="" base_label=baseline
+if [ -f "$base/BASELINE" ]; then
+    base_label=$(cut -d' ' -f1 "$base/BASELINE")
+    echo "baseline: $(cat "$base/BASELINE")"
+    if [ -f "$base/cpar_kernels_sm$ARCH.o" ] &&
+        [ "$(cd "$base" && kernels_stamp)" = "$(cat "$base/cpar_kernels_sm$ARCH.stamp" 2> /dev/null)" ]; then
+        mkdir -p "$base/kbuild/cuda" && cp "$base/cpar_kernels_sm$ARCH.o" "$base/kbuild/cuda/cpar_kernels.o"
+        eval "set -- $(make_vars)"
+        bver=$(version_of "$base")
+        step "build $base_label" 90 "$B/gpu-check-base.log" make -C "$base" --no-print-directory -j"$jobs" "$@" \
+            B=kbuild -o kbuild/cuda/cpar_kernels.o "kbuild/cuda/libcpar.so.$bver" &&
+            base_lib=$PWD/$base/kbuild/cuda/libcpar.so.$bver
+        cat "$B/gpu-check-base.log" >> "$OUT/build.log"
+    else
+        note "$(printf '%-22s %-24s' "build $base_label" "skipped: no kernels for sm_$ARCH from its sources")"
+    fi
 fi
+attn_ab "$B/cuda/libcpar.so.$VERSION" "$base_lib" "$base/tools/gpu_bench.py" "$base_label" --backend nccl \
+    --attn-s 8192 ${GPU_BENCH_ARGS:-}
 
 echo
 sed -n '/^== gpu_bench summary/,$p' "$OUT/bench.log" 2> /dev/null
-sed -n '/^== gpu_bench summary/,$p' "$OUT/bench_adq.log" 2> /dev/null | sed 's/^/dq atomic: /'
 echo
 echo "== gpu_check.sh: summary ($(elapsed) s; logs and bench.csv in $OUT)"
 printf '%s' "$summary" | tee "$OUT/summary.txt"
