@@ -2247,9 +2247,10 @@ template <typename L> static cudaError_t cpar__attn_dispatch(const cpar_dev_attn
 
 /* Asynchronous 16-byte global -> shared copies (cp.async, sm_80+): the K/V
  * tile of the next step is in flight while the tensor cores work on this
- * one. cp.async has no simulator model, so the sim build copies at once and
- * the waits are no-ops; the barriers around them are the same code in both
- * builds, so the sim schedules still check them. */
+ * one. The sim build calls CUDA's pipeline primitives, which the simulator
+ * models at their latest: a destination holds NaNs from the issue until the
+ * issuing thread's wait covers its group, so a wait too few or a barrier
+ * missing before a buffer is reused fails the tests. */
 #ifndef CPAR_SIM
 static __device__ __forceinline__ void cpar__attn_cp16(void *smem, const void *gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(cpar__smem_addr(smem)), "l"(gmem) : "memory");
@@ -2264,10 +2265,14 @@ template <int N> static __device__ __forceinline__ void cpar__attn_cp_wait(void)
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 #else
-static __device__ __forceinline__ void cpar__attn_cp16(void *smem, const void *gmem) { memcpy(smem, gmem, 16); }
-static __device__ __forceinline__ void cpar__attn_cp4(void *smem, const void *gmem) { memcpy(smem, gmem, 4); }
-static __device__ __forceinline__ void cpar__attn_cp_commit(void) {}
-template <int N> static __device__ __forceinline__ void cpar__attn_cp_wait(void) {}
+static __device__ __forceinline__ void cpar__attn_cp16(void *smem, const void *gmem) {
+    __pipeline_memcpy_async(smem, gmem, 16);
+}
+static __device__ __forceinline__ void cpar__attn_cp4(void *smem, const void *gmem) {
+    __pipeline_memcpy_async(smem, gmem, 4);
+}
+static __device__ __forceinline__ void cpar__attn_cp_commit(void) { __pipeline_commit(); }
+template <int N> static __device__ __forceinline__ void cpar__attn_cp_wait(void) { __pipeline_wait_prior(N); }
 #endif
 
 /* Rows of the tile of `rows` rows at r0 that lie inside a matrix of n rows

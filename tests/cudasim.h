@@ -29,7 +29,12 @@
  * mask, with the same mask) must arrive before any proceeds. One that can
  * never complete (threads returned early, lanes wait in different
  * collectives) is a launch failure with a readable message — never a hang,
- * never an abort.
+ * never an abort. Asynchronous copies (cp.async, through CUDA's pipeline
+ * primitives __pipeline_memcpy_async/_commit/_wait_prior) land at the
+ * latest moment PTX allows: the destination reads 0xFF from the issue until
+ * the issuing thread's wait covers the copy's group, so a wait too few, a
+ * barrier missing after the wait, or a buffer refilled while another warp
+ * still reads it gives NaNs.
  *
  * Errors, as in the CUDA runtime: a failing call returns its code and leaves
  * it for cudaGetLastError()/cudaPeekAtLastError(); a bad launch configuration
@@ -500,6 +505,16 @@ struct Fiber {
     int src;              /* shuffle source lane (-1: own value) */
     int bar_pred, bar_result;
     unsigned long long val, result;
+    /* its asynchronous copies in flight (__pipeline_memcpy_async): group 0 =
+     * not committed yet; committed groups are numbered 1, 2, ... (cp_groups:
+     * the last), in issue order */
+    struct CpAsync {
+        void *dst;
+        unsigned size, group;
+        unsigned char data[16];
+    };
+    std::vector<CpAsync> cp_pending;
+    unsigned cp_groups;
     void *sp;             /* saved stack pointer (asm switch) */
     char *stack_lo;       /* the stack it runs on in this block: the shared one or own_lo */
     char *own_lo;         /* its own stack */
@@ -1065,6 +1080,8 @@ inline void run_block(HostThread &h, uint3 bid) {
         f.bid = bid;
         f.state = FS_NEW;
         f.op = WO_NONE;
+        f.cp_pending.clear(); /* the previous block's, never waited for: its shared memory is gone */
+        f.cp_groups = 0;
     }
     h.live = h.nthreads;
     h.bar_waiting = 0;
@@ -1556,6 +1573,53 @@ inline void __nanosleep(unsigned ns) {
     (void)ns;
     ::cudasim::detail::yield_fiber();
 }
+/* Asynchronous global -> shared copies (cp.async; CUDA's pipeline
+ * primitives, <cuda_pipeline_primitives.h>), at the latest moment PTX
+ * allows: the source is read at issue, the destination turns 0xFF (NaN in
+ * every floating type) at issue and gets the data only when the issuing
+ * thread's __pipeline_wait_prior covers the copy's group. So a read before
+ * that wait (or by another thread before the barrier after it) sees poison,
+ * as does a copy issued into a buffer other warps still read. A barrier
+ * completes nothing; copies never committed are never waited for. */
+inline void __pipeline_memcpy_async(void *dst, const void *src, size_t size_and_align, size_t zfill = 0) {
+    using namespace ::cudasim::detail;
+    const size_t n = size_and_align;
+    if (!t_host || !t_host->in_kernel) {
+        memcpy(dst, src, n - zfill);
+        memset((char *)dst + (n - zfill), 0, zfill);
+        return;
+    }
+    if ((n != 4 && n != 8 && n != 16) || zfill > n || ((uintptr_t)dst | (uintptr_t)src) % n)
+        fail_in_kernel("__pipeline_memcpy_async(%p, %p, %zu, %zu) by %s: the size must be 4, 8 or 16 and divide "
+                       "both addresses, zfill at most the size",
+                       dst, src, n, zfill, thread_name(*t_fiber).c_str());
+    Fiber::CpAsync c{dst, (unsigned)n, 0u, {}};
+    memcpy(c.data, src, n - zfill);
+    t_fiber->cp_pending.push_back(c);
+    memset(dst, 0xFF, n);
+}
+/* Closes the group of the copies issued since the last commit. */
+inline void __pipeline_commit() {
+    using namespace ::cudasim::detail;
+    if (!t_host || !t_host->in_kernel) return;
+    Fiber *f = t_fiber;
+    f->cp_groups++;
+    for (Fiber::CpAsync &c : f->cp_pending)
+        if (c.group == 0) c.group = f->cp_groups;
+}
+/* Lands every committed group but the `prior` most recent ones, in issue order. */
+inline void __pipeline_wait_prior(size_t prior) {
+    using namespace ::cudasim::detail;
+    if (!t_host || !t_host->in_kernel) return;
+    Fiber *f = t_fiber;
+    size_t keep = 0;
+    for (Fiber::CpAsync &c : f->cp_pending) {
+        if (c.group != 0 && c.group + prior <= f->cp_groups) memcpy(c.dst, c.data, c.size);
+        else f->cp_pending[keep++] = c;
+    }
+    f->cp_pending.resize(keep);
+}
+
 /* Aborts the launch: cudaErrorLaunchFailure, like a GPU trap. */
 [[noreturn]] inline void __trap() {
     using namespace ::cudasim::detail;

@@ -686,6 +686,82 @@ START_TEST(test_dynamic_shared_memory) {
 }
 END_TEST
 
+/* Asynchronous copies (CUDA's pipeline primitives, cp.async) land at the
+ * latest moment PTX allows. 64 threads; per thread t, out[k * 64 + t]:
+ *  0: s[t] after wait_prior(1) with two groups in flight: group 1 landed
+ *  1: s[64 + t], group 2, at the same point: still poison (-1)
+ *  2: s[t'] of the neighbour t' = t ^ 1 after wait_prior(0) and a barrier
+ *  3: s[128 + t] after its commit and a barrier, but no wait: poison
+ *  4: s[192 + t] after wait_prior(0) without a commit: poison
+ *  5, 6: a 16-byte copy with zfill 4 into s[256 + 4t .. +3]: the element
+ *     after the wait, the zero-filled last one (t's first and fourth int). */
+__global__ void pipeline_copies(const int *in, int *out) {
+    CPAR_DYN_SMEM(int, s);
+    const int t = (int)threadIdx.x;
+    __pipeline_memcpy_async(&s[t], &in[t], 4);
+    __pipeline_commit();
+    __pipeline_memcpy_async(&s[64 + t], &in[64 + t], 4);
+    __pipeline_commit();
+    __pipeline_wait_prior(1);
+    out[t] = s[t];
+    out[64 + t] = s[64 + t];
+    __pipeline_wait_prior(0);
+    __syncthreads();
+    out[128 + t] = s[t ^ 1] + s[64 + (t ^ 1)] - in[64 + (t ^ 1)]; /* both groups visible to the neighbour */
+    __pipeline_memcpy_async(&s[128 + t], &in[t], 4);
+    __pipeline_commit();
+    __syncthreads();
+    out[192 + t] = s[128 + t];
+    __pipeline_memcpy_async(&s[192 + t], &in[t], 4);
+    __pipeline_wait_prior(0);
+    out[256 + t] = s[192 + t];
+    __pipeline_commit();
+    __pipeline_memcpy_async(&s[256 + 4 * t], &in[4 * (t % 16)], 16, 4);
+    __pipeline_commit();
+    __pipeline_wait_prior(0);
+    out[320 + t] = s[256 + 4 * t];
+    out[384 + t] = s[256 + 4 * t + 3];
+}
+
+/* A 16-byte copy from an address that is only 4-byte aligned. */
+__global__ void pipeline_misaligned(const int *in) {
+    CPAR_DYN_SMEM(int, s);
+    __pipeline_memcpy_async(&s[4 * threadIdx.x], &in[1], 16);
+    __pipeline_commit();
+    __pipeline_wait_prior(0);
+}
+
+START_TEST(test_pipeline_copies) {
+    std::vector<int> h(128);
+    for (int i = 0; i < 128; i++) h[i] = 11 * i + 5;
+    int *in = dev_alloc<int>(128), *out = dev_alloc<int>(7 * 64);
+    to_dev(in, h);
+    for (const Schedule &sc : kSchedules) {
+        cudasim_set_schedule(sc.s, sc.seed);
+        poison(out, 7 * 64 * 4);
+        CPAR_LAUNCH(pipeline_copies, 1, 64, 512 * 4, 0)(in, out);
+        CK_LAUNCHED(sc);
+        std::vector<int> r = from_dev(out, 7 * 64);
+        for (int t = 0; t < 64; t++) {
+            EXPECT(r[t] == h[t], "[%s] t %d: group 1 after wait_prior(1): %d, expected %d", sc.name, t, r[t], h[t]);
+            EXPECT(r[64 + t] == -1, "[%s] t %d: group 2 landed before its wait (%d)", sc.name, t, r[64 + t]);
+            EXPECT(r[128 + t] == h[t ^ 1], "[%s] t %d: the neighbour's copies after wait and barrier: %d", sc.name, t,
+                   r[128 + t]);
+            EXPECT(r[192 + t] == -1, "[%s] t %d: a barrier landed a copy (%d)", sc.name, t, r[192 + t]);
+            EXPECT(r[256 + t] == -1, "[%s] t %d: wait_prior(0) landed an uncommitted copy (%d)", sc.name, t,
+                   r[256 + t]);
+            EXPECT(r[320 + t] == h[4 * (t % 16)], "[%s] t %d: 16-byte copy: %d", sc.name, t, r[320 + t]);
+            EXPECT(r[384 + t] == 0, "[%s] t %d: zfill left %d", sc.name, t, r[384 + t]);
+        }
+    }
+    CPAR_LAUNCH(pipeline_misaligned, 1, 4, 64, 0)(in);
+    ck_assert_int_eq(cudaGetLastError(), cudaErrorLaunchFailure);
+    ck_assert_ptr_nonnull(strstr(cudasim_last_message(), "__pipeline_memcpy_async"));
+    CK_CUDA(cudaFree(in));
+    CK_CUDA(cudaFree(out));
+}
+END_TEST
+
 /* Static __shared__ memory is per host thread and shared by the block. */
 __global__ void static_smem_sum(int *out) {
     __shared__ int total;
@@ -1895,6 +1971,7 @@ int main(void) {
     tcase_add_test(tc, test_warp_block_reduction);
     tc = make_tcase(s, "shared_memory");
     tcase_add_test(tc, test_dynamic_shared_memory);
+    tcase_add_test(tc, test_pipeline_copies);
     tcase_add_test(tc, test_static_shared_memory);
     tc = make_tcase(s, "atomics_grid");
     tcase_add_test(tc, test_atomics_contention);
