@@ -2106,6 +2106,10 @@ static __device__ __forceinline__ void cpar__mma_m16n8k16(float d[4], const uint
 
 template <int N, bool TRANS> static __device__ __forceinline__ void cpar__ldmatrix_sim(uint32_t *r, const void *row) {
     const int lane = (int)(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
+    if (lane < 8 * N && (uintptr_t)row % 16 != 0) { /* a GPU faults (misaligned address) */
+        printf("cpar__ldmatrix: lane %d's row address %p is not 16-byte aligned\n", lane, row);
+        __trap();
+    }
     for (int m = 0; m < N; m++) {
         if (!TRANS) {
             const uint16_t *p = (const uint16_t *)__shfl_sync(0xffffffffu, row, 8 * m + g);

@@ -19,6 +19,7 @@
 #include <check.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 enum { M = 16, N = 8, K = 16 };
 
@@ -133,6 +134,35 @@ START_TEST(pack_order) {
 }
 END_TEST
 
+/* ldmatrix's row addresses must be 16-byte aligned (a GPU faults otherwise):
+ * rows `shift` elements off; x2 ignores lanes 16-31, so theirs may be off. */
+__global__ void ldmatrix_rows_kernel(int shift, int x2_upper_shift, uint32_t *out) {
+    __shared__ __align__(16) uint16_t sm[32 * 16 + 8];
+    const int lane = (int)threadIdx.x;
+    for (int i = lane; i < 32 * 16 + 8; i += 32) sm[i] = (uint16_t)i;
+    __syncthreads();
+    uint32_t r[4] = {0, 0, 0, 0};
+    if (x2_upper_shift) cpar__ldmatrix_x2(r, &sm[(lane & 15) * 16 + (lane >= 16 ? x2_upper_shift : 0)]);
+    else cpar__ldmatrix_x4(r, &sm[lane * 16 + shift]);
+    out[lane] = r[0] ^ r[1] ^ r[2] ^ r[3];
+}
+
+START_TEST(ldmatrix_alignment) {
+    uint32_t *out;
+    ck_assert_int_eq(cudaMalloc(&out, 32 * sizeof(uint32_t)), cudaSuccess);
+    const struct { int shift, x2_upper; bool ok; } cases[] = {{0, 0, true}, {8, 0, true}, {4, 0, false},
+                                                              {1, 0, false}, {0, 3, true}};
+    for (const auto &c : cases) {
+        CPAR_LAUNCH(ldmatrix_rows_kernel, 1, 32, 0, 0)(c.shift, c.x2_upper, out);
+        const cudaError_t e = cudaGetLastError();
+        ck_assert_msg((e == cudaSuccess) == c.ok, "ldmatrix rows shifted by %d (x2 upper lanes %d): %s (%s)", c.shift,
+                      c.x2_upper, cudaGetErrorName(e), cudasim_last_message());
+        if (!c.ok) ck_assert_ptr_nonnull(strstr(cudasim_last_message(), "__trap"));
+    }
+    cudaFree(out);
+}
+END_TEST
+
 int main(void) {
     Suite *s = suite_create("mma: tensor-core wrappers (mma.sync m16n8k16, ldmatrix) in the simulator");
     TCase *tc = tcase_create("mma");
@@ -140,6 +170,7 @@ int main(void) {
     tcase_add_loop_test(tc, mma_f16, 0, 3);
     tcase_add_loop_test(tc, mma_bf16, 0, 3);
     tcase_add_test(tc, pack_order);
+    tcase_add_test(tc, ldmatrix_alignment);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);
 }
