@@ -34,7 +34,8 @@
  * latest moment PTX allows: the destination reads 0xFF from the issue until
  * the issuing thread's wait covers the copy's group, so a wait too few, a
  * barrier missing after the wait, or a buffer refilled while another warp
- * still reads it gives NaNs.
+ * still reads it gives NaNs; a copy over bytes the same thread still has in
+ * flight fails the launch.
  *
  * Errors, as in the CUDA runtime: a failing call returns its code and leaves
  * it for cudaGetLastError()/cudaPeekAtLastError(); a bad launch configuration
@@ -1580,7 +1581,9 @@ inline void __nanosleep(unsigned ns) {
  * thread's __pipeline_wait_prior covers the copy's group. So a read before
  * that wait (or by another thread before the barrier after it) sees poison,
  * as does a copy issued into a buffer other warps still read. A barrier
- * completes nothing; copies never committed are never waited for. */
+ * completes nothing; copies never committed are never waited for. A copy
+ * over bytes that an earlier copy of the same thread has in flight fails
+ * the launch (PTX orders no two copies, so either may land last). */
 inline void __pipeline_memcpy_async(void *dst, const void *src, size_t size_and_align, size_t zfill = 0) {
     using namespace ::cudasim::detail;
     const size_t n = size_and_align;
@@ -1593,6 +1596,11 @@ inline void __pipeline_memcpy_async(void *dst, const void *src, size_t size_and_
         fail_in_kernel("__pipeline_memcpy_async(%p, %p, %zu, %zu) by %s: the size must be 4, 8 or 16 and divide "
                        "both addresses, zfill at most the size",
                        dst, src, n, zfill, thread_name(*t_fiber).c_str());
+    for (const Fiber::CpAsync &p : t_fiber->cp_pending) /* PTX orders no two copies: the last to land is either */
+        if ((char *)dst < (char *)p.dst + p.size && (char *)p.dst < (char *)dst + n)
+            fail_in_kernel("__pipeline_memcpy_async(%p, %p, %zu) by %s: a copy to %p (%u bytes) is still in flight, and "
+                           "PTX does not order the two: wait for it first",
+                           dst, src, n, thread_name(*t_fiber).c_str(), p.dst, p.size);
     Fiber::CpAsync c{dst, (unsigned)n, 0u, {}};
     memcpy(c.data, src, n - zfill);
     t_fiber->cp_pending.push_back(c);

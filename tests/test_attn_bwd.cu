@@ -497,7 +497,7 @@ static void packed_skip_case(const PackedCase &c, unsigned seed) {
     const int n_docs = (int)c.padded.size();
     std::vector<int32_t> cu(n_docs + 1, 0), cur(n_docs + 1, 0);
     for (int i = 0; i < n_docs; i++) cu[i + 1] = cu[i] + c.padded[i], cur[i + 1] = cur[i] + c.real[i];
-    const int64_t n = cu[n_docs] / c.P, d = c.d, hq = 2, hkv = 1;
+    const int64_t n = cu[n_docs] / c.P, d = c.d, hq = 4, hkv = 2;
     cpar_dev_attn a = {c.dt, 1, hq, hkv, n, n, d, NULL, NULL, NULL, n * d, n * d, c.causal, 0.125f, c.p, {7, 3}, {}, {}, 0, 0, false};
     a.qp = {0, 0, 0, cu.data(), cur.data(), n_docs, c.P, c.rq};
     a.kp = a.qp;
@@ -543,10 +543,14 @@ static void packed_skip_case(const PackedCase &c, unsigned seed) {
     std::vector<float> init(hq * n * d + 2 * hkv * n * d);
     for (float &x : init) x = (float)urand(&s);
     a.q = q, a.k = k, a.v = v;
-    std::vector<float> got[3];
-    for (int mode = 0; mode < 3; mode++) { /* skipping on, off, then on with dq by atomics */
+    std::vector<float> got[4];
+    /* skipping on, off, on with dq by atomics, and on with each backward CTA
+     * looping over every (batch, head) slice: a tile that sees no weight
+     * still loads its own K, V (or Q, dO) once per slice */
+    for (int mode = 0; mode < 4; mode++) {
         cpar__attn_skip_hidden_tiles = mode != 1;
         a.atomic_dq = mode == 2;
+        cpar__ab_grid_y_cap = mode == 3 ? 1 : 65535;
         float *out = (float *)dalloc(hq * n * d, F32), *lse = (float *)dalloc(hq * n, F32);
         float *g = (float *)dalloc(init.size(), F32);
         void *scratch = dalloc(cpar_dev_attention_bwd_scratch_bytes(&a) / 4, F32);
@@ -570,6 +574,9 @@ static void packed_skip_case(const PackedCase &c, unsigned seed) {
     REQUIRE(memcmp(got[0].data(), got[1].data(), sizeof(float) * got[0].size()) == 0,
             "P %d ranks %d/%d%s p %g: results differ with tile skipping", c.P, c.rq, c.rk, c.causal ? " causal" : "",
             (double)c.p);
+    REQUIRE(memcmp(got[0].data(), got[3].data(), sizeof(float) * got[0].size()) == 0,
+            "P %d ranks %d/%d%s p %g: results differ with a backward CTA per several slices", c.P, c.rq, c.rk,
+            c.causal ? " causal" : "", (double)c.p);
     /* dq by atomics: out, lse, dk and dv the same bits, dq within rounding of the dq kernel's */
     const size_t g0 = hq * n * d + hq * n, nq = hq * n * d;
     REQUIRE(memcmp(got[0].data(), got[2].data(), sizeof(float) * g0) == 0 &&
@@ -597,6 +604,12 @@ START_TEST(packed_skip) {
         {F16, 2, 0, 1, 64, true, 0.1f, {64, 200, 8, 120}, {64, 190, 8, 120}},
         {BF16, 2, 1, 0, 64, false, 0.f, {128, 0, 96, 180}, {100, 0, 96, 171}},
         {F16, 3, 2, 0, 64, true, 0.f, {96, 252, 12, 66}, {96, 250, 12, 60}},
+        /* causal ring steps with key tiles no query sees (rank 1's queries,
+         * positions 64-191, against rank 0's chunk 3, 192-255) and query
+         * tiles that see no key (rank 0's chunk 0 against rank 1's keys):
+         * backward CTAs without a step */
+        {F16, 2, 1, 0, 64, true, 0.f, {256}, {256}},
+        {BF16, 2, 0, 1, 64, true, 0.f, {256}, {256}},
     };
     const PackedCase &c = cases[_i];
     cudasim_set_schedule(_i % 2 ? CUDASIM_SCHED_REVERSE : CUDASIM_SCHED_FORWARD, 77);
@@ -707,7 +720,7 @@ int main(void) {
     tcase_add_loop_test(tc, dropout, 0, 4);
     tcase_add_loop_test(tc, atomic_dq, 0, 4);
     tcase_add_test(tc, deterministic);
-    tcase_add_loop_test(tc, packed_skip, 0, 6);
+    tcase_add_loop_test(tc, packed_skip, 0, 8);
     tcase_add_test(tc, bad_args);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);

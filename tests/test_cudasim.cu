@@ -731,6 +731,19 @@ __global__ void pipeline_misaligned(const int *in) {
     __pipeline_wait_prior(0);
 }
 
+/* Two copies of one thread over the same bytes, the first not waited for
+ * (wait: between them). */
+__global__ void pipeline_overlap(const int *in, bool wait) {
+    CPAR_DYN_SMEM(int, s);
+    const int t = (int)threadIdx.x;
+    __pipeline_memcpy_async(&s[4 * t], &in[0], 16);
+    __pipeline_commit();
+    if (wait) __pipeline_wait_prior(0);
+    __pipeline_memcpy_async(&s[4 * t + 2], &in[4], 8);
+    __pipeline_commit();
+    __pipeline_wait_prior(0);
+}
+
 START_TEST(test_pipeline_copies) {
     std::vector<int> h(128);
     for (int i = 0; i < 128; i++) h[i] = 11 * i + 5;
@@ -757,6 +770,11 @@ START_TEST(test_pipeline_copies) {
     CPAR_LAUNCH(pipeline_misaligned, 1, 4, 64, 0)(in);
     ck_assert_int_eq(cudaGetLastError(), cudaErrorLaunchFailure);
     ck_assert_ptr_nonnull(strstr(cudasim_last_message(), "__pipeline_memcpy_async"));
+    CPAR_LAUNCH(pipeline_overlap, 1, 8, 128, 0)(in, true);
+    CK_CUDA(cudaGetLastError());
+    CPAR_LAUNCH(pipeline_overlap, 1, 8, 128, 0)(in, false);
+    ck_assert_int_eq(cudaGetLastError(), cudaErrorLaunchFailure);
+    ck_assert_ptr_nonnull(strstr(cudasim_last_message(), "still in flight"));
     CK_CUDA(cudaFree(in));
     CK_CUDA(cudaFree(out));
 }
