@@ -512,8 +512,9 @@ $(B)/train $(B)/collectives $(B)/bench: $(B)/%: $(M)/% FORCE
 
 # The main job with its defaults (run from the repository's root: it trains
 # on README.md, cpar.h and cpar.c). build/train --help lists the flags.
+# DEMO_FLAGS: train's flags (./build/train --help), e.g. "--steps 200".
 demo: $(B)/train
-	./$(B)/train
+	./$(B)/train $(DEMO_FLAGS)
 
 collectives: $(B)/collectives
 	./$(B)/collectives

@@ -2066,60 +2066,84 @@ static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint3
                  : "r"(cpar__smem_addr(row)));
 }
 
-#else /* CPAR_SIM: the same operations by warp exchange */
+#else /* CPAR_SIM: the same operations, each one warp-wide call */
 
-/* Two registers travel in one 8-byte shuffle (half the warp collectives). */
-static __device__ __forceinline__ uint64_t cpar__shfl_pair(uint32_t lo, uint32_t hi, int src) {
-    return __shfl_sync(0xffffffffu, (uint64_t)lo | ((uint64_t)hi << 32), src);
+/* Each operation is one cudasim_warp_call: when all 32 lanes have arrived,
+ * the last runs the whole warp's operation from every lane's registers (one
+ * fiber switch per lane; by shuffles it took one per register exchanged, 16
+ * per mma). The fragment layouts are PTX's, as the GPU build's. */
+struct cpar__mma_sim_lane {
+    float *d;
+    const uint32_t *a, *b;
+    const float *c;
+};
+template <typename T> static void cpar__mma_sim_warp(void *const args[32], unsigned) {
+    float A[16][16], B[8][16]; /* A[row][k], B[column][k] */
+    for (int lane = 0; lane < 32; lane++) {
+        const cpar__mma_sim_lane *l = (const cpar__mma_sim_lane *)args[lane];
+        const int g = lane >> 2, s = lane & 3;
+        for (int e = 0; e < 2; e++) {
+            /* lane 4g+s holds A's rows g and g+8 at columns 2s, 2s+1 and 2s+8, 2s+9 */
+            A[g][2 * s + e] = cpar__unpack<T>(l->a[0], e);
+            A[g + 8][2 * s + e] = cpar__unpack<T>(l->a[1], e);
+            A[g][2 * s + 8 + e] = cpar__unpack<T>(l->a[2], e);
+            A[g + 8][2 * s + 8 + e] = cpar__unpack<T>(l->a[3], e);
+            /* and B's column g at rows 2s, 2s+1 and 2s+8, 2s+9 */
+            B[g][2 * s + e] = cpar__unpack<T>(l->b[0], e);
+            B[g][2 * s + 8 + e] = cpar__unpack<T>(l->b[1], e);
+        }
+    }
+    for (int lane = 0; lane < 32; lane++) {
+        const cpar__mma_sim_lane *l = (const cpar__mma_sim_lane *)args[lane];
+        const int g = lane >> 2, t = lane & 3;
+        float d[4];
+        for (int i = 0; i < 4; i++) { /* d[i]: row g (+8 for i >= 2), column 2t + (i & 1) */
+            const float *ar = A[g + 8 * (i >> 1)], *bc = B[2 * t + (i & 1)];
+            float acc = 0.0f; /* products of 16-bit values are exact in fp32 */
+            for (int k = 0; k < 16; k++) acc += ar[k] * bc[k];
+            d[i] = l->c[i] + acc;
+        }
+        for (int i = 0; i < 4; i++) l->d[i] = d[i]; /* d may be c */
+    }
 }
-
 template <typename T>
 static __device__ __forceinline__ void cpar__mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2],
                                                          const float c[4]) {
-    const int lane = (int)(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
-    float arow[2][16], bcol[2][16]; /* A rows g, g+8; B columns 2t, 2t+1 (all 16 k) */
-    for (int s = 0; s < 4; s++) {
-        /* lane 4g+s holds A's rows g and g+8 at columns 2s, 2s+1 and 2s+8, 2s+9 */
-        const uint64_t a01 = cpar__shfl_pair(a[0], a[1], 4 * g + s), a23 = cpar__shfl_pair(a[2], a[3], 4 * g + s);
-        for (int e = 0; e < 2; e++) {
-            arow[0][2 * s + e] = cpar__unpack<T>((uint32_t)a01, e);
-            arow[1][2 * s + e] = cpar__unpack<T>((uint32_t)(a01 >> 32), e);
-            arow[0][2 * s + 8 + e] = cpar__unpack<T>((uint32_t)a23, e);
-            arow[1][2 * s + 8 + e] = cpar__unpack<T>((uint32_t)(a23 >> 32), e);
-        }
-        /* lane 4n+s holds B's column n at rows 2s, 2s+1 and 2s+8, 2s+9 */
-        for (int j = 0; j < 2; j++) {
-            const uint64_t bb = cpar__shfl_pair(b[0], b[1], 4 * (2 * t + j) + s);
-            for (int e = 0; e < 2; e++) {
-                bcol[j][2 * s + e] = cpar__unpack<T>((uint32_t)bb, e);
-                bcol[j][2 * s + 8 + e] = cpar__unpack<T>((uint32_t)(bb >> 32), e);
+    cpar__mma_sim_lane me = {d, a, b, c};
+    cudasim_warp_call(0xffffffffu, cpar__mma_sim_warp<T>, &me, "mma.sync.m16n8k16");
+}
+
+/* ldmatrix: lane i (i < 8N) names row i of the N 8x8 matrices; lane 4g+t
+ * gets row g's elements 2t, 2t+1 of each (.trans: column g's). */
+struct cpar__ldmatrix_sim_lane {
+    uint32_t *r;
+    const void *row;
+};
+template <int N, bool TRANS> static void cpar__ldmatrix_sim_warp(void *const args[32], unsigned) {
+    const uint16_t *rows[32];
+    for (int lane = 0; lane < 32; lane++) rows[lane] = (const uint16_t *)((cpar__ldmatrix_sim_lane *)args[lane])->row;
+    for (int lane = 0; lane < 32; lane++) {
+        uint32_t *r = ((cpar__ldmatrix_sim_lane *)args[lane])->r;
+        const int g = lane >> 2, t = lane & 3;
+        for (int m = 0; m < N; m++) {
+            if (!TRANS) {
+                const uint16_t *p = rows[8 * m + g];
+                r[m] = (uint32_t)p[2 * t] | ((uint32_t)p[2 * t + 1] << 16);
+            } else {
+                const uint16_t *p0 = rows[8 * m + 2 * t], *p1 = rows[8 * m + 2 * t + 1];
+                r[m] = (uint32_t)p0[g] | ((uint32_t)p1[g] << 16);
             }
         }
     }
-    for (int i = 0; i < 4; i++) {
-        const float *ar = arow[i >> 1], *bc = bcol[i & 1];
-        float acc = 0.0f; /* products of 16-bit values are exact in fp32 */
-        for (int k = 0; k < 16; k++) acc += ar[k] * bc[k];
-        d[i] = c[i] + acc;
-    }
 }
-
 template <int N, bool TRANS> static __device__ __forceinline__ void cpar__ldmatrix_sim(uint32_t *r, const void *row) {
-    const int lane = (int)(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
+    const int lane = (int)(threadIdx.x & 31);
     if (lane < 8 * N && (uintptr_t)row % 16 != 0) { /* a GPU faults (misaligned address) */
         printf("cpar__ldmatrix: lane %d's row address %p is not 16-byte aligned\n", lane, row);
         __trap();
     }
-    for (int m = 0; m < N; m++) {
-        if (!TRANS) {
-            const uint16_t *p = (const uint16_t *)__shfl_sync(0xffffffffu, row, 8 * m + g);
-            r[m] = (uint32_t)p[2 * t] | ((uint32_t)p[2 * t + 1] << 16);
-        } else {
-            const uint16_t *p0 = (const uint16_t *)__shfl_sync(0xffffffffu, row, 8 * m + 2 * t);
-            const uint16_t *p1 = (const uint16_t *)__shfl_sync(0xffffffffu, row, 8 * m + 2 * t + 1);
-            r[m] = (uint32_t)p0[g] | ((uint32_t)p1[g] << 16);
-        }
-    }
+    cpar__ldmatrix_sim_lane me = {r, row};
+    cudasim_warp_call(0xffffffffu, cpar__ldmatrix_sim_warp<N, TRANS>, &me, TRANS ? "ldmatrix.trans" : "ldmatrix");
 }
 static __device__ __forceinline__ void cpar__ldmatrix_x4(uint32_t r[4], const void *row) {
     cpar__ldmatrix_sim<4, false>(r, row);

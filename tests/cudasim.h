@@ -70,7 +70,8 @@
  *   cudasim_schedule_name, cudasim_last_message, cudasim_switch_count,
  *   cudasim_set_device_count, cudasim_set_memory_limit, cudasim_bytes_in_use,
  *   cudasim_check_memory, cudasim_set_streams, cudasim_get_streams,
- *   cudasim_streams_name, cudasim_drain, cudasim_fail_launch; macros
+ *   cudasim_streams_name, cudasim_drain, cudasim_fail_launch,
+ *   cudasim_warp_call; macros
  *   CPAR_LAUNCH, CPAR_DYN_SMEM, CUDASIM.
  *
  * Contents
@@ -448,6 +449,17 @@ inline const char *cudasim_schedule_name(cudasim_schedule s);
 inline const char *cudasim_last_message(void);
 /* Fiber switches performed by this host thread so far. */
 inline unsigned long long cudasim_switch_count(void);
+/* A warp-wide operation defined by the caller, with warp-collective
+ * semantics: when every lane named in mask has called cudasim_warp_call with
+ * the same fn (the rules of the warp intrinsics apply), the last to arrive
+ * runs fn(args, mask) once, where args[l] is lane l's arg (nullptr for lanes
+ * outside the mask), and then every lane proceeds. fn may read and write
+ * what the args point to, the waiting lanes' locals included (their stacks
+ * stay put while they wait). For operations in which every lane needs the
+ * others' registers (mma.sync, ldmatrix): one fiber switch per lane where
+ * shuffles take one per register exchanged. Outside a kernel: fn({arg}, 1). */
+typedef void (*cudasim_warp_fn)(void *const args[32], unsigned mask);
+inline void cudasim_warp_call(unsigned mask, cudasim_warp_fn fn, void *arg, const char *what);
 /* Process-wide device count (overrides CUDASIM_DEVICES, default 8); 0 makes
  * cudaGetDeviceCount fail with cudaErrorNoDevice, as on a machine without GPU. */
 inline void cudasim_set_device_count(int n);
@@ -489,7 +501,7 @@ namespace cudasim {
 namespace detail {
 
 enum FiberState : unsigned char { FS_NEW, FS_RUNNABLE, FS_BARRIER, FS_WARP, FS_DONE };
-enum WarpOp : unsigned char { WO_NONE, WO_SYNC, WO_SHFL, WO_VOTE, WO_MATCH_ANY, WO_MATCH_ALL, WO_REDUCE };
+enum WarpOp : unsigned char { WO_NONE, WO_SYNC, WO_SHFL, WO_VOTE, WO_MATCH_ANY, WO_MATCH_ALL, WO_REDUCE, WO_CALL };
 enum ReduceOp : unsigned char { RO_ADD_U, RO_MIN_U, RO_MAX_U, RO_ADD_I, RO_MIN_I, RO_MAX_I, RO_AND, RO_OR, RO_XOR };
 
 /* One simulated CUDA thread. The built-in variables read the running fiber's
@@ -504,6 +516,7 @@ struct Fiber {
     const char *what;     /* name of the intrinsic it waits in, for messages */
     unsigned mask;        /* its warp-collective mask */
     int src;              /* shuffle source lane (-1: own value) */
+    cudasim_warp_fn fn;   /* WO_CALL's function (its argument in val) */
     int bar_pred, bar_result;
     unsigned long long val, result;
     /* its asynchronous copies in flight (__pipeline_memcpy_async): group 0 =
@@ -919,7 +932,8 @@ inline unsigned warp_exist_mask(const HostThread &h, unsigned warp) {
 
 /* Lane g waits in the same collective as f (same kind, same lanes). */
 inline bool same_collective(const HostThread &h, const Fiber &g, const Fiber &f, unsigned m) {
-    return g.state == FS_WARP && g.op == f.op && g.subop == f.subop && (g.mask & warp_exist_mask(h, g.warp)) == m;
+    return g.state == FS_WARP && g.op == f.op && g.subop == f.subop && (g.op != WO_CALL || g.fn == f.fn) &&
+           (g.mask & warp_exist_mask(h, g.warp)) == m;
 }
 
 inline std::string where(const HostThread &h) {
@@ -1186,6 +1200,12 @@ inline void warp_complete(Fiber *w, unsigned m, const Fiber *f) {
             }
         }
         for (unsigned r = m; r; r &= r - 1) w[__builtin_ctz(r)].result = acc;
+        break;
+    }
+    case WO_CALL: {
+        void *args[32] = {};
+        for (unsigned r = m; r; r &= r - 1) args[__builtin_ctz(r)] = (void *)(uintptr_t)w[__builtin_ctz(r)].val;
+        f->fn(args, m);
         break;
     }
     default: break;
@@ -3649,6 +3669,17 @@ inline const char *cudasim_schedule_name(cudasim_schedule s) {
 }
 inline const char *cudasim_last_message(void) { return cudasim::detail::host().message.c_str(); }
 inline unsigned long long cudasim_switch_count(void) { return cudasim::detail::host().switches; }
+inline void cudasim_warp_call(unsigned mask, cudasim_warp_fn fn, void *arg, const char *what) {
+    using namespace cudasim::detail;
+    HostThread *h = t_host;
+    if (!h || !h->in_kernel) { /* host code: a warp of one */
+        void *args[32] = {arg};
+        fn(args, 1u);
+        return;
+    }
+    t_fiber->fn = fn;
+    warp_collective(WO_CALL, 0, what, mask, (unsigned long long)(uintptr_t)arg, -1);
+}
 inline void cudasim_set_device_count(int n) {
     cudasim::detail::Global &g = cudasim::detail::global();
     std::lock_guard<std::mutex> lock(g.mu);

@@ -257,12 +257,13 @@ for c in ${PKG_CHECKS:-}; do add "pkg/$c" "sh \"tests/check_$c.sh\""; done
 # The longest suites start first, so that the last to finish is a short one;
 # the rest start in the report's order. By CPU time measured on 2 cores (the
 # drop-in check first: its compiles of cpar.c are one long chain); the
-# sanitizer build's (asan/) after them, for make test-sanitize. (A name not
-# here only starts later.)
+# sanitizer builds' (asan/, tsan/) after them, for make test-sanitize and
+# make test-tsan. (A name not here only starts later.)
 LONG_FIRST="pkg/dropin nccl-sim/trainjob sim/attn sim/attn_bwd sim/lm_check nccl-sim/attn nccl-sim/ring sim/ring
             sim/trainjob host/coll nccl-sim/lm_check sim/inference sim/inference@2gpu sim/devlayer nccl-sim/inference host/hostmp
             host/attn nccl-sim/gpu sim/gpu-check host/trainjob
-            asan/attn asan/coll asan/ops asan/core asan/ring asan/linear asan/mappings"
+            asan/linear asan/attn asan/ring asan/coll asan/mappings asan/fuzz asan/rng
+            tsan/trainjob tsan/ring tsan/nccl-sim/coll tsan/coll tsan/store tsan/mappings tsan/rng tsan/inference"
 
 # Suite i runs in the background into $tmp/i.out, .rc and .time; then its
 # runner writes i to the pipe on fd 3, where this shell waits for it.

@@ -633,6 +633,100 @@ START_TEST(test_warp_block_reduction) {
 }
 END_TEST
 
+/* cudasim_warp_call: each lane publishes a pointer to its locals; the last
+ * lane of the mask to arrive runs the function once for all of them. Here
+ * each lane gets the sum of the named lanes' values plus its own rank among
+ * them, and the function counts its calls and the null (unnamed) args. */
+static void expect_launch_failure(const Schedule &sc, const char *what, const char *needle1, const char *needle2);
+static void expect_good_launch_after_failure(const Schedule &sc, int *buf);
+struct WarpCallLane {
+    int v, out;
+    int *calls; /* [0]: calls, [1]: args that were null, [2]: calls whose mask differed */
+    unsigned mask;
+};
+static void warp_call_sum(void *const args[32], unsigned mask) {
+    int sum = 0, *calls = nullptr, nulls = 0;
+    bool mask_ok = true;
+    for (int l = 0; l < 32; l++) {
+        WarpCallLane *a = (WarpCallLane *)args[l];
+        if (!a) {
+            nulls++;
+            continue;
+        }
+        sum += a->v;
+        calls = a->calls;
+        mask_ok = mask_ok && a->mask == mask;
+    }
+    int rank = 0;
+    for (int l = 0; l < 32; l++)
+        if (args[l]) ((WarpCallLane *)args[l])->out = sum + rank++;
+    calls[0]++; /* one host thread runs the block: no race */
+    calls[1] += nulls;
+    calls[2] += !mask_ok;
+}
+static void warp_call_other(void *const args[32], unsigned) { (void)args; }
+/* Lanes 0-15 call with mask 0x0000ffff, lanes 16-31 with 0xffff0000 (two
+ * calls per warp), then the whole warp with the full mask; after each, the
+ * lane writes its result. variant 1: lane 0 first calls another function
+ * with the same mask. */
+__global__ void warp_call_kernel(const int *in, int *out, int *calls, int variant) {
+    unsigned g = blockIdx.x * blockDim.x + threadIdx.x, lane = threadIdx.x % 32;
+    WarpCallLane me = {in[g], -1, calls, lane < 16 ? 0x0000ffffu : 0xffff0000u};
+    if (variant == 1 && lane == 0) cudasim_warp_call(me.mask, warp_call_other, &me, "warp_call_other");
+    cudasim_warp_call(me.mask, warp_call_sum, &me, "warp_call_sum");
+    out[2 * g] = me.out;
+    me.mask = 0xffffffffu;
+    cudasim_warp_call(me.mask, warp_call_sum, &me, "warp_call_sum");
+    out[2 * g + 1] = me.out;
+}
+
+START_TEST(test_warp_call) {
+    const unsigned nb = 3, B = 64, n = nb * B;
+    std::vector<int> h(n);
+    for (unsigned i = 0; i < n; i++) h[i] = (int)(i * 7 % 23) - 11;
+    int *in = dev_alloc<int>(n), *out = dev_alloc<int>(2 * n), *calls = dev_alloc<int>(3);
+    to_dev(in, h);
+    for (const Schedule &sc : kSchedules) {
+        cudasim_set_schedule(sc.s, sc.seed);
+        poison(out, 2 * n * 4);
+        CK_CUDA(cudaMemset(calls, 0, 3 * 4));
+        CPAR_LAUNCH(warp_call_kernel, nb, B, 0, 0)(in, out, calls, 0);
+        CK_LAUNCHED(sc);
+        std::vector<int> o = from_dev(out, 2 * n), c = from_dev(calls, 3);
+        for (unsigned g = 0; g < n; g++) {
+            unsigned lane = g % 32, w = g - lane, half = w + lane / 16 * 16;
+            int s16 = 0, s32 = 0;
+            for (unsigned l = 0; l < 32; l++) s32 += h[w + l];
+            for (unsigned l = 0; l < 16; l++) s16 += h[half + l];
+            EXPECT(o[2 * g] == s16 + (int)(lane % 16), "[%s] thread %u, half-warp call: %d, expected %d", sc.name,
+                   g, o[2 * g], s16 + (int)(lane % 16));
+            EXPECT(o[2 * g + 1] == s32 + (int)lane, "[%s] thread %u, full-warp call: %d, expected %d", sc.name, g,
+                   o[2 * g + 1], s32 + (int)lane);
+        }
+        const int warps = (int)(n / 32);
+        EXPECT(c[0] == 3 * warps, "[%s] %d calls, expected %d (one per completion)", sc.name, c[0], 3 * warps);
+        EXPECT(c[1] == 2 * 16 * warps, "[%s] %d null args, expected %d (the lanes outside each half mask)", sc.name,
+               c[1], 2 * 16 * warps);
+        EXPECT_EQ(c[2], 0);
+
+        /* another function, same mask, in one lane: the lanes never gather, a launch failure naming both */
+        CPAR_LAUNCH(warp_call_kernel, 1, 32, 0, 0)(in, out, calls, 1);
+        expect_launch_failure(sc, "two functions", "warp_call_other", "warp_call_sum");
+        expect_good_launch_after_failure(sc, out);
+    }
+    /* host code: a warp of one */
+    int host_calls[3] = {0, 0, 0};
+    WarpCallLane me = {5, -1, host_calls, 1u};
+    cudasim_warp_call(1u, warp_call_sum, &me, "warp_call_sum");
+    EXPECT(me.out == 5 && host_calls[0] == 1 && host_calls[1] == 31 && host_calls[2] == 0,
+           "host call: out %d, %d calls, %d null args, %d mask mismatches", me.out, host_calls[0], host_calls[1],
+           host_calls[2]);
+    CK_CUDA(cudaFree(in));
+    CK_CUDA(cudaFree(out));
+    CK_CUDA(cudaFree(calls));
+}
+END_TEST
+
 /* ==== 5. shared memory ==================================================== */
 
 /* Checks that the block's dynamic shared memory is 16-byte aligned and fully
@@ -1987,6 +2081,7 @@ int main(void) {
     tcase_add_test(tc, test_warp_shuffles);
     tcase_add_test(tc, test_warp_partial_masks_and_votes);
     tcase_add_test(tc, test_warp_block_reduction);
+    tcase_add_test(tc, test_warp_call);
     tc = make_tcase(s, "shared_memory");
     tcase_add_test(tc, test_dynamic_shared_memory);
     tcase_add_test(tc, test_pipeline_copies);
