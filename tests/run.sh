@@ -259,9 +259,10 @@ for c in ${PKG_CHECKS:-}; do add "pkg/$c" "sh \"tests/check_$c.sh\""; done
 # drop-in check first: its compiles of cpar.c are one long chain); the
 # sanitizer builds' (asan/, tsan/) after them, for make test-sanitize and
 # make test-tsan. (A name not here only starts later.)
-LONG_FIRST="pkg/dropin nccl-sim/trainjob sim/attn sim/attn_bwd sim/lm_check nccl-sim/attn nccl-sim/ring sim/ring
-            sim/trainjob host/coll nccl-sim/lm_check sim/inference sim/inference@2gpu sim/devlayer nccl-sim/inference host/hostmp
-            host/attn nccl-sim/gpu sim/gpu-check host/trainjob
+LONG_FIRST="pkg/dropin nccl-sim/trainjob sim/trainjob nccl-sim/linear sim/linear sim/gpu-check nccl-sim/linear@lazy
+            sim/linear@random host/linear sim/inference nccl-sim/ring@lazy sim/inference@2gpu nccl-sim/inference
+            sim/lm_check sim/devlayer sim/ring@random sim/devlayer@warps nccl-sim/ring sim/ring host/coll sim/attn
+            sim/attn_bwd nccl-sim/attn nccl-sim/lm_check host/hostmp host/attn nccl-sim/gpu host/trainjob
             asan/linear asan/attn asan/ring asan/coll asan/mappings asan/fuzz asan/rng
             tsan/trainjob tsan/ring tsan/nccl-sim/coll tsan/coll tsan/store tsan/mappings tsan/rng tsan/inference"
 
