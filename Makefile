@@ -417,7 +417,15 @@ test-gpu: $(GPU_TEST)
 # processes and count such an ending as a crash.
 SAN_FLAGS  := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 SAN_SUITES := core coll grid ops rng mappings xent linear attn ring packed mamba inference train fuzz
-SAN_TESTS  := $(SAN_SUITES:%=$(B)/asan/test_%)
+# The attention kernels too, on the simulator (test_attn_bwd includes
+# cpar_kernels.cu; test_cudasim checks the poisoning below): under
+# AddressSanitizer the simulator poisons the guard bytes around every
+# cudaMalloc and the shared memory past a launch's size, so a kernel's
+# out-of-bounds read or write is reported where it happens (what
+# compute-sanitizer's memcheck does on a GPU), and UBSan reports a
+# misaligned vector access, which faults on a GPU and passes on x86.
+SAN_SIM_SUITES := cudasim attn_bwd
+SAN_TESTS  := $(SAN_SUITES:%=$(B)/asan/test_%) $(SAN_SIM_SUITES:%=$(B)/asan/sim/test_%)
 SAN_ENV    := ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1:abort_on_error=0 \
               UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
@@ -427,8 +435,13 @@ $(B)/asan/cpar.o: cpar.c $(HDR) | $(B)/asan
 $(B)/asan/test_%: tests/test_%.c $(B)/asan/cpar.o $(TEST_HDRS) | $(B)/asan
 	$(CC) $(ALL_CFLAGS) $(SAN_FLAGS) $(CHECK_FLAGS) $< $(B)/asan/cpar.o -o $@ $(CHECK_LIBS) $(LIBS)
 
+$(SAN_SIM_SUITES:%=$(B)/asan/sim/test_%): $(B)/asan/sim/test_%: tests/test_%.cu cpar_kernels.cu tests/cudasim.h tests/suite.h $(HDR)
+	@mkdir -p $(@D)
+	$(CXX) $(SIM_CXXFLAGS) $(SAN_FLAGS) $(CHECK_FLAGS) -x c++ $< -o $@ $(CHECK_LIBS) $(LIBS)
+
 test-sanitize: $(SAN_TESTS)
-	@$(SAN_ENV) HOST_FLAVOUR=asan CPAR_TEST_LOG=$(B)/test-sanitize.log $(call RUN_TESTS,$(SAN_SUITES),,,)
+	@$(SAN_ENV) HOST_FLAVOUR=asan SAN_SIM_SUITES="$(SAN_SIM_SUITES)" CPAR_TEST_LOG=$(B)/test-sanitize.log \
+	    $(call RUN_TESTS,$(SAN_SUITES),,,)
 
 # The host flavour under ThreadSanitizer: the suites whose ranks are threads
 # sharing one process, the store's server and the main job (its ranks check

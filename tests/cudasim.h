@@ -51,7 +51,9 @@
  * against the live allocations (out of range or not device memory is
  * cudaErrorInvalidValue, or CUBLAS_STATUS_EXECUTION_FAILED + a pending
  * cudaErrorIllegalAddress for GEMMs), and cudaFree reports overwritten guard
- * bytes (cudaErrorIllegalAddress). Streams are queues (section 9): kernels,
+ * bytes (cudaErrorIllegalAddress). Built with AddressSanitizer, the guard
+ * bytes and the dynamic shared memory past a launch's size are poisoned, so
+ * a kernel's out-of-bounds read or write is reported where it happens. Streams are queues (section 9): kernels,
  * copies, memsets, GEMMs and event records run in stream order after what
  * they wait for, eagerly, lazily or in a seeded random interleaving
  * (CUDASIM_STREAMS), so a missing wait or synchronisation reads stale memory.
@@ -189,6 +191,7 @@
 extern "C" {
 void __sanitizer_start_switch_fiber(void **fake_stack_save, const void *bottom, size_t size);
 void __sanitizer_finish_switch_fiber(void *fake_stack_save, const void **bottom_old, size_t *size_old);
+void __asan_poison_memory_region(void const volatile *addr, size_t size);
 void __asan_unpoison_memory_region(void const volatile *addr, size_t size);
 }
 #endif
@@ -730,6 +733,7 @@ struct Global {
     std::mutex mu;
     std::map<uintptr_t, Alloc> allocs;
     std::set<const void *> streams, events, blas;
+    std::vector<const void *> dead_streams; /* destroyed ones (never freed), reachable for LeakSanitizer */
     std::map<const void *, int> max_dyn_smem;
     std::map<int, size_t> in_use;
     int ndev = -1;
@@ -2453,8 +2457,34 @@ inline bool is_pinned(const void *p) {
 }
 
 
+/* Under AddressSanitizer the guard bytes are poisoned, so that a kernel's,
+ * copy's or GEMM's access to them is reported where it happens (reads too,
+ * as compute-sanitizer's memcheck does on a GPU); the checks below read them
+ * between unpoison and poison. */
+inline void guard_poison(uintptr_t user, size_t size, bool poison) {
+#ifdef CUDASIM_ASAN
+    unsigned char *lo = (unsigned char *)user - kGuard, *hi = (unsigned char *)user + size;
+    size_t tail = (size + 255) / 256 * 256 - size + kGuard;
+    if (poison) {
+        __asan_poison_memory_region(lo, kGuard);
+        __asan_poison_memory_region(hi, tail);
+    } else {
+        __asan_unpoison_memory_region(lo, kGuard);
+        __asan_unpoison_memory_region(hi, tail);
+    }
+#else
+    (void)user, (void)size, (void)poison;
+#endif
+}
+
 /* Checks the guard bytes of one allocation; returns a description or "". */
 inline std::string guard_damage(uintptr_t user, const Alloc &a) {
+    guard_poison(user, a.size, false);
+    struct Repoison {
+        uintptr_t user;
+        size_t size;
+        ~Repoison() { guard_poison(user, size, true); }
+    } repoison{user, a.size};
     const unsigned char *lo = (const unsigned char *)user - kGuard;
     size_t tail = (a.size + 255) / 256 * 256 - a.size + kGuard;
     for (size_t i = 0; i < kGuard; i++)
@@ -2497,6 +2527,7 @@ inline cudaError_t alloc_impl(const char *fn, void **p, size_t size, bool pinned
     memset(base, kGuardByte, kGuard);
     memset(base + kGuard, 0xFF, size); /* fresh memory is poison: reads before writes show */
     memset(base + kGuard + size, kGuardByte, body - size + kGuard);
+    guard_poison((uintptr_t)(base + kGuard), size, true);
     {
         std::lock_guard<std::mutex> lock(g.mu);
         g.allocs[(uintptr_t)(base + kGuard)] = Alloc{size, h.device, pinned};
@@ -2525,7 +2556,7 @@ inline cudaError_t free_impl(const char *fn, void *p, bool pinned) {
         if (!pinned) g.in_use[it->second.device] -= it->second.size;
         g.allocs.erase(it);
     }
-    free((unsigned char *)p - kGuard);
+    free((unsigned char *)p - kGuard); /* guard_damage left the guards poisoned: free takes the whole block back */
     if (!damage.empty())
         return rt_fail(cudaErrorIllegalAddress, "%s: %s (an out-of-bounds write by a kernel or copy)", fn,
                     damage.c_str());
@@ -2937,6 +2968,7 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
     {
         std::lock_guard<std::mutex> lock(g.mu);
         found = s && g.streams.erase(s);
+        if (found) g.dead_streams.push_back(s);
     }
     if (!found) return rt_fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy(%p): not a live stream", (void *)s);
     force_all(s);
@@ -3179,6 +3211,12 @@ inline void launch(const LaunchInfo &L, void (*body)(void *), void *ctx) {
     }
 #endif
     h.smem_size = L.smem;
+#ifdef CUDASIM_ASAN /* shared memory past the launch's size is out of bounds */
+    if (h.smem) {
+        __asan_unpoison_memory_region(h.smem, h.smem_size);
+        __asan_poison_memory_region(h.smem + h.smem_size, h.smem_cap - h.smem_size);
+    }
+#endif
     h.nthreads = n;
     h.nwarps = (n + 31) / 32;
     h.last_warp_mask = (n % 32) ? (1u << (n % 32)) - 1u : 0xffffffffu;

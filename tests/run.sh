@@ -112,6 +112,10 @@ esac
 for s in ${TSAN_NCCL_SUITES:-}; do
     suite "tsan/nccl-sim/$s" "\$B/tsan/ncclsim/test_$s" nccl CUDASIM_STREAMS=random:$seed
 done
+# make test-sanitize: sim-only suites built with ASan and UBSan (build/asan/sim)
+for s in ${SAN_SIM_SUITES:-}; do
+    suite "asan/sim/$s" "\$B/asan/sim/test_$s" device CUDASIM_STREAMS=lazy
+done
 without_faults() { for s in "$@"; do [ "$s" = faults ] || printf '%s ' "$s"; done; }
 HOST_SUITES=$(without_faults $HOST_SUITES)
 SIM_SUITES=$(without_faults $SIM_SUITES)
@@ -263,7 +267,7 @@ LONG_FIRST="pkg/dropin nccl-sim/trainjob sim/trainjob nccl-sim/linear sim/linear
             sim/linear@random host/linear sim/inference nccl-sim/ring@lazy sim/inference@2gpu nccl-sim/inference
             sim/lm_check sim/devlayer sim/ring@random sim/devlayer@warps nccl-sim/ring sim/ring host/coll sim/attn
             sim/attn_bwd nccl-sim/attn nccl-sim/lm_check host/hostmp host/attn nccl-sim/gpu host/trainjob
-            asan/linear asan/attn asan/ring asan/coll asan/mappings asan/fuzz asan/rng
+            asan/linear asan/attn asan/sim/attn_bwd asan/ring asan/coll asan/mappings asan/fuzz asan/rng
             tsan/trainjob tsan/ring tsan/nccl-sim/coll tsan/coll tsan/store tsan/mappings tsan/rng tsan/inference"
 
 # Suite i runs in the background into $tmp/i.out, .rc and .time; then its

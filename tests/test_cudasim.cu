@@ -1577,6 +1577,18 @@ END_TEST
 
 /* ==== 11. runtime ========================================================= */
 
+#ifdef CUDASIM_ASAN
+extern "C" int __asan_address_is_poisoned(void const volatile *addr);
+/* Counts into bad the dynamic shared bytes below size that are poisoned and
+ * those at size (the first past it) that are not. */
+__global__ void smem_bounds(int *bad, int size) {
+    CPAR_DYN_SMEM(unsigned char, s);
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < size; i++) *bad += __asan_address_is_poisoned(s + i);
+        *bad += !__asan_address_is_poisoned(s + size) + !__asan_address_is_poisoned(s + 1000);
+    }
+}
+#endif
 __global__ void write_past_end(unsigned char *p, int n) {
     if (threadIdx.x == 0) p[n] = 1; /* one byte past a cudaMalloc(n) */
 }
@@ -1629,14 +1641,35 @@ START_TEST(test_runtime_memory) {
     cudaGetLastError();
     CK_CUDA(cudaFree(p2));
 
-    /* out-of-bounds kernel writes land in guard bytes and are reported */
     unsigned char *q = dev_alloc<unsigned char>(100);
+#ifndef CUDASIM_ASAN
+    /* out-of-bounds kernel writes land in guard bytes and are reported */
     CPAR_LAUNCH(write_past_end, 1, 32, 0, 0)(q, 100);
     ck_assert_int_eq(cudaGetLastError(), cudaSuccess);
     ck_assert_int_eq(cudasim_check_memory(), 1);
     ck_assert_ptr_nonnull(strstr(cudasim_last_message(), "past its end"));
     ck_assert_int_eq(cudaFree(q), cudaErrorIllegalAddress);
     ck_assert_int_eq(cudaGetLastError(), cudaErrorIllegalAddress);
+#else
+    /* under AddressSanitizer the guard bytes are poisoned, so such a write
+     * (or read) is reported where it happens; the guard checks read them
+     * unpoisoned and poison them again */
+    (void)write_past_end;
+    for (int pass = 0; pass < 2; pass++) {
+        ck_assert(!__asan_address_is_poisoned(q) && !__asan_address_is_poisoned(q + 99));
+        ck_assert(__asan_address_is_poisoned(q - 1) && __asan_address_is_poisoned(q - 256));
+        ck_assert(__asan_address_is_poisoned(q + 100) && __asan_address_is_poisoned(q + 511));
+        ck_assert_int_eq(cudasim_check_memory(), 0);
+    }
+    CK_CUDA(cudaFree(q));
+    /* and the shared memory past a launch's dynamic size */
+    int *bad = dev_alloc<int>(1);
+    CK_CUDA(cudaMemset(bad, 0, 4));
+    CPAR_LAUNCH(smem_bounds, 1, 32, 100, 0)(bad, 100);
+    CK_LAUNCHED(kSchedules[0]);
+    ck_assert_int_eq(from_dev(bad, 1)[0], 0);
+    CK_CUDA(cudaFree(bad));
+#endif
     ck_assert_int_eq(cudasim_check_memory(), 0);
 
     /* pinned host memory and the memory limit */
