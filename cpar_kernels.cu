@@ -65,7 +65,8 @@
  * this file to reach its static device functions. They define
  * CPAR_KERNELS_ATTENTION_ONLY, which leaves out every section the attention
  * kernels do not stand on (5-11, 13-14, 17-21): each such suite then
- * compiles in 25 s instead of 66 (g++ -O1 -g, 2026-11-28). */
+ * compiles in 25 s instead of 66 (g++ -O1 -g, 2026-11-28). test_mma also
+ * defines CPAR_KERNELS_MMA_ONLY, which leaves out sections 12 and 16 too. */
 
 #define CPAR_INTERNAL /* the device layer's declarations (cpar.h §16) */
 #include "cpar.h"
@@ -1095,6 +1096,8 @@ cpar_status cpar_dev_gemm(cpar_dev_blas h, cpar_dev_stream s, int transa, int tr
 
 #endif /* sections 5-11 */
 
+#ifndef CPAR_KERNELS_MMA_ONLY /* section 12 */
+
 /* ==== 12. RNG: random fills and dropout ======================================
  * The device half of cpar.h §9 (the host half and its reference loops are
  * cpar.c §15): Philox4x32-10, the uniform/normal transforms and dropout.
@@ -1388,6 +1391,8 @@ cpar_status cpar_dev_dropout_backward(const void *dy, void *dx, const uint8_t *m
                                       float p, float scale, uint64_t seed, uint64_t offset, cpar_dev_stream s) {
     return cpar__dropout_dev(__func__, dy, dx, mask, NULL, dt, n, p, scale, seed, offset, s);
 }
+
+#endif /* section 12 */
 
 #ifndef CPAR_KERNELS_ATTENTION_ONLY /* sections 13-14 */
 
@@ -2159,6 +2164,8 @@ static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint3
 }
 
 #endif /* CPAR_SIM */
+
+#ifndef CPAR_KERNELS_MMA_ONLY /* section 16 */
 
 /* ==== 16. Local attention: the flash kernels ================================
  * The device half of cpar.h §12's local attention (host half and reference
@@ -3681,6 +3688,8 @@ cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, cons
                    (long long)d, a->causal ? ", causal" : "");
     return CPAR_OK;
 }
+
+#endif /* section 16 */
 
 #ifndef CPAR_KERNELS_ATTENTION_ONLY /* sections 17-21 */
 
