@@ -94,28 +94,31 @@ static void ref_fwd(const double *X, const double *W, const double *b, int64_t T
             Y[t * N + o] = a;
         }
 }
-/* dX[T,K] = dY[T,N] W[N,K] over the output columns with mask[o] (NULL: all). */
+/* dX[T,K] = dY[T,N] W[N,K] over the output columns with mask[o] (NULL: all).
+ * Each sum runs over o in order (rows of W read whole, not columns). */
 static void ref_dgrad(const double *dY, const double *W, int64_t T, int64_t K, int64_t N, const bool *mask, double *dX) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t k = 0; k < K; k++) {
-            double a = 0.0;
-            for (int64_t o = 0; o < N; o++)
-                if (!mask || mask[o]) a += dY[t * N + o] * W[o * K + k];
-            dX[t * K + k] = a;
-        }
-}
-/* dW[N,K] = dY^T X, db[N] = sum dY. */
-static void ref_wgrad(const double *dY, const double *X, int64_t T, int64_t K, int64_t N, double *dW, double *db) {
-    for (int64_t o = 0; o < N; o++) {
-        double s = 0.0;
-        for (int64_t t = 0; t < T; t++) s += dY[t * N + o];
-        db[o] = s;
-        for (int64_t k = 0; k < K; k++) {
-            double a = 0.0;
-            for (int64_t t = 0; t < T; t++) a += dY[t * N + o] * X[t * K + k];
-            dW[o * K + k] = a;
+    for (int64_t t = 0; t < T; t++) {
+        double *dx = dX + t * K;
+        for (int64_t k = 0; k < K; k++) dx[k] = 0.0;
+        for (int64_t o = 0; o < N; o++) {
+            if (mask && !mask[o]) continue;
+            const double dy = dY[t * N + o], *w = W + o * K;
+            for (int64_t k = 0; k < K; k++) dx[k] += dy * w[k];
         }
     }
+}
+/* dW[N,K] = dY^T X, db[N] = sum dY. Each sum runs over t in order (rows of
+ * X read whole, not columns). */
+static void ref_wgrad(const double *dY, const double *X, int64_t T, int64_t K, int64_t N, double *dW, double *db) {
+    for (int64_t i = 0; i < N * K; i++) dW[i] = 0.0;
+    for (int64_t o = 0; o < N; o++) db[o] = 0.0;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t o = 0; o < N; o++) {
+            const double dy = dY[t * N + o], *x = X + t * K;
+            double *dw = dW + o * K;
+            db[o] += dy;
+            for (int64_t k = 0; k < K; k++) dw[k] += dy * x[k];
+        }
 }
 
 static uint64_t ag_bytes(uint64_t own, int n) { return own * (uint64_t)(n - 1); }
