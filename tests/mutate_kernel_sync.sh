@@ -16,7 +16,7 @@
 #
 # A mutant no check kills is SURVIVED: either a test is missing, or the
 # barrier or wait guards nothing (a wait with no copy in flight there: say so
-# beside it in the source). About 30-90 s a site on 2 cores (a compile of
+# beside it in the source). About 35 s a site on 2 cores (a compile of
 # the attention sections, then the suite until its first failure); it writes
 # only under a temporary directory (MUTATE_DIR to keep it).
 set -u
