@@ -1994,7 +1994,9 @@ inline unsigned long long ullmax(unsigned long long a, unsigned long long b) { r
  *   eager        at issue, as if the GPU were infinitely fast;
  *   lazy         only when a host call forces it, as late as it can;
  *   random:SEED  at random moments: every runtime call may first run a few
- *                ready operations of random streams (any thread's).
+ *                ready operations of random streams (any thread's), and a
+ *                query may run the operation it is about to ask `ready`
+ *                about (as another thread could, in between).
  * So memory that queued work will write reads as it was before that work
  * ran, as on a GPU, and a missing stream wait or host synchronisation shows
  * up as a stale value under lazy or random.
@@ -2276,6 +2278,12 @@ inline bool force(CUstream_st *s, uint64_t upto, bool poll = false) {
         if (poll && s->q.front().ready) {
             std::function<bool()> ready = s->q.front().ready;
             uint64_t seq = s->q.front().seq;
+            /* random: another thread's progress may run the operation between
+             * this copy of `ready` and its call; do so now, half the time, so
+             * a `ready` that outlives its operation's resources fails here. */
+            if (streams_mode_locked(k) == 2 && !s->q.front().host_driven && !host().exec_stream && !host().in_kernel &&
+                (splitmix64(k.rng) & 1))
+                run_front(k, s, lk);
             lk.unlock();
             bool go = ready();
             lk.lock();

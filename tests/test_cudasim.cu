@@ -2094,6 +2094,35 @@ START_TEST(test_streams_legacy_rules) {
 }
 END_TEST
 
+/* random: a query copies an operation's `ready` and calls it unlocked, so
+ * another thread's progress may run the operation in between. The simulator
+ * does so itself half the time (the NCCL simulator's `ready` once used a
+ * staging the run had freed): over 16 seeds both orders occur. */
+START_TEST(test_streams_query_gap) {
+    int gap = 0, before = 0;
+    for (unsigned long long seed = 1; seed <= 16; seed++) {
+        StreamsMode mode(CUDASIM_STREAMS_RANDOM, seed);
+        cudaStream_t s;
+        CK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        auto ran = std::make_shared<int>(0), seen = std::make_shared<int>(-1);
+        cudasim::detail::enqueue(s, "test: an operation with a ready check", [ran] { *ran = 1; }, {}, false,
+                                 [ran, seen] {
+                                     if (*seen < 0) *seen = *ran;
+                                     return true;
+                                 });
+        int polls = 0;
+        while (cudaStreamQuery(s) == cudaErrorNotReady && polls < 100) polls++;
+        (void)cudaGetLastError();
+        ck_assert_msg(*ran == 1, "random:%llu: the operation never ran (%d polls)", seed, polls);
+        gap += *seen == 1;
+        before += *seen == 0;
+        CK_CUDA(cudaStreamDestroy(s));
+    }
+    ck_assert_msg(gap > 0, "random: no seed of 16 ran the operation between a query's copy of ready and its call");
+    ck_assert_msg(before > 0, "random: no seed of 16 called ready before the operation ran");
+}
+END_TEST
+
 static TCase *make_tcase(Suite *s, const char *name) {
     TCase *tc = tcase_create(name);
     tcase_set_timeout(tc, 120);
@@ -2139,6 +2168,7 @@ int main(void) {
     tcase_add_test(tc, test_streams_lazy_defers);
     tcase_add_test(tc, test_streams_missing_wait_is_caught);
     tcase_add_test(tc, test_streams_legacy_rules);
+    tcase_add_test(tc, test_streams_query_gap);
     tc = make_tcase(s, "timing");
     tcase_add_test(tc, test_timing_report);
 

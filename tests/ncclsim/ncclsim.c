@@ -330,7 +330,8 @@ static size_t ns_area_bytes_for(int n) {
 /* Where an operation's output lands in stream order (see the execution
  * model): the operation writes buf; when its stream reaches it, a queued copy
  * moves buf to dst. Shared by the communicator (until the operation ends)
- * and the queued copy (until it ran): the last of the two frees it. */
+ * and the queued copy (until the simulator drops it, after it ran): the last
+ * of the two frees it. */
 struct ns_landing {
     void *dst, *buf;
     size_t bytes;
@@ -342,7 +343,8 @@ struct ns_landing {
 
 /* A batch's inputs, staged when its stream reaches the batch (see the
  * execution model): shared by the communicator (until the batch ends) and
- * the queued staging (until it ran); the last of the two frees it. */
+ * the queued staging (until the simulator drops it, after it ran); the last
+ * of the two frees it. */
 struct ns_stage {
     pthread_mutex_t mu; /* held while staging, and by the communicator to let go */
     ncclComm_t comm;    /* NULL once the communicator let go (the batch ended or failed) */
@@ -828,7 +830,7 @@ static ncclResult_t ns_post(ncclComm_t c, const ns_op *ops, int n) {
     return r;
 }
 
-static void ns_stage_release(ns_stage *st) {
+void ncclsim_stage_release(ns_stage *st) {
     if (atomic_fetch_sub_explicit(&st->refs, 1, memory_order_acq_rel) == 1) {
         pthread_mutex_destroy(&st->mu);
         free(st);
@@ -844,7 +846,7 @@ static void ns_stage_let_go(ns_stage **pst) {
     pthread_mutex_lock(&st->mu);
     st->comm = NULL;
     pthread_mutex_unlock(&st->mu);
-    ns_stage_release(st);
+    ncclsim_stage_release(st);
 }
 
 int ncclsim_stage_ready(ns_stage *st) {
@@ -871,7 +873,6 @@ void ncclsim_stage_run(ns_stage *st) {
     }
     if (st->comm && atomic_load(&st->posted)) ns_stage_inputs(st->comm);
     pthread_mutex_unlock(&st->mu);
-    ns_stage_release(st);
 }
 
 /* Run the pending device batch's staging on this thread (its stream's work

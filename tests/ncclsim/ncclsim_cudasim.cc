@@ -11,6 +11,7 @@
 
 #include "ncclsim_hooks.h"
 
+#include <memory>
 #include <thread>
 
 extern "C" int ncclsim_dev_current(void) {
@@ -55,6 +56,13 @@ extern "C" void ncclsim_dev_stream_force(cudaStream_t s, uint64_t seq) {
     cudasim::detail::force(s, seq);
 }
 
+/* The queued operation's reference to a staging or landing, shared by its
+ * `run` and `ready` closures and their copies: a query may still be in a
+ * copy of `ready` when another thread has run the operation. */
+template <typename T> static std::shared_ptr<T> queued_ref(T *p, void (*release)(T *)) {
+    return std::shared_ptr<T>(p, release);
+}
+
 /* The staging: runs when the stream reaches the batch, on whichever thread
  * runs the stream then; other threads' random progress too, unless the
  * batch waits behind another (then it could wait for the issuing thread's
@@ -63,8 +71,9 @@ extern "C" uint64_t ncclsim_dev_stream_stage(cudaStream_t s, ns_stage *st, int w
     using namespace cudasim::detail;
     CUstream_st *q = resolve(s);
     *where = q;
-    return enqueue(q, "ncclsim: an operation's inputs", [st] { ncclsim_stage_run(st); }, {}, waits != 0,
-                   [st] { return ncclsim_stage_ready(st) != 0; });
+    auto ref = queued_ref(st, ncclsim_stage_release);
+    return enqueue(q, "ncclsim: an operation's inputs", [ref] { ncclsim_stage_run(ref.get()); }, {}, waits != 0,
+                   [ref] { return ncclsim_stage_ready(ref.get()) != 0; });
 }
 
 /* The landing copy: runs when the stream reaches the operation; waits for it
@@ -73,11 +82,14 @@ extern "C" uint64_t ncclsim_dev_stream_stage(cudaStream_t s, ns_stage *st, int w
  * Never run by another thread's random progress (host_driven). */
 extern "C" void ncclsim_dev_stream_land(cudaStream_t s, ns_landing *l) {
     using namespace cudasim::detail;
-    auto ready = [l] {
+    auto ref = queued_ref(l, ncclsim_land_release);
+    auto ready = [ref] {
+        ns_landing *l = ref.get();
         if (ncclsim_land_state(l) == NCCLSIM_LAND_PENDING) ncclsim_land_drive(l);
         return ncclsim_land_state(l) != NCCLSIM_LAND_PENDING;
     };
-    enqueue_host_driven(resolve(s), "ncclsim: an operation's output", [l] {
+    enqueue_host_driven(resolve(s), "ncclsim: an operation's output", [ref] {
+        ns_landing *l = ref.get();
         const char *e = getenv("NCCLSIM_TIMEOUT_MS");
         long long limit_ms = e && atoll(e) > 0 ? atoll(e) : 300000;
         auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms);
@@ -95,7 +107,6 @@ extern "C" void ncclsim_dev_stream_land(cudaStream_t s, ns_landing *l) {
                         "poll ncclCommGetAsyncError until it has (a real GPU would hang here)", limit_ms);
             op_failed(cudaErrorLaunchTimeout);
         }
-        ncclsim_land_release(l);
     }, ready);
 }
 

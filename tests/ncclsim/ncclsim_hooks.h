@@ -33,18 +33,24 @@ int ncclsim_dev_streams_deferred(void);
 typedef struct ns_landing ns_landing;
 enum { NCCLSIM_LAND_PENDING = 0, NCCLSIM_LAND_DONE = 1, NCCLSIM_LAND_FAILED = 2 };
 /* Queues on s the copy of l's buffer to its destination, which waits for the
- * operation to end (ncclsim_land_* below). */
+ * operation to end (ncclsim_land_* below). The queued copy holds one
+ * reference to l, dropped when the simulator drops the copy and every
+ * closure of it (a query's `ready` may still be running when another
+ * thread has run the copy). */
 void ncclsim_dev_stream_land(cudaStream_t s, ns_landing *l);
 /* A batch's staging of its inputs (ncclsim.c). */
 typedef struct ns_stage ns_stage;
 /* Queues on s the staging of st's batch; *where gets the stream that holds it
  * (s resolved) and the return value its number there. Other threads' random
  * progress may run it (it takes st's lock) unless `waits`: the batch waits
- * behind another. */
+ * behind another. The queued staging holds one reference to st, as the
+ * copy does to its landing. */
 uint64_t ncclsim_dev_stream_stage(cudaStream_t s, ns_stage *st, int waits, cudaStream_t *where);
 /* The queued staging's body: waits (up to NCCLSIM_TIMEOUT_MS) until the
- * batch is posted, stages its inputs and publishes them; then drops st. */
+ * batch is posted, stages its inputs and publishes them. */
 void ncclsim_stage_run(ns_stage *st);
+/* Drops one reference to st; the last frees it. */
+void ncclsim_stage_release(ns_stage *st);
 /* May the staging run without waiting (the batch is posted, or was let go)?
  * On the issuing thread it first drives the communicator once. */
 int ncclsim_stage_ready(ns_stage *st);
