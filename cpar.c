@@ -1095,6 +1095,7 @@ static void cpar__on_compute_stream(cpar_ctx *ctx) { ctx->coll_stream = NULL; }
  * elsewhere fails only work that has not finished. */
 static cpar_status cpar__comm_errors_named(cpar_ctx *ctx, const char *fn); /* section 12 */
 static void cpar__comms_abort(cpar_ctx *ctx);
+static void cpar__abort_why(cpar_ctx *ctx, cpar_status st, const char *why); /* section 12 */
 
 static cpar_status cpar__stream_wait(cpar_ctx *ctx, const char *fn, cpar_dev_stream s) {
     /* Without a context (no caller makes one wait so) there is nothing to
@@ -1122,10 +1123,17 @@ static cpar_status cpar__stream_wait(cpar_ctx *ctx, const char *fn, cpar_dev_str
         if (cpar__now_ms() > deadline) {
             if (!ctx) return cpar__fail(NULL, CPAR_ERR_TIMEOUT, "%s: device work unfinished after %d ms", fn,
                                         cpar__default_timeout_ms());
-            cpar_abort(ctx);
-            return cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: device work unfinished after %d ms%s%s%s; communicators "
-                              "aborted", fn, ctx->timeout_ms, *ctx->last_comm ? " (the last communication queued: " : "",
-                              ctx->last_comm, *ctx->last_comm ? ")" : "");
+            /* The job learns why before the abort reaches a peer (as in
+             * cpar__nccl_wait), even from a wait whose error nobody reads
+             * (cpar__stream_wait_quiet): cpar_spawn reports it. */
+            cpar_status st = cpar__fail(ctx, CPAR_ERR_TIMEOUT, "%s: device work unfinished after %d ms%s%s%s; "
+                                        "communicators aborted", fn, ctx->timeout_ms,
+                                        *ctx->last_comm ? " (the last communication queued: " : "", ctx->last_comm,
+                                        *ctx->last_comm ? ")" : "");
+            char why[CPAR_ERR_LEN];
+            snprintf(why, sizeof why, "timed out (%.400s)", ctx->err);
+            cpar__abort_why(ctx, st, why);
+            return st;
         }
         cpar__progress_tick(&progress, ctx ? ctx->rank : -1, deadline, "%s: waiting for the GPU%s%s%s", fn,
                             ctx && *ctx->last_comm ? " (the last communication queued: " : "",
@@ -1137,10 +1145,10 @@ static cpar_status cpar__stream_wait(cpar_ctx *ctx, const char *fn, cpar_dev_str
 
 /* cpar__stream_wait for calls that report nothing (freeing, finalizing):
  * the context's last error stays the one the user will read. */
-static void cpar__stream_wait_quiet(cpar_ctx *ctx, cpar_dev_stream s) {
+static void cpar__stream_wait_quiet(cpar_ctx *ctx, const char *fn, cpar_dev_stream s) {
     char saved[CPAR_ERR_LEN];
     memcpy(saved, ctx->err, sizeof saved);
-    (void)cpar__stream_wait(ctx, "", s);
+    (void)cpar__stream_wait(ctx, fn, s);
     memcpy(ctx->err, saved, sizeof saved);
 }
 
@@ -1315,7 +1323,7 @@ cpar_status cpar_tensor_free(cpar_ctx *ctx, cpar_tensor *t) {
      * cpar__mem_alloc). Compute suffices: every call joins comm back into
      * compute before it returns (tests/mutate_waits.sh: a comm wait here was
      * never needed). */
-    if (t->data && cpar__on_device(t->device)) cpar__stream_wait_quiet(ctx, ctx->compute);
+    if (t->data && cpar__on_device(t->device)) cpar__stream_wait_quiet(ctx, "cpar_tensor_free", ctx->compute);
     cpar_status st = cpar__mem_free(t->device, t->data);
     t->data = NULL;
     return st == CPAR_OK ? CPAR_OK : cpar__dev_fail(ctx, st, "cpar_tensor_free");
@@ -8130,7 +8138,7 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
     if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_finalize: ctx is NULL");
     if (cpar__on_device(ctx->device)) {
         cpar_dev_set(ctx->device);
-        cpar__stream_wait_quiet(ctx, ctx->compute); /* comm is joined into it: see cpar__streams_quiet */
+        cpar__stream_wait_quiet(ctx, "cpar_finalize", ctx->compute); /* comm joins it: cpar__streams_quiet */
     }
     while (ctx->groups) cpar__group_free(ctx->groups);
     cpar__pc_arenas_unmap(ctx);
@@ -8626,12 +8634,15 @@ fail: {
 }
 }
 
-cpar_status cpar_abort(cpar_ctx *ctx) {
-    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_abort: ctx is NULL");
+/* Ends this rank's part in the job: the job fails with st, this rank the
+ * root cause ("rank N <why>" says what happened, for cpar_spawn and for
+ * the other processes' members), and its NCCL communicators are aborted so
+ * no peer waits on them. The first failure recorded stays. */
+static void cpar__abort_why(cpar_ctx *ctx, cpar_status st, const char *why) {
     ctx->aborted = true;
-    if (ctx->job) cpar__job_fail_why(ctx->job, ctx->rank, CPAR_ERR_PEER, true, NULL); /* the abort is the cause */
-    char msg[64];
-    snprintf(msg, sizeof msg, "rank %d aborted (cpar_abort)", ctx->rank);
+    if (ctx->job) cpar__job_fail_why(ctx->job, ctx->rank, st, true, why);
+    char msg[CPAR_ERR_LEN];
+    snprintf(msg, sizeof msg, "rank %d %.480s", ctx->rank, why);
     cpar__pc_record_all(ctx, msg);
 #ifdef CPAR_WITH_NCCL
     for (cpar_group *g = ctx->groups; g; g = g->next)
@@ -8640,6 +8651,11 @@ cpar_status cpar_abort(cpar_ctx *ctx) {
             g->nccl = NULL;
         }
 #endif
+}
+
+cpar_status cpar_abort(cpar_ctx *ctx) {
+    if (!ctx) return cpar__fail(NULL, CPAR_ERR_INVALID, "cpar_abort: ctx is NULL");
+    cpar__abort_why(ctx, CPAR_ERR_PEER, "aborted (cpar_abort)");
     return CPAR_OK;
 }
 
