@@ -7,6 +7,30 @@
 #include <check.h>
 #include <stdlib.h>
 
+/* Check's ck_assert_msg (every ck_assert_* goes through it) records each
+ * passed assertion's place, the "last passed" of a crash report, with a
+ * write(2) to the runner: in an element loop that was 3 million syscalls and
+ * 40 % of the sim ring suite's CPU time. Recorded here only when the place
+ * differs from this thread's last one, which leaves the report the same (a
+ * loop's repeats of one place say nothing new). */
+#ifdef __cplusplus
+#define TU_THREAD_LOCAL thread_local
+#else
+#define TU_THREAD_LOCAL _Thread_local
+#endif
+static inline void tu_mark_point(const char *file, int line) {
+    static TU_THREAD_LOCAL const char *last_file;
+    static TU_THREAD_LOCAL int last_line;
+    if (line == last_line && file == last_file) return;
+    last_file = file;
+    last_line = line;
+    _mark_point(file, line);
+}
+#undef ck_assert_msg
+#define ck_assert_msg(expr, ...)                                                                             \
+    ((expr) ? tu_mark_point(__FILE__, __LINE__)                                                              \
+            : _ck_assert_failed(__FILE__, __LINE__, "Assertion '" #expr "' failed", __VA_ARGS__))
+
 /* Run every test of a suite and return the process exit status. */
 static inline int tu_run_suite(Suite *s) {
     SRunner *sr = srunner_create(s);
