@@ -9,8 +9,9 @@
 
 /* Check's ck_assert_msg (every ck_assert_* goes through it) records each
  * passed assertion's place, the "last passed" of a crash report, with a
- * write(2) to the runner: in an element loop that was 3 million syscalls and
- * 40 % of the sim ring suite's CPU time. Recorded here only when the place
+ * write(2) to the runner under a lock: sim ring's element loops made 3
+ * million of them, and its CPU time fell from 17.6 to 11.1 s without them
+ * (2026-12-07, 2 cores). Recorded here only when the place
  * differs from this thread's last one, which leaves the report the same (a
  * loop's repeats of one place say nothing new). */
 #ifdef __cplusplus
