@@ -2262,6 +2262,12 @@ template <int DT_, bool GENERAL_, bool CAUSAL_ = false> struct cpar__attn_var {
      * at d 64) would not leave room beside S and O */
     static constexpr bool FWD_Q_SHARED = DT == 128 || FWD_BN > CPAR__ATTN_BN;
     static constexpr int DQ_CTAS = GENERAL || DT == 128 ? 2 : 3;
+    /* dO buffers of the dkdv kernel: two where two CTAs per SM still fit
+     * (d 64), one at d 128 (refilled after each step's dV) */
+    static constexpr int DKDV_DO_BUFS = DT <= 64 ? 2 : 1;
+    /* Column passes of the dkdv kernel's dQ (atomic_dq): at d 128 two of
+     * 32 x 32 per warp (64 accumulator registers beside dK and dV spilled) */
+    static constexpr int DKDV_DQ_PASSES = DT == 128 ? 2 : 1;
     static __device__ __forceinline__ int d(int64_t run_time) { return GENERAL ? (int)run_time : DT; }
     static __device__ __forceinline__ bool causal(bool run_time) { return GENERAL ? run_time : CAUSAL_; }
     static __device__ __forceinline__ bool packed(const cpar_dev_attn_pos &qp, const cpar_dev_attn_pos &kp) {
@@ -2974,16 +2980,24 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * host backend reduces in rank order); the price is recomputing S and dP
  * once more (7 GEMM-equivalents instead of 5), with no extra scratch.
  * cpar_dev_attn's atomic_dq (CPAR_ATTN_DQ=atomic) takes FA2's way instead:
- * the dkdv kernel stages each step's dS in shared memory and adds scale·dS k
- * to dq by fp32 atomics (cpar__ab_dq_atomic), and launch 3 is skipped; sm_90:
- * 2,736 instructions, 160 HMMA where dkdv and dq took 2,064 + 1,776 and
- * 128 + 96 per 64 x 32 block at d 128, no spills, 2 CTAs/SM.
+ * the dkdv kernel adds scale·dS k to dq by fp32 atomics from the dSᵀ it
+ * already holds in shared memory (cpar__ab_dq_atomic), and launch 3 is
+ * skipped: per 64 x 64 block at d 128 and per warp, 320 HMMA and 144 LDSM
+ * where the pair takes 256 + 192 and 112 + 112 (sm_90, no spills, 2 CTAs/SM).
  * Dropout recomputes the forward's mask Z (keep / (1-p)) per weight in both
  * kernels: dkdv forms dS = P∘(dP∘Z − Dsum) first, then P∘Z in place of P
  * for dV; dq needs only dS.
- * Tiles: each warp owns 16 rows (keys in dkdv, queries in dq) and computes
- * against the whole opposite tile, so warps never exchange data; shared tiles
- * are zero-filled past the sequence and past d (padded to D = 64 or 128), rows
+ * Tiles: the dkdv kernel takes FA2's warp layout (2 x 2 warps over each
+ * 64 x 64 block of Sᵀ and dPᵀ, whose Pᵀ and dSᵀ go through shared memory to
+ * the warps that own 32 keys x D/2 columns of dK and dV): every fragment it
+ * loads from shared memory feeds at least two mma's, 2.3 per ldmatrix at d
+ * 128 where the first layout (a warp's 16 keys against the whole query tile,
+ * no exchange) fed 1.6, and shared-memory bandwidth, not the tensor cores,
+ * bounds mma.sync kernels there (at d 128 the first layout's pair issued
+ * 1.9 times FA2's ldmatrix per block, and ran at 0.44-0.46 of SDPA flash on
+ * an H200 on 2026-11-28). In the dq kernel
+ * each warp owns 16 queries against the whole key tile. Shared tiles are
+ * zero-filled past the sequence and past d (padded to D = 64 or 128), rows
  * padded by 8 elements so ldmatrix's 8 row addresses hit distinct banks.
  * P and dS are rounded to the input type for the mma (as FA2 does); every sum
  * is fp32. lse = -inf (a row that sees no key) and rows past sq become +inf in
@@ -2997,9 +3011,11 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * cpar__attn_cp16; through registers only for an f32 dout or a misaligned
  * row), double buffered: the dkdv kernel's next (q head, query tile) step and
  * the dq kernel's next key tile are in flight while the current one
- * computes. One barrier per step: a step waits for its own copies, and
- * past the barrier issues the next step's into the buffer the previous
- * step read (every warp is done with it there). The atomic dq adds one.
+ * computes. A step waits for its own copies before its first barrier, and
+ * past it issues the next step's into the buffer the previous step read
+ * (every warp is done with it there); the dkdv kernel adds one barrier for
+ * its shared Pᵀ and dSᵀ, and at d 128, where one dO buffer leaves room for
+ * two CTAs per SM, one after dV, past which the next dO comes in.
  * Uses: 2 (errors), 4 (widen/narrow, packs), k_mma.cu (tensor-core wrappers). */
 
 /* CPAR__UNROLL: section 16's (full unrolling under nvcc, nothing under g++). */
@@ -3009,15 +3025,14 @@ static constexpr int CPAR__AB_BRQ = 64;     /* queries per tile of the dq kernel
 static constexpr int CPAR__AB_THREADS = 128; /* 4 warps x 16 rows */
 static constexpr float CPAR__AB_LOG2E = 1.4426950408889634f;
 
-/* Queries per tile of the dkdv kernel: 32 at D = 128 keeps S and dP (16 x BR
- * fp32 each per warp) beside the 2 x D/2 dK/dV accumulators in registers. */
-template <int D> static constexpr int cpar__ab_brkv = D == 128 ? 32 : 64;
+/* Queries per step of the dkdv kernel (64 at both head dims: FA2's layout
+ * keeps S and dP at 32 x 32 per warp, beside the dK/dV accumulators). */
+static constexpr int CPAR__AB_BRKV = 64;
 
 /* lse2 and Dsum rows per (batch, q head) slice: sq rounded up to a multiple
  * of every query tile, so a tile never reads past its slice. */
 static constexpr int CPAR__AB_ROW_PAD = 64;
-static_assert(CPAR__AB_ROW_PAD % CPAR__AB_BRQ == 0 && CPAR__AB_ROW_PAD % cpar__ab_brkv<64> == 0 &&
-                  CPAR__AB_ROW_PAD % cpar__ab_brkv<128> == 0,
+static_assert(CPAR__AB_ROW_PAD % CPAR__AB_BRQ == 0 && CPAR__AB_ROW_PAD % CPAR__AB_BRKV == 0,
               "query tiles divide the scratch's row padding");
 static int64_t cpar__ab_sq_pad(int64_t sq) { return (sq + CPAR__AB_ROW_PAD - 1) / CPAR__AB_ROW_PAD * CPAR__AB_ROW_PAD; }
 
@@ -3044,16 +3059,23 @@ static __device__ __forceinline__ float cpar__ab_keep(const cpar__ab_args &p, ui
     return cpar__attn_keep(p.rng, p.dropout_p, mbh, (uint64_t)q.pos, (uint64_t)k.pos) ? p.keep_scale : 0.f;
 }
 
-/* Calls f(nb, e, row, col) for every element acc[nb][e] of this warp's
- * 16 x 8·NB m16n8k16 C fragments: tile row m0 + g + 8·(e/2), tile column
- * nb·8 + 2t + e%2 (g = lane/4, t = lane%4). The one statement of that layout
- * for the passes over S, dP and the accumulators of both kernels. */
-template <int NB, typename F> static __device__ __forceinline__ void cpar__ab_each(int m0, F &&f) {
+/* Calls f(mb, nb, e, row, col) for every element acc[mb][nb][e] of this
+ * warp's 16·MB x 8·NB m16n8k16 C fragments: tile row m0 + 16·mb + g +
+ * 8·(e/2), tile column n0 + nb·8 + 2t + e%2 (g = lane/4, t = lane%4). The one
+ * statement of that layout for the passes over S, dP and the accumulators
+ * of both kernels; cpar__ab_each is its one-row-block form. */
+template <int MB, int NB, typename F>
+static __device__ __forceinline__ void cpar__ab_each_blocks(int m0, int n0, F &&f) {
     const int lane = (int)(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
     CPAR__UNROLL
-    for (int nb = 0; nb < NB; nb++)
+    for (int mb = 0; mb < MB; mb++)
         CPAR__UNROLL
-        for (int e = 0; e < 4; e++) f(nb, e, m0 + g + 8 * (e >> 1), nb * 8 + 2 * t + (e & 1));
+        for (int nb = 0; nb < NB; nb++)
+            CPAR__UNROLL
+            for (int e = 0; e < 4; e++) f(mb, nb, e, m0 + 16 * mb + g + 8 * (e >> 1), n0 + nb * 8 + 2 * t + (e & 1));
+}
+template <int NB, typename F> static __device__ __forceinline__ void cpar__ab_each(int m0, F &&f) {
+    cpar__ab_each_blocks<1, NB>(m0, 0, [&](int, int nb, int e, int r, int c) { f(nb, e, r, c); });
 }
 
 /* Whether weight (query row qr of the query tile at i0, key row kr of the
@@ -3145,26 +3167,74 @@ template <int N> static __device__ __forceinline__ void cpar__ab_zero(float (&ac
         for (int e = 0; e < 4; e++) acc[n][e] = 0.f;
 }
 
-/* acc[NB][4] (16 x 8·NB, C fragments) = A·Bᵀ over k in [0, KD): A rows
- * [m0, m0+16) of sa, B rows [0, 8·NB) of sb, both row-major [row][k] with
- * pitch LD (the q·kᵀ pattern: B from an [n][k] tile without .trans). k-steps
- * at or past d (zero columns of the padded tile) are skipped. */
-template <typename T, int NB, int KD, int LD>
-static __device__ __forceinline__ void cpar__ab_mma_abt(float (&acc)[NB][4], const T *sa, int m0, const T *sb,
-                                                        int d) {
+/* acc[MB][NB][4] (16·MB x 8·NB, C fragments) = A·Bᵀ over k in [0, KD): A
+ * rows [m0, m0 + 16·MB) of sa, B rows [n0, n0 + 8·NB) of sb, both row-major
+ * [row][k] with pitch LD (the q·kᵀ pattern: B from an [n][k] tile without
+ * .trans). Each B fragment feeds MB mma's, each A fragment NB. k-steps at
+ * or past d (zero columns of the padded tile) are skipped. */
+template <typename T, int MB, int NB, int KD, int LD>
+static __device__ __forceinline__ void cpar__ab_mma_abt_blocks(float (&acc)[MB][NB][4], const T *sa, int m0,
+                                                               const T *sb, int n0, int d) {
     const int lane = (int)(threadIdx.x & 31);
-    cpar__ab_zero(acc);
+    CPAR__UNROLL
+    for (int mb = 0; mb < MB; mb++) cpar__ab_zero(acc[mb]);
     CPAR__UNROLL
     for (int kk = 0; kk < KD; kk += 16) {
         if (kk >= d) break;
-        uint32_t a[4];
-        cpar__ldmatrix_x4(a, sa + (m0 + (lane & 15)) * LD + kk + 8 * (lane >> 4));
+        uint32_t a[MB][4];
+        CPAR__UNROLL
+        for (int mb = 0; mb < MB; mb++)
+            cpar__ldmatrix_x4(a[mb], sa + (m0 + 16 * mb + (lane & 15)) * LD + kk + 8 * (lane >> 4));
         CPAR__UNROLL
         for (int nb = 0; nb < NB; nb += 2) {
             uint32_t b[4]; /* n-block nb in b[0..1], nb+1 in b[2..3] */
-            cpar__ldmatrix_x4(b, sb + (nb * 8 + (lane & 7) + 8 * (lane >> 4)) * LD + kk + 8 * ((lane >> 3) & 1));
-            cpar__mma_m16n8k16<T>(acc[nb], a, b, acc[nb]);
-            cpar__mma_m16n8k16<T>(acc[nb + 1], a, b + 2, acc[nb + 1]);
+            cpar__ldmatrix_x4(b, sb + (n0 + nb * 8 + (lane & 7) + 8 * (lane >> 4)) * LD + kk + 8 * ((lane >> 3) & 1));
+            CPAR__UNROLL
+            for (int mb = 0; mb < MB; mb++) {
+                cpar__mma_m16n8k16<T>(acc[mb][nb], a[mb], b, acc[mb][nb]);
+                cpar__mma_m16n8k16<T>(acc[mb][nb + 1], a[mb], b + 2, acc[mb][nb + 1]);
+            }
+        }
+    }
+}
+/* One row block: acc[NB][4] (16 x 8·NB) = A·Bᵀ, A rows [m0, m0 + 16), B rows [0, 8·NB). */
+template <typename T, int NB, int KD, int LD>
+static __device__ __forceinline__ void cpar__ab_mma_abt(float (&acc)[NB][4], const T *sa, int m0, const T *sb,
+                                                        int d) {
+    cpar__ab_mma_abt_blocks<T, 1, NB, KD, LD>(reinterpret_cast<float (&)[1][NB][4]>(acc), sa, m0, sb, 0, d);
+}
+
+/* acc[MB][NB][4] (16·MB x 8·NB) += A·B over k in [0, KD), both operands in
+ * shared memory: A rows [m0, m0 + 16·MB) of sa, row-major [m][k] with pitch
+ * LDA, or (A_TRANS) stored transposed, [k][m] (ldmatrix .trans gives the
+ * same fragments); B columns [n0, n0 + 8·NB) of sb, row-major [k][n] with
+ * pitch LDB (.trans). Column blocks at or past ncols are left alone (never
+ * stored). Each A fragment feeds NB mma's, each B fragment MB. */
+template <typename T, int MB, int NB, int KD, int LDA, int LDB, bool A_TRANS>
+static __device__ __forceinline__ void cpar__ab_mma_ab(float (&acc)[MB][NB][4], const T *sa, int m0, const T *sb,
+                                                       int n0, int ncols) {
+    const int lane = (int)(threadIdx.x & 31);
+    CPAR__UNROLL
+    for (int kk = 0; kk < KD; kk += 16) {
+        uint32_t a[MB][4];
+        CPAR__UNROLL
+        for (int mb = 0; mb < MB; mb++) {
+            if (A_TRANS) /* 8 x 8 matrix lane / 8: rows m + 8·(its bit 0), k + 8·(its bit 1) */
+                cpar__ldmatrix_x4_trans(a[mb], sa + (kk + 8 * (lane >> 4) + (lane & 7)) * LDA + m0 + 16 * mb +
+                                                   8 * ((lane >> 3) & 1));
+            else
+                cpar__ldmatrix_x4(a[mb], sa + (m0 + 16 * mb + (lane & 15)) * LDA + kk + 8 * (lane >> 4));
+        }
+        CPAR__UNROLL
+        for (int nb = 0; nb < NB; nb += 2) {
+            if (n0 + nb * 8 >= ncols) break;
+            uint32_t b[4];
+            cpar__ldmatrix_x4_trans(b, sb + (kk + (lane & 15)) * LDB + n0 + nb * 8 + 8 * (lane >> 4));
+            CPAR__UNROLL
+            for (int mb = 0; mb < MB; mb++) {
+                cpar__mma_m16n8k16<T>(acc[mb][nb], a[mb], b, acc[mb][nb]);
+                cpar__mma_m16n8k16<T>(acc[mb][nb + 1], a[mb], b + 2, acc[mb][nb + 1]);
+            }
         }
     }
 }
@@ -3228,85 +3298,99 @@ static __global__ void cpar__attn_bwd_dot_kernel(const O *__restrict__ out, cons
 }
 
 /* FlashAttention-2's dQ from the dkdv step (cpar_dev_attn's atomic_dq):
- * the warps' dSᵀ fragments (16 keys x BR queries each; zeros from a warp
- * whose keys the step skips) go
- * to shared dS [BR][BC + 8] (rounded to T, as the dq kernel rounds its A
- * fragments); after a barrier, warp w computes rows 16 (w % RB) of dQ = dS K
- * for D / CS columns from c0 = (w / RB) D / CS (RB = BR / 16 row blocks, CS
- * = 4 / RB column slices: 16 x 64 each at d 64 and 128) and adds scale·dQ
- * to dq with fp32 atomics (two adjacent columns in one on sm_90): the order of the CTAs' additions, and so dq's
- * last bits, vary run to run. The caller's next step starts with a barrier,
- * after which sdS may be written again. */
+ * dQ = dS K for the step's BR queries, A fragments from the shared dSᵀ
+ * [BC][LDS] (rounded to T, as the dq kernel rounds its own; .trans loads), B
+ * from K. Warp w computes queries 32 (w / 2), columns (w % 2) D / 2 and adds
+ * scale·dQ to dq with fp32 atomics (two adjacent columns in one on sm_90):
+ * the order of the CTAs' additions, and so dq's last bits, vary run to run. */
 #if defined(CPAR_SIM) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
 #define CPAR__AB_PAIR_ATOMICS 1 /* atomicAdd(float2 *) */
 #else
 #define CPAR__AB_PAIR_ATOMICS 0
 #endif
-template <typename T, int BR, int D>
-static __device__ __forceinline__ void cpar__ab_dq_atomic(const cpar__ab_args &p, T *sdS, const T *sK,
-                                                          const float (&dp)[BR / 8][4], int m0, int64_t qbh, int64_t i0,
-                                                          int d) {
-    constexpr int BC = CPAR__AB_BC, LDS = BC + 8, LD = D + 8, RB = BR / 16, CS = 4 / RB, NDW = D / CS / 8;
-    cpar__ab_each<BR / 8>(m0, [&](int nb, int e, int kr, int r) {
-        sdS[r * LDS + kr] = cpar__narrow<T>(dp[nb][e]);
-    });
-    __syncthreads();
-    const int warp = (int)(threadIdx.x >> 5), lane = (int)(threadIdx.x & 31);
-    const int r0 = (warp % RB) * 16, c0 = (warp / RB) * (D / CS);
-    if (c0 >= d) return;
-    float acc[NDW][4];
-    cpar__ab_zero(acc);
-    CPAR__UNROLL
-    for (int kk = 0; kk < BC; kk += 16) {
-        uint32_t a[4];
-        cpar__ldmatrix_x4(a, sdS + (r0 + (lane & 15)) * LDS + kk + 8 * (lane >> 4));
-        CPAR__UNROLL
-        for (int nd = 0; nd < NDW; nd += 2) {
-            if (c0 + nd * 8 >= d) break;
-            uint32_t b[4];
-            cpar__ldmatrix_x4_trans(b, sK + (kk + (lane & 15)) * LD + c0 + nd * 8 + 8 * (lane >> 4));
-            cpar__mma_m16n8k16<T>(acc[nd], a, b, acc[nd]);
-            cpar__mma_m16n8k16<T>(acc[nd + 1], a, b + 2, acc[nd + 1]);
-        }
-    }
-    /* a C fragment's elements e and e + 1 are adjacent columns of one row:
-     * one 8-byte atomic for both where the GPU has them (sm_90) and gq is
-     * 8-byte aligned (c and d are even) */
+template <typename T, int D, int LDS, int PASSES>
+static __device__ __forceinline__ void cpar__ab_dq_atomic(const cpar__ab_args &p, const T *sdS, const T *sK,
+                                                          int64_t qbh, int64_t i0, int d) {
+    constexpr int BC = CPAR__AB_BC, LD = D + 8, NDW = D / 16 / PASSES;
+    const int warp = (int)(threadIdx.x >> 5), r0 = (warp >> 1) * 32;
     float *gq = p.dq + qbh * p.dq_bh;
 #if CPAR__AB_PAIR_ATOMICS
     const bool pairs = ((uintptr_t)gq & 7) == 0;
 #endif
-    cpar__ab_each<NDW>(r0, [&](int nd, int e, int r, int c) {
-        const int64_t i = i0 + r;
-        if (i >= p.sq || c0 + c >= d) return;
-        float *dst = &gq[i * d + c0 + c];
+    CPAR__ROLLED
+    for (int pass = 0; pass < PASSES; pass++) {
+        const int c0 = (warp & 1) * (D / 2) + pass * (D / 2 / PASSES);
+        if (c0 >= d) return;
+        float acc[2][NDW][4];
+        cpar__ab_zero(acc[0]);
+        cpar__ab_zero(acc[1]);
+        cpar__ab_mma_ab<T, 2, NDW, BC, LDS, LD, true>(acc, sdS, r0, sK, c0, d);
+        /* a C fragment's elements e and e + 1 are adjacent columns of one
+         * row: one 8-byte atomic for both where the GPU has them (sm_90)
+         * and gq is 8-byte aligned (c and d are even) */
+        cpar__ab_each_blocks<2, NDW>(r0, c0, [&](int mb, int nd, int e, int r, int c) {
+            const int64_t i = i0 + r;
+            if (i >= p.sq || c >= d) return;
+            float *dst = &gq[i * d + c];
 #if CPAR__AB_PAIR_ATOMICS
-        if (pairs) {
-            if (e % 2 == 0)
-                atomicAdd(reinterpret_cast<float2 *>(dst),
-                          make_float2(p.scale * acc[nd][e], p.scale * acc[nd][e + 1]));
-            return;
-        }
+            if (pairs) {
+                if (e % 2 == 0)
+                    atomicAdd(reinterpret_cast<float2 *>(dst),
+                              make_float2(p.scale * acc[mb][nd][e], p.scale * acc[mb][nd][e + 1]));
+                return;
+            }
 #endif
-        atomicAdd(dst, p.scale * acc[nd][e]);
+            atomicAdd(dst, p.scale * acc[mb][nd][e]);
+        });
+    }
+}
+
+/* The warp's 16·MB x 8·NB fp32 C fragments x, rounded to T, into the shared
+ * [row][col] tile s of pitch LDS: elements e, e + 1 are adjacent columns, one
+ * 4-byte store (rows 4 words apart at LDS = BR + 8: no bank conflicts). */
+template <typename T, int MB, int NB, int LDS>
+static __device__ __forceinline__ void cpar__ab_store_frags(T *s, const float (&x)[MB][NB][4], int m0, int n0) {
+    cpar__ab_each_blocks<MB, NB>(m0, n0, [&](int mb, int nb, int e, int r, int c) {
+        if (e % 2 == 0) *reinterpret_cast<uint32_t *>(s + r * LDS + c) = cpar__pack2<T>(x[mb][nb][e], x[mb][nb][e + 1]);
     });
 }
 
+/* Shared bytes of the dkdv kernel: K, V [BC][D+8]; 2 x Q and DO_BUFS x dO
+ * [BR][D+8]; Pᵀ∘Z and dSᵀ [BC][BR+8] of T; 2 x (lse, Dsum) [BR] fp32;
+ * GENERAL: 2 x the query tile's infos and the key tile's. */
+template <typename T, class V> static constexpr size_t cpar__ab_dkdv_smem(void) {
+    constexpr int BR = CPAR__AB_BRKV, INFO = (int)(sizeof(cpar__attn_rowinfo) / sizeof(float));
+    return cpar__ab_smem<T, V::DT>(2 * CPAR__AB_BC + (2 + V::DKDV_DO_BUFS) * BR,
+                                   4 * BR + (V::GENERAL ? (2 * BR + CPAR__AB_BC) * INFO : 0)) +
+           (size_t)2 * CPAR__AB_BC * (BR + 8) * sizeof(T);
+}
+
 /* dK, dV of one 64-key tile (blockIdx.x) for batch·kv-head slices
- * blockIdx.y, += gridDim.y. Shared: K, V [64][D+8] of T, then two buffers of
- * Q, dO [BR][D+8] of T and two of lse·log2e (+inf where P must be 0) and
- * Dsum [BR] fp32: the steps (a q head of the GQA group and a query tile)
- * alternate between them, the next step's copies (cp.async) in flight while
- * this one computes. 128 threads: warp w owns keys [16w, 16w+16) of the tile. */
-template <typename T, class V, int BR, bool ADQ>
+ * blockIdx.y, += gridDim.y, in steps of BR = 64 queries (a q head of the GQA
+ * group and a query tile; shared memory: cpar__ab_dkdv_smem). The steps
+ * alternate between two buffers of Q, lse and Dsum (and dO at d 64), the next
+ * step's copies (cp.async) in flight while this one computes; at d 128 one
+ * dO buffer (two CTAs per SM: 104 KB each), refilled once every warp is done
+ * with dV. FA2's warp layout, 128 threads: for S and dP warp w computes the
+ * 32 x 32 block of keys 32 (w / 2), queries 32 (w % 2), so each fragment it
+ * loads feeds two mma's, and writes Pᵀ∘Z and dSᵀ to shared memory; for dV +=
+ * (P∘Z)ᵀ dO and dK += dSᵀ Q it owns keys 32 (w / 2), columns (w % 2) D / 2
+ * (D / 16 mma's per A fragment, two per B). Barriers per step: its top (its
+ * copies landed, the previous step's readers done), after the Pᵀ and dSᵀ
+ * stores, and with one dO buffer after dV. */
+template <typename T, class V, bool ADQ>
 static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkdv_kernel(const cpar__ab_args p) {
-    constexpr int D = V::DT, BC = CPAR__AB_BC, LD = D + 8, NQ = BR / 8, ND = D / 8;
+    constexpr int D = V::DT, BC = CPAR__AB_BC, BR = CPAR__AB_BRKV, LD = D + 8, LDS = BR + 8, NQ = 4, ND = D / 16;
+    constexpr bool DO2 = V::DKDV_DO_BUFS == 2;
     CPAR_DYN_SMEM(unsigned char, smem);
-    T *sK = reinterpret_cast<T *>(smem), *sV = sK + BC * LD, *sQO = sV + BC * LD;
-    T *sdS = sQO + 4 * BR * LD; /* ADQ: dS [BR][BC + 8] of the step, for dQ */
-    float *sLD = reinterpret_cast<float *>(sdS + (ADQ ? BR * (BC + 8) : 0));
-    cpar__attn_rowinfo *sQI = reinterpret_cast<cpar__attn_rowinfo *>(sLD + 4 * BR); /* GENERAL: 2 x [BR] query infos */
-    const int m0 = (int)(threadIdx.x >> 5) * 16, g = (int)(threadIdx.x & 31) >> 2;
+    T *sK = reinterpret_cast<T *>(smem), *sV = sK + BC * LD, *sQb = sV + BC * LD, *sdOb = sQb + 2 * BR * LD;
+    T *sP = sdOb + V::DKDV_DO_BUFS * BR * LD, *sdS = sP + BC * LDS;
+    float *sLD = reinterpret_cast<float *>(sdS + BC * LDS);
+    /* GENERAL: 2 x [BR] query infos, then the tile's [BC] key infos (in
+     * shared memory, not registers: at d 128 the general kernel spilled) */
+    cpar__attn_rowinfo *sQI = reinterpret_cast<cpar__attn_rowinfo *>(sLD + 4 * BR), *sKI = sQI + 2 * BR;
+    const int warp = (int)(threadIdx.x >> 5);
+    const int kb = (warp >> 1) * 32, qb = (warp & 1) * 32, cb = (warp & 1) * (D / 2); /* the warp's blocks */
     const int64_t j0 = (int64_t)blockIdx.x * BC, group = p.hq / p.hkv;
     const int d = V::d(p.d);
     const bool causal = V::causal(p.causal), packed = V::packed(p.qp, p.kp), drop = V::drop(p.dropout_p);
@@ -3318,26 +3402,30 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
     const int64_t ntiles = i_end > i_first ? (i_end - i_first + BR - 1) / BR : 0, steps = group * ntiles;
     const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
     const int keys = cpar__attn_tile_rows(j0, p.sk, BC); /* the tile's keys inside sk */
-    cpar__attn_rowinfo kinfo[2] = {}; /* packed or dropout: this thread's keys j0 + m0 + g (+ 8) */
-    if (packed || drop)
-        for (int h = 0; h < 2; h++) kinfo[h] = cpar__attn_info(p.kp, packed, j0 + m0 + g + 8 * h, p.sk);
+    if (packed || drop) /* read past the slice loop's first barrier */
+        for (int c = (int)threadIdx.x; c < BC; c += CPAR__AB_THREADS)
+            sKI[c] = cpar__attn_info(p.kp, packed, j0 + c, p.sk);
     for (int64_t bh = blockIdx.y; bh < p.b * p.hkv; bh += gridDim.y) {
         const int64_t bi = bh / p.hkv, hk = bh % p.hkv;
-        /* step n: q head hk·group + n / ntiles, query tile i_first + (n % ntiles)·BR, buffer n % 2;
+        /* step n: q head hk·group + n / ntiles, query tile i_first + (n % ntiles)·BR;
          * a cursor walks them (no 64-bit division per step) */
         struct cursor {
             int64_t qbh, i0;
         };
         const int64_t i_last = i_first + (ntiles - 1) * BR;
         auto next = [&](cursor c) { return c.i0 < i_last ? cursor{c.qbh, c.i0 + BR} : cursor{c.qbh + 1, i_first}; };
-        auto stage = [&](int64_t n, cursor c) { /* issue step n's copies; its buffer's readers are done */
+        auto dout_tile = [&](int64_t n) { return sdOb + (DO2 ? (n & 1) * BR * LD : 0); };
+        auto stage_dout = [&](int64_t n, cursor c) {
+            cpar__ab_load_tile<T, D, BR>(dout_tile(n),
+                                         static_cast<const char *>(p.dout) + (size_t)(c.qbh * p.o_bh + c.i0 * d) * osz,
+                                         p.dout_f32, p.sq - c.i0, d);
+        };
+        auto stage = [&](int64_t n, cursor c) { /* issue step n's copies (dO's too with two buffers) */
             const int64_t qbh = c.qbh, i0 = c.i0;
-            T *q_s = sQO + (n & 1) * 2 * BR * LD;
             float *l_s = sLD + (n & 1) * 2 * BR;
-            cpar__ab_load_tile<T, D, BR>(q_s, static_cast<const T *>(p.q) + qbh * p.q_bh + i0 * d, false, p.sq - i0, d);
-            cpar__ab_load_tile<T, D, BR>(q_s + BR * LD,
-                                         static_cast<const char *>(p.dout) + (size_t)(qbh * p.o_bh + i0 * d) * osz,
-                                         p.dout_f32, p.sq - i0, d);
+            cpar__ab_load_tile<T, D, BR>(sQb + (n & 1) * BR * LD, static_cast<const T *>(p.q) + qbh * p.q_bh + i0 * d,
+                                         false, p.sq - i0, d);
+            if (DO2) stage_dout(n, c);
             cpar__attn_rowinfo *qi_s = sQI + (n & 1) * BR;
             static_assert(BR <= CPAR__AB_THREADS, "one thread per query row of the step");
             if (const int r = (int)threadIdx.x; r < BR) {
@@ -3353,72 +3441,90 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
         cpar__ab_load_tile<T, D, BC>(sK, static_cast<const T *>(p.k) + bh * p.kv_bh + j0 * d, false, p.sk - j0, d);
         cpar__ab_load_tile<T, D, BC>(sV, static_cast<const T *>(p.v) + bh * p.kv_bh + j0 * d, false, p.sk - j0, d);
         cursor cur = {bi * p.hq + hk * group, i_first}; /* step 0's rows, then step n's at the loop's top */
-        if (steps > 0) stage(0, cur);
+        if (steps > 0) {
+            stage(0, cur);
+            if (!DO2) stage_dout(0, cur);
+        }
         cpar__attn_cp_commit();
-        float dk[ND][4], dv[ND][4];
-        cpar__ab_zero(dk);
-        cpar__ab_zero(dv);
+        float dk[2][ND][4], dv[2][ND][4];
+        for (int mb = 0; mb < 2; mb++) {
+            cpar__ab_zero(dk[mb]);
+            cpar__ab_zero(dv[mb]);
+        }
         for (int64_t n = 0; n < steps; n++) {
-            /* one barrier a step: past it every thread's copies for step n
-             * have landed and every warp is done with step n - 1, so its
-             * buffer takes step n + 1's copies, which land while n computes */
+            /* past this barrier every thread's copies for step n have landed
+             * and every warp is done with step n - 1: its buffers, Pᵀ and dSᵀ
+             * take new data */
             cpar__attn_cp_wait<0>();
             __syncthreads();
             const int64_t qbh = cur.qbh, i0 = cur.i0; /* step n's rows */
             cur = next(cur);
             if (n + 1 < steps) stage(n + 1, cur);
             cpar__attn_cp_commit();
-            /* this warp's keys are past sk, or (causal) after every query of
-             * the tile: nothing to add (ADQ: its part of dS is zeros) */
-            const bool idle = j0 + m0 >= p.sk || (skip && j0 + m0 > i0 + BR - 1);
-            if (idle && !ADQ) continue;
-            const T *sQ = sQO + (n & 1) * 2 * BR * LD, *sdO = sQ + BR * LD;
-            float s[NQ][4], dp[NQ][4]; /* Sᵀ then Pᵀ; dPᵀ then dSᵀ: [key][query] */
-            if (!idle) {
-                const float *sL = sLD + (n & 1) * 2 * BR, *sD = sL + BR;
-                const cpar__attn_rowinfo *qi_s = sQI + (n & 1) * BR;
-                cpar__ab_mma_abt<T, NQ, D, LD>(s, sK, m0, sQ, d);
+            const T *sQ = sQb + (n & 1) * BR * LD, *sdO = dout_tile(n);
+            {
+                float s[2][NQ][4], dp[2][NQ][4]; /* Sᵀ then Pᵀ; dPᵀ then dSᵀ: [key][query] */
                 const int diag = cpar__ab_diag(i0, j0);
-                /* P; the mask only where the warp's block may hide a weight
-                 * (keys past sk, the causal diagonal, packed): warp-uniform */
-                auto probs = [&](auto masked) {
-                    cpar__ab_each<NQ>(m0, [&](int nb, int e, int kr, int r) {
-                        const float x = cpar__ex2(fmaf(s[nb][e], p.scale_log2, -sL[r]));
-                        if constexpr (decltype(masked)::value) {
-                            const bool hidden =
-                                kr >= keys || cpar__ab_hidden(packed, causal, diag, r, kr, qi_s[r], kinfo[e >> 1]);
-                            s[nb][e] = hidden ? 0.f : x;
-                        } else {
-                            s[nb][e] = x;
-                        }
+                /* the block's keys are past sk, its queries past sq, or
+                 * (causal) every key after every query: P = 0, dS = 0 */
+                const bool idle = kb >= keys || i0 + qb >= p.sq || (skip && kb - (qb + 31) > diag);
+                if (!idle) {
+                    const float *sL = sLD + (n & 1) * 2 * BR, *sD = sL + BR;
+                    const cpar__attn_rowinfo *qi_s = sQI + (n & 1) * BR;
+                    cpar__ab_mma_abt_blocks<T, 2, NQ, D, LD>(s, sK, kb, sQ, qb, d);
+                    /* P; the mask only where the warp's block may hide a
+                     * weight (keys past sk, the causal diagonal, packed):
+                     * warp-uniform */
+                    auto probs = [&](auto masked) {
+                        cpar__ab_each_blocks<2, NQ>(kb, qb, [&](int mb, int nb, int e, int kr, int r) {
+                            const float x = cpar__ex2(fmaf(s[mb][nb][e], p.scale_log2, -sL[r]));
+                            if constexpr (decltype(masked)::value) {
+                                const bool hidden =
+                                    kr >= keys || cpar__ab_hidden(packed, causal, diag, r, kr, qi_s[r], sKI[kr]);
+                                s[mb][nb][e] = hidden ? 0.f : x;
+                            } else {
+                                s[mb][nb][e] = x;
+                            }
+                        });
+                    };
+                    if (packed || keys < kb + 32 || (causal && diag < kb + 31 - qb)) probs(std::true_type{});
+                    else probs(std::false_type{});
+                    cpar__ab_mma_abt_blocks<T, 2, NQ, D, LD>(dp, sV, kb, sdO, qb, d);
+                    /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for
+                     * dV. Without dropout Z = 1: both products are exact, the
+                     * bits those of P ∘ (dP − D) and P. */
+                    const uint64_t mbh = drop ? cpar__attn_mask_bh(qbh, p.hq, p.mask_hq, p.mask_h0) : 0;
+                    cpar__ab_each_blocks<2, NQ>(kb, qb, [&](int mb, int nb, int e, int kr, int r) {
+                        const float z = drop ? cpar__ab_keep(p, mbh, qi_s[r], sKI[kr]) : 1.f;
+                        dp[mb][nb][e] = s[mb][nb][e] * (dp[mb][nb][e] * z - sD[r]);
+                        s[mb][nb][e] *= z;
                     });
-                };
-                if (packed || keys < BC || (causal && diag < m0 + 15)) probs(std::true_type{});
-                else probs(std::false_type{});
-                cpar__ab_mma_abt<T, NQ, D, LD>(dp, sV, m0, sdO, d);
-                /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for dV.
-                 * Without dropout Z = 1: both products are exact, the bits those
-                 * of P ∘ (dP − D) and P. */
-                const uint64_t mbh = drop ? cpar__attn_mask_bh(qbh, p.hq, p.mask_hq, p.mask_h0) : 0; /* dropout's bh */
-                cpar__ab_each<NQ>(m0, [&](int nb, int e, int, int r) {
-                    const float z = drop ? cpar__ab_keep(p, mbh, qi_s[r], kinfo[e >> 1]) : 1.f;
-                    dp[nb][e] = s[nb][e] * (dp[nb][e] * z - sD[r]);
-                    s[nb][e] *= z;
-                });
-                cpar__ab_mma_xb<T, NQ, ND, LD>(dv, s, sdO, d);
-                cpar__ab_mma_xb<T, NQ, ND, LD>(dk, dp, sQ, d);
-            } else { /* ADQ: this warp adds nothing to dS */
-                cpar__ab_zero(dp);
+                } else {
+                    for (int mb = 0; mb < 2; mb++) {
+                        cpar__ab_zero(s[mb]);
+                        cpar__ab_zero(dp[mb]);
+                    }
+                }
+                cpar__ab_store_frags<T, 2, NQ, LDS>(sP, s, kb, qb);
+                cpar__ab_store_frags<T, 2, NQ, LDS>(sdS, dp, kb, qb);
             }
-            if (ADQ) cpar__ab_dq_atomic<T, BR, D>(p, sdS, sK, dp, m0, qbh, i0, d);
+            __syncthreads(); /* Pᵀ and dSᵀ complete */
+            cpar__ab_mma_ab<T, 2, ND, BR, LDS, LD, false>(dv, sP, kb, sdO, cb, d);
+            if constexpr (!DO2) {
+                __syncthreads(); /* every warp is done with dO: step n + 1's comes in */
+                if (n + 1 < steps) stage_dout(n + 1, cur);
+                cpar__attn_cp_commit();
+            }
+            cpar__ab_mma_ab<T, 2, ND, BR, LDS, LD, false>(dk, sdS, kb, sQ, cb, d);
+            if (ADQ) cpar__ab_dq_atomic<T, D, LDS, V::DKDV_DQ_PASSES>(p, sdS, sK, qbh, i0, d);
         }
         cpar__attn_cp_wait<0>(); /* no copy still lands in a buffer the next slice refills */
         float *gk = p.dk + bh * p.dkv_bh, *gv = p.dv + bh * p.dkv_bh;
-        cpar__ab_each<ND>(m0, [&](int nd, int e, int kr, int c) {
+        cpar__ab_each_blocks<2, ND>(kb, cb, [&](int mb, int nd, int e, int kr, int c) {
             const int64_t j = j0 + kr;
             if (j < p.sk && c < d) {
-                gk[j * d + c] += p.scale * dk[nd][e];
-                gv[j * d + c] += dv[nd][e];
+                gk[j * d + c] += p.scale * dk[mb][nd][e];
+                gv[j * d + c] += dv[mb][nd][e];
             }
         });
     }
@@ -3550,12 +3656,11 @@ template <typename K> static cudaError_t cpar__ab_smem_optin(K kernel, size_t by
  * launch. */
 template <typename T, class V>
 static cudaError_t cpar__attn_bwd_launch(const cpar__ab_args &p, bool atomic_dq, cudaStream_t cs) {
-    constexpr int D = V::DT, BRKV = cpar__ab_brkv<D>;
-    auto kv = atomic_dq ? cpar__attn_bwd_dkdv_kernel<T, V, BRKV, true> : cpar__attn_bwd_dkdv_kernel<T, V, BRKV, false>;
+    constexpr int D = V::DT;
+    auto kv = atomic_dq ? cpar__attn_bwd_dkdv_kernel<T, V, true> : cpar__attn_bwd_dkdv_kernel<T, V, false>;
     constexpr int INFO = (int)(sizeof(cpar__attn_rowinfo) / sizeof(float)); /* floats per row info */
-    /* K, V; 2 x (Q, dO); atomic_dq: dS [BRKV][BC + 8]; 2 x (lse, Dsum); GENERAL: 2 x the query tile's infos */
-    const size_t smem_kv = cpar__ab_smem<T, D>(2 * CPAR__AB_BC + 4 * BRKV, 4 * BRKV + (V::GENERAL ? 2 * BRKV * INFO : 0)) +
-                           (atomic_dq ? (size_t)BRKV * (CPAR__AB_BC + 8) * sizeof(T) : 0);
+    constexpr size_t smem_kv = cpar__ab_dkdv_smem<T, V>();
+    static_assert(smem_kv <= 113 * 1024, "two dkdv CTAs per SM (228 KB on sm_90, 1 KB reserved by each)");
     cudaError_t e = cpar__ab_smem_optin(kv, smem_kv);
     if (e != cudaSuccess) return e;
     const dim3 grid_kv((unsigned)((p.sk + CPAR__AB_BC - 1) / CPAR__AB_BC), cpar__ab_grid_y(p.b * p.hkv));

@@ -508,7 +508,7 @@ static void packed_skip_case(const PackedCase &c, unsigned seed) {
     int64_t visits = 0, all = 0;
     for (int side = 0; side < 3; side++) { /* forward (64-query tiles), dq (64), dkdv (64-key tiles over BR queries) */
         const bool key_tiles = side < 2;
-        const int fts = 64, ts = key_tiles ? 64 : cpar__ab_brkv<64>;
+        const int fts = 64, ts = key_tiles ? 64 : CPAR__AB_BRKV;
         for (int64_t f0 = 0; f0 < n; f0 += fts) {
             int64_t r0, r1;
             if (key_tiles)
