@@ -2983,20 +2983,19 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * the dkdv kernel adds scale·dS k to dq by fp32 atomics from the dSᵀ it
  * already holds in shared memory (cpar__ab_dq_atomic), and launch 3 is
  * skipped: per 64 x 64 block at d 128 and per warp, 320 HMMA and 144 LDSM
- * where the pair takes 256 + 192 and 112 + 112 (sm_90, no spills, 2 CTAs/SM).
+ * where the pair takes 256 + 192 and 112 + 88 (sm_90, no spills, 2 CTAs/SM).
  * Dropout recomputes the forward's mask Z (keep / (1-p)) per weight in both
  * kernels: dkdv forms dS = P∘(dP∘Z − Dsum) first, then P∘Z in place of P
  * for dV; dq needs only dS.
- * Tiles: the dkdv kernel takes FA2's warp layout (2 x 2 warps over each
- * 64 x 64 block of Sᵀ and dPᵀ, whose Pᵀ and dSᵀ go through shared memory to
- * the warps that own 32 keys x D/2 columns of dK and dV): every fragment it
- * loads from shared memory feeds at least two mma's, 2.3 per ldmatrix at d
- * 128 where the first layout (a warp's 16 keys against the whole query tile,
- * no exchange) fed 1.6, and shared-memory bandwidth, not the tensor cores,
- * bounds mma.sync kernels there (at d 128 the first layout's pair issued
- * 1.9 times FA2's ldmatrix per block, and ran at 0.44-0.46 of SDPA flash on
- * an H200 on 2026-11-28). In the dq kernel
- * each warp owns 16 queries against the whole key tile. Shared tiles are
+ * Tiles: both kernels take FA2's warp layout (2 x 2 warps over each 64 x 64
+ * block of S and dP, whose P and dS go through shared memory to the warps
+ * that own 32 rows x D/2 columns of dK and dV, or of dQ): every fragment
+ * they load from shared memory feeds at least two mma's, 2.2-2.3 per
+ * ldmatrix at d 128 where the first layout (a warp's 16 rows against the
+ * whole opposite tile, no exchange) fed 1.6-1.7; shared-memory bandwidth,
+ * not the tensor cores, bounds mma.sync kernels there (at d 128 the first
+ * layout's pair issued 1.9 times FA2's ldmatrix per block, and ran at
+ * 0.44-0.46 of SDPA flash on an H200 on 2026-11-28). Shared tiles are
  * zero-filled past the sequence and past d (padded to D = 64 or 128), rows
  * padded by 8 elements so ldmatrix's 8 row addresses hit distinct banks.
  * P and dS are rounded to the input type for the mma (as FA2 does); every sum
@@ -3013,9 +3012,10 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * the dq kernel's next key tile are in flight while the current one
  * computes. A step waits for its own copies before its first barrier, and
  * past it issues the next step's into the buffer the previous step read
- * (every warp is done with it there); the dkdv kernel adds one barrier for
- * its shared Pᵀ and dSᵀ, and at d 128, where one dO buffer leaves room for
- * two CTAs per SM, one after dV, past which the next dO comes in.
+ * (every warp is done with it there); one more barrier follows the shared
+ * P and dS stores, and in the dkdv kernel at d 128, where one dO buffer
+ * leaves room for two CTAs per SM, one after dV, past which the next dO
+ * comes in.
  * Uses: 2 (errors), 4 (widen/narrow, packs), k_mma.cu (tensor-core wrappers). */
 
 /* CPAR__UNROLL: section 16's (full unrolling under nvcc, nothing under g++). */
@@ -3063,9 +3063,9 @@ static __device__ __forceinline__ float cpar__ab_keep(const cpar__ab_args &p, ui
  * warp's 16·MB x 8·NB m16n8k16 C fragments: tile row m0 + 16·mb + g +
  * 8·(e/2), tile column n0 + nb·8 + 2t + e%2 (g = lane/4, t = lane%4). The one
  * statement of that layout for the passes over S, dP and the accumulators
- * of both kernels; cpar__ab_each is its one-row-block form. */
+ * of both kernels. */
 template <int MB, int NB, typename F>
-static __device__ __forceinline__ void cpar__ab_each_blocks(int m0, int n0, F &&f) {
+static __device__ __forceinline__ void cpar__ab_each(int m0, int n0, F &&f) {
     const int lane = (int)(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
     CPAR__UNROLL
     for (int mb = 0; mb < MB; mb++)
@@ -3073,9 +3073,6 @@ static __device__ __forceinline__ void cpar__ab_each_blocks(int m0, int n0, F &&
         for (int nb = 0; nb < NB; nb++)
             CPAR__UNROLL
             for (int e = 0; e < 4; e++) f(mb, nb, e, m0 + 16 * mb + g + 8 * (e >> 1), n0 + nb * 8 + 2 * t + (e & 1));
-}
-template <int NB, typename F> static __device__ __forceinline__ void cpar__ab_each(int m0, F &&f) {
-    cpar__ab_each_blocks<1, NB>(m0, 0, [&](int, int nb, int e, int r, int c) { f(nb, e, r, c); });
 }
 
 /* Whether weight (query row qr of the query tile at i0, key row kr of the
@@ -3173,7 +3170,7 @@ template <int N> static __device__ __forceinline__ void cpar__ab_zero(float (&ac
  * .trans). Each B fragment feeds MB mma's, each A fragment NB. k-steps at
  * or past d (zero columns of the padded tile) are skipped. */
 template <typename T, int MB, int NB, int KD, int LD>
-static __device__ __forceinline__ void cpar__ab_mma_abt_blocks(float (&acc)[MB][NB][4], const T *sa, int m0,
+static __device__ __forceinline__ void cpar__ab_mma_abt(float (&acc)[MB][NB][4], const T *sa, int m0,
                                                                const T *sb, int n0, int d) {
     const int lane = (int)(threadIdx.x & 31);
     CPAR__UNROLL
@@ -3197,13 +3194,6 @@ static __device__ __forceinline__ void cpar__ab_mma_abt_blocks(float (&acc)[MB][
         }
     }
 }
-/* One row block: acc[NB][4] (16 x 8·NB) = A·Bᵀ, A rows [m0, m0 + 16), B rows [0, 8·NB). */
-template <typename T, int NB, int KD, int LD>
-static __device__ __forceinline__ void cpar__ab_mma_abt(float (&acc)[NB][4], const T *sa, int m0, const T *sb,
-                                                        int d) {
-    cpar__ab_mma_abt_blocks<T, 1, NB, KD, LD>(reinterpret_cast<float (&)[1][NB][4]>(acc), sa, m0, sb, 0, d);
-}
-
 /* acc[MB][NB][4] (16·MB x 8·NB) += A·B over k in [0, KD), both operands in
  * shared memory: A rows [m0, m0 + 16·MB) of sa, row-major [m][k] with pitch
  * LDA, or (A_TRANS) stored transposed, [k][m] (ldmatrix .trans gives the
@@ -3235,30 +3225,6 @@ static __device__ __forceinline__ void cpar__ab_mma_ab(float (&acc)[MB][NB][4], 
                 cpar__mma_m16n8k16<T>(acc[mb][nb], a[mb], b, acc[mb][nb]);
                 cpar__mma_m16n8k16<T>(acc[mb][nb + 1], a[mb], b + 2, acc[mb][nb + 1]);
             }
-        }
-    }
-}
-
-/* acc[ND][4] (16 x D) += X·B, X the 16 x 8·NK fp32 C fragments x (rounded to
- * T: C fragments of two adjacent n-blocks are one A fragment), B rows
- * [0, 8·NK) of sb, row-major [k][n] with pitch LD (the p·v pattern: .trans).
- * Column blocks at or past d are left alone (never stored). */
-template <typename T, int NK, int ND, int LD>
-static __device__ __forceinline__ void cpar__ab_mma_xb(float (&acc)[ND][4], const float (&x)[NK][4], const T *sb,
-                                                       int d) {
-    const int lane = (int)(threadIdx.x & 31);
-    CPAR__UNROLL
-    for (int kq = 0; kq < NK / 2; kq++) {
-        const uint32_t a[4] = {cpar__pack2<T>(x[2 * kq][0], x[2 * kq][1]), cpar__pack2<T>(x[2 * kq][2], x[2 * kq][3]),
-                               cpar__pack2<T>(x[2 * kq + 1][0], x[2 * kq + 1][1]),
-                               cpar__pack2<T>(x[2 * kq + 1][2], x[2 * kq + 1][3])};
-        CPAR__UNROLL
-        for (int nd = 0; nd < ND; nd += 2) {
-            if (nd * 8 >= d) break;
-            uint32_t b[4];
-            cpar__ldmatrix_x4_trans(b, sb + (kq * 16 + (lane & 15)) * LD + nd * 8 + 8 * (lane >> 4));
-            cpar__mma_m16n8k16<T>(acc[nd], a, b, acc[nd]);
-            cpar__mma_m16n8k16<T>(acc[nd + 1], a, b + 2, acc[nd + 1]);
         }
     }
 }
@@ -3328,7 +3294,7 @@ static __device__ __forceinline__ void cpar__ab_dq_atomic(const cpar__ab_args &p
         /* a C fragment's elements e and e + 1 are adjacent columns of one
          * row: one 8-byte atomic for both where the GPU has them (sm_90)
          * and gq is 8-byte aligned (c and d are even) */
-        cpar__ab_each_blocks<2, NDW>(r0, c0, [&](int mb, int nd, int e, int r, int c) {
+        cpar__ab_each<2, NDW>(r0, c0, [&](int mb, int nd, int e, int r, int c) {
             const int64_t i = i0 + r;
             if (i >= p.sq || c >= d) return;
             float *dst = &gq[i * d + c];
@@ -3350,7 +3316,7 @@ static __device__ __forceinline__ void cpar__ab_dq_atomic(const cpar__ab_args &p
  * 4-byte store (rows 4 words apart at LDS = BR + 8: no bank conflicts). */
 template <typename T, int MB, int NB, int LDS>
 static __device__ __forceinline__ void cpar__ab_store_frags(T *s, const float (&x)[MB][NB][4], int m0, int n0) {
-    cpar__ab_each_blocks<MB, NB>(m0, n0, [&](int mb, int nb, int e, int r, int c) {
+    cpar__ab_each<MB, NB>(m0, n0, [&](int mb, int nb, int e, int r, int c) {
         if (e % 2 == 0) *reinterpret_cast<uint32_t *>(s + r * LDS + c) = cpar__pack2<T>(x[mb][nb][e], x[mb][nb][e + 1]);
     });
 }
@@ -3471,12 +3437,12 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
                 if (!idle) {
                     const float *sL = sLD + (n & 1) * 2 * BR, *sD = sL + BR;
                     const cpar__attn_rowinfo *qi_s = sQI + (n & 1) * BR;
-                    cpar__ab_mma_abt_blocks<T, 2, NQ, D, LD>(s, sK, kb, sQ, qb, d);
+                    cpar__ab_mma_abt<T, 2, NQ, D, LD>(s, sK, kb, sQ, qb, d);
                     /* P; the mask only where the warp's block may hide a
                      * weight (keys past sk, the causal diagonal, packed):
                      * warp-uniform */
                     auto probs = [&](auto masked) {
-                        cpar__ab_each_blocks<2, NQ>(kb, qb, [&](int mb, int nb, int e, int kr, int r) {
+                        cpar__ab_each<2, NQ>(kb, qb, [&](int mb, int nb, int e, int kr, int r) {
                             const float x = cpar__ex2(fmaf(s[mb][nb][e], p.scale_log2, -sL[r]));
                             if constexpr (decltype(masked)::value) {
                                 const bool hidden =
@@ -3489,12 +3455,12 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
                     };
                     if (packed || keys < kb + 32 || (causal && diag < kb + 31 - qb)) probs(std::true_type{});
                     else probs(std::false_type{});
-                    cpar__ab_mma_abt_blocks<T, 2, NQ, D, LD>(dp, sV, kb, sdO, qb, d);
+                    cpar__ab_mma_abt<T, 2, NQ, D, LD>(dp, sV, kb, sdO, qb, d);
                     /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for
                      * dV. Without dropout Z = 1: both products are exact, the
                      * bits those of P ∘ (dP − D) and P. */
                     const uint64_t mbh = drop ? cpar__attn_mask_bh(qbh, p.hq, p.mask_hq, p.mask_h0) : 0;
-                    cpar__ab_each_blocks<2, NQ>(kb, qb, [&](int mb, int nb, int e, int kr, int r) {
+                    cpar__ab_each<2, NQ>(kb, qb, [&](int mb, int nb, int e, int kr, int r) {
                         const float z = drop ? cpar__ab_keep(p, mbh, qi_s[r], sKI[kr]) : 1.f;
                         dp[mb][nb][e] = s[mb][nb][e] * (dp[mb][nb][e] * z - sD[r]);
                         s[mb][nb][e] *= z;
@@ -3520,7 +3486,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
         }
         cpar__attn_cp_wait<0>(); /* no copy still lands in a buffer the next slice refills */
         float *gk = p.dk + bh * p.dkv_bh, *gv = p.dv + bh * p.dkv_bh;
-        cpar__ab_each_blocks<2, ND>(kb, cb, [&](int mb, int nd, int e, int kr, int c) {
+        cpar__ab_each<2, ND>(kb, cb, [&](int mb, int nd, int e, int kr, int c) {
             const int64_t j = j0 + kr;
             if (j < p.sk && c < d) {
                 gk[j * d + c] += p.scale * dk[mb][nd][e];
@@ -3531,109 +3497,142 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
 }
 
 /* dQ of one 64-query tile (blockIdx.x) for batch·q-head slices blockIdx.y,
- * += gridDim.y. Shared: Q, dO [64][D+8] of T, then two buffers of K, V
- * [64][D+8]: the key tiles alternate between them, the next tile's copies
- * (cp.async) in flight while this one computes. 128 threads: warp w owns
- * queries [16w, 16w+16) of the tile and keeps their lse and Dsum in registers. */
+ * += gridDim.y. Shared: Q, dO [BR][D+8] of T; two buffers of K, V [BC][D+8],
+ * the key tiles alternating between them, the next tile's copies (cp.async)
+ * in flight while this one computes; dS [BR][BC+8] of T; GENERAL: the key
+ * tile's infos (written for the next tile once dS is complete: every warp
+ * is done with them then) and the query tile's. The dkdv kernel's warp layout: for S and
+ * dP warp w computes the 32 x 32 block of queries 32 (w / 2), keys 32 (w % 2)
+ * (its rows' lse and Dsum in registers) and writes dS to shared memory;
+ * after a barrier it adds dS K to its 32 queries x D/2 columns (w % 2) of dQ,
+ * which stay in registers across the key tiles. */
 template <typename T, class V>
 static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__attn_bwd_dq_kernel(const cpar__ab_args p) {
-    constexpr int D = V::DT, BR = CPAR__AB_BRQ, BC = CPAR__AB_BC, LD = D + 8, NK = BC / 8, ND = D / 8;
+    constexpr int D = V::DT, BR = CPAR__AB_BRQ, BC = CPAR__AB_BC, LD = D + 8, LDS = BC + 8, NK = 4, ND = D / 16;
     CPAR_DYN_SMEM(unsigned char, smem);
-    T *sQ = reinterpret_cast<T *>(smem), *sdO = sQ + BR * LD, *sKV = sdO + BR * LD;
-    cpar__attn_rowinfo *sKI = reinterpret_cast<cpar__attn_rowinfo *>(sKV + 4 * BC * LD); /* GENERAL: 2 x [BC] key infos */
-    const int lane = (int)(threadIdx.x & 31), m0 = (int)(threadIdx.x >> 5) * 16, g = lane >> 2, t = lane & 3;
+    T *sQ = reinterpret_cast<T *>(smem), *sdO = sQ + BR * LD, *sKV = sdO + BR * LD, *sdS = sKV + 4 * BC * LD;
+    /* GENERAL: [BC] key infos, [BR] query infos (in shared memory, not
+     * registers: at d 128 the general kernel spilled 88 bytes) */
+    cpar__attn_rowinfo *sKI = reinterpret_cast<cpar__attn_rowinfo *>(sdS + BR * LDS), *sQI = sKI + BC;
+    const int warp = (int)(threadIdx.x >> 5), t = (int)(threadIdx.x & 31) & 3;
+    const int qb = (warp >> 1) * 32, kb = (warp & 1) * 32, cb = (warp & 1) * (D / 2); /* the warp's blocks */
     /* the last query tiles first: causal, they have the most key tiles, so the
      * long CTAs start early and the short ones fill the tail */
     const int64_t i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * BR, group = p.hq / p.hkv;
-    /* causal: keys past the tile's last query are seen by none of its rows */
     const int d = V::d(p.d);
     const bool causal = V::causal(p.causal), packed = V::packed(p.qp, p.kp), drop = V::drop(p.dropout_p);
     const bool skip = causal && !packed;
     int64_t j_begin = 0, j_end = p.sk; /* packed: the key tiles that some query of this tile may see */
     if (packed) cpar__attn_visible<true>(p.qp, p.kp, p.skip_tiles, causal, i0, BR, p.sq, p.sk, BC, &j_begin, &j_end);
+    /* causal: keys past the tile's last query are seen by none of its rows */
     if (skip && i0 + BR < j_end) j_end = i0 + BR;
     const size_t osz = p.dout_f32 ? sizeof(float) : sizeof(T);
-    cpar__attn_rowinfo qinfo[2] = {}; /* packed or dropout: this thread's queries i0 + m0 + g (+ 8) */
-    if (packed || drop)
-        for (int h = 0; h < 2; h++) qinfo[h] = cpar__attn_info(p.qp, packed, i0 + m0 + g + 8 * h, p.sq);
+    if (packed || drop) /* read past the slice loop's first barrier */
+        for (int r = (int)threadIdx.x; r < BR; r += CPAR__AB_THREADS)
+            sQI[r] = cpar__attn_info(p.qp, packed, i0 + r, p.sq);
     for (int64_t bh = blockIdx.y; bh < p.b * p.hq; bh += gridDim.y) {
         const int64_t kvbh = (bh / p.hq) * p.hkv + (bh % p.hq) / group;
         const uint64_t mbh = drop ? cpar__attn_mask_bh(bh, p.hq, p.mask_hq, p.mask_h0) : 0; /* dropout's bh */
-        auto stage = [&](int64_t j0, int buf) { /* issue key tile j0's copies into buffer buf; its key infos */
+        auto stage = [&](int64_t j0, int buf) { /* issue key tile j0's copies into buffer buf */
             T *k_s = sKV + buf * 2 * BC * LD;
             cpar__ab_load_tile<T, D, BC>(k_s, static_cast<const T *>(p.k) + kvbh * p.kv_bh + j0 * d, false, p.sk - j0, d);
             cpar__ab_load_tile<T, D, BC>(k_s + BC * LD, static_cast<const T *>(p.v) + kvbh * p.kv_bh + j0 * d, false,
                                          p.sk - j0, d);
+        };
+        auto key_infos = [&](int64_t j0) { /* read past the next barrier at the loop's top */
             if (packed || drop)
-                for (int c = (int)threadIdx.x; c < BC; c += (int)blockDim.x)
-                    sKI[buf * BC + c] = cpar__attn_info(p.kp, packed, j0 + c, p.sk);
+                for (int c = (int)threadIdx.x; c < BC; c += CPAR__AB_THREADS)
+                    sKI[c] = cpar__attn_info(p.kp, packed, j0 + c, p.sk);
         };
         __syncthreads(); /* the previous slice's readers are done */
         cpar__ab_load_tile<T, D, BR>(sQ, static_cast<const T *>(p.q) + bh * p.q_bh + i0 * d, false, p.sq - i0, d);
         cpar__ab_load_tile<T, D, BR>(sdO, static_cast<const char *>(p.dout) + (size_t)(bh * p.o_bh + i0 * d) * osz,
                                      p.dout_f32, p.sq - i0, d);
-        if (j_begin < j_end) stage(j_begin, 0);
-        cpar__attn_cp_commit();
-        float l2[2], ds[2]; /* rows m0 + g and m0 + g + 8 */
-        CPAR__UNROLL
-        for (int h = 0; h < 2; h++) {
-            const int64_t i = i0 + m0 + g + 8 * h;
-            l2[h] = p.lse2[bh * p.sq_pad + i]; /* past sq: the padding's +inf and 0 */
-            ds[h] = p.dsum[bh * p.sq_pad + i];
+        if (j_begin < j_end) {
+            stage(j_begin, 0);
+            key_infos(j_begin);
         }
-        float dq[ND][4];
-        cpar__ab_zero(dq);
+        cpar__attn_cp_commit();
+        const int g = (int)(threadIdx.x & 31) >> 2;
+        float l2[2][2], ds[2][2]; /* rows qb + 16 mb + g (+ 8) */
+        CPAR__UNROLL
+        for (int mb = 0; mb < 2; mb++)
+            CPAR__UNROLL
+            for (int h = 0; h < 2; h++) {
+                const int64_t row = bh * p.sq_pad + i0 + qb + 16 * mb + g + 8 * h;
+                l2[mb][h] = p.lse2[row]; /* past sq: the padding's +inf and 0 */
+                ds[mb][h] = p.dsum[row];
+            }
+        float dq[2][ND][4];
+        cpar__ab_zero(dq[0]);
+        cpar__ab_zero(dq[1]);
         int buf = 0;
         for (int64_t j0 = j_begin; j0 < j_end; j0 += BC, buf ^= 1) {
-            /* one barrier a tile: past it this tile's copies (and key infos)
-             * are in and every warp is done with the previous tile, whose
-             * buffer takes the next tile's copies */
+            /* past this barrier this tile's copies (and key infos) are in and
+             * every warp is done with the previous tile: its buffer takes the
+             * next tile's copies, and dS this tile's */
             cpar__attn_cp_wait<0>();
             __syncthreads();
             if (j0 + BC < j_end) stage(j0 + BC, buf ^ 1);
             cpar__attn_cp_commit();
-            const cpar__attn_rowinfo *ki_s = sKI + buf * BC;
-            /* this warp's queries are past sq, or (causal) before every key of the tile */
-            if (i0 + m0 >= p.sq || (skip && j0 > i0 + m0 + 15)) continue;
             const T *sK = sKV + buf * 2 * BC * LD, *sV = sK + BC * LD;
-            float s[NK][4], dp[NK][4]; /* S then P; dP then dS: [query][key] */
-            cpar__ab_mma_abt<T, NK, D, LD>(s, sQ, m0, sK, d);
-            const int diag = cpar__ab_diag(i0, j0), keys = cpar__attn_tile_rows(j0, p.sk, BC);
-            /* P; the mask only where the warp's rows may have a hidden weight (warp-uniform) */
-            auto probs = [&](auto masked) {
-                cpar__ab_each<NK>(m0, [&](int nb, int e, int r, int kc) {
-                    const float x = cpar__ex2(fmaf(s[nb][e], p.scale_log2, -l2[e >> 1]));
-                    if constexpr (decltype(masked)::value) {
-                        const bool hidden =
-                            kc >= keys || cpar__ab_hidden(packed, causal, diag, r, kc, qinfo[e >> 1], ki_s[kc]);
-                        s[nb][e] = hidden ? 0.f : x;
-                    } else {
-                        s[nb][e] = x;
-                    }
-                });
-            };
-            if (packed || keys < BC || (causal && diag < BC - 1 - m0)) probs(std::true_type{});
-            else probs(std::false_type{});
-            cpar__ab_mma_abt<T, NK, D, LD>(dp, sdO, m0, sV, d);
-            if (drop) /* dP ∘ Z; keys 2t, 2t+1 of an n-block share one Philox block (cpar__attn_keep2) */
-                CPAR__UNROLL
-                for (int nb = 0; nb < NK; nb++)
-                    CPAR__UNROLL
-                    for (int h = 0; h < 2; h++) {
-                        bool k0, k1;
-                        cpar__attn_keep2(p.rng, p.dropout_p, mbh, (uint64_t)qinfo[h].pos,
-                                         (uint64_t)ki_s[nb * 8 + 2 * t].pos, (uint64_t)ki_s[nb * 8 + 2 * t + 1].pos, &k0, &k1);
-                        dp[nb][2 * h] *= k0 ? p.keep_scale : 0.f;
-                        dp[nb][2 * h + 1] *= k1 ? p.keep_scale : 0.f;
-                    }
-            cpar__ab_each<NK>(m0, [&](int nb, int e, int, int) { dp[nb][e] = s[nb][e] * (dp[nb][e] - ds[e >> 1]); });
-            cpar__ab_mma_xb<T, NK, ND, LD>(dq, dp, sK, d);
+            {
+                float s[2][NK][4], dp[2][NK][4]; /* S then P; dP then dS: [query][key] */
+                const int diag = cpar__ab_diag(i0, j0), keys = cpar__attn_tile_rows(j0, p.sk, BC);
+                /* the block's queries are past sq, its keys past sk, or
+                 * (causal) every key after every query: dS = 0 */
+                const bool idle = i0 + qb >= p.sq || kb >= keys || (skip && kb - (qb + 31) > diag);
+                if (!idle) {
+                    cpar__ab_mma_abt<T, 2, NK, D, LD>(s, sQ, qb, sK, kb, d);
+                    /* P; the mask only where the warp's block may hide a
+                     * weight (warp-uniform) */
+                    auto probs = [&](auto masked) {
+                        cpar__ab_each<2, NK>(qb, kb, [&](int mb, int nb, int e, int r, int kc) {
+                            const float x = cpar__ex2(fmaf(s[mb][nb][e], p.scale_log2, -l2[mb][e >> 1]));
+                            if constexpr (decltype(masked)::value) {
+                                const bool hidden =
+                                    kc >= keys || cpar__ab_hidden(packed, causal, diag, r, kc, sQI[r], sKI[kc]);
+                                s[mb][nb][e] = hidden ? 0.f : x;
+                            } else {
+                                s[mb][nb][e] = x;
+                            }
+                        });
+                    };
+                    if (packed || keys < kb + 32 || (causal && diag < kb + 31 - qb)) probs(std::true_type{});
+                    else probs(std::false_type{});
+                    cpar__ab_mma_abt<T, 2, NK, D, LD>(dp, sdO, qb, sV, kb, d);
+                    if (drop) /* dP ∘ Z; keys 2t, 2t+1 of an n-block share one Philox block (cpar__attn_keep2) */
+                        CPAR__UNROLL
+                        for (int mb = 0; mb < 2; mb++)
+                            CPAR__UNROLL
+                            for (int nb = 0; nb < NK; nb++)
+                                CPAR__UNROLL
+                                for (int h = 0; h < 2; h++) {
+                                    const int r = qb + 16 * mb + g + 8 * h, kc = kb + nb * 8 + 2 * t;
+                                    bool k0, k1;
+                                    cpar__attn_keep2(p.rng, p.dropout_p, mbh, (uint64_t)sQI[r].pos,
+                                                     (uint64_t)sKI[kc].pos, (uint64_t)sKI[kc + 1].pos, &k0, &k1);
+                                    dp[mb][nb][2 * h] *= k0 ? p.keep_scale : 0.f;
+                                    dp[mb][nb][2 * h + 1] *= k1 ? p.keep_scale : 0.f;
+                                }
+                    cpar__ab_each<2, NK>(qb, kb, [&](int mb, int nb, int e, int, int) {
+                        dp[mb][nb][e] = s[mb][nb][e] * (dp[mb][nb][e] - ds[mb][e >> 1]);
+                    });
+                } else {
+                    cpar__ab_zero(dp[0]);
+                    cpar__ab_zero(dp[1]);
+                }
+                cpar__ab_store_frags<T, 2, NK, LDS>(sdS, dp, qb, kb);
+            }
+            __syncthreads(); /* dS complete; every warp is done with the key infos */
+            if (j0 + BC < j_end) key_infos(j0 + BC);
+            cpar__ab_mma_ab<T, 2, ND, BC, LDS, LD, false>(dq, sdS, qb, sK, cb, d);
         }
         cpar__attn_cp_wait<0>(); /* no copy still lands in a buffer the next slice refills */
         float *gq = p.dq + bh * p.dq_bh;
-        cpar__ab_each<ND>(m0, [&](int nd, int e, int r, int c) {
+        cpar__ab_each<2, ND>(qb, cb, [&](int mb, int nd, int e, int r, int c) {
             const int64_t i = i0 + r;
-            if (i < p.sq && c < d) gq[i * d + c] += p.scale * dq[nd][e];
+            if (i < p.sq && c < d) gq[i * d + c] += p.scale * dq[mb][nd][e];
         });
     }
 }
@@ -3667,8 +3666,11 @@ static cudaError_t cpar__attn_bwd_launch(const cpar__ab_args &p, bool atomic_dq,
     CPAR_LAUNCH(kv, grid_kv, CPAR__AB_THREADS, smem_kv, cs)(p);
     if ((e = cudaGetLastError()) != cudaSuccess || atomic_dq) return e;
     auto qk = cpar__attn_bwd_dq_kernel<T, V>;
-    /* Q, dO; 2 x (K, V); GENERAL: 2 x the key tile's infos */
-    const size_t smem_q = cpar__ab_smem<T, D>(2 * CPAR__AB_BRQ + 4 * CPAR__AB_BC, V::GENERAL ? 2 * CPAR__AB_BC * INFO : 0);
+    /* Q, dO; 2 x (K, V); dS; GENERAL: the key and query tiles' infos */
+    constexpr size_t smem_q =
+        cpar__ab_smem<T, D>(2 * CPAR__AB_BRQ + 4 * CPAR__AB_BC, V::GENERAL ? (CPAR__AB_BC + CPAR__AB_BRQ) * INFO : 0) +
+        (size_t)CPAR__AB_BRQ * (CPAR__AB_BC + 8) * sizeof(T);
+    static_assert(smem_q <= 113 * 1024, "two dq CTAs per SM");
     if ((e = cpar__ab_smem_optin(qk, smem_q)) != cudaSuccess) return e;
     const dim3 grid_q((unsigned)((p.sq + CPAR__AB_BRQ - 1) / CPAR__AB_BRQ), cpar__ab_grid_y(p.b * p.hq));
     CPAR_LAUNCH(qk, grid_q, CPAR__AB_THREADS, smem_q, cs)(p);
