@@ -22,7 +22,8 @@
  *                                   releases the peers; ranks as processes: shared-memory segments, futex waits,
  *                                   dead-peer checks, peers' arenas mapped and read in place
  *    9. NCCL backend                communicators, async-error polling, abort; a call refused by its own
- *                                   checks releases the peers (job or store); CPAR_CHECK_CALLS compares calls
+ *                                   checks releases the peers (job or store), an abort's cause reaches
+ *                                   other processes (store); CPAR_CHECK_CALLS compares calls
  *   10. Groups                      world group, split, destroy, statistics
  *   11. Collectives                 argument checks, byte accounting, dispatch
  *   12. Contexts and start-up       spawn, init_from_env, finalize, abort, sync
@@ -7133,6 +7134,47 @@ static cpar_status cpar__nccl_gave_up_check(cpar_ctx *ctx, const char *fn, bool 
     return CPAR_OK;
 }
 
+/* ---- An abort across processes ----
+ * Between threads the job records a rank's abort and its cause, and a peer
+ * whose NCCL call then fails on the aborted communicators names that cause
+ * (cpar__nccl_wait, cpar__comm_errors_named). Between processes the store
+ * does: cpar__abort_why publishes "rank N <why>" (the first abort of the job
+ * wins), and a peer reads it only once NCCL has failed, so no healthy call
+ * pays a round trip. */
+#define CPAR__ABORTED_CLAIM "cpar/aborted/claim"
+#define CPAR__ABORTED_ANY "cpar/aborted/any"
+#define CPAR__ABORTED_MSG "cpar/aborted/msg"
+
+static void cpar__nccl_abort_publish(cpar_ctx *ctx, const char *msg) {
+    if (!ctx->store) return;
+    char keep[CPAR_ERR_LEN], val[CPAR_ERR_LEN + 16];
+    snprintf(keep, sizeof keep, "%s", cpar__tls_err); /* a failed store call must not replace the cause */
+    const int len = snprintf(val, sizeof val, "%d %s", ctx->rank, msg);
+    int64_t n = 0;
+    if (cpar_store_add(ctx->store, CPAR__ABORTED_CLAIM, 1, &n) == CPAR_OK && n == 1 &&
+        cpar_store_set(ctx->store, CPAR__ABORTED_MSG, val, (size_t)len + 1) == CPAR_OK)
+        (void)cpar_store_add(ctx->store, CPAR__ABORTED_ANY, 1, &n); /* readers look for the message after this */
+    snprintf(cpar__tls_err, sizeof cpar__tls_err, "%s", keep);
+}
+
+/* Another process's published abort ("rank N <why>") into msg: false when
+ * there is none, it is this rank's own, or the store cannot say. */
+static bool cpar__nccl_abort_read(cpar_ctx *ctx, char *msg, size_t cap) {
+    if (!ctx->store) return false;
+    char keep[CPAR_ERR_LEN], val[CPAR_ERR_LEN + 16];
+    snprintf(keep, sizeof keep, "%s", cpar__tls_err);
+    int64_t any = 0;
+    size_t len = 0;
+    int who = -1, off = 0;
+    bool ok = cpar_store_add(ctx->store, CPAR__ABORTED_ANY, 0, &any) == CPAR_OK && any > 0 &&
+              cpar_store_get(ctx->store, CPAR__ABORTED_MSG, val, sizeof val - 1, &len) == CPAR_OK;
+    val[ok ? len : 0] = 0;
+    ok = ok && sscanf(val, "%d %n", &who, &off) == 1 && who != ctx->rank;
+    snprintf(cpar__tls_err, sizeof cpar__tls_err, "%s", keep);
+    if (ok) snprintf(msg, cap, "%s", val + off);
+    return ok;
+}
+
 /* Poll *comm until the operation `call` (r: what it returned) settles. On a
  * failure, a failed peer (single-process jobs) or the deadline, *comm is
  * aborted so no rank hangs in a kernel. `what` (or NULL) says what was
@@ -7188,6 +7230,11 @@ static cpar_status cpar__nccl_wait(cpar_ctx *ctx, const cpar_group *g, const cha
     if (st != CPAR_OK) {
         cpar__nccl_abort(comm);
         return st;
+    }
+    char why[CPAR_ERR_LEN];
+    if (cpar__nccl_abort_read(ctx, why, sizeof why)) { /* processes: a peer's abort is the cause */
+        cpar__nccl_abort(comm);
+        return cpar__fail(ctx, CPAR_ERR_PEER, "%s: %.480s; NCCL communicator aborted", fn, why);
     }
     int gone = r == ncclRemoteError ? cpar__nccl_exited_member(ctx, g) : -1;
     if (gone >= 0) { /* as on the host backend: name the rank that left, for every peer */
@@ -8194,6 +8241,11 @@ static cpar_status cpar__job_failure(cpar_ctx *ctx, const char *fn) {
  * have aborted a communicator because of it. */
 static cpar_status cpar__comm_errors_named(cpar_ctx *ctx, const char *fn) {
     cpar_status st = cpar__comm_errors(ctx, fn);
+#ifdef CPAR_WITH_NCCL
+    char why[CPAR_ERR_LEN]; /* processes: a peer's published abort (section 9) */
+    if (st != CPAR_OK && cpar__nccl_abort_read(ctx, why, sizeof why))
+        return cpar__fail(ctx, CPAR_ERR_PEER, "%s: %.480s; NCCL communicators aborted", fn, why);
+#endif
     if (st == CPAR_OK || !ctx->job || !ctx->job->failed || !ctx->job->failed_root) return st;
     return cpar__job_failure(ctx, fn);
 }
@@ -8645,6 +8697,7 @@ static void cpar__abort_why(cpar_ctx *ctx, cpar_status st, const char *why) {
     snprintf(msg, sizeof msg, "rank %d %.480s", ctx->rank, why);
     cpar__pc_record_all(ctx, msg);
 #ifdef CPAR_WITH_NCCL
+    if (ctx->backend == CPAR_BACKEND_NCCL) cpar__nccl_abort_publish(ctx, msg); /* processes: through the store */
     for (cpar_group *g = ctx->groups; g; g = g->next)
         if (g->nccl) {
             ncclCommAbort(g->nccl);

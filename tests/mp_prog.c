@@ -15,6 +15,10 @@
  *   mp_prog badarg K rank K's all-reduce fails its own checks (it stays alive
  *                    for 5 s); the others must fail at once naming it, and
  *                    print how long their all-reduce took ("after N ms")
+ *   mp_prog queued K the others queue an all-reduce without rank K and call
+ *                    cpar_finalize, whose wait for it times out; rank K makes
+ *                    the same call three deadlines late and must fail at once
+ *                    with the timeout's own words, not NCCL's abort
  *
  * Exit status: 0 when every check passed, 1 when a cpar call failed (its
  * message on stderr), 2 when a result was wrong. */
@@ -240,6 +244,20 @@ static int job(const char *mode, int k) {
         cpar_finalize(ctx);
         return st == CPAR_OK ? 2 : 1;
     }
+    if (!strcmp(mode, "queued")) {
+        TRY(cpar_sync(ctx)); /* the healthy start is done everywhere: nothing else is in flight */
+        if (rank == k) {
+            const char *env_ms = getenv("CPAR_TIMEOUT_MS");
+            const long ms = 3 * (env_ms ? atol(env_ms) : 300000);
+            struct timespec ts = {ms / 1000, ms % 1000 * 1000000L}; /* the peers' finalize has timed out by now */
+            nanosleep(&ts, NULL);
+        }
+        cpar_status st = cpar_all_reduce(w, &t, &t, CPAR_SUM); /* the others': queued, rank K is not there */
+        if (rank == k && st == CPAR_OK) st = cpar_sync(ctx);
+        printf("rank %d: all_reduce: %s: %s\n", rank, cpar_status_string(st), st ? cpar_last_error(ctx) : "queued");
+        cpar_finalize(ctx); /* the others': waits for the queued all-reduce until the deadline */
+        return rank == k ? (st == CPAR_OK ? 2 : 1) : st == CPAR_OK ? 0 : 1;
+    }
     if (!strcmp(mode, "die")) {
         if (rank == k) {
             struct timespec ts = {0, 200 * 1000000L}; /* the peers are inside the next all-reduce by now */
@@ -290,8 +308,9 @@ int main(int argc, char **argv) {
         printf("rank %d not starting\n", rank);
         return 0;
     }
-    if (strcmp(mode, "ok") && strcmp(mode, "die") && strcmp(mode, "nostart") && strcmp(mode, "badarg")) {
-        fprintf(stderr, "mp_prog: unknown mode \"%s\" (ok, die K, nostart K, badarg K)\n", mode);
+    if (strcmp(mode, "ok") && strcmp(mode, "die") && strcmp(mode, "nostart") && strcmp(mode, "badarg") &&
+        strcmp(mode, "queued")) {
+        fprintf(stderr, "mp_prog: unknown mode \"%s\" (ok, die K, nostart K, badarg K, queued K)\n", mode);
         return 1;
     }
     return job(mode, k);

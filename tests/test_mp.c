@@ -110,6 +110,27 @@ START_TEST(test_torchrun_rank_fails_check) {
 }
 END_TEST
 
+/* The others' cpar_finalize times out on an all-reduce rank 0 joins too
+ * late (cpar_finalize's error is not returned: a quiet wait). Rank 0's call
+ * finds the communicator aborted and fails at once, naming the cause that
+ * the process which timed out published in the store (rank 0 is its server:
+ * still there), not only NCCL's "aborted the communicator". */
+START_TEST(test_torchrun_rank_leaves_work_queued) {
+    /* a collective is queued only when streams run in order, as on a GPU
+     * (make test sets random:SEED; eager would run it in the call) */
+    if (!getenv("CUDASIM_STREAMS")) setenv("CUDASIM_STREAMS", "lazy", 1);
+    proc ps[NP];
+    mp_start(ps, "queued", "0", "1500");
+    for (int r = 0; r < NP; r++) proc_finish(&ps[r], 30000);
+    for (int r = 1; r < NP; r++) ASSERT_OUT(&ps[r], ps[r].status == 0 && strstr(ps[r].text[0], "all_reduce: CPAR_OK"));
+    ASSERT_OUT(&ps[0], ps[0].status == 1);
+    ASSERT_OUT(&ps[0], strstr(ps[0].text[0], "all_reduce: CPAR_ERR_PEER") &&
+                           strstr(ps[0].text[0], " timed out (cpar_finalize: device work unfinished after 1500 ms"));
+    for (int r = 0; r < NP; r++) proc_free(&ps[r]);
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
 START_TEST(test_torchrun_rank_never_starts) {
     proc ps[NP];
     mp_start(ps, "nostart", "1", "1500");
@@ -173,6 +194,7 @@ int main(void) {
     tcase_add_test(tc, test_torchrun_job);
     tcase_add_test(tc, test_torchrun_rank_dies);
     tcase_add_test(tc, test_torchrun_rank_fails_check);
+    tcase_add_test(tc, test_torchrun_rank_leaves_work_queued);
     tcase_add_test(tc, test_torchrun_rank_never_starts);
     tcase_add_test(tc, test_torchrun_duplicate_rank0);
     tcase_set_timeout(tc, 120);
