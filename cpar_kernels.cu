@@ -3266,8 +3266,9 @@ static __global__ void cpar__attn_bwd_dot_kernel(const O *__restrict__ out, cons
 /* FlashAttention-2's dQ from the dkdv step (cpar_dev_attn's atomic_dq):
  * dQ = dS K for the step's BR queries, A fragments from the shared dSᵀ
  * [BC][LDS] (rounded to T, as the dq kernel rounds its own; .trans loads), B
- * from K. Warp w computes queries 32 (w / 2), columns (w % 2) D / 2 and adds
- * scale·dQ to dq with fp32 atomics (two adjacent columns in one on sm_90):
+ * from K. Warp w computes queries 32 (w / 2), columns (w % 2) D / 2 (in
+ * PASSES column slices: V::DKDV_DQ_PASSES) and adds scale·dQ to dq with
+ * fp32 atomics (two adjacent columns in one on sm_90):
  * the order of the CTAs' additions, and so dq's last bits, vary run to run. */
 #if defined(CPAR_SIM) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
 #define CPAR__AB_PAIR_ATOMICS 1 /* atomicAdd(float2 *) */
