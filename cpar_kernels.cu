@@ -3515,7 +3515,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
     /* GENERAL: [BC] key infos, [BR] query infos (in shared memory, not
      * registers: at d 128 the general kernel spilled 88 bytes) */
     cpar__attn_rowinfo *sKI = reinterpret_cast<cpar__attn_rowinfo *>(sdS + BR * LDS), *sQI = sKI + BC;
-    const int warp = (int)(threadIdx.x >> 5), t = (int)(threadIdx.x & 31) & 3;
+    const int warp = (int)(threadIdx.x >> 5), g = (int)(threadIdx.x & 31) >> 2, t = (int)(threadIdx.x & 3);
     const int qb = (warp >> 1) * 32, kb = (warp & 1) * 32, cb = (warp & 1) * (D / 2); /* the warp's blocks */
     /* the last query tiles first: causal, they have the most key tiles, so the
      * long CTAs start early and the short ones fill the tail */
@@ -3554,7 +3554,6 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
             key_infos(j_begin);
         }
         cpar__attn_cp_commit();
-        const int g = (int)(threadIdx.x & 31) >> 2;
         float l2[2][2], ds[2][2]; /* rows qb + 16 mb + g (+ 8) */
         CPAR__UNROLL
         for (int mb = 0; mb < 2; mb++)
