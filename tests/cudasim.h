@@ -114,7 +114,8 @@
  *    lane outside the mask returns the caller's own value (undefined on a GPU).
  *    __activemask() is "lanes not exited" (divergence is not modelled).
  *  - Fiber stacks are 64 KiB (CUDASIM_STACK_KB) with a guard page (overflow =
- *    SIGSEGV): keep per-thread local arrays to a few KiB.
+ *    SIGSEGV, also in a pool reused from a finished host thread: test_cudasim's
+ *    test_stack_guard_on_reused_pool): keep per-thread local arrays to a few KiB.
  *  - __expf & co. are the exact libm functions; __CUDA_ARCH__ is undefined
  *    (host compilation; test CUDASIM to tell the sim build apart).
  *  - Not modelled: __constant__ (does not compile), __device__ variables

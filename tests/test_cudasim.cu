@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <csignal>
 #include <thread>
 #include <vector>
 
@@ -1833,6 +1834,47 @@ START_TEST(test_two_host_threads) {
 }
 END_TEST
 
+#ifndef CUDASIM_ASAN
+/* The guard page below every fiber stack, in a pool that a finished host
+ * thread left to the next one (tests/cudasim.h's stack cache): a kernel
+ * thread that overflows its stack faults (SIGSEGV) instead of writing into
+ * its neighbour's. Not under AddressSanitizer, which reports the overflow
+ * itself and exits. */
+__device__ int stack_eater(int n) { /* a 1 KiB frame per level; the sum keeps it from being a loop */
+    volatile char buf[1024];
+    buf[n % 1024] = (char)n;
+    return n ? stack_eater(n - 1) + buf[n % 1024] : 0;
+}
+__global__ void stack_address(uintptr_t *out) {
+    volatile char c = 0;
+    out[threadIdx.x] = (uintptr_t)&c + (uintptr_t)c;
+}
+/* about 100 KiB: past the 64 KiB stack and its guard page, and not past the
+ * stack below (so without the guard page it would not fault at all) */
+__global__ void stack_overflow(int *out) { out[threadIdx.x] = stack_eater(96); }
+
+START_TEST(test_stack_guard_on_reused_pool) {
+    uintptr_t *addr = dev_alloc<uintptr_t>(1);
+    int *out = dev_alloc<int>(1);
+    uintptr_t first = 0, second = 0;
+    std::thread t0([&] { /* its stacks go to the cache when it ends */
+        CPAR_LAUNCH(stack_address, 1, 1, 0, 0)(addr);
+        cudaMemcpy(&first, addr, sizeof first, cudaMemcpyDeviceToHost);
+    });
+    t0.join();
+    std::thread t1([&] {
+        CPAR_LAUNCH(stack_address, 1, 1, 0, 0)(addr);
+        cudaMemcpy(&second, addr, sizeof second, cudaMemcpyDeviceToHost);
+        if (second == first && first != 0) CPAR_LAUNCH(stack_overflow, 1, 1, 0, 0)(out); /* faults here */
+    });
+    t1.join();
+    ck_abort_msg(second == first ? "the stack overflow did not fault (stack at %p)"
+                                 : "the second host thread got a new stack pool (%p, then %p)",
+                 (void *)first, (void *)second);
+}
+END_TEST
+#endif
+
 /* order[t] = the position at which thread t ran its first instruction;
  * blocks[b] = the position at which block b started. */
 __global__ void order_probe(unsigned *order, unsigned *blocks, unsigned *counter) {
@@ -2163,6 +2205,9 @@ int main(void) {
     tcase_add_test(tc, test_runtime_devices_streams_events);
     tc = make_tcase(s, "threads_schedules");
     tcase_add_test(tc, test_two_host_threads);
+#ifndef CUDASIM_ASAN
+    tcase_add_test_raise_signal(tc, test_stack_guard_on_reused_pool, SIGSEGV);
+#endif
     tcase_add_test(tc, test_schedules);
     tc = make_tcase(s, "streams");
     tcase_add_test(tc, test_streams_lazy_defers);
