@@ -7138,41 +7138,60 @@ static cpar_status cpar__nccl_gave_up_check(cpar_ctx *ctx, const char *fn, bool 
  * Between threads the job records a rank's abort and its cause, and a peer
  * whose NCCL call then fails on the aborted communicators names that cause
  * (cpar__nccl_wait, cpar__comm_errors_named). Between processes the store
- * does: cpar__abort_why publishes "rank N <why>" (the first abort of the job
- * wins), and a peer reads it only once NCCL has failed, so no healthy call
- * pays a round trip. */
+ * does: cpar__abort_why publishes "rank N <why>" under the order of its
+ * claim (several ranks may abort at once, and the first to claim need not be
+ * the first to finish writing), then marks it ready; a peer reads the
+ * earliest ready one only once NCCL has failed, so no healthy call pays a
+ * round trip. */
 #define CPAR__ABORTED_CLAIM "cpar/aborted/claim"
-#define CPAR__ABORTED_ANY "cpar/aborted/any"
-#define CPAR__ABORTED_MSG "cpar/aborted/msg"
+
+static void cpar__nccl_abort_key(char *key, size_t cap, const char *what, int64_t n) {
+    snprintf(key, cap, "cpar/aborted/%s/%lld", what, (long long)n);
+}
 
 static void cpar__nccl_abort_publish(cpar_ctx *ctx, const char *msg) {
     if (!ctx->store) return;
-    char keep[CPAR_ERR_LEN], val[CPAR_ERR_LEN + 16];
+    char keep[CPAR_ERR_LEN], val[CPAR_ERR_LEN + 16], key[64];
     snprintf(keep, sizeof keep, "%s", cpar__tls_err); /* a failed store call must not replace the cause */
     const int len = snprintf(val, sizeof val, "%d %s", ctx->rank, msg);
-    int64_t n = 0;
-    if (cpar_store_add(ctx->store, CPAR__ABORTED_CLAIM, 1, &n) == CPAR_OK && n == 1 &&
-        cpar_store_set(ctx->store, CPAR__ABORTED_MSG, val, (size_t)len + 1) == CPAR_OK)
-        (void)cpar_store_add(ctx->store, CPAR__ABORTED_ANY, 1, &n); /* readers look for the message after this */
+    int64_t n = 0, one = 0;
+    if (cpar_store_add(ctx->store, CPAR__ABORTED_CLAIM, 1, &n) == CPAR_OK) {
+        cpar__nccl_abort_key(key, sizeof key, "msg", n);
+        if (cpar_store_set(ctx->store, key, val, (size_t)len + 1) == CPAR_OK) {
+            cpar__nccl_abort_key(key, sizeof key, "ready", n); /* readers look for the message after this */
+            (void)cpar_store_add(ctx->store, key, 1, &one);
+        }
+    }
     snprintf(cpar__tls_err, sizeof cpar__tls_err, "%s", keep);
 }
 
-/* Another process's published abort ("rank N <why>") into msg: false when
- * there is none, it is this rank's own, or the store cannot say. */
+/* Another process's published abort ("rank N <why>"), the earliest ready
+ * one, into msg: false when there is none but this rank's own, or the store
+ * cannot say. */
 static bool cpar__nccl_abort_read(cpar_ctx *ctx, char *msg, size_t cap) {
     if (!ctx->store) return false;
-    char keep[CPAR_ERR_LEN], val[CPAR_ERR_LEN + 16];
+    char keep[CPAR_ERR_LEN], val[CPAR_ERR_LEN + 16], key[64];
     snprintf(keep, sizeof keep, "%s", cpar__tls_err);
-    int64_t any = 0;
-    size_t len = 0;
-    int who = -1, off = 0;
-    bool ok = cpar_store_add(ctx->store, CPAR__ABORTED_ANY, 0, &any) == CPAR_OK && any > 0 &&
-              cpar_store_get(ctx->store, CPAR__ABORTED_MSG, val, sizeof val - 1, &len) == CPAR_OK;
-    val[ok ? len : 0] = 0;
-    ok = ok && sscanf(val, "%d %n", &who, &off) == 1 && who != ctx->rank;
+    int64_t claims = 0;
+    bool found = false;
+    if (cpar_store_add(ctx->store, CPAR__ABORTED_CLAIM, 0, &claims) == CPAR_OK)
+        for (int64_t n = 1; n <= claims && !found; n++) {
+            int64_t ready = 0;
+            size_t len = 0;
+            int who = -1, off = 0;
+            cpar__nccl_abort_key(key, sizeof key, "ready", n);
+            if (cpar_store_add(ctx->store, key, 0, &ready) != CPAR_OK) break;
+            if (ready == 0) continue;
+            cpar__nccl_abort_key(key, sizeof key, "msg", n);
+            if (cpar_store_get(ctx->store, key, val, sizeof val - 1, &len) != CPAR_OK) break;
+            val[len] = 0;
+            if (sscanf(val, "%d %n", &who, &off) == 1 && who != ctx->rank) {
+                snprintf(msg, cap, "%s", val + off);
+                found = true;
+            }
+        }
     snprintf(cpar__tls_err, sizeof cpar__tls_err, "%s", keep);
-    if (ok) snprintf(msg, cap, "%s", val + off);
-    return ok;
+    return found;
 }
 
 /* Poll *comm until the operation `call` (r: what it returned) settles. On a

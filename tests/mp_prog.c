@@ -19,6 +19,9 @@
  *                    cpar_finalize, whose wait for it times out; rank K makes
  *                    the same call three deadlines late and must fail at once
  *                    with the timeout's own words, not NCCL's abort
+ *   mp_prog abort K  rank K queues an all-reduce the others never join and
+ *                    waits on it; they call cpar_abort: its wait must fail
+ *                    naming "rank N aborted (cpar_abort)"
  *
  * Exit status: 0 when every check passed, 1 when a cpar call failed (its
  * message on stderr), 2 when a result was wrong. */
@@ -258,6 +261,21 @@ static int job(const char *mode, int k) {
         cpar_finalize(ctx); /* the others': waits for the queued all-reduce until the deadline */
         return rank == k ? (st == CPAR_OK ? 2 : 1) : st == CPAR_OK ? 0 : 1;
     }
+    if (!strcmp(mode, "abort")) {
+        TRY(cpar_sync(ctx));
+        cpar_status st = CPAR_OK;
+        if (rank == k) { /* queued, then waited on: the others never join it */
+            st = cpar_all_reduce(w, &t, &t, CPAR_SUM);
+            if (st == CPAR_OK) st = cpar_sync(ctx);
+            printf("rank %d: all_reduce: %s: %s\n", rank, cpar_status_string(st), st ? cpar_last_error(ctx) : "");
+        } else {
+            struct timespec ts = {0, 300 * 1000000L}; /* rank K is waiting on its all-reduce by now */
+            nanosleep(&ts, NULL);
+            TRY(cpar_abort(ctx));
+        }
+        cpar_finalize(ctx);
+        return rank == k ? (st == CPAR_OK ? 2 : 1) : 0;
+    }
     if (!strcmp(mode, "die")) {
         if (rank == k) {
             struct timespec ts = {0, 200 * 1000000L}; /* the peers are inside the next all-reduce by now */
@@ -309,8 +327,8 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (strcmp(mode, "ok") && strcmp(mode, "die") && strcmp(mode, "nostart") && strcmp(mode, "badarg") &&
-        strcmp(mode, "queued")) {
-        fprintf(stderr, "mp_prog: unknown mode \"%s\" (ok, die K, nostart K, badarg K, queued K)\n", mode);
+        strcmp(mode, "queued") && strcmp(mode, "abort")) {
+        fprintf(stderr, "mp_prog: unknown mode \"%s\" (ok, die K, nostart K, badarg K, queued K, abort K)\n", mode);
         return 1;
     }
     return job(mode, k);

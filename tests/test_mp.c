@@ -131,6 +131,24 @@ START_TEST(test_torchrun_rank_leaves_work_queued) {
 }
 END_TEST
 
+/* Rank 0's all-reduce is queued and it waits on its stream; the others call
+ * cpar_abort instead of joining. The wait finds the communicator failed and
+ * names the cause the aborting process published, not NCCL's abort. */
+START_TEST(test_torchrun_peer_aborts_queued_work) {
+    if (!getenv("CUDASIM_STREAMS")) setenv("CUDASIM_STREAMS", "lazy", 1); /* queued, as on a GPU */
+    proc ps[NP];
+    mp_start(ps, "abort", "0", "30000");
+    for (int r = 0; r < NP; r++) proc_finish(&ps[r], 40000);
+    for (int r = 1; r < NP; r++) ASSERT_OUT(&ps[r], ps[r].status == 0);
+    ASSERT_OUT(&ps[0], ps[0].status == 1);
+    ASSERT_OUT(&ps[0], strstr(ps[0].text[0], "all_reduce: CPAR_ERR_PEER") &&
+                           strstr(ps[0].text[0], " aborted (cpar_abort); NCCL communicators aborted"));
+    ck_assert_int_lt(ps[0].end - ps[0].start, 15000); /* the abort, not the 30 s deadline */
+    for (int r = 0; r < NP; r++) proc_free(&ps[r]);
+    ck_assert_int_eq(shm_leftovers(), 0);
+}
+END_TEST
+
 START_TEST(test_torchrun_rank_never_starts) {
     proc ps[NP];
     mp_start(ps, "nostart", "1", "1500");
@@ -195,6 +213,7 @@ int main(void) {
     tcase_add_test(tc, test_torchrun_rank_dies);
     tcase_add_test(tc, test_torchrun_rank_fails_check);
     tcase_add_test(tc, test_torchrun_rank_leaves_work_queued);
+    tcase_add_test(tc, test_torchrun_peer_aborts_queued_work);
     tcase_add_test(tc, test_torchrun_rank_never_starts);
     tcase_add_test(tc, test_torchrun_duplicate_rank0);
     tcase_set_timeout(tc, 120);
