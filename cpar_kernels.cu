@@ -3092,6 +3092,33 @@ static __device__ __forceinline__ int cpar__ab_diag(int64_t i0, int64_t j0) {
     return dl > 256 ? 256 : dl < -256 ? -256 : (int)dl;
 }
 
+/* P = 2^(S · scale_log2 - lse) over a warp's 32 x 32 block of S at rows m0,
+ * columns n0 (cpar__ab_each's fragments); KEY_ROWS: the block is Sᵀ (rows
+ * are keys, dk/dv's), else S (rows are queries, dq's). lse(mb, e, qr) is
+ * query row qr's log2-sum-exp (e: the fragment element). The mask only where
+ * the block may hide a weight (keys past `keys`, the causal diagonal,
+ * packed): a warp-uniform choice, so plain blocks pay no compare. */
+template <bool KEY_ROWS, int NB, typename Lse>
+static __device__ __forceinline__ void cpar__ab_probs(float (&s)[2][NB][4], int m0, int n0, float scale_log2,
+                                                      Lse lse, bool packed, bool causal, int diag, int keys,
+                                                      const cpar__attn_rowinfo *qi, const cpar__attn_rowinfo *ki) {
+    const int qb = KEY_ROWS ? n0 : m0, kb = KEY_ROWS ? m0 : n0;
+    auto probs = [&](auto masked) {
+        cpar__ab_each<2, NB>(m0, n0, [&](int mb, int nb, int e, int r, int c) {
+            const int qr = KEY_ROWS ? c : r, kr = KEY_ROWS ? r : c;
+            const float x = cpar__ex2(fmaf(s[mb][nb][e], scale_log2, -lse(mb, e, qr)));
+            if constexpr (decltype(masked)::value) {
+                const bool hidden = kr >= keys || cpar__ab_hidden(packed, causal, diag, qr, kr, qi[qr], ki[kr]);
+                s[mb][nb][e] = hidden ? 0.f : x;
+            } else {
+                s[mb][nb][e] = x;
+            }
+        });
+    };
+    if (packed || keys < kb + 32 || (causal && diag < kb + 31 - qb)) probs(std::true_type{});
+    else probs(std::false_type{});
+}
+
 /* Shared bytes: `rows` tile rows of T (row pitch D + 8) and `floats` floats. */
 template <typename T, int D> static constexpr size_t cpar__ab_smem(int rows, int floats) {
     return (size_t)rows * (D + 8) * sizeof(T) + (size_t)floats * sizeof(float);
@@ -3439,23 +3466,8 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
                     const float *sL = sLD + (n & 1) * 2 * BR, *sD = sL + BR;
                     const cpar__attn_rowinfo *qi_s = sQI + (n & 1) * BR;
                     cpar__ab_mma_abt<T, 2, NQ, D, LD>(s, sK, kb, sQ, qb, d);
-                    /* P; the mask only where the warp's block may hide a
-                     * weight (keys past sk, the causal diagonal, packed):
-                     * warp-uniform */
-                    auto probs = [&](auto masked) {
-                        cpar__ab_each<2, NQ>(kb, qb, [&](int mb, int nb, int e, int kr, int r) {
-                            const float x = cpar__ex2(fmaf(s[mb][nb][e], p.scale_log2, -sL[r]));
-                            if constexpr (decltype(masked)::value) {
-                                const bool hidden =
-                                    kr >= keys || cpar__ab_hidden(packed, causal, diag, r, kr, qi_s[r], sKI[kr]);
-                                s[mb][nb][e] = hidden ? 0.f : x;
-                            } else {
-                                s[mb][nb][e] = x;
-                            }
-                        });
-                    };
-                    if (packed || keys < kb + 32 || (causal && diag < kb + 31 - qb)) probs(std::true_type{});
-                    else probs(std::false_type{});
+                    cpar__ab_probs<true>(s, kb, qb, p.scale_log2, [&](int, int, int r) { return sL[r]; }, packed,
+                                         causal, diag, keys, qi_s, sKI);
                     cpar__ab_mma_abt<T, 2, NQ, D, LD>(dp, sV, kb, sdO, qb, d);
                     /* dS = P ∘ (dP ∘ Z − D) needs P itself; then P ∘ Z (in s) for
                      * dV. Without dropout Z = 1: both products are exact, the
@@ -3584,22 +3596,8 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
                 const bool idle = i0 + qb >= p.sq || kb >= keys || (skip && kb - (qb + 31) > diag);
                 if (!idle) {
                     cpar__ab_mma_abt<T, 2, NK, D, LD>(s, sQ, qb, sK, kb, d);
-                    /* P; the mask only where the warp's block may hide a
-                     * weight (warp-uniform) */
-                    auto probs = [&](auto masked) {
-                        cpar__ab_each<2, NK>(qb, kb, [&](int mb, int nb, int e, int r, int kc) {
-                            const float x = cpar__ex2(fmaf(s[mb][nb][e], p.scale_log2, -l2[mb][e >> 1]));
-                            if constexpr (decltype(masked)::value) {
-                                const bool hidden =
-                                    kc >= keys || cpar__ab_hidden(packed, causal, diag, r, kc, sQI[r], sKI[kc]);
-                                s[mb][nb][e] = hidden ? 0.f : x;
-                            } else {
-                                s[mb][nb][e] = x;
-                            }
-                        });
-                    };
-                    if (packed || keys < kb + 32 || (causal && diag < kb + 31 - qb)) probs(std::true_type{});
-                    else probs(std::false_type{});
+                    cpar__ab_probs<false>(s, qb, kb, p.scale_log2, [&](int mb, int e, int) { return l2[mb][e >> 1]; },
+                                          packed, causal, diag, keys, sQI, sKI);
                     cpar__ab_mma_abt<T, 2, NK, D, LD>(dp, sdO, qb, sV, kb, d);
                     if (drop) /* dP ∘ Z; keys 2t, 2t+1 of an n-block share one Philox block (cpar__attn_keep2) */
                         CPAR__UNROLL
