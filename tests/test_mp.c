@@ -57,9 +57,12 @@ END_TEST
 
 /* ---- launched here with torchrun's variables ------------------------------------ */
 
-/* Starts NP ranks of mp_prog (mode, k) as torchrun would, on a port of our own. */
+/* Starts np ranks of mp_prog (mode, k) as torchrun would, on a port of our own. */
+static void mp_start_n(proc *ps, int np, const char *mode, const char *k, const char *timeout) {
+    torchrun_start(ps, np, np, prog_path(), (const char *const[]){mode, k, NULL}, timeout);
+}
 static void mp_start(proc *ps, const char *mode, const char *k, const char *timeout) {
-    torchrun_start(ps, NP, NP, prog_path(), (const char *const[]){mode, k, NULL}, timeout);
+    mp_start_n(ps, NP, mode, k, timeout);
 }
 
 START_TEST(test_torchrun_job) {
@@ -119,14 +122,15 @@ START_TEST(test_torchrun_rank_leaves_work_queued) {
     /* a collective is queued only when streams run in order, as on a GPU
      * (make test sets random:SEED; eager would run it in the call) */
     if (!getenv("CUDASIM_STREAMS")) setenv("CUDASIM_STREAMS", "lazy", 1);
+    const int np = _i; /* 2-4 ranks: one or several time out at once */
     proc ps[NP];
-    mp_start(ps, "queued", "0", "1500");
-    for (int r = 0; r < NP; r++) proc_finish(&ps[r], 30000);
-    for (int r = 1; r < NP; r++) ASSERT_OUT(&ps[r], ps[r].status == 0 && strstr(ps[r].text[0], "all_reduce: CPAR_OK"));
+    mp_start_n(ps, np, "queued", "0", "1500");
+    for (int r = 0; r < np; r++) proc_finish(&ps[r], 30000);
+    for (int r = 1; r < np; r++) ASSERT_OUT(&ps[r], ps[r].status == 0 && strstr(ps[r].text[0], "all_reduce: CPAR_OK"));
     ASSERT_OUT(&ps[0], ps[0].status == 1);
     ASSERT_OUT(&ps[0], strstr(ps[0].text[0], "all_reduce: CPAR_ERR_PEER") &&
                            strstr(ps[0].text[0], " timed out (cpar_finalize: device work unfinished after 1500 ms"));
-    for (int r = 0; r < NP; r++) proc_free(&ps[r]);
+    for (int r = 0; r < np; r++) proc_free(&ps[r]);
     ck_assert_int_eq(shm_leftovers(), 0);
 }
 END_TEST
@@ -136,15 +140,16 @@ END_TEST
  * names the cause the aborting process published, not NCCL's abort. */
 START_TEST(test_torchrun_peer_aborts_queued_work) {
     if (!getenv("CUDASIM_STREAMS")) setenv("CUDASIM_STREAMS", "lazy", 1); /* queued, as on a GPU */
+    const int np = _i; /* 2-4 ranks: one or several abort at once */
     proc ps[NP];
-    mp_start(ps, "abort", "0", "30000");
-    for (int r = 0; r < NP; r++) proc_finish(&ps[r], 40000);
-    for (int r = 1; r < NP; r++) ASSERT_OUT(&ps[r], ps[r].status == 0);
+    mp_start_n(ps, np, "abort", "0", "30000");
+    for (int r = 0; r < np; r++) proc_finish(&ps[r], 40000);
+    for (int r = 1; r < np; r++) ASSERT_OUT(&ps[r], ps[r].status == 0);
     ASSERT_OUT(&ps[0], ps[0].status == 1);
     ASSERT_OUT(&ps[0], strstr(ps[0].text[0], "all_reduce: CPAR_ERR_PEER") &&
                            strstr(ps[0].text[0], " aborted (cpar_abort); NCCL communicators aborted"));
     ck_assert_int_lt(ps[0].end - ps[0].start, 15000); /* the abort, not the 30 s deadline */
-    for (int r = 0; r < NP; r++) proc_free(&ps[r]);
+    for (int r = 0; r < np; r++) proc_free(&ps[r]);
     ck_assert_int_eq(shm_leftovers(), 0);
 }
 END_TEST
@@ -212,8 +217,8 @@ int main(void) {
     tcase_add_test(tc, test_torchrun_job);
     tcase_add_test(tc, test_torchrun_rank_dies);
     tcase_add_test(tc, test_torchrun_rank_fails_check);
-    tcase_add_test(tc, test_torchrun_rank_leaves_work_queued);
-    tcase_add_test(tc, test_torchrun_peer_aborts_queued_work);
+    tcase_add_loop_test(tc, test_torchrun_rank_leaves_work_queued, 2, NP + 1);
+    tcase_add_loop_test(tc, test_torchrun_peer_aborts_queued_work, 2, NP + 1);
     tcase_add_test(tc, test_torchrun_rank_never_starts);
     tcase_add_test(tc, test_torchrun_duplicate_rank0);
     tcase_set_timeout(tc, 120);
