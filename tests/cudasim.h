@@ -68,9 +68,11 @@
  *   CUDASIM_STACK_KB=n       fiber stack size (default 64, minimum 16)
  *   CUDASIM_MEMORY_MB=n      per-device memory capacity (default 80 GiB)
  *   CUDASIM_STREAMS=eager|lazy|random[:seed]  when queued stream work runs (default eager)
+ *   CUDASIM_SMEM_OPTIN=n[K]  a block's shared-memory opt-in cap in bytes (K: KiB; default
+ *                            227K, sm_90; 99K is sm_86, sm_89 and sm_120's, 163K sm_80's)
  * Beyond CUDA (section 3): cudasim_set_schedule, cudasim_get_schedule,
  *   cudasim_schedule_name, cudasim_last_message, cudasim_switch_count,
- *   cudasim_set_device_count, cudasim_set_memory_limit, cudasim_bytes_in_use,
+ *   cudasim_set_device_count, cudasim_set_memory_limit, cudasim_set_smem_optin, cudasim_bytes_in_use,
  *   cudasim_check_memory, cudasim_set_streams, cudasim_get_streams,
  *   cudasim_streams_name, cudasim_drain, cudasim_fail_launch,
  *   cudasim_warp_call; macros
@@ -100,7 +102,8 @@
  *  - Dynamic shared memory only through CPAR_DYN_SMEM(type, name); `extern
  *    __shared__` does not compile here. Above 48 KiB, call
  *    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
- *    bytes) first, as on a GPU (cap 227 KiB, sm_90); the base is 1024-aligned.
+ *    bytes) first, as on a GPU (cap 227 KiB, sm_90, or CUDASIM_SMEM_OPTIN); the
+ *    base is 1024-aligned.
  *  - Static __shared__ variables are `static thread_local`: shared by the
  *    block, private to the host thread, zero at first use, NOT poisoned between
  *    blocks (they keep the previous block's values); write `__shared__ T x[N];`
@@ -470,6 +473,12 @@ inline void cudasim_set_device_count(int n);
 /* Process-wide per-device memory capacity in bytes (CUDASIM_MEMORY_MB; default
  * 80 GiB): cudaMalloc beyond it fails with cudaErrorMemoryAllocation. */
 inline void cudasim_set_memory_limit(size_t bytes_per_device);
+/* Process-wide cap on a block's dynamic shared memory (CUDASIM_SMEM_OPTIN;
+ * 0 restores the default, 227 KiB as on sm_90): what
+ * cudaDevAttrMaxSharedMemoryPerBlockOptin reports (the SM one KiB more), the
+ * most cudaFuncSetAttribute accepts and a launch may use. 99 KiB plays an
+ * sm_86, sm_89 or sm_120 GPU (RTX 30xx-50xx, A10, L4, L40S). */
+inline void cudasim_set_smem_optin(size_t bytes);
 /* Bytes of live cudaMalloc allocations on device dev (all devices if dev < 0). */
 inline size_t cudasim_bytes_in_use(int dev);
 /* Checks the guard bytes around every live allocation; returns how many were
@@ -788,11 +797,33 @@ struct Global {
     std::map<int, size_t> in_use;
     int ndev = -1;
     size_t mem_limit = 0;
+    size_t smem_optin = 0; /* 0: not read yet (smem_optin_cap) */
 };
 
 inline Global &global() {
     static Global *g = new Global; /* never destroyed: threads may outlive exit() */
     return *g;
+}
+
+constexpr size_t kSmemDefault = 48 * 1024;   /* without opt-in */
+constexpr size_t kSmemOptinMax = 227 * 1024; /* sm_90: the default cap */
+
+/* The opt-in cap: cudasim_set_smem_optin's, else CUDASIM_SMEM_OPTIN's
+ * (bytes, or KiB with a K; at least 48 KiB), else kSmemOptinMax. */
+inline size_t smem_optin_cap() {
+    Global &g = global();
+    std::lock_guard<std::mutex> lock(g.mu);
+    if (!g.smem_optin) {
+        g.smem_optin = kSmemOptinMax;
+        const char *e = getenv("CUDASIM_SMEM_OPTIN");
+        if (e && *e) {
+            char *end = nullptr;
+            unsigned long long v = strtoull(e, &end, 10);
+            if (end && (*end == 'K' || *end == 'k')) v <<= 10;
+            if (v >= kSmemDefault) g.smem_optin = (size_t)v;
+        }
+    }
+    return g.smem_optin;
 }
 
 inline int device_count() {
@@ -2866,8 +2897,8 @@ inline cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, 
     case cudaDevAttrUnifiedAddressing: *value = 1; break;
     case cudaDevAttrComputeCapabilityMajor: *value = 9; break;
     case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
-    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = 228 * 1024; break;
-    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = 227 * 1024; break;
+    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = (int)smem_optin_cap() + 1024; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = (int)smem_optin_cap(); break;
     default: return rt_fail(cudaErrorInvalidValue, "cudaDeviceGetAttribute: attribute %d not simulated", (int)attr);
     }
     return cudaSuccess;
@@ -3184,9 +3215,6 @@ inline cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_
 namespace cudasim {
 namespace detail {
 
-constexpr size_t kSmemDefault = 48 * 1024;   /* without opt-in */
-constexpr size_t kSmemOptinMax = 227 * 1024; /* sm_90 */
-
 struct LaunchInfo {
     const void *key;
     dim3 grid, block;
@@ -3232,12 +3260,13 @@ inline bool launch_config_ok(HostThread &h, const LaunchInfo &L) {
     }
     if (L.smem > kSmemDefault) {
         int optin = smem_optin(L.key);
-        if (L.smem > kSmemOptinMax || L.smem > (size_t)optin) {
+        const size_t cap = smem_optin_cap();
+        if (L.smem > cap || L.smem > (size_t)optin) {
             rt_fail(cudaErrorInvalidValue,
                  "%s: %zu bytes of dynamic shared memory exceed %s (%zu bytes); above 48 KiB call "
                  "cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) first (max %zu)",
                  at, L.smem, optin ? "the kernel's cudaFuncAttributeMaxDynamicSharedMemorySize" : "the default limit",
-                 optin ? (size_t)optin : kSmemDefault, kSmemOptinMax);
+                 optin ? (size_t)optin : kSmemDefault, cap);
             return false;
         }
     }
@@ -3391,9 +3420,10 @@ inline cudaError_t cudaFuncSetAttribute(const void *func, enum cudaFuncAttribute
     }
     if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize)
         return rt_fail(cudaErrorInvalidValue, "cudaFuncSetAttribute: attribute %d not simulated", (int)attr);
-    if (value < 0 || (size_t)value > kSmemOptinMax)
+    const size_t cap = smem_optin_cap();
+    if (value < 0 || (size_t)value > cap)
         return rt_fail(cudaErrorInvalidValue,
-                    "cudaFuncSetAttribute: MaxDynamicSharedMemorySize %d not in [0, %zu]", value, kSmemOptinMax);
+                    "cudaFuncSetAttribute: MaxDynamicSharedMemorySize %d not in [0, %zu]", value, cap);
     Global &g = global();
     std::lock_guard<std::mutex> lock(g.mu);
     g.max_dyn_smem[func] = value;
@@ -3794,6 +3824,11 @@ inline void cudasim_set_memory_limit(size_t bytes_per_device) {
     cudasim::detail::Global &g = cudasim::detail::global();
     std::lock_guard<std::mutex> lock(g.mu);
     g.mem_limit = bytes_per_device ? bytes_per_device : cudasim::detail::kDefaultMemLimit;
+}
+inline void cudasim_set_smem_optin(size_t bytes) {
+    cudasim::detail::Global &g = cudasim::detail::global();
+    std::lock_guard<std::mutex> lock(g.mu);
+    g.smem_optin = bytes ? std::max(bytes, cudasim::detail::kSmemDefault) : cudasim::detail::kSmemOptinMax;
 }
 inline size_t cudasim_bytes_in_use(int dev) {
     cudasim::detail::Global &g = cudasim::detail::global();

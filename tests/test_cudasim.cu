@@ -777,6 +777,30 @@ START_TEST(test_dynamic_shared_memory) {
         CPAR_LAUNCH(reverse_dynamic, 1, 32, 48 * 1024 + 4, 0)(nullptr, nullptr); /* no opt-in at all */
         ck_assert_int_eq(cudaGetLastError(), cudaErrorInvalidValue);
     }
+    /* A GPU of 99 KiB a block (sm_86, sm_89, sm_120): the attribute says
+     * so, and the opt-in and a launch above it fail; at it they work. */
+    int optin = 0, per_sm = 0;
+    CK_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+    ck_assert_int_eq(optin, 227 * 1024);
+    cudasim_set_smem_optin(99 * 1024);
+    CK_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+    CK_CUDA(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
+    ck_assert_int_eq(optin, 99 * 1024);
+    ck_assert_int_eq(per_sm, 100 * 1024);
+    ck_assert_int_eq(cudaFuncSetAttribute(smem_probe, cudaFuncAttributeMaxDynamicSharedMemorySize, 99 * 1024 + 16),
+                     cudaErrorInvalidValue);
+    ck_assert_int_eq(cudaGetLastError(), cudaErrorInvalidValue);
+    CPAR_LAUNCH(smem_probe, 1, 32, 100 * 1024, 0)(100 * 1024, bad); /* the 227 KiB opt-in from above */
+    ck_assert_int_eq(cudaGetLastError(), cudaErrorInvalidValue);
+    CK_CUDA(cudaFuncSetAttribute(smem_probe, cudaFuncAttributeMaxDynamicSharedMemorySize, 99 * 1024));
+    CK_CUDA(cudaMemset(bad, 0, 12));
+    CPAR_LAUNCH(smem_probe, 1, 128, 99 * 1024, 0)(99 * 1024, bad);
+    CK_CUDA(cudaDeviceSynchronize());
+    std::vector<int> b = from_dev(bad, 3);
+    ck_assert_int_eq(b[0] + b[1] + b[2], 0);
+    cudasim_set_smem_optin(0);
+    CK_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+    ck_assert_int_eq(optin, 227 * 1024);
     CK_CUDA(cudaFree(bad));
 }
 END_TEST
