@@ -2265,6 +2265,10 @@ template <int DT_, bool GENERAL_, bool CAUSAL_ = false> struct cpar__attn_var {
     /* dO buffers of the dkdv kernel: two where two CTAs per SM still fit
      * (d 64), one at d 128 (refilled after each step's dV) */
     static constexpr int DKDV_DO_BUFS = DT <= 64 ? 2 : 1;
+    /* Q buffers of the dkdv kernel and V buffers of the dq kernel: two (the
+     * next tile's copies in flight during this one's work); one in the lean
+     * instantiations (cpar__ab_lean) */
+    static constexpr int DKDV_Q_BUFS = 2, DQ_V_BUFS = 2;
     /* Column passes of the dkdv kernel's dQ (atomic_dq): at d 128 two of
      * 32 x 32 per warp (64 accumulator registers beside dK and dV spilled) */
     static constexpr int DKDV_DQ_PASSES = DT == 128 ? 2 : 1;
@@ -3015,7 +3019,10 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * (every warp is done with it there); one more barrier follows the shared
  * P and dS stores, and in the dkdv kernel at d 128, where one dO buffer
  * leaves room for two CTAs per SM, one after dV, past which the next dO
- * comes in.
+ * comes in. Where a block gets less shared memory than the d 128 kernels
+ * take (99 KB on sm_86, sm_89, sm_120) their lean instantiation runs
+ * (cpar__ab_lean: one Q buffer in dkdv, refilled after dK; one V buffer
+ * in dq, refilled past the dS barrier).
  * Uses: 2 (errors), 4 (widen/narrow, packs), k_mma.cu (tensor-core wrappers). */
 
 /* CPAR__UNROLL: section 16's (full unrolling under nvcc, nothing under g++). */
@@ -3349,15 +3356,38 @@ static __device__ __forceinline__ void cpar__ab_store_frags(T *s, const float (&
     });
 }
 
-/* Shared bytes of the dkdv kernel: K, V [BC][D+8]; 2 x Q and DO_BUFS x dO
- * [BR][D+8]; Pᵀ∘Z and dSᵀ [BC][BR+8] of T; 2 x (lse, Dsum) [BR] fp32;
+/* Shared bytes of the dkdv kernel: K, V [BC][D+8]; Q_BUFS x Q and DO_BUFS x
+ * dO [BR][D+8]; Pᵀ∘Z and dSᵀ [BC][BR+8] of T; 2 x (lse, Dsum) [BR] fp32;
  * GENERAL: 2 x the query tile's infos and the key tile's. */
 template <typename T, class V> static constexpr size_t cpar__ab_dkdv_smem(void) {
     constexpr int BR = CPAR__AB_BRKV, INFO = (int)(sizeof(cpar__attn_rowinfo) / sizeof(float));
-    return cpar__ab_smem<T, V::DT>(2 * CPAR__AB_BC + (2 + V::DKDV_DO_BUFS) * BR,
+    return cpar__ab_smem<T, V::DT>(2 * CPAR__AB_BC + (V::DKDV_Q_BUFS + V::DKDV_DO_BUFS) * BR,
                                    4 * BR + (V::GENERAL ? (2 * BR + CPAR__AB_BC) * INFO : 0)) +
            (size_t)2 * CPAR__AB_BC * (BR + 8) * sizeof(T);
 }
+
+/* Shared bytes of the dq kernel: Q, dO [BR][D+8]; 2 x K and V_BUFS x V
+ * [BC][D+8]; dS [BR][BC+8] of T; GENERAL: the key tile's and the query
+ * tile's infos. */
+template <typename T, class V> static constexpr size_t cpar__ab_dq_smem(void) {
+    constexpr int INFO = (int)(sizeof(cpar__attn_rowinfo) / sizeof(float));
+    return cpar__ab_smem<T, V::DT>(2 * CPAR__AB_BRQ + (2 + V::DQ_V_BUFS) * CPAR__AB_BC,
+                                   V::GENERAL ? (CPAR__AB_BC + CPAR__AB_BRQ) * INFO : 0) +
+           (size_t)CPAR__AB_BRQ * (CPAR__AB_BC + 8) * sizeof(T);
+}
+
+/* The backward for GPUs whose blocks may opt in to less shared memory than
+ * the d 128 kernels take (104 and 111 KB): 99 KB on sm_86, sm_89 and
+ * sm_120 (RTX 30xx-50xx, A10, L4, L40S), where those kernels would not
+ * launch. One Q buffer in the dkdv kernel, refilled once every warp is done
+ * with dK, and one V buffer in the dq kernel, refilled once every warp is
+ * done with dP (87 and 94 KB at d 128, 90 and 96 in the general kernels):
+ * the copies then overlap less of a step's work, FA2's choice on those GPUs
+ * too (no double buffer). cpar__attn_bwd_launch picks it by the device's
+ * cudaDevAttrMaxSharedMemoryPerBlockOptin. */
+template <class V> struct cpar__ab_lean : V {
+    static constexpr int DKDV_Q_BUFS = 1, DQ_V_BUFS = 1;
+};
 
 /* dK, dV of one 64-key tile (blockIdx.x) for batch·kv-head slices
  * blockIdx.y, += gridDim.y, in steps of BR = 64 queries (a q head of the GQA
@@ -3371,13 +3401,15 @@ template <typename T, class V> static constexpr size_t cpar__ab_dkdv_smem(void) 
  * (P∘Z)ᵀ dO and dK += dSᵀ Q it owns keys 32 (w / 2), columns (w % 2) D / 2
  * (D / 16 mma's per A fragment, two per B). Barriers per step: its top (its
  * copies landed, the previous step's readers done), after the Pᵀ and dSᵀ
- * stores, and with one dO buffer after dV. */
+ * stores, with one dO buffer after dV, and with one Q buffer (lean) after
+ * dK. */
 template <typename T, class V, bool ADQ>
 static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkdv_kernel(const cpar__ab_args p) {
     constexpr int D = V::DT, BC = CPAR__AB_BC, BR = CPAR__AB_BRKV, LD = D + 8, LDS = BR + 8, NQ = 4, ND = D / 16;
-    constexpr bool DO2 = V::DKDV_DO_BUFS == 2;
+    constexpr bool DO2 = V::DKDV_DO_BUFS == 2, Q2 = V::DKDV_Q_BUFS == 2;
     CPAR_DYN_SMEM(unsigned char, smem);
-    T *sK = reinterpret_cast<T *>(smem), *sV = sK + BC * LD, *sQb = sV + BC * LD, *sdOb = sQb + 2 * BR * LD;
+    T *sK = reinterpret_cast<T *>(smem), *sV = sK + BC * LD, *sQb = sV + BC * LD;
+    T *sdOb = sQb + V::DKDV_Q_BUFS * BR * LD;
     T *sP = sdOb + V::DKDV_DO_BUFS * BR * LD, *sdS = sP + BC * LDS;
     float *sLD = reinterpret_cast<float *>(sdS + BC * LDS);
     /* GENERAL: 2 x [BR] query infos, then the tile's [BC] key infos (in
@@ -3409,16 +3441,20 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
         const int64_t i_last = i_first + (ntiles - 1) * BR;
         auto next = [&](cursor c) { return c.i0 < i_last ? cursor{c.qbh, c.i0 + BR} : cursor{c.qbh + 1, i_first}; };
         auto dout_tile = [&](int64_t n) { return sdOb + (DO2 ? (n & 1) * BR * LD : 0); };
+        auto q_tile = [&](int64_t n) { return sQb + (Q2 ? (n & 1) * BR * LD : 0); };
         auto stage_dout = [&](int64_t n, cursor c) {
             cpar__ab_load_tile<T, D, BR>(dout_tile(n),
                                          static_cast<const char *>(p.dout) + (size_t)(c.qbh * p.o_bh + c.i0 * d) * osz,
                                          p.dout_f32, p.sq - c.i0, d);
         };
-        auto stage = [&](int64_t n, cursor c) { /* issue step n's copies (dO's too with two buffers) */
+        auto stage_q = [&](int64_t n, cursor c) {
+            cpar__ab_load_tile<T, D, BR>(q_tile(n), static_cast<const T *>(p.q) + c.qbh * p.q_bh + c.i0 * d, false,
+                                         p.sq - c.i0, d);
+        };
+        auto stage = [&](int64_t n, cursor c) { /* issue step n's copies (Q's and dO's with two buffers) */
             const int64_t qbh = c.qbh, i0 = c.i0;
             float *l_s = sLD + (n & 1) * 2 * BR;
-            cpar__ab_load_tile<T, D, BR>(sQb + (n & 1) * BR * LD, static_cast<const T *>(p.q) + qbh * p.q_bh + i0 * d,
-                                         false, p.sq - i0, d);
+            if (Q2) stage_q(n, c);
             if (DO2) stage_dout(n, c);
             cpar__attn_rowinfo *qi_s = sQI + (n & 1) * BR;
             static_assert(BR <= CPAR__AB_THREADS, "one thread per query row of the step");
@@ -3437,6 +3473,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
         cursor cur = {bi * p.hq + hk * group, i_first}; /* step 0's rows, then step n's at the loop's top */
         if (steps > 0) {
             stage(0, cur);
+            if (!Q2) stage_q(0, cur);
             if (!DO2) stage_dout(0, cur);
         }
         cpar__attn_cp_commit();
@@ -3455,7 +3492,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
             cur = next(cur);
             if (n + 1 < steps) stage(n + 1, cur);
             cpar__attn_cp_commit();
-            const T *sQ = sQb + (n & 1) * BR * LD, *sdO = dout_tile(n);
+            const T *sQ = q_tile(n), *sdO = dout_tile(n);
             {
                 float s[2][NQ][4], dp[2][NQ][4]; /* Sᵀ then Pᵀ; dPᵀ then dSᵀ: [key][query] */
                 const int diag = cpar__ab_diag(i0, j0);
@@ -3495,6 +3532,11 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
                 cpar__attn_cp_commit();
             }
             cpar__ab_mma_ab<T, 2, ND, BR, LDS, LD, false>(dk, sdS, kb, sQ, cb, d);
+            if constexpr (!Q2) {
+                __syncthreads(); /* every warp is done with Q: step n + 1's comes in */
+                if (n + 1 < steps) stage_q(n + 1, cur);
+                cpar__attn_cp_commit();
+            }
             if (ADQ) cpar__ab_dq_atomic<T, D, LDS, V::DKDV_DQ_PASSES>(p, sdS, sK, qbh, i0, d);
         }
         cpar__attn_cp_wait<0>(); /* no copy still lands in a buffer the next slice refills */
@@ -3512,7 +3554,8 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
 /* dQ of one 64-query tile (blockIdx.x) for batch·q-head slices blockIdx.y,
  * += gridDim.y. Shared: Q, dO [BR][D+8] of T; two buffers of K, V [BC][D+8],
  * the key tiles alternating between them, the next tile's copies (cp.async)
- * in flight while this one computes; dS [BR][BC+8] of T; GENERAL: the key
+ * in flight while this one computes (lean: one V buffer, refilled once dS
+ * is complete: every warp is done with dP); dS [BR][BC+8] of T; GENERAL: the key
  * tile's infos (written for the next tile once dS is complete: every warp
  * is done with them then) and the query tile's. The dkdv kernel's warp layout: for S and
  * dP warp w computes the 32 x 32 block of queries 32 (w / 2), keys 32 (w % 2)
@@ -3523,7 +3566,9 @@ template <typename T, class V>
 static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__attn_bwd_dq_kernel(const cpar__ab_args p) {
     constexpr int D = V::DT, BR = CPAR__AB_BRQ, BC = CPAR__AB_BC, LD = D + 8, LDS = BC + 8, NK = 4, ND = D / 16;
     CPAR_DYN_SMEM(unsigned char, smem);
-    T *sQ = reinterpret_cast<T *>(smem), *sdO = sQ + BR * LD, *sKV = sdO + BR * LD, *sdS = sKV + 4 * BC * LD;
+    constexpr bool V2 = V::DQ_V_BUFS == 2;
+    T *sQ = reinterpret_cast<T *>(smem), *sdO = sQ + BR * LD, *sKb = sdO + BR * LD, *sVb = sKb + 2 * BC * LD;
+    T *sdS = sVb + V::DQ_V_BUFS * BC * LD;
     /* GENERAL: [BC] key infos, [BR] query infos (in shared memory, not
      * registers: at d 128 the general kernel spilled 88 bytes) */
     cpar__attn_rowinfo *sKI = reinterpret_cast<cpar__attn_rowinfo *>(sdS + BR * LDS), *sQI = sKI + BC;
@@ -3546,11 +3591,14 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
     for (int64_t bh = blockIdx.y; bh < p.b * p.hq; bh += gridDim.y) {
         const int64_t kvbh = (bh / p.hq) * p.hkv + (bh % p.hq) / group;
         const uint64_t mbh = drop ? cpar__attn_mask_bh(bh, p.hq, p.mask_hq, p.mask_h0) : 0; /* dropout's bh */
-        auto stage = [&](int64_t j0, int buf) { /* issue key tile j0's copies into buffer buf */
-            T *k_s = sKV + buf * 2 * BC * LD;
-            cpar__ab_load_tile<T, D, BC>(k_s, static_cast<const T *>(p.k) + kvbh * p.kv_bh + j0 * d, false, p.sk - j0, d);
-            cpar__ab_load_tile<T, D, BC>(k_s + BC * LD, static_cast<const T *>(p.v) + kvbh * p.kv_bh + j0 * d, false,
-                                         p.sk - j0, d);
+        auto stage_v = [&](int64_t j0, int buf) {
+            cpar__ab_load_tile<T, D, BC>(sVb + (V2 ? buf * BC * LD : 0),
+                                         static_cast<const T *>(p.v) + kvbh * p.kv_bh + j0 * d, false, p.sk - j0, d);
+        };
+        auto stage = [&](int64_t j0, int buf) { /* issue key tile j0's copies into buffer buf (V's with two) */
+            cpar__ab_load_tile<T, D, BC>(sKb + buf * BC * LD, static_cast<const T *>(p.k) + kvbh * p.kv_bh + j0 * d,
+                                         false, p.sk - j0, d);
+            if (V2) stage_v(j0, buf);
         };
         auto key_infos = [&](int64_t j0) { /* read past the next barrier at the loop's top */
             if (packed || drop)
@@ -3563,6 +3611,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
                                      p.dout_f32, p.sq - i0, d);
         if (j_begin < j_end) {
             stage(j_begin, 0);
+            if (!V2) stage_v(j_begin, 0);
             key_infos(j_begin);
         }
         cpar__attn_cp_commit();
@@ -3587,7 +3636,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
             __syncthreads();
             if (j0 + BC < j_end) stage(j0 + BC, buf ^ 1);
             cpar__attn_cp_commit();
-            const T *sK = sKV + buf * 2 * BC * LD, *sV = sK + BC * LD;
+            const T *sK = sKb + buf * BC * LD, *sV = sVb + (V2 ? buf * BC * LD : 0);
             {
                 float s[2][NK][4], dp[2][NK][4]; /* S then P; dP then dS: [query][key] */
                 const int diag = cpar__ab_diag(i0, j0), keys = cpar__attn_tile_rows(j0, p.sk, BC);
@@ -3622,8 +3671,12 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
                 }
                 cpar__ab_store_frags<T, 2, NK, LDS>(sdS, dp, qb, kb);
             }
-            __syncthreads(); /* dS complete; every warp is done with the key infos */
+            __syncthreads(); /* dS complete; every warp is done with the key infos (and V) */
             if (j0 + BC < j_end) key_infos(j0 + BC);
+            if constexpr (!V2) {
+                if (j0 + BC < j_end) stage_v(j0 + BC, 0);
+                cpar__attn_cp_commit();
+            }
             cpar__ab_mma_ab<T, 2, ND, BC, LDS, LD, false>(dq, sdS, qb, sK, cb, d);
         }
         cpar__attn_cp_wait<0>(); /* no copy still lands in a buffer the next slice refills */
@@ -3652,27 +3705,41 @@ template <typename K> static cudaError_t cpar__ab_smem_optin(K kernel, size_t by
  * atomic_dq the dkdv kernel adds dq itself (cpar__ab_dq_atomic), no dq
  * launch. */
 template <typename T, class V>
-static cudaError_t cpar__attn_bwd_launch(const cpar__ab_args &p, bool atomic_dq, cudaStream_t cs) {
-    constexpr int D = V::DT;
+static cudaError_t cpar__attn_bwd_run(const cpar__ab_args &p, bool atomic_dq, cudaStream_t cs) {
     auto kv = atomic_dq ? cpar__attn_bwd_dkdv_kernel<T, V, true> : cpar__attn_bwd_dkdv_kernel<T, V, false>;
-    constexpr int INFO = (int)(sizeof(cpar__attn_rowinfo) / sizeof(float)); /* floats per row info */
-    constexpr size_t smem_kv = cpar__ab_dkdv_smem<T, V>();
+    constexpr size_t smem_kv = cpar__ab_dkdv_smem<T, V>(), smem_q = cpar__ab_dq_smem<T, V>();
     static_assert(smem_kv <= 113 * 1024, "two dkdv CTAs per SM (228 KB on sm_90, 1 KB reserved by each)");
+    static_assert(smem_q <= 113 * 1024, "two dq CTAs per SM");
     cudaError_t e = cpar__ab_smem_optin(kv, smem_kv);
     if (e != cudaSuccess) return e;
     const dim3 grid_kv((unsigned)((p.sk + CPAR__AB_BC - 1) / CPAR__AB_BC), cpar__ab_grid_y(p.b * p.hkv));
     CPAR_LAUNCH(kv, grid_kv, CPAR__AB_THREADS, smem_kv, cs)(p);
     if ((e = cudaGetLastError()) != cudaSuccess || atomic_dq) return e;
     auto qk = cpar__attn_bwd_dq_kernel<T, V>;
-    /* Q, dO; 2 x (K, V); dS; GENERAL: the key and query tiles' infos */
-    constexpr size_t smem_q =
-        cpar__ab_smem<T, D>(2 * CPAR__AB_BRQ + 4 * CPAR__AB_BC, V::GENERAL ? (CPAR__AB_BC + CPAR__AB_BRQ) * INFO : 0) +
-        (size_t)CPAR__AB_BRQ * (CPAR__AB_BC + 8) * sizeof(T);
-    static_assert(smem_q <= 113 * 1024, "two dq CTAs per SM");
     if ((e = cpar__ab_smem_optin(qk, smem_q)) != cudaSuccess) return e;
     const dim3 grid_q((unsigned)((p.sq + CPAR__AB_BRQ - 1) / CPAR__AB_BRQ), cpar__ab_grid_y(p.b * p.hq));
     CPAR_LAUNCH(qk, grid_q, CPAR__AB_THREADS, smem_q, cs)(p);
     return cudaGetLastError();
+}
+
+/* V's kernels, or their lean instantiation where the device gives a block
+ * less shared memory than they take (cpar__ab_lean: the d 128 kernels on
+ * sm_86, sm_89 and sm_120). */
+template <typename T, class V>
+static cudaError_t cpar__attn_bwd_launch(const cpar__ab_args &p, bool atomic_dq, cudaStream_t cs) {
+    constexpr size_t need = cpar__ab_dkdv_smem<T, V>() > cpar__ab_dq_smem<T, V>() ? cpar__ab_dkdv_smem<T, V>()
+                                                                                    : cpar__ab_dq_smem<T, V>();
+    if constexpr (need > 99 * 1024) {
+        using L = cpar__ab_lean<V>;
+        static_assert(cpar__ab_dkdv_smem<T, L>() <= 99 * 1024 && cpar__ab_dq_smem<T, L>() <= 99 * 1024,
+                      "the lean kernels fit sm_86, sm_89 and sm_120 (99 KB a block)");
+        int dev = 0, optin = 0;
+        cudaError_t e = cudaGetDevice(&dev);
+        if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        if (e != cudaSuccess) return e;
+        if ((size_t)optin < need) return cpar__attn_bwd_run<T, L>(p, atomic_dq, cs);
+    }
+    return cpar__attn_bwd_run<T, V>(p, atomic_dq, cs);
 }
 
 /* Query rows b·hq·sq_pad; the scratch is their Dsum, then their

@@ -399,6 +399,23 @@ static const Case ATOMIC[] = {
     {"adq dropout d64 33x45 causal",       F16,  F16,  1, 2, 2,   33,  45, 64, true,  0, 0, -1, 0, 0, 0.3f, true},
 };
 
+/* A GPU whose blocks get 99 KB of shared memory (sm_86, sm_89, sm_120):
+ * the d 128 kernels (104 and 111 KB) would not launch, so the lean ones run
+ * (one Q buffer in dkdv, refilled after dK; one V buffer in dq, refilled
+ * after dS). Several query steps and key tiles, so the refills are used;
+ * the general kernel (dropout, d 96); atomic_dq (dkdv's Q refill then
+ * precedes the atomic dq's work). */
+static const Case LEAN[] = {
+    {"lean d128 150x140",                  F16,  F16,  1, 1, 1,  150, 140, 128, false, 0, 0, -1, 0, 0, 0},
+    {"lean d128 200x130 causal out f32",   BF16, F32,  1, 1, 1,  200, 130, 128, true,  0, 0, -1, 0, 0, 0},
+    {"lean gqa 4/2 d128 77x130 causal",    F16,  F32,  1, 4, 2,   77, 130, 128, true,  0, 0, -1, 0, 0, 0},
+    {"lean strided misaligned d128 gqa",   BF16, BF16, 1, 4, 2,   70,  93, 128, true,  3, 4, -1, 0, 0, 0},
+    {"lean dropout gqa 4/2 d128 70x140",   BF16, F32,  1, 4, 2,   70, 140, 128, false, 0, 0, -1, 0, 0, 0.5f},
+    {"lean d96 (tile 128) 90x70 causal",   F16,  F16,  1, 2, 1,   90,  70, 96, true,   0, 0, -1, 0, 0, 0},
+    {"lean adq d128 130x77 causal",        F16,  F32,  1, 1, 1,  130,  77, 128, true,  0, 0, -1, 0, 0, 0, true},
+    {"lean adq dropout gqa 4/2 d128",      BF16, F32,  1, 4, 2,   70, 140, 128, false, 0, 0, -1, 0, 0, 0.5f, true},
+};
+
 /* warps lets one warp run to its next barrier before the others start: a
  * barrier missing across the kernels' warp-collective mma's shows there
  * (forward, reverse and shuffle keep the warps in step between barriers) */
@@ -430,6 +447,12 @@ END_TEST
 START_TEST(dropout) { run_all(DROPOUT, _i, 53); }
 END_TEST
 START_TEST(atomic_dq) { run_all(ATOMIC, _i, 59); }
+END_TEST
+START_TEST(lean) {
+    cudasim_set_smem_optin(99 * 1024);
+    run_all(LEAN, _i, 61);
+    cudasim_set_smem_optin(0);
+}
 END_TEST
 
 /* Results do not depend on the schedule: no atomics, fixed summation order. */
@@ -720,6 +743,7 @@ int main(void) {
     tcase_add_loop_test(tc, strided, 0, 4);
     tcase_add_loop_test(tc, dropout, 0, 4);
     tcase_add_loop_test(tc, atomic_dq, 0, 4);
+    tcase_add_loop_test(tc, lean, 0, 4);
     tcase_add_test(tc, deterministic);
     tcase_add_loop_test(tc, packed_skip, 0, 8);
     tcase_add_test(tc, bad_args);
