@@ -190,6 +190,7 @@ cpar_status cpar_dev_set(int device) {
  * twice is fine; a pair without it is CPAR_ERR_UNSUPPORTED. */
 cpar_status cpar_dev_peer_access(int peer) {
     int cur = 0, can = 0;
+    if (peer < 0) return CPAR__INVALID("peer = %d, expected >= 0", peer);
     CPAR__TRY_CUDA(cudaGetDevice(&cur), "cudaGetDevice");
     if (peer == cur) return CPAR_OK;
     CPAR__TRY_CUDA(cudaDeviceCanAccessPeer(&can, cur, peer), "cudaDeviceCanAccessPeer(%d, %d)", cur, peer);

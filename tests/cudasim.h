@@ -68,11 +68,14 @@
  *   CUDASIM_STACK_KB=n       fiber stack size (default 64, minimum 16)
  *   CUDASIM_MEMORY_MB=n      per-device memory capacity (default 80 GiB)
  *   CUDASIM_STREAMS=eager|lazy|random[:seed]  when queued stream work runs (default eager)
+ *   CUDASIM_PEER=0|1         whether distinct devices have peer access (default 1; 0 as
+ *                            between consumer GPUs over PCIe)
  *   CUDASIM_SMEM_OPTIN=n[K]  a block's shared-memory opt-in cap in bytes (K: KiB; default
  *                            227K, sm_90; 99K is sm_86, sm_89 and sm_120's, 163K sm_80's)
  * Beyond CUDA (section 3): cudasim_set_schedule, cudasim_get_schedule,
  *   cudasim_schedule_name, cudasim_last_message, cudasim_switch_count,
- *   cudasim_set_device_count, cudasim_set_memory_limit, cudasim_set_smem_optin, cudasim_bytes_in_use,
+ *   cudasim_set_device_count, cudasim_set_memory_limit, cudasim_set_smem_optin,
+ *   cudasim_set_peer_access, cudasim_bytes_in_use,
  *   cudasim_check_memory, cudasim_set_streams, cudasim_get_streams,
  *   cudasim_streams_name, cudasim_drain, cudasim_fail_launch,
  *   cudasim_warp_call; macros
@@ -285,6 +288,7 @@ enum cudaError {
     cudaErrorInvalidDeviceFunction = 98,
     cudaErrorNoDevice = 100,
     cudaErrorInvalidDevice = 101,
+    cudaErrorPeerAccessUnsupported = 217,
     cudaErrorInvalidKernelImage = 200,
     cudaErrorInvalidResourceHandle = 400,
     cudaErrorNotReady = 600,
@@ -479,6 +483,13 @@ inline void cudasim_set_memory_limit(size_t bytes_per_device);
  * most cudaFuncSetAttribute accepts and a launch may use. 99 KiB plays an
  * sm_86, sm_89 or sm_120 GPU (RTX 30xx-50xx, A10, L4, L40S). */
 inline void cudasim_set_smem_optin(size_t bytes);
+/* Process-wide: whether distinct devices may access each other's memory
+ * (CUDASIM_PEER; default 1). 0 plays GPUs without peer access (consumer
+ * cards over PCIe): cudaDeviceCanAccessPeer says 0 and
+ * cudaDeviceEnablePeerAccess fails with cudaErrorPeerAccessUnsupported.
+ * Either way the enabled pairs are forgotten. Plain C linkage and weak, as
+ * cudasim_fail_launch below: a C test can call it. */
+extern "C" void cudasim_set_peer_access(int on);
 /* Bytes of live cudaMalloc allocations on device dev (all devices if dev < 0). */
 inline size_t cudasim_bytes_in_use(int dev);
 /* Checks the guard bytes around every live allocation; returns how many were
@@ -798,6 +809,8 @@ struct Global {
     int ndev = -1;
     size_t mem_limit = 0;
     size_t smem_optin = 0; /* 0: not read yet (smem_optin_cap) */
+    int peer = -1;         /* -1: not read yet (peer_access) */
+    std::set<std::pair<int, int>> peer_on; /* (device, peer) pairs enabled */
 };
 
 inline Global &global() {
@@ -824,6 +837,16 @@ inline size_t smem_optin_cap() {
         }
     }
     return g.smem_optin;
+}
+
+/* Whether distinct devices have peer access: cudasim_set_peer_access's,
+ * else CUDASIM_PEER's (0 or 1), else 1. The caller holds g.mu. */
+inline bool peer_access_locked(Global &g) {
+    if (g.peer < 0) {
+        const char *e = getenv("CUDASIM_PEER");
+        g.peer = !(e && *e == '0');
+    }
+    return g.peer != 0;
 }
 
 inline int device_count() {
@@ -2754,6 +2777,7 @@ inline const char *cudaGetErrorName(cudaError_t e) {
         CUDASIM_E(cudaErrorInvalidDevicePointer) CUDASIM_E(cudaErrorInvalidMemcpyDirection)
         CUDASIM_E(cudaErrorInsufficientDriver) CUDASIM_E(cudaErrorInvalidDeviceFunction)
         CUDASIM_E(cudaErrorNoDevice) CUDASIM_E(cudaErrorInvalidDevice) CUDASIM_E(cudaErrorInvalidKernelImage)
+        CUDASIM_E(cudaErrorPeerAccessUnsupported)
         CUDASIM_E(cudaErrorInvalidResourceHandle) CUDASIM_E(cudaErrorNotReady) CUDASIM_E(cudaErrorIllegalAddress)
         CUDASIM_E(cudaErrorLaunchOutOfResources) CUDASIM_E(cudaErrorLaunchTimeout)
         CUDASIM_E(cudaErrorPeerAccessAlreadyEnabled) CUDASIM_E(cudaErrorAssert)
@@ -2781,6 +2805,7 @@ inline const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
     case cudaErrorInvalidKernelImage: return "device kernel image is invalid";
+    case cudaErrorPeerAccessUnsupported: return "peer access is not supported between these two devices";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorNotReady: return "device not ready";
     case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
@@ -3021,12 +3046,33 @@ inline cudaError_t cudaDeviceCanAccessPeer(int *can, int device, int peer) {
     int n = device_count();
     if (device < 0 || device >= n || peer < 0 || peer >= n)
         return rt_fail(cudaErrorInvalidDevice, "cudaDeviceCanAccessPeer(%d, %d): %d devices", device, peer, n);
-    *can = device != peer;
+    Global &g = global();
+    std::lock_guard<std::mutex> lock(g.mu);
+    *can = device != peer && peer_access_locked(g);
     return cudaSuccess;
 }
+/* As CUDA: flags must be 0, a second call for the same pair fails with
+ * cudaErrorPeerAccessAlreadyEnabled (not sticky), a pair without access
+ * with cudaErrorPeerAccessUnsupported. Kernels' accesses are not checked. */
 inline cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int flags) {
-    (void)peer;
-    (void)flags;
+    using namespace cudasim::detail;
+    const int n = device_count(), dev = host().device;
+    if (flags != 0)
+        return rt_fail(cudaErrorInvalidValue, "cudaDeviceEnablePeerAccess(%d, %u): flags must be 0", peer, flags);
+    if (peer < 0 || peer >= n || peer == dev)
+        return rt_fail(cudaErrorInvalidDevice, "cudaDeviceEnablePeerAccess(%d): from device %d of %d", peer, dev, n);
+    Global &g = global();
+    std::unique_lock<std::mutex> lock(g.mu);
+    if (!peer_access_locked(g)) {
+        lock.unlock();
+        return rt_fail(cudaErrorPeerAccessUnsupported,
+                       "cudaDeviceEnablePeerAccess(%d): device %d has no peer access to it (CUDASIM_PEER=0)", peer, dev);
+    }
+    if (!g.peer_on.insert({dev, peer}).second) {
+        lock.unlock();
+        return rt_fail(cudaErrorPeerAccessAlreadyEnabled, "cudaDeviceEnablePeerAccess(%d): already enabled from device %d",
+                       peer, dev);
+    }
     return cudaSuccess;
 }
 
@@ -3824,6 +3870,12 @@ inline void cudasim_set_memory_limit(size_t bytes_per_device) {
     cudasim::detail::Global &g = cudasim::detail::global();
     std::lock_guard<std::mutex> lock(g.mu);
     g.mem_limit = bytes_per_device ? bytes_per_device : cudasim::detail::kDefaultMemLimit;
+}
+extern "C" __attribute__((weak, used)) void cudasim_set_peer_access(int on) {
+    cudasim::detail::Global &g = cudasim::detail::global();
+    std::lock_guard<std::mutex> lock(g.mu);
+    g.peer = on != 0;
+    g.peer_on.clear();
 }
 inline void cudasim_set_smem_optin(size_t bytes) {
     cudasim::detail::Global &g = cudasim::detail::global();

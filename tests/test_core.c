@@ -606,6 +606,29 @@ static cpar_status rank_pinned(cpar_ctx *ctx, void *arg) {
 START_TEST(test_pinned) { TU_OK(tu_spawn(1 + _i, rank_pinned, NULL)); }
 END_TEST
 
+/* The CUDA simulator's switch (tests/cudasim.h): absent from the host and
+ * CUDA builds. */
+void cudasim_set_peer_access(int on) __attribute__((weak));
+
+/* The device backend on GPUs without peer access between them (consumer
+ * cards over PCIe): every rank fails at start naming the pair and what to
+ * do instead, before any collective could read a peer's memory. */
+START_TEST(test_device_backend_without_peer_access) {
+    if (!cudasim_set_peer_access || tu_backend() != CPAR_BACKEND_DEVICE || cpar_device_count() < 2) return;
+    cudasim_set_peer_access(0);
+    const cpar_init_config cfg = {.backend = CPAR_BACKEND_DEVICE, .timeout_ms = TU_TIMEOUT_MS};
+    const cpar_status st = cpar_spawn_with(2, &cfg, tu_rank_nothing, NULL); /* no rank function runs */
+    cudasim_set_peer_access(1);
+    ck_assert_msg(st == CPAR_ERR_UNSUPPORTED, "spawn without peer access gave %s: %s", cpar_status_string(st),
+                  cpar_thread_last_error());
+    const char *msg = cpar_thread_last_error();
+    ck_assert_msg(strstr(msg, "the device backend needs peer access between its GPUs") &&
+                      strstr(msg, "cannot access the memory of GPU") && strstr(msg, "use the NCCL backend"),
+                  "%s", msg);
+    TU_OK(tu_spawn(2, tu_rank_nothing, NULL)); /* with it back */
+}
+END_TEST
+
 typedef struct {
     int nranks;
     int seen[8]; /* ranks that ran */
@@ -986,6 +1009,7 @@ Suite *suite(void) {
     tcase_add_test(tc, test_spawn_bad_input);
     tcase_add_test(tc, test_backends);
     tcase_add_loop_test(tc, test_pinned, 0, 4); /* 1-4 ranks: the embedding's vocabulary split */
+    tcase_add_test(tc, test_device_backend_without_peer_access);
     tcase_add_test(tc, test_accessors);
     tcase_add_test(tc, test_default_timeout);
     tcase_add_test(tc, test_init_from_env);

@@ -224,6 +224,22 @@ START_TEST(test_runtime) {
                   cpar_dev_last_error());
     cudasim_set_device_count(devices);
     CK_OK(cpar_dev_fill(f, CPAR_F32, 16, 1.0, NULL));
+
+    /* Peer access: to itself a no-op, twice fine (CUDA's "already enabled"
+     * not left for the next launch check); between GPUs without it
+     * (consumer cards over PCIe) CPAR_ERR_UNSUPPORTED naming the pair. */
+    EXPECT_FAIL(cpar_dev_peer_access(-1), CPAR_ERR_INVALID, "cpar_dev_peer_access", "peer = -1");
+    CK_OK(cpar_dev_peer_access(0));
+    if (devices >= 2) {
+        CK_OK(cpar_dev_peer_access(1));
+        CK_OK(cpar_dev_peer_access(1));
+        CK_OK(cpar_dev_fill(f, CPAR_F32, 16, 1.0, NULL));
+        cudasim_set_peer_access(0);
+        EXPECT_FAIL(cpar_dev_peer_access(1), CPAR_ERR_UNSUPPORTED,
+                    "cpar_dev_peer_access: GPU 0 cannot access the memory of GPU 1 (no peer access)");
+        cudasim_set_peer_access(1);
+        CK_OK(cpar_dev_fill(f, CPAR_F32, 16, 1.0, NULL));
+    }
     CK_OK(cpar_dev_free(f));
     CK_OK(cpar_dev_free(NULL));
 
