@@ -942,6 +942,7 @@ CPAR__STUB int cpar_dev_count(void) { return 0; }
 #endif
 CPAR__STUB cpar_status cpar_dev_set(int device) CPAR__NODEV()
 CPAR__STUB cpar_status cpar_dev_peer_access(int peer) CPAR__NODEV()
+CPAR__STUB cpar_status cpar_dev_peer_query(int device, int peer, bool *can) CPAR__NODEV()
 CPAR__STUB cpar_status cpar_dev_malloc(void **p, size_t bytes) CPAR__NODEV()
 CPAR__STUB cpar_status cpar_dev_free(void *p) CPAR__NODEV()
 CPAR__STUB cpar_status cpar_dev_host_alloc(void **p, size_t bytes) CPAR__NODEV()
@@ -8400,18 +8401,43 @@ typedef struct cpar__spawn_rank {
     char err[CPAR_ERR_LEN];
 } cpar__spawn_rank;
 
+/* The device backend's GPUs: GPU 0, then each visible GPU that reaches and
+ * is reached by every one chosen so far (peer access: its reductions read
+ * the members' buffers in place). Consumer cards over PCIe have none, so
+ * their ranks all share GPU 0 rather than fail. Every rank computes the same
+ * list; rank 0 says so at CPAR_LOG=info when GPUs are left out. Returns the
+ * count: 0 without GPUs (cpar__ctx_create then fails naming it). */
+static int cpar__device_backend_gpus(int rank, int nranks, int *gpus, int cap) {
+    const int visible = cpar_dev_count();
+    int n = 0;
+    for (int g = 0; g < visible && n < cap && n < nranks; g++) {
+        bool all = true;
+        for (int i = 0; i < n && all; i++) {
+            bool to = false, from = false;
+            if (cpar_dev_peer_query(g, gpus[i], &to) != CPAR_OK || cpar_dev_peer_query(gpus[i], g, &from) != CPAR_OK)
+                return n;
+            all = to && from;
+        }
+        if (all) gpus[n++] = g;
+    }
+    if (rank == 0 && n < visible && n < nranks)
+        cpar__log(CPAR__LOG_INFO, rank, "cpar_spawn: %d GPUs visible, %d of them with peer access to one another "
+                  "(GPU 0's group): the device backend's %d ranks run on %d", visible, n, nranks, n);
+    return n;
+}
+
 static cpar_status cpar__spawn_rank_run(cpar__spawn_rank *r, cpar_ctx **pctx) {
     static const char fn[] = "cpar_spawn";
-    /* NCCL: one GPU per rank. Device backend: the ranks share the GPUs, and
-     * each reaches the memory of every other GPU in use (its reductions read
-     * the members' buffers in place). */
+    /* NCCL: one GPU per rank. Device backend: the ranks share the GPUs that
+     * reach one another (rank r on the (r mod n)-th). */
     const bool shared = r->cfg->backend == CPAR_BACKEND_DEVICE;
-    const int ndev = shared ? cpar_dev_count() : 0, used = ndev < r->nranks ? ndev : r->nranks;
-    CPAR_TRY(cpar__ctx_create(fn, r->cfg, r->rank, r->nranks, shared ? r->rank % ndev : r->rank, pctx));
+    int gpus[64], n = 0;
+    if (shared) n = cpar__device_backend_gpus(r->rank, r->nranks, gpus, (int)(sizeof gpus / sizeof gpus[0]));
+    CPAR_TRY(cpar__ctx_create(fn, r->cfg, r->rank, r->nranks, shared ? (n ? gpus[r->rank % n] : 0) : r->rank, pctx));
     cpar_ctx *ctx = *pctx;
     ctx->job = r->job;
-    for (int d = 0; d < used; d++) {
-        cpar_status ps = cpar_dev_peer_access(d);
+    for (int i = 0; i < n; i++) {
+        cpar_status ps = cpar_dev_peer_access(gpus[i]);
         if (ps != CPAR_OK)
             return cpar__fail(ctx, ps, "%s: the device backend needs peer access between its GPUs: %s (use the NCCL "
                               "backend, or CUDA_VISIBLE_DEVICES to pick GPUs that have it)", fn, cpar_dev_last_error());

@@ -206,6 +206,21 @@ cpar_status cpar_dev_peer_access(int peer) {
     return CPAR_OK;
 }
 
+cpar_status cpar_dev_peer_query(int device, int peer, bool *can) {
+    CPAR__CHECK_PTR(can, true);
+    *can = false;
+    if (device < 0) return CPAR__INVALID("device = %d, expected >= 0", device);
+    if (peer < 0) return CPAR__INVALID("peer = %d, expected >= 0", peer);
+    if (peer == device) {
+        *can = true;
+        return CPAR_OK;
+    }
+    int c = 0;
+    CPAR__TRY_CUDA(cudaDeviceCanAccessPeer(&c, device, peer), "cudaDeviceCanAccessPeer(%d, %d)", device, peer);
+    *can = c != 0;
+    return CPAR_OK;
+}
+
 cpar_status cpar_dev_malloc(void **p, size_t bytes) {
     CPAR__CHECK_PTR(p, true);
     *p = NULL;

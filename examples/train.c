@@ -239,8 +239,9 @@ static int parse_options(int argc, char **argv, options *o) {
                    : launched || ngpu >= nranks ? CPAR_BACKEND_NCCL : CPAR_BACKEND_DEVICE;
         if (o->backend == CPAR_BACKEND_DEVICE)
             fprintf(stderr, "train: %d ranks but %d GPU%s visible: the device backend runs them on %s (ranks as "
-                    "threads sharing the GPUs; --backend nccl needs one GPU per rank)\n", nranks, ngpu,
-                    ngpu == 1 ? " is" : "s are", ngpu == 1 ? "it" : "them");
+                    "threads sharing the GPUs%s; --backend nccl needs one GPU per rank)\n", nranks, ngpu,
+                    ngpu == 1 ? " is" : "s are", ngpu == 1 ? "it" : "them",
+                    ngpu == 1 ? "" : "; on GPU 0 alone where they lack peer access, CPAR_LOG=info says");
     }
     if ((int)o->backend >= 0 && !cpar_backend_available(o->backend)) {
         /* named on the command line: fail with the reason, never fall back */

@@ -230,7 +230,19 @@ START_TEST(test_runtime) {
      * (consumer cards over PCIe) CPAR_ERR_UNSUPPORTED naming the pair. */
     EXPECT_FAIL(cpar_dev_peer_access(-1), CPAR_ERR_INVALID, "cpar_dev_peer_access", "peer = -1");
     CK_OK(cpar_dev_peer_access(0));
+    bool can = false;
+    EXPECT_FAIL(cpar_dev_peer_query(0, 0, NULL), CPAR_ERR_INVALID, "cpar_dev_peer_query", "can is NULL");
+    EXPECT_FAIL(cpar_dev_peer_query(-1, 0, &can), CPAR_ERR_INVALID, "cpar_dev_peer_query", "device = -1");
+    EXPECT_FAIL(cpar_dev_peer_query(0, -2, &can), CPAR_ERR_INVALID, "cpar_dev_peer_query", "peer = -2");
+    CK_OK(cpar_dev_peer_query(0, 0, &can));
+    ck_assert(can);
     if (devices >= 2) {
+        CK_OK(cpar_dev_peer_query(1, 0, &can));
+        ck_assert(can);
+        cudasim_set_peer_access(0);
+        CK_OK(cpar_dev_peer_query(1, 0, &can));
+        ck_assert(!can);
+        cudasim_set_peer_access(1);
         CK_OK(cpar_dev_peer_access(1));
         CK_OK(cpar_dev_peer_access(1));
         CK_OK(cpar_dev_fill(f, CPAR_F32, 16, 1.0, NULL));
