@@ -8184,10 +8184,12 @@ static cpar_status cpar__check_backend(const char *fn, cpar_backend b, int nrank
     if ((unsigned)b >= CPAR_BACKEND_COUNT)
         return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: backend is %d, expected CPAR_BACKEND_HOST, _NCCL or _DEVICE", fn, (int)b);
     if (!cpar_backend_available(b)) {
-#if defined(CPAR_WITH_DEVICE) && defined(CPAR_WITH_NCCL)
-        const char *why = "no GPU is visible (cudaGetDeviceCount found none): use the host backend";
-#elif defined(CPAR_WITH_DEVICE)
-        const char *why = "this build has the device backend on the CUDA simulator, not NCCL (CPAR_SIM)";
+#if defined(CPAR_WITH_DEVICE)
+        char why[CPAR_ERR_LEN];
+        if (cpar_dev_count() == 0) /* its reason: no driver, no device, or one below sm_80 */
+            snprintf(why, sizeof why, "no usable GPU (%s): use the host backend", cpar_dev_last_error());
+        else
+            snprintf(why, sizeof why, "this build has the device backend on the CUDA simulator, not NCCL (CPAR_SIM)");
 #else
         const char *why = "this build has no CUDA (cpar.c compiled without -DCPAR_WITH_DEVICE, e.g. make "
                           "CPAR_CUDA=0): use the host backend";
@@ -8623,8 +8625,8 @@ static cpar_status cpar__env_backend(const char *fn, const cpar_env *env, cpar_b
     }
     if (*b == CPAR_BACKEND_NCCL && !cpar_backend_available(CPAR_BACKEND_NCCL)) {
         *b = CPAR_BACKEND_HOST;
-        cpar__log(CPAR__LOG_INFO, env->rank, "%s: no GPU is visible (or no NCCL in this build): using the host "
-                  "backend%s", fn, env->world_size > 1 ? ", ranks as processes sharing memory" : "");
+        cpar__log(CPAR__LOG_INFO, env->rank, "%s: no usable GPU (%s; or no NCCL in this build): using the host "
+                  "backend%s", fn, cpar_dev_last_error(), env->world_size > 1 ? ", ranks as processes sharing memory" : "");
     }
     return CPAR_OK;
 }

@@ -578,7 +578,9 @@ cpar_status cpar_gelu_backward(cpar_ctx *ctx, const cpar_tensor *x, const cpar_t
  * program needs to know about devices. */
 
 /* Number of GPUs this process can use: 0 in a build without CUDA, and 0
- * (not a failure) where there is no driver or no device. Use it to choose
+ * (not a failure) where there is no driver or no device; CUDA's devices up
+ * to the first below compute capability 8.0 (a T4, a V100: the kernels need
+ * sm_80), so 0 there too, cpar_dev_last_error() saying why. Use it to choose
  * how many ranks to run with CPAR_BACKEND_NCCL (CPAR_BACKEND_DEVICE runs any
  * number of ranks on them). */
 int cpar_device_count(void);
@@ -2026,7 +2028,9 @@ typedef struct cpar_dev_blas_s *cpar_dev_blas;     /* cublasHandle_t */
 typedef enum cpar_copy_kind { CPAR_COPY_H2D = 0, CPAR_COPY_D2H, CPAR_COPY_D2D, CPAR_COPY_H2H } cpar_copy_kind;
 
 const char *cpar_dev_last_error(void);
-/* Number of usable GPUs; 0 when there is no driver or no device (never fails). */
+/* Number of usable GPUs (cpar_device_count's); 0 when there is no driver, no
+ * device or none of compute capability 8.0 or newer (never fails; the reason
+ * stays in cpar_dev_last_error()). */
 int cpar_dev_count(void);
 cpar_status cpar_dev_set(int device);
 cpar_status cpar_dev_peer_access(int peer); /* kernels on the current device reach peer's memory */

@@ -169,12 +169,31 @@ static cudaEvent_t cpar__event(cpar_dev_event e) { return reinterpret_cast<cudaE
 /* Never fails: with no driver or no device cudaGetDeviceCount returns an error,
  * which means "no GPU". The reason stays in cpar_dev_last_error() so a caller
  * can say why the GPU was skipped. */
+/* CUDA's devices 0..n-1 up to the first below compute capability 8.0, whose
+ * reason stays in cpar_dev_last_error(): the kernels need sm_80 (mma.sync on
+ * bf16, cp.async), and a T4 or V100 would otherwise fail at its first launch
+ * with "no kernel image is available". */
 int cpar_dev_count(void) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {
         cpar__cuda_fail(e, __func__, "cudaGetDeviceCount");
         return 0;
+    }
+    if (n == 0) cpar__dev_fail(CPAR_ERR_UNSUPPORTED, "%s: cudaGetDeviceCount found no GPU", __func__);
+    for (int d = 0; d < n; d++) {
+        int major = 0, minor = 0;
+        if ((e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d)) != cudaSuccess ||
+            (e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d)) != cudaSuccess) {
+            cpar__cuda_fail(e, __func__, "cudaDeviceGetAttribute(compute capability, %d)", d);
+            return d;
+        }
+        if (major < 8) {
+            cpar__dev_fail(CPAR_ERR_UNSUPPORTED,
+                           "%s: GPU %d has compute capability %d.%d; cpar's kernels need 8.0 or newer (A100, RTX 30xx "
+                           "and later), so %d of the %d GPUs visible are usable", __func__, d, major, minor, d, n);
+            return d;
+        }
     }
     return n;
 }

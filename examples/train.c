@@ -248,7 +248,8 @@ static int parse_options(int argc, char **argv, options *o) {
         const int ngpu = cpar_device_count();
         fprintf(stderr, "train: --backend %s is not available here: %s (leave --backend out to run on what there "
                 "is)\n", cpar_backend_name(o->backend),
-                ngpu == 0 ? "no GPU is visible, or this build has no CUDA" : "this build has no NCCL");
+                ngpu == 0 ? "no usable GPU is visible (compute capability 8.0 or newer), or this build has no CUDA"
+                          : "this build has no NCCL");
         return 2;
     }
     gpu = o->backend != CPAR_BACKEND_HOST;

@@ -68,6 +68,8 @@
  *   CUDASIM_STACK_KB=n       fiber stack size (default 64, minimum 16)
  *   CUDASIM_MEMORY_MB=n      per-device memory capacity (default 80 GiB)
  *   CUDASIM_STREAMS=eager|lazy|random[:seed]  when queued stream work runs (default eager)
+ *   CUDASIM_CC=nn            every device's compute capability, major and minor digits
+ *                            (default 90; 75 plays a T4, below cpar's sm_80)
  *   CUDASIM_PEER=0|1         whether distinct devices have peer access (default 1; 0 as
  *                            between consumer GPUs over PCIe)
  *   CUDASIM_SMEM_OPTIN=n[K]  a block's shared-memory opt-in cap in bytes (K: KiB; default
@@ -75,7 +77,7 @@
  * Beyond CUDA (section 3): cudasim_set_schedule, cudasim_get_schedule,
  *   cudasim_schedule_name, cudasim_last_message, cudasim_switch_count,
  *   cudasim_set_device_count, cudasim_set_memory_limit, cudasim_set_smem_optin,
- *   cudasim_set_peer_access, cudasim_bytes_in_use,
+ *   cudasim_set_peer_access, cudasim_set_compute_capability, cudasim_bytes_in_use,
  *   cudasim_check_memory, cudasim_set_streams, cudasim_get_streams,
  *   cudasim_streams_name, cudasim_drain, cudasim_fail_launch,
  *   cudasim_warp_call; macros
@@ -490,6 +492,11 @@ inline void cudasim_set_smem_optin(size_t bytes);
  * Either way the enabled pairs are forgotten. Plain C linkage and weak, as
  * cudasim_fail_launch below: a C test can call it. */
 extern "C" void cudasim_set_peer_access(int on);
+/* Process-wide compute capability of every device as 10 * major + minor
+ * (CUDASIM_CC; default 90, 0 restores it): what
+ * cudaDevAttrComputeCapabilityMajor and Minor report. Kernels run as
+ * before: only the attribute changes. C linkage and weak, as above. */
+extern "C" void cudasim_set_compute_capability(int cc);
 /* Bytes of live cudaMalloc allocations on device dev (all devices if dev < 0). */
 inline size_t cudasim_bytes_in_use(int dev);
 /* Checks the guard bytes around every live allocation; returns how many were
@@ -810,6 +817,7 @@ struct Global {
     size_t mem_limit = 0;
     size_t smem_optin = 0; /* 0: not read yet (smem_optin_cap) */
     int peer = -1;         /* -1: not read yet (peer_access) */
+    int cc = 0;            /* 0: not read yet (compute_capability) */
     std::set<std::pair<int, int>> peer_on; /* (device, peer) pairs enabled */
 };
 
@@ -847,6 +855,19 @@ inline bool peer_access_locked(Global &g) {
         g.peer = !(e && *e == '0');
     }
     return g.peer != 0;
+}
+
+/* 10 * major + minor: cudasim_set_compute_capability's, else CUDASIM_CC's,
+ * else 90 (sm_90). */
+inline int compute_capability() {
+    Global &g = global();
+    std::lock_guard<std::mutex> lock(g.mu);
+    if (!g.cc) {
+        const char *e = getenv("CUDASIM_CC");
+        const long v = e && *e ? strtol(e, nullptr, 10) : 0;
+        g.cc = v >= 10 && v < 1000 ? (int)v : 90;
+    }
+    return g.cc;
 }
 
 inline int device_count() {
@@ -2920,8 +2941,8 @@ inline cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, 
     case cudaDevAttrL2CacheSize: *value = 50 * 1024 * 1024; break;
     case cudaDevAttrMaxThreadsPerMultiProcessor: *value = 2048; break;
     case cudaDevAttrUnifiedAddressing: *value = 1; break;
-    case cudaDevAttrComputeCapabilityMajor: *value = 9; break;
-    case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
+    case cudaDevAttrComputeCapabilityMajor: *value = compute_capability() / 10; break;
+    case cudaDevAttrComputeCapabilityMinor: *value = compute_capability() % 10; break;
     case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = (int)smem_optin_cap() + 1024; break;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = (int)smem_optin_cap(); break;
     default: return rt_fail(cudaErrorInvalidValue, "cudaDeviceGetAttribute: attribute %d not simulated", (int)attr);
@@ -3876,6 +3897,11 @@ extern "C" __attribute__((weak, used)) void cudasim_set_peer_access(int on) {
     std::lock_guard<std::mutex> lock(g.mu);
     g.peer = on != 0;
     g.peer_on.clear();
+}
+extern "C" __attribute__((weak, used)) void cudasim_set_compute_capability(int cc) {
+    cudasim::detail::Global &g = cudasim::detail::global();
+    std::lock_guard<std::mutex> lock(g.mu);
+    g.cc = cc >= 10 && cc < 1000 ? cc : 90;
 }
 inline void cudasim_set_smem_optin(size_t bytes) {
     cudasim::detail::Global &g = cudasim::detail::global();

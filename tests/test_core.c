@@ -606,9 +606,31 @@ static cpar_status rank_pinned(cpar_ctx *ctx, void *arg) {
 START_TEST(test_pinned) { TU_OK(tu_spawn(1 + _i, rank_pinned, NULL)); }
 END_TEST
 
-/* The CUDA simulator's switch (tests/cudasim.h): absent from the host and
+/* The CUDA simulator's switches (tests/cudasim.h): absent from the host and
  * CUDA builds. */
 void cudasim_set_peer_access(int on) __attribute__((weak));
+void cudasim_set_compute_capability(int cc) __attribute__((weak));
+
+/* GPUs below compute capability 8.0 (a T4, a V100) are not usable: the
+ * device backend is unavailable and says why, not "no kernel image" at the
+ * first launch. */
+START_TEST(test_device_backend_below_sm80) {
+    if (!cudasim_set_compute_capability || tu_backend() != CPAR_BACKEND_DEVICE) return;
+    cudasim_set_compute_capability(75);
+    const int n = cpar_device_count();
+    const bool avail = cpar_backend_available(CPAR_BACKEND_DEVICE);
+    const cpar_init_config cfg = {.backend = CPAR_BACKEND_DEVICE, .timeout_ms = TU_TIMEOUT_MS};
+    const cpar_status st = cpar_spawn_with(2, &cfg, tu_rank_nothing, NULL);
+    cudasim_set_compute_capability(0);
+    ck_assert_int_eq(n, 0);
+    ck_assert(!avail);
+    ck_assert_msg(st == CPAR_ERR_UNSUPPORTED, "spawn on a 7.5 GPU gave %s", cpar_status_string(st));
+    ck_assert_msg(strstr(cpar_thread_last_error(), "backend device is not available: no usable GPU (cpar_dev_count: "
+                                                   "GPU 0 has compute capability 7.5; cpar's kernels need 8.0") != NULL,
+                  "%s", cpar_thread_last_error());
+    ck_assert_int_ge(cpar_device_count(), 1);
+}
+END_TEST
 
 typedef struct {
     int device[4];
@@ -1032,6 +1054,7 @@ Suite *suite(void) {
     tcase_add_test(tc, test_backends);
     tcase_add_loop_test(tc, test_pinned, 0, 4); /* 1-4 ranks: the embedding's vocabulary split */
     tcase_add_test(tc, test_device_backend_without_peer_access);
+    tcase_add_test(tc, test_device_backend_below_sm80);
     tcase_add_test(tc, test_accessors);
     tcase_add_test(tc, test_default_timeout);
     tcase_add_test(tc, test_init_from_env);

@@ -225,6 +225,17 @@ START_TEST(test_runtime) {
     cudasim_set_device_count(devices);
     CK_OK(cpar_dev_fill(f, CPAR_F32, 16, 1.0, NULL));
 
+    /* A GPU below sm_80 (a T4: 7.5) is not usable: a count of 0 with the
+     * reason, where its first kernel would fail with "no kernel image". */
+    cudasim_set_compute_capability(75);
+    ck_assert_int_eq(cpar_dev_count(), 0);
+    ck_assert_msg(strstr(cpar_dev_last_error(), "cpar_dev_count: GPU 0 has compute capability 7.5; cpar's kernels "
+                                                "need 8.0 or newer") != NULL,
+                  "%s", cpar_dev_last_error());
+    cudasim_set_compute_capability(80);
+    ck_assert_int_eq(cpar_dev_count(), devices);
+    cudasim_set_compute_capability(0);
+
     /* Peer access: to itself a no-op, twice fine (CUDA's "already enabled"
      * not left for the next launch check); between GPUs without it
      * (consumer cards over PCIe) CPAR_ERR_UNSUPPORTED naming the pair. */
