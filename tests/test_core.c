@@ -637,7 +637,7 @@ typedef struct {
     float sum[4];
 } placement_arg;
 
-/* Records the rank's GPU and all-reduces its rank + 1 (1 + 2 + 3 + 4 = 10). */
+/* Records the rank's GPU and all-reduces its rank + 1 (n (n + 1) / 2 over n ranks). */
 static cpar_status rank_placement(cpar_ctx *ctx, void *p) {
     placement_arg *a = p;
     const int r = cpar_rank(ctx);
@@ -655,19 +655,23 @@ static cpar_status rank_placement(cpar_ctx *ctx, void *p) {
 
 /* The device backend on GPUs without peer access between them (consumer
  * cards over PCIe): its ranks share GPU 0, whose memory they all reach,
- * rather than fail; with access they spread over both (rank r on GPU r mod 2). */
+ * rather than fail; with access they spread over both (rank r on GPU r mod 2).
+ * 1-4 ranks. */
 START_TEST(test_device_backend_without_peer_access) {
     if (!cudasim_set_peer_access || tu_backend() != CPAR_BACKEND_DEVICE || cpar_device_count() != 2) return;
+    const int n = _i;
     for (int peer = 0; peer < 2; peer++) {
         placement_arg a;
         memset(&a, 0xFF, sizeof a);
         cudasim_set_peer_access(peer);
-        const cpar_status st = tu_spawn(4, rank_placement, &a);
+        const cpar_status st = tu_spawn(n, rank_placement, &a);
         cudasim_set_peer_access(1);
         TU_OK(st);
-        for (int r = 0; r < 4; r++) {
-            ck_assert_msg(a.device[r] == (peer ? r % 2 : 0), "peer access %d: rank %d on GPU %d", peer, r, a.device[r]);
-            ck_assert_msg(a.sum[r] == 10.0f, "peer access %d: rank %d's all-reduce gave %g", peer, r, a.sum[r]);
+        for (int r = 0; r < n; r++) {
+            ck_assert_msg(a.device[r] == (peer ? r % 2 : 0), "%d ranks, peer access %d: rank %d on GPU %d", n, peer, r,
+                          a.device[r]);
+            ck_assert_msg(a.sum[r] == (float)(n * (n + 1) / 2), "%d ranks, peer access %d: rank %d's all-reduce gave %g",
+                          n, peer, r, a.sum[r]);
         }
     }
 }
@@ -1053,7 +1057,7 @@ Suite *suite(void) {
     tcase_add_test(tc, test_spawn_bad_input);
     tcase_add_test(tc, test_backends);
     tcase_add_loop_test(tc, test_pinned, 0, 4); /* 1-4 ranks: the embedding's vocabulary split */
-    tcase_add_test(tc, test_device_backend_without_peer_access);
+    tcase_add_loop_test(tc, test_device_backend_without_peer_access, 1, 5); /* 1-4 ranks */
     tcase_add_test(tc, test_device_backend_below_sm80);
     tcase_add_test(tc, test_accessors);
     tcase_add_test(tc, test_default_timeout);
