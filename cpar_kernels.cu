@@ -2355,6 +2355,19 @@ static __device__ __forceinline__ void cpar__attn_cp_commit(void) { __pipeline_c
 template <int N> static __device__ __forceinline__ void cpar__attn_cp_wait(void) { __pipeline_wait_prior(N); }
 #endif
 
+/* The plain path's tests: whole aligned tiles (CPAR__ATTN_WHOLE) and
+ * blocks that need no mask (CPAR__ATTN_EDGE false). tools/kernel_report.sh
+ * --hot builds with CPAR_KREPORT_HOT, which fixes them to the common case,
+ * so the SASS of a KV tile's or a step's loop holds only what a plain tile
+ * executes: the static measure of the hot path (never a build to run). */
+#ifdef CPAR_KREPORT_HOT
+#define CPAR__ATTN_WHOLE(x) true
+#define CPAR__ATTN_EDGE(x) false
+#else
+#define CPAR__ATTN_WHOLE(x) (x)
+#define CPAR__ATTN_EDGE(x) (x)
+#endif
+
 /* Rows of the tile of `rows` rows at r0 that lie inside a matrix of n rows
  * (r0 < n): the tile loaders' and the backward's key-bound clamp. */
 static __device__ __forceinline__ int cpar__attn_tile_rows(int64_t r0, int64_t n, int rows) {
@@ -2392,7 +2405,7 @@ static __device__ __forceinline__ void cpar__attn_stage(T *tile, const T *src, i
      * for their registers) */
     const int inside = cpar__attn_tile_rows(row0, rows, ROWS);
     const T *first = src + row0 * d;
-    if (vec && inside == ROWS && d == DT) {
+    if (CPAR__ATTN_WHOLE(vec && inside == ROWS && d == DT)) {
         cpar__attn_cp_tile<T, DT, LD, ROWS, CPAR__ATTN_THREADS>(tile, first);
         cpar__attn_cp_commit();
         return;
@@ -2758,7 +2771,7 @@ CPAR__UNROLL
 
         /* mask keys past sk and, causal, keys after the row (packed: other
          * documents too); the test is the warp's: its rows start at q0 + wrow */
-        if (j0 + BN > a.sk || (causal && j0 + BN - 1 > q0 + wrow) || packed) {
+        if (CPAR__ATTN_EDGE(j0 + BN > a.sk || (causal && j0 + BN - 1 > q0 + wrow) || packed)) {
 CPAR__UNROLL
             for (int mb = 0; mb < MB; mb++)
 CPAR__UNROLL
@@ -3157,7 +3170,7 @@ static __device__ __forceinline__ void cpar__ab_probs(float (&s)[2][NB][4], int 
             }
         });
     };
-    if (packed || keys < kb + 32 || (causal && diag < kb + 31 - qb)) probs(std::true_type{});
+    if (CPAR__ATTN_EDGE(packed || keys < kb + 32 || (causal && diag < kb + 31 - qb))) probs(std::true_type{});
     else probs(std::false_type{});
 }
 
@@ -3185,7 +3198,7 @@ static __device__ __forceinline__ void cpar__ab_load_tile(T *s, const void *src,
      * 40 % to the kernels' code. */
     const bool vec = cpar__ab_aligned16(src);
     const int inside = cpar__attn_tile_rows(0, nvalid, ROWS);
-    if (vec && !src_f32 && inside == ROWS && d == D) {
+    if (CPAR__ATTN_WHOLE(vec && !src_f32 && inside == ROWS && d == D)) {
         cpar__attn_cp_tile<T, D, LD, ROWS, CPAR__AB_THREADS>(s, static_cast<const T *>(src));
         return;
     }
@@ -3353,6 +3366,13 @@ static __device__ __forceinline__ void cpar__ab_dq_atomic(const cpar__ab_args &p
 #if CPAR__AB_PAIR_ATOMICS
     const bool pairs = ((uintptr_t)gq & 7) == 0;
 #endif
+    /* The warp's 32 rows all inside sq, d the tile's (the plain kernels: a
+     * constant): each thread's atomics are one base pointer plus constant
+     * offsets, with no per-element bound test or 64-bit index (they took
+     * about 10 instructions an atomic, a third of the step's); the pair
+     * choice is made once, outside the unrolled loops. */
+    const bool whole = CPAR__ATTN_WHOLE(d == D && i0 + r0 + 32 <= p.sq);
+    const int lane = (int)(threadIdx.x & 31);
     CPAR__ROLLED
     for (int pass = 0; pass < PASSES; pass++) {
         const int c0 = (warp & 1) * (D / 2) + pass * (D / 2 / PASSES);
@@ -3361,6 +3381,35 @@ static __device__ __forceinline__ void cpar__ab_dq_atomic(const cpar__ab_args &p
         cpar__ab_zero(acc[0]);
         cpar__ab_zero(acc[1]);
         cpar__ab_mma_ab<T, 2, NDW, BC, LDS, LD, true>(acc, sdS, r0, sK, c0, d);
+        if (whole) {
+            float *base = gq + (i0 + r0 + (lane >> 2)) * D + c0 + 2 * (lane & 3);
+            const auto add = [&](auto pair) {
+                (void)pair; /* only sm_90 and the simulator have the 8-byte atomic */
+                CPAR__UNROLL
+                for (int mb = 0; mb < 2; mb++)
+                    CPAR__UNROLL
+                    for (int h = 0; h < 2; h++)
+                        CPAR__UNROLL
+                        for (int nd = 0; nd < NDW; nd++) {
+                            float *dst = base + (16 * mb + 8 * h) * D + 8 * nd;
+                            const float x0 = p.scale * acc[mb][nd][2 * h], x1 = p.scale * acc[mb][nd][2 * h + 1];
+#if CPAR__AB_PAIR_ATOMICS
+                            if constexpr (decltype(pair)::value) {
+                                atomicAdd(reinterpret_cast<float2 *>(dst), make_float2(x0, x1));
+                                continue;
+                            }
+#endif
+                            atomicAdd(dst, x0);
+                            atomicAdd(dst + 1, x1);
+                        }
+            };
+#if CPAR__AB_PAIR_ATOMICS
+            if (pairs) add(std::true_type{});
+            else
+#endif
+                add(std::false_type{});
+            continue;
+        }
         /* a C fragment's elements e and e + 1 are adjacent columns of one
          * row: one 8-byte atomic for both where the GPU has them (sm_90)
          * and gq is 8-byte aligned (c and d are even) */

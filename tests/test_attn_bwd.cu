@@ -384,7 +384,8 @@ static const Case DROPOUT[] = {
 
 /* atomic_dq: dq added by the dkdv kernel (d 64 and 128: one and two column
  * slices; a general d), every mask and layout above; an odd misalignment
- * leaves some heads' dq 4-byte aligned only (one-float atomics there) */
+ * leaves some heads' dq 4-byte aligned only (one-float atomics there),
+ * in whole query tiles (one base pointer) and partial ones */
 static const Case ATOMIC[] = {
     {"adq d64 77x130 causal",              BF16, BF16, 1, 1, 1,   77, 130, 64, true,  0, 0, -1, 0, 0, 0, true},
     {"adq d128 130x77 causal out f32",     F16,  F32,  1, 1, 1,  130,  77, 128, true, 0, 0, -1, 0, 0, 0, true},
@@ -393,6 +394,8 @@ static const Case ATOMIC[] = {
     {"adq gqa 4/2 b2 d64 33x17 causal",    F16,  F32,  2, 4, 2,   33,  17, 64, true,  0, 0, -1, 0, 0, 0, true},
     {"adq strided misaligned d128 gqa 4/2", BF16, BF16, 1, 4, 2,  19,  13, 128, true, 3, 4,  -1, 0, 0, 0, true},
     {"adq strided odd misaligned d64",     F16,  F32,  1, 3, 1,   19,  26, 64, true,  2, 3,  -1, 0, 0, 0, true},
+    {"adq strided odd misaligned d128 70x40", BF16, F32, 1, 2, 1,  70,  40, 128, false, 2, 3, -1, 0, 0, 0, true},
+    {"adq misaligned d64 130x70 causal",   F16,  F16,  1, 3, 1,  130,  70, 64, true,  0, 1,  -1, 0, 0, 0, true},
     {"adq lse -inf row d64 20x30",         F16,  F32,  1, 2, 1,   20,  30, 64, false, 0, 0,  5, 0, 0, 0, true},
     {"adq two key blocks d64 40x100",      BF16, F32,  1, 2, 1,   40, 100, 64, false, 0, 0, -1, 37, 0, 0, true},
     {"adq dropout gqa 4/2 d128 70x40",     BF16, F32,  1, 4, 2,   70,  40, 128, false, 0, 0, -1, 0, 0, 0.5f, true},

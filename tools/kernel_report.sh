@@ -9,6 +9,14 @@
 #   tools/kernel_report.sh            sm_90, every kernel, then the targets
 #   tools/kernel_report.sh --arch 80  another architecture (targets are sm_90's)
 #   tools/kernel_report.sh --grep attn  only kernels whose name has "attn"
+#   tools/kernel_report.sh --hot    the plain attention kernels' step loop
+#       (a forward KV tile, a backward step) built with CPAR_KREPORT_HOT:
+#       every tile whole and aligned, no mask, so the loop's SASS is what a
+#       plain tile executes (the usual build's loop also holds the edge
+#       cases' code beside it). Per warp and pass of the loop: instructions,
+#       HMMA, LDSM, LDGSTS, barriers, MUFU, global reductions; "inner": the
+#       instructions of a loop nested in it (the atomic dq's column passes,
+#       two at d 128), counted once in "instrs". Needs python3.
 #
 # Exit status 1 when a target is missed (sm_90 only), 2 when a tool is
 # missing. nvcc compiles cpar_kernels.cu once for the one architecture
@@ -19,12 +27,13 @@
 set -u
 cd "$(dirname "$0")/.." || exit 2
 
-arch=90 pattern=
+arch=90 pattern= hot=0
 while [ $# -gt 0 ]; do
     case $1 in
         --arch) arch=${2:?--arch needs a number, e.g. 90}; shift 2 ;;
         --grep) pattern=${2:?--grep needs a pattern}; shift 2 ;;
-        *) echo "kernel_report.sh: unknown argument '$1' (--arch N, --grep PATTERN)" >&2; exit 2 ;;
+        --hot) hot=1; shift ;;
+        *) echo "kernel_report.sh: unknown argument '$1' (--arch N, --grep PATTERN, --hot)" >&2; exit 2 ;;
     esac
 done
 out=build/kreport
@@ -44,16 +53,70 @@ if [ -z "$cuobjdump" ]; then
     cuobjdump=$(ls "$out"/venv/lib/python3*/site-packages/nvidia/cu*/bin/cuobjdump | head -n 1)
 fi
 
-cubin=$out/cpar_kernels.sm_$arch.cubin
+tag=sm_$arch hotdef=
+[ "$hot" = 1 ] && tag=hot.sm_$arch hotdef=-DCPAR_KREPORT_HOT
+cubin=$out/cpar_kernels.$tag.cubin
 # Rebuilt when the kernels or the headers they include changed.
 if [ ! -s "$cubin" ] || [ -n "$(find cpar_kernels.cu cpar.h cpar_dev.h -newer "$cubin" 2> /dev/null)" ]; then
-    echo "nvcc: cpar_kernels.cu for sm_$arch (a few minutes) ..." >&2
-    "$nvcc" -cubin -O3 -std=c++17 -I. -arch=sm_"$arch" -Xptxas -v cpar_kernels.cu -o "$cubin" 2> "$out/ptxas.sm_$arch.log" ||
-        { cat "$out/ptxas.sm_$arch.log" >&2; rm -f "$cubin"; exit 2; }
+    echo "nvcc: cpar_kernels.cu for sm_$arch${hotdef:+ ($hotdef)} (a few minutes) ..." >&2
+    "$nvcc" -cubin -O3 -std=c++17 -I. -arch=sm_"$arch" $hotdef -Xptxas -v cpar_kernels.cu -o "$cubin" \
+        2> "$out/ptxas.$tag.log" || { cat "$out/ptxas.$tag.log" >&2; rm -f "$cubin"; exit 2; }
 fi
 # cuobjdump -sass runs nvdisasm, found beside it (the pip wheels install both
 # into one folder) or on PATH.
-PATH=$(dirname "$cuobjdump"):$PATH "$cuobjdump" -sass "$cubin" > "$out/sass.sm_$arch.txt" || exit 2
+PATH=$(dirname "$cuobjdump"):$PATH "$cuobjdump" -sass "$cubin" > "$out/sass.$tag.txt" || exit 2
+
+# Readable names: demangled, cpar's prefixes and the dtype spellings shortened.
+short_names() {
+    cut -d' ' -f1 "$1" | c++filt | sed -e 's/(.*//' -e 's/^void //' -e 's/cpar__//g' -e 's/__nv_bfloat16/bf16/g' \
+        -e 's/__half/f16/g' -e 's/(cpar__attn_var)//g' -e 's/ //g'
+}
+
+if [ "$hot" = 1 ]; then
+    # A loop runs from a backward branch's target to the branch; a kernel's
+    # step loop is the innermost of those with the most HMMA.
+    command -v python3 > /dev/null || { echo "kernel_report.sh: --hot needs python3" >&2; exit 2; }
+    python3 - "$out/sass.$tag.txt" > "$out/hot.raw" << 'EOF' || exit 2
+import re, sys
+pat = re.compile(r'/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);')
+kern, code = {}, None
+for line in open(sys.argv[1]):
+    m = re.search(r'Function : (\S+)', line)
+    if m:
+        code = kern.setdefault(m.group(1), [])
+        continue
+    m = pat.search(line)
+    if m and code is not None:
+        code.append((int(m.group(1), 16), m.group(2).split('.')[0], m.group(3)))
+for name, code in kern.items():
+    if not re.search(r'attn_(fwd|bwd_dkdv|bwd_dq)_kernel', name):
+        continue
+    loops = []
+    for addr, op, args in code:
+        t = re.search(r'0x([0-9a-f]+)', args) if op == 'BRA' else None
+        if t and int(t.group(1), 16) <= addr:
+            lo = int(t.group(1), 16)
+            loops.append((lo, addr, [c for c in code if lo <= c[0] <= addr]))
+    if not loops:
+        continue
+    hmma = lambda b: sum(op == 'HMMA' for _, op, _ in b)
+    best = max(hmma(b) for _, _, b in loops)
+    lo, hi, body = min((l for l in loops if hmma(l[2]) == best), key=lambda l: len(l[2]))
+    inner = max([len(b) for a, z, b in loops if lo <= a and z <= hi and (a, z) != (lo, hi)] or [0])
+    count = lambda *ops: sum(op in ops for _, op, _ in body)
+    print(name, len(body), count('HMMA'), count('LDSM'), count('LDGSTS'), count('BAR'), count('MUFU'),
+          count('RED', 'REDG'), inner)
+EOF
+    short_names "$out/hot.raw" > "$out/hot.names"
+    paste -d' ' "$out/hot.names" "$out/hot.raw" | cut -d' ' -f1,3- | grep -e 'attn_var<[0-9]*,false' |
+        sort > "$out/hot.txt"
+    [ -n "$pattern" ] && { grep -e "$pattern" "$out/hot.txt" > "$out/hot.sel" || :; mv "$out/hot.sel" "$out/hot.txt"; }
+    printf '%-64s %6s %5s %5s %6s %4s %5s %4s %6s\n' "plain attention step loop (sm_$arch, hot path)" instrs HMMA \
+        LDSM LDGSTS BAR MUFU RED inner
+    awk '{ printf "%-64s %6d %5d %5d %6d %4d %5d %4d %6d\n", substr($1, 1, 64), $2, $3, $4, $5, $6, $7, $8, $9 }' \
+        "$out/hot.txt"
+    exit 0
+fi
 
 # One row per kernel: mangled name, registers, stack, spill stores, spill
 # loads, instructions, HMMA, LDSM, LDGSTS, LDL+STL.
@@ -76,11 +139,9 @@ awk '
     END {
         for (k in kern) if (k in n)
             printf "%s %d %d %d %d %d %d %d %d %d\n", k, regs[k], stack[k], sst[k], sld[k], n[k], hmma[k], ldsm[k], ldgsts[k], local[k]
-    }' "$out/ptxas.sm_$arch.log" "$out/sass.sm_$arch.txt" > "$out/raw.txt"
+    }' "$out/ptxas.$tag.log" "$out/sass.$tag.txt" > "$out/raw.txt"
 
-# Readable names: demangled, cpar's prefixes and the dtype spellings shortened.
-cut -d' ' -f1 "$out/raw.txt" | c++filt | sed -e 's/(.*//' -e 's/^void //' -e 's/cpar__//g' -e 's/__nv_bfloat16/bf16/g' \
-    -e 's/__half/f16/g' -e 's/(cpar__attn_var)//g' -e 's/ //g' > "$out/names.txt"
+short_names "$out/raw.txt" > "$out/names.txt"
 paste -d' ' "$out/names.txt" "$out/raw.txt" | cut -d' ' -f1,3- | sort > "$out/report.txt"
 [ -n "$pattern" ] && { grep -e "$pattern" "$out/report.txt" > "$out/report.sel" || :; mv "$out/report.sel" "$out/report.txt"; }
 
