@@ -143,6 +143,9 @@ struct cpar_ctx {
     size_t ws_bytes;
     void *coll_ws;        /* the host/device collectives' accumulator, apart from ws so a */
     size_t coll_ws_bytes; /* caller may keep scratch in ws across a collective */
+    void *coll_stage;     /* device backend: peers' slices copied here where this GPU has no */
+    size_t coll_stage_bytes; /* peer access to theirs (cpar__reduce_rows_staged) */
+    uint64_t dev_reach;   /* device backend: GPUs (bit d: GPU d) whose memory its kernels may touch */
     void *gemm_ws;        /* host memory: the host GEMM's packed panels (section 5) */
     size_t gemm_ws_bytes;
     bool gemm_builtin;    /* CPAR_HOST_GEMM=builtin (or a kernel's name): never the CBLAS (section 5) */
@@ -5245,6 +5248,7 @@ typedef struct cpar__slot {    /* one member's description of the current collec
     int64_t rows, row_elems;   /* dim 0 of the input and elements per row */
     const void *in;
     void *out;
+    int device;                /* the member's device (-1: host), set when posted */
     const int64_t *sizes;      /* all-gather / reduce-scatter per-rank rows, or NULL */
     const int64_t *in_splits, *out_splits;
     uint64_t tag;              /* the public call it serves (cpar__tag_set), 0: a raw collective */
@@ -5580,6 +5584,7 @@ static cpar_status cpar__hc_rendezvous(cpar_group *g, const char *fn) {
 static void cpar__hc_post(cpar_group *g, const cpar__slot *s) {
     pthread_mutex_lock(&g->hc->job->mu);
     g->hc->slot[g->rank] = *s;
+    g->hc->slot[g->rank].device = g->ctx->device;
     pthread_mutex_unlock(&g->hc->job->mu);
 }
 
@@ -5809,6 +5814,52 @@ static cpar_status cpar__hc_copy(cpar_ctx *ctx, const char *fn, void *dst, const
     return cpar__copy_bytes_on(ctx, fn, cpar__coll_stream(ctx), dst, dev, src, dev, bytes);
 }
 
+/* Device backend: whether this context's kernels may touch memory on GPU
+ * d: its own, or one it enabled peer access to at start-up. */
+static bool cpar__dev_reaches(const cpar_ctx *ctx, int d) {
+    return d == ctx->device || (d >= 0 && d < 64 && (ctx->dev_reach >> d & 1u));
+}
+
+/* cpar__reduce_rows where some inputs or outputs lie on GPUs this one has no
+ * peer access to (consumer cards; in_dev, out_dev: their GPUs). A kernel
+ * touches only memory it reaches: each such input's slice is first copied
+ * into ctx->coll_stage (CUDA copies between GPUs without peer access, through
+ * the host), and each such output gets a copy of a reached output's result
+ * afterwards; one reached output at least (the caller's own). All on the
+ * collectives' stream, in order, so the stage is free for the next call. */
+static cpar_status cpar__reduce_rows_staged(cpar_ctx *ctx, const char *fn, cpar_dtype dt, cpar_reduce_op op,
+                                            const void *const *ins, const int *in_dev, int nin, int64_t in_off,
+                                            void *const *outs, const int *out_dev, int nout, int64_t out_off,
+                                            int64_t count, bool stream) {
+    if (count <= 0) return CPAR_OK;
+    const size_t es = cpar_dtype_size(dt), bytes = (size_t)count * es;
+    size_t staged = 0;
+    for (int j = 0; j < nin; j++) staged += !cpar__dev_reaches(ctx, in_dev[j]);
+    CPAR_TRY(cpar__grow_buffer(ctx, fn, &ctx->coll_stage, &ctx->coll_stage_bytes, staged * bytes));
+    const void *src[256];
+    void *reached[256] = {NULL}, *far[256];
+    int nreached = 0, nfar = 0;
+    char *stage = ctx->coll_stage;
+    for (int j = 0; j < nin && j < 256; j++) {
+        const char *p = (const char *)ins[j] + (size_t)in_off * es;
+        if (cpar__dev_reaches(ctx, in_dev[j])) {
+            src[j] = p;
+            continue;
+        }
+        CPAR_TRY(cpar__hc_copy(ctx, fn, stage, p, bytes, false));
+        src[j] = stage;
+        stage += bytes;
+    }
+    for (int j = 0; j < nout && j < 256; j++) {
+        char *p = (char *)outs[j] + (size_t)out_off * es;
+        if (cpar__dev_reaches(ctx, out_dev[j])) reached[nreached++] = p;
+        else far[nfar++] = p;
+    }
+    CPAR_TRY(cpar__reduce_rows(ctx, fn, dt, op, ctx->device, src, nin, 0, reached, nreached, 0, count, stream));
+    for (int j = 0; j < nfar; j++) CPAR_TRY(cpar__hc_copy(ctx, fn, far[j], reached[0], bytes, false));
+    return CPAR_OK;
+}
+
 /* Move this member's share of a collective whose members' slots sl (every
  * buffer addressable here, descriptors validated) are published: every
  * member moves its own part in parallel with the others. All-reduce and
@@ -5824,9 +5875,13 @@ static cpar_status cpar__hc_move(cpar_group *g, const char *fn, const cpar__slot
     size_t es = cpar_dtype_size(mine->dtype), row = (size_t)mine->row_elems * es;
     const void *ins[256];
     void *outs[256];
+    int devs[256];
+    bool staged = false; /* a member's buffers on a GPU this one has no peer access to */
     for (int m = 0; m < n && m < 256; m++) {
         ins[m] = sl[m].in;
         outs[m] = sl[m].out;
+        devs[m] = sl[m].device;
+        staged |= cpar__on_device(dev) && !cpar__dev_reaches(ctx, devs[m]);
     }
     /* Bytes the whole group writes, which decides whether stores stream. */
     size_t total = (size_t)mine->rows * row * (size_t)n;
@@ -5847,16 +5902,25 @@ static cpar_status cpar__hc_move(cpar_group *g, const char *fn, const cpar__slot
         /* In place, the stores hit lines the loads just brought in: keep them cached. */
         bool in_place = false;
         for (int m = 0; m < n; m++) in_place |= sl[m].in == sl[m].out;
-        st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, lo, outs, n, lo, hi - lo,
-                               stream && !in_place);
+        if (staged)
+            st = cpar__reduce_rows_staged(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, ins, devs, n, lo, outs,
+                                          devs, n, lo, hi - lo, stream && !in_place);
+        else
+            st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, lo, outs, n, lo,
+                                   hi - lo, stream && !in_place);
         break;
     }
     case CPAR_COLL_REDUCE_SCATTER: {
         int64_t off = 0;
         for (int m = 0; m < me; m++) off += mine->sizes ? mine->sizes[m] : sl[m].rows / n;
         int64_t rows = mine->sizes ? mine->sizes[me] : mine->rows / n;
-        st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n, off * mine->row_elems,
-                               &mine->out, 1, 0, rows * mine->row_elems, stream);
+        if (staged)
+            st = cpar__reduce_rows_staged(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, ins, devs, n,
+                                          off * mine->row_elems, &mine->out, &dev, 1, 0, rows * mine->row_elems,
+                                          stream);
+        else
+            st = cpar__reduce_rows(ctx, fn, mine->dtype, (cpar_reduce_op)mine->op, dev, ins, n,
+                                   off * mine->row_elems, &mine->out, 1, 0, rows * mine->row_elems, stream);
         break;
     }
     case CPAR_COLL_ALL_GATHER: {
@@ -8214,8 +8278,10 @@ cpar_status cpar_finalize(cpar_ctx *ctx) {
     /* A refused free (work still queued: see cpar__mem_alloc) is the one
      * failure reported, after everything else is released. */
     char why[CPAR_ERR_LEN] = "";
-    cpar_status fs = cpar__mem_free(ctx->device, ctx->ws), fs2 = cpar__mem_free(ctx->device, ctx->coll_ws);
+    cpar_status fs = cpar__mem_free(ctx->device, ctx->ws), fs2 = cpar__mem_free(ctx->device, ctx->coll_ws),
+                fs3 = cpar__mem_free(ctx->device, ctx->coll_stage);
     if (fs == CPAR_OK) fs = fs2;
+    if (fs == CPAR_OK) fs = fs3;
     if (fs != CPAR_OK) snprintf(why, sizeof why, "%s", cpar_dev_last_error());
     cpar__arena_retire(ctx->arena); /* tensors still allocated keep it until they are freed */
     cpar__pool_destroy(ctx->gemm_pool); /* before its scratch goes */
@@ -8403,46 +8469,50 @@ typedef struct cpar__spawn_rank {
     char err[CPAR_ERR_LEN];
 } cpar__spawn_rank;
 
-/* The device backend's GPUs: GPU 0, then each visible GPU that reaches and
- * is reached by every one chosen so far (peer access: its reductions read
- * the members' buffers in place). Consumer cards over PCIe have none, so
- * their ranks all share GPU 0 rather than fail. Every rank computes the same
- * list; rank 0 says so at CPAR_LOG=info when GPUs are left out. Returns the
- * count: 0 without GPUs (cpar__ctx_create then fails naming it). */
+/* The device backend's GPUs: the visible ones, as many as there are ranks.
+ * Where two have peer access the reductions read the members' buffers in
+ * place; consumer cards over PCIe have none, and there the reductions stage
+ * through copies (cpar__reduce_rows_staged; until 2026-12-07 their ranks all
+ * shared GPU 0). Every rank computes the same list; rank 0 names the first
+ * pair without access at CPAR_LOG=info. Returns the count: 0 without GPUs
+ * (cpar__ctx_create then fails naming it). */
 static int cpar__device_backend_gpus(int rank, int nranks, int *gpus, int cap) {
     const int visible = cpar_dev_count();
     int n = 0;
-    for (int g = 0; g < visible && n < cap && n < nranks; g++) {
-        bool all = true;
-        for (int i = 0; i < n && all; i++) {
-            bool to = false, from = false;
-            if (cpar_dev_peer_query(g, gpus[i], &to) != CPAR_OK || cpar_dev_peer_query(gpus[i], g, &from) != CPAR_OK)
+    while (n < visible && n < cap && n < nranks) gpus[n] = n, n++;
+    for (int i = 0; rank == 0 && i < n; i++)
+        for (int j = 0; j < n; j++) {
+            bool can = true;
+            if (i != j && cpar_dev_peer_query(i, j, &can) == CPAR_OK && !can) {
+                cpar__log(CPAR__LOG_INFO, rank, "cpar_spawn: GPU %d has no peer access to GPU %d: the device "
+                          "backend's reductions between their ranks go through copies", i, j);
                 return n;
-            all = to && from;
+            }
         }
-        if (all) gpus[n++] = g;
-    }
-    if (rank == 0 && n < visible && n < nranks)
-        cpar__log(CPAR__LOG_INFO, rank, "cpar_spawn: %d GPUs visible, %d of them with peer access to one another "
-                  "(GPU 0's group): the device backend's %d ranks run on %d", visible, n, nranks, n);
     return n;
 }
 
 static cpar_status cpar__spawn_rank_run(cpar__spawn_rank *r, cpar_ctx **pctx) {
     static const char fn[] = "cpar_spawn";
-    /* NCCL: one GPU per rank. Device backend: the ranks share the GPUs that
-     * reach one another (rank r on the (r mod n)-th). */
+    /* NCCL: one GPU per rank. Device backend: the ranks share the visible
+     * GPUs (rank r on the (r mod n)-th). */
     const bool shared = r->cfg->backend == CPAR_BACKEND_DEVICE;
     int gpus[64], n = 0;
     if (shared) n = cpar__device_backend_gpus(r->rank, r->nranks, gpus, (int)(sizeof gpus / sizeof gpus[0]));
     CPAR_TRY(cpar__ctx_create(fn, r->cfg, r->rank, r->nranks, shared ? (n ? gpus[r->rank % n] : 0) : r->rank, pctx));
     cpar_ctx *ctx = *pctx;
     ctx->job = r->job;
+    /* Peer access where the GPUs have it (kernels then read the peers'
+     * buffers in place); without it the reductions stage through copies
+     * (cpar__reduce_rows_staged). */
     for (int i = 0; i < n; i++) {
-        cpar_status ps = cpar_dev_peer_access(gpus[i]);
+        bool can = false;
+        cpar_status ps = cpar_dev_peer_query(ctx->device, gpus[i], &can);
+        if (ps == CPAR_OK && can && gpus[i] != ctx->device) ps = cpar_dev_peer_access(gpus[i]);
         if (ps != CPAR_OK)
-            return cpar__fail(ctx, ps, "%s: the device backend needs peer access between its GPUs: %s (use the NCCL "
-                              "backend, or CUDA_VISIBLE_DEVICES to pick GPUs that have it)", fn, cpar_dev_last_error());
+            return cpar__fail(ctx, ps, "%s: peer access from GPU %d to GPU %d: %s", fn, ctx->device, gpus[i],
+                              cpar_dev_last_error());
+        if (can && gpus[i] < 64) ctx->dev_reach |= 1ull << gpus[i];
     }
     int *ranks = malloc((size_t)r->nranks * sizeof *ranks);
     if (!ranks) return cpar__fail(ctx, CPAR_ERR_OOM, "%s: cannot allocate the world group", fn);

@@ -193,9 +193,9 @@ typedef enum cpar_backend {
                             * of one node (cpar_init_from_env); shared-memory collectives */
     CPAR_BACKEND_NCCL,     /* one GPU per rank; NCCL communicators; needs a CPAR_CUDA=1 build */
     CPAR_BACKEND_DEVICE,   /* ranks as threads sharing the visible GPUs (rank r on GPU r mod n, so one
-                            * GPU runs any grid; n: GPU 0 and those with peer access to it and to one
-                            * another); collectives by device copies and reduction kernels, ordered
-                            * with events; no NCCL. On the CUDA simulator in test builds. */
+                            * GPU runs any grid; n: the visible GPUs); collectives by device copies and
+                            * reduction kernels, ordered with events, staged through copies between
+                            * GPUs without peer access; no NCCL. On the CUDA simulator in test builds. */
     CPAR_BACKEND_COUNT
 } cpar_backend;
 #define CPAR_BACKEND_SIM CPAR_BACKEND_DEVICE /* its name before it ran on GPUs */
@@ -223,9 +223,9 @@ typedef cpar_status (*cpar_rank_fn)(cpar_ctx *ctx, void *arg);
  * context (rank r of nranks; on NCCL device r, nranks at most the GPUs
  * visible, and every rank's communicator is ready before any fn runs; on
  * DEVICE device r mod n, any nranks up to 256: more ranks than GPUs share
- * them, each rank with its own streams; n counts GPU 0 and the visible GPUs
- * with peer access to it and to one another, so on consumer cards without
- * it every rank runs on GPU 0 (one CPAR_LOG=info line says so)). Returns CPAR_OK when
+ * them, each rank with its own streams; n counts the visible GPUs, and
+ * between GPUs without peer access, consumer cards over PCIe, the reductions
+ * stage through copies). Returns CPAR_OK when
  * every rank returned CPAR_OK, else the status of the rank that failed first
  * in time (the root cause: the peers it released fail with CPAR_ERR_PEER),
  * with "rank N: <its message>" in cpar_thread_last_error() on the caller.

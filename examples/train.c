@@ -241,7 +241,7 @@ static int parse_options(int argc, char **argv, options *o) {
             fprintf(stderr, "train: %d ranks but %d GPU%s visible: the device backend runs them on %s (ranks as "
                     "threads sharing the GPUs%s; --backend nccl needs one GPU per rank)\n", nranks, ngpu,
                     ngpu == 1 ? " is" : "s are", ngpu == 1 ? "it" : "them",
-                    ngpu == 1 ? "" : "; on GPU 0 alone where they lack peer access, CPAR_LOG=info says");
+                    ngpu == 1 ? "" : ", with or without peer access between them");
     }
     if ((int)o->backend >= 0 && !cpar_backend_available(o->backend)) {
         /* named on the command line: fail with the reason, never fall back */

@@ -3443,6 +3443,33 @@ inline void launch(const LaunchInfo &L, void (*body)(void *), void *ctx) {
  * own parameter types, so arguments convert exactly as in a kernel call. The
  * configuration is checked at issue; the grid is queued on its stream with a
  * copy of the arguments, as a GPU keeps them. */
+/* A kernel reaches another device's memory only where the launching
+ * device enabled peer access to it (cudaDeviceEnablePeerAccess); without,
+ * the GPU faults on the access (a sticky illegal address). Checked at issue
+ * on the kernel's pointer arguments (pinned host memory is every device's). */
+template <class A> inline bool peer_arg_ok(const LaunchInfo &L, int dev, const A &a, int index) {
+    if constexpr (std::is_pointer_v<A>) {
+        Global &g = global();
+        int owner = -1;
+        {
+            std::lock_guard<std::mutex> lock(g.mu);
+            auto it = find_alloc(g, (const void *)a);
+            if (!it || it->second.pinned || it->second.device == dev || g.peer_on.count({dev, it->second.device}))
+                return true;
+            owner = it->second.device;
+        }
+        rt_fail(cudaErrorIllegalAddress,
+                "CPAR_LAUNCH(%s) at %s:%d on device %d: argument %d (%p) is memory of device %d, and device %d "
+                "has no peer access to it (cudaDeviceEnablePeerAccess); on a GPU the access is an illegal address",
+                L.name, L.file, L.line, dev, index, (const void *)a, owner, dev);
+        host().pending = cudaErrorIllegalAddress;
+        return false;
+    } else {
+        (void)L, (void)dev, (void)a, (void)index;
+        return true;
+    }
+}
+
 template <class... P> struct Launcher {
     void (*kernel)(P...);
     LaunchInfo info;
@@ -3452,6 +3479,11 @@ template <class... P> struct Launcher {
             std::tuple<P...> a;
         };
         if (!launch_config_ok(host(), info)) return;
+        {
+            const int dev = resolve(info.stream)->device;
+            int index = 0;
+            if (!(peer_arg_ok(info, dev, args, index++) && ...)) return;
+        }
         auto c = std::make_shared<Ctx>(Ctx{kernel, std::tuple<P...>(args...)});
         LaunchInfo L = info;
         /* each fiber calls the kernel with its own copies of the arguments */

@@ -213,6 +213,15 @@ for s in $SIM_SUITES; do
         suite "sim/$s@2gpu" "\$B/sim/test_$s" device CUDASIM_STREAMS=lazy CUDASIM_DEVICES=2 ;;
     esac
 done
+# Two simulated GPUs without peer access (consumer cards over PCIe): the
+# ranks spread over both all the same, their reductions staging the other
+# GPU's slices through copies; the simulator fails a kernel that touches the
+# other GPU's memory.
+for s in $SIM_SUITES; do
+    case " coll core mappings ring " in *" $s "*)
+        suite "sim/$s@nopeer" "\$B/sim/test_$s" device CUDASIM_STREAMS=random:$seed CUDASIM_DEVICES=2 CUDASIM_PEER=0 ;;
+    esac
+done
 # nccl-sim: the production path (cpar.c as built for GPUs, NCCL calls) on the
 # CUDA and NCCL simulators. The GPU suite runs here on simulated GPUs, with
 # its smaller sizes (CPAR_GPU_SUITE=quick): its kernels run on the CPU here.

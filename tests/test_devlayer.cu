@@ -262,6 +262,23 @@ START_TEST(test_runtime) {
                     "cpar_dev_peer_access: GPU 0 cannot access the memory of GPU 1 (no peer access)");
         cudasim_set_peer_access(1);
         CK_OK(cpar_dev_fill(f, CPAR_F32, 16, 1.0, NULL));
+
+        /* A kernel on GPU 0 given GPU 1's memory faults unless GPU 0 enabled
+         * peer access to it (the simulator checks kernels' pointer
+         * arguments): the device backend's reductions between GPUs without
+         * it stage through copies. */
+        void *g1 = NULL;
+        CK_OK(cpar_dev_set(1));
+        CK_OK(cpar_dev_malloc(&g1, 64));
+        CK_OK(cpar_dev_set(0));
+        cudasim_set_peer_access(1); /* GPUs that have it; the pairs enabled above forgotten */
+        EXPECT_FAIL(cpar_dev_fill(g1, CPAR_F32, 16, 1.0, NULL), CPAR_ERR_CUDA, "cpar_dev_fill", "illegal memory access");
+        CK_OK(cpar_dev_peer_access(1));
+        CK_OK(cpar_dev_fill(g1, CPAR_F32, 16, 1.0, NULL));
+        CK_OK(cpar_dev_sync());
+        CK_OK(cpar_dev_set(1));
+        CK_OK(cpar_dev_free(g1));
+        CK_OK(cpar_dev_set(0));
     }
     CK_OK(cpar_dev_free(f));
     CK_OK(cpar_dev_free(NULL));
