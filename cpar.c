@@ -170,6 +170,7 @@ struct cpar_ctx {
     int64_t gave_up_poll_ms; /* NCCL across processes: the next poll of the peers' give-ups (section 9) */
     bool check_calls;     /* CPAR_CHECK_CALLS=1: NCCL compares every collective's call (section 9) */
     bool attn_atomic_dq;  /* CPAR_ATTN_DQ=atomic: the device attention backward's dq by atomics (cpar.h §12) */
+    bool attn_fwd_heads_first; /* CPAR_ATTN_FWD_GRID=heads: the device forward's CTAs in batch·head order */
     cpar_dev_stream coll_stream; /* where the collectives enqueue: NULL = compute; set only
                                   * between cpar__on_comm_stream and cpar__on_compute_stream */
     cpar_dev_blas blas;
@@ -8364,6 +8365,13 @@ static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg,
                           "reproducible; the default) or atomic (fp32 atomics from the dk/dv kernel)", fn, adq);
     }
     ctx->attn_atomic_dq = adq && !strcmp(adq, "atomic");
+    const char *fgrid = getenv("CPAR_ATTN_FWD_GRID");
+    if (fgrid && *fgrid && strcmp(fgrid, "tiles") != 0 && strcmp(fgrid, "heads") != 0) {
+        free(ctx);
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: CPAR_ATTN_FWD_GRID=\"%.32s\", expected tiles (a head's query "
+                          "tiles side by side; the default) or heads (batch·head order)", fn, fgrid);
+    }
+    ctx->attn_fwd_heads_first = fgrid && !strcmp(fgrid, "heads");
     const char *gemm = getenv("CPAR_HOST_GEMM"), *threads = getenv("CPAR_HOST_THREADS");
     if (gemm && *gemm) {
         static const char *const names[] = {"auto", "amx", "avx512bf16", "avx2", "c", "builtin", "default", "avx512"};
@@ -12111,9 +12119,11 @@ static cpar_status cpar__attn_fwd(cpar_ctx *ctx, const char *fn, bool on_device,
                                   void *out, cpar_dtype out_dt, int64_t o_bh, float *lse, int64_t lse_bh,
                                   void *scratch) {
     if (io->b == 0 || io->hq == 0 || io->sq == 0) return CPAR_OK;
-    if (on_device)
-        CPAR_DEV_TRY(ctx, fn, cpar_dev_attention_fwd(io, out, out_dt, o_bh, lse, lse_bh, ctx->compute));
-    else
+    if (on_device) {
+        cpar__attn_io fio = *io;
+        fio.fwd_heads_first = ctx->attn_fwd_heads_first;
+        CPAR_DEV_TRY(ctx, fn, cpar_dev_attention_fwd(&fio, out, out_dt, o_bh, lse, lse_bh, ctx->compute));
+    } else
         CPAR_TRY(cpar__host_attn_fwd(ctx, fn, io, out, out_dt, o_bh, lse, lse_bh, scratch));
     return CPAR_OK;
 }

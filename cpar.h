@@ -2198,6 +2198,12 @@ typedef struct cpar_dev_attn {
      * bits then vary run to run; false: a separate dq kernel, reproducible.
      * cpar's layers set it from CPAR_ATTN_DQ=atomic. */
     bool atomic_dq;
+    /* forward only: its CTAs in batch·head order, each head's query tiles
+     * far apart (cpar's order until 2026-12-07); false: a head's query
+     * tiles side by side, as FlashAttention-2 orders them, so the CTAs in
+     * flight share a few heads' K and V in L2. cpar's layers set it from
+     * CPAR_ATTN_FWD_GRID=heads. */
+    bool fwd_heads_first;
 } cpar_dev_attn;
 
 /* out (dtype out_dt: F32 or a->dt, stride o_bh) and lse (F32, stride lse_bh)

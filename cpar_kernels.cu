@@ -2208,11 +2208,15 @@ static __device__ __forceinline__ CPAR__SPARE void cpar__ldmatrix_x2_trans(uint3
  *
  * FlashAttention-2 forward: softmax(scale · q kᵀ) v and the fp32 natural-log
  * log-sum-exp per query row, without materialising the score matrix.
- *   grid  (b·hq, ceil(sq / BM)): one CTA per (batch·head, BM-row query
- *         tile), the last query tiles first (causal: they have the most KV
- *         tiles, so the long CTAs start early and the short ones fill the
- *         tail); BM = 128 in the plain instantiations (FA2's tile), 64 in
- *         the general one;
+ *   grid  (ceil(sq / BM), hq, b): one CTA per (BM-row query tile, head,
+ *         batch), a head's query tiles side by side as in FlashAttention-2,
+ *         so the CTAs in flight share a few heads' K and V in L2 (with the
+ *         batch·head index fastest, the order until 2026-12-07 and
+ *         cpar_dev_attn's fwd_heads_first, each head's K and V passed
+ *         through L2 once per few query tiles); the last query tiles first
+ *         (causal: they have the most KV tiles, so the long CTAs start
+ *         early and the short ones fill the tail); BM = 128 in the plain
+ *         instantiations (FA2's tile), 64 in the general one;
  *   block 128 threads = 4 warps, warp w owns query rows BM/4 · w onwards in
  *         16-row MMA blocks (two in a 128-row tile: every K and V fragment
  *         feeds both).
@@ -2655,7 +2659,7 @@ template <typename T, class V>
 static __global__ void __launch_bounds__(CPAR__ATTN_THREADS, V::FWD_CTAS)
     cpar__attn_fwd_kernel(const cpar_dev_attn a, void *__restrict__ out, bool out_f32, int64_t o_bh,
                           float *__restrict__ lse, int64_t lse_bh, bool vec, bool ovec, float keep_scale,
-                          bool skip_tiles) {
+                          bool skip_tiles, bool heads_first) {
     constexpr int DT = V::DT, LD = DT + 8; /* +16 bytes: conflict-free ldmatrix rows */
     constexpr int MB = V::FWD_MB, BM = V::FWD_BM, BN = V::FWD_BN;
     constexpr int KSTEPS = DT / 16, NB = BN / 8, OB = DT / 8;
@@ -2675,10 +2679,12 @@ static __global__ void __launch_bounds__(CPAR__ATTN_THREADS, V::FWD_CTAS)
     const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5), g = lane >> 2, t = lane & 3;
     const int d = V::d(a.d);
     const bool causal = V::causal(a.causal), packed = V::packed(a.qp, a.kp), drop = V::drop(a.dropout_p);
-    const int64_t bh = blockIdx.x, bi = bh / a.hq, hi = bh % a.hq;
-    const int64_t kvh = bi * a.hkv + hi / (a.hq / a.hkv);
+    /* grid (query tiles, hq, b), or (b·hq, query tiles) with heads_first */
+    const int64_t bh = heads_first ? (int64_t)blockIdx.x : (int64_t)blockIdx.z * a.hq + blockIdx.y;
+    const int64_t bi = bh / a.hq, hi = bh % a.hq, kvh = bi * a.hkv + hi / (a.hq / a.hkv);
+    const unsigned tile = heads_first ? blockIdx.y : blockIdx.x, tiles = heads_first ? gridDim.y : gridDim.x;
     /* 32-bit row and key indices (sq, sk < 2^31 - 64: checked at launch) spare registers */
-    const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * BM, wrow = warp * 16 * MB; /* wrow: the warp's first row */
+    const int q0 = (int)(tiles - 1 - tile) * BM, wrow = warp * 16 * MB; /* wrow: the warp's first row */
     const T *q = static_cast<const T *>(a.q) + bh * a.q_bh;
     const T *k = static_cast<const T *>(a.k) + kvh * a.kv_bh;
     const T *v = static_cast<const T *>(a.v) + kvh * a.kv_bh;
@@ -2917,7 +2923,9 @@ CPAR__UNROLL
         }
 }
 
-/* grid.x: b·hq; the query tiles (grid.y) are the instantiation's. */
+/* The grid: the instantiation's query tiles (x), hq, b, as FlashAttention-2
+ * orders its CTAs; with a.fwd_heads_first, or b or hq past a grid
+ * dimension's 65535, (b·hq, query tiles). */
 template <typename T, class V>
 static cudaError_t cpar__launch_attn_fwd(const cpar_dev_attn &a, void *out, bool out_f32, int64_t o_bh, float *lse,
                                          int64_t lse_bh, bool vec, bool ovec, unsigned bh, cudaStream_t s) {
@@ -2933,9 +2941,11 @@ static cudaError_t cpar__launch_attn_fwd(const cpar_dev_attn &a, void *out, bool
                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (e != cudaSuccess) return e;
     }
-    const dim3 grid(bh, (unsigned)((a.sq + BM - 1) / BM));
+    const unsigned qtiles = (unsigned)((a.sq + BM - 1) / BM);
+    const bool heads_first = a.fwd_heads_first || a.b > 65535 || a.hq > 65535;
+    const dim3 grid = heads_first ? dim3(bh, qtiles) : dim3(qtiles, (unsigned)a.hq, (unsigned)a.b);
     CPAR_LAUNCH(kernel, grid, CPAR__ATTN_THREADS, smem, s)
-    (a, out, out_f32, o_bh, lse, lse_bh, vec, ovec, keep_scale, cpar__attn_skip_hidden_tiles);
+    (a, out, out_f32, o_bh, lse, lse_bh, vec, ovec, keep_scale, cpar__attn_skip_hidden_tiles, heads_first);
     return cudaGetLastError();
 }
 

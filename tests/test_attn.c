@@ -365,6 +365,24 @@ START_TEST(test_attn_backward_atomic_dq) {
 }
 END_TEST
 
+/* CPAR_ATTN_FWD_GRID=heads (the device forward's CTAs in batch·head order,
+ * cpar_dev_attn's fwd_heads_first): _i = shape, the dtype alternating,
+ * against the fp64 reference. The last case: a value that is neither tiles
+ * nor heads fails cpar_init, naming it. */
+START_TEST(test_attn_forward_heads_grid) {
+    if (_i == N_SHAPES) {
+        setenv("CPAR_ATTN_FWD_GRID", "head", 1); /* this forked test's own environment */
+        cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
+        ck_assert_int_eq(cpar_spawn_with(1, &cfg, tu_rank_nothing, NULL), CPAR_ERR_INVALID);
+        ck_assert_msg(strstr(cpar_thread_last_error(), "CPAR_ATTN_FWD_GRID=\"head\""), "%s", cpar_thread_last_error());
+        return;
+    }
+    setenv("CPAR_ATTN_FWD_GRID", "heads", 1);
+    schedule(_i % 3);
+    run(&shapes[_i], dtypes16[_i % 2], 0.f, false, false, 560 + (uint64_t)_i);
+}
+END_TEST
+
 /* 16-bit on host tensors (the host reference also on the device backend) and an explicit scale. */
 START_TEST(test_attn_16bit_host_and_scale) {
     for (int d16 = 0; d16 < 2; d16++) {
@@ -1080,6 +1098,7 @@ static Suite *suite(void) {
         {"attn_forward", test_attn_forward, N_SHAPES * 2 * forward_schedules()},
         {"attn_backward", test_attn_backward, N_SHAPES * 2},
         {"attn_backward_atomic_dq", test_attn_backward_atomic_dq, N_SHAPES + 1},
+        {"attn_forward_heads_grid", test_attn_forward_heads_grid, N_SHAPES + 1},
         {"attn_16bit_host_and_scale", test_attn_16bit_host_and_scale, 1},
         {"attn_no_keys", test_attn_no_keys, 2},
         {"attn_device_blocks", test_attn_device_blocks, 3},

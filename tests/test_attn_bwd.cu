@@ -294,8 +294,19 @@ static void run_case(const Case &c, unsigned seed) {
                                                 : ((const uint16_t *)out2)[m] != 0xFFFF;
         }
         ck_assert_msg(written == 0, "%s: the forward wrote %zu elements outside the slices", c.name, written);
-        ck_assert_int_eq(cudaFree(out2), cudaSuccess);
-        ck_assert_int_eq(cudaFree(lse2), cudaSuccess);
+        /* the CTAs in batch·head order (fwd_heads_first): the same bits */
+        void *out3 = dalloc(b * hq * o_bh, c.out_dt);
+        float *lse3 = (float *)dalloc(b * hq * lse_bh, CPAR_F32);
+        a.fwd_heads_first = true;
+        ck_assert_int_eq(cpar_dev_attention_fwd(&a, static_cast<char *>(out3) + qi(0, 0, 0, 0) * osz, c.out_dt, o_bh,
+                                                lse3 + li(0, 0, 0), lse_bh, NULL), CPAR_OK);
+        a.fwd_heads_first = false;
+        ck_assert_int_eq(cudaDeviceSynchronize(), cudaSuccess);
+        ck_assert_msg(memcmp(out2, out3, (size_t)(b * hq * o_bh) * osz) == 0 &&
+                          memcmp(lse2, lse3, sizeof(float) * (size_t)(b * hq * lse_bh)) == 0,
+                      "%s: the forward in batch·head order differs", c.name);
+        void *fbufs[] = {out2, lse2, out3, lse3};
+        for (void *fb : fbufs) ck_assert_int_eq(cudaFree(fb), cudaSuccess);
     }
     Err eq, ek, ev;
     for (int64_t bi = 0; bi < b; bi++)
@@ -466,7 +477,7 @@ START_TEST(deterministic) {
         cudasim_set_schedule(schedules[sched], 99);
         unsigned seed = 5;
         cpar_dev_attn a = {c.dt, c.b, c.hq, c.hkv, c.sq, c.sk, c.d, NULL, NULL, NULL, c.sq * c.d, c.sk * c.d,
-                           c.causal, 0.125f, c.p, {7, 0}, {}, {}, 0, 0, false}; /* with dropout */
+                           c.causal, 0.125f, c.p, {7, 0}, {}, {}, 0, 0, false, false}; /* with dropout */
         const size_t nq = c.b * c.hq * c.sq * c.d, nk = c.b * c.hkv * c.sk * c.d, nl = c.b * c.hq * c.sq;
         void *q = dalloc(nq, c.dt), *k = dalloc(nk, c.dt), *v = dalloc(nk, c.dt), *out = dalloc(nq, c.out_dt),
              *dout = dalloc(nq, c.out_dt);
@@ -525,7 +536,7 @@ static void packed_skip_case(const PackedCase &c, unsigned seed) {
     std::vector<int32_t> cu(n_docs + 1, 0), cur(n_docs + 1, 0);
     for (int i = 0; i < n_docs; i++) cu[i + 1] = cu[i] + c.padded[i], cur[i + 1] = cur[i] + c.real[i];
     const int64_t n = cu[n_docs] / c.P, d = c.d, hq = c.slices ? 4 : 2, hkv = c.slices ? 2 : 1;
-    cpar_dev_attn a = {c.dt, 1, hq, hkv, n, n, d, NULL, NULL, NULL, n * d, n * d, c.causal, 0.125f, c.p, {7, 3}, {}, {}, 0, 0, false};
+    cpar_dev_attn a = {c.dt, 1, hq, hkv, n, n, d, NULL, NULL, NULL, n * d, n * d, c.causal, 0.125f, c.p, {7, 3}, {}, {}, 0, 0, false, false};
     a.qp = {0, 0, 0, cu.data(), cur.data(), n_docs, c.P, c.rq};
     a.kp = a.qp;
     a.kp.rank = c.rk;
@@ -658,7 +669,7 @@ START_TEST(bad_args) {
     __half *q = (__half *)dalloc(2 * sq * d, F16), *kv = (__half *)dalloc(2 * sk * d, F16);
     __half *o = (__half *)dalloc(2 * sq * d, F16);
     float *lse = (float *)dalloc(2 * sq, F32), *g = (float *)dalloc(2 * sq * d + 4 * sk * d, F32);
-    const cpar_dev_attn good = {F16, 1, 2, 1, sq, sk, d, q, kv, kv, sq * d, sk * d, false, 0.25f, 0.f, {0, 0}, {}, {}, 0, 0, false};
+    const cpar_dev_attn good = {F16, 1, 2, 1, sq, sk, d, q, kv, kv, sq * d, sk * d, false, 0.25f, 0.f, {0, 0}, {}, {}, 0, 0, false, false};
     void *scratch = dalloc(cpar_dev_attention_bwd_scratch_bytes(&good) / 4, F32);
     float *dq = g, *dk = g + 2 * sq * d, *dv = dk + sk * d;
 #define CALL(a, ...) cpar_dev_attention_bwd(a, __VA_ARGS__, NULL)

@@ -37,7 +37,9 @@
 #   memory-bound, GEMM, cross entropy, then attention) and 30 s for the case
 #   under way, less the 150 s kept for the attention at s 8192 three ways
 #   (bench_attn.log, a table of the three in the summary): as built, with
-#   dq by atomics (CPAR_ATTN_DQ=atomic), and the carried baseline's (its
+#   dq by atomics (CPAR_ATTN_DQ=atomic; its forward rows with the CTAs in
+#   batch·head order, CPAR_ATTN_FWD_GRID=heads, the order before 2026-12-07),
+#   and the carried baseline's (its
 #   library built here from the carried kernels, 60 s). Here nvcc takes
 #   1-2.5 minutes for sm_90, and carrying its object (a few MiB) takes no
 #   time, so the script uses the carried one whenever it was built from the
@@ -275,7 +277,7 @@ attn_ab() {
     for pass in now atomic base; do
         a_env="" a_py=tools/gpu_bench.py a_use=$a_lib
         case $pass in
-            atomic) a_env=CPAR_ATTN_DQ=atomic ;;
+            atomic) a_env="CPAR_ATTN_DQ=atomic CPAR_ATTN_FWD_GRID=heads" ;; # the forward rows: the old CTA order
             base) a_py=$a_bpy a_use=$a_blib ;;
         esac
         [ -n "$a_use" ] || continue
@@ -313,7 +315,7 @@ attn_ab_table() { # label now.csv atomic.csv base.csv
         END {
             if (!n) { print "attention A/B: no rows"; exit 1 }
             printf "attention, ms and speed (%s time / cpar time); %s/now = time ratio\n", ref ? ref : "reference", label
-            printf "%-32s %16s %16s %16s %s\n", "case", "as built", "dq atomic", label, label "/now"
+            printf "%-32s %16s %16s %16s %s\n", "case", "as built", "atomic|heads", label, label "/now"
             for (i = 1; i <= n; i++) {
                 k = order[i]
                 r = ((1, k) in ms) && ((3, k) in ms) ? sprintf("%.2f", ms[3, k] / ms[1, k]) : "-"
