@@ -8348,6 +8348,18 @@ static cpar_status cpar__ctx_async_check(cpar_ctx *ctx, const char *fn) {
     return cpar__job_failure(ctx, fn);
 }
 
+/* A switch read from the environment: unset, empty or `off` is false, `on`
+ * true, anything else CPAR_ERR_INVALID naming it (`choices` describes the
+ * two). */
+static cpar_status cpar__env_switch(const char *fn, const char *name, const char *off, const char *on,
+                                    const char *choices, bool *value) {
+    const char *v = getenv(name);
+    *value = v && !strcmp(v, on);
+    if (v && *v && !*value && strcmp(v, off) != 0)
+        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: %s=\"%.32s\", expected %s", fn, name, v, choices);
+    return CPAR_OK;
+}
+
 static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg, int rank, int world, int device,
                                     cpar_ctx **out) {
     cpar_ctx *ctx = calloc(1, sizeof *ctx);
@@ -8358,20 +8370,17 @@ static cpar_status cpar__ctx_create(const char *fn, const cpar_init_config *cfg,
     ctx->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : cpar__default_timeout_ms();
     const char *check = getenv("CPAR_CHECK_CALLS");
     ctx->check_calls = check && *check && strcmp(check, "0") != 0;
-    const char *adq = getenv("CPAR_ATTN_DQ");
-    if (adq && *adq && strcmp(adq, "atomic") != 0 && strcmp(adq, "kernel") != 0) {
+    cpar_status est = cpar__env_switch(fn, "CPAR_ATTN_DQ", "kernel", "atomic",
+                                       "kernel (a separate dq kernel, reproducible; the default) or atomic (fp32 "
+                                       "atomics from the dk/dv kernel)", &ctx->attn_atomic_dq);
+    if (est == CPAR_OK)
+        est = cpar__env_switch(fn, "CPAR_ATTN_FWD_GRID", "tiles", "heads",
+                               "tiles (a head's query tiles side by side; the default) or heads (batch·head order)",
+                               &ctx->attn_fwd_heads_first);
+    if (est != CPAR_OK) {
         free(ctx);
-        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: CPAR_ATTN_DQ=\"%.32s\", expected kernel (a separate dq kernel, "
-                          "reproducible; the default) or atomic (fp32 atomics from the dk/dv kernel)", fn, adq);
+        return est;
     }
-    ctx->attn_atomic_dq = adq && !strcmp(adq, "atomic");
-    const char *fgrid = getenv("CPAR_ATTN_FWD_GRID");
-    if (fgrid && *fgrid && strcmp(fgrid, "tiles") != 0 && strcmp(fgrid, "heads") != 0) {
-        free(ctx);
-        return cpar__fail(NULL, CPAR_ERR_INVALID, "%s: CPAR_ATTN_FWD_GRID=\"%.32s\", expected tiles (a head's query "
-                          "tiles side by side; the default) or heads (batch·head order)", fn, fgrid);
-    }
-    ctx->attn_fwd_heads_first = fgrid && !strcmp(fgrid, "heads");
     const char *gemm = getenv("CPAR_HOST_GEMM"), *threads = getenv("CPAR_HOST_THREADS");
     if (gemm && *gemm) {
         static const char *const names[] = {"auto", "amx", "avx512bf16", "avx2", "c", "builtin", "default", "avx512"};

@@ -346,6 +346,17 @@ START_TEST(test_attn_backward) {
 }
 END_TEST
 
+/* A value of an environment switch that is neither of its words fails
+ * cpar_init, naming it. */
+static void bad_switch_fails(const char *name, const char *value) {
+    setenv(name, value, 1); /* this forked test's own environment */
+    cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
+    ck_assert_int_eq(cpar_spawn_with(1, &cfg, tu_rank_nothing, NULL), CPAR_ERR_INVALID);
+    char want[96];
+    snprintf(want, sizeof want, "%s=\"%s\", expected", name, value);
+    ck_assert_msg(strstr(cpar_thread_last_error(), want), "%s", cpar_thread_last_error());
+}
+
 /* CPAR_ATTN_DQ=atomic (dq from the dk/dv kernel by fp32 atomics on
  * devices; nothing changes on host tensors): _i = shape, the dtype
  * alternating, against the same reference as test_attn_backward. The last
@@ -353,10 +364,7 @@ END_TEST
  * it. */
 START_TEST(test_attn_backward_atomic_dq) {
     if (_i == N_SHAPES) {
-        setenv("CPAR_ATTN_DQ", "atomics", 1); /* this forked test's own environment */
-        cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
-        ck_assert_int_eq(cpar_spawn_with(1, &cfg, tu_rank_nothing, NULL), CPAR_ERR_INVALID);
-        ck_assert_msg(strstr(cpar_thread_last_error(), "CPAR_ATTN_DQ=\"atomics\""), "%s", cpar_thread_last_error());
+        bad_switch_fails("CPAR_ATTN_DQ", "atomics");
         return;
     }
     setenv("CPAR_ATTN_DQ", "atomic", 1);
@@ -371,10 +379,7 @@ END_TEST
  * nor heads fails cpar_init, naming it. */
 START_TEST(test_attn_forward_heads_grid) {
     if (_i == N_SHAPES) {
-        setenv("CPAR_ATTN_FWD_GRID", "head", 1); /* this forked test's own environment */
-        cpar_init_config cfg = {.backend = tu_backend(), .timeout_ms = TU_TIMEOUT_MS};
-        ck_assert_int_eq(cpar_spawn_with(1, &cfg, tu_rank_nothing, NULL), CPAR_ERR_INVALID);
-        ck_assert_msg(strstr(cpar_thread_last_error(), "CPAR_ATTN_FWD_GRID=\"head\""), "%s", cpar_thread_last_error());
+        bad_switch_fails("CPAR_ATTN_FWD_GRID", "head");
         return;
     }
     setenv("CPAR_ATTN_FWD_GRID", "heads", 1);
