@@ -357,35 +357,32 @@ static void bad_switch_fails(const char *name, const char *value) {
     ck_assert_msg(strstr(cpar_thread_last_error(), want), "%s", cpar_thread_last_error());
 }
 
+/* Case i of a switch's loop test: the shapes with name=on (the dtype
+ * alternating) against the fp64 reference, then (i == N_SHAPES) the bad
+ * value. */
+static void run_switch(int i, const char *name, const char *on, const char *bad, bool backward, uint64_t seed) {
+    if (i == N_SHAPES) {
+        bad_switch_fails(name, bad);
+        return;
+    }
+    setenv(name, on, 1); /* this forked test's own environment */
+    schedule(i % 3);
+    run(&shapes[i], dtypes16[i % 2], 0.f, false, backward, seed + (uint64_t)i);
+}
+
 /* CPAR_ATTN_DQ=atomic (dq from the dk/dv kernel by fp32 atomics on
  * devices; nothing changes on host tensors): _i = shape, the dtype
  * alternating, against the same reference as test_attn_backward. The last
  * case: a value that is neither atomic nor kernel fails cpar_init, naming
  * it. */
-START_TEST(test_attn_backward_atomic_dq) {
-    if (_i == N_SHAPES) {
-        bad_switch_fails("CPAR_ATTN_DQ", "atomics");
-        return;
-    }
-    setenv("CPAR_ATTN_DQ", "atomic", 1);
-    schedule(_i % 3);
-    run(&shapes[_i], dtypes16[_i % 2], 0.f, false, true, 550 + (uint64_t)_i);
-}
+START_TEST(test_attn_backward_atomic_dq) { run_switch(_i, "CPAR_ATTN_DQ", "atomic", "atomics", true, 550); }
 END_TEST
 
 /* CPAR_ATTN_FWD_GRID=heads (the device forward's CTAs in batch·head order,
  * cpar_dev_attn's fwd_heads_first): _i = shape, the dtype alternating,
  * against the fp64 reference. The last case: a value that is neither tiles
  * nor heads fails cpar_init, naming it. */
-START_TEST(test_attn_forward_heads_grid) {
-    if (_i == N_SHAPES) {
-        bad_switch_fails("CPAR_ATTN_FWD_GRID", "head");
-        return;
-    }
-    setenv("CPAR_ATTN_FWD_GRID", "heads", 1);
-    schedule(_i % 3);
-    run(&shapes[_i], dtypes16[_i % 2], 0.f, false, false, 560 + (uint64_t)_i);
-}
+START_TEST(test_attn_forward_heads_grid) { run_switch(_i, "CPAR_ATTN_FWD_GRID", "heads", "head", false, 560); }
 END_TEST
 
 /* 16-bit on host tensors (the host reference also on the device backend) and an explicit scale. */
