@@ -2308,6 +2308,10 @@ template <int DT_, bool GENERAL_, bool CAUSAL_ = false> struct cpar__attn_var {
      * next tile's copies in flight during this one's work); one in the lean
      * instantiations (cpar__ab_lean) */
     static constexpr int DKDV_Q_BUFS = 2, DQ_V_BUFS = 2;
+    /* The slim instantiations' (cpar__ab_slim): Pᵀ∘Z and dSᵀ through one
+     * shared buffer in the dkdv kernel, and in the dq kernel two tile
+     * buffers whose roles (K, V) swap every key tile */
+    static constexpr bool DKDV_PDS_ONE = false, DQ_KV_SWAP = false;
     /* Column passes of the dkdv kernel's dQ (atomic_dq): at d 128 two of
      * 32 x 32 per warp (64 accumulator registers beside dK and dV spilled) */
     static constexpr int DKDV_DQ_PASSES = DT == 128 ? 2 : 1;
@@ -3440,32 +3444,53 @@ static __device__ __forceinline__ void cpar__ab_dq_atomic(const cpar__ab_args &p
     }
 }
 
-/* The warp's 16·MB x 8·NB fp32 C fragments x, rounded to T, into the shared
- * [row][col] tile s of pitch LDS: elements e, e + 1 are adjacent columns, one
- * 4-byte store (rows 4 words apart at LDS = BR + 8: no bank conflicts). */
+/* The warp's 16·MB x 8·NB fp32 C fragments x rounded to T, elements e, e + 1
+ * (adjacent columns) in one word w[mb][nb][e / 2]. */
+template <typename T, int MB, int NB>
+static __device__ __forceinline__ void cpar__ab_pack_frags(uint32_t (&w)[MB][NB][2], const float (&x)[MB][NB][4]) {
+    CPAR__UNROLL
+    for (int mb = 0; mb < MB; mb++)
+        CPAR__UNROLL
+        for (int nb = 0; nb < NB; nb++)
+            CPAR__UNROLL
+            for (int h = 0; h < 2; h++) w[mb][nb][h] = cpar__pack2<T>(x[mb][nb][2 * h], x[mb][nb][2 * h + 1]);
+}
+
+/* Packed fragments w (cpar__ab_pack_frags) into the shared [row][col] tile s
+ * of T and pitch LDS: one 4-byte store per word (rows 4 words apart at LDS =
+ * BR + 8: no bank conflicts). */
 template <typename T, int MB, int NB, int LDS>
-static __device__ __forceinline__ void cpar__ab_store_frags(T *s, const float (&x)[MB][NB][4], int m0, int n0) {
+static __device__ __forceinline__ void cpar__ab_store_packed(T *s, const uint32_t (&w)[MB][NB][2], int m0, int n0) {
     cpar__ab_each<MB, NB>(m0, n0, [&](int mb, int nb, int e, int r, int c) {
-        if (e % 2 == 0) *reinterpret_cast<uint32_t *>(s + r * LDS + c) = cpar__pack2<T>(x[mb][nb][e], x[mb][nb][e + 1]);
+        if (e % 2 == 0) *reinterpret_cast<uint32_t *>(s + r * LDS + c) = w[mb][nb][e / 2];
     });
 }
 
+/* The warp's fp32 C fragments x, rounded to T, into the shared tile s. */
+template <typename T, int MB, int NB, int LDS>
+static __device__ __forceinline__ void cpar__ab_store_frags(T *s, const float (&x)[MB][NB][4], int m0, int n0) {
+    uint32_t w[MB][NB][2];
+    cpar__ab_pack_frags<T>(w, x);
+    cpar__ab_store_packed<T, MB, NB, LDS>(s, w, m0, n0);
+}
+
 /* Shared bytes of the dkdv kernel: K, V [BC][D+8]; Q_BUFS x Q and DO_BUFS x
- * dO [BR][D+8]; Pᵀ∘Z and dSᵀ [BC][BR+8] of T; 2 x (lse, Dsum) [BR] fp32;
- * GENERAL: 2 x the query tile's infos and the key tile's. */
+ * dO [BR][D+8]; Pᵀ∘Z and dSᵀ [BC][BR+8] of T (one buffer for both with
+ * DKDV_PDS_ONE); 2 x (lse, Dsum) [BR] fp32; GENERAL: 2 x the query tile's
+ * infos and the key tile's. */
 template <typename T, class V> static constexpr size_t cpar__ab_dkdv_smem(void) {
     constexpr int BR = CPAR__AB_BRKV, INFO = (int)(sizeof(cpar__attn_rowinfo) / sizeof(float));
     return cpar__ab_smem<T, V::DT>(2 * CPAR__AB_BC + (V::DKDV_Q_BUFS + V::DKDV_DO_BUFS) * BR,
                                    4 * BR + (V::GENERAL ? (2 * BR + CPAR__AB_BC) * INFO : 0)) +
-           (size_t)2 * CPAR__AB_BC * (BR + 8) * sizeof(T);
+           (size_t)(V::DKDV_PDS_ONE ? 1 : 2) * CPAR__AB_BC * (BR + 8) * sizeof(T);
 }
 
 /* Shared bytes of the dq kernel: Q, dO [BR][D+8]; 2 x K and V_BUFS x V
- * [BC][D+8]; dS [BR][BC+8] of T; GENERAL: the key tile's and the query
- * tile's infos. */
+ * [BC][D+8] (with DQ_KV_SWAP two tiles in all); dS [BR][BC+8] of T;
+ * GENERAL: the key tile's and the query tile's infos. */
 template <typename T, class V> static constexpr size_t cpar__ab_dq_smem(void) {
     constexpr int INFO = (int)(sizeof(cpar__attn_rowinfo) / sizeof(float));
-    return cpar__ab_smem<T, V::DT>(2 * CPAR__AB_BRQ + (2 + V::DQ_V_BUFS) * CPAR__AB_BC,
+    return cpar__ab_smem<T, V::DT>(2 * CPAR__AB_BRQ + (V::DQ_KV_SWAP ? 2 : 2 + V::DQ_V_BUFS) * CPAR__AB_BC,
                                    V::GENERAL ? (CPAR__AB_BC + CPAR__AB_BRQ) * INFO : 0) +
            (size_t)CPAR__AB_BRQ * (CPAR__AB_BC + 8) * sizeof(T);
 }
@@ -3483,6 +3508,37 @@ template <class V> struct cpar__ab_lean : V {
     static constexpr int DKDV_Q_BUFS = 1, DQ_V_BUFS = 1;
 };
 
+/* The backward for GPUs whose SM holds two of the d 128 kernels' CTAs only
+ * below 81 KB each: 164 KB an SM on sm_80 and sm_87 (A100, A30, Orin),
+ * where the 104 and 111 KB kernels ran one CTA (4 warps) per SM and
+ * FlashAttention-2 runs 8 warps. The lean buffers, and in the dkdv kernel
+ * one buffer for Pᵀ∘Z then dSᵀ (dS waits in registers, packed, while
+ * the warps read P for dV: one barrier more a step); in the dq kernel two
+ * tile buffers in all, K and V swapping between them every key tile (V of
+ * tile t lands in the buffer K of t - 1 held, issued at the tile's top and
+ * waited for after S; K of t + 1 lands in V of t's, issued once dS is
+ * complete: one barrier more a tile). 78 and 77 KB at d 128, 81 and 79 in
+ * the general kernels: two CTAs per SM, the copies each CTA exposes hidden
+ * by the other's work. cpar__attn_bwd_launch picks it by the device's
+ * cudaDevAttrMaxSharedMemoryPerMultiprocessor. */
+template <class V> struct cpar__ab_slim : cpar__ab_lean<V> {
+    static constexpr bool DKDV_PDS_ONE = true, DQ_KV_SWAP = true;
+};
+
+/* The slim kernels launch on compute capability 8.x only (the SMs of 164
+ * KB); a device pass for sm_90 or later builds them as a trap, sparing
+ * ptxas the dead code (and kernel_report its figures). Under the sim build
+ * they run as everywhere. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CPAR__AB_SLIM_TRAP(V)                                                                                          \
+    if constexpr (V::DKDV_PDS_ONE || V::DQ_KV_SWAP) {                                                                  \
+        __trap();                                                                                                      \
+        return;                                                                                                        \
+    }
+#else
+#define CPAR__AB_SLIM_TRAP(V)
+#endif
+
 /* dK, dV of one 64-key tile (blockIdx.x) for batch·kv-head slices
  * blockIdx.y, += gridDim.y, in steps of BR = 64 queries (a q head of the GQA
  * group and a query tile; shared memory: cpar__ab_dkdv_smem). The steps
@@ -3495,16 +3551,18 @@ template <class V> struct cpar__ab_lean : V {
  * (P∘Z)ᵀ dO and dK += dSᵀ Q it owns keys 32 (w / 2), columns (w % 2) D / 2
  * (D / 16 mma's per A fragment, two per B). Barriers per step: its top (its
  * copies landed, the previous step's readers done), after the Pᵀ and dSᵀ
- * stores, with one dO buffer after dV, and with one Q buffer (lean) after
- * dK. */
+ * stores, with one dO buffer after dV, with one Q buffer (lean) after dK,
+ * and with one buffer for Pᵀ and dSᵀ (slim) after dV and after the dSᵀ
+ * stores. */
 template <typename T, class V, bool ADQ>
 static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkdv_kernel(const cpar__ab_args p) {
     constexpr int D = V::DT, BC = CPAR__AB_BC, BR = CPAR__AB_BRKV, LD = D + 8, LDS = BR + 8, NQ = 4, ND = D / 16;
-    constexpr bool DO2 = V::DKDV_DO_BUFS == 2, Q2 = V::DKDV_Q_BUFS == 2;
+    CPAR__AB_SLIM_TRAP(V)
+    constexpr bool DO2 = V::DKDV_DO_BUFS == 2, Q2 = V::DKDV_Q_BUFS == 2, PDS1 = V::DKDV_PDS_ONE;
     CPAR_DYN_SMEM(unsigned char, smem);
     T *sK = reinterpret_cast<T *>(smem), *sV = sK + BC * LD, *sQb = sV + BC * LD;
     T *sdOb = sQb + V::DKDV_Q_BUFS * BR * LD;
-    T *sP = sdOb + V::DKDV_DO_BUFS * BR * LD, *sdS = sP + BC * LDS;
+    T *sP = sdOb + V::DKDV_DO_BUFS * BR * LD, *sdS = PDS1 ? sP : sP + BC * LDS;
     float *sLD = reinterpret_cast<float *>(sdS + BC * LDS);
     /* GENERAL: 2 x [BR] query infos, then the tile's [BC] key infos (in
      * shared memory, not registers: at d 128 the general kernel spilled) */
@@ -3587,6 +3645,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
             if (n + 1 < steps) stage(n + 1, cur);
             cpar__attn_cp_commit();
             const T *sQ = q_tile(n), *sdO = dout_tile(n);
+            [[maybe_unused]] uint32_t dsw[2][NQ][2]; /* PDS1: dSᵀ packed, stored once every warp is done with Pᵀ */
             {
                 float s[2][NQ][4], dp[2][NQ][4]; /* Sᵀ then Pᵀ; dPᵀ then dSᵀ: [key][query] */
                 const int diag = cpar__ab_diag(i0, j0);
@@ -3616,14 +3675,31 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
                     }
                 }
                 cpar__ab_store_frags<T, 2, NQ, LDS>(sP, s, kb, qb);
-                cpar__ab_store_frags<T, 2, NQ, LDS>(sdS, dp, kb, qb);
+                if constexpr (PDS1) cpar__ab_pack_frags<T>(dsw, dp);
+                else cpar__ab_store_frags<T, 2, NQ, LDS>(sdS, dp, kb, qb);
             }
-            __syncthreads(); /* Pᵀ and dSᵀ complete */
-            cpar__ab_mma_ab<T, 2, ND, BR, LDS, LD, false>(dv, sP, kb, sdO, cb, d);
-            if constexpr (!DO2) {
-                __syncthreads(); /* every warp is done with dO: step n + 1's comes in */
-                if (n + 1 < steps) stage_dout(n + 1, cur);
-                cpar__attn_cp_commit();
+            __syncthreads(); /* Pᵀ (and dSᵀ) complete */
+            if constexpr (PDS1) {
+                /* dSᵀ waits in 16 registers: dV one rolled k-step (16
+                 * queries) at a time, so that ptxas cannot hoist the whole
+                 * product's ldmatrix loads above it (unrolled it spilled
+                 * 40-72 bytes, in two halves 8-32) */
+                CPAR__ROLLED
+                for (int h = 0; h < BR; h += 16)
+                    cpar__ab_mma_ab<T, 2, ND, 16, LDS, LD, false>(dv, sP + h, kb, sdO + h * LD, cb, d);
+            } else {
+                cpar__ab_mma_ab<T, 2, ND, BR, LDS, LD, false>(dv, sP, kb, sdO, cb, d);
+            }
+            if constexpr (!DO2 || PDS1) {
+                __syncthreads(); /* every warp is done with dO (and Pᵀ): step n + 1's dO comes in (and dSᵀ) */
+                if constexpr (!DO2) {
+                    if (n + 1 < steps) stage_dout(n + 1, cur);
+                    cpar__attn_cp_commit();
+                }
+                if constexpr (PDS1) {
+                    cpar__ab_store_packed<T, 2, NQ, LDS>(sdS, dsw, kb, qb);
+                    __syncthreads(); /* dSᵀ complete */
+                }
             }
             cpar__ab_mma_ab<T, 2, ND, BR, LDS, LD, false>(dk, sdS, kb, sQ, cb, d);
             if constexpr (!Q2) {
@@ -3658,11 +3734,12 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
  * which stay in registers across the key tiles. */
 template <typename T, class V>
 static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__attn_bwd_dq_kernel(const cpar__ab_args p) {
+    CPAR__AB_SLIM_TRAP(V)
     constexpr int D = V::DT, BR = CPAR__AB_BRQ, BC = CPAR__AB_BC, LD = D + 8, LDS = BC + 8, NK = 4, ND = D / 16;
     CPAR_DYN_SMEM(unsigned char, smem);
-    constexpr bool V2 = V::DQ_V_BUFS == 2;
+    constexpr bool SWAP = V::DQ_KV_SWAP, V2 = !SWAP && V::DQ_V_BUFS == 2;
     T *sQ = reinterpret_cast<T *>(smem), *sdO = sQ + BR * LD, *sKb = sdO + BR * LD, *sVb = sKb + 2 * BC * LD;
-    T *sdS = sVb + V::DQ_V_BUFS * BC * LD;
+    T *sdS = sVb + (SWAP ? 0 : V::DQ_V_BUFS) * BC * LD;
     /* GENERAL: [BC] key infos, [BR] query infos (in shared memory, not
      * registers: at d 128 the general kernel spilled 88 bytes) */
     cpar__attn_rowinfo *sKI = reinterpret_cast<cpar__attn_rowinfo *>(sdS + BR * LDS), *sQI = sKI + BC;
@@ -3685,13 +3762,17 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
     for (int64_t bh = blockIdx.y; bh < p.b * p.hq; bh += gridDim.y) {
         const int64_t kvbh = (bh / p.hq) * p.hkv + (bh % p.hq) / group;
         const uint64_t mbh = drop ? cpar__attn_mask_bh(bh, p.hq, p.mask_hq, p.mask_h0) : 0; /* dropout's bh */
+        /* key tile j0's K and V when its buffer index is buf (SWAP: V in the
+         * other tile buffer; one V buffer: V in it) */
+        auto k_tile = [&](int buf) { return sKb + buf * BC * LD; };
+        auto v_tile = [&](int buf) { return SWAP ? sKb + (buf ^ 1) * BC * LD : sVb + (V2 ? buf * BC * LD : 0); };
         auto stage_v = [&](int64_t j0, int buf) {
-            cpar__ab_load_tile<T, D, BC>(sVb + (V2 ? buf * BC * LD : 0),
-                                         static_cast<const T *>(p.v) + kvbh * p.kv_bh + j0 * d, false, p.sk - j0, d);
+            cpar__ab_load_tile<T, D, BC>(v_tile(buf), static_cast<const T *>(p.v) + kvbh * p.kv_bh + j0 * d, false,
+                                         p.sk - j0, d);
         };
         auto stage = [&](int64_t j0, int buf) { /* issue key tile j0's copies into buffer buf (V's with two) */
-            cpar__ab_load_tile<T, D, BC>(sKb + buf * BC * LD, static_cast<const T *>(p.k) + kvbh * p.kv_bh + j0 * d,
-                                         false, p.sk - j0, d);
+            cpar__ab_load_tile<T, D, BC>(k_tile(buf), static_cast<const T *>(p.k) + kvbh * p.kv_bh + j0 * d, false,
+                                         p.sk - j0, d);
             if (V2) stage_v(j0, buf);
         };
         auto key_infos = [&](int64_t j0) { /* read past the next barrier at the loop's top */
@@ -3705,7 +3786,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
                                      p.dout_f32, p.sq - i0, d);
         if (j_begin < j_end) {
             stage(j_begin, 0);
-            if (!V2) stage_v(j_begin, 0);
+            if (!V2 && !SWAP) stage_v(j_begin, 0);
             key_infos(j_begin);
         }
         cpar__attn_cp_commit();
@@ -3723,24 +3804,34 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
         cpar__ab_zero(dq[1]);
         int buf = 0;
         for (int64_t j0 = j_begin; j0 < j_end; j0 += BC, buf ^= 1) {
-            /* past this barrier this tile's copies (and key infos) are in and
-             * every warp is done with the previous tile: its buffer takes the
-             * next tile's copies, and dS this tile's */
+            /* past this barrier this tile's copies (SWAP: K's) and key infos
+             * are in and every warp is done with the previous tile: its
+             * buffer takes the next tile's copies (SWAP: this tile's V), and
+             * dS this tile's */
             cpar__attn_cp_wait<0>();
             __syncthreads();
-            if (j0 + BC < j_end) stage(j0 + BC, buf ^ 1);
+            if (SWAP) stage_v(j0, buf);
+            else if (j0 + BC < j_end) stage(j0 + BC, buf ^ 1);
             cpar__attn_cp_commit();
-            const T *sK = sKb + buf * BC * LD, *sV = sVb + (V2 ? buf * BC * LD : 0);
+            const T *sK = k_tile(buf), *sV = v_tile(buf);
             {
                 float s[2][NK][4], dp[2][NK][4]; /* S then P; dP then dS: [query][key] */
                 const int diag = cpar__ab_diag(i0, j0), keys = cpar__attn_tile_rows(j0, p.sk, BC);
                 /* the block's queries are past sq, its keys past sk, or
                  * (causal) every key after every query: dS = 0 */
                 const bool idle = i0 + qb >= p.sq || kb >= keys || (skip && kb - (qb + 31) > diag);
-                if (!idle) {
+                auto probs = [&] { /* S = Q Kᵀ, then P in s */
                     cpar__ab_mma_abt<T, 2, NK, D, LD>(s, sQ, qb, sK, kb, d);
                     cpar__ab_probs<false>(s, qb, kb, p.scale_log2, [&](int mb, int e, int) { return l2[mb][e >> 1]; },
                                           packed, causal, diag, keys, sQI, sKI);
+                };
+                if constexpr (SWAP) { /* then V has landed: every thread's copies, then the barrier */
+                    if (!idle) probs();
+                    cpar__attn_cp_wait<0>();
+                    __syncthreads();
+                }
+                if (!idle) {
+                    if constexpr (!SWAP) probs();
                     cpar__ab_mma_abt<T, 2, NK, D, LD>(dp, sdO, qb, sV, kb, d);
                     if (drop) /* dP ∘ Z; keys 2t, 2t+1 of an n-block share one Philox block (cpar__attn_keep2) */
                         CPAR__UNROLL
@@ -3767,7 +3858,10 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
             }
             __syncthreads(); /* dS complete; every warp is done with the key infos (and V) */
             if (j0 + BC < j_end) key_infos(j0 + BC);
-            if constexpr (!V2) {
+            if constexpr (SWAP) { /* the next K into this V's buffer */
+                if (j0 + BC < j_end) stage(j0 + BC, buf ^ 1);
+                cpar__attn_cp_commit();
+            } else if constexpr (!V2) {
                 if (j0 + BC < j_end) stage_v(j0 + BC, 0);
                 cpar__attn_cp_commit();
             }
@@ -3816,22 +3910,39 @@ static cudaError_t cpar__attn_bwd_run(const cpar__ab_args &p, bool atomic_dq, cu
     return cudaGetLastError();
 }
 
-/* V's kernels, or their lean instantiation where the device gives a block
- * less shared memory than they take (cpar__ab_lean: the d 128 kernels on
- * sm_86, sm_89 and sm_120). */
+/* The larger of the two kernels' shared bytes for instantiation V. */
+template <typename T, class V> static constexpr size_t cpar__ab_smem_need(void) {
+    return cpar__ab_dkdv_smem<T, V>() > cpar__ab_dq_smem<T, V>() ? cpar__ab_dkdv_smem<T, V>()
+                                                                 : cpar__ab_dq_smem<T, V>();
+}
+
+/* V's kernels where two of their CTAs fit an SM; else, on compute
+ * capability 8.x, their slim instantiation where two of its fit
+ * (cpar__ab_slim: the d 128 kernels on sm_80 and sm_87); else, where a block
+ * gets less shared memory than V's take, their lean one (cpar__ab_lean:
+ * the d 128 kernels on sm_86, sm_89 and sm_120, one CTA an SM either way). */
 template <typename T, class V>
 static cudaError_t cpar__attn_bwd_launch(const cpar__ab_args &p, bool atomic_dq, cudaStream_t cs) {
-    constexpr size_t need = cpar__ab_dkdv_smem<T, V>() > cpar__ab_dq_smem<T, V>() ? cpar__ab_dkdv_smem<T, V>()
-                                                                                    : cpar__ab_dq_smem<T, V>();
-    if constexpr (need > 99 * 1024) {
+    constexpr size_t need = cpar__ab_smem_need<T, V>(), reserved = 1024; /* CUDA's per CTA */
+    if constexpr (2 * (need + reserved) > 164 * 1024) {
         using L = cpar__ab_lean<V>;
-        static_assert(cpar__ab_dkdv_smem<T, L>() <= 99 * 1024 && cpar__ab_dq_smem<T, L>() <= 99 * 1024,
+        using S = cpar__ab_slim<V>;
+        static_assert(cpar__ab_smem_need<T, L>() <= 99 * 1024,
                       "the lean kernels fit sm_86, sm_89 and sm_120 (99 KB a block)");
-        int dev = 0, optin = 0;
+        static_assert(2 * (cpar__ab_smem_need<T, S>() + reserved) <= 164 * 1024,
+                      "two slim CTAs fit an SM of sm_80 and sm_87 (164 KB)");
+        int dev = 0, optin = 0, per_sm = 0, major = 0;
         cudaError_t e = cudaGetDevice(&dev);
         if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        if (e == cudaSuccess) e = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+        if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
         if (e != cudaSuccess) return e;
-        if ((size_t)optin < need) return cpar__attn_bwd_run<T, L>(p, atomic_dq, cs);
+        if (2 * (need + reserved) > (size_t)per_sm) {
+            if (major == 8 && 2 * (cpar__ab_smem_need<T, S>() + reserved) <= (size_t)per_sm)
+                return cpar__attn_bwd_run<T, S>(p, atomic_dq, cs);
+            if constexpr (need > 99 * 1024) /* the only kernels a block of some GPU cannot take */
+                if ((size_t)optin < need) return cpar__attn_bwd_run<T, L>(p, atomic_dq, cs);
+        }
     }
     return cpar__attn_bwd_run<T, V>(p, atomic_dq, cs);
 }

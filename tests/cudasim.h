@@ -77,6 +77,7 @@
  * Beyond CUDA (section 3): cudasim_set_schedule, cudasim_get_schedule,
  *   cudasim_schedule_name, cudasim_last_message, cudasim_switch_count,
  *   cudasim_set_device_count, cudasim_set_memory_limit, cudasim_set_smem_optin,
+ *   cudasim_smem_high_water,
  *   cudasim_set_peer_access, cudasim_set_compute_capability, cudasim_bytes_in_use,
  *   cudasim_check_memory, cudasim_set_streams, cudasim_get_streams,
  *   cudasim_streams_name, cudasim_drain, cudasim_fail_launch,
@@ -485,6 +486,9 @@ inline void cudasim_set_memory_limit(size_t bytes_per_device);
  * most cudaFuncSetAttribute accepts and a launch may use. 99 KiB plays an
  * sm_86, sm_89 or sm_120 GPU (RTX 30xx-50xx, A10, L4, L40S). */
 inline void cudasim_set_smem_optin(size_t bytes);
+/* The most dynamic shared memory a launch has taken since the last call
+ * (which starts a new count): a test sees which of a kernel's builds ran. */
+inline size_t cudasim_smem_high_water(void);
 /* Process-wide: whether distinct devices may access each other's memory
  * (CUDASIM_PEER; default 1). 0 plays GPUs without peer access (consumer
  * cards over PCIe): cudaDeviceCanAccessPeer says 0 and
@@ -816,6 +820,7 @@ struct Global {
     int ndev = -1;
     size_t mem_limit = 0;
     size_t smem_optin = 0; /* 0: not read yet (smem_optin_cap) */
+    size_t smem_high = 0;  /* cudasim_smem_high_water */
     int peer = -1;         /* -1: not read yet (peer_access) */
     int cc = 0;            /* 0: not read yet (compute_capability) */
     std::set<std::pair<int, int>> peer_on; /* (device, peer) pairs enabled */
@@ -3337,6 +3342,11 @@ inline bool launch_config_ok(HostThread &h, const LaunchInfo &L) {
             return false;
         }
     }
+    {
+        Global &gl = global();
+        std::lock_guard<std::mutex> lock(gl.mu);
+        gl.smem_high = std::max(gl.smem_high, L.smem);
+    }
     if (!stream_ok(L.stream)) {
         rt_fail(cudaErrorInvalidResourceHandle, "%s: stream %p is not a live stream", at, (void *)L.stream);
         return false;
@@ -3939,6 +3949,13 @@ inline void cudasim_set_smem_optin(size_t bytes) {
     cudasim::detail::Global &g = cudasim::detail::global();
     std::lock_guard<std::mutex> lock(g.mu);
     g.smem_optin = bytes ? std::max(bytes, cudasim::detail::kSmemDefault) : cudasim::detail::kSmemOptinMax;
+}
+inline size_t cudasim_smem_high_water(void) {
+    cudasim::detail::Global &g = cudasim::detail::global();
+    std::lock_guard<std::mutex> lock(g.mu);
+    const size_t high = g.smem_high;
+    g.smem_high = 0;
+    return high;
 }
 inline size_t cudasim_bytes_in_use(int dev) {
     cudasim::detail::Global &g = cudasim::detail::global();

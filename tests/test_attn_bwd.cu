@@ -430,6 +430,26 @@ static const Case LEAN[] = {
     {"lean adq dropout gqa 4/2 d128",      BF16, F32,  1, 4, 2,   70, 140, 128, false, 0, 0, -1, 0, 0, 0.5f, true},
 };
 
+/* A GPU whose SM holds 164 KB of shared memory (sm_80, sm_87: A100, A30,
+ * Orin): two of the d 128 kernels' CTAs (104 and 111 KB) would not fit one
+ * SM, so the slim ones run (the lean buffers; one buffer for Pᵀ then dSᵀ in
+ * dkdv; K and V swapping between two buffers in dq), and the general d 64
+ * dkdv kernel's (82 KB) too. Several query steps and key tiles, so every
+ * buffer is refilled and swapped; atomic_dq (its dq reads dSᵀ from the
+ * buffer P left). */
+static const Case SLIM[] = {
+    {"slim d128 150x140",                  F16,  F16,  1, 1, 1,  150, 140, 128, false, 0, 0, -1, 0, 0, 0},
+    {"slim d128 200x130 causal out f32",   BF16, F32,  1, 1, 1,  200, 130, 128, true,  0, 0, -1, 0, 0, 0},
+    {"slim gqa 4/2 d128 77x200 causal",    F16,  F32,  1, 4, 2,   77, 200, 128, true,  0, 0, -1, 0, 0, 0},
+    {"slim strided misaligned d128 gqa",   BF16, BF16, 1, 4, 2,   70,  93, 128, true,  3, 4, -1, 0, 0, 0},
+    {"slim dropout gqa 4/2 d128 70x140",   BF16, F32,  1, 4, 2,   70, 140, 128, false, 0, 0, -1, 0, 0, 0.5f},
+    {"slim d96 (tile 128) 90x200 causal",  F16,  F16,  1, 2, 1,   90, 200, 96, true,   0, 0, -1, 0, 0, 0},
+    {"slim dropout d64 130x200",           BF16, F32,  1, 2, 1,  130, 200, 64, false, 0, 0, -1, 0, 0, 0.3f},
+    {"slim adq d128 130x77 causal",        F16,  F32,  1, 1, 1,  130,  77, 128, true,  0, 0, -1, 0, 0, 0, true},
+    {"slim adq dropout gqa 4/2 d128",      BF16, F32,  1, 4, 2,   70, 140, 128, false, 0, 0, -1, 0, 0, 0.5f, true},
+    {"slim adq dropout d64 130x70",        F16,  F16,  1, 2, 2,  130,  70, 64, true,  0, 0, -1, 0, 0, 0.3f, true},
+};
+
 /* warps lets one warp run to its next barrier before the others start: a
  * barrier missing across the kernels' warp-collective mma's shows there
  * (forward, reverse and shuffle keep the warps in step between barriers) */
@@ -466,6 +486,18 @@ START_TEST(lean) {
     cudasim_set_smem_optin(99 * 1024);
     run_all(LEAN, _i, 61);
     cudasim_set_smem_optin(0);
+}
+END_TEST
+START_TEST(slim) {
+    cudasim_set_compute_capability(80);
+    cudasim_set_smem_optin(163 * 1024); /* 164 KB an SM */
+    (void)cudasim_smem_high_water();
+    run_all(SLIM, _i, 67);
+    const size_t high = cudasim_smem_high_water();
+    ck_assert_msg(high > 64 * 1024 && high <= 81 * 1024,
+                  "the largest launch took %zu bytes of shared memory, expected 64-81 KB (two CTAs in 164 KB)", high);
+    cudasim_set_smem_optin(0);
+    cudasim_set_compute_capability(0);
 }
 END_TEST
 
@@ -758,6 +790,7 @@ int main(void) {
     tcase_add_loop_test(tc, dropout, 0, 4);
     tcase_add_loop_test(tc, atomic_dq, 0, 4);
     tcase_add_loop_test(tc, lean, 0, 4);
+    tcase_add_loop_test(tc, slim, 0, 4);
     tcase_add_test(tc, deterministic);
     tcase_add_loop_test(tc, packed_skip, 0, 8);
     tcase_add_test(tc, bad_args);
