@@ -3084,7 +3084,9 @@ cpar_status cpar_dev_attention_fwd(const cpar_dev_attn *a, void *out, cpar_dtype
  * comes in. Where a block gets less shared memory than the d 128 kernels
  * take (99 KB on sm_86, sm_89, sm_120) their lean instantiation runs
  * (cpar__ab_lean: one Q buffer in dkdv, refilled after dK; one V buffer
- * in dq, refilled past the dS barrier).
+ * in dq, refilled past the dS barrier); where an SM holds 164 KB (sm_80,
+ * sm_87) their slim one, two CTAs an SM (cpar__ab_slim: one buffer for Pᵀ
+ * then dSᵀ in dkdv; K and V swapping between two tile buffers in dq).
  * Uses: 2 (errors), 4 (widen/narrow, packs), k_mma.cu (tensor-core wrappers). */
 
 /* CPAR__UNROLL: section 16's (full unrolling under nvcc, nothing under g++). */
