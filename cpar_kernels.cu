@@ -3115,6 +3115,7 @@ struct cpar__ab_args {
     const float *lse2, *dsum;
     float *dq, *dk, *dv;
     int64_t b, hq, hkv, sq, sk, sq_pad, q_bh, kv_bh, o_bh, dq_bh, dkv_bh;
+    int64_t group; /* hq / hkv: from the constant bank, never a register the kernels must keep */
     int d;
     bool dout_f32, causal, skip_tiles; /* skip_tiles: cpar__attn_skip_hidden_tiles at launch */
     float scale, scale_log2; /* scale and scale·log2(e): exp(x) = exp2(x·log2 e) */
@@ -3571,7 +3572,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, 2) cpar__attn_bwd_dkd
     cpar__attn_rowinfo *sQI = reinterpret_cast<cpar__attn_rowinfo *>(sLD + 4 * BR), *sKI = sQI + 2 * BR;
     const int warp = (int)(threadIdx.x >> 5);
     const int kb = (warp >> 1) * 32, qb = (warp & 1) * 32, cb = (warp & 1) * (D / 2); /* the warp's blocks */
-    const int64_t j0 = (int64_t)blockIdx.x * BC, group = p.hq / p.hkv;
+    const int64_t j0 = (int64_t)blockIdx.x * BC, group = p.group;
     const int d = V::d(p.d);
     const bool causal = V::causal(p.causal), packed = V::packed(p.qp, p.kp), drop = V::drop(p.dropout_p);
     const bool skip = causal && !packed;
@@ -3749,7 +3750,7 @@ static __global__ void __launch_bounds__(CPAR__AB_THREADS, V::DQ_CTAS) cpar__att
     const int qb = (warp >> 1) * 32, kb = (warp & 1) * 32, cb = (warp & 1) * (D / 2); /* the warp's blocks */
     /* the last query tiles first: causal, they have the most key tiles, so the
      * long CTAs start early and the short ones fill the tail */
-    const int64_t i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * BR, group = p.hq / p.hkv;
+    const int64_t i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * BR, group = p.group;
     const int d = V::d(p.d);
     const bool causal = V::causal(p.causal), packed = V::packed(p.qp, p.kp), drop = V::drop(p.dropout_p);
     const bool skip = causal && !packed;
@@ -4032,6 +4033,7 @@ cpar_status cpar_dev_attention_bwd(const cpar_dev_attn *a, const void *out, cons
     p.b = b;
     p.hq = hq;
     p.hkv = hkv;
+    p.group = hq / hkv;
     p.sq = sq;
     p.sk = sk;
     p.sq_pad = cpar__ab_sq_pad(sq);
