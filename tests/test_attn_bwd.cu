@@ -502,15 +502,20 @@ START_TEST(slim) {
 }
 END_TEST
 
-/* Results do not depend on the schedule: no atomics, fixed summation order. */
-START_TEST(deterministic) {
-    const Case c = {"det", BF16, F32, 1, 2, 1, 70, 45, 64, true, 0, 0, -1, 0, 0, 0.3f};
+/* Results do not depend on the schedule (no atomics, fixed summation
+ * order), nor on the GPU's shared memory: the lean (99 KB a block) and slim
+ * (164 KB an SM, compute capability 8.0) kernels give the default's bits.
+ * Runs 0-3: the four schedules; 4: lean; 5: slim. */
+static void deterministic_case(const Case &c) {
     std::vector<float> first;
-    for (int sched = 0; sched < 4; sched++) {
+    for (int run = 0; run < 6; run++) {
+        const int sched = run < 4 ? run : 0;
         cudasim_set_schedule(schedules[sched], 99);
+        cudasim_set_smem_optin(run == 4 ? 99 * 1024 : run == 5 ? 163 * 1024 : 0);
+        cudasim_set_compute_capability(run == 5 ? 80 : 0);
         unsigned seed = 5;
         cpar_dev_attn a = {c.dt, c.b, c.hq, c.hkv, c.sq, c.sk, c.d, NULL, NULL, NULL, c.sq * c.d, c.sk * c.d,
-                           c.causal, 0.125f, c.p, {7, 0}, {}, {}, 0, 0, false, false}; /* with dropout */
+                           c.causal, 0.125f, c.p, {7, 0}, {}, {}, 0, 0, false, false}; /* dropout where c.p > 0 */
         const size_t nq = c.b * c.hq * c.sq * c.d, nk = c.b * c.hkv * c.sk * c.d, nl = c.b * c.hq * c.sq;
         void *q = dalloc(nq, c.dt), *k = dalloc(nk, c.dt), *v = dalloc(nk, c.dt), *out = dalloc(nq, c.out_dt),
              *dout = dalloc(nq, c.out_dt);
@@ -534,11 +539,22 @@ START_TEST(deterministic) {
                                                 g + nq + nk, c.sk * c.d, scratch, NULL),
                          CPAR_OK);
         ck_assert_int_eq(cudaDeviceSynchronize(), cudaSuccess); /* the host reads g next */
-        if (sched == 0) first.assign(g, g + nq + 2 * nk);
-        else ck_assert_msg(memcmp(first.data(), g, sizeof(float) * (nq + 2 * nk)) == 0, "results differ by schedule");
+        if (run == 0) first.assign(g, g + nq + 2 * nk);
+        else
+            ck_assert_msg(memcmp(first.data(), g, sizeof(float) * (nq + 2 * nk)) == 0,
+                          "%s: results differ in run %d (%s)", c.name, run,
+                          run < 4 ? "another schedule" : run == 4 ? "lean kernels" : "slim kernels");
         void *bufs[] = {q, k, v, out, dout, lse, g, scratch};
         for (void *p : bufs) cudaFree(p);
     }
+    cudasim_set_smem_optin(0);
+    cudasim_set_compute_capability(0);
+}
+
+START_TEST(deterministic) {
+    deterministic_case({"det d64 dropout", BF16, F32, 1, 2, 1, 70, 45, 64, true, 0, 0, -1, 0, 0, 0.3f});
+    deterministic_case({"det d128 dropout", F16, F32, 1, 2, 1, 150, 140, 128, false, 0, 0, -1, 0, 0, 0.3f});
+    deterministic_case({"det d128", BF16, F32, 1, 4, 2, 150, 140, 128, true, 0, 0, -1, 0, 0, 0});
 }
 END_TEST
 
