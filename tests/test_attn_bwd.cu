@@ -484,9 +484,15 @@ END_TEST
 START_TEST(atomic_dq) { run_all(ATOMIC, _i, 59); }
 END_TEST
 START_TEST(lean) {
+    cudasim_set_compute_capability(86); /* an 8.x GPU, where the slim kernels do not fit two CTAs either */
     cudasim_set_smem_optin(99 * 1024);
+    (void)cudasim_smem_high_water();
     run_all(LEAN, _i, 61);
+    const size_t high = cudasim_smem_high_water(); /* the lean kernels (87-96 KB), not the slim ones */
+    ck_assert_msg(high > 81 * 1024 && high <= 99 * 1024,
+                  "the largest launch took %zu bytes of shared memory, expected 81-99 KB (the lean kernels)", high);
     cudasim_set_smem_optin(0);
+    cudasim_set_compute_capability(0);
 }
 END_TEST
 START_TEST(slim) {
@@ -505,14 +511,14 @@ END_TEST
 /* Results do not depend on the schedule (no atomics, fixed summation
  * order), nor on the GPU's shared memory: the lean (99 KB a block) and slim
  * (164 KB an SM, compute capability 8.0) kernels give the default's bits.
- * Runs 0-3: the four schedules; 4: lean; 5: slim. */
+ * Runs 0-3: the four schedules; 4: lean (compute capability 8.6); 5: slim. */
 static void deterministic_case(const Case &c) {
     std::vector<float> first;
     for (int run = 0; run < 6; run++) {
         const int sched = run < 4 ? run : 0;
         cudasim_set_schedule(schedules[sched], 99);
         cudasim_set_smem_optin(run == 4 ? 99 * 1024 : run == 5 ? 163 * 1024 : 0);
-        cudasim_set_compute_capability(run == 5 ? 80 : 0);
+        cudasim_set_compute_capability(run == 4 ? 86 : run == 5 ? 80 : 0);
         unsigned seed = 5;
         cpar_dev_attn a = {c.dt, c.b, c.hq, c.hkv, c.sq, c.sk, c.d, NULL, NULL, NULL, c.sq * c.d, c.sk * c.d,
                            c.causal, 0.125f, c.p, {7, 0}, {}, {}, 0, 0, false, false}; /* dropout where c.p > 0 */
